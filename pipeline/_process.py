@@ -1,0 +1,376 @@
+"""Internal: hosts in spawned processes, and the control channel to them.
+
+A host process is started with ``python -m pipeline._host_main FD`` and a socket pair. The
+parent first hands it, over that socket, multiprocessing's preparation data (``sys.path``, the
+main module, so user stage classes resolve exactly as with multiprocessing's spawn) and the
+host plan, pickled — parent to its own child, never from a network peer. After that the socket
+carries only length-prefixed codec frames (control commands and replies; nothing unpickled).
+
+The parent watches the child through a pidfd (readable the moment the process exits, so
+SIGKILL and the OOM killer are noticed at once) and the socket; the child stops when the
+socket closes, so a dead parent leaves no orphan. Unlike multiprocessing's spawn, this starts
+no resource-tracker process, so a stopped pipeline leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing.spawn
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from typing import Any
+
+from pipeline._protocol import (
+    Ack,
+    BindLinks,
+    ConnectLinks,
+    HostFailure,
+    HostPlan,
+    HostStatistics,
+    LinksBound,
+    QueryStatistics,
+    StartStages,
+    StopHost,
+)
+from pipeline.errors import HostDiedError, PipelineError, StageFailedError
+from pipeline.host import FailureCallback, Host
+from transports.codec import Codec
+from transports.errors import DecodeError, PeerLostError
+
+__all__ = ["ProcessHost", "serve_host"]
+
+logger = logging.getLogger("actorline.process")
+
+_LENGTH = struct.Struct("!I")
+_MAX_CONTROL_FRAME = 64 << 20
+
+
+def _failure_message(call_id: int, host: str, error: BaseException) -> HostFailure:
+    if isinstance(error, StageFailedError):
+        return HostFailure(
+            call_id,
+            host,
+            error.stage,
+            error.remote_type,
+            error.remote_message,
+            error.remote_traceback,
+        )
+    return HostFailure(call_id, host, "", type(error).__qualname__, str(error))
+
+
+def _error_from_failure(failure: HostFailure) -> BaseException:
+    if failure.error_type == "PeerLostError" and not failure.stage:
+        return PeerLostError(f"host {failure.host!r}: {failure.message}")
+    return StageFailedError(
+        failure.stage or "(host)",
+        failure.host,
+        failure.error_type,
+        failure.message,
+        failure.traceback,
+    )
+
+
+class _ControlChannel:
+    """Length-prefixed codec frames over an asyncio stream pair."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.codec = Codec()
+
+    def send(self, message: object) -> None:
+        payload, buffers = self.codec.encode(message)
+        assert not buffers, "control messages carry no out-of-band buffers"
+        self.writer.write(_LENGTH.pack(len(payload)) + payload)
+
+    async def receive(self) -> object:
+        """The next control message. Raises EOFError when the peer is gone."""
+        while True:
+            try:
+                (length,) = _LENGTH.unpack(await self.reader.readexactly(_LENGTH.size))
+                if length > _MAX_CONTROL_FRAME:
+                    raise EOFError(f"control frame of {length} bytes is too large")
+                data = await self.reader.readexactly(length)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                raise EOFError("control channel closed") from exc
+            try:
+                return self.codec.decode(data)
+            except DecodeError as exc:
+                logger.warning("ignoring an undecodable control message: %s", exc)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+# -- the child side ------------------------------------------------------------------------------
+
+
+def serve_host(control_fd: int) -> None:
+    """Entry point of a host process (``python -m pipeline._host_main FD``)."""
+    # NOTE: Ctrl-C reaches the whole process group; the controller decides how to shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=control_fd)
+    sock.setblocking(True)
+    preparation, plan = _receive_bootstrap(sock)
+    multiprocessing.spawn.prepare(preparation)
+    plan = pickle.loads(plan)
+    assert isinstance(plan, HostPlan)
+    logging.basicConfig(
+        level=plan.log_level,
+        format=f"%(asctime)s %(levelname)s [{plan.name}:%(process)d] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    asyncio.run(_serve(plan, sock))
+
+
+def _receive_bootstrap(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    def exactly(count: int) -> bytes:
+        chunks = bytearray()
+        while len(chunks) < count:
+            chunk = sock.recv(count - len(chunks))
+            if not chunk:
+                raise SystemExit("actorline host: the parent went away during start-up")
+            chunks += chunk
+        return bytes(chunks)
+
+    (length,) = _LENGTH.unpack(exactly(_LENGTH.size))
+    # NOTE: the bootstrap comes from our own parent process over an inherited socket pair
+    # (like multiprocessing's spawn); nothing received later is unpickled.
+    preparation, plan_bytes = pickle.loads(exactly(length))
+    return preparation, plan_bytes
+
+
+async def _serve(plan: HostPlan, sock: socket.socket) -> None:
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    control = _ControlChannel(reader, writer)
+    built = False
+
+    def report(error: PipelineError) -> None:
+        with contextlib.suppress(Exception):
+            control.send(_failure_message(0, plan.name, error))
+
+    host = Host(plan, report)
+
+    async def run_command(command: Any) -> bool:
+        """Run one command; True once the host should exit."""
+        nonlocal built
+        call_id = command.call_id
+        try:
+            if isinstance(command, BindLinks):
+                if not built:
+                    built = True
+                    try:
+                        host.build()
+                    except Exception as exc:
+                        raise host._stage_error("(constructor)", exc) from exc
+                control.send(LinksBound(call_id, await host.bind_links()))
+            elif isinstance(command, ConnectLinks):
+                await host.connect_links(command.addresses)
+                control.send(Ack(call_id))
+            elif isinstance(command, StartStages):
+                await host.start_stages()
+                control.send(Ack(call_id))
+            elif isinstance(command, QueryStatistics):
+                control.send(Ack(call_id, host.statistics()))
+            elif isinstance(command, StopHost):
+                await host.stop()
+                control.send(Ack(call_id))
+                return True
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                control.send(_failure_message(call_id, plan.name, exc))
+        return False
+
+    tasks: set[asyncio.Task[bool]] = set()
+    try:
+        while True:
+            try:
+                command = await control.receive()
+            except EOFError:
+                break  # the controller is gone: stop
+            task = asyncio.create_task(run_command(command))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            if isinstance(command, StopHost):
+                await task
+                with contextlib.suppress(Exception):
+                    await writer.drain()
+                break
+    finally:
+        await host.stop()
+        control.close()
+
+
+# -- the controller side -------------------------------------------------------------------------
+
+
+class ProcessHost:
+    """The controller's handle on a host running in a spawned process."""
+
+    def __init__(self, plan: HostPlan, on_failure: FailureCallback) -> None:
+        self.plan = plan
+        self.name = plan.name
+        self._on_failure = on_failure
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count(1)
+        self._control: _ControlChannel | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._pidfd: int | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._gone = False
+        self._exited = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def spawn(self) -> None:
+        """Start the host process and hand it its plan."""
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            preparation = multiprocessing.spawn.get_preparation_data(f"actorline-{self.name}")
+            preparation.pop("authkey", None)  # the host uses no multiprocessing connections
+            bootstrap = pickle.dumps((preparation, pickle.dumps(self.plan)))
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "pipeline._host_main", str(child_end.fileno())],
+                pass_fds=(child_end.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            child_end.close()
+        parent_end.sendall(_LENGTH.pack(len(bootstrap)) + bootstrap)
+        loop = self._loop = asyncio.get_running_loop()
+        reader, writer = await asyncio.open_unix_connection(sock=parent_end)
+        self._control = _ControlChannel(reader, writer)
+        self._reader_task = loop.create_task(self._read_control(), name=f"control:{self.name}")
+        try:
+            self._pidfd = os.pidfd_open(self._process.pid)
+            loop.add_reader(self._pidfd, self._on_exit)
+        except (AttributeError, OSError):  # no pidfd: the control socket's EOF tells instead
+            self._pidfd = None
+
+    async def _read_control(self) -> None:
+        assert self._control is not None
+        while True:
+            try:
+                message = await self._control.receive()
+            except EOFError:
+                if self._pidfd is None:
+                    self._on_exit()
+                return
+            call_id = getattr(message, "call_id", 0)
+            future = self._calls.pop(call_id, None) if call_id else None
+            if future is not None:
+                if not future.done():
+                    future.set_result(message)
+            elif isinstance(message, HostFailure) and not self._stopping:
+                self._on_failure(_error_from_failure(message))
+
+    def _on_exit(self) -> None:
+        if self._gone:
+            return
+        assert self._loop is not None and self._process is not None
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+        self._gone = True
+        self._exited.set()
+        exitcode = self._process.wait()
+        error = HostDiedError(self.name, exitcode)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+        if not self._stopping:
+            self._on_failure(error)
+
+    async def _call(self, command_type: type, *args: Any, timeout: float | None = None) -> Any:
+        if self._gone or self._control is None or self._loop is None:
+            code = self._process.returncode if self._process else None
+            raise HostDiedError(self.name, code)
+        call_id = next(self._ids)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[call_id] = future
+        try:
+            self._control.send(command_type(call_id, *args))
+            reply = await asyncio.wait_for(future, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if isinstance(reply, HostFailure):
+            raise _error_from_failure(reply)
+        return reply
+
+    async def bind_links(self) -> dict[str, str]:
+        reply = await self._call(BindLinks)
+        assert isinstance(reply, LinksBound)
+        return reply.addresses
+
+    async def connect_links(self, addresses: dict[str, str]) -> None:
+        await self._call(ConnectLinks, addresses)
+
+    async def start_stages(self) -> None:
+        await self._call(StartStages)
+
+    async def statistics(self) -> HostStatistics:
+        reply = await self._call(QueryStatistics, timeout=10.0)
+        assert isinstance(reply, Ack) and reply.statistics is not None
+        return reply.statistics
+
+    async def _wait_exit(self, timeout: float) -> bool:
+        process = self._process
+        assert process is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while process.poll() is None:
+            if self._pidfd is not None:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return False
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._exited.wait()), remaining)
+                if self._gone:
+                    return True
+            else:  # NOTE: without a pidfd there is no exit event to wait on
+                if loop.time() >= deadline:
+                    return False
+                await asyncio.sleep(0.02)
+        return True
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Ask the host to stop, wait for the process to exit; terminate, then kill, if it
+        does not. Idempotent; never raises."""
+        self._stopping = True
+        process = self._process
+        if process is None:
+            return
+        if not self._gone:
+            with contextlib.suppress(Exception):
+                await self._call(StopHost, timeout=timeout)
+        if not await self._wait_exit(timeout):
+            logger.warning("host %s did not exit; terminating pid %s", self.name, process.pid)
+            process.terminate()
+            if not await self._wait_exit(1.0):
+                process.kill()
+        process.wait()
+        if self._pidfd is not None:
+            if not self._gone and self._loop is not None:
+                self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._gone = True
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader_task
+        if self._control is not None:
+            self._control.close()

@@ -1,0 +1,74 @@
+"""Errors raised by the runtime.
+
+When a pipeline fails (a stage raises, a host process dies, a link loses its peer), every
+pending call and every waiting receiver gets the same :class:`PipelineError` subclass, within
+a bounded time; nothing hangs.
+"""
+
+from __future__ import annotations
+
+from transports.errors import PeerLostError
+
+__all__ = [
+    "EngineDeadError",
+    "GraphError",
+    "HostDiedError",
+    "PeerLostError",
+    "PipelineClosedError",
+    "PipelineError",
+    "StageFailedError",
+    "UnhandledMessageError",
+]
+
+
+class PipelineError(Exception):
+    """Base class of runtime errors."""
+
+
+class GraphError(PipelineError, ValueError):
+    """The pipeline graph is invalid: an unknown stage or port, a duplicate name, ..."""
+
+
+class PipelineClosedError(PipelineError):
+    """The pipeline is stopping or stopped; it accepts no more messages."""
+
+
+class StageFailedError(PipelineError):
+    """A stage raised; the pipeline failed. In the same process the original exception is
+    ``__cause__``; from another process ``remote_type`` and ``remote_traceback`` describe it."""
+
+    def __init__(
+        self,
+        stage: str,
+        host: str,
+        error_type: str,
+        message: str,
+        remote_traceback: str = "",
+    ) -> None:
+        super().__init__(f"stage {stage!r} on host {host!r} raised {error_type}: {message}")
+        self.stage = stage
+        self.host = host
+        self.remote_type = error_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+
+
+class HostDiedError(PipelineError):
+    """A host process exited (killed, crashed) while the pipeline was running."""
+
+    def __init__(self, host: str, exitcode: int | None, detail: str = "") -> None:
+        how = f"exit code {exitcode}" if exitcode is not None else "unknown exit"
+        if exitcode is not None and exitcode < 0:
+            how = f"killed by signal {-exitcode}"
+        text = f"host {host!r} died ({how})"
+        super().__init__(f"{text}: {detail}" if detail else text)
+        self.host = host
+        self.exitcode = exitcode
+
+
+class EngineDeadError(HostDiedError):
+    """The LLM engine host died; raised to every pending request of the LLM API."""
+
+
+class UnhandledMessageError(PipelineError, TypeError):
+    """A stage received a message type it has no handler for."""

@@ -1,0 +1,311 @@
+"""Running a pipeline: hosts, link wiring, supervision, graceful and forced shutdown.
+
+:meth:`Pipeline.start` returns a :class:`RunningPipeline`. Start-up spawns one process per
+non-main host, then (1) every host binds its inbound cross-host links, (2) every host connects
+its outbound links to those addresses, (3) every stage's ``start`` runs, then messages flow.
+
+Supervision: a stage that raises, a host process that dies (seen on its process sentinel at
+once, so SIGKILL and the OOM killer are noticed) or a link whose peer is lost fails the
+pipeline: the failure is recorded, every exit channel and pending call raises it, and the
+hosts are torn down. Nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pipeline import settings
+from pipeline._process import ProcessHost
+from pipeline._protocol import HostPlan, HostStatistics, RemoteLink
+from pipeline.errors import PipelineClosedError, PipelineError
+from pipeline.graph import BOUNDARY, MAIN_HOST, Endpoint, Pipeline
+from pipeline.host import Host
+from pipeline.stage import Stage
+from transports.base import LinkOptions
+from transports.compression import Compression
+from transports.memory import MemoryChannel
+
+__all__ = ["RunningPipeline", "StartOptions"]
+
+logger = logging.getLogger("actorline.runtime")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StartOptions:
+    """How to run a pipeline.
+
+    ``transport``: the default transport of links that cross hosts (a name in the
+    ``actorline.transports`` group). ``compression``: ``"zstd"`` (or a Compression) for byte
+    transports. ``capacity``: per-link buffer. ``exit_capacity``: buffer of each exit.
+    ``transport_settings``: keyword arguments per transport name (e.g. bind addresses).
+    """
+
+    transport: str = "zmq"
+    compression: Compression | str | None = None
+    capacity: int = 1024
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    exit_capacity: int = 65536
+    start_timeout: float | None = 600.0
+    stop_timeout: float = 10.0
+    log_level: str | None = None
+    transport_settings: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def link_options(self) -> LinkOptions:
+        return LinkOptions(
+            compression=Compression.parse(self.compression),
+            capacity=self.capacity,
+            heartbeat_interval=self.heartbeat_interval,
+            heartbeat_timeout=self.heartbeat_timeout,
+        )
+
+
+def plan_hosts(pipeline: Pipeline, options: StartOptions) -> dict[str, HostPlan]:
+    """Split the graph into one plan per host; links across hosts get ids and transports."""
+    pipeline.validate()
+    host_of = {name: spec.host for name, spec in pipeline.stages.items()}
+    host_of[BOUNDARY] = MAIN_HOST
+    link_options = options.link_options()
+    local: dict[str, list[tuple[Endpoint, Endpoint]]] = {h: [] for h in pipeline.hosts}
+    inbound: dict[str, list[RemoteLink]] = {h: [] for h in pipeline.hosts}
+    outbound: dict[str, list[RemoteLink]] = {h: [] for h in pipeline.hosts}
+    ids = itertools.count(1)
+    for link in pipeline.links:
+        source_host, target_host = host_of[link.source.stage], host_of[link.target.stage]
+        if source_host == target_host:
+            local[source_host].append((link.source, link.target))
+            continue
+        link_id = f"L{next(ids)}"
+        transport = link.transport or options.transport
+        outbound[source_host].append(RemoteLink(link_id, link.source, transport))
+        inbound[target_host].append(RemoteLink(link_id, link.target, transport))
+    settings_items = tuple(
+        (name, dict(value)) for name, value in options.transport_settings.items()
+    )
+    return {
+        host: HostPlan(
+            name=host,
+            stages=tuple(spec for spec in pipeline.stages.values() if spec.host == host),
+            local_links=tuple(local[host]),
+            inbound=tuple(inbound[host]),
+            outbound=tuple(outbound[host]),
+            link_options=link_options,
+            log_level=options.log_level or settings.log_level(),
+            transport_settings=settings_items,
+        )
+        for host in pipeline.hosts
+    }
+
+
+class RunningPipeline:
+    """A started pipeline. Use as an async context manager, or call :meth:`stop`."""
+
+    def __init__(self, pipeline: Pipeline, options: StartOptions) -> None:
+        self.pipeline = pipeline
+        self.options = options
+        self.failure: BaseException | None = None
+        self._main: Host | None = None
+        self._processes: dict[str, ProcessHost] = {}
+        self._exits: dict[str, MemoryChannel[Any]] = {}
+        self._failure_callbacks: list[Callable[[BaseException], None]] = []
+        self._closing = False
+        self._teardown_task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+
+    # -- start ----------------------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, pipeline: Pipeline, options: StartOptions) -> RunningPipeline:
+        """Start ``pipeline``; see :meth:`Pipeline.start`."""
+        running = cls(pipeline, options)
+        try:
+            await asyncio.wait_for(running._start(), options.start_timeout)
+        except BaseException as exc:
+            await running._teardown()
+            if running.failure is not None and running.failure is not exc:
+                raise running.failure from exc
+            raise
+        return running
+
+    async def _start(self) -> None:
+        plans = plan_hosts(self.pipeline, self.options)
+        self._exits = {
+            name: MemoryChannel(self.options.exit_capacity, name=f"exit:{name}")
+            for name in self.pipeline.exits
+        }
+        self._main = Host(plans[MAIN_HOST], self._fail, exits=self._exits)
+        for name, plan in plans.items():
+            if name != MAIN_HOST:
+                self._processes[name] = ProcessHost(plan, self._fail)
+        await asyncio.gather(*(process.spawn() for process in self._processes.values()))
+        self._main.build()
+        hosts: list[Host | ProcessHost] = [self._main, *self._processes.values()]
+        addresses: dict[str, str] = {}
+        for bound in await asyncio.gather(*(host.bind_links() for host in hosts)):
+            addresses.update(bound)
+        await asyncio.gather(*(host.connect_links(addresses) for host in hosts))
+        await asyncio.gather(*(host.start_stages() for host in hosts))
+        self._raise_if_failed()
+
+    # -- messages -------------------------------------------------------------------------------
+
+    async def send(self, entry: str, message: object) -> None:
+        """Send ``message`` into entry ``entry`` (waits while the first link is full).
+
+        Raises:
+            PipelineClosedError: the pipeline is stopping or stopped.
+            PipelineError: the pipeline failed (the failure itself).
+            KeyError: no such entry.
+        """
+        self._raise_if_failed()
+        if self._closing or self._main is None:
+            raise PipelineClosedError(f"pipeline {self.pipeline.name!r} is closed")
+        if entry not in self.pipeline.entries:
+            raise KeyError(f"no entry {entry!r}; entries: {self.pipeline.entries}")
+        await self._main.send_entry(entry, message)
+
+    async def receive(self, exit: str) -> Any:
+        """The next message that reached exit ``exit``.
+
+        Raises:
+            PipelineError: the pipeline failed. PipelineClosedError: stopped and drained.
+        """
+        channel = self.exit_channel(exit)
+        try:
+            return await channel.receive()
+        except PipelineError:
+            raise
+        except Exception as exc:
+            if self.failure is not None:
+                raise self.failure from exc
+            raise PipelineClosedError(f"pipeline {self.pipeline.name!r} is closed") from exc
+
+    def exit_channel(self, exit: str) -> MemoryChannel[Any]:
+        """The channel behind exit ``exit`` (for dispatchers that read it directly)."""
+        try:
+            return self._exits[exit]
+        except KeyError:
+            raise KeyError(f"no exit {exit!r}; exits: {list(self._exits)}") from None
+
+    def stage(self, name: str) -> Stage:
+        """The stage object ``name`` if it runs in this process (the main host)."""
+        assert self._main is not None
+        return self._main.stage(name)
+
+    # -- supervision ----------------------------------------------------------------------------
+
+    def add_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` once if the pipeline fails (immediately if it has)."""
+        if self.failure is not None:
+            callback(self.failure)
+        else:
+            self._failure_callbacks.append(callback)
+
+    @property
+    def pids(self) -> dict[str, int | None]:
+        """Process ids of the spawned hosts."""
+        return {name: host.pid for name, host in self._processes.items()}
+
+    def _fail(self, error: BaseException) -> None:
+        if self.failure is not None or self._closing:
+            return
+        self.failure = error
+        logger.error("pipeline %r failed: %s", self.pipeline.name, error)
+        for channel in self._exits.values():
+            channel.fail(error)
+        for callback in self._failure_callbacks:
+            try:
+                callback(error)
+            except Exception:
+                logger.exception("failure callback raised")
+        self._failure_callbacks.clear()
+        with contextlib.suppress(RuntimeError):
+            self._teardown_task = asyncio.get_running_loop().create_task(self._teardown())
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    # -- statistics and shutdown ----------------------------------------------------------------
+
+    async def statistics(self) -> list[HostStatistics]:
+        """A statistics snapshot of every host (stages, mailboxes, cross-host links)."""
+        assert self._main is not None
+        remote = await asyncio.gather(*(p.statistics() for p in self._processes.values()))
+        return [self._main.statistics(), *remote]
+
+    async def wait_idle(self, timeout: float | None = None, *, poll: float = 0.02) -> bool:
+        """Wait until nothing is in flight: every mailbox empty, no stage busy or holding work,
+        every cross-host link delivered everything it was sent. True if reached in time."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        calm = 0
+        while self.failure is None:
+            calm = calm + 1 if _quiescent(await self.statistics()) else 0
+            if calm >= 2:
+                return True
+            if deadline is not None and loop.time() >= deadline:
+                return False
+            await asyncio.sleep(poll)
+        return False
+
+    async def stop(self, *, graceful: bool = True, timeout: float | None = None) -> None:
+        """Stop the pipeline. Graceful: first wait (up to ``timeout``, default the start
+        options' ``stop_timeout``) until in-flight work is done. Then stop every stage, close
+        every link, end every host process. Idempotent; safe after a failure."""
+        timeout = self.options.stop_timeout if timeout is None else timeout
+        if graceful and self.failure is None and not self._closing and self._main is not None:
+            try:
+                drained = await self.wait_idle(timeout)
+            except Exception:  # a host died while we asked it
+                drained = False
+            if not drained and self.failure is None:
+                logger.warning("pipeline %r did not drain in %.1fs; stopping anyway",
+                               self.pipeline.name, timeout)  # fmt: skip
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        if self._closing:
+            if (
+                self._teardown_task is not None
+                and asyncio.current_task() is not self._teardown_task
+            ):
+                await asyncio.shield(self._teardown_task)
+            await self._stopped.wait()
+            return
+        self._closing = True
+        try:
+            timeout = self.options.stop_timeout
+            if self._main is not None:
+                await self._main.stop(timeout)
+            await asyncio.gather(*(p.stop(timeout) for p in self._processes.values()))
+            for channel in self._exits.values():
+                channel.close_sending()
+        finally:
+            self._stopped.set()
+
+    async def __aenter__(self) -> RunningPipeline:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop(graceful=exc_info[0] is None)
+
+
+def _quiescent(snapshots: list[HostStatistics]) -> bool:
+    sent: dict[str, int] = {}
+    received: dict[str, int] = {}
+    for host in snapshots:
+        for stage in host.stages:
+            if stage.mailbox.queued or stage.busy or not stage.idle:
+                return False
+        for link_id, stats in host.links_out.items():
+            sent[link_id] = stats.messages_sent
+        for link_id, stats in host.links_in.items():
+            received[link_id] = stats.messages_received
+    return all(received.get(link_id, 0) >= count for link_id, count in sent.items())

@@ -1,0 +1,68 @@
+"""Shared fixtures: the real default model and a tiny random Llama that shares its tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (runs on CUDA machines)")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, converted from the installed GGUF (cached)."""
+    from stages.models import resolve_model
+
+    return resolve_model("smollm2-135m").path
+
+
+TINY_LLAMA = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    initializer_range=0.1,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny randomly initialised Llama (seeded), saved as an HF directory with the
+    SmolLM2 tokenizer, so every stage can load it like a real model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    model.save_pretrained(out)
+    for name in default_model_dir.iterdir():
+        if name.name.startswith("tokenizer") or name.name in (
+            "special_tokens_map.json",
+            "chat_template.jinja",
+        ):
+            shutil.copy(name, out / name.name)
+    return out

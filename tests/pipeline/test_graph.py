@@ -1,0 +1,121 @@
+"""The pipeline graph: building, editing, placement and validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import GraphError, Pipeline, Stage, handles
+from pipeline.demo import Check, Split, Step, collatz_pipeline
+from pipeline.graph import BOUNDARY, Endpoint
+
+
+class Passthrough(Stage):
+    @handles(object)
+    async def forward(self, message: object) -> None:
+        await self.emit("out", message)
+
+
+class TwoInputs(Stage):
+    inputs = ("left", "right")
+    outputs = ("out",)
+
+
+def link_pairs(pipeline: Pipeline) -> set[tuple[str, str]]:
+    return {(str(link.source), str(link.target)) for link in pipeline.links}
+
+
+def test_build_with_default_ports_and_feedback_edge() -> None:
+    pipeline = collatz_pipeline()
+    assert link_pairs(pipeline) == {
+        ("split.out", "step.in"),
+        ("step.out", "check.in"),
+        ("check.again", "step.in"),
+        (f"{BOUNDARY}.jobs", "split.in"),
+        ("check.out", f"{BOUNDARY}.results"),
+    }
+    assert pipeline.entries == ["jobs"] and pipeline.exits == ["results"]
+    pipeline.validate()
+    assert "check.again -> step.in" in pipeline.describe()
+
+
+def test_ambiguous_port_must_be_named() -> None:
+    pipeline = Pipeline().add("check", Check).add("step", Step)
+    with pytest.raises(GraphError, match=r"check.*2 output ports.*'check.<port>'"):
+        pipeline.connect("check", "step")
+    with pytest.raises(GraphError, match="no output port 'nope'"):
+        pipeline.connect("check.nope", "step")
+    with pytest.raises(GraphError, match=r"no stage named 'missing'.*stages: check, step"):
+        pipeline.connect("missing", "step")
+
+
+def test_duplicate_names_and_links_are_refused() -> None:
+    pipeline = Pipeline().add("a", Passthrough).add("b", Passthrough)
+    with pytest.raises(GraphError, match="already exists"):
+        pipeline.add("a", Passthrough)
+    pipeline.connect("a", "b")
+    with pytest.raises(GraphError, match="already exists"):
+        pipeline.connect("a", "b")
+    with pytest.raises(GraphError, match="invalid stage name"):
+        pipeline.add("a.b", Passthrough)
+    with pytest.raises(GraphError, match="not a Stage subclass"):
+        pipeline.add("c", int)  # type: ignore[arg-type]
+
+
+def test_insert_after_rewires_every_outgoing_link() -> None:
+    pipeline = collatz_pipeline().place("step", "worker")
+    pipeline.insert("tap", Passthrough, after="step")
+    pairs = link_pairs(pipeline)
+    assert ("step.out", "tap.in") in pairs and ("tap.out", "check.in") in pairs
+    assert ("step.out", "check.in") not in pairs
+    assert pipeline["tap"].host == "worker"  # placed with its neighbour
+
+
+def test_insert_before_and_remove_bypasses() -> None:
+    pipeline = collatz_pipeline()
+    pipeline.insert("tap", Passthrough, before="check")
+    pairs = link_pairs(pipeline)
+    assert ("step.out", "tap.in") in pairs and ("tap.out", "check.in") in pairs
+    pipeline.remove("tap")
+    assert link_pairs(pipeline) == link_pairs(collatz_pipeline())
+
+
+def test_insert_needs_one_in_one_out() -> None:
+    with pytest.raises(GraphError, match="one input and one output"):
+        collatz_pipeline().insert("x", TwoInputs, after="step")
+    with pytest.raises(GraphError, match="exactly one of"):
+        collatz_pipeline().insert("x", Passthrough)
+
+
+def test_replace_keeps_links_and_checks_ports() -> None:
+    pipeline = collatz_pipeline().place("check", "worker")
+    pipeline.replace("step", Passthrough)
+    assert pipeline["step"].factory is Passthrough
+    assert link_pairs(pipeline) == link_pairs(collatz_pipeline())
+    with pytest.raises(GraphError, match="has no output port 'again'"):
+        pipeline.replace("check", Passthrough)
+    assert pipeline["check"].host == "worker"
+
+
+def test_place_and_hosts() -> None:
+    pipeline = collatz_pipeline().place("step", "engine").place("check", "engine")
+    assert pipeline.hosts == ["main", "engine"]
+    assert pipeline["split"].host == "main"
+
+
+def test_copy_is_independent() -> None:
+    original = collatz_pipeline()
+    twin = original.copy().insert("tap", Passthrough, after="split")
+    assert "tap" in twin and "tap" not in original
+    assert link_pairs(original) == link_pairs(collatz_pipeline())
+
+
+def test_disconnect_and_validate_entry() -> None:
+    pipeline = Pipeline().add("split", Split).add("step", Step)
+    pipeline.connect("split", "step").disconnect("split", "step")
+    assert pipeline.links == []
+    with pytest.raises(GraphError, match="no link"):
+        pipeline.disconnect("split", "step")
+    pipeline.entry("jobs")
+    with pytest.raises(GraphError, match="entry 'jobs' is linked to no stage"):
+        pipeline.validate()
+    assert Endpoint("a", "b") < Endpoint("b", "a")

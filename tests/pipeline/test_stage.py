@@ -1,0 +1,86 @@
+"""Stage dispatch: by message type, by port, through base classes; unknown types fail."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from pipeline import Stage, UnhandledMessageError, handles
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    value: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived(Base):
+    pass
+
+
+class Recorder(Stage):
+    inputs = ("in", "control")
+
+    def __init__(self, config: object = None) -> None:
+        super().__init__(config)
+        self.seen: list[tuple[str, object]] = []
+
+    @handles(Base)
+    async def on_base(self, message: Base) -> None:
+        self.seen.append(("base", message))
+
+    @handles(int, str)
+    async def on_scalar(self, message: object) -> None:
+        self.seen.append(("scalar", message))
+
+    @handles(int, port="control")
+    async def on_control(self, message: int) -> None:
+        self.seen.append(("control", message))
+
+
+def test_dispatch_by_type_port_and_base_class() -> None:
+    stage = Recorder()
+
+    async def run() -> None:
+        await stage.handle(Base(1), "in")
+        await stage.handle(Derived(2), "in")
+        await stage.handle(3, "in")
+        await stage.handle("x", "in")
+        await stage.handle(4, "control")
+        with pytest.raises(UnhandledMessageError, match="no handler for float on port 'in'"):
+            await stage.handle(1.5, "in")
+
+    asyncio.run(run())
+    assert stage.seen == [
+        ("base", Base(1)),
+        ("base", Derived(2)),
+        ("scalar", 3),
+        ("scalar", "x"),
+        ("control", 4),
+    ]
+
+
+def test_ports_must_be_distinct_tuples() -> None:
+    with pytest.raises(TypeError, match="distinct names"):
+
+        class Bad(Stage):
+            inputs = ("in", "in")
+
+
+def test_emit_outside_a_pipeline_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="not running in a pipeline"):
+        asyncio.run(Recorder().emit("out", 1))
+
+
+def test_run_in_thread_uses_one_worker_thread() -> None:
+    import threading
+
+    stage = Recorder()
+
+    async def run() -> set[int]:
+        return {await stage.run_in_thread(threading.get_ident) for _ in range(5)}
+
+    assert len(asyncio.run(run())) == 1
+    stage._shutdown_executor()
