@@ -1,0 +1,278 @@
+"""Every message the LLM stages exchange, registered with the codec (tags 100-199).
+
+Flow of the default pipeline::
+
+    api ─GenerateRequest─▶ tokenize ─EngineRequest─▶ admit ─EngineRequest─▶ schedule
+                              │                        │ RequestRejected        ▲  │
+                              │ EngineRequest (track)  ▼                        │  │ SchedulerStep
+                              └──────────────────▶ detokenize ◀─EngineOutputs───┘  ▼
+                                                       │ TextOutputs         execute
+                                                       ▼                 (StepResult, EngineInfo)
+    api ◀─RequestOutputs──────────────────────── stop_check ─AbortRequests─▶ schedule
+
+Hot messages (one per engine step, covering every running request) are columnar: parallel
+tuples instead of one object per request, which keeps encoding cheap at hundreds of requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stages.params import SamplingParams
+from transports.codec import message
+
+__all__ = [
+    "AbortRequests",
+    "ChatMessage",
+    "EngineInfo",
+    "EngineOutputs",
+    "EngineRequest",
+    "EngineStats",
+    "GenerateRequest",
+    "Logprobs",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputs",
+    "RequestRejected",
+    "ScheduledChunk",
+    "SchedulerStep",
+    "StepResult",
+    "TextOutputs",
+]
+
+
+@message(101)
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@message(102)
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """A request as the API receives it: exactly one of ``prompt``, ``messages`` or
+    ``prompt_token_ids`` is set. ``chat_template``: apply the model's chat template to
+    ``messages`` (always) or to a plain ``prompt`` (when True)."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    chat_template: bool = False
+    tenant: str = ""
+    arrival_time: float = 0.0
+
+
+@message(103)
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A tokenized request, from tokenize to admit and schedule (and to detokenize, which
+    registers the request's text state)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    tenant: str = ""
+    arrival_time: float = 0.0
+    prompt: str | None = None
+
+
+@message(104)
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestRejected:
+    """A request refused before running (or failed). ``kind`` is a
+    :data:`stages.errors.ERROR_KINDS` key; ``field`` names the offending input."""
+
+    request_id: str
+    kind: str
+    message: str
+    field: str | None = None
+
+
+@message(105)
+@dataclasses.dataclass(frozen=True, slots=True)
+class AbortRequests:
+    """Stop these requests and free their KV blocks at once (from the API or stop-check)."""
+
+    request_ids: tuple[str, ...]
+
+
+@message(106)
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the execute stage reports once its model and KV cache are ready."""
+
+    model: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    kv_cache_bytes: int
+    enable_prefix_caching: bool
+
+
+@message(107)
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Compute tokens ``[start, start + num_tokens)`` of a request this step. When the chunk
+    reaches the end of the request's known tokens, execute samples the next token."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+
+
+@message(108)
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerStep:
+    """One batch for execute. Execute first frees the blocks of ``finished`` (done or aborted:
+    request state dropped) and ``preempted`` (state kept, recomputed later), then registers
+    ``new_requests``, then runs ``chunks``. An empty ``chunks`` is a free-only step."""
+
+    step_id: int
+    new_requests: tuple[EngineRequest, ...] = ()
+    chunks: tuple[ScheduledChunk, ...] = ()
+    finished: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+
+@message(109)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Logprobs:
+    """Log-probabilities for one sampled token: the token's own, then the top alternatives
+    (``top_token_ids[i]`` has ``top_logprobs[i]``; highest first)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@message(110)
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """Execute's answer to a :class:`SchedulerStep`.
+
+    ``request_ids[i]`` sampled ``token_ids[i]``. ``logprobs`` lists entries only for requests
+    that asked (matched by ``logprob_request_ids``). ``cached_tokens`` maps requests that
+    started this step to the number of prompt tokens served from the prefix cache.
+    ``preempted``: requests execute had to drop for lack of blocks (not computed this step).
+    Prefix-cache counters are cumulative, in tokens.
+    """
+
+    step_id: int
+    request_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    free_blocks: int
+    total_blocks: int
+    logprob_request_ids: tuple[str, ...] = ()
+    logprobs: tuple[Logprobs, ...] = ()
+    cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    preempted: tuple[str, ...] = ()
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_computed_tokens: int = 0
+    forward_seconds: float = 0.0
+
+
+@message(111)
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Scheduler and KV gauges after a step (cumulative counters are totals since start)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+
+@message(112)
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineOutputs:
+    """New tokens of one engine step, columnar: ``request_ids[i]`` got ``new_token_ids[i]``
+    and, when it finished this step, ``finish_reasons[i]`` ("stop", "length", "abort")
+    with ``stop_reasons[i]`` (the stop token id, if a stop token ended it)."""
+
+    request_ids: tuple[str, ...]
+    new_token_ids: tuple[tuple[int, ...], ...]
+    finish_reasons: tuple[str | None, ...]
+    stop_reasons: tuple[int | None, ...]
+    logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
+    num_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    stats: EngineStats | None = None
+
+
+@message(113)
+@dataclasses.dataclass(frozen=True, slots=True)
+class TextOutputs:
+    """Detokenized step outputs for stop-check: per request the new text (complete UTF-8
+    characters only), same columns as :class:`EngineOutputs` plus ``texts``."""
+
+    request_ids: tuple[str, ...]
+    new_token_ids: tuple[tuple[int, ...], ...]
+    texts: tuple[str, ...]
+    finish_reasons: tuple[str | None, ...]
+    stop_reasons: tuple[int | None, ...]
+    logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
+    num_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    stats: EngineStats | None = None
+
+
+@message(116)
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Timing of one request as its caller saw it (seconds). ``arrival_time`` is wall-clock
+    time; ``time_to_first_token`` is None until the first token, ``total_time`` until the end."""
+
+    arrival_time: float
+    time_to_first_token: float | None = None
+    total_time: float | None = None
+
+
+@message(114)
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What a caller sees for one request after a step.
+
+    ``text`` is cumulative, ``delta`` the new text since the previous output, ``token_ids``
+    all generated tokens so far. ``finish_reason`` is None while running, then "stop",
+    "length", "abort" or "error". ``stop_reason``: the stop string or token id that ended it.
+    ``metrics``: timing, filled in by the API.
+    """
+
+    request_id: str
+    text: str
+    delta: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: tuple[Logprobs, ...] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@message(115)
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestOutputs:
+    """A batch of :class:`RequestOutput` from stop-check to the API (one per step)."""
+
+    outputs: tuple[RequestOutput, ...]
+    rejected: tuple[RequestRejected, ...] = ()
+    stats: EngineStats | None = None

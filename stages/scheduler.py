@@ -1,0 +1,590 @@
+"""Continuous-batching scheduler bookkeeping (pure logic: no asyncio, zmq, grpc or torch).
+
+Follows vLLM v1 (``vllm/v1/core/sched/scheduler.py``, ``vllm/v1/core/sched/utils.py``) and
+nano-vllm (``nanovllm/engine/scheduler.py``): every step packs the decode tokens of running
+requests and chunks of prompts (chunked prefill) under a token budget and a sequence limit;
+when KV blocks run out a running request is preempted by recompute. The schedule stage wraps
+a :class:`Scheduler` and talks to execute; this module only plans and keeps accounts.
+
+The execute stage owns the real block allocator. The scheduler keeps a *mirror*: each request
+holds ``ceil(num_computed_tokens / block_size)`` blocks, and free blocks are what execute last
+reported plus whatever this plan frees. Execute stays authoritative: if it still runs short
+(e.g. shared prefix blocks freed later than the mirror assumed) it preempts on its own and
+says so in :class:`~stages.messages.StepResult`, which the scheduler treats like its own
+preemption.
+
+Token-level stops are decided in :meth:`Scheduler.update` as soon as a token arrives, so no
+step is wasted: EOS and stop token ids ("stop", never before ``min_tokens``), ``max_tokens``
+and the model length ("length"). The model length is capped by the KV cache (blocks x block
+size): a longer request could never hold its blocks even alone. Aborted requests produce no
+output (the caller that aborted them already knows); their state is freed in the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Callable, Iterable
+
+from stages.errors import InvalidRequestError
+from stages.messages import (
+    EngineInfo,
+    EngineOutputs,
+    EngineRequest,
+    EngineStats,
+    Logprobs,
+    ScheduledChunk,
+    SchedulerStep,
+    StepResult,
+)
+from stages.policies import SchedulingPolicy, StepObservation
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerError"]
+
+_FINISH_STOP = "stop"
+_FINISH_LENGTH = "length"
+
+
+class SchedulerError(RuntimeError):
+    """A message broke the schedule ⇄ execute contract, or a policy returned a bad answer."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one step.
+
+    ``max_num_seqs``: requests running at once. ``max_num_batched_tokens``: tokens computed
+    in one step (decode tokens + prefill chunks). ``long_prefill_chunk``: the most prompt
+    tokens of one request in one step (None: up to the whole budget), which lets several
+    prompts share a step and keeps decode latency steady.
+
+    Raises:
+        ValueError: a limit is not a positive integer.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, field)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+        chunk = self.long_prefill_chunk
+        if chunk is not None and (type(chunk) is not int or chunk < 1):
+            raise ValueError(f"long_prefill_chunk must be None or an integer >= 1, got {chunk!r}")
+
+
+class _Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _RequestState:
+    """The scheduler's record of one request; implements :class:`RequestView`."""
+
+    request: EngineRequest
+    arrival_time: float
+    arrival_index: int
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_blocks: int = 0  # blocks held in the mirror
+    num_preemptions: int = 0
+    status: _Status = _Status.WAITING
+    sent_to_execute: bool = False
+    num_cached_tokens: int = 0
+    cached_tokens_reported: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
+
+    @property
+    def priority(self) -> int:
+        return self.request.params.priority
+
+    @property
+    def max_tokens(self) -> int:
+        return self.request.params.max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    """The step sent to execute and not yet answered."""
+
+    step: SchedulerStep
+    started: float
+    states: dict[str, _RequestState]  # every request with a chunk in the step
+    sampling: set[str]  # requests whose chunk reaches the end of their known tokens
+    decoding: set[str]  # requests whose chunk is a single decode token
+
+
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    """Accumulates one step while :meth:`Scheduler.schedule` builds it."""
+
+    budget: int
+    free_blocks: int
+    chunks: dict[str, ScheduledChunk] = dataclasses.field(default_factory=dict)
+    preempted: list[str] = dataclasses.field(default_factory=list)
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    """Plans engine steps and applies their results; see the module docstring.
+
+    Use: :meth:`set_engine_info` once execute is ready, :meth:`add_request` /
+    :meth:`abort` as messages arrive, then alternate :meth:`schedule` (send the step to
+    execute) and :meth:`update` (with execute's :class:`StepResult`). Exactly one step is in
+    flight at a time. ``clock`` (seconds, monotonic) stamps arrivals and times steps.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        policy: SchedulingPolicy,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self._clock = clock
+        self._info: EngineInfo | None = None
+        self._total_blocks = 0
+        self._free_blocks = 0  # as execute last reported
+        # Insertion-ordered: running in the order they were admitted.
+        self._waiting: dict[str, _RequestState] = {}
+        self._running: dict[str, _RequestState] = {}
+        # Done or aborted requests whose state execute still holds: sent in the next step's
+        # `finished` (their mirror blocks become free in that plan).
+        self._pending_finish: list[_RequestState] = []
+        # Requests that ended without ever reaching execute (prompt does not fit): reported
+        # in the next update().
+        self._unrunnable: list[_RequestState] = []
+        self._in_flight: _InFlight | None = None
+        self._next_step_id = 0
+        self._arrivals = 0
+        self._num_preemptions = 0
+        self._num_steps = 0
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
+        self._last_step_seconds = 0.0
+        self._last_forward_seconds = 0.0
+
+    # ------------------------------------------------------------------ inputs
+
+    def set_engine_info(self, info: EngineInfo) -> None:
+        """Record execute's capacity (KV blocks, block size, model length, EOS ids).
+
+        Raises:
+            ValueError: ``num_blocks``, ``block_size`` or ``max_model_len`` is not >= 1.
+        """
+        for field in ("num_blocks", "block_size", "max_model_len"):
+            if getattr(info, field) < 1:
+                raise ValueError(f"EngineInfo.{field} must be >= 1, got {getattr(info, field)}")
+        first = self._info is None
+        self._info = info
+        if first:
+            self._total_blocks = info.num_blocks
+            self._free_blocks = info.num_blocks
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a tokenized request.
+
+        Raises:
+            InvalidRequestError: a live request already has this id, or the prompt is empty.
+        """
+        request_id = request.request_id
+        if request_id in self._waiting or request_id in self._running:
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already scheduled",
+                field="request_id",
+                request_id=request_id,
+            )
+        if not request.prompt_token_ids:
+            raise InvalidRequestError(
+                "prompt_token_ids must not be empty", field="prompt", request_id=request_id
+            )
+        state = _RequestState(request, arrival_time=self._clock(), arrival_index=self._arrivals)
+        self._arrivals += 1
+        self._waiting[request_id] = state
+        self.policy.on_arrival(state)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is waiting or running."""
+        return request_id in self._waiting or request_id in self._running
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop these requests. Execute frees their state in the next step (a free-only step
+        if nothing else runs). Unknown or already finished ids are ignored; tokens a request
+        sampled in the step in flight are dropped."""
+        for request_id in request_ids:
+            state = self._waiting.pop(request_id, None)
+            if state is None:
+                state = self._running.pop(request_id, None)
+            if state is not None:
+                self._finish(state)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def in_flight(self) -> bool:
+        """A step was scheduled and its result has not arrived yet."""
+        return self._in_flight is not None
+
+    def has_work(self) -> bool:
+        """Whether there is something to send to execute (once no step is in flight)."""
+        if self._info is None:
+            return False
+        return bool(self._waiting or self._running or self._pending_finish or self._unrunnable)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def stats(self) -> EngineStats:
+        """Gauges and counters now; ``step_seconds`` and ``forward_seconds`` are the last
+        step's (schedule → update wall time, and execute's forward time)."""
+        return EngineStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_blocks_total=self._total_blocks,
+            kv_blocks_free=self._free_blocks,
+            prefix_cache_queries=self._prefix_cache_queries,
+            prefix_cache_hits=self._prefix_cache_hits,
+            num_preemptions=self._num_preemptions,
+            num_steps=self._num_steps,
+            step_seconds=self._last_step_seconds,
+            forward_seconds=self._last_forward_seconds,
+        )
+
+    # ------------------------------------------------------------------ planning
+
+    def _token_limit(self) -> int:
+        """The most tokens (prompt + output) a request may reach."""
+        assert self._info is not None
+        return min(self._info.max_model_len, self._total_blocks * self._info.block_size)
+
+    def _finish(self, state: _RequestState) -> None:
+        """Retire ``state`` (done or aborted) and queue the free of its execute state."""
+        state.status = _Status.DONE
+        if state.sent_to_execute:
+            self._pending_finish.append(state)
+        self.policy.on_finish(state)
+
+    def _preempt(self, state: _RequestState, plan: _Plan) -> None:
+        """Preempt a running request by recompute within ``plan``."""
+        del self._running[state.request_id]
+        chunk = plan.chunks.pop(state.request_id, None)
+        if chunk is not None:
+            plan.budget += chunk.num_tokens
+        # NOTE: num_blocks already counts the blocks planned for its chunk in this step, so
+        # they come back once, with the blocks it held (execute frees those first).
+        plan.free_blocks += state.num_blocks
+        state.num_blocks = 0
+        state.num_computed_tokens = 0
+        state.num_preemptions += 1
+        state.status = _Status.WAITING
+        self._waiting[state.request_id] = state
+        plan.preempted.append(state.request_id)
+        self._num_preemptions += 1
+
+    def _chunk_size(self, state: _RequestState, budget: int) -> int:
+        remaining = state.num_tokens - state.num_computed_tokens
+        size = min(remaining, budget)
+        if remaining > 1 and self.config.long_prefill_chunk is not None:
+            size = min(size, self.config.long_prefill_chunk)
+        return size
+
+    def _schedule_running(self, plan: _Plan, block_size: int) -> None:
+        # NOTE: decodes go before prefill chunks of running requests so that a long prompt
+        # mid-prefill never starves the token stream of the others. Each chunk gets its blocks
+        # from the mirror; a request that cannot get blocks for even one token preempts the
+        # policy's victim (possibly itself, possibly one already planned this step).
+        running = list(self._running.values())
+        ordered = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+        ordered += [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
+        for state in ordered:
+            if plan.budget == 0:
+                break
+            if state.status is not _Status.RUNNING:
+                continue  # preempted earlier in this plan
+            wanted = self._chunk_size(state, plan.budget)
+            while True:
+                # Tokens this request can hold with its blocks plus every free one.
+                fits = (state.num_blocks + plan.free_blocks) * block_size
+                size = min(wanted, fits - state.num_computed_tokens)
+                if size >= 1:
+                    break
+                victim = self._select_victim()
+                self._preempt(victim, plan)
+                if victim is state:
+                    break
+            if state.status is not _Status.RUNNING:
+                continue
+            self._add_chunk(state, size, plan, block_size)
+
+    def _add_chunk(self, state: _RequestState, size: int, plan: _Plan, block_size: int) -> None:
+        start = state.num_computed_tokens
+        needed = _blocks_for(start + size, block_size) - state.num_blocks
+        assert needed <= plan.free_blocks, "planned more blocks than free"
+        plan.free_blocks -= needed
+        plan.budget -= size
+        plan.chunks[state.request_id] = ScheduledChunk(state.request_id, start, size)
+        state.num_blocks += needed
+        state.num_computed_tokens = start + size
+
+    def _select_victim(self) -> _RequestState:
+        candidates = list(self._running.values())
+        victim = self.policy.select_victim(candidates)
+        state = self._running.get(victim.request_id)
+        if state is None:
+            raise SchedulerError(
+                f"policy {self.policy.name!r} chose victim {victim.request_id!r}, "
+                "which is not among the running requests it was given"
+            )
+        return state
+
+    def _ordered_waiting(self) -> list[_RequestState]:
+        waiting = list(self._waiting.values())
+        ordered = self.policy.order_waiting(waiting)
+        ids = [view.request_id for view in ordered]
+        if len(ids) != len(waiting) or set(ids) != self._waiting.keys():
+            raise SchedulerError(
+                f"policy {self.policy.name!r}: order_waiting must return a permutation of the "
+                f"{len(waiting)} waiting requests, got {len(ids)} entries"
+            )
+        return [self._waiting[request_id] for request_id in ids]
+
+    def _schedule_waiting(self, plan: _Plan, block_size: int) -> list[EngineRequest]:
+        new_requests: list[EngineRequest] = []
+        if not self._waiting or len(self._running) >= self.config.max_num_seqs:
+            return new_requests
+        limit = self._token_limit()
+        nothing_else_runs = not self._running
+        for state in self._ordered_waiting():
+            if plan.budget == 0 or len(self._running) >= self.config.max_num_seqs:
+                break
+            if state.num_prompt_tokens >= limit:
+                # Admit should have refused it; it can never run, so end it here.
+                del self._waiting[state.request_id]
+                state.status = _Status.DONE
+                self._unrunnable.append(state)
+                if state.sent_to_execute:
+                    self._pending_finish.append(state)
+                self.policy.on_finish(state)
+                continue
+            size = self._chunk_size(state, plan.budget)
+            if _blocks_for(size, block_size) > plan.free_blocks:
+                if not nothing_else_runs:
+                    break  # wait for running requests to free blocks (no partial admission)
+                size = min(size, plan.free_blocks * block_size)
+                if size < 1:
+                    break
+            del self._waiting[state.request_id]
+            state.status = _Status.RUNNING
+            self._running[state.request_id] = state
+            nothing_else_runs = False
+            if not state.sent_to_execute:
+                state.sent_to_execute = True
+                new_requests.append(state.request)
+            self._add_chunk(state, size, plan, block_size)
+        return new_requests
+
+    def schedule(self) -> SchedulerStep | None:
+        """Plan the next step.
+
+        Returns:
+            The step for execute, or None when a step is in flight, the engine info is not
+            known yet, or there is nothing to do. A step with no chunks only frees state.
+        Raises:
+            SchedulerError: the policy answered with requests it was not given.
+        """
+        if self._in_flight is not None or self._info is None:
+            return None
+        block_size = self._info.block_size
+        finishing, self._pending_finish = self._pending_finish, []
+        plan = _Plan(
+            budget=self.config.max_num_batched_tokens,
+            free_blocks=self._free_blocks + sum(s.num_blocks for s in finishing),
+        )
+        for state in finishing:
+            state.num_blocks = 0
+        self._schedule_running(plan, block_size)
+        new_requests: list[EngineRequest] = []
+        # NOTE: as in vLLM, a step that had to preempt admits no waiting request: blocks are
+        # short, and admitting would only preempt again.
+        if not plan.preempted:
+            new_requests = self._schedule_waiting(plan, block_size)
+        # A request that was preempted earlier and found unrunnable above is known to
+        # execute: free it in this step too.
+        finishing.extend(self._pending_finish)
+        self._pending_finish = []
+        if not (plan.chunks or finishing or plan.preempted or self._unrunnable):
+            return None
+        step = SchedulerStep(
+            step_id=self._next_step_id,
+            new_requests=tuple(new_requests),
+            chunks=tuple(plan.chunks.values()),
+            finished=tuple(s.request_id for s in finishing),
+            preempted=tuple(plan.preempted),
+        )
+        self._next_step_id += 1
+        states = {request_id: self._running[request_id] for request_id in plan.chunks}
+        sampling = {rid for rid, s in states.items() if s.num_computed_tokens == s.num_tokens}
+        decoding = {
+            rid
+            for rid in sampling
+            if plan.chunks[rid].num_tokens == 1 and states[rid].num_output_tokens > 0
+        }
+        self._in_flight = _InFlight(step, self._clock(), states, sampling, decoding)
+        return step
+
+    # ------------------------------------------------------------------ results
+
+    def _stop_reason(self, state: _RequestState, token_id: int) -> tuple[str, int | None] | None:
+        """Whether ``state`` is done after sampling ``token_id`` (vLLM ``check_stop``)."""
+        assert self._info is not None
+        params = state.request.params
+        if state.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self._info.eos_token_ids:
+                return _FINISH_STOP, token_id
+            if token_id in params.stop_token_ids:
+                return _FINISH_STOP, token_id
+        if state.num_output_tokens >= params.max_tokens or state.num_tokens >= self._token_limit():
+            return _FINISH_LENGTH, None
+        return None
+
+    def update(self, result: StepResult) -> EngineOutputs:
+        """Apply execute's result of the step in flight.
+
+        Returns:
+            The new token of every request that sampled (and any request ended without
+            running), with finish reasons and the current stats.
+        Raises:
+            SchedulerError: no step is in flight, the step id does not match, no KV blocks
+                are reported, or execute returned a token for a request whose chunk did not
+                sample (or none for one whose chunk did).
+        """
+        in_flight = self._in_flight
+        if in_flight is None:
+            raise SchedulerError(f"StepResult {result.step_id} arrived with no step in flight")
+        if result.step_id != in_flight.step.step_id:
+            raise SchedulerError(
+                f"StepResult {result.step_id} does not answer step {in_flight.step.step_id}"
+            )
+        if result.total_blocks < 1:
+            raise SchedulerError(f"StepResult {result.step_id} reports no KV blocks in total")
+        self._in_flight = None
+        self._num_steps += 1
+        self._free_blocks = result.free_blocks
+        self._total_blocks = result.total_blocks
+        self._prefix_cache_queries = result.prefix_cache_queries
+        self._prefix_cache_hits = result.prefix_cache_hits
+        self._last_step_seconds = max(self._clock() - in_flight.started, 0.0)
+        self._last_forward_seconds = result.forward_seconds
+
+        preempted = set(result.preempted)
+        for request_id in result.preempted:
+            state = in_flight.states.get(request_id)
+            if state is None:
+                raise SchedulerError(f"execute preempted {request_id!r}, which had no chunk")
+            # Execute already freed its blocks (they are in `free_blocks`).
+            state.num_blocks = 0
+            state.num_computed_tokens = 0
+            if state.status is _Status.RUNNING:
+                del self._running[request_id]
+                state.status = _Status.WAITING
+                state.num_preemptions += 1
+                self._waiting[request_id] = state
+                self._num_preemptions += 1
+        for request_id, cached in result.cached_tokens.items():
+            state = in_flight.states.get(request_id)
+            if state is not None and not state.cached_tokens_reported:
+                state.num_cached_tokens = cached
+
+        logprobs_by_id = dict(zip(result.logprob_request_ids, result.logprobs, strict=True))
+        ids: list[str] = []
+        new_tokens: list[tuple[int, ...]] = []
+        finish_reasons: list[str | None] = []
+        stop_reasons: list[int | None] = []
+        logprobs: dict[str, tuple[Logprobs, ...]] = {}
+        cached_tokens: dict[str, int] = {}
+        expected = in_flight.sampling - preempted
+        for request_id, token_id in zip(result.request_ids, result.token_ids, strict=True):
+            if request_id not in expected:
+                raise SchedulerError(
+                    f"execute sampled a token for {request_id!r}, whose chunk does not sample"
+                )
+            expected.discard(request_id)
+            state = in_flight.states[request_id]
+            if state.status is not _Status.RUNNING:
+                continue  # aborted while the step was in flight
+            state.output_token_ids.append(token_id)
+            stop = self._stop_reason(state, token_id)
+            ids.append(request_id)
+            new_tokens.append((token_id,))
+            finish_reasons.append(None if stop is None else stop[0])
+            stop_reasons.append(None if stop is None else stop[1])
+            if request_id in logprobs_by_id:
+                logprobs[request_id] = (logprobs_by_id[request_id],)
+            if not state.cached_tokens_reported:
+                state.cached_tokens_reported = True
+                if state.num_cached_tokens > 0:
+                    cached_tokens[request_id] = state.num_cached_tokens
+            if stop is not None:
+                del self._running[request_id]
+                self._finish(state)
+        if expected:
+            raise SchedulerError(f"execute returned no token for {sorted(expected)}")
+        for state in self._unrunnable:
+            ids.append(state.request_id)
+            new_tokens.append(())
+            finish_reasons.append(_FINISH_LENGTH)
+            stop_reasons.append(None)
+        self._unrunnable = []
+
+        computed = [c for c in in_flight.step.chunks if c.request_id not in preempted]
+        num_decode = sum(1 for c in computed if c.request_id in in_flight.decoding)
+        self.policy.on_step(
+            StepObservation(
+                duration=result.forward_seconds or self._last_step_seconds,
+                num_prefill_tokens=sum(c.num_tokens for c in computed) - num_decode,
+                num_decode_tokens=num_decode,
+            )
+        )
+        return EngineOutputs(
+            request_ids=tuple(ids),
+            new_token_ids=tuple(new_tokens),
+            finish_reasons=tuple(finish_reasons),
+            stop_reasons=tuple(stop_reasons),
+            logprobs=logprobs,
+            num_cached_tokens=cached_tokens,
+            stats=self.stats(),
+        )
