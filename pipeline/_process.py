@@ -40,7 +40,7 @@ from pipeline._protocol import (
     StartStages,
     StopHost,
 )
-from pipeline.errors import HostDiedError, PipelineError, StageFailedError
+from pipeline.errors import HostDiedError, StageFailedError
 from pipeline.host import FailureCallback, Host
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
@@ -154,7 +154,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
     control = _ControlChannel(reader, writer)
     built = False
 
-    def report(error: PipelineError) -> None:
+    def report(error: BaseException) -> None:
         with contextlib.suppress(Exception):
             control.send(_failure_message(0, plan.name, error))
 
@@ -242,7 +242,7 @@ class ProcessHost:
             preparation = multiprocessing.spawn.get_preparation_data(f"actorline-{self.name}")
             preparation.pop("authkey", None)  # the host uses no multiprocessing connections
             bootstrap = pickle.dumps((preparation, pickle.dumps(self.plan)))
-            self._process = subprocess.Popen(
+            self._process = subprocess.Popen(  # noqa: ASYNC220 - returns at once
                 [sys.executable, "-m", "pipeline._host_main", str(child_end.fileno())],
                 pass_fds=(child_end.fileno(),),
                 stdin=subprocess.DEVNULL,

@@ -31,7 +31,7 @@ __all__ = ["Host"]
 
 logger = logging.getLogger("actorline.host")
 
-FailureCallback = Callable[[PipelineError], None]
+FailureCallback = Callable[[BaseException], None]
 _Deliver = Callable[[Any], Awaitable[None]]
 
 
@@ -225,7 +225,7 @@ class Host:
             return
         self._failed = True
         logger.error("host %s: %s", self.name, error, exc_info=cause)
-        self._on_failure(error)  # type: ignore[arg-type]
+        self._on_failure(error)
 
     # -- introspection --------------------------------------------------------------------------
 

@@ -1,0 +1,265 @@
+"""Internal: the LLM subcommands of the ``actorline`` CLI (generate, serve)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from pipeline.cli import CliError
+
+__all__ = ["add_commands", "add_engine_arguments", "engine_options_from", "sampling_from"]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that runs an engine."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default="smollm2-135m", help="alias, HF directory or .gguf file")
+    group.add_argument("--transport", default="zmq", choices=("zmq", "grpc", "memory"))
+    group.add_argument("--compression", default=None, choices=("zstd",))
+    group.add_argument("--scheduler", default="fcfs", help="scheduling policy plugin name")
+    group.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
+    group.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
+    group.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    group.add_argument("--no-prefix-caching", action="store_true")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--min-tokens", type=int, default=0)
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": args.model,
+        "transport": args.transport,
+        "compression": args.compression,
+        "scheduler": args.scheduler,
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_blocks": args.num_blocks,
+        "kv_cache_memory": args.kv_cache_memory,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+
+
+def sampling_from(args: argparse.Namespace) -> Any:
+    from stages.params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def has_chat_template(model_dir: Any) -> bool:
+    """Whether the HF directory's tokenizer carries a chat template (read without loading)."""
+    import json
+
+    if (model_dir / "chat_template.jinja").is_file():
+        return True
+    config = model_dir / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
+def preflight(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
+    """Check the model and the parameters before starting anything (clear one-line errors).
+    Commands without sampling options (serve) get None for the parameters.
+
+    Raises:
+        CliError: with status 2 for bad input.
+    """
+    from pipeline.options import EngineOptions
+    from stages.errors import InvalidRequestError
+    from stages.models import ModelError, resolve_model
+    from stages.params import validate_sampling
+
+    options = engine_options_from(args)
+    try:
+        EngineOptions.create(**options)
+        params = sampling_from(args) if hasattr(args, "max_tokens") else None
+        if params is not None:
+            validate_sampling(params)
+        resolved = resolve_model(args.model)
+    except (ModelError, InvalidRequestError, ValueError, TypeError) as exc:
+        raise CliError(str(exc), 2) from exc
+    return options, params, resolved
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pipeline.engine import AsyncEngine
+    from pipeline.errors import PipelineError
+    from stages.errors import RequestError
+
+    prompt = args.prompt
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise CliError("the prompt is empty", 2)
+    options, params, resolved = preflight(args)
+    chat = not args.no_chat_template and has_chat_template(resolved.path)
+
+    async def run() -> None:
+        async with AsyncEngine(**options) as engine:
+            async for output in engine.generate(prompt, params, chat_template=chat):
+                sys.stdout.write(output.delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+
+    try:
+        asyncio.run(run())
+    except RequestError as exc:
+        raise CliError(str(exc), 2) from exc
+    except PipelineError as exc:
+        raise CliError(str(exc), 1) from exc
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from pipeline import settings
+    from pipeline.errors import PipelineError
+    from pipeline.options import EngineOptions
+    from pipeline.server.auth import ApiKeys
+    from pipeline.server.serve import SERVICE_NAME, ServerTLS, serve
+
+    options, _, _ = preflight(args)
+    try:
+        api_keys = ApiKeys.load(args.api_key, args.api_key_file)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"API keys: {exc}", 2) from exc
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise CliError("--tls-cert and --tls-key go together", 2)
+    if args.tls_client_ca and not args.tls_cert:
+        raise CliError("--tls-client-ca needs --tls-cert and --tls-key", 2)
+    try:
+        tls = (
+            ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
+            if args.tls_cert
+            else None
+        )
+        engine_options = EngineOptions.create(
+            **options,
+            requests_per_second=args.requests_per_second,
+            tokens_per_second=args.tokens_per_second,
+            tenant_limits=api_keys.tenant_limits(),
+            log_level=args.log_level,
+        )
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc), 2) from exc
+    logging.basicConfig(
+        level=args.log_level or settings.log_level(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+    def ready(address: str) -> None:
+        print(f"serving {SERVICE_NAME} on {address}", flush=True)
+
+    try:
+        asyncio.run(
+            serve(
+                engine_options,
+                host=args.host,
+                port=args.port,
+                api_keys=api_keys,
+                tls=tls,
+                grace=args.grace,
+                on_ready=ready,
+            )
+        )
+    except (OSError, PipelineError) as exc:
+        raise CliError(str(exc), 1) from exc
+    return 0
+
+
+def _add_serve_command(commands: Any) -> None:
+    from pipeline.server.serve import DEFAULT_GRACE_SECONDS, DEFAULT_HOST, DEFAULT_PORT
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the gRPC Generation service",
+        description="Serve actorline.v1.Generation (with gRPC health and reflection). Prints "
+        "'serving actorline.v1.Generation on HOST:PORT' once ready; stops cleanly on SIGINT "
+        "or SIGTERM.",
+    )
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    server.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="port to listen on (0: pick a free one)"
+    )
+    server.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE_SECONDS,
+        help="seconds in-flight calls get to end at shutdown",
+    )
+    server.add_argument(
+        "--log-level", default=None, choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper
+    )
+    auth = serve.add_argument_group("authentication and limits")
+    auth.add_argument(
+        "--api-key", action="append", default=[], help="accepted API key (repeatable)"
+    )
+    auth.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        help="file of API keys, one per line: KEY [REQUESTS_PER_SECOND TOKENS_PER_SECOND]",
+    )
+    auth.add_argument(
+        "--requests-per-second", type=float, default=None, help="default limit per API key"
+    )
+    auth.add_argument(
+        "--tokens-per-second",
+        type=float,
+        default=None,
+        help="default limit per API key (prompt plus max_tokens)",
+    )
+    tls = serve.add_argument_group("TLS")
+    tls.add_argument("--tls-cert", default=None, help="PEM certificate chain of the server")
+    tls.add_argument("--tls-key", default=None, help="PEM private key of the server")
+    tls.add_argument(
+        "--tls-client-ca", default=None, help="PEM CA that client certificates must chain to"
+    )
+    add_engine_arguments(serve)
+    serve.set_defaults(run=_serve)
+
+
+def add_commands(commands: Any) -> None:
+    generate = commands.add_parser("generate", help="stream an answer to a prompt")
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument(
+        "--no-chat-template", action="store_true", help="send the prompt as raw text"
+    )
+    add_engine_arguments(generate)
+    add_sampling_arguments(generate)
+    generate.set_defaults(run=_generate)
+    _add_serve_command(commands)

@@ -1,0 +1,370 @@
+"""``AsyncEngine``: the async API over the LLM pipeline.
+
+::
+
+    async with AsyncEngine("smollm2-135m") as engine:
+        async for output in engine.generate("Hello", SamplingParams(max_tokens=32)):
+            print(output.delta, end="", flush=True)
+
+Each ``generate`` call is an async iterator of :class:`~stages.messages.RequestOutput`
+streaming text deltas. Breaking out of it, or cancelling the task that iterates it, aborts the
+request in the engine and frees its KV blocks. If the consumer falls behind, pending outputs
+of a request are merged (deltas concatenated), so a slow reader never backs up the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from pipeline.errors import EngineDeadError, HostDiedError, PipelineClosedError, PipelineError
+from pipeline.graph import Pipeline
+from pipeline.options import EngineOptions
+from pipeline.presets import ENGINE_HOST, llm_pipeline, start_options
+from pipeline.runtime import RunningPipeline
+from stages.errors import InvalidRequestError, RequestError, error_from_kind
+from stages.messages import (
+    AbortRequests,
+    ChatMessage,
+    EngineInfo,
+    EngineStats,
+    GenerateRequest,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputs,
+)
+from stages.params import SamplingParams, validate_sampling
+
+__all__ = ["AsyncEngine", "Prompt"]
+
+logger = logging.getLogger("actorline.engine")
+
+#: what ``generate`` accepts: text, chat messages (dicts with role/content or ChatMessage), or
+#: token ids
+Prompt = str | Sequence[ChatMessage | Mapping[str, str]] | Sequence[int]
+
+
+class _Collector:
+    """The outputs of one request waiting for its consumer; merges when the consumer lags
+    (vLLM's RequestOutputCollector does the same)."""
+
+    __slots__ = ("arrival", "arrival_wall", "error", "first_token", "last", "pending", "waiter")
+
+    def __init__(self) -> None:
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.arrival = time.monotonic()
+        self.arrival_wall = time.time()
+        self.first_token: float | None = None
+        self.last: RequestOutput | None = None
+
+    def put(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        if self.first_token is None and output.token_ids:
+            self.first_token = now
+        metrics = RequestMetrics(
+            self.arrival_wall,
+            None if self.first_token is None else self.first_token - self.arrival,
+            now - self.arrival if output.finish_reason is not None else None,
+        )
+        pending = self.pending
+        if pending is not None:
+            output = dataclasses.replace(
+                output, delta=pending.delta + output.delta, metrics=metrics
+            )
+        else:
+            output = dataclasses.replace(output, metrics=metrics)
+        self.pending = self.last = output
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput:
+        while self.pending is None:
+            if self.error is not None:
+                raise self.error
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        output, self.pending = self.pending, None
+        return output
+
+
+class AsyncEngine:
+    """The asynchronous LLM engine.
+
+    ``AsyncEngine(model, **options)`` takes :class:`~pipeline.options.EngineOptions` fields;
+    ``AsyncEngine(pipeline=...)`` runs a customised pipeline (it must keep the entries
+    ``requests``/``aborts`` and exits ``outputs``/``engine_info`` of the default one).
+    Start it with ``async with`` or :meth:`start`.
+
+    Raises (from the constructor): TypeError for an unknown option, ValueError for a bad value.
+    """
+
+    def __init__(
+        self, model: str | None = None, *, pipeline: Pipeline | None = None, **options: Any
+    ) -> None:
+        self.options = EngineOptions.create(model, **options)
+        self.pipeline = pipeline if pipeline is not None else llm_pipeline(self.options)
+        self.info: EngineInfo | None = None
+        self.stats: EngineStats | None = None
+        self._running: RunningPipeline | None = None
+        self._collectors: dict[str, _Collector] = {}
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._abort_queue: asyncio.Queue[str] = asyncio.Queue()
+        self._abort_sender: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> AsyncEngine:
+        """Start the pipeline (spawning the engine process) and wait until the model is loaded.
+
+        Raises:
+            StageFailedError: a stage failed to start (the model could not be loaded, ...).
+        """
+        if self._running is not None:
+            return self
+        self._running = await self.pipeline.start(start_options(self.options))
+        self._running.add_failure_callback(self._on_failure)
+        info = await self._running.receive("engine_info")
+        assert isinstance(info, EngineInfo)
+        self.info = info
+        self._dispatcher = asyncio.create_task(self._dispatch(), name="engine:dispatch")
+        self._abort_sender = asyncio.create_task(self._send_aborts(), name="engine:aborts")
+        return self
+
+    async def close(self) -> None:
+        """Abort every running request and stop the pipeline (and the engine process)."""
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in list(self._collectors):
+            self._finish_aborted(request_id)
+        if self._running is not None:
+            with contextlib.suppress(Exception):
+                await self._running.send("aborts", AbortRequests(tuple(self._collectors)))
+            await self._running.stop(graceful=False)
+        for task in (self._dispatcher, self._abort_sender):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        for collector in self._collectors.values():
+            collector.fail(PipelineClosedError("the engine was closed"))
+
+    async def __aenter__(self) -> AsyncEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def running(self) -> RunningPipeline:
+        """The running pipeline (for statistics and advanced use)."""
+        if self._running is None:
+            raise PipelineClosedError("the engine is not started")
+        return self._running
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str = "",
+        chat_template: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Generate for one prompt, yielding outputs as tokens arrive (the last one has a
+        ``finish_reason``).
+
+        ``prompt``: a string (``chat_template=True`` wraps it as a user message), a list of
+        chat messages, or a list of token ids.
+
+        Raises:
+            InvalidRequestError: a bad prompt or sampling parameter (the field is named).
+            RateLimitedError, OverloadedError: refused by admission.
+            EngineDeadError: the engine died.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams", field="params")
+        validate_sampling(params)
+        request_id = request_id or uuid.uuid4().hex
+        request = _make_request(request_id, prompt, params, tenant, chat_template)
+        running = self._check_usable()
+        if request_id in self._collectors:
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already running", field="request_id"
+            )
+        collector = _Collector()
+        self._collectors[request_id] = collector
+        finished = False
+        try:
+            await running.send("requests", request)
+            while True:
+                output = await collector.get()
+                finished = output.finish_reason is not None
+                yield output
+                if finished:
+                    return
+        except PipelineError as exc:
+            raise self._engine_error(exc) from exc
+        finally:
+            self._collectors.pop(request_id, None)
+            if not finished and not self._closed and collector.error is None:
+                self._abort_queue.put_nowait(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a running request: its stream ends with ``finish_reason="abort"`` and its KV
+        blocks are freed. Unknown or finished ids are ignored."""
+        self._check_usable()
+        if self._finish_aborted(request_id):
+            self._abort_queue.put_nowait(request_id)
+
+    def _finish_aborted(self, request_id: str) -> bool:
+        collector = self._collectors.get(request_id)
+        if collector is None:
+            return False
+        last = collector.last
+        collector.put(
+            RequestOutput(
+                request_id,
+                last.text if last else "",
+                "",
+                last.token_ids if last else (),
+                "abort",
+                None,
+                last.logprobs if last else None,
+                last.num_prompt_tokens if last else 0,
+                last.num_cached_tokens if last else 0,
+            )
+        )
+        del self._collectors[request_id]
+        return True
+
+    def _check_usable(self) -> RunningPipeline:
+        if self._failure is not None:
+            raise self._failure
+        if self._running is None or self._closed:
+            raise PipelineClosedError("the engine is not running; use 'async with' or start()")
+        return self._running
+
+    # -- internals ------------------------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        assert self._running is not None
+        channel = self._running.exit_channel("outputs")
+        collectors = self._collectors
+        with contextlib.suppress(Exception):  # the pipeline's failure is handled in _on_failure
+            while True:
+                batch = await channel.receive()
+                if not isinstance(batch, RequestOutputs):
+                    continue
+                if batch.stats is not None:
+                    self.stats = batch.stats
+                for output in batch.outputs:
+                    collector = collectors.get(output.request_id)
+                    if collector is not None:
+                        collector.put(output)
+                        if output.finish_reason is not None:
+                            del collectors[output.request_id]
+                for rejected in batch.rejected:
+                    collector = collectors.pop(rejected.request_id, None)
+                    if collector is not None:
+                        collector.fail(
+                            error_from_kind(
+                                rejected.kind,
+                                rejected.message,
+                                field=rejected.field,
+                                request_id=rejected.request_id,
+                            )
+                        )
+
+    async def _send_aborts(self) -> None:
+        assert self._running is not None
+        while True:
+            ids = [await self._abort_queue.get()]
+            while not self._abort_queue.empty():
+                ids.append(self._abort_queue.get_nowait())
+            try:
+                await self._running.send("aborts", AbortRequests(tuple(ids)))
+            except PipelineError:
+                return
+
+    def _engine_error(self, error: BaseException) -> BaseException:
+        if isinstance(error, (EngineDeadError, RequestError, PipelineClosedError)):
+            return error
+        if isinstance(error, HostDiedError):
+            dead = EngineDeadError(error.host, error.exitcode)
+        else:
+            dead = EngineDeadError(ENGINE_HOST, None, str(error))
+        dead.__cause__ = error
+        return dead
+
+    def _on_failure(self, error: BaseException) -> None:
+        self._failure = self._engine_error(error)
+        logger.error("engine failed: %s", error)
+        for collector in self._collectors.values():
+            collector.fail(self._failure)
+        self._collectors.clear()
+
+
+def _make_request(
+    request_id: str, prompt: Prompt, params: SamplingParams, tenant: str, chat_template: bool
+) -> GenerateRequest:
+    arrival = time.time()
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise InvalidRequestError("prompt is empty", field="prompt", request_id=request_id)
+        return GenerateRequest(
+            request_id, params, prompt=prompt, chat_template=chat_template, tenant=tenant,
+            arrival_time=arrival,
+        )  # fmt: skip
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and prompt:
+        if all(type(token) is int for token in prompt):
+            return GenerateRequest(
+                request_id, params, prompt_token_ids=tuple(prompt),  # type: ignore[arg-type]
+                tenant=tenant, arrival_time=arrival,
+            )  # fmt: skip
+        messages = []
+        for item in prompt:
+            if isinstance(item, ChatMessage):
+                messages.append(item)
+            elif isinstance(item, Mapping) and isinstance(item.get("content"), str):
+                messages.append(ChatMessage(str(item.get("role", "user")), item["content"]))
+            else:
+                raise InvalidRequestError(
+                    "a prompt list must hold token ids or chat messages "
+                    "({'role': ..., 'content': ...})",
+                    field="prompt",
+                    request_id=request_id,
+                )
+        return GenerateRequest(
+            request_id, params, messages=tuple(messages), tenant=tenant, arrival_time=arrival
+        )
+    raise InvalidRequestError(
+        f"prompt must be a non-empty string, chat messages or token ids, got {prompt!r:.60}",
+        field="prompt",
+        request_id=request_id,
+    )

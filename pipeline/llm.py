@@ -1,0 +1,190 @@
+"""``LLM``: the synchronous offline wrapper over :class:`~pipeline.engine.AsyncEngine`.
+
+::
+
+    llm = LLM("smollm2-135m")
+    outputs = llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=32))
+    print(outputs[0].text)
+
+It is a thin wrapper, not a second engine: the async engine runs on an event loop in a
+background thread and each call waits for its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from pipeline.engine import AsyncEngine, Prompt
+from pipeline.options import EngineOptions
+from stages.errors import InvalidRequestError
+from stages.messages import RequestOutput
+from stages.params import SamplingParams
+
+__all__ = ["LLM"]
+
+T = TypeVar("T")
+
+#: batches at least this long show a progress bar (unless use_tqdm=False)
+PROGRESS_BAR_MIN_PROMPTS = 8
+
+
+class _LoopThread:
+    """An event loop running forever in a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="actorline-llm-loop", daemon=True
+        )
+        self.thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+def _shutdown(engine: AsyncEngine, loop_thread: _LoopThread) -> None:
+    try:
+        if loop_thread.loop.is_running():
+            loop_thread.run(engine.close())
+    finally:
+        loop_thread.stop()
+
+
+class LLM:
+    """Synchronous offline generation. ``LLM(model, **options)`` takes the same options as
+    :class:`~pipeline.engine.AsyncEngine`; the engine starts at construction (the model loads)
+    and stops at :meth:`close` (or at exit of a ``with`` block, or interpreter exit)."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.options = EngineOptions.create(model, **options)
+        self._loop = _LoopThread()
+        self._engine = AsyncEngine(**_as_kwargs(self.options))
+        self._finalizer = weakref.finalize(self, _shutdown, self._engine, self._loop)
+        try:
+            self._loop.run(self._engine.start())
+        except BaseException:
+            self._finalizer()
+            raise
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self._engine
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished output per prompt, in order.
+
+        ``prompts``: one prompt or a list (strings, chat conversations, token id lists).
+        ``params``: one SamplingParams for all, or a list with one per prompt.
+
+        Raises:
+            InvalidRequestError: a bad prompt or parameter; nothing is generated then.
+            EngineDeadError: the engine died.
+        """
+        batch = _as_batch(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * len(batch)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(batch):
+                raise InvalidRequestError(
+                    f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts", field="params"
+                )
+        show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
+        return self._loop.run(self._generate_all(batch, per_prompt, show, chat_template))
+
+    def chat(
+        self,
+        conversations: Sequence[Any],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to chat conversations (lists of ``{"role", "content"}``), or to
+        one conversation."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate(list(conversations), params, use_tqdm=use_tqdm)
+
+    async def _generate_all(
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        show_progress: bool,
+        chat_template: bool,
+    ) -> list[RequestOutput]:
+        progress = None
+        if show_progress:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(prompts), desc="generating", unit="req")
+
+        async def one(prompt: Prompt, sampling: SamplingParams) -> RequestOutput:
+            last: RequestOutput | None = None
+            async for output in self._engine.generate(
+                prompt, sampling, chat_template=chat_template
+            ):
+                last = output
+            assert last is not None
+            if progress is not None:
+                progress.update(1)
+            return last
+
+        tasks = [asyncio.ensure_future(one(p, s)) for p, s in zip(prompts, params)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+
+    def close(self) -> None:
+        """Stop the engine and its process. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(type(t) is int for t in prompts):
+        return [prompts]  # type: ignore[list-item]
+    if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], dict):
+        return [prompts]  # type: ignore[list-item]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise InvalidRequestError(
+            "prompts must be a non-empty prompt or list of prompts", field="prompt"
+        )
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _as_kwargs(options: EngineOptions) -> dict[str, Any]:
+    import dataclasses
+
+    return {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}

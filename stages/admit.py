@@ -1,0 +1,206 @@
+"""The admit stage: validates requests, rate-limits tenants, bounds the queue.
+
+Every request is either forwarded to schedule or answered at once with a typed
+:class:`~stages.messages.RequestRejected` (invalid → the field is named, over a tenant's limit
+→ ``rate_limited``, too many queued → ``overloaded``); nothing is dropped silently.
+
+Ports: ``in`` (EngineRequest from tokenize), ``info`` (EngineInfo from execute: model length
+and vocabulary), ``stats`` (EngineStats from schedule: how many requests wait);
+``out`` (to schedule), ``rejected`` (to the frontend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from pipeline.stage import Stage, handles
+from stages.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PromptTooLongError,
+    RateLimitedError,
+    RequestError,
+)
+from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejected
+from stages.params import SamplingParams, validate_sampling
+from stages.token_bucket import TokenBucket
+
+__all__ = ["AdmitConfig", "AdmitStage", "TenantLimits", "validate_request"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """Token-bucket limits of one tenant; None means unlimited. A bucket holds
+    ``burst_seconds`` worth of its rate. Tokens count prompt plus ``max_tokens``."""
+
+    requests_per_second: float | None = None
+    tokens_per_second: float | None = None
+    burst_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_second", "tokens_per_second"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        if self.burst_seconds <= 0:
+            raise ValueError(f"burst_seconds must be > 0, got {self.burst_seconds}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmitConfig:
+    """``max_queued_requests``: requests that may wait for the scheduler at once.
+    ``tenant_limits`` overrides ``default_limits`` per tenant name."""
+
+    max_queued_requests: int = 4096
+    default_limits: TenantLimits = TenantLimits()
+    tenant_limits: Mapping[str, TenantLimits] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+
+    def limits_for(self, tenant: str) -> TenantLimits:
+        return self.tenant_limits.get(tenant, self.default_limits)
+
+
+def validate_request(request: EngineRequest, info: EngineInfo) -> None:
+    """Check a request against the model before it can use any resource.
+
+    Raises:
+        PromptTooLongError: the prompt leaves no room for one generated token.
+        InvalidRequestError: an empty prompt, a token id outside the vocabulary, or an
+            invalid sampling parameter (the error names the field).
+    """
+    ids = request.prompt_token_ids
+    if not ids:
+        raise InvalidRequestError(
+            "the prompt has no tokens", field="prompt", request_id=request.request_id
+        )
+    if len(ids) >= info.max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {len(ids)} tokens; the model's length is {info.max_model_len} "
+            "(prompt plus at least one generated token)",
+            field="prompt",
+            request_id=request.request_id,
+        )
+    vocab = info.vocab_size
+    if min(ids) < 0 or max(ids) >= vocab:
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise InvalidRequestError(
+            f"token id {bad} is outside the vocabulary [0, {vocab})",
+            field="prompt_token_ids",
+            request_id=request.request_id,
+        )
+    if not isinstance(request.params, SamplingParams):
+        raise InvalidRequestError("params must be SamplingParams", field="params")
+    validate_sampling(request.params, vocab_size=vocab, request_id=request.request_id)
+
+
+class _TenantBuckets:
+    __slots__ = ("requests", "tokens")
+
+    def __init__(self, limits: TenantLimits) -> None:
+        self.requests = (
+            TokenBucket(
+                limits.requests_per_second,
+                max(1.0, limits.requests_per_second * limits.burst_seconds),
+            )
+            if limits.requests_per_second
+            else None
+        )
+        self.tokens = (
+            TokenBucket(
+                limits.tokens_per_second, max(1.0, limits.tokens_per_second * limits.burst_seconds)
+            )
+            if limits.tokens_per_second
+            else None
+        )
+
+
+class AdmitStage(Stage):
+    inputs = ("in", "info", "stats")
+    outputs = ("out", "rejected")
+
+    def __init__(self, config: AdmitConfig | None = None) -> None:
+        super().__init__(config or AdmitConfig())
+        self.engine: EngineInfo | None = None
+        self._held: list[EngineRequest] = []
+        self._buckets: dict[str, _TenantBuckets] = {}
+        self._waiting_at_last_stats = 0
+        self._admitted_since_stats = 0
+
+    @handles(EngineInfo)
+    async def on_engine_info(self, info: EngineInfo) -> None:
+        self.engine = info
+        held, self._held = self._held, []
+        for request in held:
+            await self.on_request(request)
+
+    @handles(EngineStats)
+    async def on_stats(self, stats: EngineStats) -> None:
+        self._waiting_at_last_stats = stats.num_waiting
+        self._admitted_since_stats = 0
+
+    @handles(EngineRequest)
+    async def on_request(self, request: EngineRequest) -> None:
+        if self.engine is None:
+            if len(self._held) >= self.config.max_queued_requests:
+                await self._reject(request, OverloadedError("the engine is still starting"))
+            else:
+                self._held.append(request)
+            return
+        try:
+            validate_request(request, self.engine)
+            self._check_queue()
+            self._check_rate(request)
+        except RequestError as error:
+            await self._reject(request, error)
+            return
+        self._admitted_since_stats += 1
+        await self.emit("out", request)
+
+    def _check_queue(self) -> None:
+        queued = self._waiting_at_last_stats + self._admitted_since_stats
+        if queued >= self.config.max_queued_requests:
+            raise OverloadedError(
+                f"{queued} requests are queued "
+                f"(limit {self.config.max_queued_requests}); retry later"
+            )
+
+    def _check_rate(self, request: EngineRequest) -> None:
+        buckets = self._buckets.get(request.tenant)
+        if buckets is None:
+            buckets = _TenantBuckets(self.config.limits_for(request.tenant))
+            self._buckets[request.tenant] = buckets
+        tenant = request.tenant or "(default)"
+        cost = len(request.prompt_token_ids) + request.params.max_tokens
+        if buckets.tokens is not None and cost > buckets.tokens.burst:
+            raise RateLimitedError(
+                f"tenant {tenant}: the request needs {cost} tokens, more than the tenant's "
+                f"burst of {buckets.tokens.burst:.0f}"
+            )
+        if buckets.requests is not None and buckets.requests.retry_after(1) > 0:
+            raise RateLimitedError(
+                f"tenant {tenant} is over its limit of requests per second; retry in "
+                f"{buckets.requests.retry_after(1):.2f}s"
+            )
+        if buckets.tokens is not None and buckets.tokens.retry_after(cost) > 0:
+            raise RateLimitedError(
+                f"tenant {tenant} is over its limit of tokens per second; retry in "
+                f"{buckets.tokens.retry_after(cost):.2f}s"
+            )
+        # take from both only once both allow it, so a refusal costs the tenant nothing
+        if buckets.requests is not None:
+            buckets.requests.try_take(1)
+        if buckets.tokens is not None:
+            buckets.tokens.try_take(cost)
+
+    async def _reject(self, request: EngineRequest, error: RequestError) -> None:
+        await self.emit(
+            "rejected",
+            RequestRejected(request.request_id, type(error).kind, str(error), error.field),
+        )
+
+    def idle(self) -> bool:
+        return not self._held

@@ -1,0 +1,110 @@
+"""The schedule stage: continuous batching around the pure :class:`~stages.scheduler.Scheduler`.
+
+Ports: ``in`` (admitted EngineRequests), ``abort`` (AbortRequests from the API and from
+stop-check), ``result`` (EngineInfo and StepResults from execute); ``execute`` (one
+SchedulerStep at a time), ``out`` (EngineOutputs for the frontend), ``stats`` (EngineStats
+for admit's queue bound), ``rejected`` (requests the scheduler refuses, e.g. a duplicate id).
+
+An abort can overtake its request (the API sends aborts straight here while the request still
+passes tokenize and admit); such ids are remembered, in a bounded set, and the request is
+dropped when it arrives.
+
+NOTE: exactly one step is in flight. When a result arrives the next step is sent to execute
+*before* the outputs go to the frontend, so the model never waits on the frontend.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from pipeline.stage import Stage, handles
+from stages.errors import RequestError
+from stages.messages import (
+    AbortRequests,
+    EngineInfo,
+    EngineRequest,
+    RequestRejected,
+    StepResult,
+)
+from stages.policies import load_policy
+from stages.scheduler import Scheduler, SchedulerConfig
+
+__all__ = ["ScheduleConfig", "ScheduleStage"]
+
+#: how many aborts of not-yet-arrived requests are remembered
+EARLY_ABORTS_KEPT = 65536
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduleConfig:
+    """``policy``: a name in the ``actorline.schedulers`` plugin group."""
+
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    policy: str = "fcfs"
+
+
+class ScheduleStage(Stage):
+    inputs = ("in", "abort", "result")
+    outputs = ("execute", "out", "stats", "rejected")
+
+    def __init__(self, config: ScheduleConfig | None = None) -> None:
+        super().__init__(config or ScheduleConfig())
+        self.scheduler: Scheduler | None = None
+        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    async def start(self) -> None:
+        # NOTE: a policy plugin that is missing, broken or invalid fails start-up loudly.
+        policy = load_policy(self.config.policy)
+        self.scheduler = Scheduler(self.config.scheduler, policy)
+
+    @handles(EngineInfo)
+    async def on_engine_info(self, info: EngineInfo) -> None:
+        assert self.scheduler is not None
+        self.scheduler.set_engine_info(info)
+        await self._dispatch_step()
+
+    @handles(EngineRequest)
+    async def on_request(self, request: EngineRequest) -> None:
+        assert self.scheduler is not None
+        if request.request_id in self._early_aborts:
+            del self._early_aborts[request.request_id]
+            return  # aborted before it arrived
+        try:
+            self.scheduler.add_request(request)
+        except RequestError as error:
+            await self.emit(
+                "rejected",
+                RequestRejected(request.request_id, type(error).kind, str(error), error.field),
+            )
+            return
+        await self._dispatch_step()
+
+    @handles(AbortRequests)
+    async def on_abort(self, abort: AbortRequests) -> None:
+        assert self.scheduler is not None
+        for request_id in abort.request_ids:
+            if not self.scheduler.has_request(request_id):
+                self._early_aborts[request_id] = None
+                if len(self._early_aborts) > EARLY_ABORTS_KEPT:
+                    self._early_aborts.popitem(last=False)
+        self.scheduler.abort(abort.request_ids)
+        await self._dispatch_step()
+
+    @handles(StepResult)
+    async def on_result(self, result: StepResult) -> None:
+        assert self.scheduler is not None
+        outputs = self.scheduler.update(result)
+        await self._dispatch_step()
+        await self.emit("out", outputs)
+        if outputs.stats is not None:
+            await self.emit("stats", outputs.stats)
+
+    async def _dispatch_step(self) -> None:
+        assert self.scheduler is not None
+        step = self.scheduler.schedule()
+        if step is not None:
+            await self.emit("execute", step)
+
+    def idle(self) -> bool:
+        return self.scheduler is None or not (self.scheduler.has_work() or self.scheduler.in_flight)

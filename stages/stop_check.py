@@ -1,0 +1,123 @@
+"""The stop-check stage: stop strings, and the final shape of every output.
+
+It cuts a matched stop string from the text (unless ``include_stop_str_in_output``), holds
+back text that could be the start of a stop string while streaming, honours ``min_tokens``,
+flushes held-back text on every finish, and sends an abort back to schedule when a stop string
+ends a request, so its KV blocks are freed at once.
+
+Ports: ``in`` takes EngineRequest (registration), TextOutputs, RequestRejected and
+AbortRequests (from detokenize); ``out`` sends :class:`RequestOutputs` to the API; ``abort``
+sends :class:`AbortRequests` to schedule.
+"""
+
+from __future__ import annotations
+
+from pipeline.stage import Stage, handles
+from stages.messages import (
+    AbortRequests,
+    EngineRequest,
+    Logprobs,
+    RequestOutput,
+    RequestOutputs,
+    RequestRejected,
+    TextOutputs,
+)
+from stages.stop_checker import StopChecker
+
+__all__ = ["StopCheckStage"]
+
+
+class _Tracked:
+    """What stop-check keeps per running request."""
+
+    __slots__ = (
+        "checker",
+        "logprobs",
+        "num_cached_tokens",
+        "num_prompt_tokens",
+        "text",
+        "token_ids",
+    )
+
+    def __init__(self, request: EngineRequest) -> None:
+        params = request.params
+        self.checker = StopChecker(
+            params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_cached_tokens = 0
+
+
+class StopCheckStage(Stage):
+    inputs = ("in",)
+    outputs = ("out", "abort")
+
+    def __init__(self, config: object = None) -> None:
+        super().__init__(config)
+        self._requests: dict[str, _Tracked] = {}
+
+    @handles(EngineRequest)
+    async def on_request(self, request: EngineRequest) -> None:
+        self._requests[request.request_id] = _Tracked(request)
+
+    @handles(TextOutputs)
+    async def on_text(self, batch: TextOutputs) -> None:
+        requests = self._requests
+        outputs: list[RequestOutput] = []
+        stopped: list[str] = []
+        for index, request_id in enumerate(batch.request_ids):
+            tracked = requests.get(request_id)
+            if tracked is None:
+                continue
+            tracked.token_ids.extend(batch.new_token_ids[index])
+            if request_id in batch.num_cached_tokens:
+                tracked.num_cached_tokens = batch.num_cached_tokens[request_id]
+            decision = tracked.checker.push(batch.texts[index], len(tracked.token_ids))
+            delta = decision.delta
+            finish_reason = batch.finish_reasons[index]
+            stop_reason: str | int | None = batch.stop_reasons[index]
+            if decision.stopped:
+                if finish_reason is None:
+                    stopped.append(request_id)  # the engine still runs it: free its KV now
+                finish_reason, stop_reason = "stop", decision.stop_reason
+            elif finish_reason is not None:
+                delta += tracked.checker.finish()
+            tracked.text += delta
+            logprobs = None
+            if tracked.logprobs is not None:
+                tracked.logprobs.extend(batch.logprobs.get(request_id, ()))
+                logprobs = tuple(tracked.logprobs)
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    tracked.text,
+                    delta,
+                    tuple(tracked.token_ids),
+                    finish_reason,
+                    stop_reason,
+                    logprobs,
+                    tracked.num_prompt_tokens,
+                    tracked.num_cached_tokens,
+                )
+            )
+            if finish_reason is not None:
+                del requests[request_id]
+        if outputs or batch.stats is not None:
+            await self.emit("out", RequestOutputs(tuple(outputs), stats=batch.stats))
+        if stopped:
+            await self.emit("abort", AbortRequests(tuple(stopped)))
+
+    @handles(RequestRejected)
+    async def on_rejected(self, rejected: RequestRejected) -> None:
+        self._requests.pop(rejected.request_id, None)
+        await self.emit("out", RequestOutputs((), rejected=(rejected,)))
+
+    @handles(AbortRequests)
+    async def on_abort(self, abort: AbortRequests) -> None:
+        for request_id in abort.request_ids:
+            self._requests.pop(request_id, None)

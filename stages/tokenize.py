@@ -1,0 +1,127 @@
+"""The tokenize stage: a prompt string, chat messages or token ids → an EngineRequest.
+
+Ports: ``in`` takes :class:`~stages.messages.GenerateRequest`; ``out`` sends the
+:class:`~stages.messages.EngineRequest` to admit; ``track`` sends the same request to the
+frontend's text stages (detokenize registers its state from it); ``rejected`` answers requests
+whose input is unusable with a :class:`~stages.messages.RequestRejected`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pipeline.stage import Stage, handles
+from stages.errors import InvalidRequestError, RequestError
+from stages.messages import EngineRequest, GenerateRequest, RequestRejected
+
+__all__ = ["TokenizeConfig", "TokenizeStage", "load_tokenizer"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenizeConfig:
+    """``model``: an alias, HF directory or .gguf file (the tokenizer comes with it)."""
+
+    model: str
+
+
+def load_tokenizer(model: str) -> Any:
+    """The HF tokenizer of ``model`` (resolved like the execute stage resolves it)."""
+    from stages.models import loading, resolve_model
+
+    with loading():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(resolve_model(model).path)
+
+
+class TokenizeStage(Stage):
+    inputs = ("in",)
+    outputs = ("out", "track", "rejected")
+
+    def __init__(self, config: TokenizeConfig) -> None:
+        super().__init__(config)
+        self.tokenizer: Any = None
+
+    async def start(self) -> None:
+        self.tokenizer = await self.run_in_thread(load_tokenizer, self.config.model)
+
+    @handles(GenerateRequest)
+    async def on_request(self, request: GenerateRequest) -> None:
+        try:
+            token_ids = self.encode(request)
+        except RequestError as error:
+            await self.emit(
+                "rejected",
+                RequestRejected(request.request_id, type(error).kind, str(error), error.field),
+            )
+            return
+        engine_request = EngineRequest(
+            request.request_id,
+            token_ids,
+            request.params,
+            request.tenant,
+            request.arrival_time,
+            request.prompt,
+        )
+        await self.emit("track", engine_request)
+        await self.emit("out", engine_request)
+
+    def encode(self, request: GenerateRequest) -> tuple[int, ...]:
+        """Token ids of the request's input.
+
+        Raises:
+            InvalidRequestError: no input, several inputs, an empty or non-string prompt,
+                malformed chat messages, or token ids that are not non-negative integers.
+        """
+        given = [
+            name
+            for name in ("prompt", "messages", "prompt_token_ids")
+            if getattr(request, name) is not None
+        ]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "give exactly one of prompt, messages or prompt_token_ids"
+                + (f" (got {', '.join(given)})" if given else ""),
+                field="prompt",
+            )
+        if request.prompt_token_ids is not None:
+            ids = request.prompt_token_ids
+            if not ids:
+                raise InvalidRequestError("prompt_token_ids is empty", field="prompt_token_ids")
+            if any(type(t) is not int or t < 0 for t in ids):
+                raise InvalidRequestError(
+                    "prompt_token_ids must be non-negative integers", field="prompt_token_ids"
+                )
+            return tuple(ids)
+        if request.messages is not None:
+            return self._apply_chat_template([(m.role, m.content) for m in request.messages])
+        prompt = request.prompt
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(
+                f"prompt must be a string, got {type(prompt).__name__}", field="prompt"
+            )
+        if not prompt.strip():
+            raise InvalidRequestError("prompt is empty", field="prompt")
+        if request.chat_template:
+            return self._apply_chat_template([("user", prompt)])
+        return tuple(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def _apply_chat_template(self, messages: list[tuple[str, str]]) -> tuple[int, ...]:
+        if not messages:
+            raise InvalidRequestError("messages is empty", field="messages")
+        for role, content in messages:
+            if not isinstance(role, str) or not role:
+                raise InvalidRequestError("every message needs a role", field="messages")
+            if not isinstance(content, str):
+                raise InvalidRequestError("message content must be a string", field="messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt", field="messages"
+            )
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": role, "content": content} for role, content in messages],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return tuple(self.tokenizer.encode(rendered, add_special_tokens=False))
