@@ -98,6 +98,7 @@ def preflight(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     Raises:
         CliError: with status 2 for bad input.
     """
+    import plugins
     from pipeline.options import EngineOptions
     from stages.errors import InvalidRequestError
     from stages.models import ModelError, resolve_model
@@ -109,8 +110,9 @@ def preflight(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
         params = sampling_from(args) if hasattr(args, "max_tokens") else None
         if params is not None:
             validate_sampling(params)
+        plugins.load(plugins.SCHEDULERS, args.scheduler)
         resolved = resolve_model(args.model)
-    except (ModelError, InvalidRequestError, ValueError, TypeError) as exc:
+    except (ModelError, InvalidRequestError, ValueError, TypeError, plugins.PluginError) as exc:
         raise CliError(str(exc), 2) from exc
     return options, params, resolved
 
@@ -160,6 +162,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError("--tls-cert and --tls-key go together", 2)
     if args.tls_client_ca and not args.tls_cert:
         raise CliError("--tls-client-ca needs --tls-cert and --tls-key", 2)
+    for flag, limit in (
+        ("--requests-per-second", args.requests_per_second),
+        ("--tokens-per-second", args.tokens_per_second),
+    ):
+        if limit is not None and not limit > 0:
+            raise CliError(f"{flag} must be > 0, got {limit}", 2)
     try:
         tls = (
             ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
@@ -226,7 +234,10 @@ def _add_serve_command(commands: Any) -> None:
     )
     auth = serve.add_argument_group("authentication and limits")
     auth.add_argument(
-        "--api-key", action="append", default=[], help="accepted API key (repeatable)"
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted API key (repeatable; visible in the process list, so prefer a file)",
     )
     auth.add_argument(
         "--api-key-file",
@@ -235,7 +246,10 @@ def _add_serve_command(commands: Any) -> None:
         help="file of API keys, one per line: KEY [REQUESTS_PER_SECOND TOKENS_PER_SECOND]",
     )
     auth.add_argument(
-        "--requests-per-second", type=float, default=None, help="default limit per API key"
+        "--requests-per-second",
+        type=float,
+        default=None,
+        help="default limit per API key (per server without keys)",
     )
     auth.add_argument(
         "--tokens-per-second",

@@ -116,4 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # NOTE: run the imported module's main, not this __main__ copy, so the CLI's exception
+    # classes are the ones its subcommand modules raise.
+    from pipeline.cli import main as _main
+
+    sys.exit(_main())

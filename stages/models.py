@@ -45,8 +45,12 @@ _LOADING = threading.Lock()
 
 @contextlib.contextmanager
 def loading() -> Iterator[None]:
-    """Hold the process-wide lock for loading models and tokenizers."""
+    """Hold the process-wide lock for loading models and tokenizers (and keep transformers'
+    progress bars off the terminal)."""
     with _LOADING:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
         yield
 
 
@@ -150,7 +154,7 @@ def _converted_gguf(gguf: Path, cache: Path | None) -> Path:
     with _file_lock(root / f"{target.name}.lock"):
         if (target / "complete").is_file():
             return target
-        logger.warning("converting %s to safetensors (once; cached in %s)", gguf, target)
+        logger.info("converting %s to safetensors (once; cached in %s)", gguf, target)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
         try:
             _convert(gguf, staging)
