@@ -40,6 +40,8 @@ _LAZY = {
     "RateLimitedError": "stages.errors",
     "OverloadedError": "stages.errors",
     "llm_pipeline": "pipeline.presets",
+    "Client": "pipeline.client",
+    "AsyncClient": "pipeline.client",
 }
 
 __all__ = [

@@ -178,6 +178,11 @@ class AsyncEngine:
         await self.close()
 
     @property
+    def failure(self) -> BaseException | None:
+        """Why the engine stopped working (an EngineDeadError, ...); None while it works."""
+        return self._failure
+
+    @property
     def running(self) -> RunningPipeline:
         """The running pipeline (for statistics and advanced use)."""
         if self._running is None:

@@ -1,0 +1,58 @@
+r"""The public gRPC API: the ``actorline.v1.Generation`` service (``generation.proto``), its
+server (``actorline serve``) and the wire conversions the Python client
+(:mod:`pipeline.client`) shares with it.
+
+Modules: ``generation.proto`` and its generated ``generation_pb2``/``generation_pb2_grpc``
+stubs; :mod:`~pipeline.server.auth` (API keys → engine tenants and limits);
+:mod:`~pipeline.server.convert` (protobuf ↔ Python); :mod:`~pipeline.server.status`
+(errors ↔ gRPC status codes); :mod:`~pipeline.server.service` (the servicer);
+:mod:`~pipeline.server.serve` (server, TLS, health, reflection, ``serve``).
+
+The generated stubs are committed. After editing ``generation.proto``, regenerate them from
+the repository root with::
+
+    python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
+        pipeline/server/generation.proto
+
+(tests/pipeline/server/test_generation_proto.py fails while they are stale).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "SERVICE_NAME",
+    "ApiKeys",
+    "AuthenticationError",
+    "GenerationServer",
+    "GenerationService",
+    "ServerTLS",
+    "ServiceError",
+    "ServiceUnavailableError",
+    "serve",
+]
+
+# name -> module defining it; imported on first access, so the client does not pull in the
+# server (and the server modules load only when used)
+_LAZY = {
+    "SERVICE_NAME": "pipeline.server.serve",
+    "ApiKeys": "pipeline.server.auth",
+    "AuthenticationError": "pipeline.server.auth",
+    "GenerationServer": "pipeline.server.serve",
+    "GenerationService": "pipeline.server.service",
+    "ServerTLS": "pipeline.server.serve",
+    "ServiceError": "pipeline.server.status",
+    "ServiceUnavailableError": "pipeline.server.status",
+    "serve": "pipeline.server.serve",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pipeline.server' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,215 @@
+"""Conversions between the Generation service's protobuf messages and actorline's Python
+types, for the server (proto → engine input, engine output → proto) and the client (Python
+input → proto). Every SamplingParams field has a proto counterpart of the same name."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from pipeline.engine import Prompt
+from pipeline.server import generation_pb2 as pb
+from stages.errors import InvalidRequestError
+from stages.messages import ChatMessage, EngineInfo, Logprobs, RequestOutput
+from stages.params import SamplingParams
+
+__all__ = [
+    "FINISH_REASONS",
+    "SAMPLING_FIELDS",
+    "finish_reason_name",
+    "model_info_to_proto",
+    "prompt_from_proto",
+    "request_to_proto",
+    "response_from_output",
+    "sampling_from_proto",
+    "sampling_to_proto",
+]
+
+#: SamplingParams field → its default, in declaration order
+SAMPLING_FIELDS: dict[str, object] = {
+    field.name: field.default for field in dataclasses.fields(SamplingParams)
+}
+_REPEATED_FIELDS = ("stop", "stop_token_ids")
+
+#: engine finish reason → proto enum value
+FINISH_REASONS: dict[str, int] = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+_FINISH_NAMES = {value: name for name, value in FINISH_REASONS.items()}
+
+
+def finish_reason_name(value: int) -> str | None:
+    """The engine's finish reason for a proto enum value (None while running)."""
+    return _FINISH_NAMES.get(value)
+
+
+# -- sampling parameters --------------------------------------------------------------------
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """The proto form of ``params``; fields at their default stay unset.
+
+    Raises:
+        InvalidRequestError: a value the proto cannot carry (wrong type, out of range),
+            naming the field.
+    """
+    message = pb.SamplingParams()
+    for name, default in SAMPLING_FIELDS.items():
+        value = getattr(params, name)
+        try:
+            if name in _REPEATED_FIELDS:
+                getattr(message, name).extend(value)
+            elif value is not None and value != default:
+                setattr(message, name, value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"{name} cannot be sent: {exc}", field=name) from None
+    return message
+
+
+def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
+    """The SamplingParams a request asks for: unset fields take their (vLLM) defaults. The
+    values are not validated here (the engine does, naming the field)."""
+    values: dict[str, object] = {}
+    for name in SAMPLING_FIELDS:
+        if name in _REPEATED_FIELDS:
+            values[name] = tuple(getattr(message, name))
+        elif message.HasField(name):
+            values[name] = getattr(message, name)
+    return SamplingParams(**values)  # type: ignore[arg-type]
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+def request_to_proto(
+    prompt: Prompt,
+    params: SamplingParams | None = None,
+    *,
+    request_id: str | None = None,
+    chat_template: bool = False,
+) -> pb.GenerateRequest:
+    """A GenerateRequest for a text, a conversation (ChatMessage or role/content mappings)
+    or token ids.
+
+    Raises:
+        InvalidRequestError: a prompt of another shape, or an unsendable parameter.
+    """
+    request = pb.GenerateRequest(chat_template=chat_template)
+    if request_id is not None:
+        request.request_id = request_id
+    if params is not None:
+        request.sampling_params.CopyFrom(sampling_to_proto(params))
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and prompt:
+        if all(type(token) is int for token in prompt):
+            try:
+                request.token_ids.ids.extend(prompt)
+            except ValueError as exc:
+                raise InvalidRequestError(
+                    f"token ids must be in [0, 2**32): {exc}", field="prompt_token_ids"
+                ) from None
+        else:
+            request.messages.SetInParent()
+            for item in prompt:
+                role, content = _chat_fields(item)
+                request.messages.messages.add(role=role, content=content)
+    else:
+        raise InvalidRequestError(
+            f"prompt must be a string, chat messages or token ids, got {prompt!r:.60}",
+            field="prompt",
+        )
+    return request
+
+
+def _chat_fields(item: object) -> tuple[str, str]:
+    if isinstance(item, ChatMessage):
+        return item.role, item.content
+    if isinstance(item, Mapping) and isinstance(item.get("content"), str):
+        return str(item.get("role", "user")), item["content"]
+    raise InvalidRequestError(
+        "a prompt list must hold token ids or chat messages ({'role': ..., 'content': ...})",
+        field="prompt",
+    )
+
+
+def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
+    """The engine prompt of a request (not validated here beyond its presence).
+
+    Raises:
+        InvalidRequestError: no input is set (field ``input``).
+    """
+    which = request.WhichOneof("input")
+    if which == "text":
+        return request.text
+    if which == "messages":
+        return [
+            ChatMessage(message.role or "user", message.content)
+            for message in request.messages.messages
+        ]
+    if which == "token_ids":
+        return list(request.token_ids.ids)
+    raise InvalidRequestError(
+        "the request has no input: set text, messages or token_ids", field="input"
+    )
+
+
+# -- outputs --------------------------------------------------------------------------------
+
+
+def _logprob_to_proto(entry: Logprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=entry.token_id,
+        logprob=entry.logprob,
+        rank=entry.rank,
+        top_token_ids=entry.top_token_ids,
+        top_logprobs=entry.top_logprobs,
+    )
+
+
+def response_from_output(
+    output: RequestOutput, request_id: str, num_sent_tokens: int
+) -> pb.GenerateResponse:
+    """The response for one engine output of a request whose first ``num_sent_tokens``
+    tokens were already sent: the new text, the new token ids (and their logprobs), and on
+    the last output the finish reason, stop reason and usage."""
+    response = pb.GenerateResponse(
+        request_id=request_id,
+        delta=output.delta,
+        token_ids=output.token_ids[num_sent_tokens:],
+    )
+    if output.logprobs:
+        response.logprobs.extend(
+            _logprob_to_proto(entry) for entry in output.logprobs[num_sent_tokens:]
+        )
+    if output.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS.get(output.finish_reason, pb.FINISH_REASON_ERROR)  # type: ignore[assignment]
+        if isinstance(output.stop_reason, str):
+            response.stop_string = output.stop_reason
+        elif isinstance(output.stop_reason, int):
+            response.stop_token_id = output.stop_reason
+        response.usage.prompt_tokens = output.num_prompt_tokens
+        response.usage.completion_tokens = len(output.token_ids)
+        response.usage.cached_tokens = output.num_cached_tokens
+    return response
+
+
+def model_info_to_proto(info: EngineInfo, scheduler: str) -> pb.ModelInfo:
+    """The ModelInfo for the engine's :class:`~stages.messages.EngineInfo`."""
+    return pb.ModelInfo(
+        model=info.model,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        kv_cache_blocks=info.num_blocks,
+        block_size=info.block_size,
+        kv_cache_tokens=info.num_blocks * info.block_size,
+        kv_cache_bytes=info.kv_cache_bytes,
+        dtype=info.dtype,
+        device=info.device,
+        scheduler=scheduler,
+        prefix_caching=info.enable_prefix_caching,
+        eos_token_ids=info.eos_token_ids,
+    )

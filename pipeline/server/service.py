@@ -1,0 +1,184 @@
+"""The ``actorline.v1.Generation`` servicer over a started :class:`~pipeline.engine.AsyncEngine`.
+
+Each call is authenticated by its API key (:mod:`pipeline.server.auth`), which selects the
+engine tenant, so the admit stage enforces the key's rate limits. Request ids are namespaced
+by tenant: two keys may use the same id, and a key can only abort its own requests. Errors
+end the call with the status of :mod:`pipeline.server.status`.
+
+NOTE: a client that cancels its Generate call cancels the handler task; closing the engine's
+output iterator (``aclosing``) then aborts the request in the engine, which frees its KV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator
+from typing import NoReturn, cast
+
+import grpc
+import grpc.aio
+
+from pipeline.engine import AsyncEngine
+from pipeline.server import generation_pb2 as pb
+from pipeline.server import generation_pb2_grpc as pb_grpc
+from pipeline.server.auth import AUTHORIZATION_KEY, ApiKeys
+from pipeline.server.convert import (
+    model_info_to_proto,
+    prompt_from_proto,
+    response_from_output,
+    sampling_from_proto,
+)
+from pipeline.server.status import ServiceUnavailableError, status_for
+from stages.errors import InvalidRequestError, RequestError
+from stages.messages import RequestOutput
+
+__all__ = ["MAX_REQUEST_ID_LENGTH", "GenerationService"]
+
+logger = logging.getLogger("actorline.server")
+
+#: longest client request id accepted (characters)
+MAX_REQUEST_ID_LENGTH = 256
+_ENGINE_ID_SEPARATOR = "/"
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    """Serves Generate, Abort and GetModelInfo from ``engine`` (started, not owned: the caller
+    closes it). ``api_keys``: the accepted keys (none: authentication is off)."""
+
+    def __init__(self, engine: AsyncEngine, api_keys: ApiKeys | None = None) -> None:
+        self._engine = engine
+        self._api_keys = api_keys if api_keys is not None else ApiKeys()
+        self._running: set[str] = set()
+        self._shutting_down = False
+
+    @property
+    def num_running(self) -> int:
+        """Generate calls in progress."""
+        return len(self._running)
+
+    # -- RPCs -----------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Stream the request's outputs: one response per engine output, the last with the
+        finish reason and usage. Ends with an error status for a refused request."""
+        tenant = await self._authenticate(context)
+        client_id = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        try:
+            self._check_serving()
+            engine_id = self._engine_request_id(tenant, client_id)
+            prompt = prompt_from_proto(request)
+            params = sampling_from_proto(request.sampling_params)
+            if engine_id in self._running:
+                raise InvalidRequestError(
+                    f"request id {client_id!r} is already running", field="request_id"
+                )
+        except Exception as error:
+            await _end_call(context, error)
+        self._running.add(engine_id)
+        try:
+            sent = 0
+            # NOTE: generate is an async generator (annotated as an iterator)
+            outputs = cast(
+                AsyncGenerator[RequestOutput, None],
+                self._engine.generate(
+                    prompt,
+                    params,
+                    request_id=engine_id,
+                    tenant=tenant,
+                    chat_template=request.chat_template,
+                ),
+            )
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    if output.finish_reason == "abort" and self._shutting_down:
+                        raise ServiceUnavailableError(
+                            "the server is shutting down; the request was aborted"
+                        )
+                    await context.write(response_from_output(output, client_id, sent))
+                    sent = len(output.token_ids)
+        except Exception as error:
+            await _end_call(context, error)
+        finally:
+            self._running.discard(engine_id)
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        """Abort a running request of the caller's key (its stream ends with ABORT)."""
+        tenant = await self._authenticate(context)
+        try:
+            self._check_serving()
+            engine_id = self._engine_request_id(tenant, request.request_id)
+            if engine_id not in self._running:
+                return pb.AbortResponse(aborted=False)
+            await self._engine.abort(engine_id)
+        except Exception as error:
+            await _end_call(context, error)
+        return pb.AbortResponse(aborted=True)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        """The engine's model, KV cache and scheduler."""
+        await self._authenticate(context)
+        try:
+            self._check_serving()
+            info = self._engine.info
+            if info is None:
+                raise ServiceUnavailableError("the engine is not started")
+        except Exception as error:
+            await _end_call(context, error)
+        return model_info_to_proto(info, self._engine.options.scheduler)
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    async def shut_down(self) -> None:
+        """Refuse new calls and abort every running request: their calls end with UNAVAILABLE
+        (after the output they already received)."""
+        self._shutting_down = True
+        for engine_id in list(self._running):
+            with contextlib.suppress(Exception):  # the engine may be gone already
+                await self._engine.abort(engine_id)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        authorization = None
+        for key, value in context.invocation_metadata() or ():
+            if key == AUTHORIZATION_KEY:
+                authorization = value.decode() if isinstance(value, bytes) else value
+        try:
+            return self._api_keys.authenticate(authorization)
+        except RequestError as error:
+            await _end_call(context, error)
+
+    def _check_serving(self) -> None:
+        if self._shutting_down:
+            raise ServiceUnavailableError("the server is shutting down")
+        if self._engine.failure is not None:
+            raise self._engine.failure
+
+    @staticmethod
+    def _engine_request_id(tenant: str, request_id: str) -> str:
+        if not request_id:
+            raise InvalidRequestError("request_id must not be empty", field="request_id")
+        if len(request_id) > MAX_REQUEST_ID_LENGTH:
+            raise InvalidRequestError(
+                f"request_id must be at most {MAX_REQUEST_ID_LENGTH} characters, "
+                f"got {len(request_id)}",
+                field="request_id",
+            )
+        return f"{tenant}{_ENGINE_ID_SEPARATOR}{request_id}" if tenant else request_id
+
+
+async def _end_call(context: grpc.aio.ServicerContext, error: BaseException) -> NoReturn:
+    """End the call with the status for ``error`` (``context.abort`` raises)."""
+    status = status_for(error)
+    if status.code == grpc.StatusCode.INTERNAL:
+        logger.error("call failed: %s", error, exc_info=error)
+    await context.abort(status.code, status.details, status.trailing_metadata())
+    raise AssertionError("context.abort returned")  # pragma: no cover

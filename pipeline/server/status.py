@@ -1,0 +1,160 @@
+"""The wire form of errors: a typed Python error ↔ a gRPC status with trailers.
+
+The server turns every error a call ends with into a status code, details that name the
+offending field, and two trailers, ``actorline-error-kind`` (a
+:data:`stages.errors.ERROR_KINDS` key, ``unauthenticated``, ``engine_dead`` or
+``unavailable``) and ``actorline-error-field``. The client turns them back into the same
+Python error types. Mapping:
+
+=====================================  ======================  ================
+error                                  status                  kind
+=====================================  ======================  ================
+AuthenticationError                    UNAUTHENTICATED         unauthenticated
+InvalidRequestError                    INVALID_ARGUMENT        invalid
+PromptTooLongError                     INVALID_ARGUMENT        prompt_too_long
+RateLimitedError, OverloadedError      RESOURCE_EXHAUSTED      rate_limited, overloaded
+EngineDeadError                        UNAVAILABLE             engine_dead
+ServiceUnavailableError, other
+PipelineError (shutting down)          UNAVAILABLE             unavailable
+RequestError, anything else            INTERNAL                error
+=====================================  ======================  ================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import grpc
+
+from pipeline.errors import EngineDeadError, PipelineError
+from pipeline.presets import ENGINE_HOST
+from pipeline.server.auth import AuthenticationError
+from stages.errors import (
+    ERROR_KINDS,
+    InvalidRequestError,
+    OverloadedError,
+    RateLimitedError,
+    RequestError,
+)
+
+__all__ = [
+    "ERROR_FIELD_KEY",
+    "ERROR_KIND_KEY",
+    "ErrorStatus",
+    "ServiceError",
+    "ServiceUnavailableError",
+    "error_from_status",
+    "status_for",
+]
+
+ERROR_KIND_KEY = "actorline-error-kind"
+ERROR_FIELD_KEY = "actorline-error-field"
+
+_ENGINE_DEAD = "engine_dead"
+_UNAVAILABLE = "unavailable"
+_INTERNAL = RequestError.kind
+
+
+class ServiceUnavailableError(ConnectionError):
+    """The service cannot take the call: it is unreachable, shutting down, or its engine is
+    gone (see also :class:`~pipeline.errors.EngineDeadError`)."""
+
+
+class ServiceError(Exception):
+    """A call failed with a status no typed error describes; ``code`` is the gRPC status
+    code's name (e.g. ``"INTERNAL"``)."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}" if details else code)
+        self.code = code
+        self.details = details
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ErrorStatus:
+    """How a call ends for an error: ``code`` and ``details`` for the status, ``kind`` and
+    ``field`` for the trailers."""
+
+    code: grpc.StatusCode
+    details: str
+    kind: str
+    field: str | None = None
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        pairs = [(ERROR_KIND_KEY, self.kind)]
+        if self.field:
+            pairs.append((ERROR_FIELD_KEY, self.field))
+        return tuple(pairs)
+
+
+def _details(error: BaseException, field: str | None) -> str:
+    message = str(error) or type(error).__name__
+    # NOTE: the details name the field, also when the message itself does not start with it.
+    if field and not message.startswith(field):
+        return f"{field}: {message}"
+    return message
+
+
+def status_for(error: BaseException) -> ErrorStatus:
+    """The status a call ends with for ``error`` (see the module docstring)."""
+    if isinstance(error, AuthenticationError):
+        return ErrorStatus(grpc.StatusCode.UNAUTHENTICATED, str(error), error.kind)
+    if isinstance(error, InvalidRequestError):
+        return ErrorStatus(
+            grpc.StatusCode.INVALID_ARGUMENT, _details(error, error.field), error.kind, error.field
+        )
+    if isinstance(error, (RateLimitedError, OverloadedError)):
+        return ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), error.kind)
+    if isinstance(error, EngineDeadError):
+        return ErrorStatus(grpc.StatusCode.UNAVAILABLE, str(error), _ENGINE_DEAD)
+    if isinstance(error, (ServiceUnavailableError, PipelineError)):
+        return ErrorStatus(grpc.StatusCode.UNAVAILABLE, str(error), _UNAVAILABLE)
+    if isinstance(error, RequestError):
+        return ErrorStatus(grpc.StatusCode.INTERNAL, _details(error, error.field), error.kind)
+    return ErrorStatus(grpc.StatusCode.INTERNAL, "internal server error", _INTERNAL)
+
+
+def _trailer(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    for name, value in metadata or ():
+        if name == key:
+            return value.decode() if isinstance(value, bytes) else value
+    return None
+
+
+def error_from_status(
+    code: grpc.StatusCode,
+    details: str,
+    trailing_metadata: Iterable[tuple[str, str | bytes]] | None = None,
+) -> Exception:
+    """The Python error for a call that ended with ``code``: the typed error the server
+    raised when the trailers name it, otherwise the closest one for the code.
+
+    Returns:
+        AuthenticationError, InvalidRequestError (``field`` set), PromptTooLongError,
+        RateLimitedError, OverloadedError, EngineDeadError, ServiceUnavailableError,
+        TimeoutError (DEADLINE_EXCEEDED), RequestError, or ServiceError for any other code.
+    """
+    kind = _trailer(trailing_metadata, ERROR_KIND_KEY)
+    field = _trailer(trailing_metadata, ERROR_FIELD_KEY)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(details)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if kind == _ENGINE_DEAD:
+            dead = EngineDeadError(ENGINE_HOST, None)
+            dead.args = (details,)  # the server's own account (which signal, exit code)
+            return dead
+        return ServiceUnavailableError(details)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(details)
+    if kind in ERROR_KINDS and code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+    ):
+        return ERROR_KINDS[kind](details, field=field)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequestError(details, field=field)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return RateLimitedError(details)
+    return ServiceError(code.name, details)

@@ -1,0 +1,222 @@
+"""Test helpers: a real engine and Generation server running in a background event loop, and
+self-signed TLS certificates made with ``openssl``.
+
+NOTE: tests run their client coroutines on the server's own loop (:meth:`ServedEngine.run`),
+so one event loop drives the engine, the server and the test's gRPC channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+import pytest
+
+from pipeline.engine import AsyncEngine
+from pipeline.llm import _LoopThread
+from pipeline.server.auth import ApiKey, ApiKeys
+from pipeline.server.serve import GenerationServer, ServerTLS
+
+__all__ = [
+    "GOOD_KEY",
+    "OTHER_KEY",
+    "REQUEST_LIMITED_KEY",
+    "RUN_TIMEOUT",
+    "TEST_KEYS",
+    "TOKEN_LIMITED_KEY",
+    "Certificate",
+    "ServedEngine",
+    "bearer",
+    "child_pids",
+    "make_certificate",
+    "process_alive",
+    "read_until_end",
+    "rpc_error",
+    "trailer",
+]
+
+T = TypeVar("T")
+
+#: API keys of the shared test server: two unlimited keys, one whose token bucket (64 tokens)
+#: is smaller than any request asking for 100 tokens, one allowing a single request
+GOOD_KEY = "good-key-0123"
+OTHER_KEY = "other-key-4567"
+TOKEN_LIMITED_KEY = "token-limited-key"
+REQUEST_LIMITED_KEY = "request-limited-key"
+TEST_KEYS: dict[str, tuple[float | None, float | None] | None] = {
+    GOOD_KEY: None,
+    OTHER_KEY: None,
+    TOKEN_LIMITED_KEY: (None, 64.0),
+    REQUEST_LIMITED_KEY: (1e-3, None),
+}
+
+#: seconds a test coroutine may run on the server loop before the test fails
+RUN_TIMEOUT = 120.0
+
+
+class ServedEngine:
+    """An :class:`AsyncEngine` on ``model`` and a :class:`GenerationServer` over it on
+    127.0.0.1 (a free port), in a loop thread. ``keys``: API key → limits (None: the
+    defaults) or no keys (authentication off)."""
+
+    def __init__(
+        self,
+        model: Path,
+        *,
+        keys: dict[str, tuple[float | None, float | None] | None] | None = None,
+        **engine_options: Any,
+    ) -> None:
+        entries = [ApiKey.create(key, limits) for key, limits in (keys or {}).items()]
+        self.api_keys = ApiKeys(entries)
+        self._loop_thread = _LoopThread()
+        self.engine = AsyncEngine(
+            str(model), tenant_limits=self.api_keys.tenant_limits(), **engine_options
+        )
+        self.server = GenerationServer(self.engine, api_keys=self.api_keys)
+        try:
+            self.address = self.run(self._start())
+        except BaseException:
+            self.close()
+            raise
+
+    async def _start(self) -> str:
+        await self.engine.start()
+        return await self.server.start("127.0.0.1", 0)
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float = RUN_TIMEOUT) -> T:
+        """Run ``coroutine`` on the server's loop and return its result."""
+        future = asyncio.run_coroutine_threadsafe(
+            asyncio.wait_for(coroutine, timeout), self._loop_thread.loop
+        )
+        return future.result()
+
+    async def start_server(self, tls: ServerTLS | None = None) -> GenerationServer:
+        """Another server over the same engine (e.g. with TLS); the caller stops it."""
+        server = GenerationServer(self.engine, api_keys=self.api_keys, tls=tls)
+        await server.start("127.0.0.1", 0)
+        return server
+
+    async def wait_kv_free(self, timeout: float = 30.0) -> None:
+        """Wait until no request runs and every KV block is free (polls the engine stats).
+
+        Raises:
+            TimeoutError: not reached within ``timeout`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            stats = self.engine.stats
+            if (
+                stats is not None
+                and stats.num_running == 0
+                and stats.num_waiting == 0
+                and stats.kv_blocks_free == stats.kv_blocks_total
+            ):
+                return
+            if loop.time() > deadline:
+                raise TimeoutError(f"KV blocks still in use after {timeout}s: {stats}")
+            await asyncio.sleep(0.05)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self.server.stop(grace=1.0)
+            await self.engine.close()
+
+        try:
+            if self._loop_thread.loop.is_running():
+                self.run(stop())
+        finally:
+            self._loop_thread.stop()
+
+
+@dataclasses.dataclass(frozen=True)
+class Certificate:
+    """A self-signed certificate (it is its own CA) and its key, as files and PEM bytes."""
+
+    certificate_path: Path
+    key_path: Path
+
+    @property
+    def certificate(self) -> bytes:
+        return self.certificate_path.read_bytes()
+
+    @property
+    def key(self) -> bytes:
+        return self.key_path.read_bytes()
+
+
+def make_certificate(directory: Path, name: str) -> Certificate:
+    """A self-signed P-256 certificate for ``localhost`` / 127.0.0.1, valid one day."""
+    certificate = Certificate(directory / f"{name}.crt", directory / f"{name}.key")
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec",
+            "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", str(certificate.key_path), "-out", str(certificate.certificate_path),
+            "-days", "1", "-subj", f"/CN={name}",
+            "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return certificate
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying ``key``."""
+    return (("authorization", f"Bearer {key}"),)
+
+
+async def rpc_error(call: Any) -> grpc.aio.AioRpcError:
+    """The error a call (or a coroutine reading one) ends with; fails the test on success."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        if hasattr(call, "__aiter__"):
+            async for _ in call:
+                pass
+        else:
+            await call
+    return caught.value
+
+
+def trailer(error: grpc.aio.AioRpcError, key: str) -> str | None:
+    """The value of trailer ``key`` of a failed call."""
+    return dict(error.trailing_metadata() or ()).get(key)
+
+
+async def read_until_end(call: Any) -> list[Any]:
+    """Every remaining response of a streaming call (raises its error, if it fails)."""
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
+def child_pids(parent: int) -> set[int]:
+    """Live (non-zombie) processes whose parent is ``parent``."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            found.add(int(entry.name))
+    return found
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (non-zombie) process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -1,0 +1,182 @@
+"""Protobuf ↔ Python conversions: sampling parameters (every field, defaults when unset),
+prompts of each shape, and engine outputs as stream responses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.server import generation_pb2 as pb
+from pipeline.server.convert import (
+    SAMPLING_FIELDS,
+    finish_reason_name,
+    model_info_to_proto,
+    prompt_from_proto,
+    request_to_proto,
+    response_from_output,
+    sampling_from_proto,
+    sampling_to_proto,
+)
+from stages.errors import InvalidRequestError
+from stages.messages import ChatMessage, EngineInfo, Logprobs, RequestOutput
+from stages.params import SamplingParams
+
+INT64 = st.integers(-(2**63), 2**63 - 1)
+FLOATS = st.floats(allow_nan=False, allow_infinity=False)
+
+
+def test_every_sampling_field_has_a_proto_field_with_presence() -> None:
+    proto_fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    assert set(proto_fields) == set(SAMPLING_FIELDS)
+    for name, field in proto_fields.items():
+        repeated = name in ("stop", "stop_token_ids")
+        assert field.has_presence != repeated, name
+
+
+def test_unset_fields_are_the_vllm_defaults() -> None:
+    assert sampling_from_proto(pb.SamplingParams()) == SamplingParams()
+    assert sampling_to_proto(SamplingParams()).ByteSize() == 0
+    # an explicit value equal to the default is still that value
+    explicit = pb.SamplingParams(temperature=1.0, max_tokens=16)
+    assert sampling_from_proto(explicit) == SamplingParams()
+
+
+@given(
+    max_tokens=INT64,
+    temperature=FLOATS,
+    top_p=FLOATS,
+    top_k=INT64,
+    min_p=FLOATS,
+    penalty=FLOATS,
+    seed=st.none() | INT64,
+    stop=st.lists(st.text(max_size=5), max_size=3),
+    stop_token_ids=st.lists(INT64, max_size=3),
+    flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+    logprobs=st.none() | INT64,
+    priority=INT64,
+)
+def test_sampling_parameters_round_trip(
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    penalty: float,
+    seed: int | None,
+    stop: list[str],
+    stop_token_ids: list[int],
+    flags: tuple[bool, bool, bool],
+    logprobs: int | None,
+    priority: int,
+) -> None:
+    """Any value the proto can carry arrives unchanged, valid or not (the engine validates)."""
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=penalty,
+        presence_penalty=-penalty,
+        frequency_penalty=penalty / 2,
+        seed=seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=flags[0],
+        min_tokens=max_tokens // 2,
+        logprobs=logprobs,
+        include_stop_str_in_output=flags[1],
+        skip_special_tokens=flags[2],
+        priority=priority,
+    )
+    wire = pb.SamplingParams.FromString(sampling_to_proto(params).SerializeToString())
+    assert sampling_from_proto(wire) == params
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"max_tokens": 2**70}, "max_tokens"),
+        ({"seed": -(2**64)}, "seed"),
+        ({"top_p": "x"}, "top_p"),
+    ],
+)
+def test_unsendable_values_name_the_field(changes: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        sampling_to_proto(dataclasses.replace(SamplingParams(), **changes))  # type: ignore[arg-type]
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("plain text", "plain text"),
+        ([5, 6, 7], [5, 6, 7]),
+        ([{"role": "user", "content": "hi"}], [ChatMessage("user", "hi")]),
+        ([{"content": "no role"}], [ChatMessage("user", "no role")]),
+        ([ChatMessage("system", "s"), ChatMessage("user", "u")], None),
+    ],
+)
+def test_prompts_round_trip(prompt: object, expected: object) -> None:
+    request = request_to_proto(prompt, request_id="r1", chat_template=True)  # type: ignore[arg-type]
+    wire = pb.GenerateRequest.FromString(request.SerializeToString())
+    assert prompt_from_proto(wire) == (prompt if expected is None else expected)
+    assert wire.request_id == "r1" and wire.chat_template
+    assert not wire.HasField("sampling_params")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "field"),
+    [([], "prompt"), (b"x", "prompt"), ([1, "a"], "prompt"), ([2**40], "prompt_token_ids")],
+)
+def test_prompts_of_another_shape_are_refused(prompt: object, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        request_to_proto(prompt)  # type: ignore[arg-type]
+    assert caught.value.field == field
+
+
+def test_a_request_without_input_names_the_input() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        prompt_from_proto(pb.GenerateRequest())
+    assert caught.value.field == "input"
+
+
+def test_responses_carry_only_the_new_tokens_and_finish_on_the_last() -> None:
+    logprobs = tuple(Logprobs(t, -0.5 * t, 1, (t, 9), (-0.5 * t, -3.0)) for t in (4, 5, 6))
+    running = RequestOutput("engine-id", "ab", "b", (4, 5), None, None, logprobs[:2], 7, 3)
+    response = response_from_output(running, "client-id", 1)
+    assert (response.request_id, response.delta, list(response.token_ids)) == (
+        "client-id",
+        "b",
+        [5],
+    )
+    assert [entry.token_id for entry in response.logprobs] == [5]
+    assert list(response.logprobs[0].top_token_ids) == [5, 9]
+    assert response.finish_reason == pb.FINISH_REASON_UNSPECIFIED
+    assert not response.HasField("usage") and response.WhichOneof("stop_reason") is None
+
+    done = RequestOutput("engine-id", "abc", "c", (4, 5, 6), "stop", "END", logprobs, 7, 3)
+    last = response_from_output(done, "client-id", 2)
+    assert list(last.token_ids) == [6] and finish_reason_name(last.finish_reason) == "stop"
+    assert last.stop_string == "END"
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens) == (
+        7,
+        3,
+        3,
+    )
+    by_token = response_from_output(dataclasses.replace(done, stop_reason=2), "c", 3)
+    assert by_token.stop_token_id == 2 and len(by_token.token_ids) == 0
+
+
+def test_model_info_reports_the_kv_capacity() -> None:
+    info = EngineInfo("m", 49152, 2048, (2,), 100, 16, "float32", "cpu", 1 << 20, True)
+    message = model_info_to_proto(info, "priority")
+    assert (message.kv_cache_blocks, message.block_size, message.kv_cache_tokens) == (100, 16, 1600)
+    assert (message.scheduler, message.max_model_len, list(message.eos_token_ids)) == (
+        "priority",
+        2048,
+        [2],
+    )

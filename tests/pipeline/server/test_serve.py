@@ -1,0 +1,251 @@
+"""``actorline serve`` as a real subprocess (ready line, calls, SIGTERM, exit 0, no engine
+process left), a server whose engine process is SIGKILLed (calls end with UNAVAILABLE,
+health turns NOT_SERVING), and the serve command's argument errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pipeline.cli import main
+from pipeline.client import AuthenticationError, Client, ServiceUnavailableError, StreamedOutput
+from pipeline.errors import EngineDeadError
+from pipeline.server import generation_pb2 as pb
+from pipeline.server import generation_pb2_grpc as pb_grpc
+from pipeline.server.status import ERROR_KIND_KEY
+from stages.params import SamplingParams
+from tests.pipeline.server.serving import (
+    ServedEngine,
+    child_pids,
+    process_alive,
+    read_until_end,
+    rpc_error,
+    trailer,
+)
+
+REPOSITORY = Path(__file__).resolve().parents[3]
+READY_LINE = re.compile(r"^serving actorline\.v1\.Generation on (127\.0\.0\.1:\d+)$")
+#: seconds for the subprocess to load the model and print its address
+START_TIMEOUT = 300.0
+#: seconds for in-flight calls to end once the engine process is killed (the brief's bound)
+ENGINE_DEATH_DEADLINE = 5.0
+EXIT_TIMEOUT = 60.0
+LONG = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+
+
+def actorline_command() -> list[str]:
+    """The installed ``actorline`` script, or the same entry point through the interpreter."""
+    script = Path(sys.executable).with_name("actorline")
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from pipeline.cli import main; sys.exit(main())"]
+
+
+class ServeProcess:
+    """``actorline serve`` in a subprocess; :attr:`address` once it printed its ready line."""
+
+    def __init__(self, arguments: list[str], stderr_path: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
+        self._stderr = stderr_path.open("w")
+        self.process = subprocess.Popen(
+            [*actorline_command(), "serve", *arguments],
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=env,
+            cwd=REPOSITORY,
+        )
+        self.stderr_path = stderr_path
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        self.address = self._wait_ready()
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _wait_ready(self) -> str:
+        try:
+            line = self.lines.get(timeout=START_TIMEOUT)
+        except queue.Empty:
+            line = None
+        match = READY_LINE.match(line or "")
+        if match is None:
+            self.kill()
+            raise AssertionError(
+                f"no ready line (got {line!r}); stderr:\n{self.stderr_path.read_text()[-3000:]}"
+            )
+        return match.group(1)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._stderr.close()
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "keys.txt"
+    path.write_text("# key  requests/s  tokens/s\nfile-key 100 -\n\nother-file-key\n")
+    return path
+
+
+@pytest.mark.slow
+def test_actorline_serve_serves_until_sigterm(
+    tiny_model_dir: Path, tmp_path: Path, key_file: Path
+) -> None:
+    serve = ServeProcess(
+        [
+            "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", "0",
+            "--num-blocks", "64", "--api-key", "cli-key", "--api-key-file", str(key_file),
+        ],
+        tmp_path / "stderr.txt",
+    )  # fmt: skip
+    try:
+        engine_processes = child_pids(serve.process.pid)
+        assert engine_processes  # the spawned engine host
+        with Client(serve.address, api_key="cli-key") as client:
+            assert client.health() == "SERVING"
+            assert client.model_info().kv_cache_blocks == 64
+            outputs = list(client.generate("Hello", SamplingParams(max_tokens=5, temperature=0)))
+            assert outputs[-1].finish_reason == "length" and outputs[-1].usage is not None
+            assert outputs[-1].usage.completion_tokens == 5
+        for key in ("file-key", "other-file-key"):
+            with Client(serve.address, api_key=key) as client:
+                assert client.model_info().vocab_size == 49152
+        with Client(serve.address) as client, pytest.raises(AuthenticationError):
+            client.model_info()
+
+        # a stream in flight when SIGTERM arrives ends with UNAVAILABLE, after its outputs
+        received: list[StreamedOutput] = []
+        ended: list[BaseException] = []
+        first_output = threading.Event()
+
+        def stream() -> None:
+            with Client(serve.address, api_key="cli-key") as client:
+                try:
+                    for output in client.generate("Hello", LONG):
+                        received.append(output)
+                        first_output.set()
+                except BaseException as error:
+                    ended.append(error)
+                first_output.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first_output.wait(60)
+        serve.process.send_signal(signal.SIGTERM)
+        assert serve.process.wait(EXIT_TIMEOUT) == 0
+        reader.join(EXIT_TIMEOUT)
+        assert received and not any(output.finished for output in received)
+        assert len(ended) == 1 and isinstance(ended[0], ServiceUnavailableError), ended
+        assert "shutting down" in str(ended[0])
+        assert not any(process_alive(pid) for pid in engine_processes)
+        assert serve.lines.get(timeout=5) is None  # the ready line was the only output
+    finally:
+        serve.kill()
+
+
+@pytest.mark.slow
+def test_engine_death_ends_calls_with_unavailable_and_health_not_serving(
+    tiny_model_dir: Path,
+) -> None:
+    served = ServedEngine(tiny_model_dir, num_blocks=64)
+    request = pb.GenerateRequest(
+        text="Hello", sampling_params=pb.SamplingParams(max_tokens=900, ignore_eos=True)
+    )
+
+    async def body() -> None:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            calls = [stub.Generate(request) for _ in range(3)]
+            for call in calls:
+                await call.read()
+            engine_pid = served.engine.running.pids["engine"]
+            assert engine_pid is not None
+            os.kill(engine_pid, signal.SIGKILL)
+            killed = time.monotonic()
+            errors = await asyncio.wait_for(
+                asyncio.gather(*(rpc_error(read_until_end(call)) for call in calls)),
+                ENGINE_DEATH_DEADLINE,
+            )
+            assert time.monotonic() - killed < ENGINE_DEATH_DEADLINE
+            for error in errors:
+                assert error.code() == grpc.StatusCode.UNAVAILABLE
+                assert trailer(error, ERROR_KIND_KEY) == "engine_dead"
+                assert "killed by signal 9" in (error.details() or "")
+            status = None
+            while time.monotonic() - killed < ENGINE_DEATH_DEADLINE:
+                status = (await health.Check(health_pb2.HealthCheckRequest())).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.05)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            error = await rpc_error(stub.Generate(request))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            error = await rpc_error(stub.GetModelInfo(pb.GetModelInfoRequest()))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+
+    try:
+        served.run(body())
+        with Client(served.address) as client:
+            assert client.health() == "NOT_SERVING"
+            with pytest.raises(EngineDeadError, match="killed by signal 9"):
+                list(client.generate("Hello"))
+    finally:
+        served.close()
+
+
+@pytest.fixture
+def no_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail the test if a command tries to start an engine."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command started an engine despite bad arguments")
+
+    monkeypatch.setattr("pipeline.engine.AsyncEngine.start", refuse)
+    yield
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs"),
+        (["--tls-cert", "missing.pem", "--tls-key", "missing.key"], "missing.pem"),
+        (["--api-key-file", "missing-keys.txt"], "missing-keys.txt"),
+        (["--api-key", "has space"], "printable ASCII"),
+        (["--requests-per-second", "0"], "--requests-per-second must be > 0"),
+        (["--model", "/nonexistent/model"], "nonexistent"),
+    ],
+)
+def test_serve_rejects_bad_arguments_before_starting(
+    tiny_model_dir: Path,
+    no_engine: None,
+    capsys: pytest.CaptureFixture[str],
+    arguments: list[str],
+    message: str,
+) -> None:
+    status = main(["serve", "--model", str(tiny_model_dir), "--port", "0", *arguments])
+    assert status == 2
+    error = capsys.readouterr().err
+    assert error.startswith("actorline: error:") and message in error
+    assert "has space" not in error  # keys never appear in messages

@@ -1,0 +1,246 @@
+"""The Python client (async and sync) against a real Generation server: streamed outputs
+equal the engine's, abort, model info, health, cancellation, TLS, and every failure mapped
+to its typed Python error."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipeline.client import (
+    AsyncClient,
+    AuthenticationError,
+    Client,
+    ModelInfo,
+    ServiceUnavailableError,
+    StreamedOutput,
+    Usage,
+)
+from pipeline.engine import Prompt
+from pipeline.server.serve import ServerTLS
+from stages.errors import InvalidRequestError, PromptTooLongError, RateLimitedError
+from stages.messages import ChatMessage, RequestOutput
+from stages.params import SamplingParams
+from tests.pipeline.server.serving import ServedEngine, make_certificate
+
+pytestmark = pytest.mark.slow
+
+KEY = "client-test-key"
+LIMITED_KEY = "client-limited-key"
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[ServedEngine]:
+    """The tiny model, every stage in this process (the client does not care where)."""
+    engine = ServedEngine(
+        tiny_model_dir,
+        keys={KEY: None, LIMITED_KEY: (None, 64.0)},
+        transport="memory",
+        num_blocks=128,
+    )
+    yield engine
+    engine.close()
+
+
+async def engine_output(served: ServedEngine, prompt: Prompt, **options: object) -> RequestOutput:
+    last = None
+    async for output in served.engine.generate(prompt, GREEDY, **options):  # type: ignore[arg-type]
+        last = output
+    assert last is not None
+    return last
+
+
+def check_outputs(outputs: list[StreamedOutput], reference: RequestOutput) -> None:
+    assert "".join(output.delta for output in outputs) == reference.text
+    assert tuple(t for output in outputs for t in output.token_ids) == reference.token_ids
+    assert all(not output.finished for output in outputs[:-1])
+    last = outputs[-1]
+    assert last.finish_reason == reference.finish_reason == "length"
+    assert isinstance(last.usage, Usage)
+    assert last.usage.prompt_tokens == reference.num_prompt_tokens
+    assert last.usage.completion_tokens == len(reference.token_ids)
+
+
+PROMPTS: dict[str, tuple[Prompt, bool]] = {
+    "text": ("Once upon a time", False),
+    "chat template": ("Once upon a time", True),
+    "dict messages": ([{"role": "user", "content": "Say hi."}], False),
+    "ChatMessage": ([ChatMessage("system", "Be nice."), ChatMessage("user", "Hi")], False),
+    "token ids": ([504, 2365, 6354], False),
+}
+
+
+@pytest.mark.parametrize("kind", list(PROMPTS))
+def test_async_client_streams_the_engine_output(served: ServedEngine, kind: str) -> None:
+    prompt, chat_template = PROMPTS[kind]
+
+    async def body() -> None:
+        reference = await engine_output(served, prompt, chat_template=chat_template)
+        async with AsyncClient(served.address, api_key=KEY) as client:
+            outputs = [
+                output
+                async for output in client.generate(
+                    prompt, GREEDY, request_id=f"id-{kind}", chat_template=chat_template
+                )
+            ]
+        check_outputs(outputs, reference)
+        assert {output.request_id for output in outputs} == {f"id-{kind}"}
+
+    served.run(body())
+
+
+def test_sync_client_is_the_same_client(served: ServedEngine) -> None:
+    reference = served.run(engine_output(served, "Once upon a time"))
+    with Client(served.address, api_key=KEY) as client:
+        check_outputs(list(client.generate("Once upon a time", GREEDY)), reference)
+        assert client.health() == "SERVING"
+        info = client.model_info()
+        assert isinstance(info, ModelInfo)
+        assert (info.vocab_size, info.max_model_len, info.kv_cache_blocks) == (49152, 1024, 128)
+        assert info.kv_cache_tokens == 128 * info.block_size
+        assert info.scheduler == "fcfs" and info.eos_token_ids == (2,)
+        assert client.abort("not-running") is False
+    with pytest.raises(ServiceUnavailableError, match="closed"):
+        client.health()
+    assert KEY not in repr(client) and KEY not in repr(client._client)
+
+
+def test_logprobs_are_returned_per_token(served: ServedEngine) -> None:
+    params = GREEDY.replace(logprobs=3)
+    with Client(served.address, api_key=KEY) as client:
+        outputs = list(client.generate("Hello", params))
+    for output in outputs:
+        assert output.logprobs is not None
+        assert [entry.token_id for entry in output.logprobs] == list(output.token_ids)
+        assert all(len(entry.top_token_ids) == 3 and entry.rank >= 1 for entry in output.logprobs)
+
+
+def test_abort_ends_the_stream_with_abort(served: ServedEngine) -> None:
+    async def body() -> None:
+        async with AsyncClient(served.address, api_key=KEY) as client:
+            stream = client.generate("Hello", LONG, request_id="to-abort")
+            first = await stream.__anext__()
+            assert not first.finished
+            assert await client.abort("to-abort")
+            rest = [output async for output in stream]
+            assert rest[-1].finish_reason == "abort"
+            assert await client.abort("to-abort") is False
+        await served.wait_kv_free()
+
+    served.run(body())
+
+
+def test_leaving_a_sync_stream_early_aborts_the_request(served: ServedEngine) -> None:
+    with Client(served.address, api_key=KEY) as client:
+        stream = client.generate("Hello", LONG)
+        for _, output in zip(range(3), stream):
+            assert not output.finished
+        stream.close()  # what leaving a for loop early does, once the iterator is dropped
+        served.run(served.wait_kv_free())
+
+
+def test_cancelling_an_async_stream_aborts_the_request(served: ServedEngine) -> None:
+    async def body() -> None:
+        async with AsyncClient(served.address, api_key=KEY) as client:
+            started = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in client.generate("Hello", LONG):
+                    started.set()
+
+            task = asyncio.ensure_future(consume())
+            await started.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await served.wait_kv_free()
+
+    served.run(body())
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_missing_or_wrong_keys_raise_authentication_error(served: ServedEngine) -> None:
+    for key in (None, "wrong"):
+        with Client(served.address, api_key=key) as client:
+            with pytest.raises(AuthenticationError):
+                client.model_info()
+            with pytest.raises(AuthenticationError):
+                list(client.generate("Hello", GREEDY))
+            with pytest.raises(AuthenticationError):
+                client.abort("x")
+            assert client.health() == "SERVING"  # health needs no key
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "field"),
+    [
+        ("Hi", SamplingParams(max_tokens=0), InvalidRequestError, "max_tokens"),  # checked here
+        ("Hi", SamplingParams(top_p=2.0), InvalidRequestError, "top_p"),
+        ([1, -5], None, InvalidRequestError, "prompt_token_ids"),
+        (b"bytes", None, InvalidRequestError, "prompt"),
+        ([1, 10**6], None, InvalidRequestError, "prompt_token_ids"),  # checked by the server
+        ("Hi", SamplingParams(stop_token_ids=(10**6,)), InvalidRequestError, "stop_token_ids"),
+        ([1] * 1024, None, PromptTooLongError, "prompt"),
+        ("", None, InvalidRequestError, "prompt"),
+    ],
+)
+def test_invalid_requests_raise_invalid_request_error_with_the_field(
+    served: ServedEngine,
+    prompt: Prompt,
+    params: SamplingParams | None,
+    error: type[Exception],
+    field: str,
+) -> None:
+    with Client(served.address, api_key=KEY) as client, pytest.raises(error) as caught:
+        list(client.generate(prompt, params))
+    assert isinstance(caught.value, InvalidRequestError) and caught.value.field == field
+
+
+def test_over_the_limit_raises_rate_limited_error(served: ServedEngine) -> None:
+    with Client(served.address, api_key=LIMITED_KEY) as client:
+        with pytest.raises(RateLimitedError, match="tokens"):
+            list(client.generate("Hello", SamplingParams(max_tokens=100)))
+        assert list(client.generate("Hello", SamplingParams(max_tokens=4)))[-1].finished
+
+
+def test_unreachable_server_raises_service_unavailable() -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    with Client(address, timeout=30) as client:
+        with pytest.raises(ServiceUnavailableError):
+            client.health()
+        with pytest.raises(ServiceUnavailableError):
+            list(client.generate("Hello"))
+
+
+def test_client_over_tls(served: ServedEngine, tmp_path: Path) -> None:
+    certificate = make_certificate(tmp_path, "server")
+    server = served.run(served.start_server(ServerTLS(certificate.certificate, certificate.key)))
+    try:
+        assert server.address is not None
+        with Client(server.address, api_key=KEY, tls=certificate.certificate) as client:
+            assert client.health() == "SERVING"
+            assert list(client.generate("Hello", GREEDY))[-1].finish_reason == "length"
+        with (
+            Client(server.address, api_key=KEY) as plaintext,
+            pytest.raises(ServiceUnavailableError),
+        ):
+            plaintext.model_info()
+    finally:
+        served.run(server.stop())
+
+
+def test_client_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="target"):
+        AsyncClient("")
+    with pytest.raises(ValueError, match="tls"):
+        AsyncClient("127.0.0.1:1", client_certificate=(b"cert", b"key"))
