@@ -1,0 +1,501 @@
+"""Paged attention for HF transformers models, plugged in through transformers' attention
+interface, over a token-major paged KV cache.
+
+The model runs on a packed batch: ``input_ids [1, T]`` holds every scheduled token of every
+sequence, with explicit ``position_ids`` and ``use_cache=False``. transformers projects
+q/k/v, applies RoPE and calls :func:`paged_attention_forward` for each layer with
+``query [1, Hq, T, D]`` and ``key``/``value [1, Hkv, T, D]``. The function reads the step's
+:class:`StepMetadata` from a forward context (never from kwargs), writes the step's K/V into
+the cache and attends:
+
+- **decode rows** (one query token each) come first in the packed batch, ordered by context
+  length; they are attended in groups, each one batched SDPA call over the group's padded
+  context (whole blocks gathered with one ``index_select``, a length mask for uneven rows),
+  viewing each query ``[Hq]`` as ``[Hkv, Hq/Hkv]`` so GQA needs no key expansion. One group
+  over the whole batch ("padded") has static shapes for a padded batch size and is what CUDA
+  graphs capture; on CPU, big or uneven batches are split into smaller groups (down to one
+  per sequence), which keeps the gathered keys in cache (see :func:`plan_decode_groups`).
+- **prefill rows** (chunks, prefix hits) are attended per sequence with a causal mask aligned
+  lower-right: the queries are the *last* ``n`` of the ``L`` context positions.
+
+Follows vLLM's transformers backend (``vllm/model_executor/models/transformers/``: the
+function registered in ``ALL_ATTENTION_FUNCTIONS`` that reads a forward context) and the
+token-major cache and precomputed index tensors of transformers' continuous batching
+(``transformers/generation/continuous_batching/cache.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from stages.execute.allocator import RESERVED_BLOCK_ID
+
+__all__ = [
+    "ATTENTION_NAME",
+    "DECODE_ATTENTION_MODES",
+    "DecodeAttentionMode",
+    "DecodeGroup",
+    "KVCache",
+    "PrefillSequence",
+    "StepMetadata",
+    "UnsupportedModelError",
+    "build_step_metadata",
+    "check_model_config",
+    "enable_paged_attention",
+    "forward_context",
+    "gather_blocks",
+    "key_padding_mask",
+    "paged_attention_forward",
+    "plan_decode_groups",
+]
+
+ATTENTION_NAME = "actorline_paged"
+"""The name the paged attention function is registered under in transformers."""
+
+DecodeAttentionMode = Literal["auto", "padded", "per_sequence"]
+DECODE_ATTENTION_MODES: tuple[str, ...] = ("auto", "padded", "per_sequence")
+
+# NOTE: measured per layer on a 2-core CPU, SmolLM2-135M shapes (9 query / 3 KV heads, D 64),
+# one thread. A loop per sequence costs ~0.1 ms per sequence; one padded call over a big batch
+# gathers megabytes of keys that fall out of cache (B=32 x 1500: 27 ms padded vs 19 ms loop;
+# B=64 x 20..1000: padded ~5x slower than a loop). Groups of <= 4096 padded keys were the best
+# or near it in every case tried: B=64 x 200: 5.9 ms vs 9.6 loop; B=256 x 100: 11 vs 28;
+# B=64 x 64: 1.2 vs 6.0; B=32 x 1500: 17 vs 19; B=128 x 500: 25 vs 32.
+# "auto" splits the length-sorted batch into padded groups bounded by these two limits.
+AUTO_GROUP_MAX_KEYS = 4096  # padded keys (rows x longest context) per group
+AUTO_GROUP_MAX_PADDING = 1.5  # max length / min length within a group
+
+_REFUSED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+class UnsupportedModelError(ValueError):
+    """The model needs an attention feature the paged path does not implement (sliding
+    window, logit softcapping, attention sinks, MLA, ALiBi, ...): serving it would be wrong."""
+
+
+@dataclasses.dataclass(slots=True)
+class KVCache:
+    """The paged KV cache: per layer, keys and values token-major ``[num_slots, Hkv, D]``
+    where slot ``block_id * block_size + offset`` holds one token. Block 0 is the reserved
+    trash block padding tokens write to."""
+
+    key: list[torch.Tensor]  # per layer [num_slots, Hkv, D]
+    value: list[torch.Tensor]  # per layer [num_slots, Hkv, D]
+    block_size: int
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        """Zero-filled cache of ``num_blocks`` blocks (including block 0) per layer."""
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(key=key, value=value, block_size=block_size)
+
+    @staticmethod
+    def bytes_per_block(
+        *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one block takes over all layers (keys and values)."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.key[0].shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.key, *self.value))
+
+
+@dataclasses.dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows ``[start, end)`` of the packed batch attended in one SDPA call, over the
+    first ``key_len`` positions of the blocks in ``key_blocks``."""
+
+    start: int
+    end: int
+    key_blocks: torch.Tensor  # [end - start, num_blocks] block ids, padded with block 0
+    key_len: int  # key positions attended (<= num_blocks * block_size)
+    key_mask: torch.Tensor | None  # [end - start, 1, 1, key_len] bool; None: no padding
+
+
+@dataclasses.dataclass(slots=True)
+class PrefillSequence:
+    """A multi-token chunk at packed rows ``[query_start, query_end)`` whose context is its
+    first ``context_len`` positions (the queries are the last ``query_end - query_start``)."""
+
+    query_start: int
+    query_end: int
+    context_len: int
+    # None when the chunk is the whole context (attend to this step's k/v directly).
+    key_blocks: torch.Tensor | None  # [ceil(context_len / block_size)]
+    causal_mask: torch.Tensor | None  # [n, context_len] bool, lower-right aligned
+
+
+@dataclasses.dataclass(slots=True)
+class StepMetadata:
+    """Everything the attention layers need for one packed forward pass; built once per
+    step and shared by all layers."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [T] cache slot each packed token writes its K/V to
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSequence]
+    max_model_len: int
+    # Counts attention calls (one per layer): the load-time probe checks every layer came.
+    calls: int = 0
+
+
+_FORWARD_CONTEXT: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar(
+    "actorline_paged_attention_metadata", default=None
+)
+
+
+@contextlib.contextmanager
+def forward_context(metadata: StepMetadata) -> Iterator[StepMetadata]:
+    """Make ``metadata`` visible to :func:`paged_attention_forward` during a forward pass
+    (per thread: the context is a ``ContextVar``)."""
+    token = _FORWARD_CONTEXT.set(metadata)
+    try:
+        yield metadata
+    finally:
+        _FORWARD_CONTEXT.reset(token)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function transformers calls for every layer (see the module docstring).
+
+    Returns:
+        ``(attn_output [1, T, Hq, D], None)``.
+
+    Raises:
+        RuntimeError: called outside :func:`forward_context`.
+        UnsupportedModelError: the model passes an attention feature this path ignores.
+    """
+    metadata = _FORWARD_CONTEXT.get()
+    if metadata is None:
+        raise RuntimeError(
+            f"{ATTENTION_NAME} attention called outside forward_context(); the model must be "
+            "run by the execute stage's runner"
+        )
+    _refuse_unsupported_kwargs(kwargs, metadata.max_model_len)
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise UnsupportedModelError(
+            f"attention module {type(module).__name__} has no integer layer_idx"
+        )
+    metadata.calls += 1
+    key_cache = metadata.kv_cache.key[layer]  # [num_slots, Hkv, D]
+    value_cache = metadata.kv_cache.value[layer]  # [num_slots, Hkv, D]
+    num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    num_kv_heads = key.shape[1]
+    group_size = num_heads // num_kv_heads
+
+    # Write this step's K/V first, so reads below see the whole context.
+    key_cache.index_copy_(0, metadata.slot_mapping, key[0].transpose(0, 1))
+    value_cache.index_copy_(0, metadata.slot_mapping, value[0].transpose(0, 1))
+
+    block_size = metadata.kv_cache.block_size
+    output = query.new_empty(num_tokens, num_heads, head_dim)  # [T, Hq, D]
+    for group in metadata.decode_groups:
+        rows = group.end - group.start
+        # [Hq, g, D] -> [g, Hq, D] -> [g, Hkv, rep, D]: the query heads of one KV head become
+        # the query axis, so one SDPA call serves GQA without expanding keys.
+        group_query = query[0, :, group.start : group.end].transpose(0, 1)
+        group_query = group_query.reshape(rows, num_kv_heads, group_size, head_dim)
+        keys = gather_blocks(key_cache, group.key_blocks, block_size)  # [g, nb*bs, Hkv, D]
+        values = gather_blocks(value_cache, group.key_blocks, block_size)
+        attended = F.scaled_dot_product_attention(
+            group_query,
+            keys[:, : group.key_len].transpose(1, 2),  # [g, Hkv, L, D]
+            values[:, : group.key_len].transpose(1, 2),  # [g, Hkv, L, D]
+            attn_mask=group.key_mask,
+            scale=scaling,
+        )  # [g, Hkv, rep, D]
+        output[group.start : group.end] = attended.reshape(rows, num_heads, head_dim)
+    for sequence in metadata.prefills:
+        start, end = sequence.query_start, sequence.query_end
+        sequence_query = query[:, :, start:end]  # [1, Hq, n, D]
+        if sequence.key_blocks is None:
+            attended = F.scaled_dot_product_attention(
+                sequence_query,
+                key[:, :, start:end],
+                value[:, :, start:end],
+                is_causal=True,  # square: top-left and lower-right alignment agree
+                scale=scaling,
+                enable_gqa=group_size > 1,
+            )
+        else:
+            length = sequence.context_len
+            keys = gather_blocks(key_cache, sequence.key_blocks, block_size)  # [nb*bs, Hkv, D]
+            values = gather_blocks(value_cache, sequence.key_blocks, block_size)
+            attended = F.scaled_dot_product_attention(
+                sequence_query,
+                keys[:length].transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
+                values[:length].transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
+                attn_mask=sequence.causal_mask,
+                scale=scaling,
+                enable_gqa=group_size > 1,
+            )  # [1, Hq, n, D]
+        output[start:end] = attended[0].transpose(0, 1)
+    return output.unsqueeze(0), None
+
+
+def _refuse_unsupported_kwargs(kwargs: dict[str, Any], max_model_len: int) -> None:
+    for name in _REFUSED_KWARGS:
+        value = kwargs.get(name)
+        if value is not None and not (isinstance(value, (int, float)) and value == 0):
+            raise UnsupportedModelError(
+                f"the model passes {name}={value!r} to attention, which paged attention does "
+                "not implement"
+            )
+    window = kwargs.get("sliding_window")
+    if window is not None and window < max_model_len:
+        raise UnsupportedModelError(
+            f"the model uses sliding-window attention (window {window} < max_model_len "
+            f"{max_model_len}), which paged attention does not implement"
+        )
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Copy whole blocks out of a token-major cache layer.
+
+    ``cache [num_slots, Hkv, D]`` viewed as ``[num_blocks, block_size, Hkv, D]``; ``blocks``
+    any shape ``[..., nb]`` of block ids. One ``index_select`` of contiguous blocks, several
+    times faster on CPU than indexing token by token.
+
+    Returns:
+        ``[..., nb * block_size, Hkv, D]``.
+    """
+    paged = cache.view(-1, block_size, *cache.shape[1:])  # [num_blocks, bs, Hkv, D]
+    gathered = paged.index_select(0, blocks.reshape(-1))  # [prod(blocks.shape), bs, Hkv, D]
+    return gathered.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, *cache.shape[1:])
+
+
+def key_padding_mask(context_lens: torch.Tensor, key_len: int) -> torch.Tensor:
+    """Which of the first ``key_len`` positions each row attends to (its context).
+
+    Pure tensor ops with static shapes (usable inside a CUDA graph).
+
+    Returns:
+        ``[B, 1, 1, key_len]`` bool.
+    """
+    positions = torch.arange(key_len, device=context_lens.device)  # [L]
+    return (positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :]
+
+
+def plan_decode_groups(
+    context_lens: Sequence[int], mode: DecodeAttentionMode
+) -> list[tuple[int, int]]:
+    """Split decode rows (sorted by ascending context length) into ``[start, end)`` groups.
+
+    ``padded``: one group. ``per_sequence``: one group per row. ``auto``: consecutive rows
+    while the group's padded size stays under ``AUTO_GROUP_MAX_KEYS`` and its longest
+    context under ``AUTO_GROUP_MAX_PADDING`` times its shortest.
+    """
+    count = len(context_lens)
+    if count == 0:
+        return []
+    if mode == "padded":
+        return [(0, count)]
+    if mode == "per_sequence":
+        return [(row, row + 1) for row in range(count)]
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for row in range(1, count):
+        length = context_lens[row]
+        too_many_keys = (row - start + 1) * length > AUTO_GROUP_MAX_KEYS
+        too_much_padding = length > AUTO_GROUP_MAX_PADDING * context_lens[start]
+        if too_many_keys or too_much_padding:
+            groups.append((start, row))
+            start = row
+    groups.append((start, count))
+    return groups
+
+
+def build_step_metadata(
+    *,
+    kv_cache: KVCache,
+    block_tables: Sequence[Sequence[int]],
+    query_starts: Sequence[int],
+    query_lens: Sequence[int],
+    num_decode: int,
+    decode_mode: DecodeAttentionMode,
+    max_model_len: int,
+    device: torch.device,
+) -> tuple[StepMetadata, torch.Tensor]:
+    """Build the step's attention metadata and packed positions, vectorized (no per-token
+    Python work).
+
+    Sequence ``i`` computes positions ``[query_starts[i], query_starts[i] + query_lens[i])``
+    and attends to all positions before its end; its K/V goes to the blocks of
+    ``block_tables[i]``. The first ``num_decode`` sequences must have ``query_lens == 1`` and
+    ascending context lengths (they are the decode rows).
+
+    Returns:
+        ``(metadata, position_ids [T])``.
+
+    Raises:
+        ValueError: inconsistent arguments.
+    """
+    num_sequences = len(query_lens)
+    if not (len(block_tables) == len(query_starts) == num_sequences):
+        raise ValueError("block_tables, query_starts and query_lens must have equal lengths")
+    if any(length != 1 for length in query_lens[:num_decode]):
+        raise ValueError("the first num_decode sequences must compute exactly one token")
+    block_size = kv_cache.block_size
+    context_lens = [start + length for start, length in zip(query_starts, query_lens, strict=True)]
+    width = max((len(table) for table in block_tables), default=1)
+    for table, context_len in zip(block_tables, context_lens, strict=True):
+        if len(table) * block_size < context_len:
+            raise ValueError(
+                f"a block table of {len(table)} blocks cannot hold {context_len} tokens"
+            )
+    tables = torch.tensor(
+        [[*table, *[RESERVED_BLOCK_ID] * (width - len(table))] for table in block_tables],
+        dtype=torch.long,
+    ).reshape(num_sequences, width)  # [R, max_blocks]
+    lengths = torch.tensor(query_lens, dtype=torch.long)  # [R]
+    starts = torch.tensor(query_starts, dtype=torch.long)  # [R]
+    num_tokens = sum(query_lens)
+    row_of_token = torch.repeat_interleave(torch.arange(num_sequences), lengths)  # [T]
+    first_token = torch.cumsum(lengths, 0) - lengths  # [R] packed index of each row's start
+    positions = torch.arange(num_tokens) - first_token[row_of_token] + starts[row_of_token]  # [T]
+    slot_mapping = (
+        tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    )  # [T]
+
+    decode_groups: list[DecodeGroup] = []
+    decode_lens = context_lens[:num_decode]
+    for group_start, group_end in plan_decode_groups(decode_lens, decode_mode):
+        group_lens = decode_lens[group_start:group_end]
+        longest = max(group_lens)
+        num_blocks = -(-longest // block_size)
+        uniform = min(group_lens) == longest
+        key_mask = None
+        if not uniform:
+            lens = torch.tensor(group_lens, dtype=torch.long)
+            key_mask = key_padding_mask(lens, num_blocks * block_size).to(device)
+        decode_groups.append(
+            DecodeGroup(
+                start=group_start,
+                end=group_end,
+                key_blocks=tables[group_start:group_end, :num_blocks].to(device),
+                key_len=longest if uniform else num_blocks * block_size,
+                key_mask=key_mask,
+            )
+        )
+
+    prefills: list[PrefillSequence] = []
+    packed = sum(query_lens[:num_decode])
+    for row in range(num_decode, num_sequences):
+        length, start, context_len = query_lens[row], query_starts[row], context_lens[row]
+        key_blocks: torch.Tensor | None = None
+        causal_mask: torch.Tensor | None = None
+        if start > 0:
+            key_blocks = tables[row, : -(-context_len // block_size)].to(device)
+            # Lower-right causal: query i (position start + i) sees keys 0 .. start + i.
+            causal_mask = (
+                torch.arange(context_len).unsqueeze(0) <= torch.arange(length).unsqueeze(1) + start
+            ).to(device)  # [n, L]
+        prefills.append(
+            PrefillSequence(packed, packed + length, context_len, key_blocks, causal_mask)
+        )
+        packed += length
+
+    metadata = StepMetadata(
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping.to(device),
+        decode_groups=decode_groups,
+        prefills=prefills,
+        max_model_len=max_model_len,
+    )
+    return metadata, positions.to(device)
+
+
+def check_model_config(config: Any, max_model_len: int | None = None) -> None:
+    """Refuse, before loading weights, model configs whose attention the paged path cannot
+    serve correctly.
+
+    Raises:
+        UnsupportedModelError: naming the feature (sliding window, softcap, sinks, MLA, ALiBi,
+            encoder-decoder, non-full-attention layers).
+    """
+    model_type = getattr(config, "model_type", "?")
+
+    def refuse(feature: str) -> None:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} uses {feature}, which actorline's paged attention "
+            "does not implement; refusing to serve it rather than produce wrong outputs"
+        )
+
+    if getattr(config, "is_encoder_decoder", False):
+        refuse("an encoder-decoder architecture")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(kind != "full_attention" for kind in layer_types):
+        refuse(f"non-full attention layers ({sorted(set(layer_types))})")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        limit = max_model_len if max_model_len is not None else config.max_position_embeddings
+        if window < limit:
+            refuse(f"sliding-window attention (window {window})")
+    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if getattr(config, name, None):
+            refuse(f"attention logit softcapping ({name}={getattr(config, name)})")
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
+        refuse("multi-head latent attention (MLA)")
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "") == (
+        "alibi"
+    ):
+        refuse("ALiBi position biases")
+
+
+def enable_paged_attention(model: Any) -> None:
+    """Register :func:`paged_attention_forward` with transformers (idempotent) and switch
+    ``model`` to it. The model's config must be its own (load it from its own config copy):
+    models sharing a config object would all switch.
+
+    Raises:
+        UnsupportedModelError: the model class does not dispatch through the attention
+            interface.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not dispatch attention through transformers' "
+            "AttentionInterface, so paged attention cannot be plugged in"
+        )
+    model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} refused the {ATTENTION_NAME!r} attention implementation"
+        )

@@ -1,0 +1,109 @@
+"""Configuration of the execute stage's model runner."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = [
+    "DEFAULT_KV_CACHE_MEMORY",
+    "DTYPES",
+    "ExecuteConfig",
+    "ExecuteConfigError",
+]
+
+DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
+"""KV cache size in bytes when neither ``num_blocks`` nor ``kv_cache_memory`` is given."""
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+_DECODE_ATTENTION_MODES = ("auto", "padded", "per_sequence")
+
+
+class ExecuteConfigError(ValueError):
+    """An :class:`ExecuteConfig` field is invalid; ``field`` names it."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"ExecuteConfig.{field} {problem}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExecuteConfig:
+    """How the execute stage loads and runs its model.
+
+    - ``model``: an alias (``smollm2-135m``), a local HF directory or a ``.gguf`` file.
+    - ``dtype``: ``float32`` (default), ``bfloat16``, ``float16`` or ``auto`` (the
+      checkpoint's dtype). ``device``: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``.
+    - KV cache: ``block_size`` tokens per block; ``num_blocks`` blocks usable by requests
+      (exact; one more, the reserved padding block, is allocated), else as many as fit in
+      ``kv_cache_memory`` bytes (default 512 MiB).
+    - ``max_model_len``: longest sequence (prompt + output); default the model's
+      ``max_position_embeddings``, capped by what the cache holds.
+    - ``seed``: seeds torch's global generator (requests without their own seed).
+    - ``use_cuda_graphs``: capture decode batches up to ``cuda_graph_max_batch_size`` rows
+      (CUDA only; ignored on CPU).
+    - ``decode_attention``: ``auto`` (default), ``padded`` or ``per_sequence`` (see
+      :func:`stages.execute.attention.plan_decode_groups`).
+
+    Raises:
+        ExecuteConfigError: a field is out of range or of the wrong type.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int | None = 0
+    use_cuda_graphs: bool = True
+    cuda_graph_max_batch_size: int = 128
+    decode_attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ExecuteConfigError("model", "must be a non-empty alias or path")
+        if self.dtype not in DTYPES:
+            raise ExecuteConfigError("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not _valid_device(self.device):
+            raise ExecuteConfigError(
+                "device", f"must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}"
+            )
+        self._check_positive("block_size", self.block_size)
+        if self.num_blocks is not None:
+            self._check_positive("num_blocks", self.num_blocks)
+        if self.kv_cache_memory is not None:
+            self._check_positive("kv_cache_memory", self.kv_cache_memory)
+        if self.max_model_len is not None:
+            self._check_positive("max_model_len", self.max_model_len)
+        self._check_positive("cuda_graph_max_batch_size", self.cuda_graph_max_batch_size)
+        for flag in ("enable_prefix_caching", "use_cuda_graphs"):
+            if type(getattr(self, flag)) is not bool:
+                raise ExecuteConfigError(flag, "must be a boolean")
+        if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
+            raise ExecuteConfigError("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.decode_attention not in _DECODE_ATTENTION_MODES:
+            raise ExecuteConfigError(
+                "decode_attention",
+                f"must be one of {_DECODE_ATTENTION_MODES}, got {self.decode_attention!r}",
+            )
+
+    @property
+    def kv_cache_bytes_budget(self) -> int:
+        """The KV cache budget in bytes when ``num_blocks`` is not given."""
+        return (
+            self.kv_cache_memory if self.kv_cache_memory is not None else (DEFAULT_KV_CACHE_MEMORY)
+        )
+
+    @staticmethod
+    def _check_positive(field: str, value: object) -> None:
+        if type(value) is not int or value < 1:
+            raise ExecuteConfigError(field, f"must be a positive integer, got {value!r}")
+
+
+def _valid_device(device: str) -> bool:
+    if device in ("cpu", "cuda", "auto"):
+        return True
+    prefix, _, index = device.partition(":")
+    return prefix == "cuda" and index.isdigit()

@@ -1,0 +1,570 @@
+"""The model runner: loads an HF causal LM with paged attention, owns the KV cache, the block
+allocator and each request's sampling state, and runs one :class:`SchedulerStep` at a time.
+
+Synchronous on purpose: the execute stage calls it on a worker thread, off the event loop.
+
+A request's *known tokens* are its prompt plus its sampled outputs. A chunk
+``[start, start + n)`` computes those positions (less any already in the cache) and, when it
+reaches the end of the known tokens, samples the next token. A chunk starting at 0 (a new or
+resumed request) first looks its tokens up in the prefix cache. Step flow after vLLM v1
+(``vllm/v1/worker/gpu_model_runner.py``: ``_update_states``, ``_prepare_inputs``,
+``execute_model``) and nano-vllm (``nanovllm/engine/model_runner.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from stages.execute.allocator import BlockAllocator, OutOfBlocksError
+from stages.execute.attention import (
+    DecodeAttentionMode,
+    KVCache,
+    UnsupportedModelError,
+    build_step_metadata,
+    check_model_config,
+    enable_paged_attention,
+    forward_context,
+)
+from stages.execute.config import ExecuteConfig, ExecuteConfigError
+from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
+from stages.messages import (
+    EngineInfo,
+    EngineRequest,
+    Logprobs,
+    ScheduledChunk,
+    SchedulerStep,
+    StepResult,
+)
+from stages.models import resolve_model
+
+__all__ = ["ModelRunner", "StepError"]
+
+logger = logging.getLogger("actorline.execute")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The load-time probe: tokens computed as prefill, prefix chunk and decode, checked against the
+# model's own attention. Relative tolerance on the logits per dtype.
+_PROBE_TOKENS = 8
+_PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+_PROBE_REQUEST = "__actorline_probe__"
+
+
+class StepError(ValueError):
+    """A :class:`SchedulerStep` is inconsistent with the runner's state (unknown or duplicate
+    request, a chunk outside the request's tokens, ...): a scheduler bug."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    request_id: str
+    sampling: SamplingState
+    num_computed: int = 0  # leading tokens whose K/V is in the cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.sampling.prompt_token_ids) + len(self.sampling.output_token_ids)
+
+    def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Known tokens ``[start, end)`` (prompt then outputs)."""
+        prompt, outputs = self.sampling.prompt_token_ids, self.sampling.output_token_ids
+        end = self.num_tokens if end is None else end
+        split = len(prompt)
+        if end <= split:
+            return list(prompt[start:end])
+        if start >= split:
+            return outputs[start - split : end - split]
+        return [*prompt[start:], *outputs[: end - split]]
+
+
+@dataclasses.dataclass(slots=True)
+class _Work:
+    """One request's share of the packed batch: compute positions ``[start, end)``."""
+
+    request: _Request
+    start: int
+    end: int
+    samples: bool
+    packed_end: int = 0  # one past its last row in the packed batch
+
+
+class ModelRunner:
+    """Runs the model for the execute stage (see the module docstring).
+
+    Args:
+        config: what to load and how.
+        force_static_decode: run decode-only steps through the static padded path of
+            :mod:`stages.execute.cuda_graphs` even on CPU (uncaptured there). For tests.
+    """
+
+    def __init__(self, config: ExecuteConfig, *, force_static_decode: bool = False) -> None:
+        self.config = config
+        self._force_static_decode = force_static_decode
+        self.model: Any = None
+        self.kv_cache: KVCache | None = None
+        self.allocator: BlockAllocator | None = None
+        self.info: EngineInfo | None = None
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.max_model_len = 0
+        self._sampler: Sampler | None = None
+        self._requests: dict[str, _Request] = {}
+        self._eos_token_ids: tuple[int, ...] = ()
+        self._decode_mode: DecodeAttentionMode = "auto"
+        self._decode_graphs: Any = None  # stages.execute.cuda_graphs.DecodeGraphs
+
+    # ----------------------------------------------------------------- loading
+    def load(self) -> EngineInfo:
+        """Load the model, check it is supported, allocate the KV cache.
+
+        Returns:
+            The engine's capacity (usable blocks, block size, max model length, ...).
+
+        Raises:
+            stages.models.ModelError: the model cannot be found or read.
+            UnsupportedModelError: the model needs attention features paged attention lacks.
+            ExecuteConfigError: the config does not fit the model or the machine (no CUDA,
+                max_model_len too long, cache too small).
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = self.config
+        resolved = resolve_model(config.model)
+        self.device = _resolve_device(config.device)
+        hf_config = AutoConfig.from_pretrained(resolved.path)
+        check_model_config(hf_config, config.max_model_len)
+        self.dtype = _resolve_dtype(config.dtype, hf_config)
+        # NOTE: the model gets its own deep copy of the config: switching the attention
+        # implementation mutates it, and models built from one config object share it.
+        model = AutoModelForCausalLM.from_pretrained(
+            resolved.path, config=copy.deepcopy(hf_config), dtype=self.dtype
+        )
+        model.eval()
+        model.to(self.device)  # type: ignore[arg-type]
+        self.model = model
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+
+        text_config = model.config.get_text_config()
+        num_layers = int(text_config.num_hidden_layers)
+        num_heads = int(text_config.num_attention_heads)
+        num_kv_heads = int(getattr(text_config, "num_key_value_heads", None) or num_heads)
+        head_dim = int(
+            getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        )
+        block_bytes = KVCache.bytes_per_block(
+            num_layers=num_layers,
+            block_size=config.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=self.dtype,
+        )
+        if config.num_blocks is not None:
+            usable_blocks = config.num_blocks
+        else:
+            usable_blocks = config.kv_cache_bytes_budget // block_bytes - 1
+            if usable_blocks < 1:
+                raise ExecuteConfigError(
+                    "kv_cache_memory",
+                    f"({config.kv_cache_bytes_budget} bytes) holds no KV block; one block "
+                    f"takes {block_bytes} bytes (plus one reserved block)",
+                )
+        self.max_model_len = _max_model_len(
+            config.max_model_len,
+            int(getattr(text_config, "max_position_embeddings", 0) or 0),
+            usable_blocks * config.block_size,
+        )
+        self.kv_cache = KVCache.allocate(
+            num_layers=num_layers,
+            num_blocks=usable_blocks + 1,
+            block_size=config.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.allocator = BlockAllocator(
+            usable_blocks + 1,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            extra_hash_key=f"{resolved.path}|{self.dtype}".encode(),
+        )
+        self._decode_mode = _decode_mode(config.decode_attention, self.device)
+        vocab_size = int(text_config.vocab_size)
+        self._probe(vocab_size, num_layers)
+        self._sampler = Sampler(vocab_size, self.device)
+        self._eos_token_ids = _eos_token_ids(model)
+        self._decode_graphs = self._make_decode_graphs()
+        self.info = EngineInfo(
+            model=resolved.name,
+            vocab_size=vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self._eos_token_ids,
+            num_blocks=usable_blocks,
+            block_size=config.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            kv_cache_bytes=self.kv_cache.nbytes,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        logger.info("execute: loaded %s (%s)", resolved.name, self.info)
+        return self.info
+
+    def _probe(self, vocab_size: int, num_layers: int) -> None:
+        """Check paged attention against the model's own attention on a few tokens, run as a
+        prefill, a prefix chunk and a decode step; refuse the model on any mismatch."""
+        assert self.kv_cache is not None and self.allocator is not None
+        model = self.model
+        tokens = [(17 * index + 3) % vocab_size for index in range(_PROBE_TOKENS)]
+        input_ids = torch.tensor([tokens], device=self.device)
+        with torch.inference_mode():
+            expected = model(input_ids=input_ids, use_cache=False).logits[0].float()  # [8, V]
+        enable_paged_attention(model)
+        allocator = self.allocator
+        allocator.allocate(_PROBE_REQUEST, _PROBE_TOKENS)
+        table = allocator.block_table(_PROBE_REQUEST)
+        try:
+            pieces = ((0, 4), (4, _PROBE_TOKENS - 1), (_PROBE_TOKENS - 1, _PROBE_TOKENS))
+            for start, end in pieces:
+                metadata, positions = build_step_metadata(
+                    kv_cache=self.kv_cache,
+                    block_tables=[table],
+                    query_starts=[start],
+                    query_lens=[end - start],
+                    num_decode=1 if end - start == 1 else 0,
+                    decode_mode=self._decode_mode,
+                    max_model_len=self.max_model_len,
+                    device=self.device,
+                )
+                with torch.inference_mode(), forward_context(metadata):
+                    logits = model(
+                        input_ids=input_ids[:, start:end],
+                        position_ids=positions.unsqueeze(0),
+                        use_cache=False,
+                    ).logits[0]  # [n, V]
+                if metadata.calls != num_layers:
+                    raise UnsupportedModelError(
+                        f"{type(model).__name__} called paged attention {metadata.calls} "
+                        f"times for {num_layers} layers; it does not route every layer's "
+                        "attention through transformers' attention interface"
+                    )
+                reference = expected[start:end]
+                tolerance = _PROBE_TOLERANCE.get(self.dtype, 5e-2)
+                error = (logits.float() - reference).abs().max().item()
+                scale = max(reference.abs().max().item(), 1.0)
+                if not error <= tolerance * scale:
+                    raise UnsupportedModelError(
+                        f"{type(model).__name__}: paged attention disagrees with the model's "
+                        f"own attention (max logit error {error:.3g} at positions "
+                        f"{start}..{end - 1}); the model needs an attention feature this path "
+                        "does not implement"
+                    )
+        finally:
+            allocator.free(_PROBE_REQUEST)
+
+    def _make_decode_graphs(self) -> Any:
+        on_cuda = self.device.type == "cuda" and self.config.use_cuda_graphs
+        if not (on_cuda or self._force_static_decode):
+            return None
+        from stages.execute.cuda_graphs import DecodeGraphs
+
+        assert self.kv_cache is not None
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            max_batch_size=self.config.cuda_graph_max_batch_size,
+            max_model_len=self.max_model_len,
+            device=self.device,
+        )
+        graphs.capture(enabled=self.device.type == "cuda")
+        return graphs
+
+    # ----------------------------------------------------------------- stepping
+    def execute(self, step: SchedulerStep) -> StepResult:
+        """Run one scheduler step (see :class:`~stages.messages.SchedulerStep` for the order:
+        free finished and preempted, register new requests, compute chunks, sample).
+
+        Returns:
+            The sampled tokens, cache state and counters; requests that did not get blocks
+            are listed in ``preempted`` (their blocks freed, their sampling state kept).
+            ``forward_seconds`` covers the forward pass and sampling.
+
+        Raises:
+            StepError: the step does not match the runner's state.
+            RuntimeError: :meth:`load` was not called.
+        """
+        allocator = self.allocator
+        if allocator is None or self._sampler is None:
+            raise RuntimeError("ModelRunner.load() must be called before execute()")
+        self._validate(step)
+        for request_id in step.finished:
+            allocator.free(request_id)
+            self._requests.pop(request_id, None)
+        for request_id in step.preempted:
+            allocator.free(request_id)
+            preempted_request = self._requests.get(request_id)
+            if preempted_request is not None:
+                preempted_request.num_computed = 0
+        for new_request in step.new_requests:
+            self._register(new_request)
+
+        cached_tokens: dict[str, int] = {}
+        preempted: list[str] = []
+        works: list[_Work] = []
+        for chunk in step.chunks:
+            work = self._plan(chunk, cached_tokens, preempted)
+            if work is not None:
+                works.append(work)
+
+        request_ids: list[str] = []
+        token_ids: list[int] = []
+        logprob_ids: list[str] = []
+        logprobs: list[Logprobs] = []
+        forward_seconds = 0.0
+        num_computed = sum(work.end - work.start for work in works)
+        if works:
+            began = time.perf_counter()
+            sampling = [work for work in works if work.samples]
+            logits = self._forward(works, sampling)  # [len(sampling), V]
+            result = self._sampler.sample(logits, [work.request.sampling for work in sampling])
+            forward_seconds = time.perf_counter() - began
+            for work, token_id, token_logprobs in zip(
+                sampling, result.token_ids, result.logprobs, strict=True
+            ):
+                work.request.sampling.output_token_ids.append(token_id)
+                request_ids.append(work.request.request_id)
+                token_ids.append(token_id)
+                if token_logprobs is not None:
+                    logprob_ids.append(work.request.request_id)
+                    logprobs.append(token_logprobs)
+            for work in works:
+                self._commit(work)
+
+        stats = allocator.stats
+        return StepResult(
+            step_id=step.step_id,
+            request_ids=tuple(request_ids),
+            token_ids=tuple(token_ids),
+            free_blocks=allocator.num_free_blocks,
+            total_blocks=allocator.num_usable_blocks,
+            logprob_request_ids=tuple(logprob_ids),
+            logprobs=tuple(logprobs),
+            cached_tokens=cached_tokens,
+            preempted=tuple(preempted),
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            num_computed_tokens=num_computed,
+            forward_seconds=forward_seconds,
+        )
+
+    def _validate(self, step: SchedulerStep) -> None:
+        """Check the whole step against the runner's state before changing anything.
+
+        Raises:
+            StepError: naming the first inconsistency.
+        """
+        finished = set(step.finished)
+        # request id -> (known tokens, computed tokens) as they will be when chunks run
+        sizes = {
+            request_id: (request.num_tokens, request.num_computed)
+            for request_id, request in self._requests.items()
+            if request_id not in finished
+        }
+        for request_id in step.preempted:
+            if request_id in sizes:
+                sizes[request_id] = (sizes[request_id][0], 0)
+        for new_request in step.new_requests:
+            if new_request.request_id in sizes:
+                raise StepError(f"request {new_request.request_id!r} is already registered")
+            if not new_request.prompt_token_ids:
+                raise StepError(f"request {new_request.request_id!r} has an empty prompt")
+            sizes[new_request.request_id] = (len(new_request.prompt_token_ids), 0)
+        scheduled: set[str] = set()
+        for chunk in step.chunks:
+            if chunk.request_id in scheduled:
+                raise StepError(f"request {chunk.request_id!r} has two chunks in one step")
+            scheduled.add(chunk.request_id)
+            if chunk.request_id not in sizes:
+                raise StepError(f"chunk for unknown request {chunk.request_id!r}")
+            num_tokens, num_computed = sizes[chunk.request_id]
+            end = chunk.start + chunk.num_tokens
+            if chunk.start < 0 or chunk.num_tokens < 1:
+                raise StepError(f"chunk {chunk} must have start >= 0 and num_tokens >= 1")
+            if end > num_tokens:
+                raise StepError(f"chunk {chunk} ends past the request's {num_tokens} known tokens")
+            if end > self.max_model_len:
+                raise StepError(f"chunk {chunk} ends past max_model_len {self.max_model_len}")
+            if chunk.start > 0 and num_computed < chunk.start:
+                raise StepError(
+                    f"chunk {chunk} starts past the request's {num_computed} computed tokens"
+                )
+
+    def _register(self, request: EngineRequest) -> None:
+        sampling = new_sampling_state(
+            request.params, request.prompt_token_ids, self._eos_token_ids, self.device
+        )
+        self._requests[request.request_id] = _Request(request.request_id, sampling)
+
+    def _plan(
+        self, chunk: ScheduledChunk, cached_tokens: dict[str, int], preempted: list[str]
+    ) -> _Work | None:
+        """Look up the prefix cache for a (re)start and allocate the chunk's blocks (the
+        step is already validated). Returns None when nothing is left to compute or the
+        request had to be preempted."""
+        assert self.allocator is not None
+        request = self._requests[chunk.request_id]
+        end = chunk.start + chunk.num_tokens
+        if chunk.start == 0:
+            # A new or resumed request: drop anything it held, reuse cached prefix blocks.
+            self.allocator.free(request.request_id)
+            cached = self.allocator.match_prefix(request.request_id, request.tokens())
+            request.num_computed = cached
+            cached_tokens[request.request_id] = cached
+        start = max(chunk.start, request.num_computed)
+        if start >= end:
+            return None  # every token of the chunk came from the prefix cache
+        try:
+            self.allocator.allocate(request.request_id, end)
+        except OutOfBlocksError:
+            self.allocator.free(request.request_id)
+            request.num_computed = 0
+            cached_tokens.pop(request.request_id, None)
+            preempted.append(request.request_id)
+            return None
+        return _Work(request, start, end, samples=end == request.num_tokens)
+
+    def _forward(self, works: list[_Work], sampling: list[_Work]) -> torch.Tensor:
+        """Run the model over the packed batch; logits of the sampling rows, in their order.
+
+        Returns:
+            ``[len(sampling), V]`` logits.
+        """
+        assert self.allocator is not None and self.kv_cache is not None
+        # Decode rows first, by ascending context length (attention groups them), then
+        # prefill chunks in scheduled order.
+        decode = sorted((w for w in works if w.end - w.start == 1), key=lambda w: w.end)
+        prefill = [w for w in works if w.end - w.start > 1]
+        packed_order = decode + prefill
+        tokens: list[int] = []
+        for work in packed_order:
+            tokens.extend(work.request.tokens(work.start, work.end))
+            work.packed_end = len(tokens)
+        block_tables = [self.allocator.block_table(w.request.request_id) for w in packed_order]
+
+        graphs = self._decode_graphs
+        if not prefill and graphs is not None and graphs.can_run(len(decode), decode[-1].end):
+            logits = graphs.run(
+                token_ids=tokens,
+                positions=[w.start for w in decode],
+                block_tables=block_tables,
+                context_lens=[w.end for w in decode],
+            )  # [B, V] in packed order
+            rows = {id(w): index for index, w in enumerate(decode)}
+            keep = torch.tensor([rows[id(w)] for w in sampling], device=self.device)
+            return logits.index_select(0, keep)
+
+        metadata, positions = build_step_metadata(
+            kv_cache=self.kv_cache,
+            block_tables=block_tables,
+            query_starts=[w.start for w in packed_order],
+            query_lens=[w.end - w.start for w in packed_order],
+            num_decode=len(decode),
+            decode_mode=self._decode_mode,
+            max_model_len=self.max_model_len,
+            device=self.device,
+        )
+        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device)  # [T]
+        keep = torch.tensor([w.packed_end - 1 for w in sampling], dtype=torch.long)
+        with torch.inference_mode(), forward_context(metadata):
+            output = self.model(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=keep.to(self.device),
+            )
+        return output.logits[0]  # [S, V]
+
+    def _commit(self, work: _Work) -> None:
+        """Record the computed tokens and publish newly full blocks to the prefix cache."""
+        assert self.allocator is not None
+        request = work.request
+        before = request.num_computed
+        request.num_computed = work.end
+        block_size = self.config.block_size
+        if self.allocator.enable_prefix_caching and work.end // block_size > before // block_size:
+            self.allocator.commit(request.request_id, request.tokens(0, work.end), work.end)
+
+    # ----------------------------------------------------------------- inspection
+    def has_request(self, request_id: str) -> bool:
+        """Whether the runner holds sampling state for ``request_id``."""
+        return request_id in self._requests
+
+    def output_token_ids(self, request_id: str) -> list[int]:
+        """The tokens sampled so far for ``request_id`` (a copy)."""
+        return list(self._requests[request_id].sampling.output_token_ids)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ExecuteConfigError("device", f"is {device!r} but no CUDA device is available")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    if isinstance(declared, str) and declared in _DTYPES:
+        return _DTYPES[declared]
+    return torch.float32
+
+
+def _max_model_len(requested: int | None, model_limit: int, cache_tokens: int) -> int:
+    if requested is None:
+        return min(model_limit, cache_tokens) if model_limit > 0 else cache_tokens
+    if model_limit > 0 and requested > model_limit:
+        raise ExecuteConfigError(
+            "max_model_len",
+            f"({requested}) exceeds the model's max_position_embeddings ({model_limit})",
+        )
+    if requested > cache_tokens:
+        raise ExecuteConfigError(
+            "max_model_len",
+            f"({requested}) exceeds what the KV cache holds ({cache_tokens} tokens); "
+            "raise num_blocks or kv_cache_memory",
+        )
+    return requested
+
+
+def _decode_mode(requested: str, device: torch.device) -> DecodeAttentionMode:
+    # NOTE: "auto" groups by length for CPU caches; on a GPU one padded call is best.
+    if requested == "padded" or (requested == "auto" and device.type == "cuda"):
+        return "padded"
+    if requested == "per_sequence":
+        return "per_sequence"
+    return "auto"
+
+
+def _eos_token_ids(model: Any) -> tuple[int, ...]:
+    candidates: list[int] = []
+    sources = (getattr(model, "generation_config", None), model.config)
+    for source in sources:
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        for token_id in value if isinstance(value, Sequence) else [value]:
+            if int(token_id) not in candidates:
+                candidates.append(int(token_id))
+        if candidates:
+            break
+    return tuple(candidates)
