@@ -41,6 +41,8 @@ _LAZY = {
     "OverloadedError": "stages.errors",
     "llm_pipeline": "pipeline.presets",
     "Client": "pipeline.client",
+    "EngineMetrics": "pipeline.metrics",
+    "EngineObserver": "pipeline.engine",
     "AsyncClient": "pipeline.client",
 }
 

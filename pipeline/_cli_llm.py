@@ -11,6 +11,9 @@ from pipeline.cli import CliError
 
 __all__ = ["add_commands", "add_engine_arguments", "engine_options_from", "sampling_from"]
 
+#: the largest TCP port number
+_MAX_PORT = 65535
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that runs an engine."""
@@ -162,6 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError("--tls-cert and --tls-key go together", 2)
     if args.tls_client_ca and not args.tls_cert:
         raise CliError("--tls-client-ca needs --tls-cert and --tls-key", 2)
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= _MAX_PORT:
+        raise CliError(f"--metrics-port must be in [0, {_MAX_PORT}], got {args.metrics_port}", 2)
     for flag, limit in (
         ("--requests-per-second", args.requests_per_second),
         ("--tokens-per-second", args.tokens_per_second),
@@ -191,6 +196,9 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(address: str) -> None:
         print(f"serving {SERVICE_NAME} on {address}", flush=True)
 
+    def metrics_ready(url: str) -> None:
+        print(f"metrics on {url}", flush=True)
+
     try:
         asyncio.run(
             serve(
@@ -201,6 +209,9 @@ def _serve(args: argparse.Namespace) -> int:
                 tls=tls,
                 grace=args.grace,
                 on_ready=ready,
+                metrics_host=args.metrics_host,
+                metrics_port=args.metrics_port,
+                on_metrics_ready=metrics_ready,
             )
         )
     except (OSError, PipelineError) as exc:
@@ -228,6 +239,16 @@ def _add_serve_command(commands: Any) -> None:
         type=float,
         default=DEFAULT_GRACE_SECONDS,
         help="seconds in-flight calls get to end at shutdown",
+    )
+    server.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: pick a free "
+        "port; prints 'metrics on URL' after the serving line); off by default",
+    )
+    server.add_argument(
+        "--metrics-host", default=DEFAULT_HOST, help="address the metrics endpoint listens on"
     )
     server.add_argument(
         "--log-level", default=None, choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper

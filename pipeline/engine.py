@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from pipeline.errors import EngineDeadError, HostDiedError, PipelineClosedError, PipelineError
@@ -38,10 +37,11 @@ from stages.messages import (
     RequestMetrics,
     RequestOutput,
     RequestOutputs,
+    RequestRejected,
 )
 from stages.params import SamplingParams, validate_sampling
 
-__all__ = ["AsyncEngine", "Prompt"]
+__all__ = ["AsyncEngine", "EngineObserver", "Prompt"]
 
 logger = logging.getLogger("actorline.engine")
 
@@ -50,11 +50,45 @@ logger = logging.getLogger("actorline.engine")
 Prompt = str | Sequence[ChatMessage | Mapping[str, str]] | Sequence[int]
 
 
+class EngineObserver:
+    """Hooks the engine calls for every request it runs (e.g.
+    :class:`pipeline.metrics.EngineMetrics`); subclass and override what you need.
+
+    The hooks run on the engine's event loop, in the engine's own tasks: they must return
+    quickly and never block. An exception in a hook is logged and ignored.
+    """
+
+    def request_sent(self, request: GenerateRequest) -> None:
+        """``request`` is about to enter the pipeline."""
+
+    def output_received(self, output: RequestOutput) -> None:
+        """The pipeline produced ``output`` (one per engine step that gave the request
+        tokens; the last has a ``finish_reason``). Also called with the ``"abort"`` output
+        that :meth:`AsyncEngine.abort` and :meth:`AsyncEngine.close` end a stream with."""
+
+    def request_rejected(self, rejected: RequestRejected) -> None:
+        """The pipeline refused a request (``rejected.kind`` says why)."""
+
+    def request_ended(self, request_id: str, error: BaseException | None) -> None:
+        """The caller's stream of ``request_id`` ended: after its last output, after a
+        rejection or engine failure (``error``), or because the caller stopped reading (the
+        request is then aborted). Called exactly once for every request sent."""
+
+
 class _Collector:
     """The outputs of one request waiting for its consumer; merges when the consumer lags
     (vLLM's RequestOutputCollector does the same)."""
 
-    __slots__ = ("arrival", "arrival_wall", "error", "first_token", "last", "pending", "waiter")
+    __slots__ = (
+        "arrival",
+        "arrival_wall",
+        "error",
+        "first_token",
+        "last",
+        "metrics",
+        "pending",
+        "waiter",
+    )
 
     def __init__(self) -> None:
         self.pending: RequestOutput | None = None
@@ -64,23 +98,27 @@ class _Collector:
         self.arrival_wall = time.time()
         self.first_token: float | None = None
         self.last: RequestOutput | None = None
+        # NOTE: the metrics of a running request change only at its first token and at its
+        # end, so one object serves every output in between (outputs are immutable).
+        self.metrics: RequestMetrics | None = None
 
     def put(self, output: RequestOutput) -> None:
         now = time.monotonic()
+        metrics = self.metrics
         if self.first_token is None and output.token_ids:
             self.first_token = now
-        metrics = RequestMetrics(
-            self.arrival_wall,
-            None if self.first_token is None else self.first_token - self.arrival,
-            now - self.arrival if output.finish_reason is not None else None,
-        )
-        pending = self.pending
-        if pending is not None:
-            output = dataclasses.replace(
-                output, delta=pending.delta + output.delta, metrics=metrics
+            metrics = None
+        finished = output.finish_reason is not None
+        if metrics is None or finished:
+            metrics = RequestMetrics(
+                self.arrival_wall,
+                None if self.first_token is None else self.first_token - self.arrival,
+                now - self.arrival if finished else None,
             )
-        else:
-            output = dataclasses.replace(output, metrics=metrics)
+            self.metrics = metrics
+        pending = self.pending
+        delta = output.delta if pending is None else pending.delta + output.delta
+        output = _with_metrics(output, delta, metrics)
         self.pending = self.last = output
         self._wake()
 
@@ -105,6 +143,27 @@ class _Collector:
                 self.waiter = None
         output, self.pending = self.pending, None
         return output
+
+
+def _with_metrics(output: RequestOutput, delta: str, metrics: RequestMetrics) -> RequestOutput:
+    """``output`` with ``delta`` and ``metrics`` replaced.
+
+    NOTE: calls the constructor with every field of RequestOutput, in order: half the cost of
+    ``dataclasses.replace``, which runs once per token per stream. A new RequestOutput field
+    must be added here too.
+    """
+    return RequestOutput(
+        output.request_id,
+        output.text,
+        delta,
+        output.token_ids,
+        output.finish_reason,
+        output.stop_reason,
+        output.logprobs,
+        output.num_prompt_tokens,
+        output.num_cached_tokens,
+        metrics,
+    )
 
 
 class AsyncEngine:
@@ -132,6 +191,7 @@ class AsyncEngine:
         self._abort_sender: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self._closed = False
+        self._observers: tuple[EngineObserver, ...] = ()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -226,6 +286,8 @@ class AsyncEngine:
         self._collectors[request_id] = collector
         finished = False
         try:
+            if self._observers:
+                self._notify(lambda observer: observer.request_sent(request))
             await running.send("requests", request)
             while True:
                 output = await collector.get()
@@ -239,6 +301,8 @@ class AsyncEngine:
             self._collectors.pop(request_id, None)
             if not finished and not self._closed and collector.error is None:
                 self._abort_queue.put_nowait(request_id)
+            if self._observers:
+                self._notify(lambda observer: observer.request_ended(request_id, collector.error))
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request: its stream ends with ``finish_reason="abort"`` and its KV
@@ -252,19 +316,20 @@ class AsyncEngine:
         if collector is None:
             return False
         last = collector.last
-        collector.put(
-            RequestOutput(
-                request_id,
-                last.text if last else "",
-                "",
-                last.token_ids if last else (),
-                "abort",
-                None,
-                last.logprobs if last else None,
-                last.num_prompt_tokens if last else 0,
-                last.num_cached_tokens if last else 0,
-            )
+        aborted = RequestOutput(
+            request_id,
+            last.text if last else "",
+            "",
+            last.token_ids if last else (),
+            "abort",
+            None,
+            last.logprobs if last else None,
+            last.num_prompt_tokens if last else 0,
+            last.num_cached_tokens if last else 0,
         )
+        if self._observers:
+            self._notify(lambda observer: observer.output_received(aborted))
+        collector.put(aborted)
         del self._collectors[request_id]
         return True
 
@@ -274,6 +339,35 @@ class AsyncEngine:
         if self._running is None or self._closed:
             raise PipelineClosedError("the engine is not running; use 'async with' or start()")
         return self._running
+
+    # -- observers ------------------------------------------------------------------------------
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Call ``observer``'s hooks for every request from now on (see
+        :class:`EngineObserver`)."""
+        if observer not in self._observers:
+            self._observers = (*self._observers, observer)
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        """Stop calling ``observer`` (ignored if it is not attached)."""
+        self._observers = tuple(known for known in self._observers if known is not observer)
+
+    def _notify(self, hook: Callable[[EngineObserver], None]) -> None:
+        for observer in self._observers:
+            try:
+                hook(observer)
+            except Exception:
+                logger.exception("engine observer %r failed", observer)
+
+    def _notify_batch(self, batch: RequestOutputs) -> None:
+        for observer in self._observers:
+            try:
+                for output in batch.outputs:
+                    observer.output_received(output)
+                for rejected in batch.rejected:
+                    observer.request_rejected(rejected)
+            except Exception:
+                logger.exception("engine observer %r failed", observer)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -288,6 +382,8 @@ class AsyncEngine:
                     continue
                 if batch.stats is not None:
                     self.stats = batch.stats
+                if self._observers:
+                    self._notify_batch(batch)
                 for output in batch.outputs:
                     collector = collectors.get(output.request_id)
                     if collector is not None:

@@ -16,7 +16,7 @@ import logging
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
@@ -29,6 +29,9 @@ from pipeline.server import generation_pb2 as pb
 from pipeline.server import generation_pb2_grpc as pb_grpc
 from pipeline.server.auth import ApiKeys
 from pipeline.server.service import GenerationService
+
+if TYPE_CHECKING:
+    from pipeline.metrics import EngineMetrics
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",
@@ -213,13 +216,21 @@ async def serve(
     tls: ServerTLS | None = None,
     grace: float = DEFAULT_GRACE_SECONDS,
     on_ready: Callable[[str], None] = lambda address: None,
+    metrics_host: str = DEFAULT_HOST,
+    metrics_port: int | None = None,
+    on_metrics_ready: Callable[[str], None] = lambda url: None,
 ) -> None:
     """Run the engine behind a :class:`GenerationServer` until SIGINT or SIGTERM, then shut
     down cleanly: in-flight calls end with UNAVAILABLE, the server stops, and the engine
     (and its process) stops. ``on_ready(address)`` is called once the server serves.
 
+    With ``metrics_port`` (0: a free one), Prometheus metrics
+    (:class:`~pipeline.metrics.EngineMetrics`) are served at
+    ``http://metrics_host:port/metrics``; ``on_metrics_ready(url)`` is called after
+    ``on_ready``.
+
     Raises:
-        OSError: the address cannot be bound.
+        OSError: an address cannot be bound.
         PipelineError: the engine could not start (e.g. the model failed to load).
     """
     loop = asyncio.get_running_loop()
@@ -228,6 +239,7 @@ async def serve(
     for signum in signals:
         loop.add_signal_handler(signum, stop_requested.set)
     engine = AsyncEngine(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
+    metrics: EngineMetrics | None = None
     try:
         starting = asyncio.ensure_future(engine.start())
         stopping = asyncio.ensure_future(stop_requested.wait())
@@ -239,16 +251,27 @@ async def serve(
             return
         stopping.cancel()
         starting.result()
+        metrics_url = None
+        if metrics_port is not None:
+            from pipeline.metrics import EngineMetrics
+
+            metrics = await EngineMetrics(engine).start()
+            bound = metrics.start_http_server(metrics_host, metrics_port)
+            metrics_url = f"http://{format_address(metrics_host, bound)}/metrics"
         server = GenerationServer(engine, api_keys=api_keys, tls=tls)
         address = await server.start(host, port)
         logger.info("serving %s on %s", SERVICE_NAME, address)
         on_ready(address)
+        if metrics_url is not None:
+            on_metrics_ready(metrics_url)
         try:
             await stop_requested.wait()
         finally:
             logger.info("shutting down")
             await server.stop(grace)
     finally:
+        if metrics is not None:
+            await metrics.aclose()
         await engine.close()
         for signum in signals:
             loop.remove_signal_handler(signum)

@@ -1,0 +1,115 @@
+"""examples/grpc_chat.py against a real Generation server: the script, fed two user turns and
+/quit on stdin, prints exactly the replies the server's engine produced, sends the history
+with the second turn, and exits 0; a reply is written piece by piece as it streams; a wrong
+API key ends the chat with status 1."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from grpc_chat import REPLY_PREFIX, ChatSession
+
+from pipeline.client import Client
+from pipeline.engine import EngineObserver
+from stages.messages import ChatMessage, GenerateRequest, RequestOutput
+from stages.params import SamplingParams
+from tests.examples.running import RUN_TIMEOUT, example_command, example_env
+from tests.pipeline.server.serving import ServedEngine
+
+#: every test here talks to a server whose start takes several seconds
+pytestmark = pytest.mark.slow
+
+CHAT_KEY = "chat-key-0123"
+MAX_TOKENS = 12
+
+
+class Recorder(EngineObserver):
+    """What the server's engine saw: every request sent and every finished output."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: list[GenerateRequest] = []
+        self.finished: dict[str, RequestOutput] = {}
+
+    def request_sent(self, request: GenerateRequest) -> None:
+        with self.lock:
+            self.requests.append(request)
+
+    def output_received(self, output: RequestOutput) -> None:
+        if output.finished:
+            with self.lock:
+                self.finished[output.request_id] = output
+
+    def take(self) -> list[tuple[GenerateRequest, RequestOutput]]:
+        """The requests since the last call, each with its final output."""
+        with self.lock:
+            taken = [(request, self.finished[request.request_id]) for request in self.requests]
+            self.requests.clear()
+            return taken
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[tuple[ServedEngine, Recorder]]:
+    server = ServedEngine(tiny_model_dir, keys={CHAT_KEY: None}, num_blocks=128)
+    recorder = Recorder()
+    server.engine.add_observer(recorder)
+    yield server, recorder
+    server.close()
+
+
+def chat(address: str, stdin: str, *arguments: str) -> subprocess.CompletedProcess[str]:
+    command = example_command(
+        "grpc_chat", "--target", address, "--max-tokens", str(MAX_TOKENS),
+        "--temperature", "0", *arguments,
+    )  # fmt: skip
+    return subprocess.run(
+        command, input=stdin, capture_output=True, text=True, env=example_env(),
+        timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+
+
+def test_two_turns_then_quit(served: tuple[ServedEngine, Recorder]) -> None:
+    server, recorder = served
+    recorder.take()
+    result = chat(server.address, "Hello there\n\nWhat next?\n/quit\nnever sent\n",
+                  "--api-key", CHAT_KEY)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (first, first_reply), (second, second_reply) = recorder.take()
+    assert first.messages == (ChatMessage("user", "Hello there"),)
+    assert second.messages == (
+        ChatMessage("user", "Hello there"),
+        ChatMessage("assistant", first_reply.text),
+        ChatMessage("user", "What next?"),
+    )
+    assert first_reply.text and second_reply.text
+    expected = f"{REPLY_PREFIX}{first_reply.text}\n{REPLY_PREFIX}{second_reply.text}\n"
+    assert result.stdout == expected
+
+
+def test_a_reply_streams_in_pieces(served: tuple[ServedEngine, Recorder]) -> None:
+    server, _ = served
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with Client(server.address, api_key=CHAT_KEY) as client:
+        session = ChatSession(client, params, system="Be brief.")
+        pieces: list[str] = []
+        reply = session.send("Tell me a story", pieces.append)
+        assert len(pieces) > 1
+        assert "".join(pieces) == reply
+        assert session.history == [
+            {"role": "user", "content": "Tell me a story"},
+            {"role": "assistant", "content": reply},
+        ]
+        assert session.messages("And then?")[0] == {"role": "system", "content": "Be brief."}
+        session.reset()
+        assert session.history == []
+
+
+def test_a_wrong_api_key_ends_the_chat(served: tuple[ServedEngine, Recorder]) -> None:
+    server, _ = served
+    result = chat(server.address, "Hello\n", "--api-key", "not-a-key")
+    assert result.returncode == 1
+    assert "refused the API key" in result.stderr
