@@ -182,9 +182,12 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
             elif isinstance(command, QueryStatistics):
                 control.send(Ack(call_id, host.statistics()))
             elif isinstance(command, StopHost):
-                await host.stop()
+                if command.phase == 1:
+                    await host.quiesce(abort=command.abort)
+                else:
+                    await host.release(abort=command.abort)
                 control.send(Ack(call_id))
-                return True
+                return command.phase != 1
         except Exception as exc:
             with contextlib.suppress(Exception):
                 control.send(_failure_message(call_id, plan.name, exc))
@@ -200,13 +203,13 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
             task = asyncio.create_task(run_command(command))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-            if isinstance(command, StopHost):
+            if isinstance(command, StopHost) and command.phase != 1:
                 await task
                 with contextlib.suppress(Exception):
                     await writer.drain()
                 break
     finally:
-        await host.stop()
+        await host.stop(abort=True)  # no-op after an orderly StopHost
         control.close()
 
 
@@ -346,16 +349,23 @@ class ProcessHost:
                 await asyncio.sleep(0.02)
         return True
 
-    async def stop(self, timeout: float = 5.0) -> None:
-        """Ask the host to stop, wait for the process to exit; terminate, then kill, if it
-        does not. Idempotent; never raises."""
+    async def quiesce(self, timeout: float = 5.0, *, abort: bool = False) -> None:
+        """Shutdown phase 1 (see :meth:`Host.quiesce`). Never raises."""
+        self._stopping = True
+        if self._process is not None and not self._gone:
+            with contextlib.suppress(Exception):
+                await self._call(StopHost, 1, abort, timeout=timeout)
+
+    async def stop(self, timeout: float = 5.0, *, abort: bool = False) -> None:
+        """Shutdown phase 2: ask the host to release its links and exit, wait for the
+        process; terminate, then kill, if it does not exit. Idempotent; never raises."""
         self._stopping = True
         process = self._process
         if process is None:
             return
         if not self._gone:
             with contextlib.suppress(Exception):
-                await self._call(StopHost, timeout=timeout)
+                await self._call(StopHost, 2, abort, timeout=timeout)
         if not await self._wait_exit(timeout):
             logger.warning("host %s did not exit; terminating pid %s", self.name, process.pid)
             process.terminate()

@@ -116,7 +116,12 @@ class QueryStatistics:
 @message(35)
 @dataclasses.dataclass(frozen=True, slots=True)
 class StopHost:
+    """Shutdown phase 1 (quiesce: stages stop, senders close) or 2 (release links, exit);
+    ``abort`` drops queued messages instead of delivering them."""
+
     call_id: int
+    phase: int
+    abort: bool = False
 
 
 @message(36)

@@ -169,7 +169,8 @@ def _with_metrics(output: RequestOutput, delta: str, metrics: RequestMetrics) ->
 class AsyncEngine:
     """The asynchronous LLM engine.
 
-    ``AsyncEngine(model, **options)`` takes :class:`~pipeline.options.EngineOptions` fields;
+    ``AsyncEngine(model, **options)`` takes :class:`~pipeline.options.EngineOptions` fields
+    (or ``options=EngineOptions(...)``);
     ``AsyncEngine(pipeline=...)`` runs a customised pipeline (it must keep the entries
     ``requests``/``aborts`` and exits ``outputs``/``engine_info`` of the default one).
     Start it with ``async with`` or :meth:`start`.
@@ -178,9 +179,19 @@ class AsyncEngine:
     """
 
     def __init__(
-        self, model: str | None = None, *, pipeline: Pipeline | None = None, **options: Any
+        self,
+        model: str | None = None,
+        *,
+        pipeline: Pipeline | None = None,
+        options: EngineOptions | None = None,
+        **option_values: Any,
     ) -> None:
-        self.options = EngineOptions.create(model, **options)
+        if options is not None:
+            if model is not None or option_values:
+                raise TypeError("give either options=EngineOptions(...) or keyword options")
+            self.options = options
+        else:
+            self.options = EngineOptions.create(model, **option_values)
         self.pipeline = pipeline if pipeline is not None else llm_pipeline(self.options)
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None

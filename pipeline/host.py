@@ -256,8 +256,10 @@ class Host:
 
     # -- shutdown -------------------------------------------------------------------------------
 
-    async def stop(self, timeout: float = 5.0) -> None:
-        """Stop handling, stop every stage, close links and transports. Idempotent."""
+    async def quiesce(self, timeout: float = 5.0, *, abort: bool = False) -> None:
+        """Shutdown, first phase: stop handling, stop every stage, close every sender (which
+        tells each receiver END, unless ``abort``). Receivers stay open so that peers doing
+        the same meanwhile can still deliver their END. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -273,12 +275,26 @@ class Host:
                 logger.exception("stage %s failed to stop cleanly", cell.name)
             cell.stage._shutdown_executor()
             cell.mailbox.close_receiving()
-        for sender in self._senders.values():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(sender.aclose(), timeout)
-        for receiver in self._receivers.values():
+        if not abort:
+            for sender in self._senders.values():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(sender.aclose(), timeout)
+
+    async def release(self, timeout: float = 5.0, *, abort: bool = False) -> None:
+        """Shutdown, second phase: close receivers and transports (``abort`` drops whatever
+        is still queued for a peer instead of waiting for it). Idempotent."""
+        if not self._stopped:
+            await self.quiesce(timeout, abort=abort)
+        receivers, self._receivers = self._receivers, {}
+        for receiver in receivers.values():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(receiver.aclose(), timeout)
-        for transport in self._transports.values():
+        transports, self._transports = self._transports, {}
+        for transport in transports.values():
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(transport.aclose(), timeout)
+                await asyncio.wait_for(transport.aclose(abort=abort), timeout)
+
+    async def stop(self, timeout: float = 5.0, *, abort: bool = False) -> None:
+        """Both shutdown phases at once. Idempotent."""
+        await self.quiesce(timeout, abort=abort)
+        await self.release(timeout, abort=abort)

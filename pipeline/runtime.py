@@ -272,19 +272,27 @@ class RunningPipeline:
 
     async def _teardown(self) -> None:
         if self._closing:
-            if (
-                self._teardown_task is not None
-                and asyncio.current_task() is not self._teardown_task
-            ):
+            current = asyncio.current_task()
+            if self._teardown_task is not None and current is not self._teardown_task:
                 await asyncio.shield(self._teardown_task)
             await self._stopped.wait()
             return
         self._closing = True
+        # NOTE: two phases across every host: first all stages stop and every sender says
+        # END while every receiver is still open, then links close. After a failure nothing
+        # is delivered any more (abort), so no host waits on a peer that is gone.
+        abort = self.failure is not None
         try:
             timeout = self.options.stop_timeout
+            processes = list(self._processes.values())
+            phase_one = [p.quiesce(timeout, abort=abort) for p in processes]
             if self._main is not None:
-                await self._main.stop(timeout)
-            await asyncio.gather(*(p.stop(timeout) for p in self._processes.values()))
+                phase_one.append(self._main.quiesce(timeout, abort=abort))
+            await asyncio.gather(*phase_one)
+            phase_two = [p.stop(timeout, abort=abort) for p in processes]
+            if self._main is not None:
+                phase_two.append(self._main.release(timeout, abort=abort))
+            await asyncio.gather(*phase_two)
             for channel in self._exits.values():
                 channel.close_sending()
         finally:

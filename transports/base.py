@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from transports.codec import Codec
 from transports.compression import Compression
 from transports.errors import EndOfStream
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["LinkOptions", "LinkStatistics", "Receiver", "Sender", "Transport"]
 
@@ -98,7 +101,7 @@ class Sender(abc.ABC):
     @abc.abstractmethod
     def statistics(self) -> LinkStatistics: ...
 
-    async def __aenter__(self) -> Sender:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -130,7 +133,7 @@ class Receiver(abc.ABC):
         except EndOfStream:
             raise StopAsyncIteration from None
 
-    async def __aenter__(self) -> Receiver:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -163,10 +166,12 @@ class Transport(abc.ABC):
         """Connect a sender to a receiver's address. ``name`` identifies this sender to the
         receiver in its logs and errors."""
 
-    async def aclose(self) -> None:  # noqa: B027 - optional hook
-        """Release resources shared by this transport's links."""
+    async def aclose(self, *, abort: bool = False) -> None:
+        """Close links still open and release resources shared by this transport's links.
+        Graceful by default (queued messages are still delivered, bounded by
+        ``heartbeat_timeout``); ``abort=True`` drops them and returns at once."""
 
-    async def __aenter__(self) -> Transport:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -146,7 +146,9 @@ class MessageRegistry:
 DEFAULT_REGISTRY = MessageRegistry()
 
 
-def message(tag: int, *, registry: MessageRegistry = DEFAULT_REGISTRY) -> Callable[[type[T]], type[T]]:
+def message(
+    tag: int, *, registry: MessageRegistry = DEFAULT_REGISTRY
+) -> Callable[[type[T]], type[T]]:
     """Class decorator: register a dataclass as a wire message under ``tag``.
 
     Example::
@@ -277,27 +279,24 @@ class Codec:
         """
         self._aux_in = aux
         try:
-            obj = msgpack.unpackb(
-                payload, ext_hook=self._ext_hook, raw=False, strict_map_key=False
-            )
+            obj = msgpack.unpackb(payload, ext_hook=self._ext_hook, raw=False, strict_map_key=False)
         except DecodeError:
             raise
         except _Invalid as exc:
             raise FieldTypeError(str(exc)) from None
         except Exception as exc:  # msgpack raises several unrelated types for bad bytes
-            raise NotMsgpackError(f"payload is not valid msgpack: {exc}") from None
+            detail = str(exc) or type(exc).__name__
+            raise NotMsgpackError(f"payload is not valid msgpack: {detail}") from None
         finally:
             self._aux_in = ()
         if type(obj) not in self.registry._by_type:
-            raise NotMsgpackError(
-                f"payload is a {type(obj).__name__}, not a registered message"
-            )
+            raise NotMsgpackError(f"payload is a {type(obj).__name__}, not a registered message")
         return obj
 
     def _ext_hook(self, code: int, data: bytes) -> Any:
         if code == _EXT_MESSAGE:
             return self._decode_message(data)
-        if code == _EXT_TENSOR or code == _EXT_NDARRAY:
+        if code in (_EXT_TENSOR, _EXT_NDARRAY):
             return self._decode_array(code, data)
         raise NotMsgpackError(f"unknown msgpack extension type {code}")
 
@@ -313,8 +312,7 @@ class Codec:
         name = spec.cls.__qualname__
         if len(values) > len(spec.validators) or len(values) < spec.required:
             raise FieldTypeError(
-                f"{name} expects {spec.required}..{len(spec.validators)} fields, "
-                f"got {len(values)}"
+                f"{name} expects {spec.required}..{len(spec.validators)} fields, got {len(values)}"
             )
         args = []
         for field_name, validate, value in zip(spec.field_names, spec.validators, values):
@@ -363,6 +361,8 @@ class Codec:
             return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape)
         import torch  # the peer sent a tensor, so the receiving side needs torch
 
+        if count == 0:  # an empty byte tensor cannot be viewed as a wider dtype
+            return torch.empty(shape, dtype=getattr(torch, dtype))
         bytes_view = np.frombuffer(raw, dtype=np.uint8)
         if not bytes_view.flags.writeable:
             # NOTE: torch cannot hold read-only memory; one copy keeps the tensor writable.
@@ -410,7 +410,9 @@ def _compile(hint: Any, registry: MessageRegistry) -> Validator:
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             return _fixed_tuple([_compile(arg, registry) for arg in args])
         item = _compile(args[0], registry) if args else _identity
-        return _sequence(item, to_tuple=origin is tuple or hint is tuple, item_hint=args[0] if args else Any)
+        return _sequence(
+            item, to_tuple=origin is tuple or hint is tuple, item_hint=args[0] if args else Any
+        )
     if origin in (dict, Mapping) or hint is dict:
         key = _compile(args[0], registry) if args else _identity
         value = _compile(args[1], registry) if args else _identity

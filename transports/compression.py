@@ -62,10 +62,10 @@ class ZstdFrames:
             self._local.contexts = contexts
         return contexts
 
-    def compress(self, data: bytes | memoryview) -> bytes:
+    def compress(self, data: bytes | bytearray | memoryview) -> bytes:
         return self._contexts()[0].compress(data)
 
-    def decompress(self, data: bytes | memoryview) -> bytes:
+    def decompress(self, data: bytes | bytearray | memoryview) -> bytes:
         """Raises DecompressionError or FrameTooLargeError; never returns partial output."""
         try:
             size = zstandard.frame_content_size(data)

@@ -119,6 +119,10 @@ class FrameCodec:
             raise TruncatedFrameError(
                 f"header declares {n_buffers} buffer frames, {len(frames) - 1} arrived"
             )
+        if payload_len > self.max_frame_bytes:
+            raise FrameTooLargeError(
+                f"payload of {payload_len} bytes exceeds the limit of {self.max_frame_bytes}"
+            )
         payload: Buffer = head[start:]
         if kind is FrameKind.HELLO:
             return kind, bytes(payload).decode("utf-8", "replace")

@@ -1,0 +1,209 @@
+"""ZeroMQ links (transports/zmq.py): the conformance kit over ipc and tcp, plus what is
+particular to ZMQ (addresses, ipc files, heartbeat edge cases)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from transports.base import LinkOptions
+from transports.errors import EndOfStream, LinkClosedError, PeerLostError, TransportError
+from transports.framing import FrameCodec, FrameKind
+from transports.testing import (
+    KitPayload,
+    KitPing,
+    LinkFactory,
+    check_backpressure,
+    check_bad_input,
+    check_no_leaks,
+    check_ordering,
+    check_peer_loss,
+    conformance_tests,
+)
+from transports.zmq import ZmqTransport
+
+# NOTE: a PUSH/PULL link buffers SNDHWM + RCVHWM messages plus what the kernel holds: about
+# 200 KiB for a unix socket; tcp autotuning may grow to tcp_rmem + tcp_wmem (36 MiB here).
+ZMQ_IPC = LinkFactory(
+    ZmqTransport, queues_per_link=2, transit_bytes=1 << 20, detects_closed_receiver=False
+)
+ZMQ_TCP = dataclasses.replace(ZMQ_IPC, listen_address="tcp://127.0.0.1:0", transit_bytes=40 << 20)
+
+test_conformance = conformance_tests(ZMQ_IPC)
+test_conformance_over_tcp = conformance_tests(
+    ZMQ_TCP,
+    checks=(check_ordering, check_backpressure, check_bad_input, check_peer_loss, check_no_leaks),
+)
+
+OPTIONS = LinkOptions(capacity=8, heartbeat_interval=0.1, heartbeat_timeout=1.0)
+SLACK = 1.5
+
+
+def run(coroutine: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coroutine, 60))
+
+
+def test_tcp_port_zero_binds_a_free_port_and_reports_it() -> None:
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS) as transport:
+            receiver = await transport.listen("tcp://127.0.0.1:0")
+            match = re.fullmatch(r"tcp://127\.0\.0\.1:(\d+)", receiver.address)
+            assert match is not None and int(match[1]) > 0
+            sender = await transport.connect(receiver.address, name="tcp-test")
+            await sender.send(KitPing(1))
+            assert await receiver.receive() == KitPing(1)
+            await sender.aclose()
+            with pytest.raises(EndOfStream):
+                await receiver.receive()
+            with pytest.raises(TransportError, match="cannot bind"):
+                await transport.listen(receiver.address)  # the port is taken
+            await receiver.aclose()
+
+    run(main())
+
+
+def test_an_explicit_ipc_path_exists_while_listening_and_is_removed_on_close(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "link.ipc"
+
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS) as transport:
+            receiver = await transport.listen(f"ipc://{path}")
+            assert receiver.address == f"ipc://{path}"
+            assert path.exists()
+            sender = await transport.connect(receiver.address)
+            await sender.send(KitPing(2))
+            assert await receiver.receive() == KitPing(2)
+            await receiver.aclose()
+            assert not path.exists()
+
+    run(main())
+
+
+def test_fresh_ipc_addresses_live_in_a_private_directory_removed_with_the_transport() -> None:
+    async def main() -> None:
+        transport = ZmqTransport(OPTIONS)
+        first, second = await transport.listen(), await transport.listen()
+        directory = Path(first.address.removeprefix("ipc://")).parent
+        assert Path(second.address.removeprefix("ipc://")).parent == directory
+        assert first.address != second.address and directory.is_dir()
+        await transport.aclose()
+        assert not directory.exists()
+        with pytest.raises(LinkClosedError):
+            await transport.listen()
+
+    run(main())
+
+
+def test_addresses_of_other_schemes_are_refused() -> None:
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS) as transport:
+            with pytest.raises(ValueError, match="ipc://"):
+                await transport.listen("http://127.0.0.1:80")
+            with pytest.raises(ValueError, match="ipc://"):
+                await transport.connect("grpc://127.0.0.1:1/link")
+
+    run(main())
+
+
+def test_no_heartbeat_timeout_before_a_sender_says_hello() -> None:
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS) as transport:
+            receiver = await transport.listen()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(receiver.receive(), 2.5 * OPTIONS.heartbeat_timeout)
+            await receiver.aclose()
+
+    run(main())
+
+
+def test_a_peer_that_falls_silent_after_hello_is_lost_within_the_timeout() -> None:
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        async with ZmqTransport(OPTIONS) as transport:
+            receiver = await transport.listen()
+            silent = context.socket(zmq.PUSH)
+            silent.connect(receiver.address)
+            await silent.send_multipart(FrameCodec.control(FrameKind.HELLO, "silent-peer"))
+            await silent.send_multipart(FrameCodec().encode(KitPing(1)))
+            assert await receiver.receive() == KitPing(1)
+            started = time.monotonic()
+            with pytest.raises(PeerLostError, match="silent-peer"):
+                await receiver.receive()
+            assert time.monotonic() - started < OPTIONS.heartbeat_timeout + SLACK
+            with pytest.raises(PeerLostError):
+                await receiver.receive()
+            assert receiver.statistics().waiting_receivers == 0
+            await receiver.aclose()
+            silent.close(linger=0)
+        context.term()
+
+    run(main())
+
+
+def test_a_consumer_busy_elsewhere_does_not_declare_its_peer_lost() -> None:
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS) as transport:
+            receiver = await transport.listen()
+            sender = await transport.connect(receiver.address)
+            await asyncio.sleep(2.5 * OPTIONS.heartbeat_timeout)  # not receiving meanwhile
+            await sender.send(KitPing(3))
+            assert await receiver.receive() == KitPing(3)
+            await sender.aclose()
+            with pytest.raises(EndOfStream):
+                await receiver.receive()
+            await receiver.aclose()
+
+    run(main())
+
+
+def test_closing_the_sender_interrupts_a_send_waiting_for_room() -> None:
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS) as transport:
+            receiver = await transport.listen()
+            sender = await transport.connect(receiver.address)
+
+            async def flood() -> None:
+                seq = 0
+                while True:
+                    await sender.send(KitPayload(seq, bytes(64 * 1024)))
+                    seq += 1
+
+            flooding = asyncio.create_task(flood())
+            for _ in range(1000):
+                if sender.statistics().waiting_senders:
+                    break
+                await asyncio.sleep(0.01)
+            assert sender.statistics().waiting_senders == 1
+            await sender.aclose()
+            with pytest.raises(LinkClosedError):
+                await asyncio.wait_for(flooding, 10)
+            await receiver.aclose()
+
+    run(main())
+
+
+def test_inproc_links_work_within_one_transport() -> None:
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS) as transport:
+            receiver = await transport.listen("inproc://kit-inproc")
+            assert receiver.address == "inproc://kit-inproc"
+            sender = await transport.connect(receiver.address, name="inproc")
+            await sender.send(KitPayload(1, bytes(100_000)))
+            assert await receiver.receive() == KitPayload(1, bytes(100_000))
+            await sender.aclose()
+            with pytest.raises(EndOfStream):
+                await receiver.receive()
+            await receiver.aclose()
+
+    run(main())

@@ -1,0 +1,515 @@
+"""ZeroMQ links: a PUSH socket that connects sends to a PULL socket that binds.
+
+Each message is one multipart ZMQ message, ``[header_frame, *out_of_band_buffers]`` from
+:class:`~transports.framing.FrameCodec`; buffers go out with ``copy=False`` and arrive as
+``zmq.Frame`` memoryviews, so large tensors are not copied on either side. A sender says
+HELLO (with its name) when it connects, HEARTBEAT whenever it has been idle for
+``heartbeat_interval`` and END when it closes gracefully; a receiver that hears nothing for
+``heartbeat_timeout`` while it waits raises :class:`~transports.errors.PeerLostError`.
+
+Addresses: ``ipc://PATH`` (``listen(None)`` picks a fresh path in a private directory of the
+transport), ``tcp://HOST:PORT`` (port 0 binds a free port; the receiver's ``address`` reports
+it) and ``inproc://NAME`` (same transport only).
+
+Limits of what ZMQ can tell:
+
+- A sender cannot see the receiver go away: PUSH keeps queueing, so once ``capacity``
+  messages are buffered on each side (plus what the kernel holds), ``send`` simply waits.
+  Supervisors detect a dead receiving process by its sentinel; a dead *sender* is detected by
+  the receiver's heartbeat timeout.
+- The heartbeat timeout assumes the sender's event loop is not blocked for that long.
+- Closing a PUSH socket while its receiver is behind (receive high-water mark reached) can
+  drop the tail of the stream despite ZMQ_LINGER (zeromq/libzmq#4660, #1922). So a closed
+  sender keeps its socket, still delivering, until :meth:`ZmqTransport.aclose`: close the
+  transport once receivers have drained. If the tail is lost anyway, END is lost with it and
+  the receiver raises PeerLostError after ``heartbeat_timeout``: never a silent loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar, cast
+
+import zmq
+import zmq.asyncio
+
+from transports._byte_links import (
+    InboundFrames,
+    SilenceWatchdog,
+    cancel_requested,
+    link_frame_codec,
+)
+from transports.base import LinkOptions, LinkStatistics, Receiver, Sender, Transport
+from transports.codec import Buffer, Codec
+from transports.errors import EndOfStream, LinkClosedError, PeerLostError, TransportError
+from transports.framing import FrameCodec, FrameKind
+
+__all__ = ["ZmqReceiver", "ZmqSender", "ZmqTransport"]
+
+logger = logging.getLogger("actorline.transports.zmq")
+
+_SCHEMES = ("ipc://", "tcp://", "inproc://")
+_IPC = "ipc://"
+_MILLISECONDS = 1000
+_HEARTBEAT_FRAME = FrameCodec.control(FrameKind.HEARTBEAT)[0]
+_END_FRAME = FrameCodec.control(FrameKind.END)[0]
+
+
+def _events(socket: zmq.Socket[bytes]) -> int:
+    """The socket's ZMQ_EVENTS (POLLIN/POLLOUT readiness)."""
+    return cast(int, socket.get(zmq.EVENTS))
+
+
+def _wire_size(frames: Sequence[Buffer]) -> int:
+    size = 0
+    for frame in frames:
+        size += memoryview(frame).nbytes
+    return size
+
+
+class ZmqReceiver(Receiver):
+    """The PULL end of a ZMQ link. See :class:`~transports.base.Receiver` for the contract."""
+
+    def __init__(
+        self,
+        transport: ZmqTransport,
+        socket: zmq.asyncio.Socket,
+        address: str,
+        ipc_path: str | None,
+    ) -> None:
+        options = transport.options
+        self.address = address
+        self._transport = transport
+        self._socket = socket
+        # NOTE: the shadow is the same socket without futures: receive() first tries a
+        # non-blocking read on it and only creates a future when nothing is queued.
+        self._shadow: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
+        self._ipc_path = ipc_path
+        self._capacity = options.capacity
+        self._timeout = options.heartbeat_timeout
+        self._inbound = InboundFrames(link_frame_codec(transport), logger, address)
+        self._waiting: set[asyncio.Future[Any]] = set()
+        # NOTE: silence only counts while a receive waits: a consumer busy elsewhere has not
+        # read what its peer sent, which says nothing about the peer. (A waiting future that
+        # data arrived for is resolved by pyzmq's fd callback, which the loop runs before
+        # due timers.)
+        self._watchdog = SilenceWatchdog(
+            options.heartbeat_timeout,
+            lambda: any(not future.done() for future in self._waiting),
+            self._lose,
+        )
+        self._ended = False
+        self._lost = False
+        self._closed = False
+
+    async def receive(self) -> object:
+        """Receive the next message.
+
+        Raises:
+            EndOfStream: the sender closed gracefully and everything it sent was delivered.
+            PeerLostError: nothing arrived for ``heartbeat_timeout`` after the sender's HELLO.
+            LinkClosedError: this receiver was closed.
+        """
+        inbound = self._inbound
+        while True:
+            self._raise_if_finished()
+            if self._waiting:  # another task waits: queue behind it (see _wait_for_frames)
+                frames = await self._wait_for_frames()
+            else:
+                try:
+                    frames = self._shadow.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    frames = await self._wait_for_frames()
+                except zmq.ZMQError as exc:
+                    raise LinkClosedError(f"receiver {self.address}: {exc}") from exc
+            self._watchdog.last_heard = time.monotonic()
+            decoded = inbound.accept([frame.buffer for frame in frames], sum(map(len, frames)))
+            if decoded is None:
+                continue
+            kind, message = decoded
+            if kind is FrameKind.DATA:
+                return message
+            if kind is FrameKind.HELLO:
+                self._watchdog.start()
+            elif kind is FrameKind.END:
+                self._ended = True
+                self._watchdog.stop()
+
+    async def _wait_for_frames(self) -> list[zmq.Frame]:
+        # NOTE: ZMQ's notification fd is edge-triggered and reading the socket outside
+        # pyzmq's futures can swallow an edge; so while a future waits, every read goes
+        # through a future too (pyzmq re-checks readiness whenever it adds one).
+        future: asyncio.Future[list[zmq.Frame]] = self._socket.recv_multipart(copy=False)  # type: ignore[assignment]
+        self._waiting.add(future)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The watchdog or aclose() cancels the read to interrupt it; say why.
+            if not cancel_requested():
+                self._raise_if_finished()
+            raise
+        except zmq.ZMQError as exc:
+            raise LinkClosedError(f"receiver {self.address}: {exc}") from exc
+        finally:
+            self._waiting.discard(future)
+
+    def _raise_if_finished(self) -> None:
+        if self._closed:
+            raise LinkClosedError(f"receiver {self.address} is closed")
+        if self._ended:
+            raise EndOfStream(f"{self._inbound.peer} closed the link")
+        if self._lost:
+            raise PeerLostError(f"{self._inbound.peer} fell silent for more than {self._timeout} s")
+
+    def _lose(self, silent_for: float) -> None:
+        """The watchdog's verdict: interrupt waiting receives with PeerLostError."""
+        logger.warning(
+            "%s fell silent for %.1f s; the link is lost", self._inbound.peer, silent_for
+        )
+        self._lost = True
+        for future in self._waiting:
+            future.cancel()
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Stop receiving, close the socket and remove its ipc file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watchdog.stop()
+        for future in list(self._waiting):
+            future.cancel()
+        self._socket.close(linger=0)
+        if self._ipc_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ipc_path)
+        self._transport._receivers.discard(self)
+
+    def statistics(self) -> LinkStatistics:
+        inbound = self._inbound
+        return LinkStatistics(
+            transport=ZmqTransport.name,
+            address=self.address,
+            capacity=self._capacity,
+            messages_received=inbound.messages_received,
+            bytes_received=inbound.bytes_received,
+            decode_errors=inbound.decode_errors,
+            waiting_receivers=sum(1 for future in self._waiting if not future.done()),
+            closed=self._closed,
+        )
+
+
+class ZmqSender(Sender):
+    """The PUSH end of a ZMQ link. See :class:`~transports.base.Sender` for the contract.
+
+    Tensors and arrays are sent without copying: do not modify them in place after ``send``.
+    """
+
+    def __init__(self, transport: ZmqTransport, socket: zmq.asyncio.Socket, address: str) -> None:
+        options = transport.options
+        self.address = address
+        self._transport = transport
+        self._socket = socket
+        self._shadow: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
+        self._capacity = options.capacity
+        self._interval = options.heartbeat_interval
+        self._close_timeout = options.heartbeat_timeout
+        self._framer = link_frame_codec(transport)
+        self._waiting: set[asyncio.Future[Any]] = set()
+        # NOTE: zero-copy frames must outlive ZMQ's use of them: messages with out-of-band
+        # buffers stay here until their tracker says ZMQ is done with them.
+        self._in_flight: collections.deque[tuple[zmq.MessageTracker, Sequence[Buffer]]] = (
+            collections.deque()
+        )
+        self._last_activity = time.monotonic()
+        self._heartbeat: asyncio.TimerHandle | None = None
+        self._closed = False
+        self.messages_sent = 0
+        self.bytes_sent = 0
+
+    async def _open(self, name: str) -> None:
+        await self._transmit(FrameCodec.control(FrameKind.HELLO, name))
+        self._heartbeat = asyncio.get_running_loop().call_later(self._interval, self._beat)
+
+    async def send(self, message: object) -> None:
+        """Send one message, waiting while the link is full.
+
+        Raises:
+            LinkClosedError: this sender was closed (also if closed while waiting).
+            EncodeError: the message cannot be encoded.
+        """
+        if self._closed:
+            raise LinkClosedError(f"sender to {self.address} is closed")
+        await self._transmit(self._framer.encode(message))
+        self.messages_sent += 1
+
+    async def send_frames(self, frames: Sequence[Buffer]) -> None:
+        """Send frames that are already encoded (by a relay, or a test feeding raw bytes).
+
+        Raises LinkClosedError like :meth:`send`.
+        """
+        if self._closed:
+            raise LinkClosedError(f"sender to {self.address} is closed")
+        await self._transmit(list(frames))
+        self.messages_sent += 1
+
+    async def _transmit(self, frames: Sequence[Buffer]) -> None:
+        track = len(frames) > 1
+        tracker: zmq.MessageTracker | None
+        if self._waiting:  # keep order behind sends that are already waiting
+            tracker = await self._wait_to_send(frames, track)
+        else:
+            try:
+                tracker = self._shadow.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
+            except zmq.Again:
+                tracker = await self._wait_to_send(frames, track)
+            except zmq.ZMQError as exc:
+                raise LinkClosedError(f"sender to {self.address}: {exc}") from exc
+        self._last_activity = time.monotonic()
+        self.bytes_sent += _wire_size(frames)
+        in_flight = self._in_flight
+        while in_flight and in_flight[0][0].done:
+            in_flight.popleft()
+        if tracker is not None and not tracker.done:
+            in_flight.append((tracker, frames))
+
+    async def _wait_to_send(
+        self, frames: Sequence[Buffer], track: bool
+    ) -> zmq.MessageTracker | None:
+        future: asyncio.Future[zmq.MessageTracker | None] = self._socket.send_multipart(  # type: ignore[assignment]
+            frames, copy=False, track=track
+        )
+        self._waiting.add(future)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._closed and not cancel_requested():
+                raise LinkClosedError(f"sender to {self.address} was closed") from None
+            raise
+        except zmq.ZMQError as exc:
+            raise LinkClosedError(f"sender to {self.address}: {exc}") from exc
+        finally:
+            self._waiting.discard(future)
+
+    def _beat(self) -> None:
+        """Timer callback: send a heartbeat if nothing was sent for a heartbeat interval."""
+        self._heartbeat = None
+        if self._closed:
+            return
+        now = time.monotonic()
+        delay = self._interval - (now - self._last_activity)
+        if delay <= 0:
+            # A sender waiting for room has data queued, which the receiver will hear.
+            if not self._waiting:
+                try:
+                    self._shadow.send(_HEARTBEAT_FRAME, zmq.NOBLOCK)
+                    self.bytes_sent += len(_HEARTBEAT_FRAME)
+                except zmq.Again:
+                    pass  # full: the receiver has data queued, which it hears
+                except zmq.ZMQError:
+                    return
+            self._last_activity = now
+            delay = self._interval
+        self._heartbeat = asyncio.get_running_loop().call_later(delay, self._beat)
+
+    async def aclose(self) -> None:
+        """Send END and stop sending; sends waiting in other tasks raise LinkClosedError.
+
+        The socket itself stays open, delivering what is queued, until the transport
+        closes. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        for future in list(self._waiting):
+            future.cancel()
+        await self._say_end()
+
+    def _abandon(self) -> None:
+        """Stop sending without END (the transport is being aborted)."""
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        for future in list(self._waiting):
+            future.cancel()
+
+    def _release(self, *, abort: bool = False) -> None:
+        """Close the socket; ZMQ goes on flushing for up to ``heartbeat_timeout`` (not at all
+        when aborting)."""
+        linger = 0 if abort else int(self._close_timeout * _MILLISECONDS)
+        self._socket.close(linger=linger)
+        self._in_flight.clear()
+
+    async def _say_end(self) -> None:
+        try:
+            if not _events(self._shadow) & zmq.POLLOUT:
+                # The link is full: wait (bounded) for the receiver to make room.
+                poller = zmq.asyncio.Poller()
+                poller.register(self._socket, zmq.POLLOUT)
+                if not await poller.poll(int(self._close_timeout * _MILLISECONDS)):
+                    raise zmq.Again()
+            self._shadow.send(_END_FRAME, zmq.NOBLOCK)
+            self.bytes_sent += len(_END_FRAME)
+        except zmq.ZMQError:
+            logger.warning("sender to %s closed without END: the link stayed full", self.address)
+
+    def statistics(self) -> LinkStatistics:
+        return LinkStatistics(
+            transport=ZmqTransport.name,
+            address=self.address,
+            capacity=self._capacity,
+            messages_sent=self.messages_sent,
+            bytes_sent=self.bytes_sent,
+            waiting_senders=sum(1 for future in self._waiting if not future.done()),
+            closed=self._closed,
+        )
+
+
+class ZmqTransport(Transport):
+    """ZeroMQ PUSH/PULL links (ipc://, tcp://, inproc://).
+
+    One ZMQ context per transport instance, created on first use and terminated by
+    :meth:`aclose`, which also closes links still open and removes the private directory
+    holding the ipc files of ``listen(None)``.
+    """
+
+    name: ClassVar[str] = "zmq"
+
+    def __init__(self, options: LinkOptions | None = None, *, codec: Codec | None = None) -> None:
+        super().__init__(options, codec=codec)
+        self._context: zmq.asyncio.Context | None = None
+        self._private_dir: str | None = None
+        self._ipc_names = itertools.count(1)
+        self._receivers: set[ZmqReceiver] = set()
+        #: every sender, its socket open until the transport closes (see the module notes)
+        self._senders: list[ZmqSender] = []
+        self._closed = False
+
+    async def listen(self, address: str | None = None) -> ZmqReceiver:
+        """Bind a PULL socket at ``address`` (None: a fresh ipc path).
+
+        Raises:
+            ValueError: the address is not ipc://, tcp:// or inproc://.
+            TransportError: the address cannot be bound (in use, bad path...).
+            LinkClosedError: the transport was closed.
+        """
+        if address is None:
+            address = self._fresh_ipc_address()
+        _check_address(address)
+        socket = self._new_socket(zmq.PULL)
+        socket.setsockopt(zmq.RCVHWM, self.options.capacity)
+        try:
+            socket.bind(address)
+        except zmq.ZMQError as exc:
+            socket.close(linger=0)
+            raise TransportError(f"cannot bind {address}: {exc}") from exc
+        bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        ipc_path = bound[len(_IPC) :] if bound.startswith(_IPC) else None
+        if ipc_path is not None and ipc_path.startswith("@"):
+            ipc_path = None  # Linux abstract namespace: no file
+        receiver = ZmqReceiver(self, socket, bound, ipc_path)
+        self._receivers.add(receiver)
+        return receiver
+
+    async def connect(self, address: str, *, name: str = "") -> ZmqSender:
+        """Connect a PUSH socket to a receiver's address and say HELLO.
+
+        Raises:
+            ValueError: the address is not ipc://, tcp:// or inproc://.
+            LinkClosedError: the transport was closed.
+        """
+        _check_address(address)
+        socket = self._new_socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, self.options.capacity)
+        try:
+            socket.connect(address)
+        except zmq.ZMQError as exc:
+            socket.close(linger=0)
+            raise TransportError(f"cannot connect to {address}: {exc}") from exc
+        sender = ZmqSender(self, socket, address)
+        self._senders.append(sender)
+        await sender._open(name or f"pid {os.getpid()}")
+        return sender
+
+    def _new_socket(self, kind: int) -> zmq.asyncio.Socket:
+        if self._closed:
+            raise LinkClosedError("the zmq transport is closed")
+        if self._context is None:
+            self._context = zmq.asyncio.Context()
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        return socket
+
+    def _fresh_ipc_address(self) -> str:
+        if self._private_dir is None:
+            self._private_dir = tempfile.mkdtemp(prefix="actorline-zmq-")
+        return f"{_IPC}{self._private_dir}/{next(self._ipc_names)}"
+
+    async def aclose(self, *, abort: bool = False) -> None:
+        """Close links still open, terminate the context, remove the private ipc directory.
+
+        Waits (in a helper thread) for senders' queued messages to drain, at most
+        ``heartbeat_timeout``; ``abort`` drops them instead. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for sender in self._senders:
+            if abort:
+                sender._abandon()
+            else:
+                await sender.aclose()
+        for receiver in list(self._receivers):
+            await receiver.aclose()
+        for sender in self._senders:
+            sender._release(abort=abort)
+        self._senders.clear()
+        context, self._context = self._context, None
+        if context is not None:
+            await _terminate(context)
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
+
+
+def _check_address(address: str) -> None:
+    if not address.startswith(_SCHEMES):
+        raise ValueError(f"a zmq address starts with one of {', '.join(_SCHEMES)}; got {address!r}")
+
+
+async def _terminate(context: zmq.Context[Any]) -> None:
+    """Terminate a context without blocking the event loop: ``term`` waits for lingering
+    sockets to flush, so it runs in a short-lived thread of its own."""
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[None] = loop.create_future()
+
+    def notify() -> None:
+        if not finished.done():
+            finished.set_result(None)
+
+    def term() -> None:
+        try:
+            context.term()
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop may be gone already
+                loop.call_soon_threadsafe(notify)
+
+    thread = threading.Thread(target=term, name="actorline-zmq-term", daemon=True)
+    thread.start()
+    await finished
+    thread.join()
