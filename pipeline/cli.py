@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     from pipeline import _cli_llm
 
     _cli_llm.add_commands(commands)
+    from pipeline import _cli_bench
+
+    _cli_bench.add_commands(commands)
     return parser
 
 

@@ -25,7 +25,9 @@ class EngineOptions:
     ``scheduler`` (a policy name in ``actorline.schedulers``). Topology: ``transport``
     ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None). Admission:
     ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
-    per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)).
+    per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)). Benchmarking:
+    ``null_model`` replaces the model with :mod:`stages.execute.null` (random tokens at once,
+    real KV bookkeeping) to measure the framework alone.
     """
 
     model: str = "smollm2-135m"
@@ -52,6 +54,7 @@ class EngineOptions:
     use_cuda_graphs: bool = True
     start_timeout: float = 600.0
     log_level: str | None = None
+    null_model: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -64,6 +67,8 @@ class EngineOptions:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if type(self.null_model) is not bool:
+            raise ValueError(f"null_model must be a boolean, got {self.null_model!r}")
         if not isinstance(self.scheduler, str) or not self.scheduler:
             raise ValueError(f"scheduler must be a policy name, got {self.scheduler!r}")
 

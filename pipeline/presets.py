@@ -77,7 +77,12 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     pipeline.add("tokenize", TokenizeStage, TokenizeConfig(options.model))
     pipeline.add("admit", AdmitStage, admit, host=engine)
     pipeline.add("schedule", ScheduleStage, schedule, host=engine)
-    pipeline.add("execute", ExecuteStage, execute, host=engine)
+    if options.null_model:
+        from stages.execute.null import NullExecuteStage
+
+        pipeline.add("execute", NullExecuteStage, execute, host=engine)
+    else:
+        pipeline.add("execute", ExecuteStage, execute, host=engine)
     pipeline.add("detokenize", DetokenizeStage, DetokenizeConfig(options.model))
     pipeline.add("stop_check", StopCheckStage)
 

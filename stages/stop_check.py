@@ -41,10 +41,16 @@ class _Tracked:
 
     def __init__(self, request: EngineRequest) -> None:
         params = request.params
-        self.checker = StopChecker(
-            params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            min_tokens=params.min_tokens,
+        # NOTE: without stop strings there is nothing to match or hold back (min_tokens only
+        # delays stop strings; stop tokens are the scheduler's): the text streams as it comes.
+        self.checker: StopChecker | None = (
+            StopChecker(
+                params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
+            )
+            if params.stop
+            else None
         )
         self.text = ""
         self.token_ids: list[int] = []
@@ -77,16 +83,20 @@ class StopCheckStage(Stage):
             tracked.token_ids.extend(batch.new_token_ids[index])
             if request_id in batch.num_cached_tokens:
                 tracked.num_cached_tokens = batch.num_cached_tokens[request_id]
-            decision = tracked.checker.push(batch.texts[index], len(tracked.token_ids))
-            delta = decision.delta
             finish_reason = batch.finish_reasons[index]
             stop_reason: str | int | None = batch.stop_reasons[index]
-            if decision.stopped:
-                if finish_reason is None:
-                    stopped.append(request_id)  # the engine still runs it: free its KV now
-                finish_reason, stop_reason = "stop", decision.stop_reason
-            elif finish_reason is not None:
-                delta += tracked.checker.finish()
+            checker = tracked.checker
+            if checker is None:
+                delta = batch.texts[index]
+            else:
+                decision = checker.push(batch.texts[index], len(tracked.token_ids))
+                delta = decision.delta
+                if decision.stopped:
+                    if finish_reason is None:
+                        stopped.append(request_id)  # the engine still runs it: free its KV now
+                    finish_reason, stop_reason = "stop", decision.stop_reason
+                elif finish_reason is not None:
+                    delta += checker.finish()
             tracked.text += delta
             logprobs = None
             if tracked.logprobs is not None:

@@ -1,0 +1,245 @@
+"""The framework's ceiling: the full pipeline with the null model (random tokens at once, real
+KV bookkeeping, see :mod:`stages.execute.null`) streaming many concurrent requests. Tokens are
+counted as they reach the callers (each output's new tokens), so the figure is what the
+pipeline can deliver with no model in the way: tokenize, admit, schedule, the null execute,
+detokenize, stop-check, the links between them and the API's dispatch. Target: 50,000
+tokens/s with 256 streaming requests over the zmq topology.
+
+    python benchmarks/ceiling.py [--profile] [--transport memory] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
+from pipeline.bench.report import add_common_arguments, format_rate, format_table, print_result
+from pipeline.bench.workload import WorkloadSpec, make_workload
+
+if TYPE_CHECKING:
+    from pipeline.engine import AsyncEngine
+    from stages.params import SamplingParams
+
+__all__ = [
+    "TARGET_TOKENS_PER_SECOND",
+    "CeilingConfig",
+    "CeilingResult",
+    "CeilingRun",
+    "add_arguments",
+    "format_ceiling",
+    "main",
+    "measure_ceiling",
+    "run_ceiling",
+    "run_from_args",
+]
+
+TARGET_TOKENS_PER_SECOND = 50_000.0
+#: the prompts: short ("Write about <topic>." plus 5-20 filler words)
+_PROMPT_FILLER = (5, 20)
+_WARMUP_REQUESTS = 16
+_WARMUP_TOKENS = 8
+#: KV headroom per request beyond prompt + output (blocks), so the null model never preempts
+_SPARE_BLOCKS_PER_REQUEST = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CeilingConfig:
+    """``num_requests`` concurrent streaming requests of exactly ``max_tokens`` tokens each
+    (ignore_eos), ``repeats`` times on one engine; ``transport`` "zmq" (engine process) or
+    "memory" (one process). ``model`` provides the tokenizer and config only.
+
+    Raises:
+        ValueError: a count is not positive.
+    """
+
+    model: str = "smollm2-135m"
+    num_requests: int = 256
+    max_tokens: int = 256
+    transport: str = "zmq"
+    repeats: int = 3
+    profile: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "max_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def quick(cls, **overrides: object) -> CeilingConfig:
+        """A small configuration for smoke tests."""
+        values: dict[str, object] = {"num_requests": 32, "max_tokens": 32, "repeats": 1}
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CeilingRun:
+    """One repeat: tokens delivered to the callers in ``seconds``; engine steps taken."""
+
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    engine_steps: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CeilingResult:
+    """Every repeat, the best and median rate, and the profile of the best repeat."""
+
+    model: str
+    transport: str
+    num_requests: int
+    max_tokens: int
+    runs: tuple[CeilingRun, ...]
+    best_tokens_per_second: float
+    median_tokens_per_second: float
+    target_tokens_per_second: float
+    meets_target: bool
+    profile: Profile | None = None
+
+
+async def measure_ceiling(config: CeilingConfig) -> CeilingResult:
+    """Run the ceiling benchmark on the running event loop (see the module docstring)."""
+    from pipeline.engine import AsyncEngine
+    from stages.params import SamplingParams
+
+    spec = WorkloadSpec(
+        num_requests=config.num_requests,
+        min_filler=_PROMPT_FILLER[0],
+        max_filler=_PROMPT_FILLER[1],
+        max_tokens_choices=(config.max_tokens,),
+        seed=config.seed,
+    )
+    prompts = [request.prompt for request in make_workload(spec)]
+    params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
+    # Prompts are a few dozen tokens; give every request room for all of its tokens.
+    blocks_per_request = -(-(config.max_tokens + 64) // 16) + _SPARE_BLOCKS_PER_REQUEST
+    engine = AsyncEngine(
+        config.model,
+        null_model=True,
+        transport=config.transport,
+        max_num_seqs=config.num_requests,
+        num_blocks=blocks_per_request * config.num_requests,
+    )
+    runs: list[CeilingRun] = []
+    profiles: list[Profile | None] = []
+    async with engine:
+        warmup = SamplingParams(max_tokens=_WARMUP_TOKENS, ignore_eos=True)
+        await _stream_all(engine, prompts[:_WARMUP_REQUESTS], warmup)
+        for _ in range(config.repeats):
+            before = await take_snapshot(engine.running) if config.profile else None
+            steps_before = engine.stats.num_steps if engine.stats else 0
+            began = time.perf_counter()
+            tokens = await _stream_all(engine, prompts, params)
+            seconds = time.perf_counter() - began
+            steps = (engine.stats.num_steps if engine.stats else 0) - steps_before
+            runs.append(CeilingRun(tokens, seconds, tokens / seconds, steps))
+            if before is not None:
+                after = await take_snapshot(engine.running)
+                profiles.append(build_profile(before, after, seconds, tokens))
+            else:
+                profiles.append(None)
+    rates = [run.tokens_per_second for run in runs]
+    best = max(range(len(runs)), key=lambda index: rates[index])
+    return CeilingResult(
+        model=config.model,
+        transport=config.transport,
+        num_requests=config.num_requests,
+        max_tokens=config.max_tokens,
+        runs=tuple(runs),
+        best_tokens_per_second=rates[best],
+        median_tokens_per_second=statistics.median(rates),
+        target_tokens_per_second=TARGET_TOKENS_PER_SECOND,
+        meets_target=rates[best] >= TARGET_TOKENS_PER_SECOND,
+        profile=profiles[best],
+    )
+
+
+async def _stream_all(engine: AsyncEngine, prompts: Sequence[str], params: SamplingParams) -> int:
+    """Stream every prompt concurrently; the number of tokens that reached the callers."""
+
+    async def consume(prompt: str) -> int:
+        received = 0
+        async for output in engine.generate(prompt, params):
+            received = len(output.token_ids)  # cumulative: the new tokens are the growth
+        return received
+
+    return sum(await asyncio.gather(*(consume(prompt) for prompt in prompts)))
+
+
+def run_ceiling(config: CeilingConfig) -> CeilingResult:
+    """Run the ceiling benchmark in a fresh event loop."""
+    return asyncio.run(measure_ceiling(config))
+
+
+def format_ceiling(result: CeilingResult) -> str:
+    """The readable report."""
+    rows = [
+        [f"run {index + 1}", run.tokens, run.seconds, run.tokens_per_second, run.engine_steps]
+        for index, run in enumerate(result.runs)
+    ]
+    verdict = "meets" if result.meets_target else "MISSES"
+    text = [
+        format_table(
+            ["repeat", "tokens", "seconds", "tokens/s", "engine steps"],
+            rows,
+            title=f"ceiling: null model, {result.transport} topology, {result.num_requests} "
+            f"streaming requests x {result.max_tokens} tokens (tokenizer/config of "
+            f"{result.model})",
+        ),
+        f"best {format_rate(result.best_tokens_per_second)}, median "
+        f"{format_rate(result.median_tokens_per_second)}: {verdict} the target of "
+        f"{format_rate(result.target_tokens_per_second)}",
+    ]
+    if result.profile is not None:
+        text += ["", format_profile(result.profile, title="best repeat")]
+    return "\n".join(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ceiling benchmark's command-line options."""
+    add_common_arguments(parser)
+    parser.add_argument("--requests", type=int, default=None, help="concurrent requests (256)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (256)")
+    parser.add_argument("--transport", default="zmq", choices=("zmq", "memory", "grpc"))
+    parser.add_argument("--repeats", type=int, default=None, help="runs on one engine (3)")
+
+
+def config_from_args(args: argparse.Namespace) -> CeilingConfig:
+    """The configuration the options ask for (``--quick`` shrinks the defaults)."""
+    overrides: dict[str, object] = {
+        "model": args.model,
+        "transport": args.transport,
+        "profile": args.profile,
+    }
+    for option, field in (
+        ("requests", "num_requests"),
+        ("max_tokens", "max_tokens"),
+        ("repeats", "repeats"),
+    ):
+        if getattr(args, option) is not None:
+            overrides[field] = getattr(args, option)
+    if args.quick:
+        return CeilingConfig.quick(**overrides)
+    return CeilingConfig(**overrides)  # type: ignore[arg-type]
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run with parsed options and print the result; the exit status."""
+    result = run_ceiling(config_from_args(args))
+    print_result(result, format_ceiling(result), args.json)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python benchmarks/ceiling.py``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))

@@ -1,0 +1,445 @@
+"""Offline throughput: actorline against HF transformers on one fixed mixed workload.
+
+Workload: 64 requests, ``"Write about <topic>."`` plus 5-120 filler words, ``max_tokens`` from
+{16, 32, 64, 128}, all drawn from a fixed seed; greedy; EOS ignored, so every request
+generates exactly its ``max_tokens``. Every system gets the same token ids (the chat template
+applied once, when the tokenizer has one). In one run:
+
+- actorline, zmq topology (engine in its own process) and memory topology (one process), via
+  ``LLM.generate`` (engine start-up and one short warm-up request excluded from the timing);
+- HF ``generate`` in static batches of 16 (left padding, each batch to its longest request;
+  only each request's own ``max_tokens`` count as generated);
+- HF continuous batching (a ``ContinuousBatchingManager`` with per-request ``max_new_tokens``).
+
+It prints generated tokens/s for each and actorline's ratios to both HF baselines, checks that
+actorline's greedy outputs equal HF ``generate`` token for token on a few requests (a sanity
+line, not a gate), and prints the engine process's peak RSS against the 1.5 GB target.
+
+    python benchmarks/offline.py [--quick] [--json] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import os
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from pipeline.bench.process import peak_rss_bytes, rss_bytes
+from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
+from pipeline.bench.report import add_common_arguments, format_table, print_result
+from pipeline.bench.workload import WorkloadSpec, make_workload
+
+__all__ = [
+    "RSS_TARGET_BYTES",
+    "VLLM_REFERENCE_RATIO",
+    "GreedyCheck",
+    "OfflineConfig",
+    "OfflineResult",
+    "SystemResult",
+    "add_arguments",
+    "format_offline",
+    "main",
+    "run_from_args",
+    "run_offline",
+]
+
+T = TypeVar("T")
+
+#: the peak resident memory target of the engine process (1.5 GB)
+RSS_TARGET_BYTES = 1_500_000_000
+#: vLLM's CPU build against HF continuous batching on such a workload, 2 cores (DESIGN §7)
+VLLM_REFERENCE_RATIO = 2.8
+ACTORLINE_ZMQ = "actorline (zmq)"
+ACTORLINE_MEMORY = "actorline (memory)"
+HF_STATIC = "HF generate (static batches)"
+HF_CONTINUOUS = "HF continuous batching"
+_WARMUP_TOKENS = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OfflineConfig:
+    """The offline run: the workload, which systems, the HF batch size and how many requests
+    the greedy check compares against HF ``generate`` one by one.
+
+    Raises:
+        ValueError: a size is not positive, or no system is selected.
+    """
+
+    model: str = "smollm2-135m"
+    workload: WorkloadSpec = dataclasses.field(default_factory=WorkloadSpec)
+    dtype: str = "float32"
+    hf_batch_size: int = 16
+    check_requests: int = 4
+    systems: tuple[str, ...] = (ACTORLINE_ZMQ, ACTORLINE_MEMORY, HF_STATIC, HF_CONTINUOUS)
+    max_num_batched_tokens: int = 2048
+    cb_attention: str = "sdpa"
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hf_batch_size < 1:
+            raise ValueError(f"hf_batch_size must be >= 1, got {self.hf_batch_size}")
+        if self.check_requests < 0:
+            raise ValueError(f"check_requests must be >= 0, got {self.check_requests}")
+        known = (ACTORLINE_ZMQ, ACTORLINE_MEMORY, HF_STATIC, HF_CONTINUOUS)
+        if not self.systems or any(system not in known for system in self.systems):
+            raise ValueError(f"systems must be a non-empty subset of {known}")
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> OfflineConfig:
+        """A small configuration for smoke tests: 8 requests of 8 or 16 tokens."""
+        values: dict[str, Any] = {
+            "workload": WorkloadSpec(
+                num_requests=8, min_filler=5, max_filler=20, max_tokens_choices=(8, 16)
+            ),
+            "hf_batch_size": 4,
+            "check_requests": 2,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SystemResult:
+    """One system on the workload: generated tokens in ``seconds``."""
+
+    name: str
+    seconds: float
+    generated_tokens: int
+    tokens_per_second: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GreedyCheck:
+    """actorline's greedy outputs against HF ``generate`` run request by request.
+
+    ``identical``: requests whose tokens are equal; ``first_mismatch`` per differing request:
+    (index in the workload, first differing position).
+    """
+
+    system: str
+    requests_checked: int
+    identical: int
+    first_mismatch: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OfflineResult:
+    """The systems' throughputs, actorline's ratios to each HF baseline, the greedy check,
+    the engine process's peak RSS and, with ``--profile``, where actorline's time went."""
+
+    model: str
+    num_requests: int
+    prompt_tokens: int
+    requested_tokens: int
+    systems: tuple[SystemResult, ...]
+    ratios: dict[str, float]
+    greedy_checks: tuple[GreedyCheck, ...]
+    engine_peak_rss_bytes: int | None
+    engine_final_rss_bytes: int | None
+    rss_target_bytes: int
+    profiles: dict[str, Profile]
+    load_average: tuple[float, float, float]
+    load_average_end: tuple[float, float, float]
+    cpu_count: int
+
+
+def run_offline(config: OfflineConfig) -> OfflineResult:
+    """Run every selected system on the workload (see the module docstring)."""
+    from stages.models import resolve_model
+    from stages.tokenize import load_tokenizer
+
+    resolved = resolve_model(config.model)
+    tokenizer = load_tokenizer(config.model)
+    workload = make_workload(config.workload)
+    prompts = [_prompt_ids(tokenizer, request.prompt) for request in workload]
+    max_tokens = [request.max_tokens for request in workload]
+    pad_token_id = tokenizer.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    load_average = os.getloadavg()
+
+    systems: list[SystemResult] = []
+    outputs: dict[str, tuple[tuple[int, ...], ...]] = {}
+    profiles: dict[str, Profile] = {}
+    peak_rss: int | None = None
+    final_rss: int | None = None
+    for name, transport in ((ACTORLINE_ZMQ, "zmq"), (ACTORLINE_MEMORY, "memory")):
+        if name not in config.systems:
+            continue
+        run = _run_actorline(config, transport, prompts, max_tokens)
+        systems.append(_system(name, run.seconds, run.generated_tokens))
+        outputs[name] = run.outputs
+        if run.profile is not None:
+            profiles[name] = run.profile
+        if transport == "zmq":
+            peak_rss, final_rss = run.engine_peak_rss, run.engine_final_rss
+        gc.collect()
+
+    checks: list[GreedyCheck] = []
+    hf_wanted = {HF_STATIC, HF_CONTINUOUS} & set(config.systems)
+    actorline_names = [name for name in (ACTORLINE_ZMQ, ACTORLINE_MEMORY) if name in outputs]
+    if hf_wanted or (actorline_names and config.check_requests):
+        from pipeline.bench import hf
+
+        model = hf.load_hf_model(resolved.path, config.dtype)
+        if HF_STATIC in hf_wanted:
+            static = hf.hf_static_generate(
+                model,
+                prompts,
+                max_tokens,
+                batch_size=config.hf_batch_size,
+                pad_token_id=pad_token_id,
+            )
+            systems.append(_system(HF_STATIC, static.seconds, static.generated_tokens))
+        if HF_CONTINUOUS in hf_wanted:
+            if config.cb_attention != "sdpa":
+                model.set_attn_implementation(config.cb_attention)
+            continuous = hf.hf_continuous_generate(
+                model,
+                prompts,
+                max_tokens,
+                max_batch_tokens=config.max_num_batched_tokens,
+                max_requests_per_batch=len(prompts),
+                pad_token_id=pad_token_id,
+            )
+            systems.append(_system(HF_CONTINUOUS, continuous.seconds, continuous.generated_tokens))
+            if config.cb_attention != "sdpa":
+                model.set_attn_implementation("sdpa")
+        count = min(config.check_requests, len(prompts))
+        if actorline_names and count:
+            references = [
+                hf.hf_greedy_reference(model, prompts[i], max_tokens[i], pad_token_id)
+                for i in range(count)
+            ]
+            checks = [_check(name, outputs[name], references) for name in actorline_names]
+        del model
+        gc.collect()
+
+    return OfflineResult(
+        model=config.model,
+        num_requests=len(prompts),
+        prompt_tokens=sum(len(prompt) for prompt in prompts),
+        requested_tokens=sum(max_tokens),
+        systems=tuple(systems),
+        ratios=_ratios(systems),
+        greedy_checks=tuple(checks),
+        engine_peak_rss_bytes=peak_rss,
+        engine_final_rss_bytes=final_rss,
+        rss_target_bytes=RSS_TARGET_BYTES,
+        profiles=profiles,
+        load_average=load_average,
+        load_average_end=os.getloadavg(),
+        cpu_count=os.cpu_count() or 0,
+    )
+
+
+def _prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The token ids every system gets: the chat template applied when there is one."""
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return list(tokenizer.encode(prompt))
+
+
+def _system(name: str, seconds: float, tokens: int) -> SystemResult:
+    return SystemResult(name, seconds, tokens, tokens / seconds if seconds > 0 else 0.0)
+
+
+def _ratios(systems: Sequence[SystemResult]) -> dict[str, float]:
+    rate = {system.name: system.tokens_per_second for system in systems}
+    ratios: dict[str, float] = {}
+    for ours in (ACTORLINE_ZMQ, ACTORLINE_MEMORY):
+        for theirs in (HF_CONTINUOUS, HF_STATIC):
+            if rate.get(ours) and rate.get(theirs):
+                ratios[f"{ours} / {theirs}"] = rate[ours] / rate[theirs]
+    return ratios
+
+
+def _check(
+    name: str, outputs: Sequence[Sequence[int]], references: Sequence[Sequence[int]]
+) -> GreedyCheck:
+    mismatches: list[tuple[int, int]] = []
+    for index, reference in enumerate(references):
+        ours = list(outputs[index])
+        if ours != list(reference):
+            position = next(
+                (k for k, (a, b) in enumerate(zip(ours, reference)) if a != b),
+                min(len(ours), len(reference)),
+            )
+            mismatches.append((index, position))
+    return GreedyCheck(name, len(references), len(references) - len(mismatches), tuple(mismatches))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ActorlineRun:
+    seconds: float
+    generated_tokens: int
+    outputs: tuple[tuple[int, ...], ...]
+    engine_peak_rss: int | None
+    engine_final_rss: int | None
+    profile: Profile | None
+
+
+def _run_actorline(
+    config: OfflineConfig, transport: str, prompts: list[list[int]], max_tokens: list[int]
+) -> _ActorlineRun:
+    import time
+
+    from pipeline.llm import LLM
+    from pipeline.presets import ENGINE_HOST
+    from stages.params import SamplingParams
+
+    # NOTE: the KV cache holds every request at once (blocks of 16 tokens), so neither
+    # actorline nor HF's continuous batching (sized the same way) preempts.
+    num_blocks = sum(-(-(len(p) + m) // 16) for p, m in zip(prompts, max_tokens)) + 1
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    with LLM(
+        config.model,
+        transport=transport,
+        dtype=config.dtype,
+        num_blocks=num_blocks,
+        max_num_seqs=max(len(prompts), 1),
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    ) as llm:
+        warmup = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+        llm.generate([prompts[0]], warmup, use_tqdm=False)
+        running = llm.engine.running
+        before = _on_engine_loop(llm, take_snapshot(running)) if config.profile else None
+        began = time.perf_counter()
+        results = llm.generate(list(prompts), params, use_tqdm=False)
+        seconds = time.perf_counter() - began
+        profile = None
+        outputs = tuple(tuple(result.token_ids) for result in results)
+        generated = sum(len(output) for output in outputs)
+        if before is not None:
+            after = _on_engine_loop(llm, take_snapshot(running))
+            profile = build_profile(before, after, seconds, generated)
+        pid = running.pids.get(ENGINE_HOST)
+        peak = peak_rss_bytes(pid) if pid is not None else None
+        final = rss_bytes(pid) if pid is not None else None
+    return _ActorlineRun(seconds, generated, outputs, peak, final, profile)
+
+
+def _on_engine_loop(llm: Any, coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine`` on the event loop the ``LLM`` runs its engine on."""
+    loop: asyncio.AbstractEventLoop = llm._loop.loop  # the LLM's private loop thread
+    return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+
+
+def format_offline(result: OfflineResult) -> str:
+    """The readable report."""
+    rows = [
+        [system.name, system.generated_tokens, system.seconds, system.tokens_per_second]
+        for system in result.systems
+    ]
+    lines = [
+        format_table(
+            ["system", "generated tokens", "seconds", "tokens/s"],
+            rows,
+            title=f"offline throughput: {result.model}, {result.num_requests} requests, "
+            f"{result.prompt_tokens:,} prompt tokens, {result.requested_tokens:,} tokens "
+            f"requested (greedy, ignore_eos); {result.cpu_count} CPUs, load average "
+            f"{result.load_average[0]:.2f} at start",
+        )
+    ]
+    for name, ratio in result.ratios.items():
+        lines.append(f"ratio {name}: {ratio:.2f}x")
+    if result.ratios:
+        lines.append(
+            f"(reference: vLLM's CPU build reaches about {VLLM_REFERENCE_RATIO}x HF continuous "
+            f"batching on such a workload; load average at the end "
+            f"{result.load_average_end[0]:.2f})"
+        )
+    for check in result.greedy_checks:
+        detail = ", ".join(
+            f"request {index} differs from token {position}"
+            for index, position in check.first_mismatch
+        )
+        lines.append(
+            f"greedy check {check.system} vs HF generate (one by one): {check.identical}/"
+            f"{check.requests_checked} requests identical" + (f" ({detail})" if detail else "")
+        )
+    if result.engine_peak_rss_bytes is not None:
+        verdict = "within" if result.engine_peak_rss_bytes <= result.rss_target_bytes else "OVER"
+        lines.append(
+            f"engine process peak RSS (zmq topology): "
+            f"{result.engine_peak_rss_bytes / 1e9:.2f} GB, {verdict} the "
+            f"{result.rss_target_bytes / 1e9:.1f} GB target"
+            + (
+                f" (resident at the end: {result.engine_final_rss_bytes / 1e9:.2f} GB)"
+                if result.engine_final_rss_bytes is not None
+                else ""
+            )
+        )
+    for name, profile in result.profiles.items():
+        lines += ["", format_profile(profile, title=name)]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The offline benchmark's command-line options."""
+    add_common_arguments(parser)
+    parser.add_argument("--requests", type=int, default=None, help="number of requests (64)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument(
+        "--check-requests", type=int, default=None, help="requests compared with HF generate"
+    )
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=("zmq", "memory", "hf-static", "hf-cb"),
+        help="leave a system out (repeatable)",
+    )
+    parser.add_argument(
+        "--cb-attention",
+        default="sdpa",
+        choices=("sdpa", "paged|eager"),
+        help="attention of HF continuous batching (both page the KV cache on the CPU)",
+    )
+
+
+_SKIP_NAMES = {
+    "zmq": ACTORLINE_ZMQ,
+    "memory": ACTORLINE_MEMORY,
+    "hf-static": HF_STATIC,
+    "hf-cb": HF_CONTINUOUS,
+}
+
+
+def config_from_args(args: argparse.Namespace) -> OfflineConfig:
+    """The configuration the options ask for (``--quick`` shrinks the defaults)."""
+    base = OfflineConfig.quick() if args.quick else OfflineConfig()
+    workload = dataclasses.replace(base.workload, seed=args.seed)
+    if args.requests is not None:
+        workload = dataclasses.replace(workload, num_requests=args.requests)
+    skipped = {_SKIP_NAMES[name] for name in args.skip}
+    return dataclasses.replace(
+        base,
+        model=args.model,
+        workload=workload,
+        systems=tuple(system for system in base.systems if system not in skipped),
+        check_requests=base.check_requests if args.check_requests is None else args.check_requests,
+        cb_attention=args.cb_attention,
+        profile=args.profile,
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run with parsed options and print the result; the exit status."""
+    result = run_offline(config_from_args(args))
+    print_result(result, format_offline(result), args.json)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python benchmarks/offline.py``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))

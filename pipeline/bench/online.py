@@ -1,0 +1,284 @@
+"""Online latency: requests arriving as a Poisson stream against ``AsyncEngine`` streaming.
+
+For each rate (default 1, 2 and 4 requests/s) a fixed-seed Poisson process schedules a few
+dozen requests from the offline workload's generator (mixed prompts, ``max_tokens`` from
+{16, 32, 64, 128}, greedy, EOS ignored; the chat template applied when the model has one).
+Each request is streamed by its own task; measured from the moment it is sent:
+
+- time to first token (TTFT): until the first output carrying tokens;
+- inter-token latency (ITL): the gap between consecutive outputs carrying tokens, divided by
+  the tokens the later one carries (one sample per token, so merged outputs of a lagging
+  reader count fairly).
+
+It prints TTFT and ITL p50/p99 per rate, plus achieved throughput and mean request latency.
+One engine serves every rate (started once, warmed up with one short request).
+
+    python benchmarks/online.py [--rates 1 2 4] [--requests 24] [--json] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
+from pipeline.bench.report import add_common_arguments, format_table, print_result
+from pipeline.bench.workload import WorkloadSpec, make_workload, percentile, poisson_arrivals
+
+if TYPE_CHECKING:
+    from pipeline.engine import AsyncEngine
+
+__all__ = [
+    "OnlineConfig",
+    "OnlineResult",
+    "RateResult",
+    "add_arguments",
+    "format_online",
+    "main",
+    "measure_online",
+    "run_from_args",
+    "run_online",
+]
+
+_MILLI = 1000.0
+_WARMUP_TOKENS = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OnlineConfig:
+    """``requests_per_rate`` Poisson arrivals at each of ``rates`` (requests/s).
+
+    Raises:
+        ValueError: no rate, a rate that is not positive, or a count below 1.
+    """
+
+    model: str = "smollm2-135m"
+    rates: tuple[float, ...] = (1.0, 2.0, 4.0)
+    requests_per_rate: int = 24
+    max_tokens_choices: tuple[int, ...] = (16, 32, 64, 128)
+    transport: str = "zmq"
+    seed: int = 0
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.rates or min(self.rates) <= 0:
+            raise ValueError(f"rates must be positive requests/s, got {self.rates}")
+        if self.requests_per_rate < 1:
+            raise ValueError(f"requests_per_rate must be >= 1, got {self.requests_per_rate}")
+
+    @classmethod
+    def quick(cls, **overrides: object) -> OnlineConfig:
+        """A small configuration for smoke tests: 4 requests at 4 and 8 requests/s."""
+        values: dict[str, object] = {
+            "rates": (4.0, 8.0),
+            "requests_per_rate": 4,
+            "max_tokens_choices": (8, 16),
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RateResult:
+    """Latencies at one arrival rate (milliseconds) and what the engine delivered."""
+
+    rate: float
+    requests: int
+    seconds: float
+    output_tokens: int
+    tokens_per_second: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    mean_latency_ms: float
+    profile: Profile | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OnlineResult:
+    """One :class:`RateResult` per rate."""
+
+    model: str
+    transport: str
+    rates: tuple[RateResult, ...]
+
+
+@dataclasses.dataclass(slots=True)
+class _Trace:
+    sent: float
+    token_times: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    finished: float = 0.0
+
+
+async def measure_online(config: OnlineConfig) -> OnlineResult:
+    """Run the online benchmark on the running event loop (see the module docstring)."""
+    from pipeline._cli_llm import has_chat_template
+    from pipeline.engine import AsyncEngine
+    from stages.models import resolve_model
+
+    chat = has_chat_template(resolve_model(config.model).path)
+    results: list[RateResult] = []
+    async with AsyncEngine(config.model, transport=config.transport) as engine:
+        await _stream(engine, "Hello", _WARMUP_TOKENS, chat, _Trace(time.perf_counter()))
+        for index, rate in enumerate(config.rates):
+            results.append(await _measure_rate(engine, config, rate, config.seed + index, chat))
+    return OnlineResult(config.model, config.transport, tuple(results))
+
+
+async def _measure_rate(
+    engine: AsyncEngine, config: OnlineConfig, rate: float, seed: int, chat: bool
+) -> RateResult:
+    workload = make_workload(
+        WorkloadSpec(
+            num_requests=config.requests_per_rate,
+            max_tokens_choices=config.max_tokens_choices,
+            seed=seed,
+        )
+    )
+    arrivals = poisson_arrivals(rate, len(workload), seed)
+    before = await take_snapshot(engine.running) if config.profile else None
+    began = time.perf_counter()
+    traces: list[_Trace] = []
+    tasks: list[asyncio.Task[None]] = []
+    for request, arrival in zip(workload, arrivals):
+        delay = began + arrival - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        trace = _Trace(time.perf_counter())
+        traces.append(trace)
+        tasks.append(
+            asyncio.create_task(_stream(engine, request.prompt, request.max_tokens, chat, trace))
+        )
+    await asyncio.gather(*tasks)
+    seconds = time.perf_counter() - began
+    profile = None
+    tokens = sum(count for trace in traces for _, count in trace.token_times)
+    if before is not None:
+        after = await take_snapshot(engine.running)
+        profile = build_profile(before, after, seconds, tokens)
+    ttfts = [trace.token_times[0][0] - trace.sent for trace in traces if trace.token_times]
+    itls: list[float] = []
+    for trace in traces:
+        for (previous, _), (current, count) in zip(trace.token_times, trace.token_times[1:]):
+            itls.extend([(current - previous) / count] * count)
+    return RateResult(
+        rate=rate,
+        requests=len(traces),
+        seconds=seconds,
+        output_tokens=tokens,
+        tokens_per_second=tokens / seconds,
+        ttft_p50_ms=percentile(ttfts, 50) * _MILLI,
+        ttft_p99_ms=percentile(ttfts, 99) * _MILLI,
+        itl_p50_ms=percentile(itls, 50) * _MILLI,
+        itl_p99_ms=percentile(itls, 99) * _MILLI,
+        mean_latency_ms=statistics.fmean(t.finished - t.sent for t in traces) * _MILLI,
+        profile=profile,
+    )
+
+
+async def _stream(
+    engine: AsyncEngine, prompt: str, max_tokens: int, chat: bool, trace: _Trace
+) -> None:
+    from stages.params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    received = 0
+    async for output in engine.generate(prompt, params, chat_template=chat):
+        count = len(output.token_ids) - received
+        if count > 0:
+            trace.token_times.append((time.perf_counter(), count))
+            received += count
+    trace.finished = time.perf_counter()
+
+
+def run_online(config: OnlineConfig) -> OnlineResult:
+    """Run the online benchmark in a fresh event loop."""
+    return asyncio.run(measure_online(config))
+
+
+def format_online(result: OnlineResult) -> str:
+    """The readable report."""
+    rows = [
+        [
+            f"{rate.rate:g}",
+            rate.requests,
+            rate.output_tokens,
+            rate.tokens_per_second,
+            rate.ttft_p50_ms,
+            rate.ttft_p99_ms,
+            rate.itl_p50_ms,
+            rate.itl_p99_ms,
+            rate.mean_latency_ms,
+        ]
+        for rate in result.rates
+    ]
+    lines = [
+        format_table(
+            [
+                "req/s",
+                "requests",
+                "tokens",
+                "tokens/s",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "ITL p50 ms",
+                "ITL p99 ms",
+                "mean latency ms",
+            ],
+            rows,
+            title=f"online latency: {result.model}, {result.transport} topology, Poisson "
+            "arrivals, streaming (greedy, ignore_eos)",
+        )
+    ]
+    for rate in result.rates:
+        if rate.profile is not None:
+            lines += ["", format_profile(rate.profile, title=f"{rate.rate:g} req/s")]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The online benchmark's command-line options."""
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--rates", type=float, nargs="+", default=None, help="arrival rates, req/s (1 2 4)"
+    )
+    parser.add_argument("--requests", type=int, default=None, help="requests per rate (24)")
+    parser.add_argument("--transport", default="zmq", choices=("zmq", "memory", "grpc"))
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def config_from_args(args: argparse.Namespace) -> OnlineConfig:
+    """The configuration the options ask for (``--quick`` shrinks the defaults)."""
+    overrides: dict[str, object] = {
+        "model": args.model,
+        "transport": args.transport,
+        "seed": args.seed,
+        "profile": args.profile,
+    }
+    if args.rates is not None:
+        overrides["rates"] = tuple(args.rates)
+    if args.requests is not None:
+        overrides["requests_per_rate"] = args.requests
+    if args.quick:
+        return OnlineConfig.quick(**overrides)
+    return OnlineConfig(**overrides)  # type: ignore[arg-type]
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run with parsed options and print the result; the exit status."""
+    result = run_online(config_from_args(args))
+    print_result(result, format_online(result), args.json)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python benchmarks/online.py``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))

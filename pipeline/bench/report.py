@@ -1,0 +1,93 @@
+"""Printing benchmark results: plain-text tables and JSON, and the options every benchmark
+shares (``--json``, ``--quick``, ``--model``, ``--profile``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "add_common_arguments",
+    "format_rate",
+    "format_table",
+    "print_result",
+    "to_json",
+]
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, profile: bool = True) -> None:
+    """``--model``, ``--quick``, ``--json`` and (optionally) ``--profile``."""
+    parser.add_argument("--model", default="smollm2-135m", help="alias, HF directory or .gguf file")
+    parser.add_argument(
+        "--quick", action="store_true", help="a small run for smoke tests (numbers not meaningful)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    if profile:
+        parser.add_argument(
+            "--profile",
+            action="store_true",
+            help="print where the time goes per stage (from the pipeline's statistics)",
+        )
+
+
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[object]], *, title: str = ""
+) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers], *[[_cell(value) for value in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        parts = [
+            row[i].ljust(widths[i]) if i == 0 else row[i].rjust(widths[i]) for i in range(len(row))
+        ]
+        return "  ".join(parts).rstrip()
+
+    out = [title] if title else []
+    out.append(line(cells[0]))
+    out.append("  ".join("-" * width for width in widths))
+    out.extend(line(row) for row in cells[1:])
+    return "\n".join(out)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.2f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return "-" if value is None else str(value)
+
+
+def format_rate(value: float) -> str:
+    """Tokens per second for prose: ``12,345 tok/s``."""
+    return f"{value:,.0f} tok/s"
+
+
+def to_json(result: Any) -> str:
+    """A dataclass result as indented JSON (NaN written as null)."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {str(k): clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps(clean(dataclasses.asdict(result)), indent=2)
+
+
+def print_result(result: Any, text: str, as_json: bool) -> None:
+    """Print ``result`` as JSON, or its readable ``text``."""
+    print(to_json(result) if as_json else text, flush=True)

@@ -1,0 +1,424 @@
+"""The null model: an execute stage that runs no model, for measuring the framework itself.
+
+:class:`NullExecuteStage` has the ports of :class:`~stages.execute.stage.ExecuteStage` (``in``:
+SchedulerStep; ``out``: StepResult; ``info``: EngineInfo once at start) and answers every step
+at once: each chunk that samples gets a random token, drawn by a seeded numpy generator
+uniformly over the model tokenizer's vocabulary minus its special tokens (so detokenization
+downstream does real work and EOS never ends a request by chance). Everything else is real:
+the KV bookkeeping goes through the same :class:`~stages.execute.allocator.BlockAllocator` as
+the model runner (allocation, prefix-cache lookups and commits, frees, preemption when blocks
+run out), sized from the same :class:`~stages.execute.config.ExecuteConfig`, and the
+:class:`~stages.messages.EngineInfo` carries the model's real vocabulary size, length limit
+and EOS ids. No KV tensors are allocated (``kv_cache_bytes`` is 0) and torch is never used.
+
+Select it with ``AsyncEngine(model, null_model=True)`` (or ``LLM``), which swaps it in for the
+execute stage in :func:`pipeline.presets.llm_pipeline`.
+
+Step semantics follow :class:`stages.execute.runner.ModelRunner` (itself after vLLM v1
+``gpu_model_runner.py`` and nano-vllm ``model_runner.py``): free ``finished`` and
+``preempted``, register ``new_requests``, then plan each chunk (a chunk starting at 0 is a
+(re)start that first looks its tokens up in the prefix cache) and sample where a chunk reaches
+the end of the request's known tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.stage import Stage, handles
+from stages.execute.allocator import BlockAllocator, OutOfBlocksError
+from stages.execute.config import ExecuteConfig, ExecuteConfigError
+from stages.messages import (
+    EngineInfo,
+    EngineRequest,
+    Logprobs,
+    ScheduledChunk,
+    SchedulerStep,
+    StepResult,
+)
+from stages.models import ModelFormatError, resolve_model
+
+__all__ = ["NullExecuteStage", "NullRunner", "NullStepError", "sampleable_token_ids"]
+
+logger = logging.getLogger("actorline.execute.null")
+
+#: bytes per KV element by dtype name, to size the (never allocated) cache like the runner
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_CONFIG_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class NullStepError(ValueError):
+    """A :class:`SchedulerStep` is inconsistent with the null runner's state (unknown or
+    duplicate request, a chunk outside the request's tokens, ...): a scheduler bug."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    wants_logprobs: bool
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose (virtual) K/V is in the cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, end: int) -> list[int]:
+        """Known tokens ``[0, end)`` (prompt then outputs)."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return list(prompt[:end])
+        return [*prompt, *self.output_token_ids[: end - len(prompt)]]
+
+
+def sampleable_token_ids(tokenizer: Any) -> np.ndarray:
+    """The ids of ``tokenizer``'s vocabulary that are not special tokens (ascending).
+
+    Special means listed in ``all_special_ids`` or an added token flagged special.
+
+    Raises:
+        ModelFormatError: the tokenizer has no non-special token.
+    """
+    special = {int(token_id) for token_id in getattr(tokenizer, "all_special_ids", ())}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        for token_id, token in backend.get_added_tokens_decoder().items():
+            if token.special:
+                special.add(int(token_id))
+    ids = np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
+    if ids.size == 0:
+        raise ModelFormatError("the tokenizer has no non-special token to sample")
+    return ids
+
+
+class NullRunner:
+    """The null model's synchronous core (no asyncio, no torch): KV bookkeeping and random
+    tokens. :meth:`load` reads the model's config and tokenizer; :meth:`execute` answers a
+    step.
+
+    Args:
+        config: the execute config (model, block size, KV size, prefix caching, seed).
+    """
+
+    def __init__(self, config: ExecuteConfig) -> None:
+        self.config = config
+        self.allocator: BlockAllocator | None = None
+        self.info: EngineInfo | None = None
+        self.max_model_len = 0
+        self._requests: dict[str, _Request] = {}
+        self._token_ids: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._uniform_logprob = 0.0
+        self._rng = np.random.default_rng(config.seed)
+
+    # ----------------------------------------------------------------- loading
+    def load(self, tokenizer: Any = None) -> EngineInfo:
+        """Read the model's config and tokenizer (``tokenizer`` if given, else the model's),
+        size the block allocator as the model runner would.
+
+        Returns:
+            The engine's capacity, as the real execute stage reports it.
+
+        Raises:
+            stages.models.ModelError: the model cannot be found or read.
+            ExecuteConfigError: the KV budget holds no block, or max_model_len is too long.
+        """
+        config = self.config
+        resolved = resolve_model(config.model)
+        text_config = _text_config(resolved.path)
+        if tokenizer is None:
+            from stages.tokenize import load_tokenizer
+
+            tokenizer = load_tokenizer(config.model)
+        self._token_ids = sampleable_token_ids(tokenizer)
+        self._uniform_logprob = -math.log(self._token_ids.size)
+
+        num_heads = int(text_config["num_attention_heads"])
+        num_layers = int(text_config["num_hidden_layers"])
+        num_kv_heads = int(text_config.get("num_key_value_heads") or num_heads)
+        head_dim = int(text_config.get("head_dim") or int(text_config["hidden_size"]) // num_heads)
+        dtype = _dtype_name(config.dtype, text_config)
+        # Same size as stages.execute.attention.KVCache.bytes_per_block (keys and values).
+        block_bytes = (
+            2 * num_layers * config.block_size * num_kv_heads * head_dim * _ELEMENT_BYTES[dtype]
+        )
+        if config.num_blocks is not None:
+            usable_blocks = config.num_blocks
+        else:
+            usable_blocks = config.kv_cache_bytes_budget // block_bytes - 1
+            if usable_blocks < 1:
+                raise ExecuteConfigError(
+                    "kv_cache_memory",
+                    f"({config.kv_cache_bytes_budget} bytes) holds no KV block; one block "
+                    f"takes {block_bytes} bytes (plus one reserved block)",
+                )
+        self.max_model_len = _max_model_len(
+            config.max_model_len,
+            int(text_config.get("max_position_embeddings") or 0),
+            usable_blocks * config.block_size,
+        )
+        self.allocator = BlockAllocator(
+            usable_blocks + 1,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            extra_hash_key=f"{resolved.path}|{dtype}|null".encode(),
+        )
+        self.info = EngineInfo(
+            model=resolved.name,
+            vocab_size=int(text_config.get("vocab_size") or len(tokenizer)),
+            max_model_len=self.max_model_len,
+            eos_token_ids=_eos_token_ids(resolved.path, text_config),
+            num_blocks=usable_blocks,
+            block_size=config.block_size,
+            dtype=dtype,
+            device="cpu",
+            kv_cache_bytes=0,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        logger.info("execute (null model): %s", self.info)
+        return self.info
+
+    # ----------------------------------------------------------------- stepping
+    def execute(self, step: SchedulerStep) -> StepResult:
+        """Answer one scheduler step: free, register, plan each chunk's blocks, sample a
+        random token for every chunk that reaches the end of its request's known tokens.
+
+        Returns:
+            The sampled tokens and the allocator's state; requests that did not get blocks
+            are listed in ``preempted`` (their blocks freed, their tokens kept).
+
+        Raises:
+            NullStepError: the step does not match the runner's state.
+            RuntimeError: :meth:`load` was not called.
+        """
+        allocator = self.allocator
+        if allocator is None:
+            raise RuntimeError("NullRunner.load() must be called before execute()")
+        began = time.perf_counter()
+        requests = self._requests
+        for request_id in step.finished:
+            allocator.free(request_id)
+            requests.pop(request_id, None)
+        for request_id in step.preempted:
+            allocator.free(request_id)
+            preempted_request = requests.get(request_id)
+            if preempted_request is not None:
+                preempted_request.num_computed = 0
+        for new_request in step.new_requests:
+            self._register(new_request)
+
+        cached_tokens: dict[str, int] = {}
+        preempted: list[str] = []
+        sampling: list[_Request] = []
+        seen: set[str] = set()
+        num_computed = 0
+        for chunk in step.chunks:
+            if chunk.request_id in seen:
+                raise NullStepError(f"request {chunk.request_id!r} has two chunks in one step")
+            seen.add(chunk.request_id)
+            computed = self._run_chunk(chunk, cached_tokens, preempted)
+            if computed is None:
+                continue
+            request, start, end = computed
+            num_computed += end - start
+            if end == request.num_tokens:
+                sampling.append(request)
+
+        request_ids: list[str] = []
+        logprob_ids: list[str] = []
+        logprobs: list[Logprobs] = []
+        token_ids: list[int] = []
+        if sampling:
+            drawn = self._token_ids[self._rng.integers(0, self._token_ids.size, len(sampling))]
+            token_ids = drawn.tolist()
+            for request, token_id in zip(sampling, token_ids):
+                request.output_token_ids.append(token_id)
+                request_ids.append(request.request_id)
+                if request.wants_logprobs:
+                    # NOTE: every sampleable token is equally likely: all tie for rank 1.
+                    logprob_ids.append(request.request_id)
+                    logprobs.append(Logprobs(token_id, self._uniform_logprob, 1))
+        stats = allocator.stats
+        return StepResult(
+            step_id=step.step_id,
+            request_ids=tuple(request_ids),
+            token_ids=tuple(token_ids),
+            free_blocks=allocator.num_free_blocks,
+            total_blocks=allocator.num_usable_blocks,
+            logprob_request_ids=tuple(logprob_ids),
+            logprobs=tuple(logprobs),
+            cached_tokens=cached_tokens,
+            preempted=tuple(preempted),
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            num_computed_tokens=num_computed,
+            forward_seconds=time.perf_counter() - began,
+        )
+
+    def _register(self, request: EngineRequest) -> None:
+        if request.request_id in self._requests:
+            raise NullStepError(f"request {request.request_id!r} is already registered")
+        if not request.prompt_token_ids:
+            raise NullStepError(f"request {request.request_id!r} has an empty prompt")
+        self._requests[request.request_id] = _Request(
+            request.request_id,
+            tuple(request.prompt_token_ids),
+            request.params.logprobs is not None,
+        )
+
+    def _run_chunk(
+        self, chunk: ScheduledChunk, cached_tokens: dict[str, int], preempted: list[str]
+    ) -> tuple[_Request, int, int] | None:
+        """Validate a chunk, look up the prefix cache for a (re)start, allocate its blocks and
+        record its tokens as computed (publishing newly full blocks).
+
+        Returns:
+            ``(request, start, end)`` of the positions computed, or None when the prefix cache
+            served them all or the request had to be preempted.
+        """
+        allocator = self.allocator
+        assert allocator is not None
+        request = self._requests.get(chunk.request_id)
+        if request is None:
+            raise NullStepError(f"chunk for unknown request {chunk.request_id!r}")
+        end = chunk.start + chunk.num_tokens
+        if chunk.start < 0 or chunk.num_tokens < 1:
+            raise NullStepError(f"chunk {chunk} must have start >= 0 and num_tokens >= 1")
+        if end > request.num_tokens:
+            raise NullStepError(
+                f"chunk {chunk} ends past the request's {request.num_tokens} known tokens"
+            )
+        if end > self.max_model_len:
+            raise NullStepError(f"chunk {chunk} ends past max_model_len {self.max_model_len}")
+        if chunk.start == 0:
+            # A new or resumed request: drop anything it held, reuse cached prefix blocks.
+            allocator.free(request.request_id)
+            cached = allocator.match_prefix(request.request_id, request.tokens(request.num_tokens))
+            request.num_computed = cached
+            cached_tokens[request.request_id] = cached
+        elif chunk.start > request.num_computed:
+            raise NullStepError(
+                f"chunk {chunk} starts past the request's {request.num_computed} computed tokens"
+            )
+        start = max(chunk.start, request.num_computed)
+        if start >= end:
+            return None
+        try:
+            allocator.allocate(request.request_id, end)
+        except OutOfBlocksError:
+            allocator.free(request.request_id)
+            request.num_computed = 0
+            cached_tokens.pop(request.request_id, None)
+            preempted.append(request.request_id)
+            return None
+        before = request.num_computed
+        request.num_computed = end
+        block_size = allocator.block_size
+        if allocator.enable_prefix_caching and end // block_size > before // block_size:
+            allocator.commit(request.request_id, request.tokens(end), end)
+        return request, start, end
+
+    # ----------------------------------------------------------------- inspection
+    def has_request(self, request_id: str) -> bool:
+        """Whether the runner holds state for ``request_id``."""
+        return request_id in self._requests
+
+    def output_token_ids(self, request_id: str) -> list[int]:
+        """The tokens sampled so far for ``request_id`` (a copy)."""
+        return list(self._requests[request_id].output_token_ids)
+
+
+class NullExecuteStage(Stage):
+    """The execute stage with the null model (see the module docstring). Steps are answered
+    inline on the event loop: there is no forward pass to move off it."""
+
+    inputs = ("in",)
+    outputs = ("out", "info")
+
+    def __init__(self, config: ExecuteConfig) -> None:
+        super().__init__(config)
+        self.runner: NullRunner | None = None
+
+    async def start(self) -> None:
+        self.runner = runner = NullRunner(self.config)
+        info = await self.run_in_thread(runner.load)
+        await self.emit("info", info)
+
+    @handles(SchedulerStep)
+    async def on_step(self, step: SchedulerStep) -> None:
+        assert self.runner is not None
+        await self.emit("out", self.runner.execute(step))
+
+
+def _text_config(model_dir: Path) -> dict[str, Any]:
+    """The language model's part of ``config.json`` (``text_config`` for multimodal models)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
+    text = config.get("text_config")
+    merged = {**config, **text} if isinstance(text, dict) else config
+    for key in ("num_attention_heads", "num_hidden_layers"):
+        if not isinstance(merged.get(key), int):
+            raise ModelFormatError(f"{model_dir / 'config.json'} has no integer {key!r}")
+    if not isinstance(merged.get("head_dim"), int) and not isinstance(
+        merged.get("hidden_size"), int
+    ):
+        raise ModelFormatError(f"{model_dir / 'config.json'} has neither head_dim nor hidden_size")
+    return merged
+
+
+def _dtype_name(requested: str, text_config: dict[str, Any]) -> str:
+    if requested != "auto":
+        return requested
+    declared = text_config.get("dtype") or text_config.get("torch_dtype")
+    return _CONFIG_DTYPES.get(str(declared), "float32")
+
+
+def _max_model_len(requested: int | None, model_limit: int, cache_tokens: int) -> int:
+    """The runner's rule: the model's limit capped by what the cache holds; an explicit value
+    may not exceed either."""
+    if requested is None:
+        return min(model_limit, cache_tokens) if model_limit > 0 else cache_tokens
+    if model_limit > 0 and requested > model_limit:
+        raise ExecuteConfigError(
+            "max_model_len",
+            f"({requested}) exceeds the model's max_position_embeddings ({model_limit})",
+        )
+    if requested > cache_tokens:
+        raise ExecuteConfigError(
+            "max_model_len",
+            f"({requested}) exceeds what the KV cache holds ({cache_tokens} tokens); "
+            "raise num_blocks or kv_cache_memory",
+        )
+    return requested
+
+
+def _eos_token_ids(model_dir: Path, text_config: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids as the runner finds them: the generation config's, else the model config's."""
+    sources: list[dict[str, Any]] = []
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        try:
+            sources.append(json.loads(generation.read_text()))
+        except ValueError:
+            logger.warning("ignoring unreadable %s", generation)
+    sources.append(text_config)
+    for source in sources:
+        value = source.get("eos_token_id")
+        if value is None:
+            continue
+        ids: Sequence[Any] = value if isinstance(value, list) else [value]
+        found = tuple(dict.fromkeys(int(token_id) for token_id in ids))
+        if found:
+            return found
+    return ()
