@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,3 +69,30 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
         ):
             shutil.copy(name, out / name.name)
     return out
+
+
+def _host_processes() -> set[str]:
+    """Spawned pipeline hosts that are children of this process, as "pid: command line"."""
+    me = str(os.getpid())
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z" and "pipeline._host_main" in command:
+            found.add(f"{entry.name}: {command.strip()}")
+    return found
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_host_process_left_behind() -> Iterator[None]:
+    """Tests must stop the pipelines they start: no host process may outlive the session."""
+    yield
+    deadline = time.monotonic() + 10
+    while (left := _host_processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"host processes left behind: {sorted(left)}"

