@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.processes import child_processes
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -73,19 +74,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 def _host_processes() -> set[str]:
     """Spawned pipeline hosts that are children of this process, as "pid: command line"."""
-    me = str(os.getpid())
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if fields[1] == me and fields[0] != "Z" and "pipeline._host_main" in command:
-            found.add(f"{entry.name}: {command.strip()}")
-    return found
+    return {
+        f"{pid}: {command}"
+        for pid, command in child_processes().items()
+        if "pipeline._host_main" in command
+    }
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -25,6 +25,7 @@ from pipeline import (
     StartOptions,
 )
 from pipeline.demo import Job, JobResult, collatz_pipeline, collatz_steps
+from tests.processes import child_processes
 
 JOBS = [Job(f"job-{i}", tuple(range(1 + 7 * i, 30 + 7 * i))) for i in range(6)]
 EXPECTED = {job.job_id: [collatz_steps(v) for v in job.values] for job in JOBS}
@@ -39,21 +40,9 @@ VARIANTS = {
 
 
 def child_pids() -> set[str]:
-    """Live (non-zombie) processes whose parent is this process, as "pid: command line",
-    other than those that existed before the test (fixtures of other tests)."""
-    me = os.getpid()
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            found.add(f"{entry.name}: {command.strip()}")
-    return found - BEFORE_TEST
+    """Live children of this process as "pid: command line", other than those that existed
+    before the test (fixtures of other tests)."""
+    return {f"{pid}: {command}" for pid, command in child_processes().items()} - BEFORE_TEST
 
 
 BEFORE_TEST: set[str] = set()

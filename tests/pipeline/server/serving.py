@@ -22,6 +22,7 @@ from pipeline.engine import AsyncEngine
 from pipeline.llm import _LoopThread
 from pipeline.server.auth import ApiKey, ApiKeys
 from pipeline.server.serve import GenerationServer, ServerTLS
+from tests.processes import child_processes
 
 __all__ = [
     "GOOD_KEY",
@@ -200,17 +201,7 @@ async def read_until_end(call: Any) -> list[Any]:
 
 def child_pids(parent: int) -> set[int]:
     """Live (non-zombie) processes whose parent is ``parent``."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent and fields[0] != "Z":
-            found.add(int(entry.name))
-    return found
+    return set(child_processes(parent))
 
 
 def process_alive(pid: int) -> bool:

@@ -1,0 +1,26 @@
+"""Looking at child processes through /proc (Linux), for tests that check nothing leaks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["child_processes"]
+
+
+def child_processes(parent: int | None = None) -> dict[int, str]:
+    """Live (non-zombie) processes whose parent is ``parent`` (default: this process), mapped
+    to their command lines."""
+    parent = os.getpid() if parent is None else parent
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            found[int(entry.name)] = command.strip()
+    return found
