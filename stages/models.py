@@ -140,9 +140,15 @@ def _alias_file(alias: ModelAlias) -> Path:
 
 
 def _cache_key(gguf: Path) -> str:
-    stat = gguf.stat()
-    identity = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v1"
-    return f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+    """A key for the file's content: its size and a hash of its first and last MiB (cheap
+    for every start, and the same for the same file installed in another environment)."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"{size}|v2|".encode())
+    with gguf.open("rb") as handle:
+        digest.update(handle.read(1 << 20))
+        handle.seek(max(0, size - (1 << 20)))
+        digest.update(handle.read(1 << 20))
+    return f"{gguf.stem}-{digest.hexdigest()[:16]}"
 
 
 def _converted_gguf(gguf: Path, cache: Path | None) -> Path:
@@ -151,7 +157,9 @@ def _converted_gguf(gguf: Path, cache: Path | None) -> Path:
     if (target / "complete").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f"{target.name}.lock"):
+    # NOTE: one lock for every conversion (they are rare): per-model lock files would be left
+    # behind, and removing a lock file another process waits on breaks the lock.
+    with _file_lock(root / ".lock"):
         if (target / "complete").is_file():
             return target
         logger.info("converting %s to safetensors (once; cached in %s)", gguf, target)
