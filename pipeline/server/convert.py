@@ -105,9 +105,10 @@ def request_to_proto(
     if isinstance(prompt, str):
         request.text = prompt
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and prompt:
-        if all(type(token) is int for token in prompt):
+        token_ids = [token for token in prompt if type(token) is int]
+        if len(token_ids) == len(prompt):
             try:
-                request.token_ids.ids.extend(prompt)
+                request.token_ids.ids.extend(token_ids)
             except ValueError as exc:
                 raise InvalidRequestError(
                     f"token ids must be in [0, 2**32): {exc}", field="prompt_token_ids"
