@@ -13,7 +13,10 @@ applied once, when the tokenizer has one). In one run:
 
 It prints generated tokens/s for each and actorline's ratios to both HF baselines, checks that
 actorline's greedy outputs equal HF ``generate`` token for token on a few requests (a sanity
-line, not a gate), and prints the engine process's peak RSS against the 1.5 GB target.
+line, not a gate), and prints the engine process's peak RSS against the 1.5 GB target: in the
+zmq run (its KV cache sized to the workload, as HF's) and in one more zmq run of the same
+workload with the engine's default KV budget (``ExecuteConfig.kv_cache_memory``), the
+configuration the target is about (``--skip rss-default`` leaves that run out).
 
     python benchmarks/offline.py [--quick] [--json] [--profile]
 """
@@ -36,6 +39,7 @@ from pipeline.bench.workload import WorkloadSpec, make_workload
 __all__ = [
     "RSS_TARGET_BYTES",
     "VLLM_REFERENCE_RATIO",
+    "DefaultBudgetRun",
     "GreedyCheck",
     "OfflineConfig",
     "OfflineResult",
@@ -78,6 +82,7 @@ class OfflineConfig:
     max_num_batched_tokens: int = 2048
     cb_attention: str = "sdpa"
     profile: bool = False
+    measure_default_budget: bool = True
 
     def __post_init__(self) -> None:
         if self.hf_batch_size < 1:
@@ -127,6 +132,19 @@ class GreedyCheck:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DefaultBudgetRun:
+    """The zmq engine on the same workload with its default KV budget: ``num_blocks`` KV
+    blocks, the engine process's peak and final resident memory, the scheduler's preemptions
+    and the throughput (information only; the comparison uses the sized run)."""
+
+    num_blocks: int
+    peak_rss_bytes: int | None
+    final_rss_bytes: int | None
+    preemptions: int
+    tokens_per_second: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class OfflineResult:
     """The systems' throughputs, actorline's ratios to each HF baseline, the greedy check,
     the engine process's peak RSS and, with ``--profile``, where actorline's time went."""
@@ -141,6 +159,7 @@ class OfflineResult:
     engine_peak_rss_bytes: int | None
     engine_final_rss_bytes: int | None
     rss_target_bytes: int
+    default_budget: DefaultBudgetRun | None
     profiles: dict[str, Profile]
     load_average: tuple[float, float, float]
     load_average_end: tuple[float, float, float]
@@ -167,21 +186,40 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     profiles: dict[str, Profile] = {}
     peak_rss: int | None = None
     final_rss: int | None = None
-    for name, transport in ((ACTORLINE_ZMQ, "zmq"), (ACTORLINE_MEMORY, "memory")):
+
+    def run_topology(name: str, transport: str) -> _ActorlineRun | None:
         if name not in config.systems:
-            continue
+            return None
         run = _run_actorline(config, transport, prompts, max_tokens)
         systems.append(_system(name, run.seconds, run.generated_tokens))
         outputs[name] = run.outputs
         if run.profile is not None:
             profiles[name] = run.profile
-        if transport == "zmq":
-            peak_rss, final_rss = run.engine_peak_rss, run.engine_final_rss
+        gc.collect()
+        return run
+
+    # NOTE: the memory topology runs its engine in this process, and the engine tunes the
+    # process's C allocator (stages.execute.cpu); it runs last so the HF baselines run in a
+    # process as HF users have it. The zmq topology's engine is a child process.
+    zmq_run = run_topology(ACTORLINE_ZMQ, "zmq")
+    if zmq_run is not None:
+        peak_rss, final_rss = zmq_run.engine_peak_rss, zmq_run.engine_final_rss
+    default_budget: DefaultBudgetRun | None = None
+    if config.measure_default_budget and ACTORLINE_ZMQ in config.systems:
+        run = _run_actorline(config, "zmq", prompts, max_tokens, size_cache=False)
+        default_budget = DefaultBudgetRun(
+            num_blocks=run.num_blocks,
+            peak_rss_bytes=run.engine_peak_rss,
+            final_rss_bytes=run.engine_final_rss,
+            preemptions=run.preemptions,
+            tokens_per_second=run.generated_tokens / run.seconds if run.seconds > 0 else 0.0,
+        )
         gc.collect()
 
     checks: list[GreedyCheck] = []
+    references: list[tuple[int, ...]] = []
     hf_wanted = {HF_STATIC, HF_CONTINUOUS} & set(config.systems)
-    actorline_names = [name for name in (ACTORLINE_ZMQ, ACTORLINE_MEMORY) if name in outputs]
+    actorline_names = [name for name in (ACTORLINE_ZMQ, ACTORLINE_MEMORY) if name in config.systems]
     if hf_wanted or (actorline_names and config.check_requests):
         from pipeline.bench import hf
 
@@ -209,15 +247,22 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
             systems.append(_system(HF_CONTINUOUS, continuous.seconds, continuous.generated_tokens))
             if config.cb_attention != "sdpa":
                 model.set_attn_implementation("sdpa")
-        count = min(config.check_requests, len(prompts))
-        if actorline_names and count:
-            references = [
-                hf.hf_greedy_reference(model, prompts[i], max_tokens[i], pad_token_id)
-                for i in range(count)
-            ]
-            checks = [_check(name, outputs[name], references) for name in actorline_names]
+        count = min(config.check_requests, len(prompts)) if actorline_names else 0
+        references = [
+            hf.hf_greedy_reference(model, prompts[i], max_tokens[i], pad_token_id)
+            for i in range(count)
+        ]
         del model
         gc.collect()
+    run_topology(ACTORLINE_MEMORY, "memory")
+    order = {name: index for index, name in enumerate(config.systems)}
+    systems.sort(key=lambda system: order[system.name])
+    if references:
+        checks = [
+            _check(name, outputs[name], references)
+            for name in (ACTORLINE_ZMQ, ACTORLINE_MEMORY)
+            if name in outputs
+        ]
 
     return OfflineResult(
         model=config.model,
@@ -230,6 +275,7 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
         engine_peak_rss_bytes=peak_rss,
         engine_final_rss_bytes=final_rss,
         rss_target_bytes=RSS_TARGET_BYTES,
+        default_budget=default_budget,
         profiles=profiles,
         load_average=load_average,
         load_average_end=os.getloadavg(),
@@ -284,10 +330,17 @@ class _ActorlineRun:
     engine_peak_rss: int | None
     engine_final_rss: int | None
     profile: Profile | None
+    num_blocks: int
+    preemptions: int
 
 
 def _run_actorline(
-    config: OfflineConfig, transport: str, prompts: list[list[int]], max_tokens: list[int]
+    config: OfflineConfig,
+    transport: str,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    *,
+    size_cache: bool = True,
 ) -> _ActorlineRun:
     import time
 
@@ -296,8 +349,11 @@ def _run_actorline(
     from stages.params import SamplingParams
 
     # NOTE: the KV cache holds every request at once (blocks of 16 tokens), so neither
-    # actorline nor HF's continuous batching (sized the same way) preempts.
-    num_blocks = sum(-(-(len(p) + m) // 16) for p, m in zip(prompts, max_tokens)) + 1
+    # actorline nor HF's continuous batching (sized the same way) preempts. Without
+    # size_cache the engine sizes it from its default budget.
+    num_blocks: int | None = None
+    if size_cache:
+        num_blocks = sum(-(-(len(p) + m) // 16) for p, m in zip(prompts, max_tokens)) + 1
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     with LLM(
         config.model,
@@ -323,7 +379,10 @@ def _run_actorline(
         pid = running.pids.get(ENGINE_HOST)
         peak = peak_rss_bytes(pid) if pid is not None else None
         final = rss_bytes(pid) if pid is not None else None
-    return _ActorlineRun(seconds, generated, outputs, peak, final, profile)
+        info, stats = llm.engine.info, llm.engine.stats
+        blocks = info.num_blocks if info is not None else 0
+        preemptions = stats.num_preemptions if stats is not None else 0
+    return _ActorlineRun(seconds, generated, outputs, peak, final, profile, blocks, preemptions)
 
 
 def _on_engine_loop(llm: Any, coroutine: Coroutine[Any, Any, T]) -> T:
@@ -377,6 +436,20 @@ def format_offline(result: OfflineResult) -> str:
                 else ""
             )
         )
+    default = result.default_budget
+    if default is not None and default.peak_rss_bytes is not None:
+        verdict = "within" if default.peak_rss_bytes <= result.rss_target_bytes else "OVER"
+        lines.append(
+            f"engine process peak RSS with the default KV budget ({default.num_blocks} blocks, "
+            f"zmq): {default.peak_rss_bytes / 1e9:.2f} GB, {verdict} the "
+            f"{result.rss_target_bytes / 1e9:.1f} GB target"
+            + (
+                f" (resident at the end: {default.final_rss_bytes / 1e9:.2f} GB)"
+                if default.final_rss_bytes is not None
+                else ""
+            )
+            + f"; {default.preemptions} preemptions, {default.tokens_per_second:.1f} tokens/s"
+        )
     for name, profile in result.profiles.items():
         lines += ["", format_profile(profile, title=name)]
     return "\n".join(lines)
@@ -394,8 +467,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip",
         action="append",
         default=[],
-        choices=("zmq", "memory", "hf-static", "hf-cb"),
-        help="leave a system out (repeatable)",
+        choices=("zmq", "memory", "hf-static", "hf-cb", "rss-default"),
+        help="leave a system (or the default-budget RSS run) out (repeatable)",
     )
     parser.add_argument(
         "--cb-attention",
@@ -419,7 +492,7 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
     workload = dataclasses.replace(base.workload, seed=args.seed)
     if args.requests is not None:
         workload = dataclasses.replace(workload, num_requests=args.requests)
-    skipped = {_SKIP_NAMES[name] for name in args.skip}
+    skipped = {_SKIP_NAMES[name] for name in args.skip if name in _SKIP_NAMES}
     return dataclasses.replace(
         base,
         model=args.model,
@@ -428,6 +501,7 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
         check_requests=base.check_requests if args.check_requests is None else args.check_requests,
         cb_attention=args.cb_attention,
         profile=args.profile,
+        measure_default_budget="rss-default" not in args.skip,
     )
 
 

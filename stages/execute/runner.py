@@ -33,6 +33,7 @@ from stages.execute.attention import (
     forward_context,
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
+from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.messages import (
     EngineInfo,
@@ -137,6 +138,9 @@ class ModelRunner:
         config = self.config
         resolved = resolve_model(config.model)
         self.device = _resolve_device(config.device)
+        on_cpu = self.device.type == "cpu"
+        if on_cpu:
+            tune_allocator()
         hf_config = AutoConfig.from_pretrained(resolved.path)
         check_model_config(hf_config, config.max_model_len)
         self.dtype = _resolve_dtype(config.dtype, hf_config)
@@ -197,6 +201,8 @@ class ModelRunner:
         )
         self._decode_mode = _decode_mode(config.decode_attention, self.device)
         vocab_size = int(text_config.vocab_size)
+        if on_cpu:
+            use_cpu_linears(model)
         self._probe(vocab_size, num_layers)
         self._sampler = Sampler(vocab_size, self.device)
         self._eos_token_ids = _eos_token_ids(model)
@@ -213,6 +219,8 @@ class ModelRunner:
             kv_cache_bytes=self.kv_cache.nbytes,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        if on_cpu:
+            release_free_memory()
         logger.info("execute: loaded %s (%s)", resolved.name, self.info)
         return self.info
 

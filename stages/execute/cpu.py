@@ -1,0 +1,203 @@
+"""CPU tuning for the model runner: glibc allocator settings and the LM head's GEMM kernel.
+
+**Allocator.** A prefill step allocates and frees tensors of ~10 MB (``[2048, 1536]`` fp32
+activations). glibc serves blocks above its mmap threshold with fresh ``mmap`` calls and
+returns freed heap tops to the kernel past its trim threshold, so every such tensor is
+page-faulted in again (~300,000 minor faults per 1,600-token prefill step here, ~15% of its
+time). :func:`tune_allocator` pins both thresholds so freed blocks are reused;
+:func:`release_free_memory` hands what is free back to the kernel once (after loading).
+
+**LM head.** MKL's sgemm is slow for ``[M, 576] x [576, 49152]`` at the few rows a decode step
+samples; oneDNN's fp32 inner product (the op inductor lowers CPU linears to,
+``torch.ops.mkldnn._linear_pointwise``) took about half the time here at every M from 1 to 64
+(M=1: 5 ms vs 8.4; M=12: 11.5 vs 21; M=64: 32 vs 41, two cores). Its rounding differs from
+MKL's by summation order only (~1e-6 relative). For the decoder layers' own linears it was
+no faster, so they stay on ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "MMAP_THRESHOLD_BYTES",
+    "PADDED_ROWS",
+    "SMALL_ROWS",
+    "TRIM_THRESHOLD_BYTES",
+    "CPULMHead",
+    "CPULinear",
+    "onednn_linear_available",
+    "release_free_memory",
+    "tune_allocator",
+    "use_cpu_linears",
+]
+
+logger = logging.getLogger("actorline.execute")
+
+# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit
+# (DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB): blocks up to it come from the heap.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+# Free memory at the top of a heap is returned to the kernel only past this much: more than
+# one step's transient activations, so steps stop page-faulting them back in.
+TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
+# The LM head swap is kept only if oneDNN agrees with F.linear this closely (relative to the
+# largest logit) on a random probe: a wrong kernel would be far off.
+_PROBE_TOLERANCE = 1e-4
+_PROBE_ROWS = (1, 3, 8, 12, 24)
+# Row counts computed as W @ x^T (MKL's small-N path): 2..SMALL_ROWS as they are, up to
+# PADDED_ROWS padded to PADDED_ROWS (measured: 16 rows ran as fast as 8, 12 rows slowly).
+SMALL_ROWS_MIN = 2
+SMALL_ROWS = 8
+PADDED_ROWS = 16
+
+
+def _libc() -> Any | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return None
+    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
+        return None  # not glibc (musl, macOS)
+    return libc
+
+
+def tune_allocator() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process (see the module docstring).
+
+    Returns:
+        Whether both settings took effect (False where the C library is not glibc).
+    """
+    libc = _libc()
+    if libc is None:
+        return False
+    mmap_ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    trim_ok = libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    return mmap_ok and trim_ok
+
+
+def release_free_memory() -> bool:
+    """Return the C heap's free pages to the kernel (glibc ``malloc_trim(0)``): load-time
+    garbage (checkpoint parsing, the probe) stops counting as resident.
+
+    Returns:
+        Whether anything was released (False where the C library is not glibc).
+    """
+    libc = _libc()
+    return bool(libc is not None and libc.malloc_trim(0))
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's fused linear op for CPU tensors."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class CPULinear(torch.nn.Linear):
+    """An fp32 CPU ``nn.Linear`` that picks its GEMM by the number of rows ``M`` (see the
+    module docstring): ``F.linear`` for one row and for more than ``PADDED_ROWS``; ``W @ x^T``
+    for ``2..SMALL_ROWS`` rows, and for up to ``PADDED_ROWS`` rows padded with zeros to
+    ``PADDED_ROWS`` (padding rows never mix into the real ones: every output is its own dot
+    product).
+
+    Installed on existing modules by :func:`use_cpu_linears` (a class swap: parameters and
+    any weight tying stay as they are).
+    """
+
+    # Rows above SMALL_ROWS and up to this are padded to it; 0: never pad.
+    padded_rows = PADDED_ROWS
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        rows = input.numel() // self.in_features
+        small = SMALL_ROWS_MIN <= rows <= SMALL_ROWS
+        if not (small or SMALL_ROWS < rows <= self.padded_rows):
+            return self._large(input)
+        flat = input.reshape(rows, self.in_features)  # [M, K]
+        if not small:
+            padded = flat.new_zeros(self.padded_rows, self.in_features)  # [P, K]
+            padded[:rows] = flat
+            flat = padded
+        output = torch.mm(self.weight, flat.t()).t()[:rows]  # [M, N], transposed strides
+        if self.bias is not None:
+            output = output + self.bias
+        return output.contiguous().view(*input.shape[:-1], self.out_features)
+
+    def _large(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, self.weight, self.bias)
+
+
+class CPULMHead(CPULinear):
+    """:class:`CPULinear` for the LM head: oneDNN's inner product instead of ``F.linear``,
+    no padding (oneDNN beats padded ``W @ x^T`` there)."""
+
+    padded_rows = 0
+
+    def _large(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(input, self.weight, self.bias, "none", [], "")
+
+
+def use_cpu_linears(model: Any) -> int:
+    """Swap ``model``'s plain fp32 CPU ``nn.Linear`` modules to :class:`CPULinear` (its
+    output embeddings to :class:`CPULMHead`, where oneDNN is available), after checking each
+    distinct weight shape's kernels against ``F.linear`` on random rows.
+
+    Returns:
+        How many modules were swapped (0 when a kernel disagreed: nothing is swapped then).
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    swaps: list[tuple[torch.nn.Linear, type[CPULinear]]] = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if type(module) is not torch.nn.Linear or weight is None:
+            continue
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            continue
+        is_head = module is head and onednn_linear_available()
+        swaps.append((module, CPULMHead if is_head else CPULinear))
+    checked: set[tuple[type[CPULinear], tuple[int, ...]]] = set()
+    for module, kind in swaps:
+        key = (kind, tuple(module.weight.shape))
+        if key not in checked:
+            if not _agrees(module, kind):
+                return 0
+            checked.add(key)
+    for module, kind in swaps:
+        # NOTE: a class swap keeps the module object, its parameters and the tie between
+        # the LM head and the input embeddings; only forward changes.
+        module.__class__ = kind
+    return len(swaps)
+
+
+def _agrees(module: torch.nn.Linear, kind: type[CPULinear]) -> bool:
+    """Whether ``kind``'s forward matches ``F.linear`` on ``module``'s weights for a few row
+    counts (one per kernel); a wrong kernel would be far off, rounding is ~1e-6."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in _PROBE_ROWS:
+            probe = torch.randn(1, rows, module.in_features, generator=generator)  # [1, M, K]
+            expected = F.linear(probe, module.weight, module.bias)  # [1, M, N]
+            original = module.__class__
+            module.__class__ = kind
+            try:
+                got = module(probe)
+            except RuntimeError as error:
+                logger.info("execute: %s unavailable (%s); linears stay on F.linear", kind, error)
+                return False
+            finally:
+                module.__class__ = original
+            scale = max(expected.abs().max().item(), 1.0)
+            if got.shape != expected.shape or not (
+                (got - expected).abs().max().item() <= _PROBE_TOLERANCE * scale
+            ):
+                logger.warning("execute: %s disagrees with F.linear; not used", kind.__name__)
+                return False
+    return True

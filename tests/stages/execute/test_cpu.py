@@ -1,0 +1,121 @@
+"""The CPU tuning of the model runner: row-count GEMM dispatch, the oneDNN LM head, the probe
+that refuses a disagreeing kernel, and the glibc allocator settings."""
+
+from __future__ import annotations
+
+import ctypes.util
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages.execute.cpu import (
+    PADDED_ROWS,
+    SMALL_ROWS,
+    CPULinear,
+    CPULMHead,
+    onednn_linear_available,
+    release_free_memory,
+    tune_allocator,
+    use_cpu_linears,
+)
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+def _linear(kind: type[torch.nn.Linear], in_features: int, out_features: int, *, bias: bool):
+    torch.manual_seed(0)
+    module = torch.nn.Linear(in_features, out_features, bias=bias)
+    module.__class__ = kind
+    return module
+
+
+# Every dispatch path: one row (F.linear), 2..SMALL_ROWS (W @ x^T), up to PADDED_ROWS (padded),
+# past it (F.linear / oneDNN).
+ROWS = sorted({1, 2, SMALL_ROWS, SMALL_ROWS + 1, PADDED_ROWS - 1, PADDED_ROWS, PADDED_ROWS + 1, 40})
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_linear_matches_f_linear_at_every_row_count(rows: int, bias: bool) -> None:
+    module = _linear(CPULinear, 96, 160, bias=bias)
+    inputs = torch.randn(1, rows, 96)  # [1, M, K], as the runner's packed batch
+    with torch.inference_mode():
+        got = module(inputs)
+        expected = F.linear(inputs, module.weight, module.bias)
+    assert got.shape == expected.shape == (1, rows, 160)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows", ROWS)
+def test_lm_head_matches_f_linear(rows: int) -> None:
+    module = _linear(CPULMHead, 64, 1000, bias=False)
+    inputs = torch.randn(rows, 64)
+    with torch.inference_mode():
+        got = module(inputs)
+    torch.testing.assert_close(got, F.linear(inputs, module.weight), rtol=1e-5, atol=1e-5)
+
+
+class _TiedModel(torch.nn.Module):
+    """Embeddings tied to the LM head, plus one inner linear, like a small causal LM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 32)
+        self.inner = torch.nn.Linear(32, 32, bias=False)
+        self.lm_head = torch.nn.Linear(32, 100, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.lm_head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.inner(self.embed(ids)))
+
+
+def test_use_cpu_linears_swaps_classes_and_keeps_outputs_and_ties() -> None:
+    torch.manual_seed(0)
+    model = _TiedModel()
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.inference_mode():
+        expected = model(ids)
+    assert use_cpu_linears(model) == 2
+    assert type(model.inner) is CPULinear
+    assert type(model.lm_head) is (CPULMHead if onednn_linear_available() else CPULinear)
+    assert model.lm_head.weight is model.embed.weight  # the tie survives the swap
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+class _WrongLinear(CPULinear):
+    """A kernel that is off by far more than rounding: the probe must refuse it."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 1.01
+
+
+def test_a_disagreeing_kernel_is_refused_and_nothing_is_swapped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import stages.execute.cpu as cpu
+
+    monkeypatch.setattr(cpu, "CPULinear", _WrongLinear)
+    model = _TiedModel()
+    assert use_cpu_linears(model) == 0
+    assert type(model.inner) is torch.nn.Linear
+    assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_non_fp32_linears_are_left_alone() -> None:
+    model = _TiedModel().to(torch.bfloat16)
+    assert use_cpu_linears(model) == 0
+    assert type(model.inner) is torch.nn.Linear
+
+
+@pytest.mark.skipif(not GLIBC or ctypes.util.find_library("c") is None, reason="glibc only")
+def test_allocator_settings_take_effect_on_glibc() -> None:
+    assert tune_allocator() is True
+    release_free_memory()  # may or may not find pages to release; must not fail
