@@ -1,5 +1,5 @@
-"""Internal: the ``actorline bench`` subcommand (offline, online, ceiling, split); each runs
-the benchmark of the same name in :mod:`pipeline.bench`."""
+"""Internal: the ``actorline bench`` subcommand (offline, online, ceiling, split, ablation);
+each runs the benchmark of the same name in :mod:`pipeline.bench`."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ __all__ = ["add_commands"]
 
 def add_commands(commands: Any) -> None:
     """Add ``bench`` with one subcommand per benchmark to the CLI's subparsers."""
-    from pipeline.bench import ceiling, offline, online, split
+    from pipeline.bench import ablation, ceiling, offline, online, split
 
     benchmarks = (
         ("offline", offline, "throughput against HF generate and HF continuous batching"),
         ("online", online, "TTFT and inter-token latency under Poisson arrivals"),
         ("ceiling", ceiling, "framework overhead: null model, 256 streaming requests"),
         ("split", split, "single process against the zmq process split"),
+        ("ablation", ablation, "each execute-stage optimization switched off in turn"),
     )
     bench = commands.add_parser("bench", help="run a benchmark (DESIGN §7)")
     names = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")

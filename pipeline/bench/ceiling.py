@@ -19,7 +19,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
-from pipeline.bench.report import add_common_arguments, format_rate, format_table, print_result
+from pipeline.bench.report import (
+    add_common_arguments,
+    format_rate,
+    format_table,
+    print_result,
+    run_main,
+)
 from pipeline.bench.workload import WorkloadSpec, make_workload
 
 if TYPE_CHECKING:
@@ -240,6 +246,4 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python benchmarks/ceiling.py``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    return run_main(__doc__, add_arguments, run_from_args, argv)

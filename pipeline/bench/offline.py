@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from pipeline.bench.process import peak_rss_bytes, rss_bytes
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
-from pipeline.bench.report import add_common_arguments, format_table, print_result
+from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
 from pipeline.bench.workload import WorkloadSpec, make_workload
 
 __all__ = [
@@ -514,6 +514,4 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python benchmarks/offline.py``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    return run_main(__doc__, add_arguments, run_from_args, argv)

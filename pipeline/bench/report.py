@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "format_rate",
     "format_table",
     "print_result",
+    "run_main",
     "to_json",
 ]
 
@@ -91,3 +92,19 @@ def to_json(result: Any) -> str:
 def print_result(result: Any, text: str, as_json: bool) -> None:
     """Print ``result`` as JSON, or its readable ``text``."""
     print(to_json(result) if as_json else text, flush=True)
+
+
+def run_main(
+    doc: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run_from_args: Callable[[argparse.Namespace], int],
+    argv: Sequence[str] | None,
+) -> int:
+    """A benchmark's ``main``: its parser (described by the first line of ``doc``), then run.
+
+    Returns:
+        The exit status ``run_from_args`` gives.
+    """
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))

@@ -24,7 +24,7 @@ from pipeline.bench.offline import (
     OfflineConfig,
     run_offline,
 )
-from pipeline.bench.report import add_common_arguments, format_table, print_result
+from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
 from pipeline.bench.workload import WorkloadSpec
 
 __all__ = [
@@ -163,6 +163,4 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python benchmarks/split.py``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    return run_main(__doc__, add_arguments, run_from_args, argv)

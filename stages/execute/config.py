@@ -44,6 +44,10 @@ class ExecuteConfig:
       (CUDA only; ignored on CPU).
     - ``decode_attention``: ``auto`` (default), ``padded`` or ``per_sequence`` (see
       :func:`stages.execute.attention.plan_decode_groups`).
+    - ``cpu_linears``: on CPU in fp32, run linears through :mod:`stages.execute.cpu`'s
+      row-count GEMM dispatch and oneDNN LM head (default on; checked against ``F.linear`` at
+      load). ``tune_allocator``: on CPU, raise glibc's mmap/trim thresholds for the process
+      (default on).
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -61,6 +65,8 @@ class ExecuteConfig:
     use_cuda_graphs: bool = True
     cuda_graph_max_batch_size: int = 128
     decode_attention: str = "auto"
+    cpu_linears: bool = True
+    tune_allocator: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():

@@ -139,7 +139,7 @@ class ModelRunner:
         resolved = resolve_model(config.model)
         self.device = _resolve_device(config.device)
         on_cpu = self.device.type == "cpu"
-        if on_cpu:
+        if on_cpu and config.tune_allocator:
             tune_allocator()
         hf_config = AutoConfig.from_pretrained(resolved.path)
         check_model_config(hf_config, config.max_model_len)
@@ -201,7 +201,7 @@ class ModelRunner:
         )
         self._decode_mode = _decode_mode(config.decode_attention, self.device)
         vocab_size = int(text_config.vocab_size)
-        if on_cpu:
+        if on_cpu and config.cpu_linears:
             use_cpu_linears(model)
         self._probe(vocab_size, num_layers)
         self._sampler = Sampler(vocab_size, self.device)
@@ -219,7 +219,7 @@ class ModelRunner:
             kv_cache_bytes=self.kv_cache.nbytes,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        if on_cpu:
+        if on_cpu and config.tune_allocator:
             release_free_memory()
         logger.info("execute: loaded %s (%s)", resolved.name, self.info)
         return self.info

@@ -62,7 +62,7 @@ def test_poisson_arrivals_and_percentiles() -> None:
 
 def test_cli_lists_every_benchmark() -> None:
     parser = bench_parser()
-    for name in ("offline", "online", "ceiling", "split"):
+    for name in ("offline", "online", "ceiling", "split", "ablation"):
         args = parser.parse_args(["bench", name, "--quick", "--json"])
         assert args.benchmark == name and args.quick and args.json and callable(args.run)
     args = parser.parse_args(["bench", "ceiling", "--profile", "--requests", "8"])
@@ -155,3 +155,20 @@ def test_split_quick(tiny_model_dir: Path) -> None:
             row.zmq_tokens_per_second / row.memory_tokens_per_second
         )
     assert "split / single" in format_split(result)
+
+
+@pytest.mark.slow
+def test_ablation_quick(tiny_model_dir: Path) -> None:
+    from pipeline.bench.ablation import ALL_ON, AblationConfig, format_ablation, run_ablation
+
+    config = AblationConfig.quick(model=str(tiny_model_dir))
+    result = run_ablation(config)
+    assert [variant.name for variant in result.variants] == list(config.variants)
+    requested = sum(request.max_tokens for request in make_workload(config.workload))
+    for variant in result.variants:
+        # ignore_eos: every request generates exactly its max_tokens, in every variant
+        assert variant.generated_tokens == requested
+        assert variant.tokens_per_second > 0
+        assert variant.prefill_seconds > 0 and variant.decode_seconds > 0
+    table = format_ablation(result)
+    assert f"vs {ALL_ON}" in table and "cpu_linears=False" in table
