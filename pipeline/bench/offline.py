@@ -27,8 +27,10 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import multiprocessing
 import os
 from collections.abc import Coroutine, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
 from pipeline.bench.process import peak_rss_bytes, rss_bytes
@@ -190,7 +192,7 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     def run_topology(name: str, transport: str) -> _ActorlineRun | None:
         if name not in config.systems:
             return None
-        run = _run_actorline(config, transport, prompts, max_tokens)
+        run = _run_actorline_fresh(config, transport, prompts, max_tokens)
         systems.append(_system(name, run.seconds, run.generated_tokens))
         outputs[name] = run.outputs
         if run.profile is not None:
@@ -198,15 +200,15 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
         gc.collect()
         return run
 
-    # NOTE: the memory topology runs its engine in this process, and the engine tunes the
-    # process's C allocator (stages.execute.cpu); it runs last so the HF baselines run in a
-    # process as HF users have it. The zmq topology's engine is a child process.
+    # NOTE: every actorline run has a fresh process of its own (the memory topology's engine
+    # tunes its process's C allocator, stages.execute.cpu), and the HF baselines run in this
+    # process as HF users have it: no system inherits another's process state.
     zmq_run = run_topology(ACTORLINE_ZMQ, "zmq")
     if zmq_run is not None:
         peak_rss, final_rss = zmq_run.engine_peak_rss, zmq_run.engine_final_rss
     default_budget: DefaultBudgetRun | None = None
     if config.measure_default_budget and ACTORLINE_ZMQ in config.systems:
-        run = _run_actorline(config, "zmq", prompts, max_tokens, size_cache=False)
+        run = _run_actorline_fresh(config, "zmq", prompts, max_tokens, size_cache=False)
         default_budget = DefaultBudgetRun(
             num_blocks=run.num_blocks,
             peak_rss_bytes=run.engine_peak_rss,
@@ -332,6 +334,24 @@ class _ActorlineRun:
     profile: Profile | None
     num_blocks: int
     preemptions: int
+
+
+def _run_actorline_fresh(
+    config: OfflineConfig,
+    transport: str,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    *,
+    size_cache: bool = True,
+) -> _ActorlineRun:
+    """:func:`_run_actorline` in a freshly spawned process (results come back pickled
+    between this benchmark's own processes)."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        run = pool.submit(
+            _run_actorline, config, transport, prompts, max_tokens, size_cache=size_cache
+        )
+        return run.result()
 
 
 def _run_actorline(
