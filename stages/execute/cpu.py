@@ -1,4 +1,4 @@
-"""CPU tuning for the model runner: glibc allocator settings and the LM head's GEMM kernel.
+"""CPU tuning for the model runner: glibc allocator settings and the linears' GEMM kernels.
 
 **Allocator.** A prefill step allocates and frees tensors of ~10 MB (``[2048, 1536]`` fp32
 activations). glibc serves blocks above its mmap threshold with fresh ``mmap`` calls and
@@ -7,12 +7,14 @@ page-faulted in again (~300,000 minor faults per 1,600-token prefill step here, 
 time). :func:`tune_allocator` pins both thresholds so freed blocks are reused;
 :func:`release_free_memory` hands what is free back to the kernel once (after loading).
 
-**LM head.** MKL's sgemm is slow for ``[M, 576] x [576, 49152]`` at the few rows a decode step
-samples; oneDNN's fp32 inner product (the op inductor lowers CPU linears to,
-``torch.ops.mkldnn._linear_pointwise``) took about half the time here at every M from 1 to 64
-(M=1: 5 ms vs 8.4; M=12: 11.5 vs 21; M=64: 32 vs 41, two cores). Its rounding differs from
-MKL's by summation order only (~1e-6 relative). For the decoder layers' own linears it was
-no faster, so they stay on ``F.linear``.
+**Linears.** ``F.linear`` (MKL's sgemm as ``x @ W^T``) is slow at the row counts of decode
+steps. For the decoder layers' linears ``W @ x^T`` (MKL's small-N path) is faster from 2 to 128
+rows, with 9..16 rows padded to 16 (see :class:`CPULinear`); from 192 rows on (prefill)
+``F.linear`` is faster again. For the LM head (``[M, 576] x [576, 49152]``) oneDNN's fp32 inner
+product (the op inductor lowers CPU linears to, ``torch.ops.mkldnn._linear_pointwise``) took
+about half MKL's time at every M from 1 to 64 (M=1: 5 ms vs 8.4; M=12: 11.5 vs 21; M=64: 32 vs
+41, two cores); for the decoder layers' linears it was no faster. Rounding differs from MKL's
+by summation order only (~1e-6 relative), and every swapped kernel is checked at load.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "MMAP_THRESHOLD_BYTES",
     "PADDED_ROWS",
     "SMALL_ROWS",
+    "TRANSPOSED_ROWS",
     "TRIM_THRESHOLD_BYTES",
     "CPULMHead",
     "CPULinear",
@@ -51,12 +54,15 @@ TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
 # The LM head swap is kept only if oneDNN agrees with F.linear this closely (relative to the
 # largest logit) on a random probe: a wrong kernel would be far off.
 _PROBE_TOLERANCE = 1e-4
-_PROBE_ROWS = (1, 3, 8, 12, 24)
+_PROBE_ROWS = (1, 3, 8, 12, 24, 200)
 # Row counts computed as W @ x^T (MKL's small-N path): 2..SMALL_ROWS as they are, up to
-# PADDED_ROWS padded to PADDED_ROWS (measured: 16 rows ran as fast as 8, 12 rows slowly).
+# PADDED_ROWS padded to PADDED_ROWS (measured: 16 rows ran as fast as 8, 12 rows slowly), and
+# above that up to TRANSPOSED_ROWS as they are again (measured, best of 5 interleaved runs of
+# SmolLM2-135M's 30 layers: 0.71-0.85x F.linear's time at 16..128 rows, 1.35x at 192 and more).
 SMALL_ROWS_MIN = 2
 SMALL_ROWS = 8
 PADDED_ROWS = 16
+TRANSPOSED_ROWS = 128
 
 
 def _libc() -> Any | None:
@@ -104,10 +110,10 @@ def onednn_linear_available() -> bool:
 
 class CPULinear(torch.nn.Linear):
     """An fp32 CPU ``nn.Linear`` that picks its GEMM by the number of rows ``M`` (see the
-    module docstring): ``F.linear`` for one row and for more than ``PADDED_ROWS``; ``W @ x^T``
-    for ``2..SMALL_ROWS`` rows, and for up to ``PADDED_ROWS`` rows padded with zeros to
-    ``PADDED_ROWS`` (padding rows never mix into the real ones: every output is its own dot
-    product).
+    module docstring): ``F.linear`` for one row and for more than ``TRANSPOSED_ROWS``;
+    ``W @ x^T`` for ``2..SMALL_ROWS`` rows and for ``PADDED_ROWS+1..TRANSPOSED_ROWS`` rows, and
+    for the rows between padded with zeros to ``PADDED_ROWS`` (padding rows never mix into the
+    real ones: every output is its own dot product).
 
     Installed on existing modules by :func:`use_cpu_linears` (a class swap: parameters and
     any weight tying stay as they are).
@@ -115,10 +121,14 @@ class CPULinear(torch.nn.Linear):
 
     # Rows above SMALL_ROWS and up to this are padded to it; 0: never pad.
     padded_rows = PADDED_ROWS
+    # Rows above padded_rows and up to this run as W @ x^T unpadded; 0: never.
+    transposed_rows = TRANSPOSED_ROWS
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         rows = input.numel() // self.in_features
-        small = SMALL_ROWS_MIN <= rows <= SMALL_ROWS
+        small = SMALL_ROWS_MIN <= rows <= SMALL_ROWS or (
+            self.padded_rows < rows <= self.transposed_rows
+        )
         if not (small or SMALL_ROWS < rows <= self.padded_rows):
             return self._large(input)
         flat = input.reshape(rows, self.in_features)  # [M, K]
@@ -140,6 +150,7 @@ class CPULMHead(CPULinear):
     no padding (oneDNN beats padded ``W @ x^T`` there)."""
 
     padded_rows = 0
+    transposed_rows = 0
 
     def _large(self, input: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(input, self.weight, self.bias, "none", [], "")

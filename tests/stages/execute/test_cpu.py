@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from stages.execute.cpu import (
     PADDED_ROWS,
     SMALL_ROWS,
+    TRANSPOSED_ROWS,
     CPULinear,
     CPULMHead,
     onednn_linear_available,
@@ -31,9 +32,12 @@ def _linear(kind: type[torch.nn.Linear], in_features: int, out_features: int, *,
     return module
 
 
-# Every dispatch path: one row (F.linear), 2..SMALL_ROWS (W @ x^T), up to PADDED_ROWS (padded),
-# past it (F.linear / oneDNN).
-ROWS = sorted({1, 2, SMALL_ROWS, SMALL_ROWS + 1, PADDED_ROWS - 1, PADDED_ROWS, PADDED_ROWS + 1, 40})
+# Every dispatch path and its edges: one row (F.linear), 2..SMALL_ROWS (W @ x^T), up to
+# PADDED_ROWS (padded), up to TRANSPOSED_ROWS (W @ x^T), past it (F.linear / oneDNN).
+ROWS = sorted(
+    {1, 2, SMALL_ROWS, SMALL_ROWS + 1, PADDED_ROWS - 1, PADDED_ROWS, PADDED_ROWS + 1, 40}
+    | {TRANSPOSED_ROWS, TRANSPOSED_ROWS + 1, 200}
+)
 
 
 @pytest.mark.parametrize("rows", ROWS)
