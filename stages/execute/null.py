@@ -14,11 +14,11 @@ and EOS ids. No KV tensors are allocated (``kv_cache_bytes`` is 0) and torch is 
 Select it with ``AsyncEngine(model, null_model=True)`` (or ``LLM``), which swaps it in for the
 execute stage in :func:`pipeline.presets.llm_pipeline`.
 
-Step semantics follow :class:`stages.execute.runner.ModelRunner` (itself after vLLM v1
-``gpu_model_runner.py`` and nano-vllm ``model_runner.py``): free ``finished`` and
-``preempted``, register ``new_requests``, then plan each chunk (a chunk starting at 0 is a
-(re)start that first looks its tokens up in the prefix cache) and sample where a chunk reaches
-the end of the request's known tokens.
+Step semantics are :class:`stages.execute.runner.ModelRunner`'s, through the same code
+(:mod:`stages.execute.bookkeeping`): check the step whole, free ``finished`` and ``preempted``,
+register ``new_requests``, plan each chunk (a chunk starting at 0 is a (re)start that first
+looks its tokens up in the prefix cache), then sample where a chunk reaches the end of the
+request's known tokens and commit the computed blocks.
 """
 
 from __future__ import annotations
@@ -35,13 +35,20 @@ from typing import Any
 import numpy as np
 
 from pipeline.stage import Stage, handles
-from stages.execute.allocator import BlockAllocator, OutOfBlocksError
+from stages.execute.allocator import BlockAllocator
+from stages.execute.bookkeeping import (
+    StepError,
+    commit_chunk,
+    plan_chunk,
+    release,
+    step_result,
+    validate_step,
+)
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.messages import (
     EngineInfo,
     EngineRequest,
     Logprobs,
-    ScheduledChunk,
     SchedulerStep,
     StepResult,
 )
@@ -56,9 +63,9 @@ _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _CONFIG_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-class NullStepError(ValueError):
-    """A :class:`SchedulerStep` is inconsistent with the null runner's state (unknown or
-    duplicate request, a chunk outside the request's tokens, ...): a scheduler bug."""
+NullStepError = StepError
+"""A :class:`SchedulerStep` is inconsistent with the null runner's state: the model runner's
+:class:`~stages.execute.bookkeeping.StepError`, since both check steps with the same code."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,12 +80,10 @@ class _Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def tokens(self, end: int) -> list[int]:
-        """Known tokens ``[0, end)`` (prompt then outputs)."""
-        prompt = self.prompt_token_ids
-        if end <= len(prompt):
-            return list(prompt[:end])
-        return [*prompt, *self.output_token_ids[: end - len(prompt)]]
+    def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Known tokens ``[start, end)`` (prompt then outputs)."""
+        known = [*self.prompt_token_ids, *self.output_token_ids]
+        return known[start:end]
 
 
 def sampleable_token_ids(tokenizer: Any) -> np.ndarray:
@@ -204,34 +209,22 @@ class NullRunner:
         if allocator is None:
             raise RuntimeError("NullRunner.load() must be called before execute()")
         began = time.perf_counter()
-        requests = self._requests
-        for request_id in step.finished:
-            allocator.free(request_id)
-            requests.pop(request_id, None)
-        for request_id in step.preempted:
-            allocator.free(request_id)
-            preempted_request = requests.get(request_id)
-            if preempted_request is not None:
-                preempted_request.num_computed = 0
+        validate_step(step, self._requests, self.max_model_len)
+        release(allocator, self._requests, step)
         for new_request in step.new_requests:
             self._register(new_request)
 
         cached_tokens: dict[str, int] = {}
         preempted: list[str] = []
-        sampling: list[_Request] = []
-        seen: set[str] = set()
-        num_computed = 0
+        planned: list[tuple[_Request, int, int]] = []
         for chunk in step.chunks:
-            if chunk.request_id in seen:
-                raise NullStepError(f"request {chunk.request_id!r} has two chunks in one step")
-            seen.add(chunk.request_id)
-            computed = self._run_chunk(chunk, cached_tokens, preempted)
-            if computed is None:
-                continue
-            request, start, end = computed
-            num_computed += end - start
-            if end == request.num_tokens:
-                sampling.append(request)
+            request = self._requests[chunk.request_id]
+            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted)
+            if start is not None:
+                planned.append((request, start, chunk.start + chunk.num_tokens))
+        sampling = [request for request, _, end in planned if end == request.num_tokens]
+        for request, _, end in planned:
+            commit_chunk(allocator, request, end)
 
         request_ids: list[str] = []
         logprob_ids: list[str] = []
@@ -247,85 +240,25 @@ class NullRunner:
                     # NOTE: every sampleable token is equally likely: all tie for rank 1.
                     logprob_ids.append(request.request_id)
                     logprobs.append(Logprobs(token_id, self._uniform_logprob, 1))
-        stats = allocator.stats
-        return StepResult(
-            step_id=step.step_id,
-            request_ids=tuple(request_ids),
-            token_ids=tuple(token_ids),
-            free_blocks=allocator.num_free_blocks,
-            total_blocks=allocator.num_usable_blocks,
-            logprob_request_ids=tuple(logprob_ids),
-            logprobs=tuple(logprobs),
+        return step_result(
+            step,
+            allocator,
+            request_ids=request_ids,
+            token_ids=token_ids,
+            logprob_request_ids=logprob_ids,
+            logprobs=logprobs,
             cached_tokens=cached_tokens,
-            preempted=tuple(preempted),
-            prefix_cache_queries=stats.queries,
-            prefix_cache_hits=stats.hits,
-            num_computed_tokens=num_computed,
+            preempted=preempted,
+            num_computed_tokens=sum(end - start for _, start, end in planned),
             forward_seconds=time.perf_counter() - began,
         )
 
     def _register(self, request: EngineRequest) -> None:
-        if request.request_id in self._requests:
-            raise NullStepError(f"request {request.request_id!r} is already registered")
-        if not request.prompt_token_ids:
-            raise NullStepError(f"request {request.request_id!r} has an empty prompt")
         self._requests[request.request_id] = _Request(
             request.request_id,
             tuple(request.prompt_token_ids),
             request.params.logprobs is not None,
         )
-
-    def _run_chunk(
-        self, chunk: ScheduledChunk, cached_tokens: dict[str, int], preempted: list[str]
-    ) -> tuple[_Request, int, int] | None:
-        """Validate a chunk, look up the prefix cache for a (re)start, allocate its blocks and
-        record its tokens as computed (publishing newly full blocks).
-
-        Returns:
-            ``(request, start, end)`` of the positions computed, or None when the prefix cache
-            served them all or the request had to be preempted.
-        """
-        allocator = self.allocator
-        assert allocator is not None
-        request = self._requests.get(chunk.request_id)
-        if request is None:
-            raise NullStepError(f"chunk for unknown request {chunk.request_id!r}")
-        end = chunk.start + chunk.num_tokens
-        if chunk.start < 0 or chunk.num_tokens < 1:
-            raise NullStepError(f"chunk {chunk} must have start >= 0 and num_tokens >= 1")
-        if end > request.num_tokens:
-            raise NullStepError(
-                f"chunk {chunk} ends past the request's {request.num_tokens} known tokens"
-            )
-        if end > self.max_model_len:
-            raise NullStepError(f"chunk {chunk} ends past max_model_len {self.max_model_len}")
-        if chunk.start == 0:
-            # A new or resumed request: drop anything it held, reuse cached prefix blocks.
-            allocator.free(request.request_id)
-            cached = allocator.match_prefix(request.request_id, request.tokens(request.num_tokens))
-            request.num_computed = cached
-            cached_tokens[request.request_id] = cached
-        elif chunk.start > request.num_computed:
-            raise NullStepError(
-                f"chunk {chunk} starts past the request's {request.num_computed} computed tokens"
-            )
-        start = max(chunk.start, request.num_computed)
-        if start >= end:
-            return None
-        try:
-            allocator.allocate(request.request_id, end)
-        except OutOfBlocksError:
-            allocator.free(request.request_id)
-            request.num_computed = 0
-            cached_tokens.pop(request.request_id, None)
-            preempted.append(request.request_id)
-            return None
-        before = request.num_computed
-        request.num_computed = end
-        block_size = allocator.block_size
-        if allocator.enable_prefix_caching and end // block_size > before // block_size:
-            allocator.commit(request.request_id, request.tokens(end), end)
-        return request, start, end
 
     # ----------------------------------------------------------------- inspection
     def has_request(self, request_id: str) -> bool:

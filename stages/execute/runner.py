@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from stages.execute.allocator import BlockAllocator, OutOfBlocksError
+from stages.execute.allocator import BlockAllocator
 from stages.execute.attention import (
     DecodeAttentionMode,
     KVCache,
@@ -32,6 +32,14 @@ from stages.execute.attention import (
     enable_paged_attention,
     forward_context,
 )
+from stages.execute.bookkeeping import (
+    StepError,
+    commit_chunk,
+    plan_chunk,
+    release,
+    step_result,
+    validate_step,
+)
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
@@ -39,7 +47,6 @@ from stages.messages import (
     EngineInfo,
     EngineRequest,
     Logprobs,
-    ScheduledChunk,
     SchedulerStep,
     StepResult,
 )
@@ -55,11 +62,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _PROBE_TOKENS = 8
 _PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 _PROBE_REQUEST = "__actorline_probe__"
-
-
-class StepError(ValueError):
-    """A :class:`SchedulerStep` is inconsistent with the runner's state (unknown or duplicate
-    request, a chunk outside the request's tokens, ...): a scheduler bug."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -310,15 +312,8 @@ class ModelRunner:
         allocator = self.allocator
         if allocator is None or self._sampler is None:
             raise RuntimeError("ModelRunner.load() must be called before execute()")
-        self._validate(step)
-        for request_id in step.finished:
-            allocator.free(request_id)
-            self._requests.pop(request_id, None)
-        for request_id in step.preempted:
-            allocator.free(request_id)
-            preempted_request = self._requests.get(request_id)
-            if preempted_request is not None:
-                preempted_request.num_computed = 0
+        validate_step(step, self._requests, self.max_model_len)
+        release(allocator, self._requests, step)
         for new_request in step.new_requests:
             self._register(new_request)
 
@@ -326,9 +321,11 @@ class ModelRunner:
         preempted: list[str] = []
         works: list[_Work] = []
         for chunk in step.chunks:
-            work = self._plan(chunk, cached_tokens, preempted)
-            if work is not None:
-                works.append(work)
+            request = self._requests[chunk.request_id]
+            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted)
+            if start is not None:
+                end = chunk.start + chunk.num_tokens
+                works.append(_Work(request, start, end, samples=end == request.num_tokens))
 
         request_ids: list[str] = []
         token_ids: list[int] = []
@@ -352,100 +349,26 @@ class ModelRunner:
                     logprob_ids.append(work.request.request_id)
                     logprobs.append(token_logprobs)
             for work in works:
-                self._commit(work)
+                commit_chunk(allocator, work.request, work.end)
 
-        stats = allocator.stats
-        return StepResult(
-            step_id=step.step_id,
-            request_ids=tuple(request_ids),
-            token_ids=tuple(token_ids),
-            free_blocks=allocator.num_free_blocks,
-            total_blocks=allocator.num_usable_blocks,
-            logprob_request_ids=tuple(logprob_ids),
-            logprobs=tuple(logprobs),
+        return step_result(
+            step,
+            allocator,
+            request_ids=request_ids,
+            token_ids=token_ids,
+            logprob_request_ids=logprob_ids,
+            logprobs=logprobs,
             cached_tokens=cached_tokens,
-            preempted=tuple(preempted),
-            prefix_cache_queries=stats.queries,
-            prefix_cache_hits=stats.hits,
+            preempted=preempted,
             num_computed_tokens=num_computed,
             forward_seconds=forward_seconds,
         )
-
-    def _validate(self, step: SchedulerStep) -> None:
-        """Check the whole step against the runner's state before changing anything.
-
-        Raises:
-            StepError: naming the first inconsistency.
-        """
-        finished = set(step.finished)
-        # request id -> (known tokens, computed tokens) as they will be when chunks run
-        sizes = {
-            request_id: (request.num_tokens, request.num_computed)
-            for request_id, request in self._requests.items()
-            if request_id not in finished
-        }
-        for request_id in step.preempted:
-            if request_id in sizes:
-                sizes[request_id] = (sizes[request_id][0], 0)
-        for new_request in step.new_requests:
-            if new_request.request_id in sizes:
-                raise StepError(f"request {new_request.request_id!r} is already registered")
-            if not new_request.prompt_token_ids:
-                raise StepError(f"request {new_request.request_id!r} has an empty prompt")
-            sizes[new_request.request_id] = (len(new_request.prompt_token_ids), 0)
-        scheduled: set[str] = set()
-        for chunk in step.chunks:
-            if chunk.request_id in scheduled:
-                raise StepError(f"request {chunk.request_id!r} has two chunks in one step")
-            scheduled.add(chunk.request_id)
-            if chunk.request_id not in sizes:
-                raise StepError(f"chunk for unknown request {chunk.request_id!r}")
-            num_tokens, num_computed = sizes[chunk.request_id]
-            end = chunk.start + chunk.num_tokens
-            if chunk.start < 0 or chunk.num_tokens < 1:
-                raise StepError(f"chunk {chunk} must have start >= 0 and num_tokens >= 1")
-            if end > num_tokens:
-                raise StepError(f"chunk {chunk} ends past the request's {num_tokens} known tokens")
-            if end > self.max_model_len:
-                raise StepError(f"chunk {chunk} ends past max_model_len {self.max_model_len}")
-            if chunk.start > 0 and num_computed < chunk.start:
-                raise StepError(
-                    f"chunk {chunk} starts past the request's {num_computed} computed tokens"
-                )
 
     def _register(self, request: EngineRequest) -> None:
         sampling = new_sampling_state(
             request.params, request.prompt_token_ids, self._eos_token_ids, self.device
         )
         self._requests[request.request_id] = _Request(request.request_id, sampling)
-
-    def _plan(
-        self, chunk: ScheduledChunk, cached_tokens: dict[str, int], preempted: list[str]
-    ) -> _Work | None:
-        """Look up the prefix cache for a (re)start and allocate the chunk's blocks (the
-        step is already validated). Returns None when nothing is left to compute or the
-        request had to be preempted."""
-        assert self.allocator is not None
-        request = self._requests[chunk.request_id]
-        end = chunk.start + chunk.num_tokens
-        if chunk.start == 0:
-            # A new or resumed request: drop anything it held, reuse cached prefix blocks.
-            self.allocator.free(request.request_id)
-            cached = self.allocator.match_prefix(request.request_id, request.tokens())
-            request.num_computed = cached
-            cached_tokens[request.request_id] = cached
-        start = max(chunk.start, request.num_computed)
-        if start >= end:
-            return None  # every token of the chunk came from the prefix cache
-        try:
-            self.allocator.allocate(request.request_id, end)
-        except OutOfBlocksError:
-            self.allocator.free(request.request_id)
-            request.num_computed = 0
-            cached_tokens.pop(request.request_id, None)
-            preempted.append(request.request_id)
-            return None
-        return _Work(request, start, end, samples=end == request.num_tokens)
 
     def _forward(self, works: list[_Work], sampling: list[_Work]) -> torch.Tensor:
         """Run the model over the packed batch; logits of the sampling rows, in their order.
@@ -498,17 +421,6 @@ class ModelRunner:
             )
         return output.logits[0]  # [S, V]
 
-    def _commit(self, work: _Work) -> None:
-        """Record the computed tokens and publish newly full blocks to the prefix cache."""
-        assert self.allocator is not None
-        request = work.request
-        before = request.num_computed
-        request.num_computed = work.end
-        block_size = self.config.block_size
-        if self.allocator.enable_prefix_caching and work.end // block_size > before // block_size:
-            self.allocator.commit(request.request_id, request.tokens(0, work.end), work.end)
-
-    # ----------------------------------------------------------------- inspection
     def has_request(self, request_id: str) -> bool:
         """Whether the runner holds sampling state for ``request_id``."""
         return request_id in self._requests
