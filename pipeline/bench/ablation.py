@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
-from pipeline.bench.workload import WorkloadSpec, make_workload
+from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload
 
 __all__ = [
     "VARIANTS",
@@ -140,7 +140,8 @@ def _drive_variant(config: AblationConfig, name: str) -> VariantResult:
     workload = make_workload(config.workload)
     prompts = [_prompt_ids(tokenizer, request.prompt) for request in workload]
     # Blocks for every request at once (as the offline benchmark sizes them): no preemption.
-    num_blocks = sum(-(-(len(p) + r.max_tokens) // 16) for p, r in zip(prompts, workload)) + 1
+    max_tokens = [request.max_tokens for request in workload]
+    num_blocks = blocks_to_hold(prompts, max_tokens, 16) + 1
     overrides = dict(VARIANTS[name])
     runner = ModelRunner(ExecuteConfig(model=config.model, num_blocks=num_blocks, **overrides))  # type: ignore[arg-type]
     scheduler = Scheduler(

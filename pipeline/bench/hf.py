@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from pipeline.bench.workload import blocks_to_hold
+
 __all__ = [
     "CB_ATTENTION",
     "CB_PAGE_SIZE",
@@ -180,7 +182,7 @@ def hf_continuous_generate(
 
     if len(prompts) != len(max_tokens):
         raise ValueError(f"{len(prompts)} prompts but {len(max_tokens)} max_tokens")
-    pages = sum(-(-(len(p) + m) // CB_PAGE_SIZE) for p, m in zip(prompts, max_tokens))
+    pages = blocks_to_hold(prompts, max_tokens, CB_PAGE_SIZE)
     cb_config = ContinuousBatchingConfig(
         page_size=CB_PAGE_SIZE,
         num_blocks=pages + 2,

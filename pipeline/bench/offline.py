@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from pipeline.bench.process import peak_rss_bytes, rss_bytes
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
-from pipeline.bench.workload import WorkloadSpec, make_workload
+from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload
 
 __all__ = [
     "RSS_TARGET_BYTES",
@@ -373,7 +373,7 @@ def _run_actorline(
     # size_cache the engine sizes it from its default budget.
     num_blocks: int | None = None
     if size_cache:
-        num_blocks = sum(-(-(len(p) + m) // 16) for p, m in zip(prompts, max_tokens)) + 1
+        num_blocks = blocks_to_hold(prompts, max_tokens, 16) + 1
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     with LLM(
         config.model,

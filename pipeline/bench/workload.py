@@ -17,6 +17,7 @@ __all__ = [
     "TOPICS",
     "BenchRequest",
     "WorkloadSpec",
+    "blocks_to_hold",
     "make_workload",
     "percentile",
     "poisson_arrivals",
@@ -203,3 +204,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     high = min(low + 1, len(ordered) - 1)
     fraction = position - low
     return ordered[low] + (ordered[high] - ordered[low]) * fraction
+
+
+def blocks_to_hold(
+    prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], block_size: int
+) -> int:
+    """KV blocks of ``block_size`` tokens that hold every request (prompt + ``max_tokens``)
+    at once: how the offline benchmarks size each system's cache so that none preempts."""
+    return sum(
+        -(-(len(prompt) + limit) // block_size) for prompt, limit in zip(prompts, max_tokens)
+    )
