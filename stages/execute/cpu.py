@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 from typing import Any
 
@@ -65,7 +66,9 @@ PADDED_ROWS = 16
 TRANSPOSED_ROWS = 128
 
 
+@functools.cache
 def _libc() -> Any | None:
+    """glibc, loaded once (``find_library`` runs ``ldconfig``), or None elsewhere."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
