@@ -39,6 +39,7 @@ VARIANTS: Mapping[str, Mapping[str, object]] = {
     ALL_ON: {},
     "cpu_linears=False (MKL F.linear everywhere)": {"cpu_linears": False},
     "tune_allocator=False (glibc defaults)": {"tune_allocator": False},
+    "decode_attention=grouped (gather + SDPA)": {"decode_attention": "grouped"},
     "decode_attention=per_sequence": {"decode_attention": "per_sequence"},
     "decode_attention=padded": {"decode_attention": "padded"},
     "enable_prefix_caching=False": {"enable_prefix_caching": False},

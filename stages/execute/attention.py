@@ -9,12 +9,15 @@ q/k/v, applies RoPE and calls :func:`paged_attention_forward` for each layer wit
 the cache and attends:
 
 - **decode rows** (one query token each) come first in the packed batch, ordered by context
-  length; they are attended in groups, each one batched SDPA call over the group's padded
-  context (whole blocks gathered with one ``index_select``, a length mask for uneven rows),
-  viewing each query ``[Hq]`` as ``[Hkv, Hq/Hkv]`` so GQA needs no key expansion. One group
-  over the whole batch ("padded") has static shapes for a padded batch size and is what CUDA
-  graphs capture; on CPU, big or uneven batches are split into smaller groups (down to one
-  per sequence), which keeps the gathered keys in cache (see :func:`plan_decode_groups`).
+  length. On CPU in fp32 ("native", the default there) one call of the compiled kernel of
+  :mod:`stages.execute.native` attends them all, reading keys and values in place through
+  the block tables. Otherwise ("grouped", "padded", "per_sequence") they are attended in
+  groups, each one batched SDPA call over the group's padded context (whole blocks gathered with
+  one ``index_select``, a length mask for uneven rows), viewing each query ``[Hq]`` as ``[Hkv,
+  Hq/Hkv]`` so GQA needs no key expansion. One group over the whole batch ("padded") has static
+  shapes for a padded batch size and is what CUDA graphs capture; on CPU, big or uneven batches
+  are split into smaller groups (down to one per sequence), which keeps the gathered keys in cache
+  (see :func:`plan_decode_groups`).
 - **prefill rows** (chunks, prefix hits) are attended per sequence with a causal mask aligned
   lower-right: the queries are the *last* ``n`` of the ``L`` context positions.
 
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.execute.allocator import RESERVED_BLOCK_ID
+from stages.execute.native import PagedDecodeKernel, paged_decode_kernel
 
 __all__ = [
     "ATTENTION_NAME",
@@ -59,8 +63,8 @@ __all__ = [
 ATTENTION_NAME = "actorline_paged"
 """The name the paged attention function is registered under in transformers."""
 
-DecodeAttentionMode = Literal["auto", "padded", "per_sequence"]
-DECODE_ATTENTION_MODES: tuple[str, ...] = ("auto", "padded", "per_sequence")
+DecodeAttentionMode = Literal["native", "grouped", "padded", "per_sequence"]
+DECODE_ATTENTION_MODES: tuple[str, ...] = ("native", "grouped", "padded", "per_sequence")
 
 # NOTE: measured per layer on a 2-core CPU, SmolLM2-135M shapes (9 query / 3 KV heads, D 64),
 # one thread. A loop per sequence costs ~0.1 ms per sequence; one padded call over a big batch
@@ -68,7 +72,7 @@ DECODE_ATTENTION_MODES: tuple[str, ...] = ("auto", "padded", "per_sequence")
 # B=64 x 20..1000: padded ~5x slower than a loop). Groups of <= 4096 padded keys were the best
 # or near it in every case tried: B=64 x 200: 5.9 ms vs 9.6 loop; B=256 x 100: 11 vs 28;
 # B=64 x 64: 1.2 vs 6.0; B=32 x 1500: 17 vs 19; B=128 x 500: 25 vs 32.
-# "auto" splits the length-sorted batch into padded groups bounded by these two limits.
+# "grouped" splits the length-sorted batch into padded groups bounded by these two limits.
 AUTO_GROUP_MAX_KEYS = 4096  # padded keys (rows x longest context) per group
 AUTO_GROUP_MAX_PADDING = 1.5  # max length / min length within a group
 
@@ -135,6 +139,9 @@ class DecodeGroup:
     key_blocks: torch.Tensor  # [end - start, num_blocks] block ids, padded with block 0
     key_len: int  # key positions attended (<= num_blocks * block_size)
     key_mask: torch.Tensor | None  # [end - start, 1, 1, key_len] bool; None: no padding
+    # "native" mode: each row's context length [end - start] int64; the kernel reads exactly
+    # that many positions of its blocks (key_len and key_mask unused).
+    context_lens: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -160,6 +167,8 @@ class StepMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSequence]
     max_model_len: int
+    # Set in "native" mode: the kernel attending the decode groups.
+    decode_kernel: PagedDecodeKernel | None = None
     # Counts attention calls (one per layer): the load-time probe checks every layer came.
     calls: int = 0
 
@@ -224,7 +233,20 @@ def paged_attention_forward(
 
     block_size = metadata.kv_cache.block_size
     output = query.new_empty(num_tokens, num_heads, head_dim)  # [T, Hq, D]
+    kernel = metadata.decode_kernel
     for group in metadata.decode_groups:
+        if kernel is not None and group.context_lens is not None:
+            kernel(
+                query[0, :, group.start : group.end],  # [Hq, g, D]
+                key_cache,
+                value_cache,
+                group.key_blocks,
+                group.context_lens,
+                output[group.start : group.end],  # [g, Hq, D]
+                block_size,
+                scaling if scaling is not None else head_dim**-0.5,
+            )
+            continue
         rows = group.end - group.start
         # [Hq, g, D] -> [g, Hq, D] -> [g, Hkv, rep, D]: the query heads of one KV head become
         # the query axis, so one SDPA call serves GQA without expanding keys.
@@ -316,14 +338,14 @@ def plan_decode_groups(
 ) -> list[tuple[int, int]]:
     """Split decode rows (sorted by ascending context length) into ``[start, end)`` groups.
 
-    ``padded``: one group. ``per_sequence``: one group per row. ``auto``: consecutive rows
-    while the group's padded size stays under ``AUTO_GROUP_MAX_KEYS`` and its longest
-    context under ``AUTO_GROUP_MAX_PADDING`` times its shortest.
+    ``native`` and ``padded``: one group. ``per_sequence``: one group per row. ``grouped``:
+    consecutive rows while the group's padded size stays under ``AUTO_GROUP_MAX_KEYS`` and its
+    longest context under ``AUTO_GROUP_MAX_PADDING`` times its shortest.
     """
     count = len(context_lens)
     if count == 0:
         return []
-    if mode == "padded":
+    if mode in ("native", "padded"):
         return [(0, count)]
     if mode == "per_sequence":
         return [(row, row + 1) for row in range(count)]
@@ -394,10 +416,25 @@ def build_step_metadata(
 
     decode_groups: list[DecodeGroup] = []
     decode_lens = context_lens[:num_decode]
+    decode_kernel = paged_decode_kernel() if decode_mode == "native" else None
+    if decode_mode == "native" and decode_kernel is None:
+        raise ValueError("decode_mode 'native' needs the native kernel, which is unavailable")
     for group_start, group_end in plan_decode_groups(decode_lens, decode_mode):
         group_lens = decode_lens[group_start:group_end]
         longest = max(group_lens)
         num_blocks = -(-longest // block_size)
+        if decode_kernel is not None:
+            decode_groups.append(
+                DecodeGroup(
+                    start=group_start,
+                    end=group_end,
+                    key_blocks=tables[group_start:group_end, :num_blocks],
+                    key_len=longest,
+                    key_mask=None,
+                    context_lens=torch.tensor(group_lens, dtype=torch.long),
+                )
+            )
+            continue
         uniform = min(group_lens) == longest
         key_mask = None
         if not uniform:
@@ -436,6 +473,7 @@ def build_step_metadata(
         decode_groups=decode_groups,
         prefills=prefills,
         max_model_len=max_model_len,
+        decode_kernel=decode_kernel,
     )
     return metadata, positions.to(device)
 

@@ -15,7 +15,7 @@ DEFAULT_KV_CACHE_MEMORY = 384 * 1024 * 1024
 """KV cache size in bytes when neither ``num_blocks`` nor ``kv_cache_memory`` is given."""
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-_DECODE_ATTENTION_MODES = ("auto", "padded", "per_sequence")
+_DECODE_ATTENTION_MODES = ("auto", "native", "grouped", "padded", "per_sequence")
 
 
 class ExecuteConfigError(ValueError):
@@ -42,7 +42,10 @@ class ExecuteConfig:
     - ``seed``: seeds torch's global generator (requests without their own seed).
     - ``use_cuda_graphs``: capture decode batches up to ``cuda_graph_max_batch_size`` rows
       (CUDA only; ignored on CPU).
-    - ``decode_attention``: ``auto`` (default), ``padded`` or ``per_sequence`` (see
+    - ``decode_attention``: ``auto`` (default: ``native`` on CPU in fp32 when the kernel
+      builds, else ``grouped`` on CPU and ``padded`` on CUDA), ``native`` (the compiled
+      kernel of :mod:`stages.execute.native`, reading the paged cache in place), ``grouped``,
+      ``padded`` or ``per_sequence`` (gather + SDPA; see
       :func:`stages.execute.attention.plan_decode_groups`).
     - ``cpu_linears``: on CPU in fp32, run linears through :mod:`stages.execute.cpu`'s
       row-count GEMM dispatch and oneDNN LM head (default on; checked against ``F.linear`` at

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,6 +42,7 @@ from stages.execute.bookkeeping import (
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
+from stages.execute.native import PagedDecodeKernel, paged_decode_kernel
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.messages import (
     EngineInfo,
@@ -119,7 +120,7 @@ class ModelRunner:
         self._sampler: Sampler | None = None
         self._requests: dict[str, _Request] = {}
         self._eos_token_ids: tuple[int, ...] = ()
-        self._decode_mode: DecodeAttentionMode = "auto"
+        self._decode_mode: DecodeAttentionMode = "grouped"
         self._decode_graphs: Any = None  # stages.execute.cuda_graphs.DecodeGraphs
 
     # ----------------------------------------------------------------- loading
@@ -201,7 +202,17 @@ class ModelRunner:
             enable_prefix_caching=config.enable_prefix_caching,
             extra_hash_key=f"{resolved.path}|{self.dtype}".encode(),
         )
-        self._decode_mode = _decode_mode(config.decode_attention, self.device)
+        self._decode_mode = _decode_mode(
+            config.decode_attention,
+            self.device,
+            PagedDecodeKernel.supports(
+                dtype=self.dtype,
+                device=self.device,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+            ),
+        )
         vocab_size = int(text_config.vocab_size)
         if on_cpu and config.cpu_linears:
             use_cpu_linears(model)
@@ -466,13 +477,31 @@ def _max_model_len(requested: int | None, model_limit: int, cache_tokens: int) -
     return requested
 
 
-def _decode_mode(requested: str, device: torch.device) -> DecodeAttentionMode:
-    # NOTE: "auto" groups by length for CPU caches; on a GPU one padded call is best.
-    if requested == "padded" or (requested == "auto" and device.type == "cuda"):
-        return "padded"
-    if requested == "per_sequence":
-        return "per_sequence"
-    return "auto"
+def _decode_mode(requested: str, device: torch.device, native_fits: bool) -> DecodeAttentionMode:
+    """Resolve ``ExecuteConfig.decode_attention``; ``native_fits``: the model's dtype, device
+    and head shapes are ones the native kernel serves.
+
+    Raises:
+        ExecuteConfigError: ``native`` asked for where it cannot run.
+    """
+    if requested == "native" or (requested == "auto" and native_fits):
+        if not native_fits:
+            raise ExecuteConfigError(
+                "decode_attention",
+                "'native' serves fp32 models on CPU with head_dim a multiple of 8 (<= 256) "
+                "and at most 16 query heads per KV head",
+            )
+        if paged_decode_kernel() is not None:
+            return "native"
+        if requested == "native":
+            raise ExecuteConfigError(
+                "decode_attention",
+                "'native' is unavailable: the kernel could not be built (see the log)",
+            )
+    if requested == "auto":
+        # NOTE: on a GPU one padded call is best; CPU caches favour length groups.
+        return "padded" if device.type == "cuda" else "grouped"
+    return cast(DecodeAttentionMode, requested)
 
 
 def _eos_token_ids(model: Any) -> tuple[int, ...]:

@@ -64,7 +64,7 @@ def test_deep_copied_config_keeps_the_reference_on_its_own_attention(
     assert reference.config._attn_implementation != ATTENTION_NAME
 
 
-@pytest.mark.parametrize("decode_mode", ["padded", "per_sequence", "auto"])
+@pytest.mark.parametrize("decode_mode", ["padded", "per_sequence", "grouped", "native"])
 def test_packed_steps_match_per_sequence_reference(
     models: tuple[LlamaForCausalLM, LlamaForCausalLM], decode_mode: str
 ) -> None:
@@ -136,7 +136,7 @@ def test_logits_to_keep_index_tensor_selects_rows(
         query_starts=[0, 0],
         query_lens=[5, 3],
         num_decode=0,
-        decode_mode="auto",
+        decode_mode="grouped",
         max_model_len=1024,
         device=torch.device("cpu"),
     )
@@ -202,23 +202,23 @@ def test_gather_blocks_and_padding_mask() -> None:
 
 
 def test_plan_decode_groups() -> None:
-    assert plan_decode_groups([], "auto") == []
+    assert plan_decode_groups([], "grouped") == []
     assert plan_decode_groups([5, 6, 7], "padded") == [(0, 3)]
     assert plan_decode_groups([5, 6, 7], "per_sequence") == [(0, 1), (1, 2), (2, 3)]
     # Similar lengths stay together; a much longer row starts a new group.
-    assert plan_decode_groups([100, 110, 120, 1000], "auto") == [(0, 3), (3, 4)]
+    assert plan_decode_groups([100, 110, 120, 1000], "grouped") == [(0, 3), (3, 4)]
     # The padded size of a group stays under the key budget.
     long_rows = [1500] * 32
-    groups = plan_decode_groups(long_rows, "auto")
+    groups = plan_decode_groups(long_rows, "grouped")
     assert all((end - start) * 1500 <= AUTO_GROUP_MAX_KEYS for start, end in groups)
     assert groups[0][0] == 0 and groups[-1][1] == 32
-    assert plan_decode_groups([20] * 64, "auto") == [(0, 64)]
+    assert plan_decode_groups([20] * 64, "grouped") == [(0, 64)]
 
 
 def test_build_step_metadata_validates() -> None:
     cache = new_cache()
     common: dict[str, Any] = dict(
-        kv_cache=cache, decode_mode="auto", max_model_len=64, device=torch.device("cpu")
+        kv_cache=cache, decode_mode="grouped", max_model_len=64, device=torch.device("cpu")
     )
     with pytest.raises(ValueError, match="cannot hold"):
         build_step_metadata(
@@ -258,7 +258,7 @@ def test_runtime_attention_features_are_refused(kwargs: dict[str, object], featu
         query_starts=[0],
         query_lens=[2],
         num_decode=0,
-        decode_mode="auto",
+        decode_mode="grouped",
         max_model_len=64,
         device=torch.device("cpu"),
     )

@@ -52,7 +52,9 @@ def expected_outputs(
     return {f"{prefix}{i}": reference.greedy(p, MAX_TOKENS) for i, p in enumerate(prompts)}
 
 
-@pytest.mark.parametrize("decode_attention", ["auto", "padded", "per_sequence"])
+@pytest.mark.parametrize(
+    "decode_attention", ["auto", "native", "grouped", "padded", "per_sequence"]
+)
 def test_batched_greedy_matches_per_request_generate(
     tiny_model_dir: Path, reference: HFReference, decode_attention: str
 ) -> None:

@@ -1,0 +1,212 @@
+"""Native CPU kernels, compiled on first use for the machine they run on and loaded with
+ctypes: paged decode attention (``kernels/paged_decode.c``).
+
+The C source ships in the package; the first process that needs it compiles it with the
+system C compiler (``$CC``, else ``cc``) into ``<cache_dir>/kernels/`` under a name keyed by
+the source, the flags and the CPU, writing to a temporary file and renaming it so concurrent
+processes never load half a library. Later processes load the cached library (no compiler
+needed then). Like ``torch.utils.cpp_extension`` or Triton's JIT cache, minus the C++ and
+pybind11 build: the kernel is plain C over raw pointers, so it builds in well under a second.
+
+``-march=native`` lets the compiler use every vector unit of the CPU (AVX2, AVX-512, NEON);
+``-fopenmp`` links ``libgomp.so.1``, which resolves to the copy torch already loaded, so the
+kernel's threads are torch's threads and nothing oversubscribes the cores.
+
+When no compiler works, :func:`paged_decode_kernel` returns ``None`` with the reason logged
+once, and the execute stage attends with gather + SDPA instead (slower, same results).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pipeline import settings
+
+__all__ = [
+    "KERNEL_SOURCE",
+    "NativeKernelError",
+    "PagedDecodeKernel",
+    "build_library",
+    "paged_decode_kernel",
+]
+
+logger = logging.getLogger(__name__)
+
+KERNEL_SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+_FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
+_NATIVE_FLAGS = ("-march=native",)
+_LANES = 8  # floats per vector in the kernel: head_dim must be a multiple
+_MAX_GROUP = 16  # query heads per KV head
+_MAX_HEAD_DIM = 256
+
+
+class NativeKernelError(RuntimeError):
+    """A native kernel could not be built or loaded, or refused its arguments."""
+
+
+def _cpu_signature() -> str:
+    """What the compiled code depends on: architecture and the CPU's feature flags."""
+    features = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                features = line
+                break
+    return f"{platform.machine()}|{features}"
+
+
+def build_library(source: Path, *, cache: Path | None = None, compiler: str | None = None) -> Path:
+    """Compile ``source`` into a shared library in the kernel cache, or return the cached one.
+
+    Tries ``-march=native`` first, then portable flags (a compiler that lacks it).
+
+    Raises:
+        NativeKernelError: no compiler, or the source does not compile; the message has the
+            compiler's output.
+    """
+    compiler_command = shlex.split(compiler or os.environ.get("CC") or "cc")
+    if not compiler_command or shutil.which(compiler_command[0]) is None:
+        raise NativeKernelError(
+            f"no C compiler found ({' '.join(compiler_command) or 'empty $CC'!r}); install gcc "
+            "or set CC"
+        )
+    text = source.read_bytes()
+    directory = (cache if cache is not None else settings.cache_dir()) / "kernels"
+    directory.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
+    for extra in (_NATIVE_FLAGS, ()):
+        flags = (*_FLAGS, *extra)
+        identity = (" ".join(compiler_command), " ".join(flags), _cpu_signature())
+        digest = hashlib.sha256(b"\0".join([text, *(part.encode() for part in identity)]))
+        key = digest.hexdigest()[:16]
+        target = directory / f"{source.stem}-{key}.so"
+        if target.exists():
+            return target
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{source.stem}-", suffix=".so")
+        os.close(handle)
+        try:
+            result = subprocess.run(
+                [*compiler_command, *flags, "-o", temporary, str(source)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if result.returncode == 0:
+                os.replace(temporary, target)
+                return target
+            errors.append(f"{' '.join(flags)}: {result.stderr.strip()[-2000:]}")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+    raise NativeKernelError(f"compiling {source.name} failed:\n" + "\n".join(errors))
+
+
+class PagedDecodeKernel:
+    """Decode attention over a token-major paged KV cache, read in place (no gather).
+
+    Serves fp32 CPU tensors with ``head_dim`` a multiple of 8 (up to 256) and at most 16
+    query heads per KV head: :meth:`supports` says whether a model's shapes qualify.
+    """
+
+    def __init__(self, library: Path) -> None:
+        self.path = library
+        lib = ctypes.CDLL(str(library))
+        function = lib.actorline_paged_decode_f32
+        pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        function.argtypes = [
+            pointer, i64, i64,  # query, row stride, head stride
+            pointer, pointer,  # key cache, value cache
+            pointer, i64,  # block tables, table stride
+            pointer,  # context lengths
+            pointer, i64, i64,  # out, row stride, head stride
+            i32, i32, i32, i32, i32,  # rows, heads, kv heads, head dim, block size
+            ctypes.c_float, i32,  # scale, threads
+        ]  # fmt: skip
+        function.restype = ctypes.c_int
+        self._function = function
+
+    @staticmethod
+    def supports(
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> bool:
+        return (
+            dtype == torch.float32
+            and device.type == "cpu"
+            and num_kv_heads > 0
+            and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= _MAX_GROUP
+            and head_dim % _LANES == 0
+            and head_dim <= _MAX_HEAD_DIM
+        )
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [Hq, B, D] (any strides with D contiguous)
+        key_cache: torch.Tensor,  # [num_slots, Hkv, D] contiguous
+        value_cache: torch.Tensor,  # [num_slots, Hkv, D] contiguous
+        block_tables: torch.Tensor,  # [B, max_blocks] int64, rows contiguous
+        context_lens: torch.Tensor,  # [B] int64 contiguous
+        out: torch.Tensor,  # [B, Hq, D] (any row/head strides with D contiguous)
+        block_size: int,
+        scale: float,
+    ) -> None:
+        """Attend ``query`` row ``b`` to the first ``context_lens[b]`` positions of its blocks,
+        writing ``out[b]``.
+
+        Raises:
+            NativeKernelError: the kernel refused the arguments or could not allocate.
+        """
+        num_heads, num_rows, head_dim = query.shape
+        num_kv_heads = key_cache.shape[1]
+        if (
+            query.stride(2) != 1
+            or out.stride(2) != 1
+            or not key_cache.is_contiguous()
+            or not value_cache.is_contiguous()
+            or block_tables.stride(1) != 1
+            or not context_lens.is_contiguous()
+            or block_tables.dtype != torch.int64
+            or context_lens.dtype != torch.int64
+        ):
+            raise NativeKernelError("paged decode kernel: unsupported tensor layout or dtype")
+        status = self._function(
+            query.data_ptr(), query.stride(1), query.stride(0),
+            key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0),
+            context_lens.data_ptr(),
+            out.data_ptr(), out.stride(0), out.stride(1),
+            num_rows, num_heads, num_kv_heads, head_dim, block_size,
+            scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            reason = "out of memory" if status == 1 else "arguments it cannot serve"
+            raise NativeKernelError(f"paged decode kernel failed: {reason}")
+
+
+@functools.cache
+def paged_decode_kernel() -> PagedDecodeKernel | None:
+    """The paged decode kernel, built or loaded once per process; ``None`` (reason logged
+    once) when it cannot be built here."""
+    try:
+        return PagedDecodeKernel(build_library(KERNEL_SOURCE))
+    except (NativeKernelError, OSError) as error:
+        logger.warning("native paged decode attention unavailable, using gather + SDPA: %s", error)
+        return None

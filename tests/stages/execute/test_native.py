@@ -1,0 +1,150 @@
+"""Tests of stages/execute/native.py: the compiled paged decode kernel against attention in
+float64 over gathered keys, its build cache, and the fallback when it cannot be built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.execute import runner as runner_module
+from stages.execute.config import ExecuteConfig, ExecuteConfigError
+from stages.execute.native import (
+    KERNEL_SOURCE,
+    NativeKernelError,
+    PagedDecodeKernel,
+    build_library,
+    paged_decode_kernel,
+)
+from stages.execute.runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedDecodeKernel:
+    built = paged_decode_kernel()
+    assert built is not None, "the C compiler on this machine should build the kernel"
+    return built
+
+
+def reference_attention(
+    query: torch.Tensor,  # [Hq, B, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    num_heads, rows, _ = query.shape
+    group = num_heads // key_cache.shape[1]
+    outputs = []
+    for row in range(rows):
+        length = int(lens[row])
+        slots = torch.cat(
+            [torch.arange(b * block_size, (b + 1) * block_size) for b in tables[row].tolist()]
+        )[:length]
+        keys = key_cache[slots].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = value_cache[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", query[:, row].double(), keys) * scale
+        outputs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
+    return torch.stack(outputs)  # [B, Hq, D]
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 8, 4), (8, 2, 128, 16), (16, 1, 32, 8), (4, 2, 16, 7)],
+)
+def test_kernel_matches_attention_over_gathered_keys(
+    kernel: PagedDecodeKernel, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    generator = torch.Generator().manual_seed(num_heads * head_dim + block_size)
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 50, 97, 2])
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = len(lens) * width + 1
+    key_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
+    # Blocks in shuffled order, as an allocator hands them out; block 0 is never used.
+    tables = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: len(lens) * width]
+    tables = tables.view(len(lens), width)
+    # The query as attention receives it: a strided view of a packed [1, Hq, T, D] tensor
+    # holding more tokens than the decode rows.
+    packed = torch.randn(len(lens) + 3, num_heads, head_dim, generator=generator)
+    query = packed.transpose(0, 1)[:, : len(lens)]  # [Hq, B, D], non-contiguous
+    out = torch.full((len(lens) + 3, num_heads, head_dim), float("nan"))
+    scale = head_dim**-0.5
+
+    kernel(query, key_cache, value_cache, tables, lens, out[: len(lens)], block_size, scale)
+
+    expected = reference_attention(query, key_cache, value_cache, tables, lens, block_size, scale)
+    torch.testing.assert_close(out[: len(lens)].double(), expected, atol=2e-6, rtol=1e-5)
+    assert out[len(lens) :].isnan().all(), "the kernel wrote outside its rows"
+
+
+def test_kernel_refuses_unsupported_layouts(kernel: PagedDecodeKernel) -> None:
+    cache = torch.zeros(32, 2, 8)
+    query = torch.zeros(4, 1, 8)
+    out = torch.zeros(1, 4, 8)
+    tables = torch.tensor([[1]])
+    with pytest.raises(NativeKernelError, match="layout or dtype"):
+        kernel(query, cache, cache, tables.int(), torch.tensor([3]), out, 16, 1.0)
+    with pytest.raises(NativeKernelError, match="layout or dtype"):
+        kernel(query, cache.transpose(0, 1), cache, tables, torch.tensor([3]), out, 16, 1.0)
+    with pytest.raises(NativeKernelError, match="cannot serve"):
+        kernel(query, cache, cache, tables, torch.tensor([0]), out, 16, 1.0)
+    assert not PagedDecodeKernel.supports(
+        dtype=torch.bfloat16, device=torch.device("cpu"), num_heads=4, num_kv_heads=2, head_dim=8
+    )
+    assert not PagedDecodeKernel.supports(
+        dtype=torch.float32, device=torch.device("cpu"), num_heads=4, num_kv_heads=2, head_dim=12
+    )
+
+
+def test_kernel_shares_torchs_openmp_runtime(kernel: PagedDecodeKernel) -> None:
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, f"two OpenMP runtimes loaded: {runtimes}"
+
+
+def test_build_is_cached_and_reports_compiler_errors(tmp_path: Path) -> None:
+    first = build_library(KERNEL_SOURCE, cache=tmp_path)
+    built_at = first.stat().st_mtime_ns
+    assert build_library(KERNEL_SOURCE, cache=tmp_path) == first
+    assert first.stat().st_mtime_ns == built_at
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temporaries
+
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f(void) { return undefined_name; }\n")
+    with pytest.raises(NativeKernelError, match="undefined_name"):
+        build_library(broken, cache=tmp_path)
+    with pytest.raises(NativeKernelError, match="no C compiler"):
+        build_library(KERNEL_SOURCE, cache=tmp_path, compiler="/nonexistent/cc")
+
+
+def test_runner_falls_back_when_the_kernel_cannot_be_built(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runner_module, "paged_decode_kernel", lambda: None)
+    runner = ModelRunner(ExecuteConfig(model=str(tiny_model_dir), num_blocks=16))
+    runner.load()
+    assert runner._decode_mode == "grouped"
+    explicit = ModelRunner(
+        ExecuteConfig(model=str(tiny_model_dir), num_blocks=16, decode_attention="native")
+    )
+    with pytest.raises(ExecuteConfigError, match=r"decode_attention.*could not be built"):
+        explicit.load()
+
+
+def test_runner_uses_the_kernel_by_default_and_refuses_it_where_it_cannot_run(
+    tiny_model_dir: Path,
+) -> None:
+    runner = ModelRunner(ExecuteConfig(model=str(tiny_model_dir), num_blocks=16))
+    runner.load()
+    assert runner._decode_mode == "native"
+    bf16 = ModelRunner(
+        ExecuteConfig(
+            model=str(tiny_model_dir), num_blocks=16, dtype="bfloat16", decode_attention="native"
+        )
+    )
+    with pytest.raises(ExecuteConfigError, match=r"decode_attention.*fp32 models on CPU"):
+        bf16.load()
