@@ -37,6 +37,7 @@ __all__ = [
 ALL_ON = "all on"
 VARIANTS: Mapping[str, Mapping[str, object]] = {
     ALL_ON: {},
+    "native_linears=False (MKL row-count dispatch)": {"native_linears": False},
     "cpu_linears=False (MKL F.linear everywhere)": {"cpu_linears": False},
     "tune_allocator=False (glibc defaults)": {"tune_allocator": False},
     "decode_attention=grouped (gather + SDPA)": {"decode_attention": "grouped"},

@@ -49,8 +49,10 @@ class ExecuteConfig:
       :func:`stages.execute.attention.plan_decode_groups`).
     - ``cpu_linears``: on CPU in fp32, run linears through :mod:`stages.execute.cpu`'s
       row-count GEMM dispatch and oneDNN LM head (default on; checked against ``F.linear`` at
-      load). ``tune_allocator``: on CPU, raise glibc's mmap/trim thresholds for the process
-      (default on).
+      load); with ``native_linears`` (default on) every linear whose output size is a
+      multiple of 16 runs on the packed-weight GEMM of :mod:`stages.execute.native` instead,
+      where the kernel builds. ``tune_allocator``: on CPU, raise glibc's mmap/trim thresholds
+      for the process (default on).
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -69,6 +71,7 @@ class ExecuteConfig:
     cuda_graph_max_batch_size: int = 128
     decode_attention: str = "auto"
     cpu_linears: bool = True
+    native_linears: bool = True
     tune_allocator: bool = True
 
     def __post_init__(self) -> None:
@@ -88,7 +91,8 @@ class ExecuteConfig:
         if self.max_model_len is not None:
             self._check_positive("max_model_len", self.max_model_len)
         self._check_positive("cuda_graph_max_batch_size", self.cuda_graph_max_batch_size)
-        for flag in ("enable_prefix_caching", "use_cuda_graphs"):
+        flags = ("enable_prefix_caching", "use_cuda_graphs", "cpu_linears", "native_linears")
+        for flag in (*flags, "tune_allocator"):
             if type(getattr(self, flag)) is not bool:
                 raise ExecuteConfigError(flag, "must be a boolean")
         if self.seed is not None and (type(self.seed) is not int or self.seed < 0):

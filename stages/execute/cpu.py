@@ -7,14 +7,22 @@ page-faulted in again (~300,000 minor faults per 1,600-token prefill step here, 
 time). :func:`tune_allocator` pins both thresholds so freed blocks are reused;
 :func:`release_free_memory` hands what is free back to the kernel once (after loading).
 
-**Linears.** ``F.linear`` (MKL's sgemm as ``x @ W^T``) is slow at the row counts of decode
-steps. For the decoder layers' linears ``W @ x^T`` (MKL's small-N path) is faster from 2 to 128
-rows, with 9..16 rows padded to 16 (see :class:`CPULinear`); from 192 rows on (prefill)
+**Linears.** Where the C compiler works, every fp32 linear whose output size is a multiple
+of 16 runs on :mod:`stages.execute.native`'s packed-weight GEMM (:class:`PackedLinear`: the
+weight repacked once at load into 16-column panels, replacing the original, so memory stays
+the same), the LM head included; when the head is tied to the input embeddings, those read
+their rows out of the packed head (:class:`PackedEmbedding`). Measured against the MKL paths
+below on 2 AVX2 cores: 1.4-1.7x at 16-64 rows, 2-3x at 4-8, 1.1-1.3x for prefill's 128-2048,
+LM head 1.4-1.8x at 8-64 rows.
+
+Without the compiler: ``F.linear`` (MKL's sgemm as ``x @ W^T``) is slow at the row counts of
+decode steps. For the decoder layers' linears ``W @ x^T`` (MKL's small-N path) is faster from 2
+to 128 rows, with 9..16 rows padded to 16 (see :class:`CPULinear`); from 192 rows on (prefill)
 ``F.linear`` is faster again. For the LM head (``[M, 576] x [576, 49152]``) oneDNN's fp32 inner
 product (the op inductor lowers CPU linears to, ``torch.ops.mkldnn._linear_pointwise``) took
 about half MKL's time at every M from 1 to 64 (M=1: 5 ms vs 8.4; M=12: 11.5 vs 21; M=64: 32 vs
-41, two cores); for the decoder layers' linears it was no faster. Rounding differs from MKL's
-by summation order only (~1e-6 relative), and every swapped kernel is checked at load.
+41, two cores); for the decoder layers' linears it was no faster. Rounding differs from MKL's by
+summation order only (~1e-6 relative), and every swapped kernel is checked at load.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stages.execute.native import GEMM_PANEL, PackedGemmKernel, packed_gemm_kernel
+
 __all__ = [
     "MMAP_THRESHOLD_BYTES",
     "PADDED_ROWS",
@@ -36,6 +46,8 @@ __all__ = [
     "TRIM_THRESHOLD_BYTES",
     "CPULMHead",
     "CPULinear",
+    "PackedEmbedding",
+    "PackedLinear",
     "onednn_linear_available",
     "release_free_memory",
     "tune_allocator",
@@ -159,59 +171,158 @@ class CPULMHead(CPULinear):
         return torch.ops.mkldnn._linear_pointwise(input, self.weight, self.bias, "none", [], "")
 
 
-def use_cpu_linears(model: Any) -> int:
-    """Swap ``model``'s plain fp32 CPU ``nn.Linear`` modules to :class:`CPULinear` (its
-    output embeddings to :class:`CPULMHead`, where oneDNN is available), after checking each
-    distinct weight shape's kernels against ``F.linear`` on random rows.
+class PackedLinear(torch.nn.Module):
+    """An fp32 CPU linear over a weight packed into 16-column panels ``[N / 16, K, 16]``,
+    computed by :class:`~stages.execute.native.PackedGemmKernel` (see the module docstring).
+    It holds no ``[N, K]`` weight: the packed copy replaces it."""
+
+    def __init__(
+        self, packed: torch.Tensor, bias: torch.Tensor | None, kernel: PackedGemmKernel
+    ) -> None:
+        super().__init__()
+        self.in_features = int(packed.shape[1])
+        self.out_features = int(packed.shape[0] * packed.shape[2])
+        self.packed = torch.nn.Parameter(packed, requires_grad=False)
+        self.bias = bias
+        self._kernel = kernel
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, kernel: PackedGemmKernel) -> PackedLinear:
+        return cls(kernel.pack(linear.weight), linear.bias, kernel)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        flat = input.reshape(-1, self.in_features).contiguous()  # [M, K]
+        bias = self.bias.detach() if self.bias is not None else None
+        output = self._kernel(flat, self.packed, bias)  # [M, N]
+        return output.view(*input.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (packed)"
+
+
+class PackedEmbedding(torch.nn.Module):
+    """Input embeddings tied to a :class:`PackedLinear` LM head: row ``v`` is column ``v`` of
+    the packed head, ``packed[v // 16, :, v % 16]``, so the tie costs no second copy."""
+
+    def __init__(self, head: PackedLinear) -> None:
+        super().__init__()
+        self.head = head
+        self.num_embeddings = head.out_features
+        self.embedding_dim = head.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., K]
+        packed = self.head.packed
+        return packed[input_ids // GEMM_PANEL, :, input_ids % GEMM_PANEL]
+
+
+def use_cpu_linears(model: Any, *, native: bool = True) -> int:
+    """Put ``model``'s plain fp32 CPU ``nn.Linear`` modules on the fastest kernels here
+    (see the module docstring), after checking each distinct weight shape's kernel against
+    ``F.linear`` on random rows: :class:`PackedLinear` where the native GEMM builds (and
+    ``native``), else a class swap to :class:`CPULinear` (the output embeddings to
+    :class:`CPULMHead`, where oneDNN is available).
 
     Returns:
-        How many modules were swapped (0 when a kernel disagreed: nothing is swapped then).
+        How many modules were replaced or swapped (a kind of kernel that disagreed is used for
+        none of them).
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is torch.nn.Linear
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32
+    ]
+    kernel = packed_gemm_kernel() if native else None
+    packed = _use_packed_linears(model, linears, head, kernel) if kernel is not None else set()
     swaps: list[tuple[torch.nn.Linear, type[CPULinear]]] = []
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if type(module) is not torch.nn.Linear or weight is None:
-            continue
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            continue
-        is_head = module is head and onednn_linear_available()
-        swaps.append((module, CPULMHead if is_head else CPULinear))
+    for name, module in linears:
+        if name not in packed:
+            is_head = module is head and onednn_linear_available()
+            swaps.append((module, CPULMHead if is_head else CPULinear))
     checked: set[tuple[type[CPULinear], tuple[int, ...]]] = set()
     for module, kind in swaps:
         key = (kind, tuple(module.weight.shape))
         if key not in checked:
             if not _agrees(module, kind):
-                return 0
+                return len(packed)
             checked.add(key)
     for module, kind in swaps:
         # NOTE: a class swap keeps the module object, its parameters and the tie between
         # the LM head and the input embeddings; only forward changes.
         module.__class__ = kind
-    return len(swaps)
+    return len(packed) + len(swaps)
 
 
-def _agrees(module: torch.nn.Linear, kind: type[CPULinear]) -> bool:
-    """Whether ``kind``'s forward matches ``F.linear`` on ``module``'s weights for a few row
-    counts (one per kernel); a wrong kernel would be far off, rounding is ~1e-6."""
+def _use_packed_linears(
+    model: Any,
+    linears: list[tuple[str, torch.nn.Linear]],
+    head: Any,
+    kernel: PackedGemmKernel,
+) -> set[str]:
+    """Replace each packable linear by a :class:`PackedLinear` (and tied input embeddings by
+    a :class:`PackedEmbedding`), one at a time so only one extra weight is ever resident.
+
+    Returns:
+        The names of the linears replaced; none when the kernel disagreed with ``F.linear``
+        on the first module of some shape.
+    """
+    packable = [(name, m) for name, m in linears if m.out_features % GEMM_PANEL == 0]
+    checked: set[tuple[int, int, bool]] = set()
+    for _, module in packable:
+        key = (module.out_features, module.in_features, module.bias is not None)
+        if key in checked:
+            continue
+        candidate = PackedLinear.from_linear(module, kernel)
+        if not _same_outputs(module, candidate):
+            return set()
+        checked.add(key)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = (
+        head is not None
+        and isinstance(embeddings, torch.nn.Embedding)
+        and embeddings.weight is getattr(head, "weight", None)
+        and embeddings.max_norm is None
+    )
+    for name, module in packable:
+        packed = PackedLinear.from_linear(module, kernel)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, packed)
+        if module is head and tied:
+            model.set_input_embeddings(PackedEmbedding(packed))
+    return {name for name, _ in packable}
+
+
+def _same_outputs(module: torch.nn.Linear, candidate: torch.nn.Module) -> bool:
+    """Whether ``candidate`` matches ``F.linear`` on ``module``'s weights for a few row
+    counts (one per kernel path); a wrong kernel would be far off, rounding is ~1e-6."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for rows in _PROBE_ROWS:
             probe = torch.randn(1, rows, module.in_features, generator=generator)  # [1, M, K]
             expected = F.linear(probe, module.weight, module.bias)  # [1, M, N]
-            original = module.__class__
-            module.__class__ = kind
             try:
-                got = module(probe)
+                got = candidate(probe)
             except RuntimeError as error:
-                logger.info("execute: %s unavailable (%s); linears stay on F.linear", kind, error)
+                logger.info("execute: %s unavailable (%s)", type(candidate).__name__, error)
                 return False
-            finally:
-                module.__class__ = original
             scale = max(expected.abs().max().item(), 1.0)
             if got.shape != expected.shape or not (
                 (got - expected).abs().max().item() <= _PROBE_TOLERANCE * scale
             ):
-                logger.warning("execute: %s disagrees with F.linear; not used", kind.__name__)
+                logger.warning(
+                    "execute: %s disagrees with F.linear; not used", type(candidate).__name__
+                )
                 return False
     return True
+
+
+def _agrees(module: torch.nn.Linear, kind: type[CPULinear]) -> bool:
+    """Whether ``kind``'s forward matches ``F.linear`` on ``module``'s weights."""
+    original = module.__class__
+    module.__class__ = kind
+    try:
+        return _same_outputs(module, module)
+    finally:
+        module.__class__ = original

@@ -1,5 +1,6 @@
 """Native CPU kernels, compiled on first use for the machine they run on and loaded with
-ctypes: paged decode attention (``kernels/paged_decode.c``).
+ctypes: paged decode attention (``kernels/paged_decode.c``) and the packed-weight GEMM of
+the linears (``kernels/packed_gemm.c``).
 
 The C source ships in the package; the first process that needs it compiles it with the
 system C compiler (``$CC``, else ``cc``) into ``<cache_dir>/kernels/`` under a name keyed by
@@ -12,8 +13,9 @@ pybind11 build: the kernel is plain C over raw pointers, so it builds in well un
 ``-fopenmp`` links ``libgomp.so.1``, which resolves to the copy torch already loaded, so the
 kernel's threads are torch's threads and nothing oversubscribes the cores.
 
-When no compiler works, :func:`paged_decode_kernel` returns ``None`` with the reason logged
-once, and the execute stage attends with gather + SDPA instead (slower, same results).
+When no compiler works, :func:`paged_decode_kernel` and :func:`packed_gemm_kernel` return
+``None`` with the reason logged once, and the execute stage attends with gather + SDPA and
+runs its linears on MKL instead (slower, same results up to rounding).
 """
 
 from __future__ import annotations
@@ -30,27 +32,38 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from pipeline import settings
 
 __all__ = [
+    "GEMM_PANEL",
+    "GEMM_SOURCE",
     "KERNEL_SOURCE",
     "NativeKernelError",
+    "PackedGemmKernel",
     "PagedDecodeKernel",
     "build_library",
+    "packed_gemm_kernel",
     "paged_decode_kernel",
 ]
 
 logger = logging.getLogger(__name__)
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+GEMM_SOURCE = Path(__file__).with_name("kernels") / "packed_gemm.c"
+GEMM_PANEL = 16
+"""Output columns per packed weight panel: a packable weight has a multiple of this many rows."""
 _FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 _NATIVE_FLAGS = ("-march=native",)
 _LANES = 8  # floats per vector in the kernel: head_dim must be a multiple
 _MAX_GROUP = 16  # query heads per KV head
 _MAX_HEAD_DIM = 256
+
+
+_Kernel = TypeVar("_Kernel", "PagedDecodeKernel", "PackedGemmKernel")
 
 
 class NativeKernelError(RuntimeError):
@@ -201,12 +214,79 @@ class PagedDecodeKernel:
             raise NativeKernelError(f"paged decode kernel failed: {reason}")
 
 
+class PackedGemmKernel:
+    """``y = x @ W^T + b`` in fp32 on CPU over a weight packed once into panels of 16 output
+    columns (``[N / 16, K, 16]``); see ``kernels/packed_gemm.c``."""
+
+    def __init__(self, library: Path) -> None:
+        self.path = library
+        lib = ctypes.CDLL(str(library))
+        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._pack = lib.actorline_pack_weight_f32
+        self._pack.argtypes = [pointer, pointer, i64, i64]
+        self._pack.restype = None
+        self._gemm = lib.actorline_packed_gemm_f32
+        self._gemm.argtypes = [pointer, i64, i64, pointer, pointer, i64, pointer, ctypes.c_int]
+        self._gemm.restype = ctypes.c_int
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` (fp32, CPU, N a multiple of 16) as panels ``[N / 16, K, 16]``.
+
+        Raises:
+            NativeKernelError: the weight cannot be packed.
+        """
+        if (
+            weight.dim() != 2
+            or weight.dtype != torch.float32
+            or weight.device.type != "cpu"
+            or weight.shape[0] % GEMM_PANEL != 0
+        ):
+            raise NativeKernelError(
+                f"cannot pack a {weight.dtype} {weight.device.type} weight of shape "
+                f"{tuple(weight.shape)}: needs fp32 on CPU with rows a multiple of {GEMM_PANEL}"
+            )
+        n, k = weight.shape
+        source = weight.detach().contiguous()
+        packed = torch.empty(n // GEMM_PANEL, k, GEMM_PANEL)
+        self._pack(source.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [M, K]`` (contiguous fp32) times the packed weight: ``[M, N]``."""
+        panels, k, _ = packed.shape
+        rows = x.shape[0]
+        out = torch.empty(rows, panels * GEMM_PANEL)
+        if rows == 0:
+            return out
+        status = self._gemm(
+            x.data_ptr(), rows, k, packed.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            panels * GEMM_PANEL, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise NativeKernelError("packed GEMM kernel refused its arguments")
+        return out
+
+
+def _load(kind: type[_Kernel], source: Path, fallback: str) -> _Kernel | None:
+    try:
+        return kind(build_library(source))
+    except (NativeKernelError, OSError) as error:
+        logger.warning("native %s unavailable, using %s: %s", source.stem, fallback, error)
+        return None
+
+
 @functools.cache
 def paged_decode_kernel() -> PagedDecodeKernel | None:
     """The paged decode kernel, built or loaded once per process; ``None`` (reason logged
     once) when it cannot be built here."""
-    try:
-        return PagedDecodeKernel(build_library(KERNEL_SOURCE))
-    except (NativeKernelError, OSError) as error:
-        logger.warning("native paged decode attention unavailable, using gather + SDPA: %s", error)
-        return None
+    return _load(PagedDecodeKernel, KERNEL_SOURCE, "gather + SDPA")
+
+
+@functools.cache
+def packed_gemm_kernel() -> PackedGemmKernel | None:
+    """The packed GEMM kernel, built or loaded once per process; ``None`` (reason logged
+    once) when it cannot be built here."""
+    return _load(PackedGemmKernel, GEMM_SOURCE, "MKL")

@@ -215,7 +215,7 @@ class ModelRunner:
         )
         vocab_size = int(text_config.vocab_size)
         if on_cpu and config.cpu_linears:
-            use_cpu_linears(model)
+            use_cpu_linears(model, native=config.native_linears)
         self._probe(vocab_size, num_layers)
         self._sampler = Sampler(vocab_size, self.device)
         self._eos_token_ids = _eos_token_ids(model)

@@ -1,5 +1,6 @@
-"""The CPU tuning of the model runner: row-count GEMM dispatch, the oneDNN LM head, the probe
-that refuses a disagreeing kernel, and the glibc allocator settings."""
+"""The CPU tuning of the model runner: the packed native GEMM (and embeddings tied to a packed
+head), the MKL row-count dispatch and oneDNN LM head used without it, the probe that refuses a
+disagreeing kernel, and the glibc allocator settings."""
 
 from __future__ import annotations
 
@@ -10,17 +11,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import stages.execute.cpu as cpu
 from stages.execute.cpu import (
     PADDED_ROWS,
     SMALL_ROWS,
     TRANSPOSED_ROWS,
     CPULinear,
     CPULMHead,
+    PackedEmbedding,
+    PackedLinear,
     onednn_linear_available,
     release_free_memory,
     tune_allocator,
     use_cpu_linears,
 )
+from stages.execute.native import packed_gemm_kernel
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -63,24 +68,52 @@ def test_lm_head_matches_f_linear(rows: int) -> None:
     torch.testing.assert_close(got, F.linear(inputs, module.weight), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def without_native_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine without a C compiler: linears fall back to the MKL dispatch."""
+    monkeypatch.setattr(cpu, "packed_gemm_kernel", lambda: None)
+
+
+@pytest.mark.parametrize("rows", [*ROWS, 700, 1600])  # past the kernel's 768-row blocks
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_at_every_row_count(rows: int, bias: bool) -> None:
+    kernel = packed_gemm_kernel()
+    assert kernel is not None, "the C compiler on this machine should build the kernel"
+    module = _linear(torch.nn.Linear, 96, 160, bias=bias)
+    packed = PackedLinear.from_linear(module, kernel)
+    inputs = torch.randn(96, rows).t().unsqueeze(0)  # [1, M, K], not contiguous
+    with torch.inference_mode():
+        got = packed(inputs)
+        expected = F.linear(inputs, module.weight, module.bias)
+    assert got.shape == expected.shape == (1, rows, 160)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 class _TiedModel(torch.nn.Module):
     """Embeddings tied to the LM head, plus one inner linear, like a small causal LM."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 100) -> None:
         super().__init__()
-        self.embed = torch.nn.Embedding(100, 32)
+        self.embed = torch.nn.Embedding(vocab, 32)
         self.inner = torch.nn.Linear(32, 32, bias=False)
-        self.lm_head = torch.nn.Linear(32, 100, bias=False)
+        self.lm_head = torch.nn.Linear(32, vocab, bias=False)
         self.lm_head.weight = self.embed.weight
 
-    def get_output_embeddings(self) -> torch.nn.Linear:
+    def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def set_input_embeddings(self, value: torch.nn.Module) -> None:
+        self.embed = value
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.inner(self.embed(ids)))
 
 
-def test_use_cpu_linears_swaps_classes_and_keeps_outputs_and_ties() -> None:
+@pytest.mark.usefixtures("without_native_gemm")
+def test_without_native_gemm_classes_are_swapped_and_ties_kept() -> None:
     torch.manual_seed(0)
     model = _TiedModel()
     ids = torch.randint(0, 100, (1, 12))
@@ -94,6 +127,38 @@ def test_use_cpu_linears_swaps_classes_and_keeps_outputs_and_ties() -> None:
         torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_packable_linears_are_packed_and_the_rest_swapped() -> None:
+    torch.manual_seed(0)
+    model = _TiedModel(vocab=100)  # 100 outputs: not a multiple of 16, not packable
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.inference_mode():
+        expected = model(ids)
+    assert use_cpu_linears(model) == 2
+    assert type(model.inner) is PackedLinear
+    assert type(model.lm_head) is (CPULMHead if onednn_linear_available() else CPULinear)
+    assert model.lm_head.weight is model.embed.weight
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_embeddings_read_the_packed_head_without_a_second_copy() -> None:
+    torch.manual_seed(0)
+    model = _TiedModel(vocab=96)
+    ids = torch.randint(0, 96, (2, 7))
+    with torch.inference_mode():
+        expected = model(ids)
+        expected_embeddings = model.embed(ids)
+    assert use_cpu_linears(model) == 2
+    assert type(model.lm_head) is PackedLinear
+    assert type(model.embed) is PackedEmbedding
+    assert model.embed.head is model.lm_head
+    # The [96, 32] weight is gone: the packed head is the only copy.
+    assert [tuple(p.shape) for p in model.parameters() if p.numel() == 96 * 32] == [(6, 32, 16)]
+    with torch.inference_mode():
+        torch.testing.assert_close(model.embed(ids), expected_embeddings, rtol=0, atol=0)
+        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+
+
 class _WrongLinear(CPULinear):
     """A kernel that is off by far more than rounding: the probe must refuse it."""
 
@@ -101,16 +166,31 @@ class _WrongLinear(CPULinear):
         return super().forward(input) * 1.01
 
 
+class _WrongPackedLinear(PackedLinear):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 1.01
+
+
+@pytest.mark.usefixtures("without_native_gemm")
 def test_a_disagreeing_kernel_is_refused_and_nothing_is_swapped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import stages.execute.cpu as cpu
-
     monkeypatch.setattr(cpu, "CPULinear", _WrongLinear)
     model = _TiedModel()
     assert use_cpu_linears(model) == 0
     assert type(model.inner) is torch.nn.Linear
     assert type(model.lm_head) is torch.nn.Linear
+
+
+def test_a_disagreeing_packed_kernel_is_refused_for_the_mkl_dispatch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu, "PackedLinear", _WrongPackedLinear)
+    model = _TiedModel(vocab=96)
+    assert use_cpu_linears(model) == 2
+    assert type(model.inner) is CPULinear
+    assert type(model.embed) is torch.nn.Embedding
+    assert model.lm_head.weight is model.embed.weight
 
 
 def test_non_fp32_linears_are_left_alone() -> None:
