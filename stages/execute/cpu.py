@@ -31,6 +31,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 from typing import Any
 
 import torch
@@ -48,7 +49,9 @@ __all__ = [
     "CPULinear",
     "PackedEmbedding",
     "PackedLinear",
+    "file_backed_ranges",
     "onednn_linear_available",
+    "release_file_pages",
     "release_free_memory",
     "tune_allocator",
     "use_cpu_linears",
@@ -116,6 +119,50 @@ def release_free_memory() -> bool:
     """
     libc = _libc()
     return bool(libc is not None and libc.malloc_trim(0))
+
+
+_MADV_DONTNEED = 4  # Linux <sys/mman.h>
+
+
+def file_backed_ranges() -> list[tuple[int, int]]:
+    """The ``[start, end)`` address ranges of this process's file mappings (Linux; empty
+    elsewhere)."""
+    ranges: list[tuple[int, int]] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    start, _, end = fields[0].partition("-")
+                    ranges.append((int(start, 16), int(end, 16)))
+    except OSError:
+        return []
+    return ranges
+
+
+def release_file_pages(tensor: torch.Tensor, file_ranges: list[tuple[int, int]]) -> int:
+    """Drop from this process's resident set the memory pages that only ``tensor`` occupies,
+    where ``tensor`` is a view of a file mapping (a checkpoint loaded with mmap): the kernel
+    reads them back from the file if they are touched again, so nothing is lost, and the pages
+    stop counting twice once the tensor has been copied (packed) elsewhere. Pages shared with
+    a neighbour, or outside file mappings (anonymous memory would read back as zeros), are
+    left alone.
+
+    Returns:
+        How many bytes were released (0 where this is not Linux/glibc).
+    """
+    libc = _libc()
+    if libc is None or tensor.device.type != "cpu":
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first or not any(lo <= start and end <= hi for lo, hi in file_ranges):
+        return 0
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED):
+        return 0
+    return last - first
 
 
 def onednn_linear_available() -> bool:
@@ -274,8 +321,8 @@ def _use_packed_linears(
         key = (module.out_features, module.in_features, module.bias is not None)
         if key in checked:
             continue
-        candidate = PackedLinear.from_linear(module, kernel)
-        if not _same_outputs(module, candidate):
+        agrees = _same_outputs(module, PackedLinear.from_linear(module, kernel))
+        if not agrees:  # the probe's packed copy is freed here, before any other is made
             return set()
         checked.add(key)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -285,12 +332,17 @@ def _use_packed_linears(
         and embeddings.weight is getattr(head, "weight", None)
         and embeddings.max_norm is None
     )
+    file_ranges = file_backed_ranges()
     for name, module in packable:
         packed = PackedLinear.from_linear(module, kernel)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, packed)
         if module is head and tied:
             model.set_input_embeddings(PackedEmbedding(packed))
+        # NOTE: a checkpoint loaded with mmap keeps the whole file mapped while any of its
+        # tensors (the norms) lives, so the replaced weights' pages would stay resident next
+        # to their packed copies (+0.5 GB for SmolLM2-135M); drop them as we go.
+        release_file_pages(module.weight, file_ranges)
     return {name for name, _ in packable}
 
 

@@ -158,6 +158,9 @@ class ModelRunner:
         if config.seed is not None:
             torch.manual_seed(config.seed)
 
+        if on_cpu and config.cpu_linears:
+            # NOTE: before the KV cache exists: repacking holds one weight twice for a moment.
+            use_cpu_linears(model, native=config.native_linears)
         text_config = model.config.get_text_config()
         num_layers = int(text_config.num_hidden_layers)
         num_heads = int(text_config.num_attention_heads)
@@ -214,8 +217,6 @@ class ModelRunner:
             ),
         )
         vocab_size = int(text_config.vocab_size)
-        if on_cpu and config.cpu_linears:
-            use_cpu_linears(model, native=config.native_linears)
         self._probe(vocab_size, num_layers)
         self._sampler = Sampler(vocab_size, self.device)
         self._eos_token_ids = _eos_token_ids(model)

@@ -5,7 +5,9 @@ disagreeing kernel, and the glibc allocator settings."""
 from __future__ import annotations
 
 import ctypes.util
+import os
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,9 @@ from stages.execute.cpu import (
     CPULMHead,
     PackedEmbedding,
     PackedLinear,
+    file_backed_ranges,
     onednn_linear_available,
+    release_file_pages,
     release_free_memory,
     tune_allocator,
     use_cpu_linears,
@@ -203,3 +207,20 @@ def test_non_fp32_linears_are_left_alone() -> None:
 def test_allocator_settings_take_effect_on_glibc() -> None:
     assert tune_allocator() is True
     release_free_memory()  # may or may not find pages to release; must not fail
+
+
+@pytest.mark.skipif(not GLIBC, reason="Linux/glibc only")
+def test_file_pages_are_released_and_read_back_unchanged(tmp_path: Path) -> None:
+    values = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    path = tmp_path / "weights.bin"
+    values.numpy().tofile(path)
+    mapped = torch.from_file(str(path), shared=False, size=values.numel(), dtype=torch.float32)
+    view = mapped[1000:-1000]  # not page-aligned: the partial pages at both ends are kept
+    assert float(view.sum()) == float(values[1000:-1000].sum())  # fault the pages in
+    released = release_file_pages(view, file_backed_ranges())
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert 0 < released <= view.numel() * 4 and released % page == 0
+    torch.testing.assert_close(mapped, values, rtol=0, atol=0)  # read back from the file
+    anonymous = values.clone()
+    assert release_file_pages(anonymous, file_backed_ranges()) == 0  # would read as zeros
+    torch.testing.assert_close(anonymous, values, rtol=0, atol=0)
