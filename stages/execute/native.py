@@ -61,6 +61,7 @@ _NATIVE_FLAGS = ("-march=native",)
 _LANES = 8  # floats per vector in the kernel: head_dim must be a multiple
 _MAX_GROUP = 16  # query heads per KV head
 _MAX_HEAD_DIM = 256
+_COMPILE_TIMEOUT_S = 120  # each kernel builds in well under a second
 
 
 _Kernel = TypeVar("_Kernel", "PagedDecodeKernel", "PackedGemmKernel")
@@ -111,12 +112,18 @@ def build_library(source: Path, *, cache: Path | None = None, compiler: str | No
         handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{source.stem}-", suffix=".so")
         os.close(handle)
         try:
-            result = subprocess.run(
-                [*compiler_command, *flags, "-o", temporary, str(source)],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
+            try:
+                result = subprocess.run(
+                    [*compiler_command, *flags, "-o", temporary, str(source)],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                    timeout=_COMPILE_TIMEOUT_S,
+                )
+            except subprocess.TimeoutExpired:
+                raise NativeKernelError(
+                    f"compiling {source.name} took over {_COMPILE_TIMEOUT_S} s"
+                ) from None
             if result.returncode == 0:
                 os.replace(temporary, target)
                 return target
