@@ -149,11 +149,11 @@ class PagedDecodeKernel:
         function.argtypes = [
             pointer, i64, i64,  # query, row stride, head stride
             pointer, pointer,  # key cache, value cache
-            pointer, i64,  # block tables, table stride
+            pointer, i64, i64,  # block tables, table stride, table width
             pointer,  # context lengths
             pointer, i64, i64,  # out, row stride, head stride
             i32, i32, i32, i32, i32,  # rows, heads, kv heads, head dim, block size
-            ctypes.c_float, i32,  # scale, threads
+            i64, ctypes.c_float, i32,  # cache blocks, scale, threads
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
@@ -202,6 +202,13 @@ class PagedDecodeKernel:
             or not key_cache.is_contiguous()
             or not value_cache.is_contiguous()
             or block_tables.stride(1) != 1
+            or block_tables.dim() != 2
+            or block_tables.shape[0] != num_rows
+            or context_lens.shape != (num_rows,)
+            or value_cache.shape != key_cache.shape
+            or key_cache.shape[2] != head_dim
+            or out.shape != (num_rows, num_heads, head_dim)
+            or any(t.dtype != torch.float32 for t in (query, key_cache, value_cache, out))
             or not context_lens.is_contiguous()
             or block_tables.dtype != torch.int64
             or context_lens.dtype != torch.int64
@@ -210,11 +217,11 @@ class PagedDecodeKernel:
         status = self._function(
             query.data_ptr(), query.stride(1), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.stride(0),
+            block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
             context_lens.data_ptr(),
             out.data_ptr(), out.stride(0), out.stride(1),
             num_rows, num_heads, num_kv_heads, head_dim, block_size,
-            scale, torch.get_num_threads(),
+            key_cache.shape[0] // block_size, scale, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             reason = "out of memory" if status == 1 else "arguments it cannot serve"

@@ -84,23 +84,31 @@ attend(const float *restrict query, int64_t q_head_stride, const float *restrict
  * query: row r, head h at query + r * q_row_stride + h * q_head_stride (D contiguous).
  * out:   row r, head h at out + r * out_row_stride + h * out_head_stride (D contiguous).
  * key_cache, value_cache: [num_slots, num_kv_heads, head_dim] contiguous.
- * block_tables: [num_rows, table_stride] block ids; context_lens: [num_rows], each >= 1. */
+ * block_tables: [num_rows, table_width] block ids (< num_cache_blocks), rows table_stride
+ * apart; context_lens: [num_rows], each >= 1 and within its row of the table. */
 int actorline_paged_decode_f32(const float *query, int64_t q_row_stride, int64_t q_head_stride,
                                const float *key_cache, const float *value_cache,
                                const int64_t *block_tables, int64_t table_stride,
-                               const int64_t *context_lens, float *out, int64_t out_row_stride,
-                               int64_t out_head_stride, int num_rows, int num_heads,
-                               int num_kv_heads, int head_dim, int block_size, float scale,
-                               int num_threads) {
+                               int64_t table_width, const int64_t *context_lens, float *out,
+                               int64_t out_row_stride, int64_t out_head_stride, int num_rows,
+                               int num_heads, int num_kv_heads, int head_dim, int block_size,
+                               int64_t num_cache_blocks, float scale, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0 ||
         head_dim <= 0 || head_dim % LANES != 0 || head_dim / LANES > MAX_VECTORS)
         return 2;
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP) return 2;
+    /* Every block a row reads must lie in the cache: a bad table is refused, never read. */
     int64_t longest = 1;
     for (int r = 0; r < num_rows; ++r) {
         if (context_lens[r] <= 0) return 2;
         longest = context_lens[r] > longest ? context_lens[r] : longest;
+        const int64_t blocks = (context_lens[r] + block_size - 1) / block_size;
+        if (blocks > table_width) return 2;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t block = block_tables[r * table_stride + b];
+            if (block < 0 || block >= num_cache_blocks) return 2;
+        }
     }
     if (num_threads < 1) num_threads = 1;
     const int64_t items = (int64_t)num_rows * num_kv_heads;

@@ -92,6 +92,15 @@ def test_kernel_refuses_unsupported_layouts(kernel: PagedDecodeKernel) -> None:
         kernel(query, cache.transpose(0, 1), cache, tables, torch.tensor([3]), out, 16, 1.0)
     with pytest.raises(NativeKernelError, match="cannot serve"):
         kernel(query, cache, cache, tables, torch.tensor([0]), out, 16, 1.0)
+    # Block ids outside the cache, or a table too short for the context: refused, not read.
+    with pytest.raises(NativeKernelError, match="cannot serve"):
+        kernel(query, cache, cache, torch.tensor([[2]]), torch.tensor([3]), out, 16, 1.0)
+    with pytest.raises(NativeKernelError, match="cannot serve"):
+        kernel(query, cache, cache, torch.tensor([[-1]]), torch.tensor([3]), out, 16, 1.0)
+    with pytest.raises(NativeKernelError, match="cannot serve"):
+        kernel(query, cache, cache, tables, torch.tensor([17]), out, 16, 1.0)
+    with pytest.raises(NativeKernelError, match="layout or dtype"):
+        kernel(query, cache, cache, tables, torch.tensor([3]), torch.zeros(2, 4, 8), 16, 1.0)
     assert not PagedDecodeKernel.supports(
         dtype=torch.bfloat16, device=torch.device("cpu"), num_heads=4, num_kv_heads=2, head_dim=8
     )
