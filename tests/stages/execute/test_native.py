@@ -3,6 +3,7 @@ float64 over gathered keys, its build cache, and the fallback when it cannot be 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,15 +52,32 @@ def reference_attention(
     return torch.stack(outputs)  # [B, Hq, D]
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """The kernel picks its work split by rows per thread: pin the count both tests assume."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("repeat", [1, 6], ids=["per-head-items", "whole-sequence-items"])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (4, 4, 8, 4), (8, 2, 128, 16), (16, 1, 32, 8), (4, 2, 16, 7)],
 )
 def test_kernel_matches_attention_over_gathered_keys(
-    kernel: PagedDecodeKernel, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    kernel: PagedDecodeKernel,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    repeat: int,
 ) -> None:
     generator = torch.Generator().manual_seed(num_heads * head_dim + block_size)
-    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 50, 97, 2])
+    # 7 rows (fewer than 4 per thread: one item per KV head) or 42 (one item per sequence).
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 50, 97, 2] * repeat)
     width = -(-int(lens.max()) // block_size)
     num_blocks = len(lens) * width + 1
     key_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
