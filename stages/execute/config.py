@@ -91,8 +91,13 @@ class ExecuteConfig:
         if self.max_model_len is not None:
             self._check_positive("max_model_len", self.max_model_len)
         self._check_positive("cuda_graph_max_batch_size", self.cuda_graph_max_batch_size)
-        flags = ("enable_prefix_caching", "use_cuda_graphs", "cpu_linears", "native_linears")
-        for flag in (*flags, "tune_allocator"):
+        for flag in (
+            "enable_prefix_caching",
+            "use_cuda_graphs",
+            "cpu_linears",
+            "native_linears",
+            "tune_allocator",
+        ):
             if type(getattr(self, flag)) is not bool:
                 raise ExecuteConfigError(flag, "must be a boolean")
         if self.seed is not None and (type(self.seed) is not int or self.seed < 0):

@@ -71,6 +71,7 @@ class NativeKernelError(RuntimeError):
     """A native kernel could not be built or loaded, or refused its arguments."""
 
 
+@functools.cache
 def _cpu_signature() -> str:
     """What the compiled code depends on: architecture and the CPU's feature flags."""
     features = ""

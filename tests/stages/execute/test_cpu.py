@@ -116,31 +116,21 @@ class _TiedModel(torch.nn.Module):
         return self.lm_head(self.inner(self.embed(ids)))
 
 
-@pytest.mark.usefixtures("without_native_gemm")
-def test_without_native_gemm_classes_are_swapped_and_ties_kept() -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["without-native-gemm", "native-gemm"])
+def test_linears_are_packed_or_swapped_and_ties_kept(
+    native: bool, request: pytest.FixtureRequest
+) -> None:
+    if not native:
+        request.getfixturevalue("without_native_gemm")
     torch.manual_seed(0)
-    model = _TiedModel()
+    model = _TiedModel(vocab=100)  # 100 outputs: not a multiple of 16, the head not packable
     ids = torch.randint(0, 100, (1, 12))
     with torch.inference_mode():
         expected = model(ids)
     assert use_cpu_linears(model) == 2
-    assert type(model.inner) is CPULinear
+    assert type(model.inner) is (PackedLinear if native else CPULinear)
     assert type(model.lm_head) is (CPULMHead if onednn_linear_available() else CPULinear)
     assert model.lm_head.weight is model.embed.weight  # the tie survives the swap
-    with torch.inference_mode():
-        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
-
-
-def test_packable_linears_are_packed_and_the_rest_swapped() -> None:
-    torch.manual_seed(0)
-    model = _TiedModel(vocab=100)  # 100 outputs: not a multiple of 16, not packable
-    ids = torch.randint(0, 100, (1, 12))
-    with torch.inference_mode():
-        expected = model(ids)
-    assert use_cpu_linears(model) == 2
-    assert type(model.inner) is PackedLinear
-    assert type(model.lm_head) is (CPULMHead if onednn_linear_available() else CPULinear)
-    assert model.lm_head.weight is model.embed.weight
     with torch.inference_mode():
         torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
 
