@@ -4,14 +4,20 @@ Each :class:`GrpcTransport` runs at most one grpc.aio server (started by the fir
 ``listen``) serving the generic stream-stream method ``/actorline.link.v1.Link/Stream`` with
 bytes in and out, so links need no protobuf. Every ``listen`` registers a *link id*; its
 address is ``grpc://HOST:PORT/LINK_ID`` and a sender names the link id in its call
-metadata (one sender per link). Each link message is one gRPC message: its
+metadata (one sender per link). A link message is its
 :class:`~transports.framing.FrameCodec` header frame as it is when there are no
 out-of-band buffers, else all frames joined as ``count u32 | length u32 * count | frame
-bytes...`` (network byte order; see :func:`split_frames`).
+bytes...`` (network byte order; see :func:`split_frames`). A gRPC message carries one link
+message, or several small ones that queued up while the previous write was in flight, as
+``0xBA | count u32 | length u32 * count | messages...`` (see :func:`split_batch`): gRPC's
+cost per message (two completion-queue round trips, about 60 µs of CPU here) is then paid
+once per batch.
 
 The sender's ``connect`` waits for the server to accept the link id. HELLO, HEARTBEAT and END
-work as in :mod:`transports.zmq`. The receiver's stream handler reads ahead into a queue of
-``capacity`` messages; beyond that HTTP/2 flow control holds the sender back.
+work as in :mod:`transports.zmq`. ``send`` hands the encoded message to the sender's writer
+task and waits only while ``capacity`` messages are not yet written. The receiver's stream
+handler reads ahead into a queue of ``capacity`` messages; beyond that HTTP/2 flow control
+holds the writer back.
 
 What the sender sees when the link goes away:
 
@@ -28,6 +34,7 @@ as with ZMQ, when nothing arrives for ``heartbeat_timeout`` while nothing is que
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -64,7 +71,9 @@ __all__ = [
     "GrpcReceiver",
     "GrpcSender",
     "GrpcTransport",
+    "join_batch",
     "join_frames",
+    "split_batch",
     "split_frames",
 ]
 
@@ -92,6 +101,17 @@ MAX_FRAMES = 1 << 16
 # NOTE: every frame FrameCodec makes starts with this byte (see transports.framing).
 _FRAME_MAGIC = bytes([_MAGIC])
 _LENGTH_SIZE = 4
+# NOTE: the first byte of a gRPC message carrying several link messages; a single link
+# message starts with 0xAC (one frame) or 0 (a frame count), never with this.
+_BATCH_MAGIC = bytes([0xBA])
+#: small link messages queued behind each other go out as one gRPC message of up to this size
+BATCH_BYTES = 256 << 10
+#: a link message this large always goes alone
+BATCH_ALONE_BYTES = 64 << 10
+#: the most link messages in one gRPC message
+MAX_BATCH = 4096
+#: a sender holds at most this many bytes not yet written (and always one message)
+PENDING_BYTES = 8 << 20
 #: room for the frame layout and headers on top of ``max_message_bytes``
 _ENVELOPE_OVERHEAD = 1 << 16
 _GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
@@ -113,7 +133,7 @@ def join_frames(frames: Sequence[Buffer]) -> bytes:
 
 
 def split_frames(data: Buffer) -> list[memoryview]:
-    """Split one gRPC message back into frames (memoryviews into ``data``, no copies).
+    """Split one link message back into frames (memoryviews into ``data``, no copies).
 
     Layout: a single actorline frame travels as it is (it starts with the frame magic
     0xAC); anything else as ``count u32 | length u32 * count | frame bytes...``, whose first
@@ -123,26 +143,51 @@ def split_frames(data: Buffer) -> list[memoryview]:
         TruncatedFrameError: the layout is shorter or longer than its lengths declare.
     """
     view = memoryview(data)
-    total = view.nbytes
     if view[:1] == _FRAME_MAGIC:
         return [view]
-    if total < _COUNT.size:
-        raise TruncatedFrameError(f"a link message of {total} bytes has no frame count")
-    (count,) = _COUNT.unpack_from(view)
-    offset = _COUNT.size + _LENGTH_SIZE * count
-    if not 0 < count <= MAX_FRAMES or offset > total:
-        raise TruncatedFrameError(f"a link message of {total} bytes cannot hold {count} frames")
-    lengths = struct.unpack_from(f"!{count}I", view, _COUNT.size)
+    return _split_counted(view, 0, MAX_FRAMES, "frames")
+
+
+def join_batch(messages: Sequence[bytes]) -> bytes:
+    """Pack several link messages (each as :func:`join_frames` makes it) into one gRPC
+    message: ``0xBA | count u32 | length u32 * count | message bytes...``."""
+    header = struct.pack(f"!cI{len(messages)}I", _BATCH_MAGIC, len(messages), *map(len, messages))
+    return b"".join((header, *messages))
+
+
+def split_batch(data: Buffer) -> list[memoryview]:
+    """The link messages in one gRPC message: several if it starts with the batch magic
+    0xBA (see :func:`join_batch`), else just ``data`` (memoryviews into it, no copies).
+
+    Raises:
+        TruncatedFrameError: a batch shorter or longer than its lengths declare.
+    """
+    view = memoryview(data)
+    if view[:1] != _BATCH_MAGIC:
+        return [view]
+    return _split_counted(view, 1, MAX_BATCH, "messages")
+
+
+def _split_counted(view: memoryview, start: int, most: int, what: str) -> list[memoryview]:
+    """Split ``count u32 | length u32 * count | parts...`` found at ``start`` in ``view``."""
+    total = view.nbytes
+    if total < start + _COUNT.size:
+        raise TruncatedFrameError(f"a link message of {total} bytes has no {what} count")
+    (count,) = _COUNT.unpack_from(view, start)
+    offset = start + _COUNT.size + _LENGTH_SIZE * count
+    if not 0 < count <= most or offset > total:
+        raise TruncatedFrameError(f"a link message of {total} bytes cannot hold {count} {what}")
+    lengths = struct.unpack_from(f"!{count}I", view, start + _COUNT.size)
     if sum(lengths) != total - offset:
         raise TruncatedFrameError(
-            f"frame lengths add up to {sum(lengths)} bytes, the message has {total - offset}"
+            f"{what} lengths add up to {sum(lengths)} bytes, the message has {total - offset}"
         )
-    frames = []
+    parts = []
     for length in lengths:
         end = offset + length
-        frames.append(view[offset:end])
+        parts.append(view[offset:end])
         offset = end
-    return frames
+    return parts
 
 
 def _message_limit(options: LinkOptions) -> int:
@@ -171,7 +216,7 @@ class GrpcReceiver(Receiver):
         self.address = address
         self.link_id = link_id
         self._transport = transport
-        self._queue: MemoryChannel[bytes] = MemoryChannel(options.capacity, name=address)
+        self._queue: MemoryChannel[Buffer] = MemoryChannel(options.capacity, name=address)
         self._inbound = InboundFrames(link_frame_codec(transport), logger, address)
         self._timeout = options.heartbeat_timeout
         self._handler: asyncio.Task[Any] | None = None  # gRPC's task serving the stream
@@ -229,7 +274,17 @@ class GrpcReceiver(Receiver):
                 if request is grpc.aio.EOF:
                     break
                 watchdog.last_heard = time.monotonic()
-                await queue.send(request)
+                if request[:1] != _BATCH_MAGIC:
+                    await queue.send(request)
+                    continue
+                try:
+                    messages = split_batch(request)
+                except TruncatedFrameError as exc:
+                    self._inbound.bytes_received += len(request)
+                    self._inbound.reject(exc)
+                    continue
+                for message in messages:
+                    await queue.send(message)
             # The sender half-closed: the call ends (OK) and receive() drains the queue,
             # meeting END before this error unless the sender never said END.
             queue.fail(PeerLostError(f"{self._inbound.peer} ended its stream without END"))
@@ -289,7 +344,14 @@ def _finish(context: Any, code: grpc.StatusCode, details: str) -> None:
 
 
 class GrpcSender(Sender):
-    """The sending end of a gRPC link: one channel and one bidirectional call."""
+    """The sending end of a gRPC link: one channel, one bidirectional call, one writer task.
+
+    ``send`` encodes the message in the caller's task and hands the bytes to the link's
+    writer task, waiting only while ``capacity`` messages are accepted and not yet written.
+    The writer owns the call (gRPC allows one write in flight per call): whatever queued up
+    while its last write was in flight goes out as one gRPC message (see :func:`join_batch`),
+    so a busy link pays gRPC's per-message cost once per batch rather than once per message.
+    """
 
     def __init__(self, transport: GrpcTransport, address: str, channel: Any, call: Any) -> None:
         options = transport.options
@@ -302,18 +364,25 @@ class GrpcSender(Sender):
         self._close_timeout = options.heartbeat_timeout
         self._limit = _message_limit(options)
         self._framer = link_frame_codec(transport)
-        # NOTE: gRPC allows one write in flight per call; the lock orders data and heartbeats.
-        self._lock = asyncio.Lock()
+        self._pending: collections.deque[bytes] = collections.deque()
+        # messages accepted by send() and not yet written (pending + writing), and their bytes
+        self._unsent = 0
+        self._unsent_bytes = 0
+        self._writer_idle: asyncio.Future[None] | None = None
+        self._space: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._writer: asyncio.Task[None] | None = None
+        self._beater: asyncio.Task[None] | None = None
+        self._error: TransportError | None = None  # why the writer stopped, if it failed
         self._last_activity = time.monotonic()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._heartbeat_writing = False
-        self._waiting = 0  # sends in progress
+        self._waiting = 0  # sends waiting for room
         self._closed = False
         self.messages_sent = 0
         self.bytes_sent = 0
+        #: gRPC messages written (fewer than the link messages when they were batched)
+        self.writes = 0
 
     async def _open(self, name: str) -> None:
-        """Wait for the server to accept the link, say HELLO, start heartbeats."""
+        """Wait for the server to accept the link, say HELLO, start the writer and heartbeats."""
         try:
             metadata = await asyncio.wait_for(self._call.initial_metadata(), self._close_timeout)
         except asyncio.TimeoutError:
@@ -322,12 +391,17 @@ class GrpcSender(Sender):
             code = await self._call.code()
             details = await self._call.details()
             raise LinkClosedError(f"no receiver at {self.address}: {code.name}: {details}")
-        await self._write(join_frames(FrameCodec.control(FrameKind.HELLO, name)))
+        hello = join_frames(FrameCodec.control(FrameKind.HELLO, name))
+        await self._write(hello)
+        self.bytes_sent += len(hello)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._beat())]
+        self._writer = loop.create_task(self._write_loop())
+        self._beater = loop.create_task(self._beat())
 
     async def send(self, message: object) -> None:
-        """Send one message, waiting while gRPC flow control holds it back.
+        """Send one message, waiting while ``capacity`` messages (or :data:`PENDING_BYTES`)
+        are not yet written (gRPC flow control holds the writer back while the receiver is
+        full).
 
         Raises:
             LinkClosedError: this sender was closed, or the receiver closed the link.
@@ -344,8 +418,9 @@ class GrpcSender(Sender):
 
         Raises like :meth:`send`.
         """
-        if self._closed:
-            raise LinkClosedError(f"sender to {self.address} is closed")
+        self._check_open()
+        # NOTE: joining copies out-of-band buffers now, so the caller may reuse its arrays
+        # as soon as send returns.
         data = join_frames(frames)
         if len(data) > self._limit:
             # gRPC would end the whole call over it; refuse just this message.
@@ -353,26 +428,88 @@ class GrpcSender(Sender):
                 f"a link message of {len(data)} bytes exceeds the limit of {self._limit} "
                 f"bytes (max_message_bytes)"
             )
-        self._waiting += 1
-        try:
-            await self._write(data)
-        finally:
-            self._waiting -= 1
+        while self._unsent >= self._capacity or (
+            self._unsent and self._unsent_bytes + len(data) > PENDING_BYTES
+        ):
+            waiter = asyncio.get_running_loop().create_future()
+            self._space.append(waiter)
+            self._waiting += 1
+            try:
+                await waiter
+            except BaseException:
+                waiter.cancel()
+                _wake_one(self._space)  # pass a wake-up we may have had on
+                raise
+            finally:
+                self._waiting -= 1
+            self._check_open()
+        self._queue(data)
         self.messages_sent += 1
 
-    async def _write(self, data: bytes) -> None:
-        async with self._lock:
-            try:
-                await self._call.write(data)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                raise await self._failure() from None
-            except asyncio.CancelledError:
-                # aclose() cancelling the call ends a pending write this way too.
-                if cancel_requested() or not self._call.done():
-                    raise
-                raise await self._failure() from None
-        self._last_activity = time.monotonic()
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise LinkClosedError(f"sender to {self.address} is closed")
+
+    def _queue(self, data: bytes) -> None:
+        self._pending.append(data)
+        self._unsent += 1
+        self._unsent_bytes += len(data)
         self.bytes_sent += len(data)
+        self._wake_writer()
+
+    async def _write_loop(self) -> None:
+        """The writer: write what is pending, batched, until closed and drained; then END."""
+        pending = self._pending
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not pending:
+                    if self._closed:
+                        break
+                    self._writer_idle = idle = loop.create_future()
+                    await idle
+                    continue
+                data, count, nbytes = _take_batch(pending)
+                await self._write(data)
+                self._unsent -= count
+                self._unsent_bytes -= nbytes
+                for _ in range(count):
+                    if not self._space:
+                        break
+                    _wake_one(self._space)
+            end = join_frames([_END_FRAME])
+            self.bytes_sent += len(end)
+            await self._write(end)
+            await self._call.done_writing()
+            await self._call.code()
+        except TransportError as exc:
+            if self._error is None:
+                self._error = exc
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # done_writing() or code() on a call that had already ended
+        finally:
+            self._writer_idle = None
+            if self._error is None and not self._closed:  # stopped by something unforeseen
+                self._error = PeerLostError(f"the writer of the link to {self.address} stopped")
+            while self._space:
+                _wake_one(self._space)  # waiting sends see the error or the close
+
+    async def _write(self, data: bytes) -> None:
+        """Write one gRPC message."""
+        try:
+            await self._call.write(data)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            raise await self._failure() from None
+        except asyncio.CancelledError:
+            # Cancelling the call (aclose() giving up, _abandon()) ends a pending write
+            # this way too.
+            if cancel_requested() or not self._call.done():
+                raise
+            raise await self._failure() from None
+        self._last_activity = time.monotonic()
+        self.writes += 1
 
     async def _failure(self) -> TransportError:
         """The error that stands for the call having ended."""
@@ -383,46 +520,51 @@ class GrpcSender(Sender):
         return PeerLostError(f"the link to {self.address} broke: {code.name}: {details}")
 
     async def _beat(self) -> None:
-        """Send a heartbeat whenever nothing was written for a heartbeat interval."""
+        """Queue a heartbeat whenever nothing was written for a heartbeat interval."""
         heartbeat = join_frames([_HEARTBEAT_FRAME])
-        while not self._closed:
+        while not self._closed and self._error is None:
             delay = self._interval - (time.monotonic() - self._last_activity)
             if delay > 0:
                 await asyncio.sleep(delay)
                 continue
-            if self._lock.locked():  # a write is waiting on flow control: data is queued
-                self._last_activity = time.monotonic()
-                continue
-            self._heartbeat_writing = True
-            try:
-                await self._write(heartbeat)
-            except TransportError:
-                return
-            finally:
-                self._heartbeat_writing = False
+            self._last_activity = time.monotonic()
+            if not self._unsent:  # else a write is queued or held by flow control
+                self._queue(heartbeat)
 
     async def aclose(self) -> None:
-        """Send END, half-close the stream and wait (at most ``heartbeat_timeout``) until the
-        receiving side has queued everything; then close the channel. Sends waiting in other
-        tasks then raise LinkClosedError. Idempotent."""
+        """Write what was sent, then END; half-close the stream and wait (at most
+        ``heartbeat_timeout``) until the receiving side has queued everything; then close
+        the channel. Sends waiting for room in other tasks raise LinkClosedError.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks:
-            # NOTE: cancelling a task inside call.write() would cancel the whole call.
-            if not self._heartbeat_writing:
-                task.cancel()
-        try:
-            await asyncio.wait_for(self._finish_stream(), self._close_timeout)
-        except (TransportError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass  # the call had already ended; nothing more to flush
-        except asyncio.TimeoutError:
-            logger.warning("the receiver at %s did not take the last messages", self.address)
-            self._call.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks)
+        while self._space:
+            _wake_one(self._space)
+        await self._stop_beating()
+        writer = self._writer
+        if writer is not None:
+            self._wake_writer()
+            await asyncio.wait({writer}, timeout=self._close_timeout)
+            if not writer.done():
+                logger.warning("the receiver at %s did not take the last messages", self.address)
+                self._call.cancel()  # the writer's pending write fails at once
+                await asyncio.wait({writer}, timeout=self._close_timeout)
+                writer.cancel()
+                await asyncio.wait({writer})
         await self._channel.close()
         self._transport._forget_sender(self)
+
+    def _wake_writer(self) -> None:
+        idle = self._writer_idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)
+
+    async def _stop_beating(self) -> None:
+        beater = self._beater
+        if beater is not None:
+            beater.cancel()
+            await asyncio.wait({beater})
 
     async def _abandon(self) -> None:
         """Cancel the call without END and close the channel (the transport is aborted)."""
@@ -430,28 +572,55 @@ class GrpcSender(Sender):
             return
         self._closed = True
         self._call.cancel()
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks)
+        await self._stop_beating()
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.wait({self._writer})
         await self._channel.close()
         self._transport._forget_sender(self)
-
-    async def _finish_stream(self) -> None:
-        await self._write(join_frames([_END_FRAME]))
-        await self._call.done_writing()
-        await self._call.code()
 
     def statistics(self) -> LinkStatistics:
         return LinkStatistics(
             transport=GrpcTransport.name,
             address=self.address,
             capacity=self._capacity,
+            queued=self._unsent,
             messages_sent=self.messages_sent,
             bytes_sent=self.bytes_sent,
             waiting_senders=self._waiting,
             closed=self._closed,
         )
+
+
+def _wake_one(waiters: collections.deque[asyncio.Future[None]]) -> None:
+    while waiters:
+        waiter = waiters.popleft()
+        if not waiter.done():
+            waiter.set_result(None)
+            return
+
+
+def _take_batch(pending: collections.deque[bytes]) -> tuple[bytes, int, int]:
+    """Take the next gRPC message off ``pending``: (data, link messages, their bytes).
+
+    Small messages queued behind each other go together, up to :data:`BATCH_BYTES`; a
+    message of :data:`BATCH_ALONE_BYTES` or more always goes alone (it is not copied again).
+    """
+    first = pending.popleft()
+    size = len(first)
+    if size >= BATCH_ALONE_BYTES or not pending or len(pending[0]) >= BATCH_ALONE_BYTES:
+        return first, 1, size
+    parts = [first]
+    while (
+        pending
+        and size < BATCH_BYTES
+        and len(parts) < MAX_BATCH
+        and len(pending[0]) < BATCH_ALONE_BYTES
+    ):
+        part = pending.popleft()
+        parts.append(part)
+        size += len(part)
+    return join_batch(parts), len(parts), size
 
 
 class GrpcTransport(Transport):

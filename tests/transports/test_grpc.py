@@ -22,12 +22,22 @@ from transports.errors import (
     TruncatedFrameError,
 )
 from transports.framing import FrameCodec, FrameKind
-from transports.grpc import FULL_METHOD, LINK_ID_KEY, GrpcTransport, join_frames, split_frames
+from transports.grpc import (
+    FULL_METHOD,
+    LINK_ID_KEY,
+    GrpcTransport,
+    join_batch,
+    join_frames,
+    split_batch,
+    split_frames,
+)
 from transports.testing import KitPayload, KitPing, LinkFactory, conformance_tests
 
-# NOTE: besides its queue of `capacity` messages a gRPC link holds what fits in its HTTP/2
-# flow-control windows, which BDP probing grows to a few MiB.
-GRPC = LinkFactory(GrpcTransport, transit_messages=2, transit_bytes=32 << 20)
+# NOTE: a gRPC link holds up to `capacity` messages not yet written at the sender, the
+# receiver's queue of `capacity`, what is left of the batch its stream handler is queueing (at
+# most `capacity` more), and what fits in the HTTP/2 flow-control windows, which BDP probing
+# grows to a few MiB.
+GRPC = LinkFactory(GrpcTransport, queues_per_link=3, transit_messages=2, transit_bytes=32 << 20)
 
 test_conformance = conformance_tests(GRPC)
 
@@ -78,6 +88,55 @@ def test_a_message_without_buffers_travels_as_its_header_frame() -> None:
 def test_malformed_layouts_are_truncated_frame_errors(data: bytes) -> None:
     with pytest.raises(TruncatedFrameError):
         split_frames(data)
+
+
+def test_join_and_split_batch_round_trip() -> None:
+    messages = [join_frames(FrameCodec().encode(KitPing(seq))) for seq in range(3)]
+    messages.append(join_frames([b"header", bytes(range(256))]))
+    batch = join_batch(messages)
+    assert batch[:1] == b"\xba"
+    assert [bytes(m) for m in split_batch(batch)] == messages
+    # a gRPC message that is not a batch is one link message, as it is
+    assert [bytes(m) for m in split_batch(messages[0])] == [messages[0]]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xba",
+        b"\xba" + struct.pack("!I", 0),
+        b"\xba" + struct.pack("!II", 1, 10) + b"short",
+        b"\xba" + struct.pack("!II", 1, 2) + b"too long",
+        b"\xba" + struct.pack("!I", 4097) + bytes(4 * 4097),
+    ],
+    ids=["no-count", "zero-messages", "short", "long", "too-many-messages"],
+)
+def test_malformed_batches_are_truncated_frame_errors(data: bytes) -> None:
+    with pytest.raises(TruncatedFrameError):
+        split_batch(data)
+
+
+def test_messages_queued_behind_a_write_go_out_together_in_order() -> None:
+    async def main() -> None:
+        options = LinkOptions(capacity=512, heartbeat_interval=5.0, heartbeat_timeout=10.0)
+        async with GrpcTransport(options) as transport:
+            receiver = await transport.listen()
+            sender = await transport.connect(receiver.address)
+            writes_before = sender.writes
+            count = 300
+            for seq in range(count):  # no await gives the writer a turn in between
+                await sender.send(KitPayload(seq, bytes(seq)))
+            got = [await receiver.receive() for _ in range(count)]
+            assert got == [KitPayload(seq, bytes(seq)) for seq in range(count)]
+            assert sender.writes - writes_before < count // 10
+            await sender.aclose()
+            with pytest.raises(EndOfStream):
+                await receiver.receive()
+            # Every link message was counted at both ends, batched or not.
+            assert receiver.statistics().bytes_received == sender.statistics().bytes_sent
+            await receiver.aclose()
+
+    run(main())
 
 
 def test_links_of_one_transport_share_its_server_and_are_told_apart_by_link_id() -> None:
@@ -175,7 +234,7 @@ def test_a_message_over_the_size_limit_is_refused_by_the_sender() -> None:
     run(main())
 
 
-def test_a_malformed_layout_from_a_raw_peer_is_logged_counted_and_skipped(
+def test_a_malformed_layout_or_batch_from_a_raw_peer_is_logged_counted_and_skipped(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def main() -> None:
@@ -186,9 +245,10 @@ def test_a_malformed_layout_from_a_raw_peer_is_logged_counted_and_skipped(
                 call = channel.stream_stream(FULL_METHOD)(metadata=((LINK_ID_KEY, link_id),))
                 await call.write(join_frames(FrameCodec.control(FrameKind.HELLO, "raw-peer")))
                 await call.write(struct.pack("!II", 1, 99) + b"short")
+                await call.write(b"\xba" + struct.pack("!II", 1, 99) + b"short")
                 await call.write(join_frames(FrameCodec().encode(KitPing(5))))
                 assert await receiver.receive() == KitPing(5)
-                assert receiver.statistics().decode_errors == 1
+                assert receiver.statistics().decode_errors == 2
                 await call.write(join_frames(FrameCodec.control(FrameKind.END)))
                 await call.done_writing()
                 with pytest.raises(EndOfStream):
@@ -197,8 +257,9 @@ def test_a_malformed_layout_from_a_raw_peer_is_logged_counted_and_skipped(
 
     with caplog.at_level(logging.WARNING, logger="actorline.transports.grpc"):
         run(main())
-    (record,) = [r for r in caplog.records if "TruncatedFrameError" in r.getMessage()]
-    assert "raw-peer" in record.getMessage()
+    records = [r for r in caplog.records if "TruncatedFrameError" in r.getMessage()]
+    assert len(records) == 2
+    assert all("raw-peer" in record.getMessage() for record in records)
 
 
 def test_closing_the_sender_interrupts_a_send_held_by_flow_control() -> None:
