@@ -71,6 +71,9 @@ TRIM_THRESHOLD_BYTES = 256 * 1024 * 1024
 # largest logit) on a random probe: a wrong kernel would be far off.
 _PROBE_TOLERANCE = 1e-4
 _PROBE_ROWS = (1, 3, 8, 12, 24, 200)
+# The packed GEMM is probed on at most this many output columns of a weight: more panels only
+# make its thread loop longer, and probing the whole LM head took 0.6 s of every start.
+_PROBE_MAX_COLUMNS = 2048
 # Row counts computed as W @ x^T (MKL's small-N path): 2..SMALL_ROWS as they are, up to
 # PADDED_ROWS padded to PADDED_ROWS (measured: 16 rows ran as fast as 8, 12 rows slowly), and
 # above that up to TRANSPOSED_ROWS as they are again (measured, best of 5 interleaved runs of
@@ -321,7 +324,8 @@ def _use_packed_linears(
         key = (module.out_features, module.in_features, module.bias is not None)
         if key in checked:
             continue
-        agrees = _same_outputs(module, PackedLinear.from_linear(module, kernel))
+        probe = _leading_columns(module, _PROBE_MAX_COLUMNS)
+        agrees = _same_outputs(probe, PackedLinear.from_linear(probe, kernel))
         if not agrees:  # the probe's packed copy is freed here, before any other is made
             return set()
         checked.add(key)
@@ -344,6 +348,18 @@ def _use_packed_linears(
         # to their packed copies (+0.5 GB for SmolLM2-135M); drop them as we go.
         release_file_pages(module.weight, file_ranges)
     return {name for name, _ in packable}
+
+
+def _leading_columns(module: torch.nn.Linear, columns: int) -> torch.nn.Linear:
+    """``module`` itself, or a linear over its first ``columns`` outputs (sharing weights)."""
+    if module.out_features <= columns:
+        return module
+    # NOTE: built on the meta device: no allocation, and no draw from the global generator
+    part = torch.nn.Linear(module.in_features, columns, bias=module.bias is not None, device="meta")
+    part.weight = torch.nn.Parameter(module.weight.detach()[:columns], requires_grad=False)
+    if module.bias is not None:
+        part.bias = torch.nn.Parameter(module.bias.detach()[:columns], requires_grad=False)
+    return part
 
 
 def _same_outputs(module: torch.nn.Linear, candidate: torch.nn.Module) -> bool:

@@ -187,6 +187,17 @@ def test_a_disagreeing_packed_kernel_is_refused_for_the_mkl_dispatch(
     assert model.lm_head.weight is model.embed.weight
 
 
+def test_a_wide_linear_is_probed_on_its_leading_columns_without_a_copy() -> None:
+    wide = _linear(torch.nn.Linear, 64, 5000, bias=True)
+    part = cpu._leading_columns(wide, 2048)
+    assert (part.in_features, part.out_features) == (64, 2048)
+    assert part.weight.data_ptr() == wide.weight.data_ptr()
+    probe = torch.randn(3, 64)
+    torch.testing.assert_close(part(probe), wide(probe)[:, :2048])
+    narrow = _linear(torch.nn.Linear, 64, 32, bias=False)
+    assert cpu._leading_columns(narrow, 2048) is narrow
+
+
 def test_non_fp32_linears_are_left_alone() -> None:
     model = _TiedModel().to(torch.bfloat16)
     assert use_cpu_linears(model) == 0
