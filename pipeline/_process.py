@@ -28,6 +28,7 @@ import subprocess
 import sys
 from typing import Any
 
+from pipeline._gc import freeze_startup_heap
 from pipeline._protocol import (
     Ack,
     BindLinks,
@@ -178,6 +179,8 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
                 control.send(Ack(call_id))
             elif isinstance(command, StartStages):
                 await host.start_stages()
+                if plan.tune_gc:
+                    freeze_startup_heap()
                 control.send(Ack(call_id))
             elif isinstance(command, QueryStatistics):
                 control.send(Ack(call_id, host.statistics()))

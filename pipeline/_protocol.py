@@ -52,6 +52,7 @@ class HostPlan:
     link_options: LinkOptions
     log_level: str = "WARNING"
     transport_settings: tuple[tuple[str, Any], ...] = ()
+    tune_gc: bool = True
 
 
 @message(20)

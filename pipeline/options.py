@@ -27,7 +27,9 @@ class EngineOptions:
     ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
     per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)). Benchmarking:
     ``null_model`` replaces the model with :mod:`stages.execute.null` (random tokens at once,
-    real KV bookkeeping) to measure the framework alone.
+    real KV bookkeeping) to measure the framework alone. Process: ``tune_gc`` (default on)
+    raises the garbage collector's young-generation threshold while the engine runs and
+    freezes the engine process's start-up heap (see :mod:`pipeline._gc`).
     """
 
     model: str = "smollm2-135m"
@@ -55,6 +57,7 @@ class EngineOptions:
     start_timeout: float = 600.0
     log_level: str | None = None
     null_model: bool = False
+    tune_gc: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -67,8 +70,9 @@ class EngineOptions:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if type(self.null_model) is not bool:
-            raise ValueError(f"null_model must be a boolean, got {self.null_model!r}")
+        for name in ("null_model", "tune_gc"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.scheduler, str) or not self.scheduler:
             raise ValueError(f"scheduler must be a policy name, got {self.scheduler!r}")
 

@@ -116,4 +116,5 @@ def start_options(options: EngineOptions) -> StartOptions:
         compression=options.compression,
         start_timeout=options.start_timeout,
         log_level=options.log_level,
+        tune_gc=options.tune_gc,
     )

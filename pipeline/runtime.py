@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pipeline import settings
+from pipeline._gc import raise_young_threshold, restore_threshold
 from pipeline._process import ProcessHost
 from pipeline._protocol import HostPlan, HostStatistics, RemoteLink
 from pipeline.errors import PipelineClosedError, PipelineError
@@ -44,6 +45,9 @@ class StartOptions:
     ``actorline.transports`` group). ``compression``: ``"zstd"`` (or a Compression) for byte
     transports. ``capacity``: per-link buffer. ``exit_capacity``: buffer of each exit.
     ``transport_settings``: keyword arguments per transport name (e.g. bind addresses).
+    ``tune_gc``: once the stages have started, raise the garbage collector's young-generation
+    threshold while the pipeline runs (in this process too) and freeze the start-up heap of
+    each spawned host process (see :mod:`pipeline._gc`).
     """
 
     transport: str = "zmq"
@@ -56,6 +60,7 @@ class StartOptions:
     stop_timeout: float = 10.0
     log_level: str | None = None
     transport_settings: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    tune_gc: bool = True
 
     def link_options(self) -> LinkOptions:
         return LinkOptions(
@@ -98,6 +103,7 @@ def plan_hosts(pipeline: Pipeline, options: StartOptions) -> dict[str, HostPlan]
             link_options=link_options,
             log_level=options.log_level or settings.log_level(),
             transport_settings=settings_items,
+            tune_gc=options.tune_gc,
         )
         for host in pipeline.hosts
     }
@@ -116,6 +122,7 @@ class RunningPipeline:
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
         self._closing = False
         self._teardown_task: asyncio.Task[None] | None = None
+        self._gc_tuned = False  # this pipeline raised the young GC threshold
         self._stopped = asyncio.Event()
 
     # -- start ----------------------------------------------------------------------------------
@@ -152,6 +159,9 @@ class RunningPipeline:
         await asyncio.gather(*(host.connect_links(addresses) for host in hosts))
         await asyncio.gather(*(host.start_stages() for host in hosts))
         self._raise_if_failed()
+        if self.options.tune_gc and not self._gc_tuned:
+            self._gc_tuned = True
+            raise_young_threshold()
 
     # -- messages -------------------------------------------------------------------------------
 
@@ -296,6 +306,9 @@ class RunningPipeline:
             for channel in self._exits.values():
                 channel.close_sending()
         finally:
+            if self._gc_tuned:
+                self._gc_tuned = False
+                restore_threshold()
             self._stopped.set()
 
     async def __aenter__(self) -> RunningPipeline:

@@ -267,6 +267,8 @@ def test_unknown_option_is_a_clear_type_error() -> None:
         AsyncEngine("smollm2-135m", max_batch=3)
     with pytest.raises(ValueError, match="transport must be one of"):
         AsyncEngine("smollm2-135m", transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="tune_gc must be a boolean"):
+        AsyncEngine("smollm2-135m", tune_gc="yes")
 
 
 # -- engine death ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ stage that raises), and clean shutdown (no child process, socket or ipc file lef
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import time
@@ -24,7 +25,9 @@ from pipeline import (
     StageFailedError,
     StartOptions,
 )
+from pipeline._gc import YOUNG_THRESHOLD
 from pipeline.demo import Job, JobResult, collatz_pipeline, collatz_steps
+from pipeline.stage import handles
 from tests.processes import child_processes
 
 JOBS = [Job(f"job-{i}", tuple(range(1 + 7 * i, 30 + 7 * i))) for i in range(6)]
@@ -225,3 +228,45 @@ def test_statistics_cover_stages_and_links() -> None:
         assert sent == received == collatz_steps(7)
 
     run(body)
+
+
+class GcProbe(Stage):
+    """Answers a job with its process's garbage-collector state: [objects frozen, young
+    threshold]."""
+
+    @handles(Job)
+    async def on_job(self, job: Job) -> None:
+        state = np.array([gc.get_freeze_count(), gc.get_threshold()[0]], dtype=np.int64)
+        await self.emit("out", JobResult(job.job_id, state))
+
+
+def _gc_probe_pipeline() -> Pipeline:
+    pipeline = Pipeline("gc-probe").add("probe", GcProbe, host="worker")
+    return pipeline.entry("jobs", "probe").exit("results", "probe.out")
+
+
+@pytest.mark.parametrize("tune_gc", [True, False])
+def test_gc_policy_freezes_host_processes_and_raises_the_threshold_while_running(
+    tune_gc: bool,
+) -> None:
+    before = gc.get_threshold()
+    frozen_before = gc.get_freeze_count()
+
+    async def body() -> None:
+        options = StartOptions(tune_gc=tune_gc)
+        async with await _gc_probe_pipeline().start(options) as running:
+            caller = Caller(running, "jobs", "results", key=lambda m: m.job_id)
+            frozen, threshold = (await caller.call(Job("probe", ()))).steps.tolist()
+            await caller.aclose()
+            if tune_gc:
+                # the host process froze its start-up heap; this one froze nothing
+                assert frozen > 1000 and threshold == YOUNG_THRESHOLD
+                assert gc.get_threshold()[0] == max(before[0], YOUNG_THRESHOLD)
+            else:
+                assert frozen == 0 and threshold == before[0]
+                assert gc.get_threshold() == before
+            assert gc.get_freeze_count() == frozen_before
+
+    run(body)
+    assert gc.get_threshold() == before  # put back once the pipeline stopped
+    assert child_pids() == set()
