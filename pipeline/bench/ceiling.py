@@ -58,7 +58,8 @@ _SPARE_BLOCKS_PER_REQUEST = 2
 class CeilingConfig:
     """``num_requests`` concurrent streaming requests of exactly ``max_tokens`` tokens each
     (ignore_eos), ``repeats`` times on one engine; ``transport`` "zmq" (engine process) or
-    "memory" (one process). ``model`` provides the tokenizer and config only.
+    "memory" (one process). ``model`` provides the tokenizer and config only. ``tune_gc``: the
+    engine's garbage-collector policy (off to measure what it is worth).
 
     Raises:
         ValueError: a count is not positive.
@@ -71,6 +72,7 @@ class CeilingConfig:
     repeats: int = 3
     profile: bool = False
     seed: int = 0
+    tune_gc: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "max_tokens", "repeats"):
@@ -133,6 +135,7 @@ async def measure_ceiling(config: CeilingConfig) -> CeilingResult:
         transport=config.transport,
         max_num_seqs=config.num_requests,
         num_blocks=blocks_per_request * config.num_requests,
+        tune_gc=config.tune_gc,
     )
     runs: list[CeilingRun] = []
     profiles: list[Profile | None] = []
@@ -216,6 +219,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (256)")
     parser.add_argument("--transport", default="zmq", choices=("zmq", "memory", "grpc"))
     parser.add_argument("--repeats", type=int, default=None, help="runs on one engine (3)")
+    parser.add_argument(
+        "--no-tune-gc",
+        dest="tune_gc",
+        action="store_false",
+        help="leave the garbage collector at CPython's defaults (see pipeline/_gc.py)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> CeilingConfig:
@@ -224,6 +233,7 @@ def config_from_args(args: argparse.Namespace) -> CeilingConfig:
         "model": args.model,
         "transport": args.transport,
         "profile": args.profile,
+        "tune_gc": args.tune_gc,
     }
     for option, field in (
         ("requests", "num_requests"),

@@ -66,7 +66,8 @@ def test_cli_lists_every_benchmark() -> None:
         args = parser.parse_args(["bench", name, "--quick", "--json"])
         assert args.benchmark == name and args.quick and args.json and callable(args.run)
     args = parser.parse_args(["bench", "ceiling", "--profile", "--requests", "8"])
-    assert args.profile and args.requests == 8
+    assert args.profile and args.requests == 8 and args.tune_gc
+    assert not parser.parse_args(["bench", "ceiling", "--no-tune-gc"]).tune_gc
 
 
 # -- the benchmarks, --quick, on the tiny model ------------------------------------------------
