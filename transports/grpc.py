@@ -15,7 +15,8 @@ once per batch.
 
 The sender's ``connect`` waits for the server to accept the link id. HELLO, HEARTBEAT and END
 work as in :mod:`transports.zmq`. ``send`` hands the encoded message to the sender's writer
-task and waits only while ``capacity`` messages are not yet written. The receiver's stream
+task and waits only while ``capacity`` messages (or :data:`PENDING_BYTES`) are not yet
+written; cancelling a waiting ``send`` never touches the call. The receiver's stream
 handler reads ahead into a queue of ``capacity`` messages; beyond that HTTP/2 flow control
 holds the writer back.
 
