@@ -291,3 +291,39 @@ def test_closing_the_sender_interrupts_a_send_held_by_flow_control() -> None:
             await receiver.aclose()
 
     run(main())
+
+
+def test_cancelling_a_send_that_waits_for_room_leaves_the_link_working() -> None:
+    async def main() -> None:
+        options = LinkOptions(capacity=2, heartbeat_interval=0.1, heartbeat_timeout=2.0)
+        async with GrpcTransport(options) as transport:
+            receiver = await transport.listen()
+            sender = await transport.connect(receiver.address)
+            sent = 0
+
+            async def flood() -> None:
+                nonlocal sent
+                while True:  # nobody reads: the receiver, then the sender, fill up
+                    await sender.send(KitPayload(sent, bytes(1 << 16)))
+                    sent += 1
+
+            flooding = asyncio.create_task(flood())
+            for _ in range(1000):
+                if sender.statistics().waiting_senders:
+                    break
+                await asyncio.sleep(0.01)
+            assert sender.statistics().waiting_senders == 1
+            flooding.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await flooding
+            assert sender.statistics().waiting_senders == 0
+            got = [await asyncio.wait_for(receiver.receive(), 10) for _ in range(sent)]
+            assert [message.seq for message in got] == list(range(sent))
+            await sender.send(KitPing(7))  # the call is intact
+            assert await asyncio.wait_for(receiver.receive(), 10) == KitPing(7)
+            await sender.aclose()
+            with pytest.raises(EndOfStream):
+                await receiver.receive()
+            await receiver.aclose()
+
+    run(main())
