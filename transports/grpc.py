@@ -65,7 +65,7 @@ from transports.errors import (
     TruncatedFrameError,
 )
 from transports.framing import _MAGIC, FrameCodec, FrameKind
-from transports.memory import MemoryChannel
+from transports.memory import MemoryChannel, wake_all, wake_one
 
 __all__ = [
     "MAX_FRAMES",
@@ -439,7 +439,7 @@ class GrpcSender(Sender):
                 await waiter
             except BaseException:
                 waiter.cancel()
-                _wake_one(self._space)  # pass a wake-up we may have had on
+                wake_one(self._space)  # pass a wake-up we may have had on
                 raise
             finally:
                 self._waiting -= 1
@@ -479,7 +479,7 @@ class GrpcSender(Sender):
                 for _ in range(count):
                     if not self._space:
                         break
-                    _wake_one(self._space)
+                    wake_one(self._space)
             end = join_frames([_END_FRAME])
             self.bytes_sent += len(end)
             await self._write(end)
@@ -494,8 +494,7 @@ class GrpcSender(Sender):
             self._writer_idle = None
             if self._error is None and not self._closed:  # stopped by something unforeseen
                 self._error = PeerLostError(f"the writer of the link to {self.address} stopped")
-            while self._space:
-                _wake_one(self._space)  # waiting sends see the error or the close
+            wake_all(self._space)  # waiting sends see the error or the close
 
     async def _write(self, data: bytes) -> None:
         """Write one gRPC message."""
@@ -540,8 +539,7 @@ class GrpcSender(Sender):
         if self._closed:
             return
         self._closed = True
-        while self._space:
-            _wake_one(self._space)
+        wake_all(self._space)
         await self._stop_beating()
         writer = self._writer
         if writer is not None:
@@ -591,14 +589,6 @@ class GrpcSender(Sender):
             waiting_senders=self._waiting,
             closed=self._closed,
         )
-
-
-def _wake_one(waiters: collections.deque[asyncio.Future[None]]) -> None:
-    while waiters:
-        waiter = waiters.popleft()
-        if not waiter.done():
-            waiter.set_result(None)
-            return
 
 
 def _take_batch(pending: collections.deque[bytes]) -> tuple[bytes, int, int]:

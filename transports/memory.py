@@ -15,13 +15,38 @@ from typing import Any, ClassVar, Generic, TypeVar
 from transports.base import LinkOptions, LinkStatistics, Receiver, Sender, Transport
 from transports.errors import EndOfStream, LinkClosedError, TransportError
 
-__all__ = ["MemoryChannel", "MemoryReceiver", "MemorySender", "MemoryTransport", "WouldBlock"]
+__all__ = [
+    "MemoryChannel",
+    "MemoryReceiver",
+    "MemorySender",
+    "MemoryTransport",
+    "WouldBlock",
+    "wake_all",
+    "wake_one",
+]
 
 T = TypeVar("T")
 
 
 class WouldBlock(TransportError):
     """``send_nowait`` on a full channel, or ``receive_nowait`` on an empty one."""
+
+
+def wake_one(waiters: collections.deque[asyncio.Future[None]]) -> None:
+    """Wake the first of ``waiters`` still waiting (removing it and any cancelled before it)."""
+    while waiters:
+        waiter = waiters.popleft()
+        if not waiter.done():
+            waiter.set_result(None)
+            return
+
+
+def wake_all(waiters: collections.deque[asyncio.Future[None]]) -> None:
+    """Wake every one of ``waiters`` still waiting, emptying the queue."""
+    while waiters:
+        waiter = waiters.popleft()
+        if not waiter.done():
+            waiter.set_result(None)
 
 
 class MemoryChannel(Generic[T]):
@@ -64,12 +89,12 @@ class MemoryChannel(Generic[T]):
                 await waiter
             except BaseException:
                 waiter.cancel()
-                self._wake(self._putters)  # pass the slot on if we were woken then cancelled
+                wake_one(self._putters)  # pass the slot on if we were woken then cancelled
                 raise
         self._items.append(item)
         self.sent += 1
         if self._getters:
-            self._wake(self._getters)
+            wake_one(self._getters)
 
     def send_nowait(self, item: T) -> None:
         """Queue ``item`` or raise :class:`WouldBlock` if full."""
@@ -79,7 +104,7 @@ class MemoryChannel(Generic[T]):
         self._items.append(item)
         self.sent += 1
         if self._getters:
-            self._wake(self._getters)
+            wake_one(self._getters)
 
     def _check_send(self) -> None:
         if self._error is not None:
@@ -92,8 +117,8 @@ class MemoryChannel(Generic[T]):
     def close_sending(self) -> None:
         """End the stream; the receiver drains queued items then gets EndOfStream."""
         self._sending_closed = True
-        self._wake_all(self._getters)
-        self._wake_all(self._putters)
+        wake_all(self._getters)
+        wake_all(self._putters)
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -112,14 +137,14 @@ class MemoryChannel(Generic[T]):
             except BaseException:
                 waiter.cancel()
                 if self._items:
-                    self._wake(self._getters)
+                    wake_one(self._getters)
                 raise
         if self._receiving_closed:
             raise LinkClosedError(f"channel {self.name!r}: receiving end is closed")
         item = self._items.popleft()
         self.received += 1
         if self._putters:
-            self._wake(self._putters)
+            wake_one(self._putters)
         return item
 
     def receive_nowait(self) -> T:
@@ -132,7 +157,7 @@ class MemoryChannel(Generic[T]):
         item = self._items.popleft()
         self.received += 1
         if self._putters:
-            self._wake(self._putters)
+            wake_one(self._putters)
         return item
 
     def _check_receive(self) -> None:
@@ -147,15 +172,15 @@ class MemoryChannel(Generic[T]):
         """Stop receiving; queued items are dropped and senders get LinkClosedError."""
         self._receiving_closed = True
         self._items.clear()
-        self._wake_all(self._getters)
-        self._wake_all(self._putters)
+        wake_all(self._getters)
+        wake_all(self._putters)
 
     def fail(self, error: BaseException) -> None:
         """Make both ends raise ``error`` (queued items are still delivered first)."""
         if self._error is None:
             self._error = error
-        self._wake_all(self._getters)
-        self._wake_all(self._putters)
+        wake_all(self._getters)
+        wake_all(self._putters)
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -178,21 +203,6 @@ class MemoryChannel(Generic[T]):
             waiting_receivers=sum(1 for f in self._getters if not f.done()),
             closed=self.closed,
         )
-
-    @staticmethod
-    def _wake(waiters: collections.deque[asyncio.Future[None]]) -> None:
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    @staticmethod
-    def _wake_all(waiters: collections.deque[asyncio.Future[None]]) -> None:
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
 
 
 class MemorySender(Sender):
