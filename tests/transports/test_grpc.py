@@ -13,6 +13,7 @@ import grpc
 import grpc.aio
 import pytest
 
+from tests.transports.flooding import flood_until_held
 from transports.base import LinkOptions
 from transports.errors import (
     EncodeError,
@@ -119,9 +120,8 @@ def test_malformed_batches_are_truncated_frame_errors(data: bytes) -> None:
 def test_messages_queued_behind_a_write_go_out_together_in_order() -> None:
     async def main() -> None:
         options = LinkOptions(capacity=512, heartbeat_interval=5.0, heartbeat_timeout=10.0)
-        async with GrpcTransport(options) as transport:
-            receiver = await transport.listen()
-            sender = await transport.connect(receiver.address)
+        async with GRPC.open_pair(options) as pair:
+            sender, receiver = pair.sender, pair.receiver
             writes_before = sender.writes
             count = 300
             # every 50th message is too large to batch: it goes alone, between batches
@@ -138,7 +138,6 @@ def test_messages_queued_behind_a_write_go_out_together_in_order() -> None:
                 await receiver.receive()
             # Every link message was counted at both ends, batched or not.
             assert receiver.statistics().bytes_received == sender.statistics().bytes_sent
-            await receiver.aclose()
 
     run(main())
 
@@ -271,23 +270,11 @@ def test_closing_the_sender_interrupts_a_send_held_by_flow_control() -> None:
         async with GrpcTransport(OPTIONS) as transport:
             receiver = await transport.listen()
             sender = await transport.connect(receiver.address)
-
-            async def flood() -> None:
-                seq = 0
-                while True:  # nobody reads: the queue, then flow control, fill up
-                    await sender.send(KitPayload(seq, bytes(1 << 20)))
-                    seq += 1
-
-            flooding = asyncio.create_task(flood())
-            for _ in range(3000):
-                if flooding.done() or sender.statistics().waiting_senders:
-                    await asyncio.sleep(0.2)  # still waiting a moment later: held back
-                    if sender.statistics().waiting_senders:
-                        break
-                await asyncio.sleep(0.01)
+            # nobody reads: the queue, then flow control, then the sender's own room fill up
+            flood = await flood_until_held(sender, 1 << 20)
             await sender.aclose()
             with pytest.raises(LinkClosedError):
-                await asyncio.wait_for(flooding, 10)
+                await asyncio.wait_for(flood.task, 10)
             await receiver.aclose()
 
     run(main())
@@ -296,34 +283,19 @@ def test_closing_the_sender_interrupts_a_send_held_by_flow_control() -> None:
 def test_cancelling_a_send_that_waits_for_room_leaves_the_link_working() -> None:
     async def main() -> None:
         options = LinkOptions(capacity=2, heartbeat_interval=0.1, heartbeat_timeout=2.0)
-        async with GrpcTransport(options) as transport:
-            receiver = await transport.listen()
-            sender = await transport.connect(receiver.address)
-            sent = 0
-
-            async def flood() -> None:
-                nonlocal sent
-                while True:  # nobody reads: the receiver, then the sender, fill up
-                    await sender.send(KitPayload(sent, bytes(1 << 16)))
-                    sent += 1
-
-            flooding = asyncio.create_task(flood())
-            for _ in range(1000):
-                if sender.statistics().waiting_senders:
-                    break
-                await asyncio.sleep(0.01)
-            assert sender.statistics().waiting_senders == 1
-            flooding.cancel()
+        async with GRPC.open_pair(options) as pair:
+            sender, receiver = pair.sender, pair.receiver
+            flood = await flood_until_held(sender, 1 << 16)
+            flood.task.cancel()
             with pytest.raises(asyncio.CancelledError):
-                await flooding
+                await flood.task
             assert sender.statistics().waiting_senders == 0
-            got = [await asyncio.wait_for(receiver.receive(), 10) for _ in range(sent)]
-            assert [message.seq for message in got] == list(range(sent))
+            got = [await asyncio.wait_for(receiver.receive(), 10) for _ in range(flood.sent)]
+            assert [message.seq for message in got] == list(range(flood.sent))
             await sender.send(KitPing(7))  # the call is intact
             assert await asyncio.wait_for(receiver.receive(), 10) == KitPing(7)
             await sender.aclose()
             with pytest.raises(EndOfStream):
                 await receiver.receive()
-            await receiver.aclose()
 
     run(main())

@@ -15,6 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from tests.transports.flooding import flood_until_held
 from transports.base import LinkOptions
 from transports.errors import EndOfStream, LinkClosedError, PeerLostError, TransportError
 from transports.framing import FrameCodec, FrameKind
@@ -172,22 +173,10 @@ def test_closing_the_sender_interrupts_a_send_waiting_for_room() -> None:
         async with ZmqTransport(OPTIONS) as transport:
             receiver = await transport.listen()
             sender = await transport.connect(receiver.address)
-
-            async def flood() -> None:
-                seq = 0
-                while True:
-                    await sender.send(KitPayload(seq, bytes(64 * 1024)))
-                    seq += 1
-
-            flooding = asyncio.create_task(flood())
-            for _ in range(1000):
-                if sender.statistics().waiting_senders:
-                    break
-                await asyncio.sleep(0.01)
-            assert sender.statistics().waiting_senders == 1
+            flood = await flood_until_held(sender, 64 * 1024)
             await sender.aclose()
             with pytest.raises(LinkClosedError):
-                await asyncio.wait_for(flooding, 10)
+                await asyncio.wait_for(flood.task, 10)
             await receiver.aclose()
 
     run(main())
