@@ -159,7 +159,7 @@ class RunningPipeline:
         await asyncio.gather(*(host.connect_links(addresses) for host in hosts))
         await asyncio.gather(*(host.start_stages() for host in hosts))
         self._raise_if_failed()
-        if self.options.tune_gc and not self._gc_tuned:
+        if self.options.tune_gc:  # _start runs once per RunningPipeline
             self._gc_tuned = True
             raise_young_threshold()
 
