@@ -254,6 +254,11 @@ class AsyncEngine:
         return self._failure
 
     @property
+    def num_unfinished_requests(self) -> int:
+        """Requests of this engine whose stream has not ended yet."""
+        return len(self._collectors)
+
+    @property
     def running(self) -> RunningPipeline:
         """The running pipeline (for statistics and advanced use)."""
         if self._running is None:

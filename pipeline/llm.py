@@ -32,6 +32,10 @@ T = TypeVar("T")
 PROGRESS_BAR_MIN_PROMPTS = 8
 
 
+#: how long an interrupted call waits for its cancelled coroutine to unwind
+_UNWIND_TIMEOUT = 10.0
+
+
 class _LoopThread:
     """An event loop running forever in a daemon thread."""
 
@@ -43,7 +47,34 @@ class _LoopThread:
         self.thread.start()
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+        """Run ``coroutine`` on the loop and wait for its result. If the wait is interrupted
+        (Ctrl-C in the calling thread), the coroutine is cancelled and allowed to unwind
+        (its ``finally`` blocks abort what it started) before the interruption goes on."""
+        started, unwound = False, threading.Event()
+
+        async def guarded() -> T:
+            nonlocal started
+            started = True
+            try:
+                return await coroutine
+            finally:
+                unwound.set()
+
+        def if_never_started() -> None:
+            # Runs on the loop after the task's cancellation: a task cancelled before its
+            # first step never runs its body, so nothing will set ``unwound``.
+            if not started:
+                coroutine.close()
+                unwound.set()
+
+        future = asyncio.run_coroutine_threadsafe(guarded(), self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            if future.cancel():
+                self.loop.call_soon_threadsafe(if_never_started)
+                unwound.wait(_UNWIND_TIMEOUT)
+            raise
 
     def stop(self) -> None:
         if self.loop.is_running():

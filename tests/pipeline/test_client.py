@@ -5,7 +5,9 @@ to its typed Python error."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,6 +145,25 @@ def test_leaving_a_sync_stream_early_aborts_the_request(served: ServedEngine) ->
             assert not output.finished
         stream.close()  # what leaving a for loop early does, once the iterator is dropped
         served.run(served.wait_kv_free())
+
+
+def test_ctrl_c_in_a_sync_stream_aborts_the_request(served: ServedEngine) -> None:
+    """SIGINT while the caller waits for the next output: KeyboardInterrupt reaches the
+    caller (not an error about the generator) and the server aborts the request."""
+    main = threading.main_thread().ident
+    assert main is not None and threading.get_ident() == main
+    with Client(served.address, api_key=KEY) as client:
+        stream = client.generate("Hello", LONG)
+        assert not next(stream).finished
+        timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            for _ in stream:
+                pass
+        timer.join()
+        stream.close()
+        served.run(served.wait_kv_free())
+        assert client.health() == "SERVING"  # the client is still usable
 
 
 def test_cancelling_an_async_stream_aborts_the_request(served: ServedEngine) -> None:

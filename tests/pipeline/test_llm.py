@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,3 +40,33 @@ def test_outputs_in_order_with_per_prompt_params(tiny_model_dir: Path) -> None:
             llm.generate(["fine", ""], SamplingParams(max_tokens=2))
         # still serving after bad input
         assert len(llm.generate(["again"], SamplingParams(max_tokens=2))[0].token_ids) <= 2
+
+
+def test_ctrl_c_during_generate_aborts_the_batch(tiny_model_dir: Path) -> None:
+    """SIGINT while generate() waits: KeyboardInterrupt reaches the caller, every request of
+    the batch is aborted (all KV blocks free again) and the LLM keeps working."""
+    main = threading.main_thread().ident
+    assert main is not None and threading.get_ident() == main
+    params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_model_dir), transport="memory", num_blocks=256) as llm:
+        timer = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["one", "two", "three"], params, use_tqdm=False)
+        timer.join()
+        assert llm.engine.num_unfinished_requests == 0  # aborted before generate() returned
+        deadline = time.monotonic() + 10
+        while not _all_free(llm) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _all_free(llm), llm.engine.stats
+        (again,) = llm.generate(["again"], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(again.token_ids) == 3
+
+
+def _all_free(llm: LLM) -> bool:
+    stats = llm.engine.stats
+    return (
+        stats is not None
+        and stats.num_running == 0
+        and stats.kv_blocks_free == stats.kv_blocks_total
+    )
