@@ -10,12 +10,14 @@ import msgpack
 import numpy as np
 import zstandard
 
-from transports.codec import Buffer, message
+from transports.codec import MAX_NESTING, Buffer, message
+from transports.compression import Compression
 from transports.errors import (
     DecodeError,
     DecompressionError,
     FieldTypeError,
     FrameTooLargeError,
+    NestingTooDeepError,
     NotMsgpackError,
     TruncatedFrameError,
     UnknownTagError,
@@ -142,6 +144,16 @@ def bad_frames(max_message_bytes: int) -> list[tuple[str, list[Buffer], type[Dec
     unknown_ext = msgpack.packb(msgpack.ExtType(42, b"?"))
     bomb = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(max_message_bytes + 1))
     wrong_nested = framer.encode(KitEnvelope("x", KitPing(1), ()))[0]  # type: ignore[arg-type]
+    nested = msgpack.packb([900, 1])
+    for _ in range(MAX_NESTING * 10):  # a few KB that would recurse once per level
+        nested = msgpack.packb([900, msgpack.ExtType(1, nested)])
+    too_deep = msgpack.packb(msgpack.ExtType(1, nested))
+    compressed = FrameCodec(compression=Compression(threshold=0)).encode(
+        KitPayload(1, b"abc" * 1000)
+    )[0]
+    corrupt = bytearray(payload_of(compressed))
+    corrupt[len(corrupt) // 2] ^= 0xFF  # a valid zstd header, a corrupt body
+    corrupt[-3] ^= 0x55
     return [
         ("not an actorline frame", [b"this is not msgpack at all"], NotMsgpackError),
         ("payload is not msgpack", [data_frame(b"\xc1\xc1")], NotMsgpackError),
@@ -154,7 +166,19 @@ def bad_frames(max_message_bytes: int) -> list[tuple[str, list[Buffer], type[Dec
         ("truncated buffer frame", [head, buffer[:-8]], TruncatedFrameError),
         ("wrong field type", framer.encode(KitPing("seven")), FieldTypeError),  # type: ignore[arg-type]
         ("wrong nested message type", [wrong_nested], FieldTypeError),
+        ("messages nested too deep", [data_frame(too_deep)], NestingTooDeepError),
         ("bad zstd", [data_frame(payload_of(payload), flags=_ZSTD)], DecompressionError),
+        ("corrupt zstd body", [data_frame(bytes(corrupt), flags=_ZSTD)], DecompressionError),
+        (
+            "truncated zstd",
+            [data_frame(payload_of(compressed)[:-10], flags=_ZSTD)],
+            DecompressionError,
+        ),
+        (
+            "bad zstd buffer frame",
+            [data_frame(payload_of(ping), buffer_flags=bytes([_ZSTD])), b"not zstd"],
+            DecompressionError,
+        ),
         ("zstd bomb", [data_frame(bomb, flags=_ZSTD)], FrameTooLargeError),
         ("oversized payload", [data_frame(bytes(max_message_bytes + 1))], FrameTooLargeError),
     ]

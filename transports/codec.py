@@ -30,6 +30,7 @@ from transports.errors import (
     DecodeError,
     EncodeError,
     FieldTypeError,
+    NestingTooDeepError,
     NotMsgpackError,
     TruncatedFrameError,
     UnknownTagError,
@@ -61,6 +62,9 @@ Validator = Callable[[Any], Any]
 
 #: a reused msgpack Packer that produced more than this is replaced (its buffer only grows)
 _PACKER_KEEP_BYTES = 1 << 20
+#: how deep messages may nest inside messages on decode. Each level is a msgpack call from
+#: the ext hook (C stack), so a hostile frame of a few KB could otherwise overflow the stack.
+MAX_NESTING = 64
 
 
 class _Invalid(Exception):
@@ -180,6 +184,7 @@ class Codec:
         self._packers: list[msgpack.Packer] = []
         self._depth = 0
         self._aux_in: Sequence[Buffer] = ()
+        self._nesting = 0
 
     # -- encoding ---------------------------------------------------------------------------
 
@@ -276,8 +281,10 @@ class Codec:
             UnknownTagError: a message tag that is not registered.
             FieldTypeError: a field whose value does not match its type hint.
             TruncatedFrameError: an out-of-band buffer is missing or of the wrong size.
+            NestingTooDeepError: messages nested more than ``MAX_NESTING`` levels deep.
         """
         self._aux_in = aux
+        self._nesting = 0
         try:
             obj = msgpack.unpackb(payload, ext_hook=self._ext_hook, raw=False, strict_map_key=False)
         except DecodeError:
@@ -301,7 +308,13 @@ class Codec:
         raise NotMsgpackError(f"unknown msgpack extension type {code}")
 
     def _decode_message(self, data: bytes) -> Any:
-        body = msgpack.unpackb(data, ext_hook=self._ext_hook, raw=False, strict_map_key=False)
+        if self._nesting >= MAX_NESTING:
+            raise NestingTooDeepError(f"messages nested more than {MAX_NESTING} levels deep")
+        self._nesting += 1
+        try:
+            body = msgpack.unpackb(data, ext_hook=self._ext_hook, raw=False, strict_map_key=False)
+        finally:
+            self._nesting -= 1
         if type(body) is not list or not body or type(body[0]) is not int:
             raise NotMsgpackError("a message body must be a list starting with an integer tag")
         tag = body[0]

@@ -15,6 +15,7 @@ __all__ = [
     "FieldTypeError",
     "FrameTooLargeError",
     "LinkClosedError",
+    "NestingTooDeepError",
     "NotMsgpackError",
     "PeerLostError",
     "TransportError",
@@ -65,6 +66,10 @@ class NotMsgpackError(DecodeError):
 
 class TruncatedFrameError(DecodeError):
     """A frame is shorter than its header declares, or frames are missing."""
+
+
+class NestingTooDeepError(DecodeError):
+    """Messages are nested inside each other deeper than the codec allows."""
 
 
 class UnknownTagError(DecodeError):
