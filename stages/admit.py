@@ -26,7 +26,13 @@ from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejec
 from stages.params import SamplingParams, validate_sampling
 from stages.token_bucket import TokenBucket
 
-__all__ = ["AdmitConfig", "AdmitStage", "TenantLimits", "validate_request"]
+__all__ = [
+    "AdmitConfig",
+    "AdmitStage",
+    "TenantLimits",
+    "resolve_max_tokens",
+    "validate_request",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,6 +103,32 @@ def validate_request(request: EngineRequest, info: EngineInfo) -> None:
     validate_sampling(request.params, vocab_size=vocab, request_id=request.request_id)
 
 
+def resolve_max_tokens(request: EngineRequest, info: EngineInfo) -> EngineRequest:
+    """``request`` with ``max_tokens=None`` replaced by what the model's length leaves after
+    the prompt (vLLM's meaning); any other request unchanged. Call after
+    :func:`validate_request`.
+
+    Raises:
+        InvalidRequestError: ``min_tokens`` is more than the model's length leaves.
+    """
+    params = request.params
+    if params.max_tokens is not None:
+        return request
+    room = info.max_model_len - len(request.prompt_token_ids)
+    if params.min_tokens > room:
+        raise InvalidRequestError(
+            f"min_tokens ({params.min_tokens}) is more than the model's length leaves after "
+            f"the prompt ({room})",
+            field="min_tokens",
+            request_id=request.request_id,
+        )
+    return dataclasses.replace(request, params=params.replace(max_tokens=room))
+
+
+#: the number of tenants' buckets above which full ones are forgotten
+_PRUNE_BUCKETS_AT = 1024
+
+
 class _TenantBuckets:
     __slots__ = ("requests", "tokens")
 
@@ -116,6 +148,10 @@ class _TenantBuckets:
             if limits.tokens_per_second
             else None
         )
+
+    def full(self) -> bool:
+        """Whether both buckets are full again: then this equals a fresh one."""
+        return all(bucket is None or bucket.full for bucket in (self.requests, self.tokens))
 
 
 class AdmitStage(Stage):
@@ -152,6 +188,7 @@ class AdmitStage(Stage):
             return
         try:
             validate_request(request, self.engine)
+            request = resolve_max_tokens(request, self.engine)
             self._check_queue()
             self._check_rate(request)
         except RequestError as error:
@@ -171,14 +208,20 @@ class AdmitStage(Stage):
     def _check_rate(self, request: EngineRequest) -> None:
         buckets = self._buckets.get(request.tenant)
         if buckets is None:
+            if len(self._buckets) >= _PRUNE_BUCKETS_AT:
+                self._prune_buckets()
             buckets = _TenantBuckets(self.config.limits_for(request.tenant))
             self._buckets[request.tenant] = buckets
         tenant = request.tenant or "(default)"
+        assert request.params.max_tokens is not None  # resolved by resolve_max_tokens
         cost = len(request.prompt_token_ids) + request.params.max_tokens
         if buckets.tokens is not None and cost > buckets.tokens.burst:
-            raise RateLimitedError(
-                f"tenant {tenant}: the request needs {cost} tokens, more than the tenant's "
-                f"burst of {buckets.tokens.burst:.0f}"
+            # Waiting never helps this request: not a rate limit (retryable) but a bad one.
+            raise InvalidRequestError(
+                f"the request needs {cost} tokens (prompt plus max_tokens), more than tenant "
+                f"{tenant} may use at once ({buckets.tokens.burst:.0f}); lower max_tokens",
+                field="max_tokens",
+                request_id=request.request_id,
             )
         if buckets.requests is not None and buckets.requests.retry_after(1) > 0:
             raise RateLimitedError(
@@ -195,6 +238,11 @@ class AdmitStage(Stage):
             buckets.requests.try_take(1)
         if buckets.tokens is not None:
             buckets.tokens.try_take(cost)
+
+    def _prune_buckets(self) -> None:
+        # A full bucket is what a new tenant gets, so forgetting it changes nothing; this
+        # bounds the table when tenant names are many (one per user, say).
+        self._buckets = {name: b for name, b in self._buckets.items() if not b.full()}
 
     async def _reject(self, request: EngineRequest, error: RequestError) -> None:
         await self.emit(

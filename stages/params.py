@@ -27,9 +27,11 @@ class SamplingParams:
     top alternatives (0 = only the sampled token's). ``seed`` gives the request its own random
     generator, kept across preemption, so a seeded request samples the same tokens every run.
     ``priority``: smaller runs first under the ``priority`` scheduler (as in vLLM).
+    ``max_tokens`` None: generate until the model's length (what is left of it after the
+    prompt), as vLLM's ``max_tokens=None``; admit replaces it with that number.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -89,9 +91,10 @@ def validate_sampling(
             fail(field, f"must be a finite number, got {value!r}")
         return float(value)  # type: ignore[arg-type]
 
-    check_int("max_tokens", params.max_tokens)
-    if params.max_tokens < 1:
-        fail("max_tokens", f"must be >= 1, got {params.max_tokens}")
+    if params.max_tokens is not None:
+        check_int("max_tokens", params.max_tokens)
+        if params.max_tokens < 1:
+            fail("max_tokens", f"must be >= 1 (or None), got {params.max_tokens}")
     if check_float("temperature", params.temperature) < 0:
         fail("temperature", f"must be >= 0, got {params.temperature}")
     top_p = check_float("top_p", params.top_p)
@@ -126,7 +129,7 @@ def validate_sampling(
     check_int("min_tokens", params.min_tokens)
     if params.min_tokens < 0:
         fail("min_tokens", f"must be >= 0, got {params.min_tokens}")
-    if params.min_tokens > params.max_tokens:
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         fail(
             "min_tokens", f"({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})"
         )

@@ -113,7 +113,9 @@ class _RequestState:
 
     @property
     def max_tokens(self) -> int:
-        return self.request.params.max_tokens
+        limit = self.request.params.max_tokens
+        assert limit is not None  # resolved by add_request
+        return limit
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -227,6 +229,10 @@ class Scheduler:
             raise InvalidRequestError(
                 "prompt_token_ids must not be empty", field="prompt", request_id=request_id
             )
+        if request.params.max_tokens is None:  # admit resolves it; a pipeline without admit
+            assert self._info is not None, "the engine's info comes before any request"
+            room = max(self._info.max_model_len - len(request.prompt_token_ids), 1)
+            request = dataclasses.replace(request, params=request.params.replace(max_tokens=room))
         state = _RequestState(request, arrival_time=self._clock(), arrival_index=self._arrivals)
         self._arrivals += 1
         self._waiting[request_id] = state
@@ -477,7 +483,7 @@ class Scheduler:
                 return _FINISH_STOP, token_id
             if token_id in params.stop_token_ids:
                 return _FINISH_STOP, token_id
-        if state.num_output_tokens >= params.max_tokens or state.num_tokens >= self._token_limit():
+        if state.num_output_tokens >= state.max_tokens or state.num_tokens >= self._token_limit():
             return _FINISH_LENGTH, None
         return None
 

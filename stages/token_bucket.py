@@ -60,6 +60,12 @@ class TokenBucket:
         return self._burst
 
     @property
+    def full(self) -> bool:
+        """Whether the bucket holds ``burst`` tokens (as a new one does)."""
+        self._refill()
+        return self._tokens >= self._burst
+
+    @property
     def available(self) -> float:
         """Tokens in the bucket now."""
         self._refill()

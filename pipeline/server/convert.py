@@ -66,18 +66,30 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
                 setattr(message, name, value)
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"{name} cannot be sent: {exc}", field=name) from None
+    if params.max_tokens is None:
+        message.until_model_len = True
     return message
 
 
 def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """The SamplingParams a request asks for: unset fields take their (vLLM) defaults. The
-    values are not validated here (the engine does, naming the field)."""
+    values are not validated here (the engine does, naming the field).
+
+    Raises:
+        InvalidRequestError: both ``max_tokens`` and ``until_model_len`` are set.
+    """
     values: dict[str, object] = {}
     for name in SAMPLING_FIELDS:
         if name in _REPEATED_FIELDS:
             values[name] = tuple(getattr(message, name))
         elif message.HasField(name):
             values[name] = getattr(message, name)
+    if message.until_model_len:
+        if message.HasField("max_tokens"):
+            raise InvalidRequestError(
+                "set max_tokens or until_model_len, not both", field="until_model_len"
+            )
+        values["max_tokens"] = None
     return SamplingParams(**values)  # type: ignore[arg-type]
 
 

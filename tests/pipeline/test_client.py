@@ -227,9 +227,16 @@ def test_invalid_requests_raise_invalid_request_error_with_the_field(
 
 def test_over_the_limit_raises_rate_limited_error(served: ServedEngine) -> None:
     with Client(served.address, api_key=LIMITED_KEY) as client:
-        with pytest.raises(RateLimitedError, match="tokens"):
-            list(client.generate("Hello", SamplingParams(max_tokens=100)))
+        with pytest.raises(InvalidRequestError, match="more than tenant") as caught:
+            list(client.generate("Hello", SamplingParams(max_tokens=100)))  # never fits
+        assert caught.value.field == "max_tokens"
         assert list(client.generate("Hello", SamplingParams(max_tokens=4)))[-1].finished
+        # 64 tokens/s, a burst of 64: ~45 tokens right after ~45 are over the limit
+        first = client.generate("Hello", SamplingParams(max_tokens=40, ignore_eos=True))
+        next(first)
+        with pytest.raises(RateLimitedError, match="tokens per second"):
+            list(client.generate("Hello", SamplingParams(max_tokens=40)))
+        first.close()
 
 
 def test_unreachable_server_raises_service_unavailable() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pipeline import Pipeline, RunningPipeline
-from stages.admit import AdmitConfig, AdmitStage, TenantLimits
+from stages.admit import _PRUNE_BUCKETS_AT, AdmitConfig, AdmitStage, TenantLimits
 from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejected
 from stages.params import SamplingParams
 
@@ -138,10 +138,44 @@ def test_tokens_per_second_limit() -> None:
         too_big = await answer(running, request("t3", (5,) * 30, max_tokens=16))  # 46 > burst
         assert isinstance(first, EngineRequest)
         assert isinstance(second, RequestRejected) and second.kind == "rate_limited"
-        assert (
-            isinstance(too_big, RequestRejected)
-            and "more than the tenant's burst" in too_big.message
-        )
+        # waiting would never let it through: a bad request, not a retryable rate limit
+        assert isinstance(too_big, RequestRejected)
+        assert (too_big.kind, too_big.field) == ("invalid", "max_tokens")
+        assert "needs 46 tokens" in too_big.message and "(30)" in too_big.message
+
+    run_admit(config, body)
+
+
+def test_max_tokens_none_means_the_rest_of_the_model_length() -> None:
+    config = AdmitConfig(default_limits=TenantLimits(tokens_per_second=64, burst_seconds=1.0))
+
+    async def body(running: RunningPipeline) -> None:
+        admitted = await answer(running, request("n1", (5,) * 10, max_tokens=None))
+        assert isinstance(admitted, EngineRequest)
+        assert admitted.params.max_tokens == INFO.max_model_len - 10  # and it cost 64 tokens
+        limited = await answer(running, request("n2", (5,) * 10, max_tokens=None))
+        assert isinstance(limited, RequestRejected) and limited.kind == "rate_limited"
+        too_many = await answer(running, request("n3", (5,) * 60, max_tokens=None, min_tokens=5))
+        assert isinstance(too_many, RequestRejected)
+        assert (too_many.kind, too_many.field) == ("invalid", "min_tokens")
+
+    run_admit(config, body)
+
+
+def test_full_buckets_of_many_tenants_are_forgotten() -> None:
+    config = AdmitConfig(default_limits=TenantLimits(requests_per_second=1000.0))
+
+    async def body(running: RunningPipeline) -> None:
+        for i in range(_PRUNE_BUCKETS_AT + 50):
+            await running.send("requests", request(f"u{i}", tenant=f"user-{i}"))
+        for _ in range(_PRUNE_BUCKETS_AT + 50):
+            assert isinstance(await running.receive("admitted"), EngineRequest)
+        await asyncio.sleep(0.01)  # every bucket refills within a millisecond
+        await running.send("requests", request("last", tenant="one more"))
+        assert isinstance(await running.receive("admitted"), EngineRequest)
+        stage = running.stage("admit")
+        assert isinstance(stage, AdmitStage)
+        assert len(stage._buckets) <= 51
 
     run_admit(config, body)
 

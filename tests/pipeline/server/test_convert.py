@@ -29,7 +29,8 @@ FLOATS = st.floats(allow_nan=False, allow_infinity=False)
 
 
 def test_every_sampling_field_has_a_proto_field_with_presence() -> None:
-    proto_fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    proto_fields = dict(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+    assert not proto_fields.pop("until_model_len").has_presence  # max_tokens=None
     assert set(proto_fields) == set(SAMPLING_FIELDS)
     for name, field in proto_fields.items():
         repeated = name in ("stop", "stop_token_ids")
@@ -42,6 +43,15 @@ def test_unset_fields_are_the_vllm_defaults() -> None:
     # an explicit value equal to the default is still that value
     explicit = pb.SamplingParams(temperature=1.0, max_tokens=16)
     assert sampling_from_proto(explicit) == SamplingParams()
+
+
+def test_max_tokens_none_travels_as_until_model_len() -> None:
+    message = sampling_to_proto(SamplingParams(max_tokens=None, temperature=0.0))
+    assert message.until_model_len and not message.HasField("max_tokens")
+    assert sampling_from_proto(message) == SamplingParams(max_tokens=None, temperature=0.0)
+    with pytest.raises(InvalidRequestError, match="not both") as caught:
+        sampling_from_proto(pb.SamplingParams(max_tokens=5, until_model_len=True))
+    assert caught.value.field == "until_model_len"
 
 
 @given(

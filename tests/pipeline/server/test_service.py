@@ -381,11 +381,21 @@ def test_keys_over_their_limits_are_resource_exhausted(served: ServedEngine) -> 
     async def body() -> None:
         async with plain_channel(served) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            big = pb.GenerateRequest(text=TEXT, sampling_params=pb.SamplingParams(max_tokens=100))
-            error = await rpc_error(stub.Generate(big, metadata=bearer(TOKEN_LIMITED_KEY)))
+            # 64 tokens/s, a burst of 64: of two requests of ~45 tokens at once, one passes
+            half = pb.GenerateRequest(text=TEXT, sampling_params=pb.SamplingParams(max_tokens=40))
+            calls = [stub.Generate(half, metadata=bearer(TOKEN_LIMITED_KEY)) for _ in range(2)]
+            outcomes = await asyncio.gather(
+                *(read_until_end(call) for call in calls), return_exceptions=True
+            )
+            (error,) = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert trailer(error, ERROR_KIND_KEY) == "rate_limited"
-            assert "tokens" in (error.details() or "")
+            assert "tokens per second" in (error.details() or "")
+            # one that could never fit the burst is a bad request, not a retryable limit
+            big = pb.GenerateRequest(text=TEXT, sampling_params=pb.SamplingParams(max_tokens=100))
+            error = await rpc_error(stub.Generate(big, metadata=bearer(TOKEN_LIMITED_KEY)))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "max_tokens" in (error.details() or "")
             # the same request under an unlimited key passes
             request = pb.GenerateRequest(text=TEXT, sampling_params=GREEDY)
             assert await generate(stub, request, REQUEST_LIMITED_KEY)  # its one request
