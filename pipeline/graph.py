@@ -71,7 +71,11 @@ class StageSpec:
 
 
 class Pipeline:
-    """A directed graph of named stages placed on hosts. Methods return ``self`` to chain."""
+    """A directed graph of named stages placed on hosts. Methods return ``self`` to chain.
+
+    Every editing method checks first and changes the graph only once nothing can fail, so a
+    :class:`GraphError` leaves the graph as it was; no two links join the same two ports.
+    """
 
     def __init__(self, name: str = "pipeline") -> None:
         self.name = name
@@ -105,8 +109,7 @@ class Pipeline:
             GraphError: unknown stage or port, or the link exists already.
         """
         link = Link(self._output(source), self._input(target), transport)
-        if any(existing.source == link.source and existing.target == link.target
-               for existing in self._links):  # fmt: skip
+        if self._linked(link.source, link.target):
             raise GraphError(f"link {link} already exists")
         self._links.append(link)
         return self
@@ -115,36 +118,41 @@ class Pipeline:
         """Remove the link from ``source`` to ``target``.
 
         Raises:
-            GraphError: there is no such link.
+            GraphError: unknown stage or port, or there is no such link.
         """
         source_endpoint, target_endpoint = self._output(source), self._input(target)
-        before = len(self._links)
+        if not self._linked(source_endpoint, target_endpoint):
+            raise GraphError(f"there is no link {source_endpoint} -> {target_endpoint}")
         self._links = [
             link for link in self._links
             if not (link.source == source_endpoint and link.target == target_endpoint)
         ]  # fmt: skip
-        if len(self._links) == before:
-            raise GraphError(f"there is no link {source_endpoint} -> {target_endpoint}")
         return self
 
     def entry(self, name: str, *targets: str) -> Pipeline:
-        """Declare an entry: messages the caller sends to ``name`` go to every target."""
-        _check_name(name, "entry")
-        if name in self._entries or name in self._exits:
-            raise GraphError(f"an entry or exit named {name!r} already exists")
+        """Declare an entry: messages the caller sends to ``name`` go to every target.
+
+        Raises:
+            GraphError: the name is taken or invalid, a target is unknown or named twice.
+                Nothing is changed then.
+        """
+        self._check_boundary_name(name, "entry")
+        endpoints = _distinct(f"entry {name!r}", [self._input(target) for target in targets])
         self._entries.append(name)
-        for target in targets:
-            self._links.append(Link(Endpoint(BOUNDARY, name), self._input(target)))
+        self._links.extend(Link(Endpoint(BOUNDARY, name), endpoint) for endpoint in endpoints)
         return self
 
     def exit(self, name: str, *sources: str) -> Pipeline:
-        """Declare an exit: messages emitted on every source port can be received as ``name``."""
-        _check_name(name, "exit")
-        if name in self._entries or name in self._exits:
-            raise GraphError(f"an entry or exit named {name!r} already exists")
+        """Declare an exit: messages emitted on every source port can be received as ``name``.
+
+        Raises:
+            GraphError: the name is taken or invalid, a source is unknown or named twice.
+                Nothing is changed then.
+        """
+        self._check_boundary_name(name, "exit")
+        endpoints = _distinct(f"exit {name!r}", [self._output(source) for source in sources])
         self._exits.append(name)
-        for source in sources:
-            self._links.append(Link(self._output(source), Endpoint(BOUNDARY, name)))
+        self._links.extend(Link(endpoint, Endpoint(BOUNDARY, name)) for endpoint in endpoints)
         return self
 
     def place(self, stage: str, host: str) -> Pipeline:
@@ -170,9 +178,11 @@ class Pipeline:
         ``"stage.port"``) or entering ``before``. It runs on the neighbour's host by default.
 
         Raises:
-            GraphError: neither or both of after/before, unknown neighbour, or the new stage
-                does not have exactly one input and one output port.
+            GraphError: neither or both of after/before, unknown neighbour, the name is taken
+                or invalid, an invalid host, or the new stage does not have exactly one input
+                and one output port. Nothing is changed then.
         """
+        # add() refuses a bad name or host before it changes anything; nothing after it fails
         if (after is None) == (before is None):
             raise GraphError("insert() needs exactly one of after= or before=")
         factory_class = _resolve_factory(factory)
@@ -184,7 +194,7 @@ class Pipeline:
         (new_in,), (new_out,) = factory_class.inputs, factory_class.outputs
         if after is not None:
             anchor = self._output(after)
-            placement = host or self._spec(anchor.stage).host
+            placement = host if host is not None else self._spec(anchor.stage).host
             self.add(name, factory_class, config, host=placement)
             self._links = [
                 dataclasses.replace(link, source=Endpoint(name, new_out))
@@ -195,7 +205,7 @@ class Pipeline:
         else:
             assert before is not None
             anchor = self._input(before)
-            placement = host or self._spec(anchor.stage).host
+            placement = host if host is not None else self._spec(anchor.stage).host
             self.add(name, factory_class, config, host=placement)
             self._links = [
                 dataclasses.replace(link, target=Endpoint(name, new_in))
@@ -229,18 +239,31 @@ class Pipeline:
 
     def remove(self, name: str) -> Pipeline:
         """Remove a stage. A stage with one input and one output port is bypassed: whatever fed
-        it now feeds what it fed. Otherwise its links are dropped."""
+        it now feeds what it fed (a bypass link that exists already is not added twice; a new
+        one keeps the transport of the outgoing link it replaces). Otherwise its links are
+        dropped.
+
+        Raises:
+            GraphError: unknown stage.
+        """
         spec = self._spec(name)
-        incoming = [link for link in self._links if link.target.stage == name]
-        outgoing = [link for link in self._links if link.source.stage == name]
-        self._links = [
-            link for link in self._links if name not in (link.source.stage, link.target.stage)
-        ]
+        kept = [link for link in self._links if name not in (link.source.stage, link.target.stage)]
         if len(spec.factory.inputs) == 1 and len(spec.factory.outputs) == 1:
-            for into in incoming:
+            feeders = [
+                link.source for link in self._links
+                if link.target.stage == name and link.source.stage != name
+            ]  # fmt: skip
+            outgoing = [
+                link for link in self._links
+                if link.source.stage == name and link.target.stage != name
+            ]  # fmt: skip
+            present = {(link.source, link.target) for link in kept}
+            for source in feeders:
                 for out in outgoing:
-                    if into.source.stage != name and out.target.stage != name:
-                        self._links.append(Link(into.source, out.target, out.transport))
+                    if (source, out.target) not in present:
+                        present.add((source, out.target))
+                        kept.append(Link(source, out.target, out.transport))
+        self._links = kept
         del self._stages[name]
         return self
 
@@ -297,7 +320,8 @@ class Pipeline:
         """Check the graph can run.
 
         Raises:
-            GraphError: a link names a missing stage or port, or an entry/exit is unlinked.
+            GraphError: a link names a missing stage or port, an entry is linked to nothing, or
+                nothing is linked to an exit (its receivers would wait forever).
         """
         for link in self._links:
             for endpoint, side in ((link.source, "outputs"), (link.target, "inputs")):
@@ -312,6 +336,9 @@ class Pipeline:
         for name in self._entries:
             if not any(link.source == Endpoint(BOUNDARY, name) for link in self._links):
                 raise GraphError(f"entry {name!r} is linked to no stage")
+        for name in self._exits:
+            if not any(link.target == Endpoint(BOUNDARY, name) for link in self._links):
+                raise GraphError(f"exit {name!r} is fed by no stage")
 
     # -- running --------------------------------------------------------------------------------
 
@@ -336,6 +363,14 @@ class Pipeline:
             known = ", ".join(self._stages) or "(none)"
             raise GraphError(f"no stage named {name!r} in {self.name!r}; stages: {known}")
         return spec
+
+    def _linked(self, source: Endpoint, target: Endpoint) -> bool:
+        return any(link.source == source and link.target == target for link in self._links)
+
+    def _check_boundary_name(self, name: str, what: str) -> None:
+        _check_name(name, what)
+        if name in self._entries or name in self._exits:
+            raise GraphError(f"an entry or exit named {name!r} already exists")
 
     def _output(self, text: str) -> Endpoint:
         return self._endpoint(text, "outputs")
@@ -366,6 +401,16 @@ def _show(endpoint: Endpoint) -> str:
 def _check_name(name: str, what: str) -> None:
     if not isinstance(name, str) or not name or "." in name or name == BOUNDARY:
         raise GraphError(f"invalid {what} name {name!r}: a non-empty string without '.'")
+
+
+def _distinct(owner: str, endpoints: list[Endpoint]) -> list[Endpoint]:
+    """``endpoints`` unchanged; a GraphError if one is named twice (it would link twice)."""
+    seen: set[Endpoint] = set()
+    for endpoint in endpoints:
+        if endpoint in seen:
+            raise GraphError(f"{owner} names {endpoint} twice")
+        seen.add(endpoint)
+    return endpoints
 
 
 def _host(host: str) -> str:

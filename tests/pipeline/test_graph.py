@@ -119,3 +119,111 @@ def test_disconnect_and_validate_entry() -> None:
     with pytest.raises(GraphError, match="entry 'jobs' is linked to no stage"):
         pipeline.validate()
     assert Endpoint("a", "b") < Endpoint("b", "a")
+
+
+def snapshot(pipeline: Pipeline) -> tuple[object, ...]:
+    """Everything a pipeline is made of, in order (specs and links compare by value)."""
+    return (pipeline.stages, pipeline.links, pipeline.entries, pipeline.exits, pipeline.describe())
+
+
+def test_remove_bypass_yields_distinct_links_in_order() -> None:
+    pipeline = Pipeline().add("a", Passthrough).add("b", Passthrough).add("c", Passthrough)
+    pipeline.connect("a", "b").connect("a", "c").connect("b", "c")
+    pipeline.remove("b")
+    assert [str(link) for link in pipeline.links] == ["a.out -> c.in"]
+
+    # two feeders and two targets: each bypass link once, existing links first, then feeder by
+    # feeder in link order; a new bypass link keeps the outgoing link's transport
+    pipeline = Pipeline()
+    for name in ("x", "y", "mid", "p", "q"):
+        pipeline.add(name, Passthrough)
+    pipeline.connect("x", "p").connect("x", "mid").connect("y", "mid")
+    pipeline.connect("mid", "p", transport="grpc").connect("mid", "q", transport="zmq")
+    pipeline.remove("mid")
+    assert [(str(link), link.transport) for link in pipeline.links] == [
+        ("x.out -> p.in", None),
+        ("x.out -> q.in", "zmq"),
+        ("y.out -> p.in", "grpc"),
+        ("y.out -> q.in", "zmq"),
+    ]
+    assert "mid" not in pipeline
+
+
+def test_remove_bypass_of_a_self_loop_and_of_the_boundary() -> None:
+    pipeline = Pipeline().add("a", Passthrough).add("b", Passthrough)
+    pipeline.connect("a", "b").connect("b", "b").connect("b", "a")
+    pipeline.entry("in", "b").exit("out", "b")
+    pipeline.remove("b")
+    assert [str(link) for link in pipeline.links] == [
+        "a.out -> a.in",
+        f"a.out -> {BOUNDARY}.out",
+        f"{BOUNDARY}.in -> a.in",
+        f"{BOUNDARY}.in -> {BOUNDARY}.out",
+    ]
+    pipeline.validate()
+
+
+def test_failed_entry_or_exit_leaves_the_graph_unchanged() -> None:
+    pipeline = collatz_pipeline()
+    before = snapshot(pipeline)
+    with pytest.raises(GraphError, match="no stage named 'missing'"):
+        pipeline.entry("more", "step", "missing")
+    with pytest.raises(GraphError, match=r"2 output ports"):
+        pipeline.exit("more", "split.out", "check")
+    with pytest.raises(GraphError, match="already exists"):
+        pipeline.entry("results", "step")
+    with pytest.raises(GraphError, match="invalid exit name"):
+        pipeline.exit("a.b", "split")
+    assert snapshot(pipeline) == before
+    # the failed names were not taken
+    pipeline.entry("more", "step").exit("extra", "split.out")
+    assert pipeline.entries == ["jobs", "more"] and pipeline.exits == ["results", "extra"]
+
+
+def test_entry_and_exit_refuse_a_port_named_twice() -> None:
+    pipeline = collatz_pipeline()
+    before = snapshot(pipeline)
+    with pytest.raises(GraphError, match=r"entry 'more' names step.in twice"):
+        pipeline.entry("more", "step", "step.in")
+    with pytest.raises(GraphError, match=r"exit 'extra' names check.out twice"):
+        pipeline.exit("extra", "check.out", "check.out")
+    assert snapshot(pipeline) == before
+
+
+def test_failed_edits_leave_the_graph_unchanged() -> None:
+    pipeline = collatz_pipeline().place("check", "worker")
+    pipeline.connect("split", "check")
+    before = snapshot(pipeline)
+    failing = [
+        lambda: pipeline.add("step", Passthrough),
+        lambda: pipeline.add("new", Passthrough, host=""),
+        lambda: pipeline.connect("split", "step"),
+        lambda: pipeline.connect("split", "missing"),
+        lambda: pipeline.disconnect("step", "split"),
+        lambda: pipeline.disconnect("missing", "step"),
+        lambda: pipeline.place("step", ""),
+        lambda: pipeline.place("missing", "worker"),
+        lambda: pipeline.insert("step", Passthrough, after="split"),
+        lambda: pipeline.insert("tap", Passthrough, after="missing"),
+        lambda: pipeline.insert("tap", Passthrough, before="check.again"),
+        lambda: pipeline.insert("tap", Passthrough, after="split", host=""),
+        lambda: pipeline.insert("a.b", Passthrough, before="check"),
+        lambda: pipeline.replace("check", Passthrough),
+        lambda: pipeline.replace("missing", Passthrough),
+        lambda: pipeline.remove("missing"),
+    ]
+    for edit in failing:
+        with pytest.raises(GraphError):
+            edit()
+        assert snapshot(pipeline) == before
+
+
+def test_validate_refuses_an_exit_nothing_feeds() -> None:
+    pipeline = Pipeline().add("split", Split).add("step", Step).connect("split", "step")
+    pipeline.entry("jobs", "split").exit("results")
+    with pytest.raises(GraphError, match="exit 'results' is fed by no stage"):
+        pipeline.validate()
+    # removing a stage that cannot be bypassed drops its links and can orphan an exit
+    pipeline = collatz_pipeline().remove("check")
+    with pytest.raises(GraphError, match="exit 'results' is fed by no stage"):
+        pipeline.validate()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -12,7 +13,23 @@ import pytest
 import plugins
 from pipeline import Pipeline, Stage
 from pipeline.errors import GraphError
+from stages.admit import AdmitStage
+from stages.detokenize import DetokenizeStage
+from stages.execute.null import NullExecuteStage
+from stages.schedule import ScheduleStage
+from stages.stop_check import StopCheckStage
+from stages.tokenize import TokenizeConfig, TokenizeStage
 from transports.memory import MemoryTransport
+
+#: the built-in stages, by registered name; ``execute`` (which imports torch) is checked apart
+BUILTIN_STAGES: dict[str, type[Stage]] = {
+    "tokenize": TokenizeStage,
+    "admit": AdmitStage,
+    "schedule": ScheduleStage,
+    "null_execute": NullExecuteStage,
+    "detokenize": DetokenizeStage,
+    "stop_check": StopCheckStage,
+}
 
 
 @pytest.fixture
@@ -71,6 +88,40 @@ def test_builtins_come_from_our_own_entry_points() -> None:
     assert {"memory", "zmq", "grpc"} <= set(plugins.available(plugins.TRANSPORTS))
     assert {"fcfs", "priority", "sjf"} <= set(plugins.available(plugins.SCHEDULERS))
     assert plugins.load(plugins.TRANSPORTS, "memory") is MemoryTransport
+
+
+def test_builtin_stages_are_registered_and_satisfy_the_protocol() -> None:
+    assert {*BUILTIN_STAGES, "execute"} <= set(plugins.available(plugins.STAGES))
+    for name, stage_class in BUILTIN_STAGES.items():
+        assert plugins.load(plugins.STAGES, name) is stage_class  # load() checks the protocol
+    from stages.execute.stage import ExecuteStage
+
+    assert plugins.load(plugins.STAGES, "execute") is ExecuteStage
+    pipeline = Pipeline().add("t", "tokenize", TokenizeConfig("smollm2-135m"))
+    assert pipeline["t"].factory is TokenizeStage
+    assert pipeline["t"].config == TokenizeConfig("smollm2-135m")
+
+
+def test_listing_stages_imports_neither_stages_nor_torch() -> None:
+    """Listing names nothing to import; loading the light stages does not pull in torch."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import plugins
+        from pipeline import Pipeline
+
+        names = plugins.available(plugins.STAGES)
+        described = dict(plugins.describe()[plugins.STAGES])
+        assert described["execute"] == "stages.execute.stage:ExecuteStage", described
+        assert not [m for m in sys.modules if m == "stages" or m.startswith("stages.")]
+        for name in names:
+            if name != "execute":
+                plugins.load(plugins.STAGES, name)
+        Pipeline().add("t", "tokenize").add("n", "null_execute")
+        assert "torch" not in sys.modules
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
 def test_unknown_name_lists_group_and_available_names() -> None:
