@@ -10,7 +10,7 @@ by default::
                  detokenize ◀─────┴─────────────┘       │
                     │out                                │
                     ▼                                   │
-                 stop_check ─abort──────────────────────┘
+                 stop_check ─abort──────────────────────┘  (abort also → detokenize)
                     │out
                     ▼
                 [outputs]                   [aborts] → schedule.abort, detokenize
@@ -100,6 +100,8 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     pipeline.connect("schedule.out", "detokenize")
     pipeline.connect("detokenize", "stop_check")
     pipeline.connect("stop_check.abort", "schedule.abort")
+    # the engine sends nothing more for an aborted request, so detokenize must hear of it too
+    pipeline.connect("stop_check.abort", "detokenize")
 
     pipeline.entry("requests", "tokenize")
     pipeline.entry("aborts", "schedule.abort", "detokenize")

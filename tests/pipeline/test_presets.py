@@ -1,0 +1,71 @@
+"""The default LLM pipeline's wiring: however a request ends, no stage keeps anything of it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pipeline import AsyncEngine, InvalidRequestError, SamplingParams
+from stages.detokenize import DetokenizeStage
+from stages.stop_check import StopCheckStage
+
+
+async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        stats = engine.stats
+        if (
+            stats is not None
+            and stats.num_running == stats.num_waiting == 0
+            and stats.kv_blocks_free == stats.kv_blocks_total
+        ):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the engine did not go idle: {engine.stats}")
+
+
+def test_every_way_a_request_ends_releases_its_frontend_state(tiny_model_dir: Path) -> None:
+    """Length, stop token, stop string (the engine still runs it when stop-check ends it),
+    abort mid-stream and rejection: afterwards detokenize and stop_check track nothing."""
+
+    async def body() -> None:
+        async with AsyncEngine(str(tiny_model_dir), transport="memory", num_blocks=128) as engine:
+            greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+            reference = None
+            async for output in engine.generate("Once upon a time", greedy):
+                reference = output
+            assert reference is not None and reference.finish_reason == "length"
+            # a stop string cut from the middle of the reference text
+            stop = reference.text[len(reference.text) // 2 :][:3]
+            assert stop.strip(), reference.text
+            stopped = None
+            async for output in engine.generate("Once upon a time", greedy.replace(stop=[stop])):
+                stopped = output
+            assert stopped is not None and stopped.finish_reason == "stop"
+            assert stopped.stop_reason == stop
+            token = reference.token_ids[3]
+            by_token = None
+            async for output in engine.generate(
+                "Once upon a time", greedy.replace(stop_token_ids=[token], ignore_eos=False)
+            ):
+                by_token = output
+            assert by_token is not None and by_token.finish_reason == "stop"
+            async for _ in engine.generate("Once upon a time", greedy.replace(max_tokens=500)):
+                break  # aborts the request
+            with pytest.raises(InvalidRequestError):
+                async for _ in engine.generate("Once upon a time", greedy.replace(top_p=3.0)):
+                    pass
+            await wait_idle(engine)
+            await asyncio.sleep(0.1)  # the last aborts pass through the frontend stages
+            detokenize = engine.running.stage("detokenize")
+            stop_check = engine.running.stage("stop_check")
+            assert isinstance(detokenize, DetokenizeStage)
+            assert isinstance(stop_check, StopCheckStage)
+            assert detokenize._requests == {}
+            assert stop_check._requests == {}
+            assert engine.num_unfinished_requests == 0
+
+    asyncio.run(asyncio.wait_for(body(), 120))
