@@ -80,3 +80,23 @@ def test_corrupt_and_truncated_gguf_fail_cleanly(tmp_path: Path) -> None:
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("words", "extra", "length"),
+    [(1100, [], 1024), (100, ["--max-model-len", "64", "--transport", "memory"], 64)],
+    ids=["model-length", "max-model-len"],
+)
+def test_prompt_longer_than_the_model_fails_with_one_line(
+    tiny_model_dir: Path, words: int, extra: list[str], length: int
+) -> None:
+    prompt = "hello " * words
+    result = actorline(
+        "generate", prompt, "--model", str(tiny_model_dir), "--max-tokens", "4", *extra
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("actorline: error:"), result.stderr
+    assert f"the model's length is {length}" in lines[0] and "the prompt has" in lines[0]
+    assert not result.stdout.strip()

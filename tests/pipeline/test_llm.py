@@ -70,3 +70,37 @@ def _all_free(llm: LLM) -> bool:
         and stats.num_running == 0
         and stats.kv_blocks_free == stats.kv_blocks_total
     )
+
+
+def test_progress_bar_only_for_large_batches(
+    tiny_model_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A batch of PROGRESS_BAR_MIN_PROMPTS or more shows a tqdm bar on stderr by default;
+    use_tqdm=False and smaller batches show none."""
+    from pipeline.llm import PROGRESS_BAR_MIN_PROMPTS
+
+    assert PROGRESS_BAR_MIN_PROMPTS == 8
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    big = [f"prompt number {i}" for i in range(9)]
+    with LLM(str(tiny_model_dir), transport="memory") as llm:
+        capfd.readouterr()
+        assert len(llm.generate(big, params)) == 9
+        shown = capfd.readouterr().err
+        assert "generating" in shown and "9/9" in shown and "100%" in shown, shown
+        assert len(llm.generate(big[:8], params)) == 8
+        assert "8/8" in capfd.readouterr().err
+        assert len(llm.generate(big, params, use_tqdm=False)) == 9
+        assert "generating" not in capfd.readouterr().err
+        assert len(llm.generate(big[:7], params)) == 7
+        assert "generating" not in capfd.readouterr().err
+
+
+def test_final_outputs_carry_timing_metrics(tiny_model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_model_dir), transport="memory") as llm:
+        outputs = llm.generate(["one", "two", "three"], params, use_tqdm=False)
+    for output in outputs:
+        assert output.finish_reason == "length" and output.metrics is not None
+        ttft, total = output.metrics.time_to_first_token, output.metrics.total_time
+        assert ttft is not None and total is not None, output.metrics
+        assert 0 < ttft <= total
