@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -87,10 +88,12 @@ class _Collector:
         "last",
         "metrics",
         "pending",
+        "request_id",
         "waiter",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id  # the caller's id (outputs carry it)
         self.pending: RequestOutput | None = None
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -118,7 +121,7 @@ class _Collector:
             self.metrics = metrics
         pending = self.pending
         delta = output.delta if pending is None else pending.delta + output.delta
-        output = _with_metrics(output, delta, metrics)
+        output = _with_metrics(output, self.request_id, delta, metrics)
         self.pending = self.last = output
         self._wake()
 
@@ -145,15 +148,17 @@ class _Collector:
         return output
 
 
-def _with_metrics(output: RequestOutput, delta: str, metrics: RequestMetrics) -> RequestOutput:
-    """``output`` with ``delta`` and ``metrics`` replaced.
+def _with_metrics(
+    output: RequestOutput, request_id: str, delta: str, metrics: RequestMetrics
+) -> RequestOutput:
+    """``output`` with ``request_id``, ``delta`` and ``metrics`` replaced.
 
     NOTE: calls the constructor with every field of RequestOutput, in order: half the cost of
     ``dataclasses.replace``, which runs once per token per stream. A new RequestOutput field
     must be added here too.
     """
     return RequestOutput(
-        output.request_id,
+        request_id,
         output.text,
         delta,
         output.token_ids,
@@ -196,7 +201,12 @@ class AsyncEngine:
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None
         self._running: RunningPipeline | None = None
+        # NOTE: keyed by the id the request has inside the pipeline. A caller's id becomes
+        # "<id>#<n>" there, so an abort of a finished request that arrives late (it can:
+        # aborts take a shorter path than requests) never hits a later request of the same id.
         self._collectors: dict[str, _Collector] = {}
+        self._engine_ids: dict[str, str] = {}  # caller's id -> the running request's id
+        self._incarnations = itertools.count()
         self._dispatcher: asyncio.Task[None] | None = None
         self._abort_queue: asyncio.Queue[str] = asyncio.Queue()
         self._abort_sender: asyncio.Task[None] | None = None
@@ -228,11 +238,12 @@ class AsyncEngine:
         if self._closed:
             return
         self._closed = True
-        for request_id in list(self._collectors):
-            self._finish_aborted(request_id)
+        engine_ids = tuple(self._collectors)
+        for collector in list(self._collectors.values()):
+            self._finish_aborted(collector.request_id)
         if self._running is not None:
             with contextlib.suppress(Exception):
-                await self._running.send("aborts", AbortRequests(tuple(self._collectors)))
+                await self._running.send("aborts", AbortRequests(engine_ids))
             await self._running.stop(graceful=False)
         for task in (self._dispatcher, self._abort_sender):
             if task is not None:
@@ -291,15 +302,19 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams", field="params")
         validate_sampling(params)
-        request_id = request_id or uuid.uuid4().hex
-        request = _make_request(request_id, prompt, params, tenant, chat_template)
+        if request_id is None:
+            request_id = engine_id = uuid.uuid4().hex
+        else:
+            engine_id = f"{request_id}#{next(self._incarnations)}"
+        request = _make_request(engine_id, prompt, params, tenant, chat_template)
         running = self._check_usable()
-        if request_id in self._collectors:
+        if request_id in self._engine_ids:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already running", field="request_id"
             )
-        collector = _Collector()
-        self._collectors[request_id] = collector
+        collector = _Collector(request_id)
+        self._collectors[engine_id] = collector
+        self._engine_ids[request_id] = engine_id
         finished = False
         try:
             if self._observers:
@@ -314,26 +329,32 @@ class AsyncEngine:
         except PipelineError as exc:
             raise self._engine_error(exc) from exc
         finally:
-            self._collectors.pop(request_id, None)
+            self._collectors.pop(engine_id, None)
+            if self._engine_ids.get(request_id) == engine_id:
+                del self._engine_ids[request_id]
             if not finished and not self._closed and collector.error is None:
-                self._abort_queue.put_nowait(request_id)
+                self._abort_queue.put_nowait(engine_id)
             if self._observers:
-                self._notify(lambda observer: observer.request_ended(request_id, collector.error))
+                self._notify(lambda observer: observer.request_ended(engine_id, collector.error))
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request: its stream ends with ``finish_reason="abort"`` and its KV
         blocks are freed. Unknown or finished ids are ignored."""
         self._check_usable()
-        if self._finish_aborted(request_id):
-            self._abort_queue.put_nowait(request_id)
+        engine_id = self._finish_aborted(request_id)
+        if engine_id is not None:
+            self._abort_queue.put_nowait(engine_id)
 
-    def _finish_aborted(self, request_id: str) -> bool:
-        collector = self._collectors.get(request_id)
-        if collector is None:
-            return False
+    def _finish_aborted(self, request_id: str) -> str | None:
+        """End the stream of the caller's ``request_id`` with an "abort" output; returns the
+        request's id in the pipeline (None when it is not running)."""
+        engine_id = self._engine_ids.pop(request_id, None)
+        collector = self._collectors.pop(engine_id, None) if engine_id is not None else None
+        if engine_id is None or collector is None:
+            return None
         last = collector.last
         aborted = RequestOutput(
-            request_id,
+            engine_id,
             last.text if last else "",
             "",
             last.token_ids if last else (),
@@ -346,8 +367,7 @@ class AsyncEngine:
         if self._observers:
             self._notify(lambda observer: observer.output_received(aborted))
         collector.put(aborted)
-        del self._collectors[request_id]
-        return True
+        return engine_id
 
     def _check_usable(self) -> RunningPipeline:
         if self._failure is not None:
@@ -406,17 +426,23 @@ class AsyncEngine:
                         collector.put(output)
                         if output.finish_reason is not None:
                             del collectors[output.request_id]
+                            self._forget(collector.request_id, output.request_id)
                 for rejected in batch.rejected:
                     collector = collectors.pop(rejected.request_id, None)
                     if collector is not None:
+                        self._forget(collector.request_id, rejected.request_id)
                         collector.fail(
                             error_from_kind(
                                 rejected.kind,
                                 rejected.message,
                                 field=rejected.field,
-                                request_id=rejected.request_id,
+                                request_id=collector.request_id,
                             )
                         )
+
+    def _forget(self, request_id: str, engine_id: str) -> None:
+        if self._engine_ids.get(request_id) == engine_id:
+            del self._engine_ids[request_id]
 
     async def _send_aborts(self) -> None:
         assert self._running is not None
@@ -445,6 +471,7 @@ class AsyncEngine:
         for collector in self._collectors.values():
             collector.fail(self._failure)
         self._collectors.clear()
+        self._engine_ids.clear()
 
 
 def _make_request(

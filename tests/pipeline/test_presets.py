@@ -69,3 +69,31 @@ def test_every_way_a_request_ends_releases_its_frontend_state(tiny_model_dir: Pa
             assert engine.num_unfinished_requests == 0
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_a_late_abort_never_hits_a_later_request_with_the_same_id(tiny_model_dir: Path) -> None:
+    """Leaving a stream after the engine finished the request still sends an abort (the
+    caller never saw the last output); it reaches schedule after the request is gone. A new
+    request reusing the id must run, not be taken for the one that abort was meant for."""
+
+    async def body() -> None:
+        async with AsyncEngine(str(tiny_model_dir), transport="memory", num_blocks=64) as engine:
+            params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+            async for output in engine.generate("Hello world", params, request_id="x"):
+                assert output.request_id == "x"
+                await asyncio.sleep(0.3)  # the engine finishes it meanwhile
+                break
+            await wait_idle(engine)
+            await asyncio.sleep(0.2)  # the abort has reached schedule
+            outputs = [o async for o in engine.generate("Hello world", params, request_id="x")]
+            assert outputs[-1].finish_reason == "length"
+            assert {o.request_id for o in outputs} == {"x"}
+            # and abort() by the caller's id still works while one runs
+            stream = engine.generate("Hello world", params.replace(max_tokens=500), request_id="x")
+            await stream.__anext__()
+            await engine.abort("x")
+            rest = [o async for o in stream]
+            assert rest[-1].finish_reason == "abort" and rest[-1].request_id == "x"
+            await wait_idle(engine)
+
+    asyncio.run(asyncio.wait_for(body(), 120))
