@@ -337,13 +337,16 @@ class AsyncEngine:
             if self._observers:
                 self._notify(lambda observer: observer.request_ended(engine_id, collector.error))
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> bool:
         """Abort a running request: its stream ends with ``finish_reason="abort"`` and its KV
-        blocks are freed. Unknown or finished ids are ignored."""
+        blocks are freed. Returns False (and does nothing) for an unknown or finished id,
+        including one whose last output has arrived but was not read yet."""
         self._check_usable()
         engine_id = self._finish_aborted(request_id)
-        if engine_id is not None:
-            self._abort_queue.put_nowait(engine_id)
+        if engine_id is None:
+            return False
+        self._abort_queue.put_nowait(engine_id)
+        return True
 
     def _finish_aborted(self, request_id: str) -> str | None:
         """End the stream of the caller's ``request_id`` with an "abort" output; returns the

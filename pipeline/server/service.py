@@ -108,17 +108,21 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        """Abort a running request of the caller's key (its stream ends with ABORT)."""
+        """Abort a running request of the caller's key (its stream ends with ABORT).
+
+        ``aborted`` is True only when the abort reached a request the engine had not finished:
+        a request that has just finished (its last output is on its way to the client, so its
+        call is still running here) is left alone and answers False."""
         tenant = await self._authenticate(context)
         try:
             self._check_serving()
             engine_id = self._engine_request_id(tenant, request.request_id)
             if engine_id not in self._running:
                 return pb.AbortResponse(aborted=False)
-            await self._engine.abort(engine_id)
+            aborted = await self._engine.abort(engine_id)
         except Exception as error:
             await _end_call(context, error)
-        return pb.AbortResponse(aborted=True)
+        return pb.AbortResponse(aborted=aborted)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -272,3 +272,31 @@ def test_client_arguments_are_checked() -> None:
         AsyncClient("")
     with pytest.raises(ValueError, match="tls"):
         AsyncClient("127.0.0.1:1", client_certificate=(b"cert", b"key"))
+
+
+def test_abort_of_a_request_that_has_just_finished_is_false(served: ServedEngine) -> None:
+    """Abort is True only when it reached a request the engine had not finished. Here the
+    engine has finished the request while its last outputs still wait for the client (it
+    reads nothing, so flow control holds the server's writes): the call still runs on the
+    server, yet Abort answers False and the stream ends as it would have, with "length"."""
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=20)
+    # no BDP probing and a small window: the server cannot write more until the client reads
+    options = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024))
+
+    async def body() -> None:
+        async with AsyncClient(served.address, api_key=KEY, channel_options=options) as client:
+            stream = client.generate("Hello", params, request_id="just-finished")
+            first = await stream.__anext__()
+            assert not first.finished
+            deadline = asyncio.get_running_loop().time() + 60
+            while served.engine.num_unfinished_requests:
+                assert asyncio.get_running_loop().time() < deadline, "the request never finished"
+                await asyncio.sleep(0.01)
+            assert served.server.service.num_running == 1  # its call is still writing
+            assert await client.abort("just-finished") is False
+            rest = [output async for output in stream]
+            assert rest[-1].finish_reason == "length"
+            assert sum(len(output.token_ids) for output in (first, *rest)) == 32
+        await served.wait_kv_free()
+
+    served.run(body())

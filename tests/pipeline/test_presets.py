@@ -91,7 +91,9 @@ def test_a_late_abort_never_hits_a_later_request_with_the_same_id(tiny_model_dir
             # and abort() by the caller's id still works while one runs
             stream = engine.generate("Hello world", params.replace(max_tokens=500), request_id="x")
             await stream.__anext__()
-            await engine.abort("x")
+            assert await engine.abort("x")
+            assert not await engine.abort("x")  # no longer running
+            assert not await engine.abort("never-sent")
             rest = [o async for o in stream]
             assert rest[-1].finish_reason == "abort" and rest[-1].request_id == "x"
             await wait_idle(engine)

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import queue
+import re
 import subprocess
+import sys
+import threading
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,18 +32,24 @@ from tests.processes import child_processes
 __all__ = [
     "GOOD_KEY",
     "OTHER_KEY",
+    "READY_LINE",
     "REQUEST_LIMITED_KEY",
     "RUN_TIMEOUT",
+    "SERVE_START_TIMEOUT",
     "TEST_KEYS",
     "TOKEN_LIMITED_KEY",
     "Certificate",
+    "ServeProcess",
     "ServedEngine",
+    "actorline_command",
     "bearer",
     "child_pids",
+    "engine_host_pids",
     "make_certificate",
     "process_alive",
     "read_until_end",
     "rpc_error",
+    "serve_arguments",
     "trailer",
 ]
 
@@ -59,6 +70,12 @@ TEST_KEYS: dict[str, tuple[float | None, float | None] | None] = {
 
 #: seconds a test coroutine may run on the server loop before the test fails
 RUN_TIMEOUT = 120.0
+
+REPOSITORY = Path(__file__).resolve().parents[3]
+#: what ``actorline serve`` prints once it serves
+READY_LINE = re.compile(r"^serving actorline\.v1\.Generation on (127\.0\.0\.1:\d+)$")
+#: seconds for an ``actorline serve`` subprocess to load the model and print its address
+SERVE_START_TIMEOUT = 300.0
 
 
 class ServedEngine:
@@ -211,3 +228,88 @@ def process_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def engine_host_pids(parent: int) -> set[int]:
+    """Live spawned pipeline hosts (the engine process) whose parent is ``parent``."""
+    return {
+        pid for pid, command in child_processes(parent).items() if "pipeline._host_main" in command
+    }
+
+
+def serve_arguments(model: Path, *extra: str) -> list[str]:
+    """``actorline serve`` arguments: ``model`` with 64 KV blocks on 127.0.0.1 (a free port),
+    then ``extra``."""
+    return [
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--num-blocks",
+        "64",
+        *extra,
+    ]
+
+
+def actorline_command() -> list[str]:
+    """The installed ``actorline`` script, or the same entry point through the interpreter."""
+    script = Path(sys.executable).with_name("actorline")
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from pipeline.cli import main; sys.exit(main())"]
+
+
+class ServeProcess:
+    """``actorline serve ARGUMENTS`` in a subprocess (stderr to ``stderr_path``);
+    :attr:`address` once it printed its ready line. :meth:`kill` it when done.
+
+    Raises (from the constructor): AssertionError when no ready line comes (the process is
+    killed, the message shows its stderr).
+    """
+
+    def __init__(self, arguments: list[str], stderr_path: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
+        self._stderr = stderr_path.open("w")
+        self.process = subprocess.Popen(
+            [*actorline_command(), "serve", *arguments],
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=env,
+            cwd=REPOSITORY,
+        )
+        self.stderr_path = stderr_path
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        self.address = self._wait_ready()
+
+    @property
+    def stderr(self) -> str:
+        """What the process wrote to stderr so far."""
+        return self.stderr_path.read_text()
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _wait_ready(self) -> str:
+        try:
+            line = self.lines.get(timeout=SERVE_START_TIMEOUT)
+        except queue.Empty:
+            line = None
+        match = READY_LINE.match(line or "")
+        if match is None:
+            self.kill()
+            raise AssertionError(f"no ready line (got {line!r}); stderr:\n{self.stderr[-3000:]}")
+        return match.group(1)
+
+    def kill(self) -> None:
+        """SIGKILL the process if it still runs, and wait for it. Idempotent."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._stderr.close()

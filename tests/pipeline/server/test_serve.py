@@ -1,16 +1,14 @@
-"""``actorline serve`` as a real subprocess (ready line, calls, SIGTERM, exit 0, no engine
-process left), a server whose engine process is SIGKILLed (calls end with UNAVAILABLE,
-health turns NOT_SERVING), and the serve command's argument errors."""
+"""``actorline serve`` as a real subprocess (ready line, calls, SIGINT or SIGTERM, exit 0, no
+engine process left), a server whose engine process is SIGKILLed, in process and under
+``actorline serve`` (calls end with UNAVAILABLE, health turns NOT_SERVING, the command still
+exits 0), and the serve command's argument errors. TLS and rate limits through the command:
+test_serve_cli.py."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import queue
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,74 +28,24 @@ from pipeline.server.status import ERROR_KIND_KEY
 from stages.params import SamplingParams
 from tests.pipeline.server.serving import (
     ServedEngine,
+    ServeProcess,
     child_pids,
+    engine_host_pids,
     process_alive,
     read_until_end,
     rpc_error,
+    serve_arguments,
     trailer,
 )
 
-REPOSITORY = Path(__file__).resolve().parents[3]
-READY_LINE = re.compile(r"^serving actorline\.v1\.Generation on (127\.0\.0\.1:\d+)$")
-#: seconds for the subprocess to load the model and print its address
-START_TIMEOUT = 300.0
 #: seconds for in-flight calls to end once the engine process is killed (the brief's bound)
 ENGINE_DEATH_DEADLINE = 5.0
 EXIT_TIMEOUT = 60.0
 LONG = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
-
-
-def actorline_command() -> list[str]:
-    """The installed ``actorline`` script, or the same entry point through the interpreter."""
-    script = Path(sys.executable).with_name("actorline")
-    if script.is_file():
-        return [str(script)]
-    return [sys.executable, "-c", "import sys; from pipeline.cli import main; sys.exit(main())"]
-
-
-class ServeProcess:
-    """``actorline serve`` in a subprocess; :attr:`address` once it printed its ready line."""
-
-    def __init__(self, arguments: list[str], stderr_path: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
-        self._stderr = stderr_path.open("w")
-        self.process = subprocess.Popen(
-            [*actorline_command(), "serve", *arguments],
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            env=env,
-            cwd=REPOSITORY,
-        )
-        self.stderr_path = stderr_path
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        self.address = self._wait_ready()
-
-    def _read_stdout(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def _wait_ready(self) -> str:
-        try:
-            line = self.lines.get(timeout=START_TIMEOUT)
-        except queue.Empty:
-            line = None
-        match = READY_LINE.match(line or "")
-        if match is None:
-            self.kill()
-            raise AssertionError(
-                f"no ready line (got {line!r}); stderr:\n{self.stderr_path.read_text()[-3000:]}"
-            )
-        return match.group(1)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self._stderr.close()
+#: a Generate request that runs until it is stopped
+LONG_REQUEST = pb.GenerateRequest(
+    text="Hello", sampling_params=pb.SamplingParams(max_tokens=900, ignore_eos=True)
+)
 
 
 @pytest.fixture
@@ -108,8 +56,9 @@ def key_file(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_actorline_serve_serves_until_sigterm(
-    tiny_model_dir: Path, tmp_path: Path, key_file: Path
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_actorline_serve_serves_until_a_stop_signal(
+    tiny_model_dir: Path, tmp_path: Path, key_file: Path, stop_signal: signal.Signals
 ) -> None:
     serve = ServeProcess(
         [
@@ -133,7 +82,7 @@ def test_actorline_serve_serves_until_sigterm(
         with Client(serve.address) as client, pytest.raises(AuthenticationError):
             client.model_info()
 
-        # a stream in flight when SIGTERM arrives ends with UNAVAILABLE, after its outputs
+        # a stream in flight when the signal arrives ends with UNAVAILABLE, after its outputs
         received: list[StreamedOutput] = []
         ended: list[BaseException] = []
         first_output = threading.Event()
@@ -151,8 +100,8 @@ def test_actorline_serve_serves_until_sigterm(
         reader = threading.Thread(target=stream)
         reader.start()
         assert first_output.wait(60)
-        serve.process.send_signal(signal.SIGTERM)
-        assert serve.process.wait(EXIT_TIMEOUT) == 0
+        serve.process.send_signal(stop_signal)
+        assert serve.process.wait(EXIT_TIMEOUT) == 0, serve.stderr[-3000:]
         reader.join(EXIT_TIMEOUT)
         assert received and not any(output.finished for output in received)
         assert len(ended) == 1 and isinstance(ended[0], ServiceUnavailableError), ended
@@ -168,9 +117,7 @@ def test_engine_death_ends_calls_with_unavailable_and_health_not_serving(
     tiny_model_dir: Path,
 ) -> None:
     served = ServedEngine(tiny_model_dir, num_blocks=64)
-    request = pb.GenerateRequest(
-        text="Hello", sampling_params=pb.SamplingParams(max_tokens=900, ignore_eos=True)
-    )
+    request = LONG_REQUEST
 
     async def body() -> None:
         async with grpc.aio.insecure_channel(served.address) as channel:
@@ -212,6 +159,59 @@ def test_engine_death_ends_calls_with_unavailable_and_health_not_serving(
                 list(client.generate("Hello"))
     finally:
         served.close()
+
+
+@pytest.mark.slow
+def test_killing_the_engine_under_actorline_serve(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL the engine host process of ``actorline serve`` while streams run: they end with
+    UNAVAILABLE (engine_dead) within the deadline, health turns NOT_SERVING, and the command
+    still stops cleanly (exit 0) on SIGTERM."""
+    serve = ServeProcess(serve_arguments(tiny_model_dir), tmp_path / "stderr.txt")
+
+    async def body() -> float:
+        async with grpc.aio.insecure_channel(serve.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            calls = [stub.Generate(LONG_REQUEST) for _ in range(2)]
+            for call in calls:
+                await call.read()
+            (engine_pid,) = engine_host_pids(serve.process.pid)
+            os.kill(engine_pid, signal.SIGKILL)
+            killed = time.monotonic()
+            errors = await asyncio.wait_for(
+                asyncio.gather(*(rpc_error(read_until_end(call)) for call in calls)),
+                ENGINE_DEATH_DEADLINE,
+            )
+            ended = time.monotonic() - killed
+            for error in errors:
+                assert error.code() == grpc.StatusCode.UNAVAILABLE
+                assert trailer(error, ERROR_KIND_KEY) == "engine_dead"
+                assert "killed by signal 9" in (error.details() or "")
+            status = None
+            while time.monotonic() - killed < ENGINE_DEATH_DEADLINE:
+                status = (await health.Check(health_pb2.HealthCheckRequest())).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.05)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            error = await rpc_error(stub.Generate(LONG_REQUEST))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            return ended
+
+    try:
+        children = child_pids(serve.process.pid)
+        ended = asyncio.run(body())
+        assert ended < ENGINE_DEATH_DEADLINE
+        with Client(serve.address) as client:
+            assert client.health() == "NOT_SERVING"
+            with pytest.raises(EngineDeadError, match="killed by signal 9"):
+                list(client.generate("Hello"))
+        serve.process.send_signal(signal.SIGTERM)
+        assert serve.process.wait(EXIT_TIMEOUT) == 0, serve.stderr[-3000:]
+        assert not any(process_alive(pid) for pid in children)
+        assert serve.lines.get(timeout=5) is None  # the ready line was the only output
+    finally:
+        serve.kill()
 
 
 @pytest.fixture
