@@ -13,14 +13,26 @@ and ``GET /metrics`` (Prometheus, :class:`pipeline.metrics.EngineMetrics`)::
     )
 
 Request fields use OpenAI's names (``max_tokens``/``max_completion_tokens``, ``temperature``,
-``top_p``, ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``user``,
-``stream_options.include_usage``) plus vLLM's sampling extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``); unknown fields
-are ignored, as vLLM does. Only ``n=1`` is supported. ``user`` names the tenant whose rate
-limits apply (``--user-limit``). Errors are OpenAI-style JSON ``{"error": {"message", "type",
-"param", "code"}}``: 400 for an invalid parameter (``param`` names it), 401 for a bad API key,
-404 for an unknown model, 429 when a rate limit is hit, 503 when overloaded or the engine is
-down. A client that disconnects aborts its request, freeing its KV cache at once.
+``top_p``, ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logprobs`` (and
+``top_logprobs`` for chat), ``stream_options.include_usage``) plus vLLM's sampling extensions
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``); unknown fields are ignored, as vLLM does. Only ``n=1`` is supported. A
+chat request without a token limit generates until the model's length; /v1/completions
+defaults to 16 tokens. Choices carry vLLM's ``stop_reason`` (the stop string or token id that
+ended them, else null); streamed chunks carry the logprobs of their own tokens. The model card
+of ``/v1/models`` has vLLM's ``max_model_len``.
+
+Rate limits (``--requests-per-second``/``--tokens-per-second`` per tenant, ``--key-limit`` for
+one key) apply to the authenticated API key: each ``--api-key`` is its own tenant, named
+``key-`` and 12 hex digits of the key's SHA-256 (the key itself is never logged or shown).
+Without keys, all requests share one tenant. The client-chosen ``user`` field is accepted and
+ignored, so it cannot pick or multiply budgets.
+
+Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for an
+invalid parameter (``param`` names it), 401 for a bad API key, 404 for an unknown model, 429
+when a rate limit is hit, 503 when overloaded or the engine is down, 500 for anything else. An
+error after a stream began is sent as one ``data: {"error": {...}}`` event before
+``data: [DONE]``. A client that disconnects aborts its request, freeing its KV cache at once.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import secrets
@@ -37,8 +50,8 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import Any, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from typing import Annotated, Any, cast
 
 import anyio
 import uvicorn
@@ -58,10 +71,18 @@ from stages.errors import (
     PromptTooLongError,
     RateLimitedError,
 )
-from stages.messages import RequestOutput
-from stages.params import SamplingParams, validate_sampling
+from stages.messages import Logprobs, RequestOutput
+from stages.params import MAX_LOGPROBS, SamplingParams, validate_sampling
+from stages.tokenize import load_tokenizer
 
-__all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "create_app", "main"]
+__all__ = [
+    "ApiError",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "create_app",
+    "key_identity",
+    "main",
+]
 
 logger = logging.getLogger("actorline.examples.openai")
 
@@ -69,6 +90,8 @@ logger = logging.getLogger("actorline.examples.openai")
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 #: OpenAI's default ``max_tokens`` for /v1/completions
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: the floor of a logprob in answers (JSON has no -Infinity; vLLM uses the same)
+MIN_LOGPROB = -9999.0
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -96,6 +119,7 @@ class _GenerationBody(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    #: accepted and ignored: rate limits follow the API key, not a client-chosen name
     user: str | None = None
     # vLLM's sampling extensions
     top_k: int | None = None
@@ -147,8 +171,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": bool,
     "best_of": lambda value: value not in (None, 1),
     "suffix": bool,
-    "logprobs": lambda value: value is not None and value is not False,
-    "top_logprobs": lambda value: value is not None,
     "tools": bool,
     "response_format": lambda value: value not in (None, {"type": "text"}),
 }
@@ -180,14 +202,20 @@ class ApiError(Exception):
         self.param = param
         self.code = code
 
-    def response(self) -> JSONResponse:
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}``."""
         error = {"message": self.message, "type": self.error_type, "param": self.param,
                  "code": self.code}  # fmt: skip
-        return JSONResponse({"error": error}, status_code=self.status)
+        return {"error": error}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
 
     @classmethod
     def from_engine(cls, error: Exception) -> ApiError:
-        """The HTTP answer to an error of the engine API."""
+        """The HTTP answer to an error of the engine API (an ApiError is its own answer)."""
+        if isinstance(error, ApiError):
+            return error
         if isinstance(error, PromptTooLongError):
             return cls(400, str(error), param=error.field, code="context_length_exceeded")
         if isinstance(error, InvalidRequestError):
@@ -197,7 +225,8 @@ class ApiError(Exception):
         if isinstance(error, OverloadedError):
             return cls(503, str(error), error_type="server_error", code="overloaded")
         if isinstance(error, PipelineError):
-            return cls(503, f"the engine is not available: {error}", error_type="server_error")
+            return cls(503, f"the engine is not available: {error}", error_type="server_error",
+                       code="engine_unavailable")  # fmt: skip
         return cls(500, f"{type(error).__name__}: {error}", error_type="server_error")
 
 
@@ -210,19 +239,38 @@ def _unsupported(body: BaseModel) -> None:
                            code="unsupported_value")  # fmt: skip
 
 
-def _sampling(body: _GenerationBody, max_tokens: int) -> SamplingParams:
+def _sampling(
+    body: _GenerationBody, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """The request's sampling parameters, validated. ``max_tokens`` None: up to the model's
+    length; ``logprobs``: how many top alternatives to return per token (None: no logprobs)."""
     values: dict[str, Any] = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
     values = {name: value for name, value in values.items() if value is not None}
     if body.stop is not None:
         values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     if body.stop_token_ids is not None:
         values["stop_token_ids"] = tuple(body.stop_token_ids)
-    params = SamplingParams(max_tokens=max_tokens, **values)
+    params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
     try:
         validate_sampling(params)
     except InvalidRequestError as exc:
         raise ApiError.from_engine(exc) from None
     return params
+
+
+def _chat_logprobs_asked(body: ChatCompletionRequest) -> int | None:
+    """``SamplingParams.logprobs`` of a chat request: ``top_logprobs`` (default 0) when
+    ``logprobs`` is true, else None."""
+    top = body.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
+                       param="top_logprobs", code="invalid_value")  # fmt: skip
+    if not body.logprobs:
+        if top:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs",
+                           code="invalid_value")  # fmt: skip
+        return None
+    return top or 0
 
 
 def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -242,6 +290,75 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
             content = "".join(part.text or "" for part in content)
         messages.append({"role": role, "content": content or ""})
     return messages
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+
+
+class _TokenTexts:
+    """The text of each token id, decoded alone (special tokens kept, as vLLM shows them in
+    logprobs) and once per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = str(self._tokenizer.decode([token_id]))
+        return text
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _chat_token(texts: _TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
+    text = texts(token_id)
+    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+
+
+def _chat_logprobs(entries: Sequence[Logprobs], texts: _TokenTexts) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``,
+    one entry per token, ``top_logprobs`` a list of ``{token, logprob, bytes}``."""
+    content = [
+        {
+            **_chat_token(texts, entry.token_id, entry.logprob),
+            "top_logprobs": [
+                _chat_token(texts, token_id, logprob)
+                for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs)
+            ],
+        }
+        for entry in entries
+    ]
+    return {"content": content}
+
+
+def _completion_logprobs(
+    entries: Sequence[Logprobs], texts: _TokenTexts, offset: int = 0
+) -> tuple[dict[str, Any], int]:
+    """OpenAI's legacy completions ``logprobs`` (``tokens``, ``token_logprobs``,
+    ``top_logprobs`` as token → logprob dicts, ``text_offset``) with offsets counted from
+    ``offset``, and the offset after the last token."""
+    tokens = [texts(entry.token_id) for entry in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    payload = {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(entry.logprob) for entry in entries],
+        "top_logprobs": [
+            {
+                texts(token_id): _logprob(logprob)
+                for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs)
+            }
+            for entry in entries
+        ],
+        "text_offset": offsets,
+    }
+    return payload, offset
 
 
 # -- generation -----------------------------------------------------------------------------------
@@ -310,36 +427,200 @@ async def _start(
     return _Generation(request_id, stream, first, watcher)
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
 async def _collect(generation: _Generation) -> RequestOutput:
+    """The last output of ``generation``.
+
+    Raises:
+        ApiError: the engine failed on the way (it died, was closed, ...).
+    """
     try:
         last = generation.first
         async for output in generation.outputs():
             last = output
         return last
+    except Exception as exc:
+        raise ApiError.from_engine(exc) from exc
     finally:
         await generation.close()
 
 
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _event_stream(
+    generation: _Generation, events: AsyncGenerator[str, None]
+) -> AsyncIterator[str]:
+    """``events`` then ``data: [DONE]``; an error after the stream began is sent as one
+    ``data: {"error": ...}`` event before ``[DONE]`` (as vLLM does). Ends ``generation``."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    except Exception as exc:
+        error = ApiError.from_engine(exc)
+        logger.warning("request %s failed mid-stream: %s", generation.request_id, error.message)
+        yield _sse(error.body())
+    finally:
+        await generation.close()
+    yield SSE_DONE
+
+
+@dataclasses.dataclass
+class _Reply:
+    """How to shape the answer to one request: the fields every response or chunk starts
+    with, the token decoder when logprobs were asked for (else None), and whether a stream
+    ends with a usage chunk."""
+
+    head: dict[str, Any]
+    texts: _TokenTexts | None
+    include_usage: bool
+
+    def chunk(self, choice: dict[str, Any]) -> str:
+        usage = {"usage": None} if self.include_usage else {}
+        return _sse({**self.head, "choices": [choice], **usage})
+
+    def usage_chunk(self, output: RequestOutput) -> str:
+        return _sse({**self.head, "choices": [], "usage": _usage(output)})
+
+
+@dataclasses.dataclass
+class _LogprobsCursor:
+    """How much of a request's logprobs a stream has sent: ``sent`` entries, covering
+    ``offset`` characters of token text."""
+
+    sent: int = 0
+    offset: int = 0
+
+    def take(self, output: RequestOutput) -> Sequence[Logprobs]:
+        """The entries of ``output`` not sent yet (they count as sent from now on)."""
+        entries = (output.logprobs or ())[self.sent :]
+        self.sent += len(entries)
+        return entries
+
+
+def _completion_choice(
+    reply: _Reply, output: RequestOutput, text: str, entries: Sequence[Logprobs], offset: int
+) -> tuple[dict[str, Any], int]:
+    """A /v1/completions choice of ``text`` with the logprobs of ``entries`` (text offsets
+    from ``offset``), and the offset after them."""
+    logprobs = None
+    if reply.texts is not None and entries:
+        logprobs, offset = _completion_logprobs(entries, reply.texts, offset)
+    choice = {"index": 0, "text": text, "logprobs": logprobs,
+              "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}  # fmt: skip
+    return choice, offset
+
+
+def _completion_response(reply: _Reply, output: RequestOutput) -> dict[str, Any]:
+    choice, _ = _completion_choice(reply, output, output.text, output.logprobs or (), 0)
+    return {**reply.head, "choices": [choice], "usage": _usage(output)}
+
+
+async def _completion_events(reply: _Reply, generation: _Generation) -> AsyncGenerator[str, None]:
+    cursor = _LogprobsCursor()
+    async for output in generation.outputs():
+        if output.delta or output.finished:
+            choice, cursor.offset = _completion_choice(
+                reply, output, output.delta, cursor.take(output), cursor.offset
+            )
+            yield reply.chunk(choice)
+        if output.finished and reply.include_usage:
+            yield reply.usage_chunk(output)
+
+
+def _chat_choice_logprobs(reply: _Reply, entries: Sequence[Logprobs]) -> dict[str, Any] | None:
+    return _chat_logprobs(entries, reply.texts) if reply.texts is not None and entries else None
+
+
+def _chat_response(reply: _Reply, output: RequestOutput) -> dict[str, Any]:
+    choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
+              "logprobs": _chat_choice_logprobs(reply, output.logprobs or ()),
+              "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}  # fmt: skip
+    return {**reply.head, "choices": [choice], "usage": _usage(output)}
+
+
+def _chat_chunk(
+    reply: _Reply, delta: dict[str, str], entries: Sequence[Logprobs],
+    output: RequestOutput | None = None,
+) -> str:  # fmt: skip
+    """A chat stream chunk of ``delta`` with the logprobs of ``entries``; ``output``: the
+    finished output whose reasons it carries (None: not the last chunk)."""
+    choice = {"index": 0, "delta": delta, "logprobs": _chat_choice_logprobs(reply, entries),
+              "finish_reason": output.finish_reason if output else None,
+              "stop_reason": output.stop_reason if output else None}  # fmt: skip
+    return reply.chunk(choice)
+
+
+async def _chat_events(reply: _Reply, generation: _Generation) -> AsyncGenerator[str, None]:
+    cursor = _LogprobsCursor()
+    yield _chat_chunk(reply, {"role": "assistant", "content": ""}, ())
+    async for output in generation.outputs():
+        if output.delta:
+            yield _chat_chunk(reply, {"content": output.delta}, cursor.take(output))
+        if output.finished:
+            yield _chat_chunk(reply, {}, cursor.take(output), output)
+            if reply.include_usage:
+                yield reply.usage_chunk(output)
+
+
 # -- the application ------------------------------------------------------------------------------
+
+
+def key_identity(key: str) -> str:
+    """The tenant name of an API key: ``key-`` and the first 12 hex digits of its SHA-256 (the
+    name shows up in rate-limit errors and logs; the key never does)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 @dataclasses.dataclass
 class _Server:
     options: EngineOptions
     model_name: str
-    api_keys: frozenset[str]
+    #: accepted API key → its tenant (empty: no authentication, one shared tenant "")
+    tenants: Mapping[str, str]
     registry: CollectorRegistry
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     engine: AsyncEngine | None = None
+    texts: _TokenTexts | None = None
 
     def usable_engine(self) -> AsyncEngine:
         if self.engine is None:
             raise ApiError(503, "the engine is not running", error_type="server_error")
         return self.engine
+
+    def token_texts(self, logprobs: int | None) -> _TokenTexts | None:
+        """The token decoder for a request that asked for ``logprobs`` (None: none asked)."""
+        if logprobs is None:
+            return None
+        if self.texts is None:
+            raise ApiError(503, "the tokenizer is not loaded", error_type="server_error")
+        return self.texts
+
+
+async def _tenant(request: Request) -> str:
+    """Check the request's API key; its tenant: the key's identity, or "" when the server has
+    no keys. The body's ``user`` plays no part.
+
+    Raises:
+        ApiError: 401, no or an unknown key.
+    """
+    server: _Server = request.app.state.server
+    if not server.tenants:
+        return ""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    tenant = None
+    # NOTE: every key is compared (constant time each), so timing does not tell which matched
+    for key, identity in server.tenants.items():
+        if secrets.compare_digest(given.encode(), key.encode()):
+            tenant = identity
+    if scheme.lower() != "bearer" or tenant is None:
+        raise ApiError(401, "invalid API key", code="invalid_api_key")
+    return tenant
+
+
+#: the authenticated tenant of a request (a dependency: 401 without a valid key)
+Tenant = Annotated[str, Depends(_tenant)]
 
 
 def create_app(
@@ -350,15 +631,19 @@ def create_app(
     on_ready: Callable[[], object] = lambda: None,
 ) -> FastAPI:
     """The FastAPI application: starts an :class:`AsyncEngine` with ``options`` (and its
-    metrics) when the server starts, closes it at shutdown. ``served_model_name``: the model
-    id clients use (default ``options.model``). ``api_keys``: accepted bearer tokens (none:
-    no authentication). ``on_ready()``: called once the engine is up."""
-    server = _Server(options, served_model_name or options.model, frozenset(api_keys),
-                     CollectorRegistry())  # fmt: skip
+    metrics) and loads the model's tokenizer (to spell out logprobs' tokens) when the server
+    starts, closes the engine at shutdown. ``served_model_name``: the model id clients use
+    (default ``options.model``). ``api_keys``: accepted bearer tokens, each its own tenant
+    named by :func:`key_identity` (none: no authentication, one tenant ""; give
+    ``options.tenant_limits`` under those names). ``on_ready()``: called once the engine is
+    up."""
+    tenants = {key: key_identity(key) for key in api_keys}
+    server = _Server(options, served_model_name or options.model, tenants, CollectorRegistry())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine_options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+        server.texts = _TokenTexts(await asyncio.to_thread(load_tokenizer, options.model))
         async with (
             AsyncEngine(**engine_options) as engine,
             EngineMetrics(engine, server.registry),
@@ -370,23 +655,87 @@ def create_app(
             finally:
                 server.engine = None
 
-    async def authenticate(request: Request) -> None:
-        if not server.api_keys:
-            return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not any(
-            secrets.compare_digest(key.encode(), known.encode()) for known in server.api_keys
-        ):
-            raise ApiError(401, "invalid API key", code="invalid_api_key")
-
     app = FastAPI(title="actorline OpenAI-compatible server", lifespan=lifespan)
     # NOTE: the API needs the key; /metrics does not (scrapers, like health probes, have none)
-    api = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+    api = APIRouter(prefix="/v1", dependencies=[Depends(_tenant)])
     app.state.server = server
+    _add_error_handlers(app)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def check_model(model: str) -> None:
+        if model != server.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{server.model_name!r}", param="model",
+                           code="model_not_found")  # fmt: skip
+
+    def reply(request_id: str, kind: str, body: _GenerationBody, logprobs: int | None) -> _Reply:
+        head = {"id": request_id, "object": kind, "created": int(time.time()),
+                "model": server.model_name}  # fmt: skip
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _Reply(head, server.token_texts(logprobs), include_usage)
+
+    @api.get("/models")
+    async def list_models() -> dict[str, Any]:
+        engine = server.usable_engine()
+        assert engine.info is not None
+        model = {"id": server.model_name, "object": "model", "created": server.created,
+                 "owned_by": "actorline", "max_model_len": engine.info.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [model]}
+
+    @api.post("/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request, tenant: Tenant) -> Response:
+        check_model(body.model)
+        _unsupported(body)
+        prompt: Any = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = _sampling(body, max_tokens, body.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        answer = reply(request_id, "text_completion", body, params.logprobs)
+        engine = server.usable_engine()
+        generation = await _start(request, engine, request_id, prompt, params, tenant)
+        if not body.stream:
+            return JSONResponse(_completion_response(answer, await _collect(generation)))
+        events = _event_stream(generation, _completion_events(answer, generation))
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @api.post("/chat/completions", response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request, tenant: Tenant
+    ) -> Response:
+        check_model(body.model)
+        _unsupported(body)
+        messages = _chat_messages(body)
+        # NOTE: with no limit asked for, None: the engine stops at the model's length (vLLM)
+        max_tokens = next(
+            (limit for limit in (body.max_completion_tokens, body.max_tokens) if limit is not None),
+            None,
+        )
+        params = _sampling(body, max_tokens, _chat_logprobs_asked(body))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        kind = "chat.completion.chunk" if body.stream else "chat.completion"
+        answer = reply(request_id, kind, body, params.logprobs)
+        engine = server.usable_engine()
+        generation = await _start(request, engine, request_id, messages, params, tenant)
+        if not body.stream:
+            return JSONResponse(_chat_response(answer, await _collect(generation)))
+        events = _event_stream(generation, _chat_events(answer, generation))
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    app.include_router(api)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Answer every error OpenAI-style: API errors, invalid bodies, HTTP errors of the
+    framework (unknown route, ...), and anything unexpected (500; uvicorn logs its
+    traceback)."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -408,120 +757,26 @@ def create_app(
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         return ApiError(error.status_code, str(error.detail)).response()
 
-    def check_model(model: str) -> None:
-        if model != server.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{server.model_name!r}", param="model",
-                           code="model_not_found")  # fmt: skip
-
-    @api.get("/models")
-    async def list_models() -> dict[str, Any]:
-        model = {"id": server.model_name, "object": "model", "created": server.created,
-                 "owned_by": "actorline"}  # fmt: skip
-        return {"object": "list", "data": [model]}
-
-    @api.post("/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        _unsupported(body)
-        prompt: Any = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, "only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = _sampling(body, max_tokens)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        engine = server.usable_engine()
-        generation = await _start(request, engine, request_id, prompt, params, body.user or "")
-        head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": server.model_name}  # fmt: skip
-        if not body.stream:
-            last = await _collect(generation)
-            choice = {"index": 0, "text": last.text, "logprobs": None,
-                      "finish_reason": last.finish_reason}  # fmt: skip
-            return JSONResponse({**head, "choices": [choice], "usage": _usage(last)})
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for output in generation.outputs():
-                    if output.delta or output.finished:
-                        choice = {"index": 0, "text": output.delta, "logprobs": None,
-                                  "finish_reason": output.finish_reason}  # fmt: skip
-                        usage = {"usage": None} if include_usage else {}
-                        yield _sse({**head, "choices": [choice], **usage})
-                    if output.finished and include_usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(output)})
-                yield SSE_DONE
-            finally:
-                await generation.close()
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-    @api.post("/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        _unsupported(body)
-        messages = _chat_messages(body)
-        engine = server.usable_engine()
-        assert engine.info is not None
-        # NOTE: with no limit asked for, the engine stops at the model's length.
-        max_tokens = next(
-            (limit for limit in (body.max_completion_tokens, body.max_tokens) if limit is not None),
-            engine.info.max_model_len,
-        )
-        params = _sampling(body, max_tokens)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = await _start(request, engine, request_id, messages, params, body.user or "")
-        head = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": server.model_name}  # fmt: skip
-        if not body.stream:
-            last = await _collect(generation)
-            choice = {"index": 0, "message": {"role": "assistant", "content": last.text},
-                      "logprobs": None, "finish_reason": last.finish_reason}  # fmt: skip
-            return JSONResponse({**head, "choices": [choice], "usage": _usage(last)})
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        head["object"] = "chat.completion.chunk"
-        usage = {"usage": None} if include_usage else {}
-
-        def chunk(delta: dict[str, str], finish_reason: str | None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": None,
-                      "finish_reason": finish_reason}  # fmt: skip
-            return _sse({**head, "choices": [choice], **usage})
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                yield chunk({"role": "assistant", "content": ""}, None)
-                async for output in generation.outputs():
-                    if output.delta:
-                        yield chunk({"content": output.delta}, None)
-                    if output.finished:
-                        yield chunk({}, output.finish_reason)
-                        if include_usage:
-                            yield _sse({**head, "choices": [], "usage": _usage(output)})
-                yield SSE_DONE
-            finally:
-                await generation.close()
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-    app.include_router(api)
-    return app
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        return ApiError.from_engine(error).response()
 
 
 # -- command line ---------------------------------------------------------------------------------
 
 
-def _user_limit(text: str) -> tuple[str, tuple[float | None, float | None]]:
-    """``USER:REQUESTS_PER_SECOND:TOKENS_PER_SECOND`` with ``-`` for no limit."""
-    parts = text.split(":")
+def _key_limit(text: str) -> tuple[str, tuple[float | None, float | None]]:
+    """``KEY:REQUESTS_PER_SECOND:TOKENS_PER_SECOND`` with ``-`` for no limit (the key may
+    contain ``:``). Error messages never repeat the key."""
+    parts = text.rsplit(":", 2)
     if len(parts) != 3 or not parts[0]:
-        raise argparse.ArgumentTypeError(f"expected USER:REQUESTS/S:TOKENS/S, got {text!r}")
+        raise argparse.ArgumentTypeError("expected KEY:REQUESTS/S:TOKENS/S")
     try:
         limits = tuple(None if part == "-" else float(part) for part in parts[1:])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"limits must be numbers or '-', got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"limits must be numbers or '-', got {':'.join(parts[1:])!r}"
+        ) from None
     return parts[0], (limits[0], limits[1])
 
 
@@ -531,16 +786,35 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--served-model-name", default=None, help="model id (default --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: pick a free port")
-    parser.add_argument("--api-key", action="append", default=[], help="accepted key (repeat)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="accepted key, its own rate-limit tenant (repeat)")  # fmt: skip
     parser.add_argument("--transport", default="zmq", choices=("zmq", "grpc", "memory"))
     parser.add_argument("--scheduler", default="fcfs", help="scheduling policy plugin name")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--requests-per-second", type=float, default=None, help="per user")
-    parser.add_argument("--tokens-per-second", type=float, default=None, help="per user")
-    parser.add_argument("--user-limit", type=_user_limit, action="append", default=[],
-                        help="USER:REQUESTS/S:TOKENS/S for one user ('-': none)")  # fmt: skip
+    parser.add_argument("--requests-per-second", type=float, default=None,
+                        help="per API key (all requests together without keys)")  # fmt: skip
+    parser.add_argument("--tokens-per-second", type=float, default=None,
+                        help="per API key (all requests together without keys)")  # fmt: skip
+    parser.add_argument("--key-limit", type=_key_limit, action="append", default=[],
+                        metavar="KEY:RPS:TPS",
+                        help="requests/s and tokens/s of one --api-key ('-': none)")  # fmt: skip
     return parser.parse_args(argv)
+
+
+def _tenant_limits(
+    api_keys: Sequence[str], key_limits: Sequence[tuple[str, tuple[float | None, float | None]]]
+) -> dict[str, tuple[float | None, float | None]]:
+    """``--key-limit`` values as the engine's ``tenant_limits`` (keyed by tenant name).
+
+    Raises:
+        ValueError: a limit names a key that is not an ``--api-key``.
+    """
+    unknown = [key for key, _ in key_limits if key not in api_keys]
+    if unknown:
+        names = ", ".join(key_identity(key) for key in unknown)
+        raise ValueError(f"--key-limit for a key not given with --api-key ({names})")
+    return {key_identity(key): limits for key, limits in key_limits}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -556,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             requests_per_second=args.requests_per_second,
             tokens_per_second=args.tokens_per_second,
-            tenant_limits=dict(args.user_limit),
+            tenant_limits=_tenant_limits(args.api_key, args.key_limit),
         )
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

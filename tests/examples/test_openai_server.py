@@ -1,12 +1,17 @@
 """examples/openai_server.py as a real uvicorn server (a subprocess on a free port running the
 tiny model), driven with the official ``openai`` client: models list, completions and chat
-completions with and without streaming, OpenAI-style errors (400 naming the field, 401, 404,
-429), a client that disconnects mid-stream aborting its request, Prometheus metrics, and a
-clean exit on SIGTERM (status 0, no process left)."""
+completions with and without streaming, logprobs in both endpoints' formats, stop strings and
+``stop_reason``, chat generating up to the model's length by default, OpenAI-style errors (400
+naming the field, 401, 404, 429), rate limits that follow the API key (not the ``user``
+field), a client that disconnects mid-stream aborting its request, the engine dying under
+running requests (503 JSON; an error event then ``[DONE]`` in a stream), Prometheus metrics,
+and a clean exit on SIGTERM (status 0, no process left)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -17,17 +22,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
+import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.examples.running import RUN_TIMEOUT, example_command, example_env
 from tests.pipeline.server.serving import child_pids, process_alive
+from tests.processes import child_processes
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
 API_KEY = "test-key-0123"
-LIMITED_USER = "limited-user"
+#: two keys limited to about one request (a bucket of 1 refilling at 0.001/s) each
+LIMITED_KEYS = ("limited-key-a", "limited:key-b")
 READY_PREFIX = "serving OpenAI-compatible API on "
 IGNORE_EOS = {"ignore_eos": True}
 #: seconds to wait for the server to notice a disconnect and abort
@@ -46,14 +54,13 @@ def poll_until(condition: Callable[[], bool], what: str) -> None:
 class Server:
     """The example server in a subprocess; ``url`` is its /v1 base URL once ready."""
 
-    def __init__(self, model: Path, stderr_path: Path) -> None:
+    def __init__(self, model: Path, stderr_path: Path, *arguments: str) -> None:
         self._stderr = stderr_path.open("w")
         self.stderr_path = stderr_path
         self.process = subprocess.Popen(
             example_command(
                 "openai_server", "--model", str(model), "--served-model-name", MODEL,
-                "--port", "0", "--api-key", API_KEY, "--num-blocks", "128",
-                "--user-limit", f"{LIMITED_USER}:0.001:-",
+                "--port", "0", "--num-blocks", "128", *arguments,
             ),
             stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=example_env(),
         )  # fmt: skip
@@ -83,6 +90,18 @@ class Server:
             for sample in family.samples
         }
 
+    def metric(self, name: str) -> float:
+        """The value of the unlabelled sample ``name``."""
+        return self.metrics()[name, frozenset()]
+
+    def kill_engine(self) -> None:
+        """SIGKILL the engine's process(es) (the pipeline hosts the server spawned)."""
+        hosts = [pid for pid, command in child_processes(self.process.pid).items()
+                 if "pipeline._host_main" in command]  # fmt: skip
+        assert hosts, "the engine runs in a process of its own"
+        for pid in hosts:
+            os.kill(pid, signal.SIGKILL)
+
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
@@ -92,7 +111,10 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = Server(tiny_model_dir, tmp_path_factory.mktemp("openai") / "stderr.txt")
+    limits = [argument for key in LIMITED_KEYS for argument in ("--key-limit", f"{key}:0.001:-")]
+    keys = [argument for key in (API_KEY, *LIMITED_KEYS) for argument in ("--api-key", key)]
+    stderr_path = tmp_path_factory.mktemp("openai") / "stderr.txt"
+    running = Server(tiny_model_dir, stderr_path, *keys, *limits)
     try:
         yield running
         children = child_pids(running.process.pid)
@@ -108,6 +130,12 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def client(server: Server) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=server.url, api_key=API_KEY, max_retries=0) as created:
         yield created
+
+
+def stop_reason(choice: object) -> object:
+    """vLLM's ``stop_reason`` of a choice (an extra field for the openai client)."""
+    assert isinstance(choice, pydantic.BaseModel) and choice.model_extra is not None
+    return choice.model_extra["stop_reason"]
 
 
 def test_models(client: openai.OpenAI) -> None:
@@ -203,11 +231,12 @@ def test_errors_are_openai_style(client: openai.OpenAI, server: Server) -> None:
         pytest.raises(openai.AuthenticationError),
     ):
         stranger.models.list()
-    client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, user=LIMITED_USER)
-    with pytest.raises(openai.RateLimitError) as limited:
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, user=LIMITED_USER)
-    assert limited.value.status_code == 429
-    assert isinstance(limited.value.body, dict) and "limit" in json.dumps(limited.value.body)
+    with pytest.raises(openai.BadRequestError) as top_alone:
+        client.chat.completions.create(model=MODEL, messages=messages, top_logprobs=2)  # type: ignore[arg-type]
+    assert top_alone.value.param == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.completions.create(model=MODEL, prompt="Hi", logprobs=21)
+    assert too_many.value.param == "logprobs"
 
 
 def test_disconnect_aborts_the_request(client: openai.OpenAI, server: Server) -> None:
@@ -224,3 +253,186 @@ def test_disconnect_aborts_the_request(client: openai.OpenAI, server: Server) ->
     poll_until(lambda: server.metrics()[aborted] > before, "the disconnected request's abort")
     running = ("actorline_requests_running", frozenset[tuple[str, str]]())
     poll_until(lambda: server.metrics()[running] == 0, "no request to run")
+
+
+def test_rate_limits_follow_the_api_key(server: Server) -> None:
+    first, second = (
+        openai.OpenAI(base_url=server.url, api_key=key, max_retries=0) for key in LIMITED_KEYS
+    )
+    request = dict(model=MODEL, prompt="Hi", max_tokens=1)
+    with first, second:
+        first.completions.create(**request, user="alice")  # type: ignore[call-overload]
+        with pytest.raises(openai.RateLimitError) as limited:
+            # another user under the same key: the same budget
+            first.completions.create(**request, user="bob")  # type: ignore[call-overload]
+        second.completions.create(**request, user="bob")  # type: ignore[call-overload]
+    assert limited.value.status_code == 429
+    body = json.dumps(limited.value.body)
+    assert "limit" in body
+    # the tenant is named by the key's hash, never by the key itself
+    assert "key-" + hashlib.sha256(LIMITED_KEYS[0].encode()).hexdigest()[:12] in body
+    assert LIMITED_KEYS[0] not in body
+    assert LIMITED_KEYS[0] not in server.stderr_path.read_text()
+
+
+def check_token_logprobs(logprob: float, top: list[float], rank_one: bool) -> None:
+    assert logprob <= 0.0 and all(value <= 0.0 for value in top)
+    assert top == sorted(top, reverse=True)
+    if rank_one:  # greedy: the sampled token is the most likely one
+        assert top[0] == pytest.approx(logprob)
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Say something"}],
+                   max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=3,
+                   extra_body=IGNORE_EOS)  # fmt: skip
+    completion = client.chat.completions.create(**request)  # type: ignore[call-overload]
+    choice = completion.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    entries = choice.logprobs.content
+    assert len(entries) == 8
+    assert "".join(entry.token for entry in entries) == choice.message.content
+    for entry in entries:
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token
+        check_token_logprobs(entry.logprob, [top.logprob for top in entry.top_logprobs], True)
+
+    chunks = list(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
+    streamed = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content or ()]  # fmt: skip
+    assert [entry.token for entry in streamed] == [entry.token for entry in entries]
+    assert [entry.logprob for entry in streamed] == pytest.approx(
+        [entry.logprob for entry in entries]
+    )
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(pieces) == choice.message.content
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    request = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0.0,
+                   logprobs=2, extra_body=IGNORE_EOS)  # fmt: skip
+    completion = client.completions.create(**request)  # type: ignore[call-overload]
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    assert logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.tokens) == 8
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(8)]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 2 and token in top
+        check_token_logprobs(logprob, list(top.values()), True)
+
+    chunks = list(client.completions.create(**request, stream=True))  # type: ignore[call-overload]
+    streamed = [chunk.choices[0].logprobs for chunk in chunks if chunk.choices[0].logprobs]
+    assert len(streamed) > 1
+    assert [token for part in streamed for token in part.tokens or ()] == logprobs.tokens
+    assert [offset for part in streamed for offset in part.text_offset or ()] == (
+        logprobs.text_offset
+    )
+
+
+def test_stop_string_ends_the_text(client: openai.OpenAI) -> None:
+    request = dict(model=MODEL, prompt="Hello there", max_tokens=12, temperature=0.0,
+                   extra_body=IGNORE_EOS)  # fmt: skip
+    full = client.completions.create(**request)  # type: ignore[call-overload]
+    assert stop_reason(full.choices[0]) is None
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop
+    cut = client.completions.create(**request, stop=[stop])  # type: ignore[call-overload]
+    choice = cut.choices[0]
+    assert choice.text == text[: text.index(stop)]
+    assert choice.finish_reason == "stop"
+    assert stop_reason(choice) == stop
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=12,
+            temperature=0.0,
+            stop=stop,
+            stream=True,
+            extra_body=IGNORE_EOS,
+        )
+    )
+    last = chunks[-1].choices[0]
+    assert last.finish_reason in ("stop", "length")
+    assert stop_reason(last) == (stop if last.finish_reason == "stop" else None)
+    assert stop not in "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+def test_chat_without_a_limit_runs_to_the_model_length(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0]
+    assert model.model_extra is not None
+    max_model_len = model.model_extra["max_model_len"]
+    # a long prompt (about one token per word) leaves a few dozen tokens to generate
+    words = "hello " * (max_model_len - 80)
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": words}], temperature=0.0,
+        extra_body=IGNORE_EOS,
+    )  # fmt: skip
+    choice = completion.choices[0]
+    assert completion.usage is not None
+    assert choice.finish_reason == "length"
+    assert completion.usage.completion_tokens > 1
+    assert completion.usage.total_tokens == max_model_len
+
+
+@pytest.fixture
+def doomed_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Server]:
+    """A server of its own (no API keys) whose engine the test kills."""
+    running = Server(tiny_model_dir, tmp_path / "stderr.txt")
+    try:
+        yield running
+    finally:
+        running.kill()
+
+
+def test_engine_death_is_answered_openai_style(doomed_server: Server) -> None:
+    long = dict(model=MODEL, max_tokens=900, temperature=0.0, extra_body=IGNORE_EOS)
+    chat = dict(long, messages=[{"role": "user", "content": "Go on forever"}])
+    failures: queue.Queue[BaseException | None] = queue.Queue()
+    with openai.OpenAI(base_url=doomed_server.url, api_key="none", max_retries=0) as client:
+
+        def complete() -> None:
+            try:
+                client.completions.create(prompt="Go on forever", **long)  # type: ignore[call-overload]
+            except openai.APIError as exc:
+                failures.put(exc)
+            else:
+                failures.put(None)
+
+        threading.Thread(target=complete, daemon=True).start()
+        stream = iter(client.chat.completions.create(**chat, stream=True))  # type: ignore[call-overload]
+        next(stream)
+        raw_request = urllib.request.Request(
+            f"{doomed_server.url}/chat/completions",
+            data=json.dumps({**chat, "stream": True, "ignore_eos": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(raw_request, timeout=RUN_TIMEOUT) as raw:
+            assert raw.status == 200
+            events = (line.decode().rstrip("\n") for line in raw if line.strip())
+            next(events)
+            poll_until(lambda: doomed_server.metric("actorline_requests_running") == 3,
+                       "three running requests")  # fmt: skip
+            doomed_server.kill_engine()
+            tail = list(events)[-2:]
+        with pytest.raises(openai.APIError) as streamed:
+            for _ in stream:
+                pass
+        collected = failures.get(timeout=ABORT_WAIT)
+        with pytest.raises(openai.InternalServerError) as later:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+
+    assert tail[-1] == "data: [DONE]"
+    error = json.loads(tail[0].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "engine" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(streamed.value.body, dict) and streamed.value.body["type"] == "server_error"
+    assert isinstance(collected, openai.InternalServerError) and collected.status_code == 503
+    assert isinstance(collected.body, dict) and collected.body["type"] == "server_error"
+    assert later.value.status_code == 503
