@@ -106,6 +106,7 @@ def preflight(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     from stages.errors import InvalidRequestError
     from stages.models import ModelError, resolve_model
     from stages.params import validate_sampling
+    from stages.policies import load_policy
 
     options = engine_options_from(args)
     try:
@@ -113,7 +114,7 @@ def preflight(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
         params = sampling_from(args) if hasattr(args, "max_tokens") else None
         if params is not None:
             validate_sampling(params)
-        plugins.load(plugins.SCHEDULERS, args.scheduler)
+        load_policy(args.scheduler)  # imported and constructed, as the engine will
         resolved = resolve_model(args.model)
     except (ModelError, InvalidRequestError, ValueError, TypeError, plugins.PluginError) as exc:
         raise CliError(str(exc), 2) from exc

@@ -220,10 +220,18 @@ class AsyncEngine:
         """Start the pipeline (spawning the engine process) and wait until the model is loaded.
 
         Raises:
-            StageFailedError: a stage failed to start (the model could not be loaded, ...).
+            ModelNotFoundError: an unknown alias, or a path that does not exist.
+            ModelFormatError: not a usable model (a corrupt or truncated GGUF, ...).
+            plugins.PluginError: the scheduler plugin is missing, broken or invalid.
+            StageFailedError: a stage failed to start for another reason (a model the
+                attention path cannot serve, ...).
         """
         if self._running is not None:
             return self
+        # NOTE: what can be checked here is, so the caller gets the typed error rather than a
+        # StageFailedError from a stage in another process. The model is resolved (a GGUF
+        # converted, once) here instead of in two stages at once.
+        await asyncio.to_thread(_preflight, self.options)
         self._running = await self.pipeline.start(start_options(self.options))
         self._running.add_failure_callback(self._on_failure)
         info = await self._running.receive("engine_info")
@@ -475,6 +483,15 @@ class AsyncEngine:
             collector.fail(self._failure)
         self._collectors.clear()
         self._engine_ids.clear()
+
+
+def _preflight(options: EngineOptions) -> None:
+    """Resolve the model and construct the scheduling policy, raising their typed errors."""
+    from stages.models import resolve_model
+    from stages.policies import load_policy
+
+    resolve_model(options.model)
+    load_policy(options.scheduler)
 
 
 def _make_request(

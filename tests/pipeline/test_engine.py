@@ -21,6 +21,7 @@ from pipeline import (
     AsyncEngine,
     EngineDeadError,
     InvalidRequestError,
+    PipelineClosedError,
     PromptTooLongError,
     SamplingParams,
 )
@@ -472,3 +473,27 @@ def test_outputs_carry_timing_metrics(served: tuple[LoopThread, AsyncEngine]) ->
     ttft, total = final.metrics.time_to_first_token, final.metrics.total_time
     assert ttft is not None and total is not None
     assert 0 < ttft <= total <= after - before
+
+
+def test_bad_models_fail_to_start_with_typed_errors(tmp_path: Path) -> None:
+    """The caller gets ModelNotFoundError / ModelFormatError itself (not a failure of a
+    stage in the engine process), and nothing is left running."""
+    from stages.models import ModelFormatError, ModelNotFoundError
+
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 4096)
+    cases: list[tuple[str, type[Exception], str]] = [
+        ("smollm9-1t", ModelNotFoundError, "unknown model 'smollm9-1t'"),
+        (str(tmp_path / "missing.gguf"), ModelNotFoundError, "does not exist"),
+        (str(corrupt), ModelFormatError, "GGUF"),
+    ]
+
+    async def body() -> None:
+        for model, error, message in cases:
+            engine = AsyncEngine(model)
+            with pytest.raises(error, match=message):
+                await engine.start()
+            with pytest.raises(PipelineClosedError):
+                engine.running  # noqa: B018 - nothing was started
+
+    asyncio.run(asyncio.wait_for(body(), 120))

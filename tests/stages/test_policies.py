@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sys
 import textwrap
@@ -281,3 +282,28 @@ def test_plugin_whose_constructor_raises_is_refused(plugin_distribution: Path) -
     ) as info:
         load_policy("test-exploding")
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("test-exploding", PolicyConstructionError),
+        ("test-lacks-victim", PluginProtocolError),
+        ("test-broken-import", PluginLoadError),
+    ],
+)
+def test_an_engine_with_a_bad_policy_fails_to_start_with_the_plugin_error(
+    plugin_distribution: Path, tiny_model_dir: Path, name: str, error: type[Exception]
+) -> None:
+    """The engine checks its policy before anything starts: the caller gets the typed
+    plugin error naming the plugin, not a stage failure from another process."""
+    from pipeline import AsyncEngine
+
+    async def body() -> None:
+        engine = AsyncEngine(str(tiny_model_dir), scheduler=name)
+        with pytest.raises(error, match=repr(name)):
+            await engine.start()
+        with pytest.raises(Exception, match="not started"):
+            engine.running  # noqa: B018 - nothing was started
+
+    asyncio.run(body())
