@@ -74,7 +74,8 @@ def validate_request(request: EngineRequest, info: EngineInfo) -> None:
     """Check a request against the model before it can use any resource.
 
     Raises:
-        PromptTooLongError: the prompt leaves no room for one generated token.
+        PromptTooLongError: the prompt leaves no room for one generated token in the model's
+            length or in the whole KV cache.
         InvalidRequestError: an empty prompt, a token id outside the vocabulary, or an
             invalid sampling parameter (the error names the field).
     """
@@ -86,6 +87,14 @@ def validate_request(request: EngineRequest, info: EngineInfo) -> None:
     if len(ids) >= info.max_model_len:
         raise PromptTooLongError(
             f"the prompt has {len(ids)} tokens; the model's length is {info.max_model_len} "
+            "(prompt plus at least one generated token)",
+            field="prompt",
+            request_id=request.request_id,
+        )
+    kv_tokens = info.num_blocks * info.block_size
+    if len(ids) >= kv_tokens:
+        raise PromptTooLongError(
+            f"the prompt has {len(ids)} tokens; the whole KV cache holds {kv_tokens} "
             "(prompt plus at least one generated token)",
             field="prompt",
             request_id=request.request_id,

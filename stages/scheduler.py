@@ -44,6 +44,7 @@ __all__ = ["Scheduler", "SchedulerConfig", "SchedulerError"]
 
 _FINISH_STOP = "stop"
 _FINISH_LENGTH = "length"
+_FINISH_ERROR = "error"
 
 
 class SchedulerError(RuntimeError):
@@ -398,7 +399,7 @@ class Scheduler:
             if plan.budget == 0 or len(self._running) >= self.config.max_num_seqs:
                 break
             if state.num_prompt_tokens >= limit:
-                # Admit should have refused it; it can never run, so end it here.
+                # Admit refuses it; without admit it can never run: end it as an error.
                 del self._waiting[state.request_id]
                 state.status = _Status.DONE
                 self._unrunnable.append(state)
@@ -572,7 +573,7 @@ class Scheduler:
         for state in self._unrunnable:
             ids.append(state.request_id)
             new_tokens.append(())
-            finish_reasons.append(_FINISH_LENGTH)
+            finish_reasons.append(_FINISH_ERROR)
             stop_reasons.append(None)
         self._unrunnable = []
 

@@ -4,6 +4,7 @@ every request is either forwarded or answered with a typed rejection, never drop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -193,3 +194,17 @@ def test_queue_bound_rejects_with_overloaded_until_the_engine_catches_up() -> No
         assert isinstance(await answer(running, request("q4")), EngineRequest)
 
     run_admit(AdmitConfig(max_queued_requests=2), body)
+
+
+def test_a_prompt_the_whole_kv_cache_cannot_hold_is_too_long() -> None:
+    small = dataclasses.replace(INFO, num_blocks=2)  # 32 tokens, under the model's 64
+
+    async def body(running: RunningPipeline) -> None:
+        await running.send("info", small)
+        rejected = await answer(running, request("big", (5,) * 40))
+        assert isinstance(rejected, RequestRejected)
+        assert (rejected.kind, rejected.field) == ("prompt_too_long", "prompt")
+        assert "KV cache holds 32" in rejected.message
+        assert isinstance(await answer(running, request("fits", (5,) * 20)), EngineRequest)
+
+    run_admit(AdmitConfig(), body, info=False)

@@ -541,12 +541,13 @@ def test_execute_initiated_preemption_is_recomputed() -> None:
     assert finished.reasons["b"] == ("length", None)
 
 
-def test_a_prompt_that_can_never_fit_ends_with_length() -> None:
+def test_a_prompt_that_can_never_fit_ends_with_error() -> None:
+    """Admit refuses such a prompt; a pipeline without admit still gets an answer."""
     scheduler, execute = make(num_blocks=2, block_size=4, max_model_len=100)
     scheduler.add_request(request("huge", 8))
     scheduler.add_request(request("ok", 3, max_tokens=2))
     finished = run_to_completion(scheduler, execute)
-    assert finished.reasons == {"huge": ("length", None), "ok": ("length", None)}
+    assert finished.reasons == {"huge": ("error", None), "ok": ("length", None)}
     assert finished.tokens["huge"] == []
 
 
@@ -643,11 +644,16 @@ def test_mirror_never_overplans_and_every_request_ends(workload: Workload) -> No
     assert set(finished.reasons) | aborted == added
     assert not set(finished.reasons) & aborted
     max_tokens = {new.request_id: new.params.max_tokens for _, new in requests}
+    prompt_lengths = {new.request_id: len(new.prompt_token_ids) for _, new in requests}
     for request_id, (reason, stop_token) in finished.reasons.items():
         tokens = finished.tokens.get(request_id, [])
         assert len(tokens) <= max_tokens[request_id]
         if reason == "stop":
             assert tokens[-1] == stop_token == EOS
+        elif reason == "error":  # a prompt the model's length or the KV cache cannot hold
+            assert tokens == []
+            room = min(workload.max_model_len, workload.num_blocks * workload.block_size)
+            assert prompt_lengths[request_id] >= room
         else:
             assert reason == "length" and EOS not in tokens
     # Every block came back to execute once the last frees went out.
