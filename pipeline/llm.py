@@ -22,7 +22,7 @@ from pipeline.engine import AsyncEngine, Prompt
 from pipeline.options import EngineOptions
 from stages.errors import InvalidRequestError
 from stages.messages import RequestOutput
-from stages.params import SamplingParams
+from stages.params import SamplingParams, validate_sampling
 
 __all__ = ["LLM"]
 
@@ -126,7 +126,9 @@ class LLM:
         ``params``: one SamplingParams for all, or a list with one per prompt.
 
         Raises:
-            InvalidRequestError: a bad prompt or parameter; nothing is generated then.
+            InvalidRequestError: a bad prompt or parameter. Sampling parameters are checked
+                before anything is sent; a prompt the engine refuses (too long, say) aborts
+                the rest of the batch.
             EngineDeadError: the engine died.
         """
         batch = _as_batch(prompts)
@@ -138,6 +140,10 @@ class LLM:
                 raise InvalidRequestError(
                     f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts", field="params"
                 )
+        for sampling in {id(p): p for p in per_prompt}.values():
+            if not isinstance(sampling, SamplingParams):
+                raise InvalidRequestError("params must be SamplingParams", field="params")
+            validate_sampling(sampling)
         show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
         return self._loop.run(self._generate_all(batch, per_prompt, show, chat_template))
 

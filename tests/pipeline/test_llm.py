@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,3 +105,25 @@ def test_final_outputs_carry_timing_metrics(tiny_model_dir: Path) -> None:
         ttft, total = output.metrics.time_to_first_token, output.metrics.total_time
         assert ttft is not None and total is not None, output.metrics
         assert 0 < ttft <= total
+
+
+def test_bad_sampling_params_in_a_batch_send_nothing(tiny_model_dir: Path) -> None:
+    from pipeline.engine import EngineObserver
+
+    class Sent(EngineObserver):
+        def __init__(self) -> None:
+            self.ids: list[str] = []
+
+        def request_sent(self, request: Any) -> None:
+            self.ids.append(request.request_id)
+
+    params = [SamplingParams(max_tokens=4), SamplingParams(top_p=5.0)]
+    with LLM(str(tiny_model_dir), transport="memory") as llm:
+        sent = Sent()
+        llm.engine.add_observer(sent)
+        with pytest.raises(InvalidRequestError, match="top_p") as caught:
+            llm.generate(["fine", "also fine"], params)
+        assert caught.value.field == "top_p"
+        assert sent.ids == []  # nothing was sent
+        llm.generate(["fine"], params[0])
+        assert len(sent.ids) == 1
