@@ -10,22 +10,29 @@ The parent watches the child through a pidfd (readable the moment the process ex
 SIGKILL and the OOM killer are noticed at once) and the socket; the child stops when the
 socket closes, so a dead parent leaves no orphan. Unlike multiprocessing's spawn, this starts
 no resource-tracker process, so a stopped pipeline leaves no process behind.
+
+A host that listens on zmq links gets its private ipc directory from the parent (the zmq
+transport's ``ipc_dir`` setting): the child removes it when it closes its transport, and the
+parent once the child is gone, so not even a SIGKILLed host leaves ipc files behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing.spawn
 import os
 import pickle
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 from pipeline._gc import freeze_startup_heap
@@ -52,6 +59,21 @@ logger = logging.getLogger("actorline.process")
 
 _LENGTH = struct.Struct("!I")
 _MAX_CONTROL_FRAME = 64 << 20
+_ZMQ = "zmq"
+
+
+def _with_ipc_dir(plan: HostPlan) -> tuple[HostPlan, str | None]:
+    """The plan to hand a spawned host, and the ipc directory the parent made for it (None
+    when the host listens on no zmq link, or the settings name a directory already)."""
+    if not any(link.transport == _ZMQ for link in plan.inbound):
+        return plan, None
+    settings = dict(plan.transport_settings)
+    zmq_settings = dict(settings.get(_ZMQ) or {})
+    if "ipc_dir" in zmq_settings:
+        return plan, None
+    directory = tempfile.mkdtemp(prefix="actorline-zmq-")
+    settings[_ZMQ] = {**zmq_settings, "ipc_dir": directory}
+    return dataclasses.replace(plan, transport_settings=tuple(settings.items())), directory
 
 
 def _failure_message(call_id: int, host: str, error: BaseException) -> HostFailure:
@@ -236,6 +258,7 @@ class ProcessHost:
         self._gone = False
         self._exited = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._ipc_dir: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -247,12 +270,16 @@ class ProcessHost:
         try:
             preparation = multiprocessing.spawn.get_preparation_data(f"actorline-{self.name}")
             preparation.pop("authkey", None)  # the host uses no multiprocessing connections
-            bootstrap = pickle.dumps((preparation, pickle.dumps(self.plan)))
+            plan, self._ipc_dir = _with_ipc_dir(self.plan)
+            bootstrap = pickle.dumps((preparation, pickle.dumps(plan)))
             self._process = subprocess.Popen(  # noqa: ASYNC220 - returns at once
                 [sys.executable, "-m", "pipeline._host_main", str(child_end.fileno())],
                 pass_fds=(child_end.fileno(),),
                 stdin=subprocess.DEVNULL,
             )
+        except BaseException:
+            self._remove_ipc_dir()
+            raise
         finally:
             child_end.close()
         parent_end.sendall(_LENGTH.pack(len(bootstrap)) + bootstrap)
@@ -292,6 +319,7 @@ class ProcessHost:
         self._gone = True
         self._exited.set()
         exitcode = self._process.wait()
+        self._remove_ipc_dir()
         error = HostDiedError(self.name, exitcode)
         for future in self._calls.values():
             if not future.done():
@@ -299,6 +327,12 @@ class ProcessHost:
         self._calls.clear()
         if not self._stopping:
             self._on_failure(error)
+
+    def _remove_ipc_dir(self) -> None:
+        """Remove the host's ipc directory (the host is gone, or never started)."""
+        directory, self._ipc_dir = self._ipc_dir, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
     async def _call(self, command_type: type, *args: Any, timeout: float | None = None) -> Any:
         if self._gone or self._control is None or self._loop is None:
@@ -375,6 +409,7 @@ class ProcessHost:
             if not await self._wait_exit(1.0):
                 process.kill()
         process.wait()
+        self._remove_ipc_dir()
         if self._pidfd is not None:
             if not self._gone and self._loop is not None:
                 self._loop.remove_reader(self._pidfd)

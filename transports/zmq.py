@@ -1,4 +1,4 @@
-"""ZeroMQ links: a PUSH socket that connects sends to a PULL socket that binds.
+"""ZeroMQ links: a DEALER socket that connects sends to a ROUTER socket that binds.
 
 Each message is one multipart ZMQ message, ``[header_frame, *out_of_band_buffers]`` from
 :class:`~transports.framing.FrameCodec`; buffers go out with ``copy=False`` and arrive as
@@ -7,19 +7,33 @@ HELLO (with its name) when it connects, HEARTBEAT whenever it has been idle for
 ``heartbeat_interval`` and END when it closes gracefully; a receiver that hears nothing for
 ``heartbeat_timeout`` while it waits raises :class:`~transports.errors.PeerLostError`.
 
+One sender per receiver: the ROUTER tells connections apart (each sender has a random
+routing id, kept across reconnects), and the first peer to say HELLO becomes the link's
+sender. Anything else from any other peer (its HELLO, data, END) is dropped with a warning,
+so a stray peer cannot end or feed the link. (The sockets are not authenticated: a peer
+that says HELLO before the real sender would take its place.)
+
+Size limit: the receiving socket's ZMQ_MAXMSGSIZE is ``max_message_bytes`` plus framing
+headroom (see :func:`frame_limit`; libzmq applies it to each frame), so libzmq refuses an
+oversized frame as soon as its length arrives, before buffering it, and disconnects that
+peer; nothing reaches ``receive``. A connecting peer reconnects and goes on with its next
+message: the oversized one is lost. ``send`` therefore refuses (EncodeError) a frame over
+that limit. Frames over ``max_message_bytes`` but within the headroom arrive and are
+dropped by the decoder (a logged decode error).
+
 Addresses: ``ipc://PATH`` (``listen(None)`` picks a fresh path in a private directory of the
 transport), ``tcp://HOST:PORT`` (port 0 binds a free port; the receiver's ``address`` reports
 it) and ``inproc://NAME`` (same transport only).
 
 Limits of what ZMQ can tell:
 
-- A sender cannot see the receiver go away: PUSH keeps queueing, so once ``capacity``
+- A sender cannot see the receiver go away: DEALER keeps queueing, so once ``capacity``
   messages are buffered on each side (plus what the kernel holds), ``send`` simply waits.
   Supervisors detect a dead receiving process by its sentinel; a dead *sender* is detected by
   the receiver's heartbeat timeout.
 - The heartbeat timeout assumes the sender's event loop is not blocked for that long.
-- Closing a PUSH socket while its receiver is behind (receive high-water mark reached) can
-  drop the tail of the stream despite ZMQ_LINGER (zeromq/libzmq#4660, #1922). So a closed
+- Closing the sending socket while its receiver is behind (receive high-water mark reached)
+  can drop the tail of the stream despite ZMQ_LINGER (zeromq/libzmq#4660, #1922). So a closed
   sender keeps its socket, still delivering, until :meth:`ZmqTransport.aclose`: close the
   transport once receivers have drained. If the tail is lost anyway, END is lost with it and
   the receiver raises PeerLostError after ``heartbeat_timeout``: never a silent loss.
@@ -33,6 +47,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -51,10 +66,16 @@ from transports._byte_links import (
 )
 from transports.base import LinkOptions, LinkStatistics, Receiver, Sender, Transport
 from transports.codec import Buffer, Codec
-from transports.errors import EndOfStream, LinkClosedError, PeerLostError, TransportError
+from transports.errors import (
+    EncodeError,
+    EndOfStream,
+    LinkClosedError,
+    PeerLostError,
+    TransportError,
+)
 from transports.framing import FrameCodec, FrameKind
 
-__all__ = ["ZmqReceiver", "ZmqSender", "ZmqTransport"]
+__all__ = ["ZmqReceiver", "ZmqSender", "ZmqTransport", "frame_limit"]
 
 logger = logging.getLogger("actorline.transports.zmq")
 
@@ -63,6 +84,21 @@ _IPC = "ipc://"
 _MILLISECONDS = 1000
 _HEARTBEAT_FRAME = FrameCodec.control(FrameKind.HEARTBEAT)[0]
 _END_FRAME = FrameCodec.control(FrameKind.END)[0]
+#: a HELLO frame starts with these bytes (magic, version, kind: see transports.framing)
+_HELLO_PREFIX = bytes(FrameCodec.control(FrameKind.HELLO)[0][:3])
+#: how many distinct stray peers a receiver warns about (then it drops them quietly)
+_STRAY_WARNINGS = 16
+
+
+def frame_limit(max_message_bytes: int) -> int:
+    """The largest ZMQ frame a link accepts (its ZMQ_MAXMSGSIZE) for ``max_message_bytes``.
+
+    The decoder limits a header frame's payload and each uncompressed buffer to
+    ``max_message_bytes``. On top of that a header frame holds 10 bytes of header and up to
+    65535 buffer flags, and a zstd-compressed buffer may be slightly larger than the buffer
+    (ZSTD_compressBound: n + n/256 + under 64 KiB).
+    """
+    return max_message_bytes + (max_message_bytes >> 8) + (128 << 10)
 
 
 def _events(socket: zmq.Socket[bytes]) -> int:
@@ -78,7 +114,7 @@ def _wire_size(frames: Sequence[Buffer]) -> int:
 
 
 class ZmqReceiver(Receiver):
-    """The PULL end of a ZMQ link. See :class:`~transports.base.Receiver` for the contract."""
+    """The ROUTER end of a ZMQ link. See :class:`~transports.base.Receiver` for the contract."""
 
     def __init__(
         self,
@@ -108,6 +144,9 @@ class ZmqReceiver(Receiver):
             lambda: any(not future.done() for future in self._waiting),
             self._lose,
         )
+        #: the routing id of the link's sender (the first peer that said HELLO)
+        self._peer_id: bytes | None = None
+        self._strays: set[bytes] = set()
         self._ended = False
         self._lost = False
         self._closed = False
@@ -132,8 +171,11 @@ class ZmqReceiver(Receiver):
                     frames = await self._wait_for_frames()
                 except zmq.ZMQError as exc:
                     raise LinkClosedError(f"receiver {self.address}: {exc}") from exc
+            if not self._from_sender(frames):
+                continue
             self._watchdog.last_heard = time.monotonic()
-            decoded = inbound.accept([frame.buffer for frame in frames], sum(map(len, frames)))
+            body = frames[1:]
+            decoded = inbound.accept([frame.buffer for frame in body], sum(map(len, body)))
             if decoded is None:
                 continue
             kind, message = decoded
@@ -144,6 +186,25 @@ class ZmqReceiver(Receiver):
             elif kind is FrameKind.END:
                 self._ended = True
                 self._watchdog.stop()
+
+    def _from_sender(self, frames: list[zmq.Frame]) -> bool:
+        """Whether ``[routing_id, *frames]`` comes from the link's sender. The first peer to
+        say HELLO becomes the sender; whatever other peers send is dropped."""
+        peer_id = frames[0].bytes
+        if peer_id == self._peer_id:
+            return True
+        if self._peer_id is None and len(frames) == 2 and frames[1].buffer[:3] == _HELLO_PREFIX:
+            self._peer_id = peer_id
+            return True
+        if peer_id not in self._strays and len(self._strays) < _STRAY_WARNINGS:
+            self._strays.add(peer_id)
+            owner = self._inbound.peer if self._peer_id is not None else "no sender yet"
+            logger.warning(
+                "receiver %s: dropping frames from a peer that is not its sender (%s)",
+                self.address,
+                owner,
+            )
+        return False
 
     async def _wait_for_frames(self) -> list[zmq.Frame]:
         # NOTE: ZMQ's notification fd is edge-triggered and reading the socket outside
@@ -211,7 +272,7 @@ class ZmqReceiver(Receiver):
 
 
 class ZmqSender(Sender):
-    """The PUSH end of a ZMQ link. See :class:`~transports.base.Sender` for the contract.
+    """The DEALER end of a ZMQ link. See :class:`~transports.base.Sender` for the contract.
 
     Tensors and arrays are sent without copying: do not modify them in place after ``send``.
     """
@@ -226,6 +287,7 @@ class ZmqSender(Sender):
         self._interval = options.heartbeat_interval
         self._close_timeout = options.heartbeat_timeout
         self._framer = link_frame_codec(transport)
+        self._frame_limit = frame_limit(options.max_message_bytes)
         self._waiting: set[asyncio.Future[Any]] = set()
         # NOTE: zero-copy frames must outlive ZMQ's use of them: messages with out-of-band
         # buffers stay here until their tracker says ZMQ is done with them.
@@ -247,7 +309,8 @@ class ZmqSender(Sender):
 
         Raises:
             LinkClosedError: this sender was closed (also if closed while waiting).
-            EncodeError: the message cannot be encoded.
+            EncodeError: the message cannot be encoded, or has a frame over
+                :func:`frame_limit` (the receiver's libzmq would drop it).
         """
         if self._closed:
             raise LinkClosedError(f"sender to {self.address} is closed")
@@ -265,6 +328,13 @@ class ZmqSender(Sender):
         self.messages_sent += 1
 
     async def _transmit(self, frames: Sequence[Buffer]) -> None:
+        for frame in frames:
+            size = memoryview(frame).nbytes
+            if size > self._frame_limit:
+                raise EncodeError(
+                    f"a frame of {size} bytes exceeds the link's limit of {self._frame_limit} "
+                    f"bytes (max_message_bytes plus framing)"
+                )
         track = len(frames) > 1
         tracker: zmq.MessageTracker | None
         if self._waiting:  # keep order behind sends that are already waiting
@@ -381,19 +451,30 @@ class ZmqSender(Sender):
 
 
 class ZmqTransport(Transport):
-    """ZeroMQ PUSH/PULL links (ipc://, tcp://, inproc://).
+    """ZeroMQ DEALER/ROUTER links (ipc://, tcp://, inproc://).
 
     One ZMQ context per transport instance, created on first use and terminated by
     :meth:`aclose`, which also closes links still open and removes the private directory
     holding the ipc files of ``listen(None)``.
+
+    ``ipc_dir``: that private directory, chosen by the caller instead of created on first
+    use (it is created if missing). It belongs to this transport: aclose removes it with
+    everything in it. A parent process that spawns a process running this transport hands
+    it a directory this way, so that it can remove it if the child dies without closing.
     """
 
     name: ClassVar[str] = "zmq"
 
-    def __init__(self, options: LinkOptions | None = None, *, codec: Codec | None = None) -> None:
+    def __init__(
+        self,
+        options: LinkOptions | None = None,
+        *,
+        codec: Codec | None = None,
+        ipc_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         super().__init__(options, codec=codec)
         self._context: zmq.asyncio.Context | None = None
-        self._private_dir: str | None = None
+        self._private_dir: str | None = os.fspath(ipc_dir) if ipc_dir is not None else None
         self._ipc_names = itertools.count(1)
         self._receivers: set[ZmqReceiver] = set()
         #: every sender, its socket open until the transport closes (see the module notes)
@@ -401,7 +482,7 @@ class ZmqTransport(Transport):
         self._closed = False
 
     async def listen(self, address: str | None = None) -> ZmqReceiver:
-        """Bind a PULL socket at ``address`` (None: a fresh ipc path).
+        """Bind a ROUTER socket at ``address`` (None: a fresh ipc path).
 
         Raises:
             ValueError: the address is not ipc://, tcp:// or inproc://.
@@ -411,8 +492,9 @@ class ZmqTransport(Transport):
         if address is None:
             address = self._fresh_ipc_address()
         _check_address(address)
-        socket = self._new_socket(zmq.PULL)
+        socket = self._new_socket(zmq.ROUTER)
         socket.setsockopt(zmq.RCVHWM, self.options.capacity)
+        socket.setsockopt(zmq.MAXMSGSIZE, frame_limit(self.options.max_message_bytes))
         try:
             socket.bind(address)
         except zmq.ZMQError as exc:
@@ -427,15 +509,19 @@ class ZmqTransport(Transport):
         return receiver
 
     async def connect(self, address: str, *, name: str = "") -> ZmqSender:
-        """Connect a PUSH socket to a receiver's address and say HELLO.
+        """Connect a DEALER socket to a receiver's address and say HELLO.
 
         Raises:
             ValueError: the address is not ipc://, tcp:// or inproc://.
             LinkClosedError: the transport was closed.
         """
         _check_address(address)
-        socket = self._new_socket(zmq.PUSH)
+        socket = self._new_socket(zmq.DEALER)
         socket.setsockopt(zmq.SNDHWM, self.options.capacity)
+        # NOTE: a routing id of our own (not one the ROUTER makes up per connection) stays
+        # the same across reconnects; random, so another peer cannot claim it. libzmq
+        # reserves ids starting with a zero byte.
+        socket.setsockopt(zmq.ROUTING_ID, b"\x01" + secrets.token_bytes(15))
         try:
             socket.connect(address)
         except zmq.ZMQError as exc:
@@ -458,6 +544,8 @@ class ZmqTransport(Transport):
     def _fresh_ipc_address(self) -> str:
         if self._private_dir is None:
             self._private_dir = tempfile.mkdtemp(prefix="actorline-zmq-")
+        elif not os.path.isdir(self._private_dir):
+            os.makedirs(self._private_dir, mode=0o700, exist_ok=True)
         return f"{_IPC}{self._private_dir}/{next(self._ipc_names)}"
 
     async def aclose(self, *, abort: bool = False) -> None:
