@@ -53,6 +53,7 @@ class InboundFrames:
         self.messages_received = 0
         self.bytes_received = 0
         self.decode_errors = 0
+        self.codec_seconds = 0.0
 
     @property
     def peer(self) -> str:
@@ -69,11 +70,14 @@ class InboundFrames:
         naming the peer and the error type, and counted in ``decode_errors``.
         """
         self.bytes_received += nbytes
+        began = time.perf_counter()
         try:
             kind, message = self.framer.decode(frames)
         except DecodeError as exc:
             self.reject(exc)
             return None
+        finally:
+            self.codec_seconds += time.perf_counter() - began
         if kind is FrameKind.DATA:
             self.messages_received += 1
         elif kind is FrameKind.HELLO:

@@ -69,6 +69,8 @@ class LinkStatistics:
 
     ``queued``: messages buffered at this end. ``waiting_senders`` / ``waiting_receivers``:
     tasks blocked in ``send`` / ``receive``. Byte counts are on the wire (after compression).
+    ``codec_seconds``: time spent encoding (sending end) or decoding (receiving end)
+    messages, compression included (0 where nothing is encoded, as in memory links).
     """
 
     transport: str
@@ -83,6 +85,7 @@ class LinkStatistics:
     waiting_senders: int = 0
     waiting_receivers: int = 0
     closed: bool = False
+    codec_seconds: float = 0.0
 
 
 class Sender(abc.ABC):

@@ -336,6 +336,7 @@ class GrpcReceiver(Receiver):
             bytes_received=inbound.bytes_received,
             decode_errors=inbound.decode_errors,
             closed=self._closed,
+            codec_seconds=inbound.codec_seconds,
         )
 
 
@@ -379,6 +380,7 @@ class GrpcSender(Sender):
         self._closed = False
         self.messages_sent = 0
         self.bytes_sent = 0
+        self.codec_seconds = 0.0
         #: gRPC messages written (fewer than the link messages when they were batched)
         self.writes = 0
 
@@ -412,7 +414,10 @@ class GrpcSender(Sender):
                 PeerLostError.)
             EncodeError: the message cannot be encoded, or is over ``max_message_bytes``.
         """
-        await self.send_frames(self._framer.encode(message))
+        began = time.perf_counter()
+        frames = self._framer.encode(message)
+        self.codec_seconds += time.perf_counter() - began
+        await self.send_frames(frames)
 
     async def send_frames(self, frames: Sequence[Buffer]) -> None:
         """Send frames that are already encoded (by a relay, or a test feeding raw bytes).
@@ -588,6 +593,7 @@ class GrpcSender(Sender):
             bytes_sent=self.bytes_sent,
             waiting_senders=self._waiting,
             closed=self._closed,
+            codec_seconds=self.codec_seconds,
         )
 
 

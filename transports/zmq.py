@@ -268,6 +268,7 @@ class ZmqReceiver(Receiver):
             decode_errors=inbound.decode_errors,
             waiting_receivers=sum(1 for future in self._waiting if not future.done()),
             closed=self._closed,
+            codec_seconds=inbound.codec_seconds,
         )
 
 
@@ -299,6 +300,7 @@ class ZmqSender(Sender):
         self._closed = False
         self.messages_sent = 0
         self.bytes_sent = 0
+        self.codec_seconds = 0.0
 
     async def _open(self, name: str) -> None:
         await self._transmit(FrameCodec.control(FrameKind.HELLO, name))
@@ -314,7 +316,10 @@ class ZmqSender(Sender):
         """
         if self._closed:
             raise LinkClosedError(f"sender to {self.address} is closed")
-        await self._transmit(self._framer.encode(message))
+        began = time.perf_counter()
+        frames = self._framer.encode(message)
+        self.codec_seconds += time.perf_counter() - began
+        await self._transmit(frames)
         self.messages_sent += 1
 
     async def send_frames(self, frames: Sequence[Buffer]) -> None:
@@ -447,6 +452,7 @@ class ZmqSender(Sender):
             bytes_sent=self.bytes_sent,
             waiting_senders=sum(1 for future in self._waiting if not future.done()),
             closed=self._closed,
+            codec_seconds=self.codec_seconds,
         )
 
 

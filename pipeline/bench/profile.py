@@ -22,6 +22,7 @@ from pipeline.runtime import RunningPipeline, plan_hosts
 
 __all__ = [
     "STAGE_ORDER",
+    "TRANSPORT",
     "HostRow",
     "LinkRow",
     "Profile",
@@ -32,21 +33,26 @@ __all__ = [
     "take_snapshot",
 ]
 
-#: the default pipeline's stages in the order a request meets them (others follow, by name)
+#: the default pipeline's stages in the order a request meets them (others follow, by name),
+#: then the transport row of each host
 STAGE_ORDER = ("tokenize", "admit", "schedule", "execute", "detokenize", "stop_check")
+#: the stage-table row of a host's cross-host links (encoding and decoding messages)
+TRANSPORT = "transport"
 _MICRO = 1e6
 
 FOOTNOTE = """\
 Stage time: wall time spent in the stage's handlers (Host counters), including awaiting a full
-downstream link, the model's worker thread (execute) and, on a cross-host link, encoding the
-outgoing message (the codec runs inside send). Shares are of the measured wall time; stages on
-different hosts (and the execute worker thread) run in parallel, so shares may add past 100%.
+downstream link and the model's worker thread (execute). Transport: encoding and decoding the
+messages of the host's cross-host links (msgpack, zstd), measured in the links; the encoding
+happens inside the sending stage's send and is moved from that stage's row to this one.
+Shares are of the measured wall time; stages on different hosts (and the execute worker
+thread) run in parallel, so shares may add past 100%.
 CPU: the host process's CPU time (user+system, all threads, from /proc) in the window; CPU % wall
-near 100 marks the process that limits throughput. Transport estimate ("outside") = CPU minus
-stage time: the receive side of the links (socket reads, frame decoding, pump tasks), the event
-loop and, on the main host, the API's output dispatch and the callers' consumer tasks -- the
-cost not attributed to any stage. Stage time counts wall time, so on an oversubscribed machine
-(a stage descheduled mid-message) "outside" is a lower bound and may read 0."""
+near 100 marks the process that limits throughput. "Outside" = CPU minus stage and transport
+time: socket I/O and the links' pump tasks, the event loop and, on the main host, the API's
+output dispatch and the callers' consumer tasks -- the cost not attributed to any row. Stage
+time counts wall time, so on an oversubscribed machine (a stage descheduled mid-message)
+"outside" is a lower bound and may read 0."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,6 +63,8 @@ class ProfileSnapshot:
     hosts: tuple[HostStatistics, ...]
     cpu_seconds: dict[str, float | None]
     link_names: dict[str, str]
+    #: link id -> the stage whose output port sends on it (the caller: absent)
+    link_sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,16 +121,18 @@ async def take_snapshot(running: RunningPipeline) -> ProfileSnapshot:
     cpu = {host.host: cpu_seconds(host.pid) for host in hosts}
     sources: dict[str, str] = {}
     targets: dict[str, str] = {}
+    source_stages: dict[str, str] = {}
     for plan in plan_hosts(running.pipeline, running.options).values():
         for link in plan.outbound:
             sources[link.link_id] = str(link.endpoint)
+            source_stages[link.link_id] = link.endpoint.stage
         for link in plan.inbound:
             targets[link.link_id] = str(link.endpoint)
     names = {
         link_id: f"{sources.get(link_id, '?')} → {targets.get(link_id, '?')}"
         for link_id in sources.keys() | targets.keys()
     }
-    return ProfileSnapshot(time.perf_counter(), hosts, cpu, names)
+    return ProfileSnapshot(time.perf_counter(), hosts, cpu, names, source_stages)
 
 
 def build_profile(
@@ -146,27 +156,51 @@ def build_profile(
     sent_before = {
         link_id: stats for host in before.hosts for link_id, stats in host.links_out.items()
     }
+    received_before = {
+        link_id: stats for host in before.hosts for link_id, stats in host.links_in.items()
+    }
+
+    def row(name: str, host: str, handled: int, seconds: float) -> StageRow:
+        return StageRow(
+            stage=name,
+            host=host,
+            handled=handled,
+            seconds=seconds,
+            us_per_message=seconds * _MICRO / handled if handled else float("nan"),
+            share_of_wall=seconds / wall_seconds,
+            us_per_token=seconds * per_token,
+        )
+
     for host in after.hosts:
+        # what each stage spent encoding for its cross-host links counts as transport
+        encoding: dict[str, float] = {}
+        codec_seconds, codec_messages = 0.0, 0
+        for link_id, stats in host.links_out.items():
+            old = sent_before.get(link_id)
+            seconds = stats.codec_seconds - (old.codec_seconds if old else 0.0)
+            codec_seconds += seconds
+            codec_messages += stats.messages_sent - (old.messages_sent if old else 0)
+            source = after.link_sources.get(link_id)
+            if source is not None:
+                encoding[source] = encoding.get(source, 0.0) + seconds
+        for link_id, stats in host.links_in.items():
+            old = received_before.get(link_id)
+            codec_seconds += stats.codec_seconds - (old.codec_seconds if old else 0.0)
+            codec_messages += stats.messages_received - (old.messages_received if old else 0)
         host_stage_seconds = 0.0
         for stage in host.stages:
             previous = earlier.get((host.host, stage.name))
             handled = stage.handled - (previous.handled if previous else 0)
             seconds = stage.handle_seconds - (previous.handle_seconds if previous else 0.0)
+            seconds = max(seconds - encoding.get(stage.name, 0.0), 0.0)
             host_stage_seconds += seconds
-            stages.append(
-                StageRow(
-                    stage=stage.name,
-                    host=host.host,
-                    handled=handled,
-                    seconds=seconds,
-                    us_per_message=seconds * _MICRO / handled if handled else float("nan"),
-                    share_of_wall=seconds / wall_seconds,
-                    us_per_token=seconds * per_token,
-                )
-            )
+            stages.append(row(stage.name, host.host, handled, seconds))
+        if host.links_out or host.links_in:
+            stages.append(row(TRANSPORT, host.host, codec_messages, codec_seconds))
+        attributed = host_stage_seconds + codec_seconds
         cpu_after, cpu_before = after.cpu_seconds.get(host.host), before.cpu_seconds.get(host.host)
         cpu = None if cpu_after is None or cpu_before is None else cpu_after - cpu_before
-        outside = None if cpu is None else max(cpu - host_stage_seconds, 0.0)
+        outside = None if cpu is None else max(cpu - attributed, 0.0)
         hosts.append(
             HostRow(
                 host=host.host,
@@ -174,7 +208,7 @@ def build_profile(
                 cpu_seconds=cpu,
                 cpu_us_per_token=None if cpu is None else cpu * per_token,
                 cpu_share_of_wall=None if cpu is None else cpu / wall_seconds,
-                stage_seconds=host_stage_seconds,
+                stage_seconds=attributed,
                 outside_seconds=outside,
                 outside_us_per_token=None if outside is None else outside * per_token,
             )
@@ -192,7 +226,9 @@ def build_profile(
                 )
             )
     order = {name: index for index, name in enumerate(STAGE_ORDER)}
-    stages.sort(key=lambda row: (order.get(row.stage, len(order)), row.stage))
+    stages.sort(
+        key=lambda row: (row.stage == TRANSPORT, order.get(row.stage, len(order)), row.stage)
+    )
     return Profile(wall_seconds, tokens, tuple(stages), tuple(hosts), tuple(links))
 
 
@@ -222,7 +258,7 @@ def format_profile(profile: Profile, *, title: str = "where the time goes") -> s
             "CPU s",
             "CPU % wall",
             "CPU µs/token",
-            "in stages s",
+            "stages+transport s",
             "outside s",
             "outside µs/token",
         ],

@@ -89,8 +89,13 @@ def test_ceiling_quick_via_the_cli(
     assert result["best_tokens_per_second"] == run["tokens_per_second"]
     assert result["target_tokens_per_second"] == 50_000
     profile = result["profile"]
-    stages = {row["stage"]: row for row in profile["stages"]}
+    stages = {row["stage"]: row for row in profile["stages"] if row["stage"] != "transport"}
     assert set(stages) == {"tokenize", "admit", "schedule", "execute", "detokenize", "stop_check"}
+    # each host's cross-host links: encoding and decoding, measured in the links
+    transport = {row["host"]: row for row in profile["stages"] if row["stage"] == "transport"}
+    assert set(transport) == {"main", "engine"}
+    assert all(row["handled"] > 0 and row["seconds"] > 0 for row in transport.values())
+    assert [row["stage"] for row in profile["stages"]][-2:] == ["transport", "transport"]
     assert stages["tokenize"]["handled"] == 32
     # NOTE: the API learns the step count from outputs, so it can trail the statistics
     # snapshot by the free-only step that runs after the last tokens.
