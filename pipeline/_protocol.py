@@ -59,7 +59,8 @@ class HostPlan:
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageStatistics:
     """One stage: its mailbox, messages handled, time spent handling, whether it is busy
-    (handling now) and idle (no hidden work)."""
+    (handling now) and idle (no hidden work). ``handle_buckets``: how many messages took at
+    most each of :data:`HANDLE_SECONDS_BUCKETS` (and, last, more), not cumulative."""
 
     name: str
     mailbox: LinkStatistics
@@ -68,6 +69,11 @@ class StageStatistics:
     busy: bool
     idle: bool
     dropped: int = 0
+    handle_buckets: tuple[int, ...] = ()
+
+
+#: upper bounds (seconds) of the buckets of a stage's handling times, from 10 µs to 3 s
+HANDLE_SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 
 
 @message(21)

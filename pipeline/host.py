@@ -10,6 +10,7 @@ is lost, is reported through ``on_failure``; the controller then fails the whole
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import os
@@ -19,7 +20,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import plugins
-from pipeline._protocol import HostPlan, HostStatistics, RemoteLink, StageStatistics
+from pipeline._protocol import (
+    HANDLE_SECONDS_BUCKETS,
+    HostPlan,
+    HostStatistics,
+    RemoteLink,
+    StageStatistics,
+)
 from pipeline.errors import PipelineError, StageFailedError
 from pipeline.graph import BOUNDARY, Endpoint
 from pipeline.stage import Stage
@@ -38,7 +45,17 @@ _Deliver = Callable[[Any], Awaitable[None]]
 class _StageCell:
     """A stage with its mailbox and counters."""
 
-    __slots__ = ("busy", "dropped", "handle_seconds", "handled", "mailbox", "name", "stage", "task")
+    __slots__ = (
+        "buckets",
+        "busy",
+        "dropped",
+        "handle_seconds",
+        "handled",
+        "mailbox",
+        "name",
+        "stage",
+        "task",
+    )
 
     def __init__(self, name: str, stage: Stage) -> None:
         self.name = name
@@ -49,6 +66,7 @@ class _StageCell:
         self.task: asyncio.Task[None] | None = None
         self.handled = 0
         self.handle_seconds = 0.0
+        self.buckets = [0] * (len(HANDLE_SECONDS_BUCKETS) + 1)
         self.busy = False
         self.dropped = 0
 
@@ -179,6 +197,7 @@ class Host:
         mailbox = cell.mailbox
         handle = cell.stage.handle
         clock = time.perf_counter
+        buckets, bounds = cell.buckets, HANDLE_SECONDS_BUCKETS
         while True:
             try:
                 port, message = await mailbox.receive()
@@ -194,7 +213,9 @@ class Host:
                 self._fail(self._stage_error(cell.name, exc), exc)
                 return
             finally:
-                cell.handle_seconds += clock() - started
+                elapsed = clock() - started
+                cell.handle_seconds += elapsed
+                buckets[bisect.bisect_left(bounds, elapsed)] += 1
                 cell.handled += 1
                 cell.busy = False
 
@@ -239,6 +260,7 @@ class Host:
                 busy=cell.busy,
                 idle=cell.stage.idle(),
                 dropped=cell.dropped,
+                handle_buckets=tuple(cell.buckets),
             )
             for cell in self._cells.values()
         )

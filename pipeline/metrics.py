@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -42,9 +43,15 @@ from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from pipeline._protocol import HANDLE_SECONDS_BUCKETS
 from pipeline.engine import AsyncEngine, EngineObserver
 from stages.errors import ERROR_KINDS
 from stages.messages import GenerateRequest, RequestOutput, RequestRejected
@@ -102,6 +109,7 @@ class _StageSample:
     queued: int
     handled: int
     handle_seconds: float
+    handle_buckets: tuple[int, ...]
 
 
 class _RequestObserver(EngineObserver):
@@ -259,16 +267,24 @@ class _SnapshotCollector(Collector):
         handled = CounterMetricFamily(
             name + "stage_messages_handled", "Messages a stage has handled.", labels=["stage"]
         )
-        seconds = CounterMetricFamily(
+        seconds = HistogramMetricFamily(
             name + "stage_handle_seconds",
-            "Seconds a stage has spent handling messages.",
+            "Seconds a stage took to handle each message.",
             labels=["stage"],
         )
         for stage, sample in self._metrics.stage_samples.items():
             depth.add_metric([stage], sample.queued)
             handled.add_metric([stage], sample.handled)
-            seconds.add_metric([stage], sample.handle_seconds)
+            seconds.add_metric([stage], _cumulative(sample.handle_buckets), sample.handle_seconds)
         yield from (depth, handled, seconds)
+
+
+def _cumulative(buckets: tuple[int, ...]) -> list[tuple[str, float]]:
+    """Prometheus histogram buckets (``le`` bound, cumulative count) from per-bucket counts
+    over HANDLE_SECONDS_BUCKETS and a last, unbounded bucket."""
+    bounds = [*map(str, HANDLE_SECONDS_BUCKETS), "+Inf"]
+    counts = itertools.accumulate(buckets) if buckets else [0] * len(bounds)
+    return list(zip(bounds, map(float, counts)))
 
 
 class EngineMetrics:
@@ -368,7 +384,9 @@ class EngineMetrics:
             self.engine.running.statistics(), self.poll_interval * _POLL_TIMEOUT_INTERVALS
         )
         self.stage_samples = {
-            stage.name: _StageSample(stage.mailbox.queued, stage.handled, stage.handle_seconds)
+            stage.name: _StageSample(
+                stage.mailbox.queued, stage.handled, stage.handle_seconds, stage.handle_buckets
+            )
             for host in hosts
             for stage in host.stages
         }

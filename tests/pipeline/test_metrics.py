@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline import AsyncEngine, PipelineClosedError, PromptTooLongError, SamplingParams
+from pipeline._protocol import HANDLE_SECONDS_BUCKETS
 from pipeline.cli import main
 from pipeline.client import Client
 from pipeline.metrics import EngineMetrics
@@ -53,7 +54,7 @@ EXPECTED = {
     "actorline_requests_rejected": "counter",
     "actorline_stage_queue_depth": "gauge",
     "actorline_stage_messages_handled": "counter",
-    "actorline_stage_handle_seconds": "counter",
+    "actorline_stage_handle_seconds": "histogram",
 }
 STAGES = ("tokenize", "admit", "schedule", "execute", "detokenize", "stop_check")
 BLOCK_SIZE = 16
@@ -211,9 +212,21 @@ def test_scrape_lists_every_metric_and_values_move_under_load(tiny_model_dir: Pa
         assert after.value("actorline_requests_running") == 0
         assert after.value("actorline_requests_waiting") == 0
         for stage in STAGES:
-            assert grew("actorline_stage_messages_handled_total", stage=stage) > 0, stage
+            handled = grew("actorline_stage_messages_handled_total", stage=stage)
+            assert handled > 0, stage
             assert after.value("actorline_stage_queue_depth", stage=stage) >= 0
-        assert grew("actorline_stage_handle_seconds_total", stage="execute") > 0
+            # per-message handling times: every message in one bucket, buckets cumulative
+            name = "actorline_stage_handle_seconds"
+            assert grew(f"{name}_count", stage=stage) == handled
+            assert after.value(f"{name}_bucket", stage=stage, le="+Inf") == after.value(
+                f"{name}_count", stage=stage
+            )
+            counts = [
+                after.value(f"{name}_bucket", stage=stage, le=str(bound))
+                for bound in HANDLE_SECONDS_BUCKETS
+            ]
+            assert counts == sorted(counts)
+        assert grew("actorline_stage_handle_seconds_sum", stage="execute") > 0
 
     run(body())
 
