@@ -5,6 +5,7 @@ API key ends the chat with status 1."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from pipeline.engine import EngineObserver
 from stages.messages import ChatMessage, GenerateRequest, RequestOutput
 from stages.params import SamplingParams
 from tests.examples.running import RUN_TIMEOUT, example_command, example_env
-from tests.pipeline.server.serving import ServedEngine
+from tests.pipeline.server.serving import ServedEngine, ServeProcess, serve_arguments
 
 #: every test here talks to a server whose start takes several seconds
 pytestmark = pytest.mark.slow
@@ -113,3 +114,26 @@ def test_a_wrong_api_key_ends_the_chat(served: tuple[ServedEngine, Recorder]) ->
     result = chat(server.address, "Hello\n", "--api-key", "not-a-key")
     assert result.returncode == 1
     assert "refused the API key" in result.stderr
+
+
+def test_against_actorline_serve(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The chat against the real ``actorline serve`` process: each reply is what the server
+    answers to the same conversation (greedy), the second turn carrying the first."""
+    serve = ServeProcess(serve_arguments(tiny_model_dir, "--api-key", CHAT_KEY), tmp_path / "err")
+    try:
+        result = chat(serve.address, "Hello there\nWhat next?\n/quit\n", "--api-key", CHAT_KEY)
+        assert result.returncode == 0, result.stderr[-3000:]
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        history: list[dict[str, str]] = []
+        expected = ""
+        with Client(serve.address, api_key=CHAT_KEY) as client:
+            for turn in ("Hello there", "What next?"):
+                history.append({"role": "user", "content": turn})
+                reply = "".join(chunk.delta for chunk in client.generate(history, params))
+                history.append({"role": "assistant", "content": reply})
+                expected += f"{REPLY_PREFIX}{reply}\n"
+        assert result.stdout == expected
+        serve.process.send_signal(signal.SIGTERM)
+        assert serve.process.wait(60) == 0
+    finally:
+        serve.kill()
