@@ -12,9 +12,11 @@ from typing import Any
 
 from pipeline.caller import Caller
 from pipeline.errors import (
+    CallOverflowError,
     EngineDeadError,
     GraphError,
     HostDiedError,
+    HostUnresponsiveError,
     PeerLostError,
     PipelineClosedError,
     PipelineError,
@@ -30,7 +32,6 @@ _LAZY = {
     "AsyncEngine": "pipeline.engine",
     "LLM": "pipeline.llm",
     "EngineOptions": "pipeline.options",
-    "GenerationOutput": "pipeline.outputs",
     "SamplingParams": "stages.params",
     "ChatMessage": "stages.messages",
     "Logprobs": "stages.messages",
@@ -49,11 +50,13 @@ _LAZY = {
 __all__ = [
     "BOUNDARY",
     "MAIN_HOST",
+    "CallOverflowError",
     "Caller",
     "EngineDeadError",
     "Endpoint",
     "GraphError",
     "HostDiedError",
+    "HostUnresponsiveError",
     "Link",
     "PeerLostError",
     "Pipeline",

@@ -3,6 +3,12 @@
 A :class:`Caller` sends a request into an entry and routes what arrives at an exit back to the
 call it belongs to (by ``key(message)``), until ``done(message)``. If the pipeline fails,
 every pending call raises the failure.
+
+One dispatcher task reads the exit and never waits on a call: each call buffers up to
+``capacity`` answers its caller has not read yet; a call whose caller falls further behind
+fails alone with :class:`~pipeline.errors.CallOverflowError` (and its ``on_cancel`` runs), so
+one slow consumer cannot stall the others. An answer whose ``key`` (or a message whose
+``split``) raises is logged and dropped.
 """
 
 from __future__ import annotations
@@ -13,10 +19,10 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable
 from typing import Any
 
-from pipeline.errors import PipelineClosedError
+from pipeline.errors import CallOverflowError, PipelineClosedError
 from pipeline.runtime import RunningPipeline
 from transports.errors import EndOfStream, LinkClosedError
-from transports.memory import MemoryChannel
+from transports.memory import MemoryChannel, WouldBlock
 
 __all__ = ["Caller"]
 
@@ -28,7 +34,8 @@ class Caller:
 
     ``key(message)`` correlates requests and answers; ``done(answer)`` marks a call's last
     answer; ``split(message)`` (optional) unpacks a batch arriving at the exit into answers;
-    ``on_cancel(key)`` runs when a caller abandons a call before its last answer.
+    ``on_cancel(key)`` runs when a caller abandons a call before its last answer (also when
+    the call overflowed). ``capacity``: answers buffered per call, unread by its caller.
     """
 
     def __init__(
@@ -82,7 +89,8 @@ class Caller:
                     finished = True
                     return
         finally:
-            self._pending.pop(call_key, None)
+            if self._pending.get(call_key) is channel:
+                del self._pending[call_key]
             if not finished and self._on_cancel is not None and self._error is None:
                 with contextlib.suppress(Exception):
                     await self._on_cancel(call_key)
@@ -102,21 +110,48 @@ class Caller:
 
     async def _dispatch(self) -> None:
         exit_channel = self.running.exit_channel(self.exit)
-        key, split, pending = self._key, self._split, self._pending
+        split = self._split
         try:
             while True:
                 message = await exit_channel.receive()
-                answers = split(message) if split is not None else (message,)
+                if split is None:
+                    self._route(message)
+                    continue
+                try:
+                    answers = list(split(message))
+                except Exception:
+                    logger.exception("dropping a message at exit %r: split raised", self.exit)
+                    continue
                 for answer in answers:
-                    channel = pending.get(key(answer))
-                    if channel is None:
-                        logger.debug("dropping an answer for no pending call: %r", key(answer))
-                        continue
-                    await channel.send(answer)
+                    self._route(answer)
         except (EndOfStream, LinkClosedError):
             self._close_all(self.running.failure or PipelineClosedError("the pipeline closed"))
         except Exception as exc:  # the pipeline's failure
             self._close_all(exc)
+
+    def _route(self, answer: Any) -> None:
+        """Hand ``answer`` to its call without waiting (the dispatcher serves every call)."""
+        try:
+            call_key = self._key(answer)
+        except Exception:
+            logger.exception("dropping an answer at exit %r: key raised", self.exit)
+            return
+        channel = self._pending.get(call_key)
+        if channel is None:
+            logger.debug("dropping an answer for no pending call: %r", call_key)
+            return
+        try:
+            channel.send_nowait(answer)
+        except WouldBlock:
+            # NOTE: the caller reads what is buffered, then gets the error; later answers
+            # of this call find no pending call and are dropped.
+            logger.warning("call %r fell %d answers behind; failing it", call_key, self._capacity)
+            del self._pending[call_key]
+            channel.fail(
+                CallOverflowError(
+                    f"call {call_key!r}: more than {self._capacity} answers were not read in time"
+                )
+            )
 
     def _close_all(self, error: BaseException) -> None:
         self._error = error

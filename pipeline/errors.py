@@ -10,9 +10,11 @@ from __future__ import annotations
 from transports.errors import PeerLostError
 
 __all__ = [
+    "CallOverflowError",
     "EngineDeadError",
     "GraphError",
     "HostDiedError",
+    "HostUnresponsiveError",
     "PeerLostError",
     "PipelineClosedError",
     "PipelineError",
@@ -66,9 +68,25 @@ class HostDiedError(PipelineError):
         self.exitcode = exitcode
 
 
+class HostUnresponsiveError(HostDiedError):
+    """A host process stopped answering while the pipeline was running: its links fell
+    silent past the heartbeat timeout (the process is frozen, e.g. SIGSTOP, or its event
+    loop is blocked). The controller then ends it like a dead host."""
+
+    def __init__(self, host: str, detail: str = "") -> None:
+        super().__init__(host, None, detail)
+        text = f"host {host!r} is unresponsive"
+        self.args = (f"{text}: {detail}" if detail else text,)
+
+
 class EngineDeadError(HostDiedError):
     """The LLM engine host died; raised to every pending request of the LLM API."""
 
 
 class UnhandledMessageError(PipelineError, TypeError):
     """A stage received a message type it has no handler for."""
+
+
+class CallOverflowError(PipelineError):
+    """A call's answers arrived faster than its caller read them, past the
+    :class:`~pipeline.caller.Caller`'s per-call capacity; only that call fails."""

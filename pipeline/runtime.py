@@ -5,9 +5,13 @@ non-main host, then (1) every host binds its inbound cross-host links, (2) every
 its outbound links to those addresses, (3) every stage's ``start`` runs, then messages flow.
 
 Supervision: a stage that raises, a host process that dies (seen on its process sentinel at
-once, so SIGKILL and the OOM killer are noticed) or a link whose peer is lost fails the
-pipeline: the failure is recorded, every exit channel and pending call raises it, and the
-hosts are torn down. Nothing hangs.
+once, so SIGKILL and the OOM killer are noticed) or a host that stops answering (a link from
+it falls silent past the heartbeat timeout; a host that sends over no link is probed through
+its control channel instead) fails the pipeline: the failure is recorded, every exit channel
+and pending call raises it, callers blocked in :meth:`RunningPipeline.send` are woken with it
+at once, and the hosts are torn down. Nothing hangs. A caller never sees a transport error:
+it gets the pipeline's failure, or :class:`~pipeline.errors.PipelineClosedError` once the
+pipeline is stopping.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
+import re
+import signal
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,17 +31,24 @@ from pipeline import settings
 from pipeline._gc import raise_young_threshold, restore_threshold
 from pipeline._process import ProcessHost
 from pipeline._protocol import HostPlan, HostStatistics, RemoteLink
-from pipeline.errors import PipelineClosedError, PipelineError
+from pipeline.errors import HostUnresponsiveError, PipelineClosedError, PipelineError
 from pipeline.graph import BOUNDARY, MAIN_HOST, Endpoint, Pipeline
 from pipeline.host import Host
 from pipeline.stage import Stage
 from transports.base import LinkOptions
 from transports.compression import Compression
+from transports.errors import PeerLostError
 from transports.memory import MemoryChannel
 
 __all__ = ["RunningPipeline", "StartOptions"]
 
 logger = logging.getLogger("actorline.runtime")
+
+#: Seconds each shutdown step waits for a host that was found unresponsive (it has already
+#: been silent for the heartbeat timeout) before the controller terminates, then kills, it.
+_UNRESPONSIVE_GRACE = 2.0
+#: How a host names a link in the PeerLostError it reports (see ``Host._pump``).
+_LINK_IN_ERROR = re.compile(r"\blink (L\d+) into\b")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,6 +138,12 @@ class RunningPipeline:
         self._teardown_task: asyncio.Task[None] | None = None
         self._gc_tuned = False  # this pipeline raised the young GC threshold
         self._stopped = asyncio.Event()
+        self._link_sources: dict[str, str] = {}  # cross-host link id -> its sending host
+        self._inbound_sources: dict[str, set[str]] = {}  # host -> hosts that send to it
+        self._unresponsive: set[str] = set()
+        self._sending: set[asyncio.Task[Any]] = set()  # callers inside send()
+        self._interrupted: set[asyncio.Task[Any]] = set()  # ... that _interrupt_senders woke
+        self._probe_task: asyncio.Task[None] | None = None
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -146,10 +166,15 @@ class RunningPipeline:
             name: MemoryChannel(self.options.exit_capacity, name=f"exit:{name}")
             for name in self.pipeline.exits
         }
-        self._main = Host(plans[MAIN_HOST], self._fail, exits=self._exits)
+        for name, plan in plans.items():
+            for link in plan.outbound:
+                self._link_sources[link.link_id] = name
+        for name, plan in plans.items():
+            self._inbound_sources[name] = {self._link_sources[k.link_id] for k in plan.inbound}
+        self._main = Host(plans[MAIN_HOST], self._failure_reporter(MAIN_HOST), exits=self._exits)
         for name, plan in plans.items():
             if name != MAIN_HOST:
-                self._processes[name] = ProcessHost(plan, self._fail)
+                self._processes[name] = ProcessHost(plan, self._failure_reporter(name))
         await asyncio.gather(*(process.spawn() for process in self._processes.values()))
         self._main.build()
         hosts: list[Host | ProcessHost] = [self._main, *self._processes.values()]
@@ -159,6 +184,11 @@ class RunningPipeline:
         await asyncio.gather(*(host.connect_links(addresses) for host in hosts))
         await asyncio.gather(*(host.start_stages() for host in hosts))
         self._raise_if_failed()
+        unwatched = [p for p in self._processes.values() if not p.plan.outbound]
+        if unwatched:
+            self._probe_task = asyncio.get_running_loop().create_task(
+                self._probe_hosts(unwatched), name=f"probe:{self.pipeline.name}"
+            )
         if self.options.tune_gc:  # _start runs once per RunningPipeline
             self._gc_tuned = True
             raise_young_threshold()
@@ -168,17 +198,36 @@ class RunningPipeline:
     async def send(self, entry: str, message: object) -> None:
         """Send ``message`` into entry ``entry`` (waits while the first link is full).
 
+        A send waiting for room when the pipeline fails or starts stopping is woken at once
+        with that error (the message may then not have been delivered).
+
         Raises:
             PipelineClosedError: the pipeline is stopping or stopped.
             PipelineError: the pipeline failed (the failure itself).
             KeyError: no such entry.
         """
-        self._raise_if_failed()
-        if self._closing or self._main is None:
-            raise PipelineClosedError(f"pipeline {self.pipeline.name!r} is closed")
+        self._raise_if_closed()
         if entry not in self.pipeline.entries:
             raise KeyError(f"no entry {entry!r}; entries: {self.pipeline.entries}")
-        await self._main.send_entry(entry, message)
+        assert self._main is not None
+        task = asyncio.current_task()
+        assert task is not None
+        self._sending.add(task)
+        try:
+            await self._main.send_entry(entry, message)
+        except asyncio.CancelledError:
+            if self._was_interrupted(task):
+                raise self._closed_error() from None
+            raise
+        except Exception as exc:
+            # NOTE: a link closed under the send (teardown) or any error while failed or
+            # stopping surfaces as the pipeline's error, never as a transport error.
+            if self._was_interrupted(task) or self.failure is not None or self._closing:
+                raise self._closed_error() from exc
+            raise
+        finally:
+            self._sending.discard(task)
+            self._interrupted.discard(task)
 
     async def receive(self, exit: str) -> Any:
         """The next message that reached exit ``exit``.
@@ -222,11 +271,59 @@ class RunningPipeline:
         """Process ids of the spawned hosts."""
         return {name: host.pid for name, host in self._processes.items()}
 
+    def _failure_reporter(self, host: str) -> Callable[[BaseException], None]:
+        """The failure callback of host ``host``."""
+
+        def report(error: BaseException) -> None:
+            if isinstance(error, PeerLostError):
+                self._host_unresponsive(self._silent_host(host, error), str(error), error)
+            else:
+                self._fail(error)
+
+        return report
+
+    def _silent_host(self, reporter: str, error: PeerLostError) -> str:
+        """The host whose link into ``reporter`` fell silent, as ``error`` tells."""
+        match = _LINK_IN_ERROR.search(str(error))
+        if match is not None and match.group(1) in self._link_sources:
+            return self._link_sources[match.group(1)]
+        sources = self._inbound_sources.get(reporter, set())
+        return next(iter(sources)) if len(sources) == 1 else "(unknown)"
+
+    def _host_unresponsive(self, host: str, detail: str, cause: BaseException | None) -> None:
+        if self.failure is not None or self._closing:
+            return
+        self._unresponsive.add(host)
+        error = HostUnresponsiveError(host, detail)
+        error.__cause__ = cause
+        self._fail(error)
+
+    async def _probe_hosts(self, hosts: list[ProcessHost]) -> None:
+        """Ask ``hosts`` (spawned hosts that send over no link, so no link heartbeat tells
+        whether they are alive) for statistics every heartbeat interval; one that does not
+        answer within the heartbeat timeout fails the pipeline as unresponsive."""
+        interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
+
+        async def probe(host: ProcessHost) -> None:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await asyncio.wait_for(host.statistics(), timeout)
+                except TimeoutError:
+                    detail = f"it did not answer a probe within {timeout} s"
+                    self._host_unresponsive(host.name, detail, None)
+                    return
+                except Exception:  # it died: its process sentinel fails the pipeline
+                    return
+
+        await asyncio.gather(*(probe(host) for host in hosts))
+
     def _fail(self, error: BaseException) -> None:
         if self.failure is not None or self._closing:
             return
         self.failure = error
         logger.error("pipeline %r failed: %s", self.pipeline.name, error)
+        self._interrupt_senders()
         for channel in self._exits.values():
             channel.fail(error)
         for callback in self._failure_callbacks:
@@ -241,6 +338,39 @@ class RunningPipeline:
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
             raise self.failure
+
+    def _raise_if_closed(self) -> None:
+        if self.failure is not None or self._closing or self._main is None:
+            raise self._closed_error()
+
+    def _closed_error(self) -> BaseException:
+        """What a caller gets from a pipeline that failed (the failure) or stopped."""
+        if self.failure is not None:
+            return self.failure
+        return PipelineClosedError(f"pipeline {self.pipeline.name!r} is closed")
+
+    def _interrupt_senders(self) -> None:
+        """Wake every caller waiting in :meth:`send`; each raises :meth:`_closed_error`."""
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # no running loop
+            current = None
+        for task in self._sending - self._interrupted:
+            if task is current:  # failed from inside its own send: not interrupted
+                continue
+            self._interrupted.add(task)
+            task.cancel()
+
+    def _was_interrupted(self, task: asyncio.Task[Any]) -> bool:
+        """Whether ``task``'s send was cancelled only by :meth:`_interrupt_senders` (False
+        when the caller itself is being cancelled too)."""
+        if task not in self._interrupted:
+            return False
+        self._interrupted.discard(task)
+        uncancel = getattr(task, "uncancel", None)  # Python >= 3.11
+        # NOTE: on 3.10 a caller cancelled at the same moment cannot be told apart; it gets
+        # the pipeline's error instead of CancelledError.
+        return uncancel() == 0 if uncancel is not None else True
 
     # -- statistics and shutdown ----------------------------------------------------------------
 
@@ -288,18 +418,27 @@ class RunningPipeline:
             await self._stopped.wait()
             return
         self._closing = True
+        self._interrupt_senders()
         # NOTE: two phases across every host: first all stages stop and every sender says
         # END while every receiver is still open, then links close. After a failure nothing
         # is delivered any more (abort), so no host waits on a peer that is gone.
         abort = self.failure is not None
         try:
+            if self._probe_task is not None:
+                self._probe_task.cancel()
+                await asyncio.wait([self._probe_task])
             timeout = self.options.stop_timeout
             processes = list(self._processes.values())
-            phase_one = [p.quiesce(timeout, abort=abort) for p in processes]
+            timeouts = {p.name: timeout for p in processes}
+            for process in processes:
+                if process.name in self._unresponsive:
+                    self._resume(process)
+                    timeouts[process.name] = min(timeout, _UNRESPONSIVE_GRACE)
+            phase_one = [p.quiesce(timeouts[p.name], abort=abort) for p in processes]
             if self._main is not None:
                 phase_one.append(self._main.quiesce(timeout, abort=abort))
             await asyncio.gather(*phase_one)
-            phase_two = [p.stop(timeout, abort=abort) for p in processes]
+            phase_two = [p.stop(timeouts[p.name], abort=abort) for p in processes]
             if self._main is not None:
                 phase_two.append(self._main.release(timeout, abort=abort))
             await asyncio.gather(*phase_two)
@@ -310,6 +449,17 @@ class RunningPipeline:
                 self._gc_tuned = False
                 restore_threshold()
             self._stopped.set()
+
+    @staticmethod
+    def _resume(process: ProcessHost) -> None:
+        """SIGCONT an unresponsive host, so that one frozen by SIGSTOP can still shut down
+        cleanly (its links and ipc files); one whose event loop is stuck is waited for only
+        briefly (``_UNRESPONSIVE_GRACE``), then terminated, then killed, by ProcessHost.stop."""
+        if process.pid is not None:
+            # NOTE: the child stays unreaped (so its pid is not reused) until the
+            # ProcessHost notices its exit; a signal to a process that exited is harmless.
+            with contextlib.suppress(OSError):
+                os.kill(process.pid, signal.SIGCONT)
 
     async def __aenter__(self) -> RunningPipeline:
         return self

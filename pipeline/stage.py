@@ -155,6 +155,10 @@ class Stage:
         self._name = name
 
     def _shutdown_executor(self) -> None:
+        """Release the worker thread without blocking the event loop: jobs not started yet
+        are cancelled; a job already running (its awaiting task was cancelled) finishes on
+        its own, then the thread exits. (The interpreter joins the thread at exit; a host
+        process that does not exit in time is terminated by its controller.)"""
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None

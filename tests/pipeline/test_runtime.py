@@ -22,6 +22,7 @@ from pipeline import (
     HostDiedError,
     Pipeline,
     PipelineClosedError,
+    RunningPipeline,
     Stage,
     StageFailedError,
     StartOptions,
@@ -129,19 +130,27 @@ def test_zstd_really_compresses_the_traffic(transport: str) -> None:
     assert 0 < compressed[0] < plain[0] * 0.5, (compressed, plain)
 
 
+async def pending_slow_calls(
+    running: RunningPipeline, count: int
+) -> tuple[Caller, list[asyncio.Future[Any]]]:
+    """A caller with ``count`` calls pending inside the worker host (each takes a while)."""
+    caller = Caller(running, "jobs", "results", key=lambda m: m.job_id)
+    calls = [
+        asyncio.ensure_future(caller.call(Job(f"slow-{i}", (27, 97), delay=0.05)))
+        for i in range(count)
+    ]
+    await asyncio.sleep(0.5)
+    assert not any(call.done() for call in calls)
+    return caller, calls
+
+
 @pytest.mark.parametrize("transport", ["zmq", "grpc"])
 def test_sigkill_fails_every_pending_call_quickly(transport: str) -> None:
     pipeline = collatz_pipeline().place("step", "worker")
 
     async def body() -> None:
         running = await pipeline.start(transport=transport)
-        caller = Caller(running, "jobs", "results", key=lambda m: m.job_id)
-        calls = [
-            asyncio.ensure_future(caller.call(Job(f"slow-{i}", (27, 97), delay=0.05)))
-            for i in range(5)
-        ]
-        await asyncio.sleep(0.5)  # the calls are now pending inside the worker
-        assert not any(call.done() for call in calls)
+        caller, calls = await pending_slow_calls(running, 5)
         killed_at = time.monotonic()
         os.kill(running.pids["worker"], signal.SIGKILL)
         results = await asyncio.gather(*calls, return_exceptions=True)

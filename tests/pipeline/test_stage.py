@@ -84,3 +84,26 @@ def test_run_in_thread_uses_one_worker_thread() -> None:
 
     assert len(asyncio.run(run())) == 1
     stage._shutdown_executor()
+
+
+def test_shutting_the_worker_thread_down_does_not_wait_for_a_running_job() -> None:
+    import threading
+
+    stage = Recorder()
+    release = threading.Event()
+    finished = threading.Event()
+
+    def job() -> None:
+        release.wait(30)
+        finished.set()
+
+    async def run() -> None:
+        running = asyncio.ensure_future(stage.run_in_thread(job))
+        await asyncio.sleep(0.05)
+        running.cancel()  # what a forced stop does to the stage's task
+        stage._shutdown_executor()  # returns at once: the job still runs
+        assert not finished.is_set()
+        release.set()
+        assert await asyncio.to_thread(finished.wait, 30)
+
+    asyncio.run(asyncio.wait_for(run(), 60))

@@ -1,0 +1,30 @@
+"""Every name a package exports (``__all__``, lazily resolved ones included) exists."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+MODULES = [
+    "pipeline",
+    "pipeline.client",
+    "pipeline.engine",
+    "pipeline.errors",
+    "pipeline.runtime",
+    "plugins",
+    "stages",
+    "stages.errors",
+    "stages.messages",
+    "transports",
+    "transports.errors",
+    "transports.testing",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_exported_name_resolves(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = getattr(module, "__all__", ())
+    missing = [item for item in exported if not hasattr(module, item)]
+    assert not missing, f"{name} exports names it does not have: {missing}"
