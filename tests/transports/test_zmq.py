@@ -291,10 +291,16 @@ def test_a_second_peer_can_neither_end_nor_feed_the_link(
             await intruder.send_multipart(FrameCodec.control(FrameKind.HELLO, "intruder"))
             await intruder.send_multipart(FrameCodec().encode(KitPing(99)))
             await intruder.send_multipart(FrameCodec.control(FrameKind.END))
-            await asyncio.sleep(0.2)  # the intruder's frames are queued before ours
+            # A receive waits while it drops the intruder's frames (nothing else comes yet).
+            pending = asyncio.ensure_future(receiver.receive())
+            for _ in range(500):
+                if any("not its sender" in r.getMessage() for r in caplog.records):
+                    break
+                await asyncio.sleep(0.02)
+            assert not pending.done()  # neither the intruder's data nor its END got through
             for seq in (2, 3):
                 await sender.send(KitPing(seq))
-            assert [await receiver.receive() for _ in range(2)] == [KitPing(2), KitPing(3)]
+            assert [await pending, await receiver.receive()] == [KitPing(2), KitPing(3)]
             await sender.aclose()
             with pytest.raises(EndOfStream, match="the-sender"):
                 await receiver.receive()
