@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -112,6 +113,33 @@ def test_actorline_serve_serves_until_a_stop_signal(
         serve.kill()
 
 
+async def kill_engine_during(
+    calls: list[Any], health: health_pb2_grpc.HealthStub, engine_pid: int
+) -> float:
+    """SIGKILL the engine process while ``calls`` stream: each ends with UNAVAILABLE
+    (engine_dead, naming the signal) and health turns NOT_SERVING within the deadline.
+    Returns the seconds from the kill until every call had ended."""
+    os.kill(engine_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    errors = await asyncio.wait_for(
+        asyncio.gather(*(rpc_error(read_until_end(call)) for call in calls)),
+        ENGINE_DEATH_DEADLINE,
+    )
+    ended = time.monotonic() - killed
+    for error in errors:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert trailer(error, ERROR_KIND_KEY) == "engine_dead"
+        assert "killed by signal 9" in (error.details() or "")
+    status = None
+    while time.monotonic() - killed < ENGINE_DEATH_DEADLINE:
+        status = (await health.Check(health_pb2.HealthCheckRequest())).status
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            break
+        await asyncio.sleep(0.05)
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    return ended
+
+
 @pytest.mark.slow
 def test_engine_death_ends_calls_with_unavailable_and_health_not_serving(
     tiny_model_dir: Path,
@@ -128,24 +156,8 @@ def test_engine_death_ends_calls_with_unavailable_and_health_not_serving(
                 await call.read()
             engine_pid = served.engine.running.pids["engine"]
             assert engine_pid is not None
-            os.kill(engine_pid, signal.SIGKILL)
-            killed = time.monotonic()
-            errors = await asyncio.wait_for(
-                asyncio.gather(*(rpc_error(read_until_end(call)) for call in calls)),
-                ENGINE_DEATH_DEADLINE,
-            )
-            assert time.monotonic() - killed < ENGINE_DEATH_DEADLINE
-            for error in errors:
-                assert error.code() == grpc.StatusCode.UNAVAILABLE
-                assert trailer(error, ERROR_KIND_KEY) == "engine_dead"
-                assert "killed by signal 9" in (error.details() or "")
-            status = None
-            while time.monotonic() - killed < ENGINE_DEATH_DEADLINE:
-                status = (await health.Check(health_pb2.HealthCheckRequest())).status
-                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    break
-                await asyncio.sleep(0.05)
-            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            ended = await kill_engine_during(calls, health, engine_pid)
+            assert ended < ENGINE_DEATH_DEADLINE
             error = await rpc_error(stub.Generate(request))
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             error = await rpc_error(stub.GetModelInfo(pb.GetModelInfoRequest()))
@@ -176,24 +188,7 @@ def test_killing_the_engine_under_actorline_serve(tiny_model_dir: Path, tmp_path
             for call in calls:
                 await call.read()
             (engine_pid,) = engine_host_pids(serve.process.pid)
-            os.kill(engine_pid, signal.SIGKILL)
-            killed = time.monotonic()
-            errors = await asyncio.wait_for(
-                asyncio.gather(*(rpc_error(read_until_end(call)) for call in calls)),
-                ENGINE_DEATH_DEADLINE,
-            )
-            ended = time.monotonic() - killed
-            for error in errors:
-                assert error.code() == grpc.StatusCode.UNAVAILABLE
-                assert trailer(error, ERROR_KIND_KEY) == "engine_dead"
-                assert "killed by signal 9" in (error.details() or "")
-            status = None
-            while time.monotonic() - killed < ENGINE_DEATH_DEADLINE:
-                status = (await health.Check(health_pb2.HealthCheckRequest())).status
-                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    break
-                await asyncio.sleep(0.05)
-            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            ended = await kill_engine_during(calls, health, engine_pid)
             error = await rpc_error(stub.Generate(LONG_REQUEST))
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             return ended
