@@ -306,10 +306,7 @@ class AsyncEngine:
             RateLimitedError, OverloadedError: refused by admission.
             EngineDeadError: the engine died.
         """
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams", field="params")
-        validate_sampling(params)
+        params = checked_params(params)
         if request_id is None:
             request_id = engine_id = uuid.uuid4().hex
         else:
@@ -338,8 +335,7 @@ class AsyncEngine:
             raise self._engine_error(exc) from exc
         finally:
             self._collectors.pop(engine_id, None)
-            if self._engine_ids.get(request_id) == engine_id:
-                del self._engine_ids[request_id]
+            self._forget(request_id, engine_id)
             if not finished and not self._closed and collector.error is None:
                 self._abort_queue.put_nowait(engine_id)
             if self._observers:
@@ -452,6 +448,7 @@ class AsyncEngine:
                         )
 
     def _forget(self, request_id: str, engine_id: str) -> None:
+        """Drop the caller's ``request_id`` if it still names ``engine_id``."""
         if self._engine_ids.get(request_id) == engine_id:
             del self._engine_ids[request_id]
 
@@ -483,6 +480,19 @@ class AsyncEngine:
             collector.fail(self._failure)
         self._collectors.clear()
         self._engine_ids.clear()
+
+
+def checked_params(params: SamplingParams | None) -> SamplingParams:
+    """``params`` (None: the defaults), validated.
+
+    Raises:
+        InvalidRequestError: not a SamplingParams, or a field out of range (named).
+    """
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError("params must be a SamplingParams", field="params")
+    validate_sampling(params)
+    return params
 
 
 def _preflight(options: EngineOptions) -> None:

@@ -18,11 +18,11 @@ import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from pipeline.engine import AsyncEngine, Prompt
+from pipeline.engine import AsyncEngine, Prompt, checked_params
 from pipeline.options import EngineOptions
 from stages.errors import InvalidRequestError
 from stages.messages import RequestOutput
-from stages.params import SamplingParams, validate_sampling
+from stages.params import SamplingParams
 
 __all__ = ["LLM"]
 
@@ -141,9 +141,7 @@ class LLM:
                     f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts", field="params"
                 )
         for sampling in {id(p): p for p in per_prompt}.values():
-            if not isinstance(sampling, SamplingParams):
-                raise InvalidRequestError("params must be SamplingParams", field="params")
-            validate_sampling(sampling)
+            checked_params(sampling)  # all before anything is sent
         show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
         return self._loop.run(self._generate_all(batch, per_prompt, show, chat_template))
 
