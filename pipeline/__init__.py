@@ -13,6 +13,7 @@ from typing import Any
 from pipeline.caller import Caller
 from pipeline.errors import (
     CallOverflowError,
+    DeadlockError,
     EngineDeadError,
     GraphError,
     HostDiedError,
@@ -52,6 +53,7 @@ __all__ = [
     "MAIN_HOST",
     "CallOverflowError",
     "Caller",
+    "DeadlockError",
     "EngineDeadError",
     "Endpoint",
     "GraphError",

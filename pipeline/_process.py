@@ -48,7 +48,7 @@ from pipeline._protocol import (
     StartStages,
     StopHost,
 )
-from pipeline.errors import HostDiedError, StageFailedError
+from pipeline.errors import DeadlockError, HostDiedError, PipelineClosedError, StageFailedError
 from pipeline.host import FailureCallback, Host
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
@@ -59,24 +59,37 @@ logger = logging.getLogger("actorline.process")
 
 _LENGTH = struct.Struct("!I")
 _MAX_CONTROL_FRAME = 64 << 20
+#: seconds a controller waits for a shutdown phase on top of the host's own bound
+_STOP_MARGIN = 2.0
 _ZMQ = "zmq"
 
 
 def _with_ipc_dir(plan: HostPlan) -> tuple[HostPlan, str | None]:
     """The plan to hand a spawned host, and the ipc directory the parent made for it (None
-    when the host listens on no zmq link, or the settings name a directory already)."""
+    when the host listens on no zmq link, its zmq links are on tcp, or the settings name a
+    directory already)."""
     if not any(link.transport == _ZMQ for link in plan.inbound):
         return plan, None
     settings = dict(plan.transport_settings)
     zmq_settings = dict(settings.get(_ZMQ) or {})
-    if "ipc_dir" in zmq_settings:
-        return plan, None
+    if "ipc_dir" in zmq_settings or zmq_settings.get("tcp_interface") is not None:
+        return plan, None  # a directory named already, or links on tcp: no ipc files
     directory = tempfile.mkdtemp(prefix="actorline-zmq-")
     settings[_ZMQ] = {**zmq_settings, "ipc_dir": directory}
     return dataclasses.replace(plan, transport_settings=tuple(settings.items())), directory
 
 
 def _failure_message(call_id: int, host: str, error: BaseException) -> HostFailure:
+    if isinstance(error, DeadlockError):
+        return HostFailure(
+            call_id,
+            host,
+            "",
+            "DeadlockError",
+            str(error),
+            cycle=error.stages,
+            capacities=error.capacities,
+        )
     if isinstance(error, StageFailedError):
         return HostFailure(
             call_id,
@@ -90,6 +103,8 @@ def _failure_message(call_id: int, host: str, error: BaseException) -> HostFailu
 
 
 def _error_from_failure(failure: HostFailure) -> BaseException:
+    if failure.error_type == "DeadlockError" and failure.cycle:
+        return DeadlockError(failure.host, failure.cycle, failure.capacities)
     if failure.error_type == "PeerLostError" and not failure.stage:
         return PeerLostError(f"host {failure.host!r}: {failure.message}")
     return StageFailedError(
@@ -208,9 +223,9 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
                 control.send(Ack(call_id, host.statistics()))
             elif isinstance(command, StopHost):
                 if command.phase == 1:
-                    await host.quiesce(abort=command.abort)
+                    await host.quiesce(command.timeout, abort=command.abort)
                 else:
-                    await host.release(abort=command.abort)
+                    await host.release(command.timeout, abort=command.abort)
                 control.send(Ack(call_id))
                 return command.phase != 1
         except Exception as exc:
@@ -336,6 +351,8 @@ class ProcessHost:
 
     async def _call(self, command_type: type, *args: Any, timeout: float | None = None) -> Any:
         if self._gone or self._control is None or self._loop is None:
+            if self._stopping:  # stopped by its controller, not dead
+                raise PipelineClosedError(f"host {self.name!r} is stopped")
             code = self._process.returncode if self._process else None
             raise HostDiedError(self.name, code)
         call_id = next(self._ids)
@@ -386,12 +403,39 @@ class ProcessHost:
                 await asyncio.sleep(0.02)
         return True
 
+    async def exited(self, grace: float) -> bool:
+        """Whether the host process has exited, or exits within ``grace`` seconds. An exit
+        seen here is reported as it would be by the exit watch (HostDiedError through
+        ``on_failure``, unless the host is being stopped)."""
+        if self._process is None or self._loop is None:
+            return False
+        if not self._gone:
+            if not await self._wait_exit(grace):
+                return False
+            self._on_exit()
+        return True
+
+    def _phase_timeout(self, phase: int, timeout: float) -> float:
+        """How long the host may take for shutdown ``phase`` when each step gets
+        ``timeout``: phase 1 cancels its tasks, stops each stage and closes each sender in
+        turn; phase 2 closes each receiver and each transport."""
+        plan = self.plan
+        if phase == 1:
+            steps = 1 + len(plan.stages) + len(plan.outbound)
+        else:
+            links = (*plan.inbound, *plan.outbound)
+            steps = len(plan.inbound) + len({link.transport for link in links})
+        return max(steps, 1) * timeout + _STOP_MARGIN
+
     async def quiesce(self, timeout: float = 5.0, *, abort: bool = False) -> None:
-        """Shutdown phase 1 (see :meth:`Host.quiesce`). Never raises."""
+        """Shutdown phase 1 (see :meth:`Host.quiesce`; each step of it gets ``timeout``).
+        Never raises."""
         self._stopping = True
         if self._process is not None and not self._gone:
             with contextlib.suppress(Exception):
-                await self._call(StopHost, 1, abort, timeout=timeout)
+                await self._call(
+                    StopHost, 1, abort, timeout, timeout=self._phase_timeout(1, timeout)
+                )
 
     async def stop(self, timeout: float = 5.0, *, abort: bool = False) -> None:
         """Shutdown phase 2: ask the host to release its links and exit, wait for the
@@ -402,23 +446,53 @@ class ProcessHost:
             return
         if not self._gone:
             with contextlib.suppress(Exception):
-                await self._call(StopHost, 2, abort, timeout=timeout)
+                await self._call(
+                    StopHost, 2, abort, timeout, timeout=self._phase_timeout(2, timeout)
+                )
         if not await self._wait_exit(timeout):
             logger.warning("host %s did not exit; terminating pid %s", self.name, process.pid)
             process.terminate()
             if not await self._wait_exit(1.0):
                 process.kill()
+        await self._release()
+
+    def kill_now(self) -> None:
+        """Forced end, the part that does not wait: SIGKILL the process if it still runs and
+        remove its ipc directory. Idempotent; never raises."""
+        self._stopping = True
+        process = self._process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(OSError):
+                process.kill()  # (a no-op once the process has been reaped)
+        self._remove_ipc_dir()
+
+    async def kill(self) -> None:
+        """Forced end (also of a shutdown cut short): :meth:`kill_now`, then reap the process
+        and close the control channel. Idempotent; never raises."""
+        self.kill_now()
+        if self._process is None:
+            return
+        await self._wait_exit(_STOP_MARGIN)
+        await self._release()
+
+    async def _release(self) -> None:
+        """Reap the (exited or killed) process and release what the controller holds for it:
+        the ipc directory, the pidfd, the control reader and channel. Idempotent."""
+        process = self._process
+        assert process is not None
         process.wait()
+        if self._loop is not None:
+            self._on_exit()  # (once) calls still waiting for an answer fail; nothing reported
         self._remove_ipc_dir()
         if self._pidfd is not None:
-            if not self._gone and self._loop is not None:
-                self._loop.remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
         self._gone = True
-        if self._reader_task is not None:
-            self._reader_task.cancel()
+        self._exited.set()
+        reader, self._reader_task = self._reader_task, None
+        if reader is not None:
+            reader.cancel()
             with contextlib.suppress(BaseException):
-                await self._reader_task
+                await reader
         if self._control is not None:
             self._control.close()

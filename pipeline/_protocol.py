@@ -124,11 +124,13 @@ class QueryStatistics:
 @dataclasses.dataclass(frozen=True, slots=True)
 class StopHost:
     """Shutdown phase 1 (quiesce: stages stop, senders close) or 2 (release links, exit);
-    ``abort`` drops queued messages instead of delivering them."""
+    ``abort`` drops queued messages instead of delivering them; ``timeout``: seconds each
+    step may take (each stage's ``stop``, each link's close), the pipeline's stop timeout."""
 
     call_id: int
     phase: int
     abort: bool = False
+    timeout: float = 5.0
 
 
 @message(36)
@@ -141,7 +143,8 @@ class Ack:
 @message(37)
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostFailure:
-    """A stage (or the host) failed; ``call_id`` is the command it answers, 0 for an event."""
+    """A stage (or the host) failed; ``call_id`` is the command it answers, 0 for an event.
+    A deadlock names its ``cycle`` of stages and their mailbox ``capacities``."""
 
     call_id: int
     host: str
@@ -149,3 +152,5 @@ class HostFailure:
     error_type: str
     message: str
     traceback: str = ""
+    cycle: tuple[str, ...] = ()
+    capacities: tuple[int, ...] = ()

@@ -11,6 +11,7 @@ from transports.errors import PeerLostError
 
 __all__ = [
     "CallOverflowError",
+    "DeadlockError",
     "EngineDeadError",
     "GraphError",
     "HostDiedError",
@@ -53,6 +54,31 @@ class StageFailedError(PipelineError):
         self.remote_type = error_type
         self.remote_message = message
         self.remote_traceback = remote_traceback
+
+
+class DeadlockError(PipelineError):
+    """Stages of one host wait on each other in a cycle: each one's handler waits to send
+    into the next one's full mailbox, so none can drain its own and nothing moves again.
+    ``stages`` is the cycle in order (each waits on the next, the last on the first) and
+    ``capacities`` their mailbox bounds. Cycles through other hosts are not detected."""
+
+    def __init__(self, host: str, stages: tuple[str, ...], capacities: tuple[int, ...]) -> None:
+        path = " -> ".join((*stages, stages[0])) if stages else "(none)"
+        bounds = sorted(set(capacities))
+        capacity = (
+            f"capacity {bounds[0]}"
+            if len(bounds) == 1
+            else "capacities " + ", ".join(f"{s} {c}" for s, c in zip(stages, capacities))
+        )
+        super().__init__(
+            f"deadlock on host {host!r}: {path}: each stage waits to send into the next "
+            f"one's full mailbox ({capacity}), so none can drain its own. Bound the messages "
+            "in flight around a cycle (e.g. a window of credits sent back from the end of the "
+            "cycle to its start) so that they always fit in its mailboxes"
+        )
+        self.host = host
+        self.stages = stages
+        self.capacities = capacities
 
 
 class HostDiedError(PipelineError):

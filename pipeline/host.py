@@ -5,6 +5,11 @@ Links between stages of the same host deliver straight into the target's mailbox
 host listens for its inbound links (a pump task moves each received message into the target
 mailbox) and connects senders for its outbound ones. A stage that raises, or a link whose peer
 is lost, is reported through ``on_failure``; the controller then fails the whole pipeline.
+
+A handler that waits to send into a full mailbox of this host is recorded as waiting on that
+stage; when the waits close a cycle (every stage in it waits on the next one's full mailbox,
+so none can drain its own), the host reports a :class:`~pipeline.errors.DeadlockError` instead
+of hanging. Cycles through other hosts are not seen (their links are not mailboxes).
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ from pipeline._protocol import (
     RemoteLink,
     StageStatistics,
 )
-from pipeline.errors import PipelineError, StageFailedError
+from pipeline.errors import DeadlockError, PipelineError, StageFailedError
 from pipeline.graph import BOUNDARY, Endpoint
 from pipeline.stage import Stage
 from transports.base import Receiver, Sender, Transport
 from transports.errors import EndOfStream, LinkClosedError, PeerLostError
-from transports.memory import MemoryChannel
+from transports.memory import MemoryChannel, WouldBlock
 
 __all__ = ["Host"]
 
@@ -54,7 +59,9 @@ class _StageCell:
         "mailbox",
         "name",
         "stage",
+        "stop_started",
         "task",
+        "waiting_on",
     )
 
     def __init__(self, name: str, stage: Stage) -> None:
@@ -69,6 +76,9 @@ class _StageCell:
         self.buckets = [0] * (len(HANDLE_SECONDS_BUCKETS) + 1)
         self.busy = False
         self.dropped = 0
+        #: the stage whose full mailbox this stage's handler waits to send into
+        self.waiting_on: _StageCell | None = None
+        self.stop_started = False
 
 
 class Host:
@@ -91,6 +101,7 @@ class Host:
         self._receivers: dict[str, Receiver] = {}
         self._senders: dict[str, Sender] = {}
         self._pumps: list[asyncio.Task[None]] = []
+        self._cell_of_task: dict[asyncio.Task[Any], _StageCell] = {}
         self._failed = False
         self._stopped = False
         self._warned_ports: set[tuple[str, str]] = set()
@@ -109,11 +120,18 @@ class Host:
     def _local_deliver(self, target: Endpoint) -> _Deliver:
         if target.stage == BOUNDARY:
             return self._exits[target.port].send
-        mailbox = self._cells[target.stage].mailbox
+        cell = self._cells[target.stage]
+        mailbox = cell.mailbox
         port = target.port
 
         async def deliver(message: Any) -> None:
-            await mailbox.send((port, message))
+            try:
+                mailbox.send_nowait((port, message))
+            except WouldBlock:
+                await self._send_when_room(cell, (port, message))
+                return
+            if cell.waiting_on is not None:  # its owner waits too: did this close a cycle?
+                self._check_deadlock(cell)
 
         return deliver
 
@@ -162,12 +180,20 @@ class Host:
         async def start_one(cell: _StageCell) -> None:
             try:
                 await cell.stage.start()
+            except asyncio.CancelledError as exc:
+                # NOTE: unlike a handler's task, start runs in the caller's: it may have been
+                # cancelled by its caller (a start timeout). Only where Python can tell that
+                # it was not (>= 3.11) is this the stage failing.
+                if _cancel_requested() is not False:
+                    raise
+                raise self._cancelled_error(cell.name, exc, "start") from exc
             except Exception as exc:
                 raise self._stage_error(cell.name, exc) from exc
 
         await asyncio.gather(*(start_one(cell) for cell in self._cells.values()))
         for cell in self._cells.values():
             cell.task = asyncio.create_task(self._run_stage(cell), name=f"stage:{cell.name}")
+            self._cell_of_task[cell.task] = cell
 
     # -- running --------------------------------------------------------------------------------
 
@@ -207,8 +233,16 @@ class Host:
             started = clock()
             try:
                 await handle(message, port)
-            except asyncio.CancelledError:
-                raise
+            except asyncio.CancelledError as exc:
+                # NOTE: only this host cancels a stage's task, and it sets _stopped first. A
+                # CancelledError that nobody aimed at the task (the handler awaited a future
+                # or task that was cancelled) is the handler failing, not the stage stopping.
+                # (_cancel_requested also covers the event loop cancelling every task as it
+                # shuts down, where Python can tell.)
+                if self._stopped or _cancel_requested():
+                    raise
+                self._fail(self._cancelled_error(cell.name, exc, "its handler"), exc)
+                return
             except Exception as exc:
                 self._fail(self._stage_error(cell.name, exc), exc)
                 return
@@ -218,6 +252,62 @@ class Host:
                 buckets[bisect.bisect_left(bounds, elapsed)] += 1
                 cell.handled += 1
                 cell.busy = False
+
+    async def _send_when_room(self, target: _StageCell, item: tuple[str, Any]) -> None:
+        """Send ``item`` into ``target``'s full mailbox, waiting for room.
+
+        NOTE: when the waiting task is a stage's own handler (not a pump, the caller or a
+        background task of a stage) the wait is recorded, so that a cycle of handlers each
+        waiting on the next one's full mailbox is found (:meth:`_check_deadlock`) the moment
+        it closes. Only the stage's own task drains its mailbox, so such a cycle never clears.
+        """
+        sender = self._cell_of_task.get(asyncio.current_task())  # type: ignore[arg-type]
+        if sender is None:
+            await target.mailbox.send(item)
+        else:
+            sender.waiting_on = target
+            try:
+                cycle = self._wait_cycle(sender)
+                if cycle is not None:
+                    error = self._deadlock(cycle)
+                    self._fail(error, None)
+                    raise error
+                await target.mailbox.send(item)
+            finally:
+                sender.waiting_on = None
+        if target.waiting_on is not None:
+            self._check_deadlock(target)
+
+    def _check_deadlock(self, cell: _StageCell) -> None:
+        """Fail the host if waits through ``cell`` (whose mailbox just filled) close a cycle."""
+        cycle = self._wait_cycle(cell)
+        if cycle is not None:
+            error = self._deadlock(cycle)
+            self._fail(error, None)
+
+    @staticmethod
+    def _wait_cycle(start: _StageCell) -> list[_StageCell] | None:
+        """The stages of a wait cycle through ``start``: each one's handler waits to send into
+        the next one's mailbox, which is full; None if the waits do not lead back."""
+        path: list[_StageCell] = []
+        cell = start
+        while True:
+            target = cell.waiting_on
+            if target is None or len(target.mailbox) < target.mailbox.capacity:
+                return None
+            path.append(cell)
+            if target is start:
+                return path
+            if target in path:  # a cycle that does not pass through start
+                return None
+            cell = target
+
+    def _deadlock(self, cycle: list[_StageCell]) -> DeadlockError:
+        return DeadlockError(
+            self.name,
+            tuple(cell.name for cell in cycle),
+            tuple(cell.mailbox.capacity for cell in cycle),
+        )
 
     async def _pump(self, link: RemoteLink, receiver: Receiver) -> None:
         deliver = self._local_deliver(link.endpoint)
@@ -241,7 +331,22 @@ class Host:
         error.__cause__ = exc
         return error
 
-    def _fail(self, error: PipelineError | PeerLostError, cause: BaseException) -> None:
+    def _cancelled_error(
+        self, stage: str, exc: asyncio.CancelledError, where: str
+    ) -> StageFailedError:
+        """The failure of a stage whose ``where`` raised CancelledError nobody asked for."""
+        error = StageFailedError(
+            stage,
+            self.name,
+            "CancelledError",
+            f"{where} raised CancelledError, but nothing cancelled the stage (it awaited "
+            "a future or task that was cancelled)",
+            "".join(traceback.format_exception(exc)),
+        )
+        error.__cause__ = exc
+        return error
+
+    def _fail(self, error: PipelineError | PeerLostError, cause: BaseException | None) -> None:
         if self._failed or self._stopped:
             return
         self._failed = True
@@ -279,24 +384,15 @@ class Host:
     # -- shutdown -------------------------------------------------------------------------------
 
     async def quiesce(self, timeout: float = 5.0, *, abort: bool = False) -> None:
-        """Shutdown, first phase: stop handling, stop every stage, close every sender (which
-        tells each receiver END, unless ``abort``). Receivers stay open so that peers doing
-        the same meanwhile can still deliver their END. Idempotent."""
+        """Shutdown, first phase: stop handling, stop every stage (each ``stop`` gets up to
+        ``timeout`` seconds), close every sender (which tells each receiver END, unless
+        ``abort``). Receivers stay open so that peers doing the same meanwhile can still
+        deliver their END. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
-        tasks = [cell.task for cell in self._cells.values() if cell.task is not None]
-        tasks += self._pumps
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for cell in self._cells.values():
-            try:
-                await asyncio.wait_for(cell.stage.stop(), timeout)
-            except Exception:
-                logger.exception("stage %s failed to stop cleanly", cell.name)
-            cell.stage._shutdown_executor()
-            cell.mailbox.close_receiving()
+        await self._cancel_tasks(timeout)
+        await self._stop_stages(timeout)
         if not abort:
             for sender in self._senders.values():
                 with contextlib.suppress(Exception):
@@ -307,12 +403,14 @@ class Host:
         is still queued for a peer instead of waiting for it). Idempotent."""
         if not self._stopped:
             await self.quiesce(timeout, abort=abort)
-        receivers, self._receivers = self._receivers, {}
-        for receiver in receivers.values():
+        # NOTE: one at a time off the dicts, so that a release cut short (cancelled) leaves
+        # what it has not closed yet for a later one.
+        while self._receivers:
+            _, receiver = self._receivers.popitem()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(receiver.aclose(), timeout)
-        transports, self._transports = self._transports, {}
-        for transport in transports.values():
+        while self._transports:
+            _, transport = self._transports.popitem()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(transport.aclose(abort=abort), timeout)
 
@@ -320,3 +418,45 @@ class Host:
         """Both shutdown phases at once. Idempotent."""
         await self.quiesce(timeout, abort=abort)
         await self.release(timeout, abort=abort)
+
+    async def abort(self, timeout: float = 1.0) -> None:
+        """Forced shutdown, also finishing one that was cut short (cancelled): cancel what
+        still runs, stop the stages whose ``stop`` was not called yet, drop whatever is
+        queued, close every link and transport. Idempotent."""
+        self._stopped = True
+        await self._cancel_tasks(timeout)
+        await self._stop_stages(timeout)
+        await self.release(timeout, abort=True)
+
+    async def _cancel_tasks(self, timeout: float) -> None:
+        """Cancel the stages' tasks and the pumps; wait for them up to ``timeout``."""
+        tasks = [cell.task for cell in self._cells.values() if cell.task is not None]
+        tasks = [task for task in (*tasks, *self._pumps) if not task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                logger.warning("host %s: task %s ignored its cancellation", self.name, task)
+
+    async def _stop_stages(self, timeout: float) -> None:
+        """Call ``stop`` (each up to ``timeout``) of every stage not stopped yet, in order."""
+        for cell in self._cells.values():
+            if cell.stop_started:
+                continue
+            cell.stop_started = True
+            try:
+                await asyncio.wait_for(cell.stage.stop(), timeout)
+            except Exception:
+                logger.exception("stage %s failed to stop cleanly", cell.name)
+            finally:
+                cell.stage._shutdown_executor()
+                cell.mailbox.close_receiving()
+
+
+def _cancel_requested() -> bool | None:
+    """Whether the current task has been asked to cancel; None where Python cannot tell
+    (3.10, which has no ``Task.cancelling``)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return None if cancelling is None else cancelling() > 0

@@ -11,7 +11,14 @@ its control channel instead) fails the pipeline: the failure is recorded, every 
 and pending call raises it, callers blocked in :meth:`RunningPipeline.send` are woken with it
 at once, and the hosts are torn down. Nothing hangs. A caller never sees a transport error:
 it gets the pipeline's failure, or :class:`~pipeline.errors.PipelineClosedError` once the
-pipeline is stopping.
+pipeline is stopping. A link that breaks or falls silent is blamed on its sending host: if
+that host's process has exited (or exits within :data:`_EXIT_GRACE`) the failure is a
+:class:`~pipeline.errors.HostDiedError` with its exit status, else the host is unresponsive.
+
+Shutdown runs once, in a task of its own that every stop waits for: first gracefully (every
+host stops its stages and closes its links), then, whatever that left (all of it when a stop
+is cancelled or times out), forced: host processes are killed and links aborted, so a stop cut
+short leaves no process, socket or ipc directory behind.
 """
 
 from __future__ import annotations
@@ -31,7 +38,12 @@ from pipeline import settings
 from pipeline._gc import raise_young_threshold, restore_threshold
 from pipeline._process import ProcessHost
 from pipeline._protocol import HostPlan, HostStatistics, RemoteLink
-from pipeline.errors import HostUnresponsiveError, PipelineClosedError, PipelineError
+from pipeline.errors import (
+    HostUnresponsiveError,
+    PipelineClosedError,
+    PipelineError,
+    StageFailedError,
+)
 from pipeline.graph import BOUNDARY, MAIN_HOST, Endpoint, Pipeline
 from pipeline.host import Host
 from pipeline.stage import Stage
@@ -47,6 +59,11 @@ logger = logging.getLogger("actorline.runtime")
 #: Seconds each shutdown step waits for a host that was found unresponsive (it has already
 #: been silent for the heartbeat timeout) before the controller terminates, then kills, it.
 _UNRESPONSIVE_GRACE = 2.0
+#: Seconds a host whose link broke or fell silent has to show that its process exited (the
+#: exit watch may see a SIGKILL a moment after the link does) before it is called unresponsive.
+_EXIT_GRACE = 0.2
+#: Seconds each step of a forced teardown (stopping a stage, closing a link) may take.
+_FORCED_STEP_TIMEOUT = 1.0
 #: How a host names a link in the PeerLostError it reports (see ``Host._pump``).
 _LINK_IN_ERROR = re.compile(r"\blink (L\d+) into\b")
 
@@ -136,14 +153,15 @@ class RunningPipeline:
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
         self._closing = False
         self._teardown_task: asyncio.Task[None] | None = None
+        self._torn_down = False  # the teardown finished (forced or not)
         self._gc_tuned = False  # this pipeline raised the young GC threshold
-        self._stopped = asyncio.Event()
         self._link_sources: dict[str, str] = {}  # cross-host link id -> its sending host
         self._inbound_sources: dict[str, set[str]] = {}  # host -> hosts that send to it
         self._unresponsive: set[str] = set()
         self._sending: set[asyncio.Task[Any]] = set()  # callers inside send()
         self._interrupted: set[asyncio.Task[Any]] = set()  # ... that _interrupt_senders woke
         self._probe_task: asyncio.Task[None] | None = None
+        self._exit_checks: set[asyncio.Task[None]] = set()  # see _blame_exited_host
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -276,11 +294,41 @@ class RunningPipeline:
 
         def report(error: BaseException) -> None:
             if isinstance(error, PeerLostError):
-                self._host_unresponsive(self._silent_host(host, error), str(error), error)
+                silent = self._silent_host(host, error)
+                suspects = [silent] if silent in self._processes else []
+                if silent == "(unknown)":
+                    suspects = sorted(self._inbound_sources.get(host, set()) & set(self._processes))
+                self._blame_exited_host(
+                    suspects, lambda: self._host_unresponsive(silent, str(error), error)
+                )
+            elif isinstance(error, StageFailedError) and error.remote_type == "PeerLostError":
+                # a stage's send found its link broken: the receiving host may have died
+                self._blame_exited_host(sorted(self._processes), lambda: self._fail(error))
             else:
                 self._fail(error)
 
         return report
+
+    def _blame_exited_host(self, suspects: list[str], otherwise: Callable[[], None]) -> None:
+        """A link broke or fell silent, maybe because one of the ``suspects`` (spawned hosts)
+        died: one whose process has exited, or exits within :data:`_EXIT_GRACE`, fails the
+        pipeline with HostDiedError and its exit status (through its exit watch); if none
+        does, call ``otherwise``."""
+        if self.failure is not None or self._closing:
+            return
+        hosts = [self._processes[name] for name in suspects]
+        if not hosts:
+            otherwise()
+            return
+
+        async def check() -> None:
+            exited = await asyncio.gather(*(host.exited(_EXIT_GRACE) for host in hosts))
+            if not any(exited):
+                otherwise()
+
+        task = asyncio.get_running_loop().create_task(check(), name="exit-check")
+        self._exit_checks.add(task)
+        task.add_done_callback(self._exit_checks.discard)
 
     def _silent_host(self, reporter: str, error: PeerLostError) -> str:
         """The host whose link into ``reporter`` fell silent, as ``error`` tells."""
@@ -309,7 +357,7 @@ class RunningPipeline:
                 await asyncio.sleep(interval)
                 try:
                     await asyncio.wait_for(host.statistics(), timeout)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # (TimeoutError itself only from 3.11)
                     detail = f"it did not answer a probe within {timeout} s"
                     self._host_unresponsive(host.name, detail, None)
                     return
@@ -332,8 +380,8 @@ class RunningPipeline:
             except Exception:
                 logger.exception("failure callback raised")
         self._failure_callbacks.clear()
-        with contextlib.suppress(RuntimeError):
-            self._teardown_task = asyncio.get_running_loop().create_task(self._teardown())
+        with contextlib.suppress(RuntimeError):  # no running loop: the next stop tears down
+            self._begin_teardown()
 
     def _raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -375,9 +423,20 @@ class RunningPipeline:
     # -- statistics and shutdown ----------------------------------------------------------------
 
     async def statistics(self) -> list[HostStatistics]:
-        """A statistics snapshot of every host (stages, mailboxes, cross-host links)."""
-        assert self._main is not None
-        remote = await asyncio.gather(*(p.statistics() for p in self._processes.values()))
+        """A statistics snapshot of every host (stages, mailboxes, cross-host links).
+
+        Raises:
+            PipelineClosedError: the pipeline is stopped (or a host is gone while stopping).
+            PipelineError: the pipeline failed (the failure itself).
+        """
+        if self._torn_down or self._main is None:
+            raise self._closed_error()
+        try:
+            remote = await asyncio.gather(*(p.statistics() for p in self._processes.values()))
+        except Exception as exc:
+            if self._closing or self.failure is not None:
+                raise self._closed_error() from exc
+            raise
         return [self._main.statistics(), *remote]
 
     async def wait_idle(self, timeout: float | None = None, *, poll: float = 0.02) -> bool:
@@ -398,11 +457,19 @@ class RunningPipeline:
     async def stop(self, *, graceful: bool = True, timeout: float | None = None) -> None:
         """Stop the pipeline. Graceful: first wait (up to ``timeout``, default the start
         options' ``stop_timeout``) until in-flight work is done. Then stop every stage, close
-        every link, end every host process. Idempotent; safe after a failure."""
+        every link, end every host process. Idempotent; safe after a failure.
+
+        A stop that is cancelled (or times out under ``asyncio.wait_for``) turns forced before
+        the cancellation goes on: host processes are killed, links aborted, ipc directories
+        removed; a later stop finishes whatever is still left, if anything.
+        """
         timeout = self.options.stop_timeout if timeout is None else timeout
         if graceful and self.failure is None and not self._closing and self._main is not None:
             try:
                 drained = await self.wait_idle(timeout)
+            except asyncio.CancelledError:
+                await self._teardown(force=True)
+                raise
             except Exception:  # a host died while we asked it
                 drained = False
             if not drained and self.failure is None:
@@ -410,45 +477,97 @@ class RunningPipeline:
                                self.pipeline.name, timeout)  # fmt: skip
         await self._teardown()
 
-    async def _teardown(self) -> None:
-        if self._closing:
-            current = asyncio.current_task()
-            if self._teardown_task is not None and current is not self._teardown_task:
-                await asyncio.shield(self._teardown_task)
-            await self._stopped.wait()
-            return
-        self._closing = True
-        self._interrupt_senders()
+    def _begin_teardown(self) -> asyncio.Task[None]:
+        """Start the teardown task (once; see :meth:`_teardown`)."""
+        if self._teardown_task is None:
+            self._closing = True
+            self._interrupt_senders()
+            self._teardown_task = asyncio.get_running_loop().create_task(
+                self._tear_down(), name=f"teardown:{self.pipeline.name}"
+            )
+        return self._teardown_task
+
+    async def _teardown(self, *, force: bool = False) -> None:
+        """Tear down (once; every caller waits for the same teardown task). ``force``, or the
+        caller being cancelled while it waits, cuts the graceful part short: the rest is
+        forced, and done before the cancellation goes on, so that nothing is left behind."""
+        task = self._begin_teardown()
+        if force:
+            task.cancel()
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            task.cancel()
+            await self._finish_teardown(task)
+            raise
+        await self._finish_teardown(task)
+
+    async def _finish_teardown(self, task: asyncio.Task[None]) -> None:
+        """Wait for the teardown task; force what it left if it was cut short before its
+        forced part ran to the end (a cancellation within it, or before it began)."""
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("pipeline %r: teardown failed", self.pipeline.name,
+                         exc_info=task.exception())  # fmt: skip
+        if not self._torn_down:
+            await self._force_teardown()
+
+    async def _tear_down(self) -> None:
+        """The teardown task: graceful, then (always, even when cancelled) forced."""
+        try:
+            await self._stop_hosts()
+        finally:
+            # NOTE: runs when the graceful part is cancelled too (a stop cut short, the event
+            # loop shutting down): it kills and closes whatever that part did not finish.
+            await self._force_teardown()
+
+    async def _stop_hosts(self) -> None:
+        """The graceful part of the teardown."""
         # NOTE: two phases across every host: first all stages stop and every sender says
         # END while every receiver is still open, then links close. After a failure nothing
         # is delivered any more (abort), so no host waits on a peer that is gone.
         abort = self.failure is not None
-        try:
-            if self._probe_task is not None:
-                self._probe_task.cancel()
-                await asyncio.wait([self._probe_task])
-            timeout = self.options.stop_timeout
-            processes = list(self._processes.values())
-            timeouts = {p.name: timeout for p in processes}
-            for process in processes:
-                if process.name in self._unresponsive:
-                    self._resume(process)
-                    timeouts[process.name] = min(timeout, _UNRESPONSIVE_GRACE)
-            phase_one = [p.quiesce(timeouts[p.name], abort=abort) for p in processes]
-            if self._main is not None:
-                phase_one.append(self._main.quiesce(timeout, abort=abort))
-            await asyncio.gather(*phase_one)
-            phase_two = [p.stop(timeouts[p.name], abort=abort) for p in processes]
-            if self._main is not None:
-                phase_two.append(self._main.release(timeout, abort=abort))
-            await asyncio.gather(*phase_two)
-            for channel in self._exits.values():
-                channel.close_sending()
-        finally:
-            if self._gc_tuned:
-                self._gc_tuned = False
-                restore_threshold()
-            self._stopped.set()
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.wait([self._probe_task])
+        timeout = self.options.stop_timeout
+        processes = list(self._processes.values())
+        timeouts = {p.name: timeout for p in processes}
+        for process in processes:
+            if process.name in self._unresponsive:
+                self._resume(process)
+                timeouts[process.name] = min(timeout, _UNRESPONSIVE_GRACE)
+        phase_one = [p.quiesce(timeouts[p.name], abort=abort) for p in processes]
+        if self._main is not None:
+            phase_one.append(self._main.quiesce(timeout, abort=abort))
+        await asyncio.gather(*phase_one)
+        phase_two = [p.stop(timeouts[p.name], abort=abort) for p in processes]
+        if self._main is not None:
+            phase_two.append(self._main.release(timeout, abort=abort))
+        await asyncio.gather(*phase_two)
+        for channel in self._exits.values():
+            channel.close_sending()
+
+    async def _force_teardown(self) -> None:
+        """Kill and close whatever the graceful part left (nothing after a full graceful
+        teardown). Idempotent."""
+        if self._gc_tuned:
+            self._gc_tuned = False
+            restore_threshold()
+        for task in (self._probe_task, *self._exit_checks):
+            if task is not None:
+                task.cancel()
+        processes = list(self._processes.values())
+        # NOTE: first signal every host and remove its ipc directory, before anything that
+        # waits: a teardown cancelled once more in the middle still leaves no process running.
+        for process in processes:
+            process.kill_now()
+        await asyncio.gather(*(process.kill() for process in processes))
+        if self._main is not None:
+            await self._main.abort(_FORCED_STEP_TIMEOUT)
+        for channel in self._exits.values():
+            channel.close_sending()
+        self._torn_down = True
 
     @staticmethod
     def _resume(process: ProcessHost) -> None:

@@ -30,6 +30,7 @@ def test_build_with_default_ports_and_feedback_edge() -> None:
         ("split.out", "step.in"),
         ("step.out", "check.in"),
         ("check.again", "step.in"),
+        ("check.credit", "split.credit"),
         (f"{BOUNDARY}.jobs", "split.in"),
         ("check.out", f"{BOUNDARY}.results"),
     }
@@ -40,7 +41,7 @@ def test_build_with_default_ports_and_feedback_edge() -> None:
 
 def test_ambiguous_port_must_be_named() -> None:
     pipeline = Pipeline().add("check", Check).add("step", Step)
-    with pytest.raises(GraphError, match=r"check.*2 output ports.*'check.<port>'"):
+    with pytest.raises(GraphError, match=r"check.*3 output ports.*'check.<port>'"):
         pipeline.connect("check", "step")
     with pytest.raises(GraphError, match="no output port 'nope'"):
         pipeline.connect("check.nope", "step")
@@ -168,7 +169,7 @@ def test_failed_entry_or_exit_leaves_the_graph_unchanged() -> None:
     before = snapshot(pipeline)
     with pytest.raises(GraphError, match="no stage named 'missing'"):
         pipeline.entry("more", "step", "missing")
-    with pytest.raises(GraphError, match=r"2 output ports"):
+    with pytest.raises(GraphError, match=r"3 output ports"):
         pipeline.exit("more", "split.out", "check")
     with pytest.raises(GraphError, match="already exists"):
         pipeline.entry("results", "step")
@@ -199,7 +200,7 @@ def test_failed_edits_leave_the_graph_unchanged() -> None:
         lambda: pipeline.add("new", Passthrough, host=""),
         lambda: pipeline.connect("split", "step"),
         lambda: pipeline.connect("split", "missing"),
-        lambda: pipeline.disconnect("step", "split"),
+        lambda: pipeline.disconnect("step", "split.in"),
         lambda: pipeline.disconnect("missing", "step"),
         lambda: pipeline.place("step", ""),
         lambda: pipeline.place("missing", "worker"),
@@ -220,7 +221,7 @@ def test_failed_edits_leave_the_graph_unchanged() -> None:
 
 def test_validate_refuses_an_exit_nothing_feeds() -> None:
     pipeline = Pipeline().add("split", Split).add("step", Step).connect("split", "step")
-    pipeline.entry("jobs", "split").exit("results")
+    pipeline.entry("jobs", "split.in").exit("results")
     with pytest.raises(GraphError, match="exit 'results' is fed by no stage"):
         pipeline.validate()
     # removing a stage that cannot be bypassed drops its links and can orphan an exit

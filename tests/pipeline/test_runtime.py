@@ -45,6 +45,8 @@ VARIANTS = {
     # shrinks; the demo's small items do not, see test_zstd_really_compresses_the_traffic)
     "zmq+zstd": ("worker", StartOptions(transport="zmq", compression=ZSTD_EVERYTHING)),
     "grpc+zstd": ("worker", StartOptions(transport="grpc", compression=ZSTD_EVERYTHING)),
+    # hosts linked over zmq tcp, as on separate machines (DESIGN §8)
+    "zmq+tcp": ("worker", StartOptions(transport_settings={"zmq": {"tcp_interface": "127.0.0.1"}})),
 }
 
 
@@ -353,4 +355,26 @@ def test_no_ipc_file_or_directory_is_left_behind(kill: bool) -> None:
 
     run(body)
     assert [path for path in used if path.exists()] == []
+    assert child_pids() == set()
+
+
+def test_zmq_links_across_hosts_can_use_tcp() -> None:
+    """With the zmq transport's ``tcp_interface`` setting every cross-host link (the spawned
+    host's and the caller's) binds a tcp port on that interface instead of an ipc path."""
+    pipeline = collatz_pipeline().place("step", "worker")
+    _, options = VARIANTS["zmq+tcp"]
+
+    async def body() -> None:
+        async with await pipeline.start(options) as running:
+            caller = Caller(running, "jobs", "results", key=lambda m: m.job_id)
+            result = await caller.call(Job("tcp", (27, 97)))
+            assert result.steps.tolist() == [collatz_steps(27), collatz_steps(97)]
+            hosts = await running.statistics()
+            await caller.aclose()
+        addresses = {h.host: [link.address for link in h.links_in.values()] for h in hosts}
+        assert addresses["main"] and addresses["worker"], addresses
+        for bound in addresses.values():
+            assert all(a.startswith("tcp://127.0.0.1:") for a in bound), addresses
+
+    run(body)
     assert child_pids() == set()
