@@ -88,6 +88,8 @@ def sample_tensors() -> dict[str, Any]:
         "scalar_int": torch.tensor(-7, dtype=torch.int64),
         "empty": torch.zeros(0, 4),
         "nan_bits": torch.tensor([float("nan"), -0.0, float("inf")]),
+        # a conjugate view: it reads as values it does not store (the sign bits of -0.0 too)
+        "conjugate": torch.tensor([1 + 2j, -3 + 0j, 0.5j], dtype=torch.complex64).conj(),
     }
 
 
@@ -116,9 +118,13 @@ def assert_same_value(label: str, sent: Any, got: Any) -> None:
 
     assert isinstance(got, torch.Tensor), f"{label}: got {type(got).__name__}"
     assert got.dtype == sent.dtype and got.shape == sent.shape, f"{label}: {got.dtype}"
-    sent_bits = sent.reshape(-1).contiguous().view(torch.uint8)
-    got_bits = got.reshape(-1).contiguous().view(torch.uint8)
-    assert torch.equal(sent_bits, got_bits), f"{label}: the bits differ"
+
+    def bits(tensor: Any) -> Any:
+        """The bits of the values ``tensor`` reads as (a conjugate view's resolved)."""
+        values = tensor.resolve_conj().resolve_neg()
+        return values.reshape(-1).contiguous().view(torch.uint8)
+
+    assert torch.equal(bits(sent), bits(got)), f"{label}: the bits differ"
 
 
 def data_frame(payload: bytes, *, flags: int = 0, buffer_flags: bytes = b"") -> bytes:
@@ -151,6 +157,13 @@ def bad_frames(max_message_bytes: int) -> list[tuple[str, list[Buffer], type[Dec
     compressed = FrameCodec(compression=Compression(threshold=0)).encode(
         KitPayload(1, b"abc" * 1000)
     )[0]
+    huge_empty = [  # numpy refuses these shapes; a tensor of them must be refused the same
+        msgpack.packb(msgpack.ExtType(1, msgpack.packb([902, "huge", [shaped], {}])))
+        for shaped in (
+            msgpack.ExtType(code, msgpack.packb(["float32", [0, 2**63 - 1], b""]))
+            for code in (2, 3)  # a tensor, an array
+        )
+    ]
     corrupt = bytearray(payload_of(compressed))
     corrupt[len(corrupt) // 2] ^= 0xFF  # a valid zstd header, a corrupt body
     corrupt[-3] ^= 0x55
@@ -166,6 +179,8 @@ def bad_frames(max_message_bytes: int) -> list[tuple[str, list[Buffer], type[Dec
         ("truncated buffer frame", [head, buffer[:-8]], TruncatedFrameError),
         ("wrong field type", framer.encode(KitPing("seven")), FieldTypeError),  # type: ignore[arg-type]
         ("wrong nested message type", [wrong_nested], FieldTypeError),
+        ("empty tensor of a huge shape", [data_frame(huge_empty[0])], NotMsgpackError),
+        ("empty array of a huge shape", [data_frame(huge_empty[1])], NotMsgpackError),
         ("messages nested too deep", [data_frame(too_deep)], NestingTooDeepError),
         ("bad zstd", [data_frame(payload_of(payload), flags=_ZSTD)], DecompressionError),
         ("corrupt zstd body", [data_frame(bytes(corrupt), flags=_ZSTD)], DecompressionError),

@@ -7,9 +7,15 @@ Every message type is a frozen, slotted dataclass registered under a small integ
 inline bytes (small) or the index of an out-of-band buffer: those buffers travel as separate
 frames so that ZMQ multipart can send them without copying.
 
+Encoding fails only with :class:`~transports.errors.EncodeError`, naming the message field
+and why (a type the codec does not know, a tensor with no data to send such as a sparse or
+meta tensor, an integer out of msgpack's range). Conjugate and negative views of tensors are
+sent as the values they read as.
+
 Decoding is safe for any input: nothing is unpickled, every field is checked against the
-dataclass' type hints (``tuple`` hints turn msgpack lists back into tuples), and every
-failure is a typed :class:`~transports.errors.DecodeError`.
+dataclass' type hints (``tuple`` hints turn msgpack lists back into tuples), tensor and array
+shapes are checked before anything is allocated, and every failure is a typed
+:class:`~transports.errors.DecodeError`.
 """
 
 from __future__ import annotations
@@ -65,6 +71,11 @@ _PACKER_KEEP_BYTES = 1 << 20
 #: how deep messages may nest inside messages on decode. Each level is a msgpack call from
 #: the ext hook (C stack), so a hostile frame of a few KB could otherwise overflow the stack.
 MAX_NESTING = 64
+#: the most dimensions a decoded tensor or array may have (numpy's own limit)
+MAX_DIMS = 64
+#: a decoded tensor or array may not span more bytes than this, counting its non-zero
+#: dimensions (numpy refuses larger shapes even when a zero dimension makes them empty)
+_MAX_SPAN_BYTES = 2**63 - 1
 
 
 class _Invalid(Exception):
@@ -211,7 +222,11 @@ class Codec:
     def _default(self, obj: Any) -> msgpack.ExtType:
         spec = self.registry._by_type.get(type(obj))
         if spec is not None:
-            body = self._pack((spec.tag, *spec.getter(obj)))
+            values = spec.getter(obj)
+            try:
+                body = self._pack((spec.tag, *values))
+            except (EncodeError, TypeError, ValueError, OverflowError) as exc:
+                raise self._field_error(spec, values, exc) from exc
             return msgpack.ExtType(_EXT_MESSAGE, body)
         if isinstance(obj, np.ndarray):
             return self._encode_array(obj)
@@ -223,6 +238,19 @@ class Codec:
         if isinstance(obj, (tuple, frozenset, set)):
             return list(obj)
         raise EncodeError(f"cannot encode a value of type {type(obj).__qualname__}")
+
+    def _field_error(
+        self, spec: _MessageSpec, values: tuple[Any, ...], error: Exception
+    ) -> EncodeError:
+        """An EncodeError naming the field of ``spec`` that failed to encode (found by
+        encoding each field alone; only on this error path)."""
+        name = spec.cls.__qualname__
+        for field_name, value in zip(spec.field_names, values):
+            try:
+                self._pack(value)
+            except (EncodeError, TypeError, ValueError, OverflowError) as exc:
+                return EncodeError(f"{name}.{field_name}: {exc}")
+        return EncodeError(f"{name}: {error}")
 
     def _pack(self, obj: Any) -> bytes:
         """Pack with the Packer kept for the current nesting depth.
@@ -263,11 +291,28 @@ class Codec:
         dtype = str(tensor.dtype).removeprefix("torch.")
         if dtype not in _DTYPE_SET:
             raise EncodeError(f"cannot encode a tensor of dtype {tensor.dtype}")
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        shape = list(tensor.shape)
-        flat = tensor.detach().contiguous().reshape(-1)
-        raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+        if tensor.layout != torch.strided or tensor.is_nested:
+            kind = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+            raise EncodeError(
+                f"cannot encode a {kind} tensor: only dense (strided) tensors travel; "
+                "send .to_dense() or its parts"
+            )
+        if tensor.device.type == "meta":
+            raise EncodeError("cannot encode a meta tensor: it has a shape but no data")
+        try:
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            # NOTE: a conjugate or negative view reads as values it does not store; send
+            # those values (resolved into a new tensor), which is what the receiver must see.
+            tensor = tensor.detach().resolve_conj().resolve_neg()
+            shape = list(tensor.shape)
+            flat = tensor.contiguous().reshape(-1)
+            raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+            raise EncodeError(
+                f"cannot encode a tensor ({tensor.dtype} {tuple(tensor.shape)} on "
+                f"{tensor.device}): {exc}"
+            ) from exc
         body = self._pack((dtype, shape, self._data_ref(raw)))
         return msgpack.ExtType(_EXT_TENSOR, body)
 
@@ -349,6 +394,8 @@ class Codec:
         ):
             raise NotMsgpackError("malformed tensor/array header")
         dtype, shape, ref = header
+        itemsize = _itemsize(dtype)
+        _check_shape(shape, itemsize)
         if type(ref) is int:
             if not 0 <= ref < len(self._aux_in):
                 raise TruncatedFrameError(
@@ -362,7 +409,6 @@ class Codec:
         count = 1
         for d in shape:
             count *= d
-        itemsize = _itemsize(dtype)
         nbytes = memoryview(raw).nbytes
         if nbytes != count * itemsize:
             raise TruncatedFrameError(
@@ -382,6 +428,29 @@ class Codec:
             bytes_view = bytes_view.copy()
         flat = torch.from_numpy(bytes_view)
         return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _check_shape(shape: list[int], itemsize: int) -> None:
+    """Refuse a tensor/array shape that numpy could not hold, the same for tensors and
+    arrays (torch would make an empty tensor of ``[0, 2**63 - 1]``; numpy refuses it).
+
+    Raises:
+        NotMsgpackError: too many dimensions, or the non-zero dimensions span more bytes
+            than an array can.
+    """
+    if len(shape) > MAX_DIMS:
+        raise NotMsgpackError(
+            f"a tensor/array of {len(shape)} dimensions (at most {MAX_DIMS}) is malformed"
+        )
+    span = itemsize
+    for d in shape:
+        if d:
+            span *= d
+            if span > _MAX_SPAN_BYTES:
+                raise NotMsgpackError(
+                    f"tensor/array shape {shape} is too large: its non-zero dimensions span "
+                    f"more than {_MAX_SPAN_BYTES} bytes"
+                )
 
 
 def _itemsize(dtype: str) -> int:

@@ -23,7 +23,10 @@ dropped by the decoder (a logged decode error).
 
 Addresses: ``ipc://PATH`` (``listen(None)`` picks a fresh path in a private directory of the
 transport), ``tcp://HOST:PORT`` (port 0 binds a free port; the receiver's ``address`` reports
-it) and ``inproc://NAME`` (same transport only).
+it; ``[HOST]`` for IPv6) and ``inproc://NAME`` (same transport only). A transport made with
+``tcp_interface`` binds ``listen(None)`` on that interface and a port the OS picks instead of
+on ipc, so that senders on other machines can connect (a runtime setting:
+``StartOptions(transport_settings={"zmq": {"tcp_interface": "10.0.0.5"}})``).
 
 Limits of what ZMQ can tell:
 
@@ -81,6 +84,7 @@ logger = logging.getLogger("actorline.transports.zmq")
 
 _SCHEMES = ("ipc://", "tcp://", "inproc://")
 _IPC = "ipc://"
+_TCP = "tcp://"
 _MILLISECONDS = 1000
 _HEARTBEAT_FRAME = FrameCodec.control(FrameKind.HEARTBEAT)[0]
 _END_FRAME = FrameCodec.control(FrameKind.END)[0]
@@ -467,6 +471,14 @@ class ZmqTransport(Transport):
     use (it is created if missing). It belongs to this transport: aclose removes it with
     everything in it. A parent process that spawns a process running this transport hands
     it a directory this way, so that it can remove it if the child dies without closing.
+
+    ``tcp_interface``: ``listen(None)`` binds ``tcp://INTERFACE:0`` (a port the OS picks)
+    instead of a fresh ipc path. INTERFACE is an address or host name of this machine that
+    the senders can reach (a receiver reports the address it bound, so a wildcard such as
+    ``0.0.0.0`` gives an address only local senders can use); an IPv6 address is fine.
+
+    Raises (constructor):
+        ValueError: ``tcp_interface`` is empty or holds a port, a path or a scheme.
     """
 
     name: ClassVar[str] = "zmq"
@@ -477,10 +489,12 @@ class ZmqTransport(Transport):
         *,
         codec: Codec | None = None,
         ipc_dir: str | os.PathLike[str] | None = None,
+        tcp_interface: str | None = None,
     ) -> None:
         super().__init__(options, codec=codec)
         self._context: zmq.asyncio.Context | None = None
         self._private_dir: str | None = os.fspath(ipc_dir) if ipc_dir is not None else None
+        self._tcp_host = _tcp_host(tcp_interface) if tcp_interface is not None else None
         self._ipc_names = itertools.count(1)
         self._receivers: set[ZmqReceiver] = set()
         #: every sender, its socket open until the transport closes (see the module notes)
@@ -488,7 +502,8 @@ class ZmqTransport(Transport):
         self._closed = False
 
     async def listen(self, address: str | None = None) -> ZmqReceiver:
-        """Bind a ROUTER socket at ``address`` (None: a fresh ipc path).
+        """Bind a ROUTER socket at ``address`` (None: a fresh ipc path, or a free tcp port
+        on ``tcp_interface`` when the transport has one).
 
         Raises:
             ValueError: the address is not ipc://, tcp:// or inproc://.
@@ -496,9 +511,12 @@ class ZmqTransport(Transport):
             LinkClosedError: the transport was closed.
         """
         if address is None:
-            address = self._fresh_ipc_address()
+            if self._tcp_host is not None:
+                address = f"{_TCP}{self._tcp_host}:0"
+            else:
+                address = self._fresh_ipc_address()
         _check_address(address)
-        socket = self._new_socket(zmq.ROUTER)
+        socket = self._new_socket(zmq.ROUTER, address)
         socket.setsockopt(zmq.RCVHWM, self.options.capacity)
         socket.setsockopt(zmq.MAXMSGSIZE, frame_limit(self.options.max_message_bytes))
         try:
@@ -522,7 +540,7 @@ class ZmqTransport(Transport):
             LinkClosedError: the transport was closed.
         """
         _check_address(address)
-        socket = self._new_socket(zmq.DEALER)
+        socket = self._new_socket(zmq.DEALER, address)
         socket.setsockopt(zmq.SNDHWM, self.options.capacity)
         # NOTE: a routing id of our own (not one the ROUTER makes up per connection) stays
         # the same across reconnects; random, so another peer cannot claim it. libzmq
@@ -538,13 +556,15 @@ class ZmqTransport(Transport):
         await sender._open(name or f"pid {os.getpid()}")
         return sender
 
-    def _new_socket(self, kind: int) -> zmq.asyncio.Socket:
+    def _new_socket(self, kind: int, address: str) -> zmq.asyncio.Socket:
         if self._closed:
             raise LinkClosedError("the zmq transport is closed")
         if self._context is None:
             self._context = zmq.asyncio.Context()
         socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
+        if address.startswith(f"{_TCP}["):  # an IPv6 address: libzmq needs it switched on
+            socket.setsockopt(zmq.IPV6, 1)
         return socket
 
     def _fresh_ipc_address(self) -> str:
@@ -579,6 +599,27 @@ class ZmqTransport(Transport):
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = None
+
+
+def _tcp_host(interface: str) -> str:
+    """``interface`` as the host part of a tcp:// address (IPv6 in brackets).
+
+    Raises:
+        ValueError: empty, or it holds a scheme, a port or a path.
+    """
+    host = interface.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or "/" in host or "[" in host or "]" in host or " " in host:
+        raise ValueError(f"tcp_interface must be an address or host name, got {interface!r}")
+    if ":" in host:
+        if host.count(":") == 1:  # HOST:PORT
+            raise ValueError(
+                f"tcp_interface names an interface, not a port (the OS picks one); "
+                f"got {interface!r}"
+            )
+        return f"[{host}]"
+    return host
 
 
 def _check_address(address: str) -> None:

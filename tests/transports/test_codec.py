@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgpack
@@ -266,6 +267,54 @@ def test_encoding_an_unsupported_value_is_an_encode_error(value: Any) -> None:
         Codec(REGISTRY).encode(Blob(b"", (value,)))
 
 
+TENSORS_WITHOUT_DENSE_DATA: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
+    "sparse-coo": (lambda: torch.eye(3).to_sparse(), "sparse_coo tensor"),
+    "sparse-csr": (lambda: torch.eye(3).to_sparse(layout=torch.sparse_csr), "sparse_csr tensor"),
+    "meta": (lambda: torch.empty(3, device="meta"), "meta tensor"),
+    "nested": (
+        lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged),
+        "nested tensor",
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: sparse CSR / nested are beta
+@pytest.mark.parametrize("kind", sorted(TENSORS_WITHOUT_DENSE_DATA))
+def test_a_tensor_with_no_dense_data_is_an_encode_error_naming_the_field(kind: str) -> None:
+    make, why = TENSORS_WITHOUT_DENSE_DATA[kind]
+    value = make()
+    with pytest.raises(EncodeError, match=rf"^Blob\.values: cannot encode a {why}"):
+        Codec(REGISTRY).encode(Blob(b"", (value,)))
+    nested = everything(anything=Blob(b"", (value,)))
+    with pytest.raises(EncodeError, match=rf"^Everything\.anything: Blob\.values: .*{why}"):
+        Codec(REGISTRY).encode(nested)
+
+
+def test_an_out_of_range_integer_is_an_encode_error_naming_the_field() -> None:
+    with pytest.raises(EncodeError, match=r"^Everything\.count: "):
+        Codec(REGISTRY).encode(everything(count=2**64))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_conjugate_and_negative_views_travel_as_the_values_they_read_as(
+    dtype: torch.dtype,
+) -> None:
+    base = torch.tensor([1 + 2j, -3 - 0j, 0.5j], dtype=dtype)
+    views = [base.conj(), torch.conj_physical(base), base.conj().imag, base.conj()[::2]]
+    codec = Codec(REGISTRY)
+    for view in views:
+        payload, buffers = codec.encode(Blob(b"", (view,)))
+        got = codec.decode(payload, buffers)
+        assert isinstance(got, Blob)
+        (value,) = got.values
+        assert not value.is_conj() and not value.is_neg()
+        assert value.dtype == view.dtype and value.shape == view.shape
+        want = view.resolve_conj().resolve_neg().contiguous()
+        assert value.reshape(-1).view(torch.uint8).tolist() == (
+            want.reshape(-1).view(torch.uint8).tolist()
+        )  # bit-exact, the sign of -0.0 included
+
+
 # -- decoding errors: every DecodeError subclass ---------------------------------------------------
 
 BAD_PAYLOADS: list[tuple[str, bytes, type[DecodeError]]] = [
@@ -300,6 +349,15 @@ BAD_PAYLOADS: list[tuple[str, bytes, type[DecodeError]]] = [
         "array data neither bytes nor a buffer index",
         raw_message(4, b"", [msgpack.ExtType(EXT_NDARRAY, msgpack.packb(["uint8", [1], "x"]))]),
         NotMsgpackError,
+    ),
+    *(
+        (
+            f"{kind} shape {shape} too large",
+            raw_message(4, b"", [msgpack.ExtType(code, msgpack.packb(["float32", shape, b""]))]),
+            NotMsgpackError,
+        )
+        for kind, code in (("tensor", EXT_TENSOR), ("array", EXT_NDARRAY))
+        for shape in ([0, 2**63 - 1], [2**40, 0, 2**40], [0] * 65)
     ),
     ("unknown tag", raw_message(999, 1), UnknownTagError),
     ("bool field gets an int", raw_message(3, True), FieldTypeError),

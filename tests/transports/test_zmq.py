@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import re
+import socket
 import struct
 import time
 from collections.abc import Coroutine
@@ -103,6 +104,45 @@ def test_fresh_ipc_addresses_live_in_a_private_directory_removed_with_the_transp
             await transport.listen()
 
     run(main())
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("interface", "bound"),
+    [("127.0.0.1", r"tcp://127\.0\.0\.1"), ("::1", r"tcp://\[::1\]"), ("[::1]", r"tcp://\[::1\]")],
+)
+def test_a_tcp_interface_makes_fresh_addresses_free_tcp_ports(interface: str, bound: str) -> None:
+    if "::" in interface and not _has_ipv6_loopback():
+        pytest.skip("this machine has no IPv6 loopback")
+
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS, tcp_interface=interface) as transport:
+            first, second = await transport.listen(), await transport.listen()
+            for receiver in (first, second):
+                match = re.fullmatch(bound + r":(\d+)", receiver.address)
+                assert match is not None and int(match[1]) > 0, receiver.address
+            assert first.address != second.address
+            sender = await transport.connect(second.address, name="tcp-interface")
+            await sender.send(KitPing(7))
+            assert await second.receive() == KitPing(7)
+            await sender.aclose()
+            assert transport._private_dir is None  # no ipc directory was made
+
+    run(main())
+
+
+@pytest.mark.parametrize("interface", ["", "127.0.0.1:5555", "tcp://127.0.0.1", "a b"])
+def test_a_tcp_interface_must_be_an_address_or_host_name(interface: str) -> None:
+    with pytest.raises(ValueError, match="tcp_interface"):
+        ZmqTransport(OPTIONS, tcp_interface=interface)
 
 
 def test_addresses_of_other_schemes_are_refused() -> None:
