@@ -29,11 +29,23 @@ class CliError(Exception):
 def _plugins(args: argparse.Namespace) -> int:
     import plugins
 
+    conflicts = {(c.group, c.name): c for c in plugins.conflicts()}
     for group, entries in plugins.describe().items():
         print(f"{group}  ({plugins.GROUPS[group].description})")
-        for name, target in entries:
-            print(f"  {name:<12} {target}")
-        if not entries:
+        targets = dict(entries)
+        names = sorted(targets.keys() | {name for g, name in conflicts if g == group})
+        for name in names:
+            conflict = conflicts.get((group, name))
+            if name in targets:
+                print(f"  {name:<12} {targets[name]}")
+            if conflict is None:
+                continue
+            if conflict.ambiguous:
+                print(f"  {name:<12} AMBIGUOUS, not loadable: " + " / ".join(conflict.others))
+            else:
+                for other in conflict.others:
+                    print(f"  {name:<12} {other}: shadowed by the built-in")
+        if not names:
             print("  (none)")
     return 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -163,3 +165,120 @@ def test_describe_lists_without_importing(distribution: Path) -> None:
     described = plugins.describe()
     assert ("broken", "regtest_plugins.broken:Thing") in described[plugins.STAGES]
     assert "regtest_plugins.broken" not in sys.modules
+
+
+# -- names registered twice -------------------------------------------------------------------
+
+
+def _fake_distribution(root: Path, name: str, entry_points: str, package_source: str) -> None:
+    """An installed distribution ``name`` (a ``*.dist-info`` under ``root``) whose package
+    ``<name>_pkg`` holds ``package_source``."""
+    package = root / f"{name}_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(textwrap.dedent(package_source))
+    dist_info = root / f"{name}-0.3.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.3\n")
+    (dist_info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+
+
+POLICY_SOURCE = """
+    class Policy:
+        api_version = 1
+        name = "impostor"
+        def order_waiting(self): ...
+        def select_victim(self): ...
+        def on_arrival(self): ...
+        def on_step(self): ...
+        def on_finish(self): ...
+"""
+
+
+@pytest.fixture
+def conflicting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Two third-party distributions: each registers ``fcfs`` (a built-in name) and ``twin``
+    (a name neither built-in nor unique); the first ``solo`` too. Their order on sys.path
+    is the order they were made in, and must not matter."""
+    for name in ("shadowplug", "otherplug"):
+        lines = ["[actorline.schedulers]", f"fcfs = {name}_pkg:Policy", f"twin = {name}_pkg:Policy"]
+        if name == "shadowplug":
+            lines.append("solo = shadowplug_pkg:Policy")
+        entry_points = "\n".join(lines) + "\n"
+        _fake_distribution(tmp_path, name, entry_points, POLICY_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for module in [m for m in sys.modules if m.endswith("plug_pkg")]:
+        del sys.modules[module]
+
+
+def test_a_builtin_name_resolves_to_the_builtin_and_the_shadowed_plugin_is_logged(
+    conflicting: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from stages.policies import FcfsPolicy
+
+    with caplog.at_level(logging.WARNING, logger="actorline.plugins"):
+        assert plugins.load(plugins.SCHEDULERS, "fcfs") is FcfsPolicy
+    warnings = [record.getMessage() for record in caplog.records]
+    for name in ("shadowplug", "otherplug"):
+        assert any(
+            f"{name}_pkg:Policy ({name} 0.3)" in message and "shadowed" in message
+            for message in warnings
+        ), warnings
+    assert dict(plugins.describe()[plugins.SCHEDULERS])["fcfs"] == "stages.policies:FcfsPolicy"
+
+
+def test_a_name_two_other_distributions_register_is_ambiguous(conflicting: Path) -> None:
+    with pytest.raises(plugins.PluginConflictError) as error:
+        plugins.load(plugins.SCHEDULERS, "twin")
+    message = str(error.value)
+    assert "'twin' is ambiguous" in message
+    assert "shadowplug_pkg:Policy (shadowplug 0.3)" in message
+    assert "otherplug_pkg:Policy (otherplug 0.3)" in message
+    assert isinstance(error.value, plugins.PluginError)
+    assert "twin" in plugins.available(plugins.SCHEDULERS)
+    assert "twin" not in dict(plugins.describe()[plugins.SCHEDULERS])
+    # a name only one of them registers loads as usual
+    assert plugins.load(plugins.SCHEDULERS, "solo").name == "impostor"
+
+
+def test_conflicts_are_the_same_whatever_the_order_on_sys_path(
+    conflicting: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.policies import FcfsPolicy
+
+    before = plugins.conflicts(plugins.SCHEDULERS)
+    monkeypatch.syspath_prepend(str(conflicting))  # now also before actorline's own
+    monkeypatch.setattr(sys, "path", list(reversed(sys.path)))
+    assert plugins.conflicts(plugins.SCHEDULERS) == before
+    assert plugins.load(plugins.SCHEDULERS, "fcfs") is FcfsPolicy
+    by_name = {conflict.name: conflict for conflict in before}
+    assert set(by_name) == {"fcfs", "twin"}
+    assert by_name["fcfs"].chosen is not None
+    assert by_name["fcfs"].chosen.startswith("stages.policies:FcfsPolicy (actorline ")
+    assert len(by_name["fcfs"].others) == 2 and not by_name["fcfs"].ambiguous
+    assert by_name["twin"].ambiguous and len(by_name["twin"].others) == 2
+
+
+def test_the_cli_lists_shadowed_and_ambiguous_plugins(conflicting: Path) -> None:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(conflicting), *sys.path])}
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "plugins"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(
+        "fcfs" in line and "shadowplug_pkg:Policy (shadowplug 0.3)" in line and "shadowed" in line
+        for line in lines
+    ), result.stdout
+    assert any(
+        "twin" in line
+        and "AMBIGUOUS" in line
+        and "otherplug 0.3" in line
+        and "shadowplug 0.3" in line
+        for line in lines
+    ), result.stdout
+    assert any(line.split() == ["fcfs", "stages.policies:FcfsPolicy"] for line in lines)
