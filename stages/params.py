@@ -29,6 +29,8 @@ class SamplingParams:
     ``priority``: smaller runs first under the ``priority`` scheduler (as in vLLM).
     ``max_tokens`` None: generate until the model's length (what is left of it after the
     prompt), as vLLM's ``max_tokens=None``; admit replaces it with that number.
+    ``stop`` takes a list of strings or one string, ``stop_token_ids`` a list of ids; None
+    means none for both (vLLM's defaults). They are stored as tuples.
     """
 
     max_tokens: int | None = 16
@@ -50,12 +52,18 @@ class SamplingParams:
     priority: int = 0
 
     def __post_init__(self) -> None:
-        # Accept a single stop string and lists, as vLLM does; store tuples (hashable, frozen).
-        if isinstance(self.stop, str):
+        # Accept what vLLM's SamplingParams accepts (vllm/sampling_params.py: ``stop: str |
+        # list[str] | None = None``, ``stop_token_ids: list[int] | None = None``, None meaning
+        # none); store tuples (hashable, frozen).
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.stop_token_ids, list):
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        elif isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

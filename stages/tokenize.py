@@ -71,8 +71,9 @@ class TokenizeStage(Stage):
         """Token ids of the request's input.
 
         Raises:
-            InvalidRequestError: no input, several inputs, an empty or non-string prompt,
-                malformed chat messages, or token ids that are not non-negative integers.
+            InvalidRequestError: no input, several inputs, an empty or non-string prompt or
+                one that tokenizes to no tokens, malformed chat messages, or token ids that
+                are not non-negative integers.
         """
         given = [
             name
@@ -101,11 +102,17 @@ class TokenizeStage(Stage):
             raise InvalidRequestError(
                 f"prompt must be a string, got {type(prompt).__name__}", field="prompt"
             )
-        if not prompt.strip():
+        # NOTE: as vLLM, whitespace is a prompt like any other; only a prompt without tokens
+        # is refused (the model needs at least one position to compute).
+        if not prompt:
             raise InvalidRequestError("prompt is empty", field="prompt")
         if request.chat_template:
-            return self._apply_chat_template([("user", prompt)])
-        return tuple(self.tokenizer.encode(prompt, add_special_tokens=True))
+            ids = self._apply_chat_template([("user", prompt)])
+        else:
+            ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if not ids:
+            raise InvalidRequestError(f"prompt {prompt!r:.40} has no tokens", field="prompt")
+        return ids
 
     def _apply_chat_template(self, messages: list[tuple[str, str]]) -> tuple[int, ...]:
         if not messages:

@@ -16,8 +16,8 @@ execute stage in :func:`pipeline.presets.llm_pipeline`.
 
 Step semantics are :class:`stages.execute.runner.ModelRunner`'s, through the same code
 (:mod:`stages.execute.bookkeeping`): check the step whole, free ``finished`` and ``preempted``,
-register ``new_requests``, plan each chunk (a chunk starting at 0 is a (re)start that first
-looks its tokens up in the prefix cache), then sample where a chunk reaches the end of the
+register ``new_requests``, plan each chunk (a new or resumed request first looks its tokens
+up in the prefix cache), then sample where a chunk reaches the end of the
 request's known tokens and commit the computed blocks.
 """
 
@@ -41,10 +41,12 @@ from stages.execute.bookkeeping import (
     commit_chunk,
     plan_chunk,
     release,
+    spare_blocks,
     step_result,
     validate_step,
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
+from stages.execute.model_length import resolve_max_model_len
 from stages.messages import (
     EngineInfo,
     EngineRequest,
@@ -166,10 +168,8 @@ class NullRunner:
                     f"({config.kv_cache_bytes_budget} bytes) holds no KV block; one block "
                     f"takes {block_bytes} bytes (plus one reserved block)",
                 )
-        self.max_model_len = _max_model_len(
-            config.max_model_len,
-            int(text_config.get("max_position_embeddings") or 0),
-            usable_blocks * config.block_size,
+        self.max_model_len = resolve_max_model_len(
+            config.max_model_len, text_config, usable_blocks * config.block_size
         )
         self.allocator = BlockAllocator(
             usable_blocks + 1,
@@ -217,9 +217,10 @@ class NullRunner:
         cached_tokens: dict[str, int] = {}
         preempted: list[str] = []
         planned: list[tuple[_Request, int, int]] = []
+        spare = spare_blocks(allocator, self._requests, step)
         for chunk in step.chunks:
             request = self._requests[chunk.request_id]
-            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted)
+            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted, spare)
             if start is not None:
                 planned.append((request, start, chunk.start + chunk.num_tokens))
         sampling = [request for request, _, end in planned if end == request.num_tokens]
@@ -315,25 +316,6 @@ def _dtype_name(requested: str, text_config: dict[str, Any]) -> str:
         return requested
     declared = text_config.get("dtype") or text_config.get("torch_dtype")
     return _CONFIG_DTYPES.get(str(declared), "float32")
-
-
-def _max_model_len(requested: int | None, model_limit: int, cache_tokens: int) -> int:
-    """The runner's rule: the model's limit capped by what the cache holds; an explicit value
-    may not exceed either."""
-    if requested is None:
-        return min(model_limit, cache_tokens) if model_limit > 0 else cache_tokens
-    if model_limit > 0 and requested > model_limit:
-        raise ExecuteConfigError(
-            "max_model_len",
-            f"({requested}) exceeds the model's max_position_embeddings ({model_limit})",
-        )
-    if requested > cache_tokens:
-        raise ExecuteConfigError(
-            "max_model_len",
-            f"({requested}) exceeds what the KV cache holds ({cache_tokens} tokens); "
-            "raise num_blocks or kv_cache_memory",
-        )
-    return requested
 
 
 def _eos_token_ids(model_dir: Path, text_config: dict[str, Any]) -> tuple[int, ...]:

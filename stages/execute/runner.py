@@ -5,8 +5,9 @@ Synchronous on purpose: the execute stage calls it on a worker thread, off the e
 
 A request's *known tokens* are its prompt plus its sampled outputs. A chunk
 ``[start, start + n)`` computes those positions (less any already in the cache) and, when it
-reaches the end of the known tokens, samples the next token. A chunk starting at 0 (a new or
-resumed request) first looks its tokens up in the prefix cache. Step flow after vLLM v1
+reaches the end of the known tokens, samples the next token. A new or resumed request first
+looks its tokens up in the prefix cache (its chunk may already start past the prefix the
+scheduler expects there; see :mod:`stages.execute.bookkeeping`). Step flow after vLLM v1
 (``vllm/v1/worker/gpu_model_runner.py``: ``_update_states``, ``_prepare_inputs``,
 ``execute_model``) and nano-vllm (``nanovllm/engine/model_runner.py``).
 """
@@ -37,11 +38,13 @@ from stages.execute.bookkeeping import (
     commit_chunk,
     plan_chunk,
     release,
+    spare_blocks,
     step_result,
     validate_step,
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
+from stages.execute.model_length import resolve_max_model_len
 from stages.execute.native import PagedDecodeKernel, paged_decode_kernel
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.messages import (
@@ -134,7 +137,9 @@ class ModelRunner:
             stages.models.ModelError: the model cannot be found or read.
             UnsupportedModelError: the model needs attention features paged attention lacks.
             ExecuteConfigError: the config does not fit the model or the machine (no CUDA,
-                max_model_len too long, cache too small).
+                max_model_len too long, cache too small). A model whose RoPE depends on the
+                sequence length is served only below its switch point
+                (:mod:`stages.execute.model_length`).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -185,10 +190,8 @@ class ModelRunner:
                     f"({config.kv_cache_bytes_budget} bytes) holds no KV block; one block "
                     f"takes {block_bytes} bytes (plus one reserved block)",
                 )
-        self.max_model_len = _max_model_len(
-            config.max_model_len,
-            int(getattr(text_config, "max_position_embeddings", 0) or 0),
-            usable_blocks * config.block_size,
+        self.max_model_len = resolve_max_model_len(
+            config.max_model_len, text_config, usable_blocks * config.block_size
         )
         self.kv_cache = KVCache.allocate(
             num_layers=num_layers,
@@ -332,9 +335,10 @@ class ModelRunner:
         cached_tokens: dict[str, int] = {}
         preempted: list[str] = []
         works: list[_Work] = []
+        spare = spare_blocks(allocator, self._requests, step)
         for chunk in step.chunks:
             request = self._requests[chunk.request_id]
-            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted)
+            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted, spare)
             if start is not None:
                 end = chunk.start + chunk.num_tokens
                 works.append(_Work(request, start, end, samples=end == request.num_tokens))
@@ -459,23 +463,6 @@ def _resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:
     if isinstance(declared, str) and declared in _DTYPES:
         return _DTYPES[declared]
     return torch.float32
-
-
-def _max_model_len(requested: int | None, model_limit: int, cache_tokens: int) -> int:
-    if requested is None:
-        return min(model_limit, cache_tokens) if model_limit > 0 else cache_tokens
-    if model_limit > 0 and requested > model_limit:
-        raise ExecuteConfigError(
-            "max_model_len",
-            f"({requested}) exceeds the model's max_position_embeddings ({model_limit})",
-        )
-    if requested > cache_tokens:
-        raise ExecuteConfigError(
-            "max_model_len",
-            f"({requested}) exceeds what the KV cache holds ({cache_tokens} tokens); "
-            "raise num_blocks or kv_cache_memory",
-        )
-    return requested
 
 
 def _decode_mode(requested: str, device: torch.device, native_fits: bool) -> DecodeAttentionMode:

@@ -350,8 +350,11 @@ def run_single(
     return finished.tokens["a"], finished.reasons["a"]
 
 
-def test_eos_stops_with_its_token_as_reason() -> None:
-    assert run_single([5, 6, EOS, 9]) == ([5, 6, EOS], ("stop", EOS))
+def test_eos_stops_with_no_stop_reason() -> None:
+    # vLLM: stop_reason names a stop token id or string, never EOS.
+    assert run_single([5, 6, EOS, 9]) == ([5, 6, EOS], ("stop", None))
+    # EOS is checked first, also when it is listed in stop_token_ids too.
+    assert run_single([5, EOS], stop_token_ids=(EOS,)) == ([5, EOS], ("stop", None))
 
 
 def test_stop_token_ids_stop() -> None:
@@ -368,7 +371,7 @@ def test_model_length_ends_with_length() -> None:
 
 def test_min_tokens_holds_back_eos_and_stop_ids() -> None:
     tokens, reason = run_single([EOS, 42, 5, EOS], min_tokens=3, stop_token_ids=(42,))
-    assert (tokens, reason) == ([EOS, 42, 5, EOS], ("stop", EOS))
+    assert (tokens, reason) == ([EOS, 42, 5, EOS], ("stop", None))
     tokens, reason = run_single([EOS, 42, 5], min_tokens=2, stop_token_ids=(42,))
     assert (tokens, reason) == ([EOS, 42], ("stop", 42))
 
@@ -649,7 +652,7 @@ def test_mirror_never_overplans_and_every_request_ends(workload: Workload) -> No
         tokens = finished.tokens.get(request_id, [])
         assert len(tokens) <= max_tokens[request_id]
         if reason == "stop":
-            assert tokens[-1] == stop_token == EOS
+            assert tokens[-1] == EOS and stop_token is None
         elif reason == "error":  # a prompt the model's length or the KV cache cannot hold
             assert tokens == []
             room = min(workload.max_model_len, workload.num_blocks * workload.block_size)
