@@ -76,8 +76,9 @@ def validate_request(request: EngineRequest, info: EngineInfo) -> None:
     Raises:
         PromptTooLongError: the prompt leaves no room for one generated token in the model's
             length or in the whole KV cache.
-        InvalidRequestError: an empty prompt, a token id outside the vocabulary, or an
-            invalid sampling parameter (the error names the field).
+        InvalidRequestError: an empty prompt, a token id that is not an integer or lies
+            outside the vocabulary, or an invalid sampling parameter (the error names the
+            field).
     """
     ids = request.prompt_token_ids
     if not ids:
@@ -97,6 +98,15 @@ def validate_request(request: EngineRequest, info: EngineInfo) -> None:
             f"the prompt has {len(ids)} tokens; the whole KV cache holds {kv_tokens} "
             "(prompt plus at least one generated token)",
             field="prompt",
+            request_id=request.request_id,
+        )
+    # NOTE: exact ints only (not bool, not 5.0): anything else would reach execute's block
+    # hashing and embedding lookup and fail there, taking every running request with it.
+    if not all(type(token_id) is int for token_id in ids):
+        bad = next(t for t in ids if type(t) is not int)
+        raise InvalidRequestError(
+            f"prompt_token_ids must be integers, got {bad!r} ({type(bad).__name__})",
+            field="prompt_token_ids",
             request_id=request.request_id,
         )
     vocab = info.vocab_size
@@ -197,9 +207,10 @@ class AdmitStage(Stage):
             return
         try:
             validate_request(request, self.engine)
+            until_model_len = request.params.max_tokens is None
             request = resolve_max_tokens(request, self.engine)
             self._check_queue()
-            self._check_rate(request)
+            self._check_rate(request, until_model_len=until_model_len)
         except RequestError as error:
             await self._reject(request, error)
             return
@@ -214,7 +225,13 @@ class AdmitStage(Stage):
                 f"(limit {self.config.max_queued_requests}); retry later"
             )
 
-    def _check_rate(self, request: EngineRequest) -> None:
+    def _check_rate(self, request: EngineRequest, *, until_model_len: bool = False) -> None:
+        """Take the request's cost from its tenant's buckets, or raise.
+
+        The cost is the prompt plus ``max_tokens``. A request without ``max_tokens`` (runs
+        until the model's length) costs at most the tenant's burst: it reserves all the
+        tenant may use at once rather than being refused for a length it never asked for.
+        """
         buckets = self._buckets.get(request.tenant)
         if buckets is None:
             if len(self._buckets) >= _PRUNE_BUCKETS_AT:
@@ -224,8 +241,17 @@ class AdmitStage(Stage):
         tenant = request.tenant or "(default)"
         assert request.params.max_tokens is not None  # resolved by resolve_max_tokens
         cost = len(request.prompt_token_ids) + request.params.max_tokens
+        if buckets.tokens is not None and until_model_len:
+            cost = min(cost, max(len(request.prompt_token_ids), int(buckets.tokens.burst)))
         if buckets.tokens is not None and cost > buckets.tokens.burst:
             # Waiting never helps this request: not a rate limit (retryable) but a bad one.
+            if until_model_len:
+                raise InvalidRequestError(
+                    f"the prompt has {cost} tokens, more than tenant {tenant} may use at once "
+                    f"({buckets.tokens.burst:.0f})",
+                    field="prompt",
+                    request_id=request.request_id,
+                )
             raise InvalidRequestError(
                 f"the request needs {cost} tokens (prompt plus max_tokens), more than tenant "
                 f"{tenant} may use at once ({buckets.tokens.burst:.0f}); lower max_tokens",

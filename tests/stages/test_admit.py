@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 
 from pipeline import Pipeline, RunningPipeline
-from stages.admit import _PRUNE_BUCKETS_AT, AdmitConfig, AdmitStage, TenantLimits
+from stages.admit import (
+    _PRUNE_BUCKETS_AT,
+    AdmitConfig,
+    AdmitStage,
+    TenantLimits,
+    validate_request,
+)
+from stages.errors import InvalidRequestError
 from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejected
 from stages.params import SamplingParams
 
@@ -74,6 +81,8 @@ async def answer(running: RunningPipeline, message: EngineRequest) -> Any:
         (request("a", ()), "invalid", "prompt"),
         (request("b", (1,) * 64), "prompt_too_long", "prompt"),
         (request("c", (5, 1000)), "invalid", "prompt_token_ids"),
+        (request("c2", (5.0, 6, 7)), "invalid", "prompt_token_ids"),  # type: ignore[arg-type]
+        (request("c3", (5, True)), "invalid", "prompt_token_ids"),
         (request("d", temperature=-0.5), "invalid", "temperature"),
         (request("e", top_p=1.5), "invalid", "top_p"),
         (request("f", max_tokens=0), "invalid", "max_tokens"),
@@ -163,6 +172,27 @@ def test_max_tokens_none_means_the_rest_of_the_model_length() -> None:
     run_admit(config, body)
 
 
+def test_max_tokens_none_costs_at_most_the_burst() -> None:
+    # A tenant whose burst is below the model's length can still run a request without
+    # max_tokens: it reserves the whole burst instead of being refused as too long.
+    config = AdmitConfig(default_limits=TenantLimits(tokens_per_second=20, burst_seconds=1.0))
+
+    async def body(running: RunningPipeline) -> None:
+        admitted = await answer(running, request("b1", (5,) * 10, max_tokens=None))
+        assert isinstance(admitted, EngineRequest)
+        assert admitted.params.max_tokens == INFO.max_model_len - 10
+        # it took the whole burst (20 tokens), so the next one waits
+        limited = await answer(running, request("b2", (5,) * 3, max_tokens=1))
+        assert isinstance(limited, RequestRejected) and limited.kind == "rate_limited"
+        await asyncio.sleep(1.1)
+        too_long = await answer(running, request("b3", (5,) * 30, max_tokens=None))
+        assert isinstance(too_long, RequestRejected)
+        assert (too_long.kind, too_long.field) == ("invalid", "prompt")
+        assert "30 tokens" in too_long.message
+
+    run_admit(config, body)
+
+
 def test_full_buckets_of_many_tenants_are_forgotten() -> None:
     config = AdmitConfig(default_limits=TenantLimits(requests_per_second=1000.0))
 
@@ -208,3 +238,16 @@ def test_a_prompt_the_whole_kv_cache_cannot_hold_is_too_long() -> None:
         assert isinstance(await answer(running, request("fits", (5,) * 20)), EngineRequest)
 
     run_admit(AdmitConfig(), body, info=False)
+
+
+@pytest.mark.parametrize("bad", [5.0, True, "5", None, 5.5])
+def test_a_token_id_that_is_not_an_int_is_refused_before_it_reaches_execute(bad: Any) -> None:
+    # A float id passed min/max checks and crashed execute's block hashing, killing the engine.
+    message = EngineRequest("x", (7, bad, 9), SamplingParams())
+    with pytest.raises(InvalidRequestError, match="integers") as caught:
+        validate_request(message, INFO)
+    assert caught.value.field == "prompt_token_ids" and caught.value.request_id == "x"
+
+
+def test_vllm_default_stop_lists_are_admitted() -> None:
+    validate_request(request("v", stop=None, stop_token_ids=None), INFO)
