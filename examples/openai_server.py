@@ -33,6 +33,8 @@ invalid parameter (``param`` names it), 401 for a bad API key, 404 for an unknow
 when a rate limit is hit, 503 when overloaded or the engine is down, 500 for anything else. An
 error after a stream began is sent as one ``data: {"error": {...}}`` event before
 ``data: [DONE]``. A client that disconnects aborts its request, freeing its KV cache at once.
+SIGINT or SIGTERM aborts every running request (a stream ends with ``finish_reason: "abort"``
+and ``[DONE]``), refuses new ones (503) and exits with status 0.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import signal
 import socket
 import sys
 import time
+import types
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Annotated, Any, cast
@@ -94,6 +97,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MIN_LOGPROB = -9999.0
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: seconds uvicorn waits at shutdown for responses still running (after every request was
+#: aborted, they end at once) before it cancels them
+GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 # -- request bodies -------------------------------------------------------------------------------
@@ -385,13 +391,15 @@ async def _abort_on_disconnect(request: Request, engine: AsyncEngine, request_id
 
 @dataclasses.dataclass
 class _Generation:
-    """One running request: its stream of outputs (first one already received) and the task
-    that aborts it when the client disconnects."""
+    """One running request: its stream of outputs (first one already received), the task
+    that aborts it when the client disconnects, and the set of running requests it is in
+    until it ends."""
 
     request_id: str
     stream: AsyncGenerator[RequestOutput, None]
     first: RequestOutput
     watcher: asyncio.Task[None]
+    running: set[str]
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         yield self.first
@@ -399,6 +407,7 @@ class _Generation:
             yield output
 
     async def close(self) -> None:
+        self.running.discard(self.request_id)
         self.watcher.cancel()
         # NOTE: shielded: a cancelled streaming response must still end the engine stream
         # (which aborts the request if it is still running).
@@ -407,24 +416,27 @@ class _Generation:
 
 
 async def _start(
-    request: Request, engine: AsyncEngine, request_id: str, prompt: Any,
+    request: Request, server: _Server, request_id: str, prompt: Any,
     params: SamplingParams, tenant: str,
 ) -> _Generation:  # fmt: skip
     """Start generating and wait for the first output, so that a refusal (invalid, rate
     limited, ...) is answered with its HTTP status, not in the middle of a stream."""
+    engine = server.usable_engine()
     # NOTE: generate() is an async generator; aclose() ends it (aborting a running request)
     stream = cast(
         AsyncGenerator[RequestOutput, None],
         engine.generate(prompt, params, request_id=request_id, tenant=tenant),
     )
     watcher = asyncio.ensure_future(_abort_on_disconnect(request, engine, request_id))
+    server.running.add(request_id)
     try:
         first = await anext(stream)
     except Exception as exc:
+        server.running.discard(request_id)
         watcher.cancel()
         await stream.aclose()
         raise ApiError.from_engine(exc) from exc
-    return _Generation(request_id, stream, first, watcher)
+    return _Generation(request_id, stream, first, watcher, server.running)
 
 
 async def _collect(generation: _Generation) -> RequestOutput:
@@ -583,11 +595,33 @@ class _Server:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     engine: AsyncEngine | None = None
     texts: _TokenTexts | None = None
+    #: ids of the requests being answered
+    running: set[str] = dataclasses.field(default_factory=set)
+    shutting_down: bool = False
+    _aborting: asyncio.Task[None] | None = None
 
     def usable_engine(self) -> AsyncEngine:
+        if self.shutting_down:
+            raise ApiError(503, "the server is shutting down", error_type="server_error")
         if self.engine is None:
             raise ApiError(503, "the engine is not running", error_type="server_error")
         return self.engine
+
+    def shut_down(self) -> None:
+        """Refuse new requests and abort every running one (on the event loop's thread):
+        their streams end with ``finish_reason: "abort"``, so the graceful shutdown has
+        nothing left to wait for. Idempotent."""
+        self.shutting_down = True
+        if self._aborting is None:
+            self._aborting = asyncio.ensure_future(self._abort_running())
+
+    async def _abort_running(self) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        for request_id in list(self.running):
+            with contextlib.suppress(Exception):  # finished meanwhile, or the engine is gone
+                await engine.abort(request_id)
 
     def token_texts(self, logprobs: int | None) -> _TokenTexts | None:
         """The token decoder for a request that asked for ``logprobs`` (None: none asked)."""
@@ -698,8 +732,7 @@ def create_app(
         params = _sampling(body, max_tokens, body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         answer = reply(request_id, "text_completion", body, params.logprobs)
-        engine = server.usable_engine()
-        generation = await _start(request, engine, request_id, prompt, params, tenant)
+        generation = await _start(request, server, request_id, prompt, params, tenant)
         if not body.stream:
             return JSONResponse(_completion_response(answer, await _collect(generation)))
         events = _event_stream(generation, _completion_events(answer, generation))
@@ -721,8 +754,7 @@ def create_app(
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
         answer = reply(request_id, kind, body, params.logprobs)
-        engine = server.usable_engine()
-        generation = await _start(request, engine, request_id, messages, params, tenant)
+        generation = await _start(request, server, request_id, messages, params, tenant)
         if not body.stream:
             return JSONResponse(_chat_response(answer, await _collect(generation)))
         events = _event_stream(generation, _chat_events(answer, generation))
@@ -817,9 +849,32 @@ def _tenant_limits(
     return {key_identity(key): limits for key, limits in key_limits}
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, which on SIGINT/SIGTERM also calls ``on_exit`` on the event loop
+    (to abort the running requests): uvicorn's graceful shutdown waits for every response to
+    end, and a stream generating thousands of tokens would otherwise keep it waiting."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # NOTE: a signal handler installed with signal.signal runs between two bytecodes of
+        # the main thread, possibly inside the loop's own code: hand the work to the loop.
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._on_exit)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Serve until SIGINT/SIGTERM. Prints ``serving OpenAI-compatible API on URL`` once the
-    engine is up."""
+    """Serve until SIGINT/SIGTERM, which abort the running requests (their streams end with
+    ``finish_reason: "abort"``) and stop the server. Prints ``serving OpenAI-compatible API on
+    URL`` once the engine is up."""
     args = _arguments(argv)
     try:
         options = EngineOptions.create(
@@ -848,7 +903,10 @@ def main(argv: list[str] | None = None) -> int:
     # shutdown exit with status 0.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda received, frame: None)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    config = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS
+    )
+    server = _Uvicorn(config, on_exit=app.state.server.shut_down)
     server.run(sockets=[listener])
     return 0
 

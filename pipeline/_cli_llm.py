@@ -4,15 +4,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pipeline.cli import CliError
 
-__all__ = ["add_commands", "add_engine_arguments", "engine_options_from", "sampling_from"]
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator
+
+    from pipeline.options import EngineOptions
+    from stages.messages import RequestOutput
+
+__all__ = [
+    "EXIT_BROKEN_PIPE",
+    "add_commands",
+    "add_engine_arguments",
+    "engine_options_from",
+    "sampling_from",
+]
 
 #: the largest TCP port number
 _MAX_PORT = 65535
+#: the exit status of ``generate`` when stdout is closed under it: a process killed by
+#: SIGPIPE reports 128 + SIGPIPE to the shell
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,31 +112,59 @@ def has_chat_template(model_dir: Any) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
-def preflight(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
+def preflight(args: argparse.Namespace, **extra_options: Any) -> tuple[EngineOptions, Any, Any]:
     """Check the model and the parameters before starting anything (clear one-line errors).
-    Commands without sampling options (serve) get None for the parameters.
+    Commands without sampling options (serve) get None for the parameters. ``extra_options``:
+    more EngineOptions fields (serve's rate limits, ...).
 
+    Returns:
+        The engine options, the sampling parameters and the resolved model.
     Raises:
         CliError: with status 2 for bad input.
     """
     import plugins
     from pipeline.options import EngineOptions
+    from pipeline.presets import llm_pipeline
     from stages.errors import InvalidRequestError
     from stages.models import ModelError, resolve_model
     from stages.params import validate_sampling
     from stages.policies import load_policy
 
-    options = engine_options_from(args)
     try:
-        EngineOptions.create(**options)
+        options = EngineOptions.create(**engine_options_from(args), **extra_options)
+        # NOTE: building the pipeline builds every stage's config as the engine will
+        # (ExecuteConfig: device, KV cache sizes, max_model_len; the scheduler's and admit's),
+        # each validated in its __post_init__, without loading the model.
+        llm_pipeline(options)
         params = sampling_from(args) if hasattr(args, "max_tokens") else None
         if params is not None:
             validate_sampling(params)
         load_policy(args.scheduler)  # imported and constructed, as the engine will
         resolved = resolve_model(args.model)
     except (ModelError, InvalidRequestError, ValueError, TypeError, plugins.PluginError) as exc:
-        raise CliError(str(exc), 2) from exc
+        raise CliError(_config_message(exc), 2) from exc
     return options, params, resolved
+
+
+def _config_message(error: BaseException) -> str:
+    """The one-line message for a bad option: a stage config's error names the field alone
+    (``device must be ...``), as the other option errors do, not the config class."""
+    message = str(error)
+    field = getattr(error, "field", None)
+    if isinstance(field, str):
+        prefix, dot, rest = message.partition(f".{field} ")
+        if dot and prefix.isidentifier() and prefix.endswith("Config"):
+            return f"{field} {rest}"
+    return message
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of what is still buffered
+    does not fail on the closed pipe again (the recipe of Python's ``signal`` docs, "Note on
+    SIGPIPE")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -127,20 +173,33 @@ def _generate(args: argparse.Namespace) -> int:
     from stages.errors import RequestError
 
     prompt = args.prompt
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str) or not prompt:
         raise CliError("the prompt is empty", 2)
     options, params, resolved = preflight(args)
     chat = not args.no_chat_template and has_chat_template(resolved.path)
 
     async def run() -> None:
-        async with AsyncEngine(**options) as engine:
-            async for output in engine.generate(prompt, params, chat_template=chat):
-                sys.stdout.write(output.delta)
-                sys.stdout.flush()
+        async with AsyncEngine(options=options) as engine:
+            # NOTE: aclosing: a write that fails (stdout closed) ends the stream at once,
+            # which aborts the request in the engine.
+            outputs = cast(
+                "AsyncGenerator[RequestOutput, None]",
+                engine.generate(prompt, params, chat_template=chat),
+            )
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    sys.stdout.write(output.delta)
+                    sys.stdout.flush()
             sys.stdout.write("\n")
+            sys.stdout.flush()
 
     try:
         asyncio.run(run())
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly, with the status of a process
+        # killed by SIGPIPE, as the shell tools in the pipeline do.
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except RequestError as exc:
         raise CliError(str(exc), 2) from exc
     except PipelineError as exc:
@@ -153,21 +212,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     from pipeline import settings
     from pipeline.errors import PipelineError
-    from pipeline.options import EngineOptions
     from pipeline.server.auth import ApiKeys
     from pipeline.server.serve import SERVICE_NAME, ServerTLS, serve
 
-    options, _, _ = preflight(args)
-    try:
-        api_keys = ApiKeys.load(args.api_key, args.api_key_file)
-    except (OSError, ValueError) as exc:
-        raise CliError(f"API keys: {exc}", 2) from exc
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 <= port <= _MAX_PORT:
+            raise CliError(f"{flag} must be in [0, {_MAX_PORT}], got {port}", 2)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together", 2)
     if args.tls_client_ca and not args.tls_cert:
         raise CliError("--tls-client-ca needs --tls-cert and --tls-key", 2)
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= _MAX_PORT:
-        raise CliError(f"--metrics-port must be in [0, {_MAX_PORT}], got {args.metrics_port}", 2)
     for flag, limit in (
         ("--requests-per-second", args.requests_per_second),
         ("--tokens-per-second", args.tokens_per_second),
@@ -175,20 +229,24 @@ def _serve(args: argparse.Namespace) -> int:
         if limit is not None and not limit > 0:
             raise CliError(f"{flag} must be > 0, got {limit}", 2)
     try:
+        api_keys = ApiKeys.load(args.api_key, args.api_key_file)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"API keys: {exc}", 2) from exc
+    try:
         tls = (
             ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
             if args.tls_cert
             else None
         )
-        engine_options = EngineOptions.create(
-            **options,
-            requests_per_second=args.requests_per_second,
-            tokens_per_second=args.tokens_per_second,
-            tenant_limits=api_keys.tenant_limits(),
-            log_level=args.log_level,
-        )
     except (OSError, ValueError) as exc:
         raise CliError(str(exc), 2) from exc
+    engine_options, _, _ = preflight(
+        args,
+        requests_per_second=args.requests_per_second,
+        tokens_per_second=args.tokens_per_second,
+        tenant_limits=api_keys.tenant_limits(),
+        log_level=args.log_level,
+    )
     logging.basicConfig(
         level=args.log_level or settings.log_level(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

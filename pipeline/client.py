@@ -41,6 +41,7 @@ from pipeline.server.status import (
     ServiceUnavailableError,
     error_from_status,
 )
+from stages.errors import RequestError
 from stages.messages import Logprobs
 from stages.params import SamplingParams, validate_sampling
 
@@ -212,19 +213,26 @@ class AsyncClient:
             InvalidRequestError: a bad prompt or parameter (checked here first, then by the
                 server), naming the field. And any error of the module docstring.
         """
-        if params is not None:
-            if not isinstance(params, SamplingParams):
-                raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-            validate_sampling(params)
-        request = request_to_proto(
-            prompt, params, request_id=request_id, chat_template=chat_template
-        )
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        try:
+            if params is not None:
+                validate_sampling(params)
+            request = request_to_proto(
+                prompt, params, request_id=request_id, chat_template=chat_template
+            )
+        except RequestError as exc:
+            exc.request_id = request_id
+            raise
         call = self._generation().Generate(request, metadata=self._metadata, timeout=self.timeout)
         try:
             async for response in call:
                 yield _output_from_proto(response)
         except grpc.aio.AioRpcError as error:
-            raise _mapped(error) from None
+            mapped = _mapped(error)
+            if isinstance(mapped, RequestError) and request_id is not None:
+                mapped.request_id = request_id  # the caller's id, as the engine's errors carry
+            raise mapped from None
         finally:
             call.cancel()  # a no-op once finished; otherwise the server aborts the request
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -81,6 +82,7 @@ class _Collector:
     (vLLM's RequestOutputCollector does the same)."""
 
     __slots__ = (
+        "aborting",
         "arrival",
         "arrival_wall",
         "error",
@@ -89,11 +91,16 @@ class _Collector:
         "metrics",
         "pending",
         "request_id",
+        "stop_strings",
         "waiter",
     )
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, stop_strings: bool = False) -> None:
         self.request_id = request_id  # the caller's id (outputs carry it)
+        # With stop strings, stop-check may hold text back; an abort then waits for the
+        # pipeline's final output, which carries it (see AsyncEngine.abort).
+        self.stop_strings = stop_strings
+        self.aborting = False
         self.pending: RequestOutput | None = None
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -106,6 +113,11 @@ class _Collector:
         self.metrics: RequestMetrics | None = None
 
     def put(self, output: RequestOutput) -> None:
+        if self.aborting and output.finish_reason not in (None, "abort"):
+            # The request finished on its own before the abort reached stop-check: the
+            # caller asked to abort, so the stream ends as aborted (vLLM's output processor
+            # drops what arrives for a request after its abort, too); the text is complete.
+            output = dataclasses.replace(output, finish_reason="abort", stop_reason=None)
         now = time.monotonic()
         metrics = self.metrics
         if self.first_token is None and output.token_ids:
@@ -247,8 +259,9 @@ class AsyncEngine:
             return
         self._closed = True
         engine_ids = tuple(self._collectors)
-        for collector in list(self._collectors.values()):
-            self._finish_aborted(collector.request_id)
+        for engine_id in engine_ids:
+            self._engine_ids.pop(self._collectors[engine_id].request_id, None)
+            self._finish_aborted(engine_id)
         if self._running is not None:
             with contextlib.suppress(Exception):
                 await self._running.send("aborts", AbortRequests(engine_ids))
@@ -306,18 +319,26 @@ class AsyncEngine:
             RateLimitedError, OverloadedError: refused by admission.
             EngineDeadError: the engine died.
         """
-        params = checked_params(params)
         if request_id is None:
             request_id = engine_id = uuid.uuid4().hex
         else:
             engine_id = f"{request_id}#{next(self._incarnations)}"
-        request = _make_request(engine_id, prompt, params, tenant, chat_template)
+        try:
+            params = checked_params(params)
+            request = _make_request(engine_id, prompt, params, tenant, chat_template)
+        except RequestError as exc:
+            # NOTE: the error reaches the caller, who knows the request by its own id, not
+            # by the "<id>#<n>" it has inside the pipeline.
+            exc.request_id = request_id
+            raise
         running = self._check_usable()
         if request_id in self._engine_ids:
             raise InvalidRequestError(
-                f"request id {request_id!r} is already running", field="request_id"
+                f"request id {request_id!r} is already running",
+                field="request_id",
+                request_id=request_id,
             )
-        collector = _Collector(request_id)
+        collector = _Collector(request_id, stop_strings=bool(params.stop))
         self._collectors[engine_id] = collector
         self._engine_ids[request_id] = engine_id
         finished = False
@@ -344,21 +365,36 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         """Abort a running request: its stream ends with ``finish_reason="abort"`` and its KV
         blocks are freed. Returns False (and does nothing) for an unknown or finished id,
-        including one whose last output has arrived but was not read yet."""
+        including one whose last output has arrived but was not read yet.
+
+        The final output's text is all the request generated: with stop strings, the text
+        stop-check held back as a possible start of one is delivered too (as at every
+        finish), so that stream ends once the pipeline's final output arrives; any other
+        stream ends at once. The id is free for a new request as soon as this returns.
+        """
         self._check_usable()
-        engine_id = self._finish_aborted(request_id)
-        if engine_id is None:
+        engine_id = self._engine_ids.pop(request_id, None)
+        collector = self._collectors.get(engine_id) if engine_id is not None else None
+        if engine_id is None or collector is None:
             return False
+        # NOTE: stop-check answers an abort of a request it has sent an output for with the
+        # final "abort" output, held-back text included (StopCheckStage.on_abort). Once an
+        # output of the request has arrived here, that answer will come: stop-check has the
+        # request, and the abort reaches it after that output (or the request has finished
+        # there, and its final output comes instead). Before any output nothing is held.
+        if collector.stop_strings and collector.last is not None:
+            collector.aborting = True
+        else:
+            self._finish_aborted(engine_id)
         self._abort_queue.put_nowait(engine_id)
         return True
 
-    def _finish_aborted(self, request_id: str) -> str | None:
-        """End the stream of the caller's ``request_id`` with an "abort" output; returns the
-        request's id in the pipeline (None when it is not running)."""
-        engine_id = self._engine_ids.pop(request_id, None)
-        collector = self._collectors.pop(engine_id, None) if engine_id is not None else None
-        if engine_id is None or collector is None:
-            return None
+    def _finish_aborted(self, engine_id: str) -> None:
+        """End the stream of the request ``engine_id`` (its id in the pipeline) at once with
+        an "abort" output carrying what the caller has received; nothing if it has ended."""
+        collector = self._collectors.pop(engine_id, None)
+        if collector is None:
+            return
         last = collector.last
         aborted = RequestOutput(
             engine_id,
@@ -374,7 +410,6 @@ class AsyncEngine:
         if self._observers:
             self._notify(lambda observer: observer.output_received(aborted))
         collector.put(aborted)
-        return engine_id
 
     def _check_usable(self) -> RunningPipeline:
         if self._failure is not None:
@@ -509,7 +544,9 @@ def _make_request(
 ) -> GenerateRequest:
     arrival = time.time()
     if isinstance(prompt, str):
-        if not prompt.strip():
+        # NOTE: only "" is refused here: a whitespace-only prompt has tokens and runs, as in
+        # vLLM; tokenize refuses a prompt whose token list comes out empty.
+        if not prompt:
             raise InvalidRequestError("prompt is empty", field="prompt", request_id=request_id)
         return GenerateRequest(
             request_id, params, prompt=prompt, chat_template=chat_template, tenant=tenant,

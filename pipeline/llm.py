@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pipeline.engine import AsyncEngine, Prompt, checked_params
+from pipeline.errors import PipelineClosedError
 from pipeline.options import EngineOptions
 from stages.errors import InvalidRequestError
-from stages.messages import RequestOutput
+from stages.messages import ChatMessage, RequestOutput
 from stages.params import SamplingParams
 
 __all__ = ["LLM"]
@@ -41,6 +42,7 @@ class _LoopThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self.stopped = False
         self.thread = threading.Thread(
             target=self.loop.run_forever, name="actorline-llm-loop", daemon=True
         )
@@ -49,7 +51,14 @@ class _LoopThread:
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the loop and wait for its result. If the wait is interrupted
         (Ctrl-C in the calling thread), the coroutine is cancelled and allowed to unwind
-        (its ``finally`` blocks abort what it started) before the interruption goes on."""
+        (its ``finally`` blocks abort what it started) before the interruption goes on.
+
+        Raises:
+            PipelineClosedError: the loop was stopped (``coroutine`` is closed, not run).
+        """
+        if self.stopped:  # the owner was closed: nothing would run the coroutine
+            coroutine.close()
+            raise PipelineClosedError("the event loop thread is stopped")
         started, unwound = False, threading.Event()
 
         async def guarded() -> T:
@@ -77,6 +86,7 @@ class _LoopThread:
             raise
 
     def stop(self) -> None:
+        self.stopped = True
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=30)
@@ -130,7 +140,9 @@ class LLM:
                 before anything is sent; a prompt the engine refuses (too long, say) aborts
                 the rest of the batch.
             EngineDeadError: the engine died.
+            PipelineClosedError: the LLM was closed.
         """
+        self._check_open()
         batch = _as_batch(prompts)
         if params is None or isinstance(params, SamplingParams):
             per_prompt = [params or SamplingParams()] * len(batch)
@@ -152,11 +164,19 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to chat conversations (lists of ``{"role", "content"}``), or to
-        one conversation."""
-        if conversations and isinstance(conversations[0], dict):
+        """Generate replies to chat conversations (lists of ``{"role", "content"}`` mappings
+        or :class:`~stages.messages.ChatMessage`), or to one conversation.
+
+        Raises: as :meth:`generate`.
+        """
+        self._check_open()
+        if conversations and _is_chat_message(conversations[0]):
             conversations = [conversations]
         return self.generate(list(conversations), params, use_tqdm=use_tqdm)
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise PipelineClosedError("the LLM is closed")
 
     async def _generate_all(
         self,
@@ -210,13 +230,19 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     if isinstance(prompts, Sequence) and prompts and all(type(t) is int for t in prompts):
         return [prompts]  # type: ignore[list-item]
-    if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], dict):
-        return [prompts]  # type: ignore[list-item]
+    if isinstance(prompts, Sequence) and prompts and _is_chat_message(prompts[0]):
+        return [prompts]  # type: ignore[list-item]  # one conversation
     if not isinstance(prompts, Sequence) or not prompts:
         raise InvalidRequestError(
             "prompts must be a non-empty prompt or list of prompts", field="prompt"
         )
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _is_chat_message(item: object) -> bool:
+    """Whether ``item`` is one chat message (so a list of them is one conversation), in
+    either form :meth:`AsyncEngine.generate` accepts."""
+    return isinstance(item, (ChatMessage, Mapping))
 
 
 def _as_kwargs(options: EngineOptions) -> dict[str, Any]:

@@ -1,5 +1,11 @@
 """The detokenize stage: incremental, UTF-8-safe text for every running request.
 
+A request the engine stopped (EOS or a stop token id, ``finish_reason="stop"``) does not get
+its last token's text unless ``include_stop_str_in_output``: the stop token is in the output's
+token ids, not in its text, as in vLLM V1 (``vllm/v1/engine/detokenizer.py``,
+``IncrementalDetokenizer.update``: a stop-terminated request skips its last token for
+detokenization).
+
 Ports: ``in`` takes EngineRequest (registers a request, from tokenize), EngineOutputs (new
 tokens, from schedule), RequestRejected (from admit) and AbortRequests (from the API); ``out``
 forwards registrations, rejections and aborts and sends :class:`TextOutputs` to stop-check.
@@ -11,6 +17,7 @@ import dataclasses
 
 from pipeline.stage import Stage, handles
 from stages.detokenizer import DetokenizerFactory, IncrementalDetokenizer
+from stages.early_aborts import EarlyAborts
 from stages.messages import (
     AbortRequests,
     EngineOutputs,
@@ -36,6 +43,10 @@ class DetokenizeStage(Stage):
         super().__init__(config)
         self._factory: DetokenizerFactory | None = None
         self._requests: dict[str, IncrementalDetokenizer] = {}
+        # requests whose stop token's text is wanted (include_stop_str_in_output)
+        self._stop_text_kept: set[str] = set()
+        # aborts that overtook their request (sent by the API while it passed tokenize)
+        self._early_aborts = EarlyAborts()
 
     async def start(self) -> None:
         tokenizer = await self.run_in_thread(load_tokenizer, self.config.model)
@@ -44,9 +55,13 @@ class DetokenizeStage(Stage):
     @handles(EngineRequest)
     async def on_request(self, request: EngineRequest) -> None:
         assert self._factory is not None
+        if self._early_aborts.take(request.request_id):
+            return  # aborted before it got here: neither this stage nor stop-check tracks it
         self._requests[request.request_id] = self._factory.create(
             request.prompt_token_ids, skip_special_tokens=request.params.skip_special_tokens
         )
+        if request.params.include_stop_str_in_output:
+            self._stop_text_kept.add(request.request_id)
         await self.emit("out", request)
 
     @handles(EngineOutputs)
@@ -58,10 +73,11 @@ class DetokenizeStage(Stage):
             detokenizer = requests.get(request_id)
             if detokenizer is None:  # aborted by the caller while the step ran
                 continue
-            text = detokenizer.push(outputs.new_token_ids[index])
-            if outputs.finish_reasons[index] is not None:
-                text += detokenizer.flush()
-                del requests[request_id]
+            finish_reason = outputs.finish_reasons[index]
+            if finish_reason is None:
+                text = detokenizer.push(outputs.new_token_ids[index])
+            else:
+                text = self._finish(request_id, detokenizer, finish_reason, outputs, index)
             keep.append(index)
             texts.append(text)
         if len(keep) == len(outputs.request_ids):
@@ -86,13 +102,37 @@ class DetokenizeStage(Stage):
             ),
         )
 
+    def _finish(
+        self,
+        request_id: str,
+        detokenizer: IncrementalDetokenizer,
+        finish_reason: str,
+        outputs: EngineOutputs,
+        index: int,
+    ) -> str:
+        """The text of a finishing request's last tokens (held-back text included); forgets
+        the request."""
+        token_ids = outputs.new_token_ids[index]
+        if finish_reason == "stop" and token_ids and request_id not in self._stop_text_kept:
+            # NOTE: the engine stopped on this token (EOS or a stop token id): its text is
+            # left out, as vLLM V1 leaves it out unless include_stop_str_in_output.
+            token_ids = token_ids[:-1]
+        text = detokenizer.push(token_ids) if token_ids else ""
+        text += detokenizer.flush()
+        del self._requests[request_id]
+        self._stop_text_kept.discard(request_id)
+        return text
+
     @handles(RequestRejected)
     async def on_rejected(self, rejected: RequestRejected) -> None:
         self._requests.pop(rejected.request_id, None)
+        self._stop_text_kept.discard(rejected.request_id)
         await self.emit("out", rejected)
 
     @handles(AbortRequests)
     async def on_abort(self, abort: AbortRequests) -> None:
         for request_id in abort.request_ids:
-            self._requests.pop(request_id, None)
+            if self._requests.pop(request_id, None) is None:
+                self._early_aborts.add(request_id)
+            self._stop_text_kept.discard(request_id)
         await self.emit("out", abort)

@@ -15,10 +15,10 @@ NOTE: exactly one step is in flight. When a result arrives the next step is sent
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 from pipeline.stage import Stage, handles
+from stages.early_aborts import EarlyAborts
 from stages.errors import RequestError
 from stages.messages import (
     AbortRequests,
@@ -31,9 +31,6 @@ from stages.policies import load_policy
 from stages.scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["ScheduleConfig", "ScheduleStage"]
-
-#: how many aborts of not-yet-arrived requests are remembered
-EARLY_ABORTS_KEPT = 65536
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,7 +48,7 @@ class ScheduleStage(Stage):
     def __init__(self, config: ScheduleConfig | None = None) -> None:
         super().__init__(config or ScheduleConfig())
         self.scheduler: Scheduler | None = None
-        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._early_aborts = EarlyAborts()
 
     async def start(self) -> None:
         # NOTE: a policy plugin that is missing, broken or invalid fails start-up loudly.
@@ -67,8 +64,7 @@ class ScheduleStage(Stage):
     @handles(EngineRequest)
     async def on_request(self, request: EngineRequest) -> None:
         assert self.scheduler is not None
-        if request.request_id in self._early_aborts:
-            del self._early_aborts[request.request_id]
+        if self._early_aborts.take(request.request_id):
             return  # aborted before it arrived
         try:
             self.scheduler.add_request(request)
@@ -85,9 +81,7 @@ class ScheduleStage(Stage):
         assert self.scheduler is not None
         for request_id in abort.request_ids:
             if not self.scheduler.has_request(request_id):
-                self._early_aborts[request_id] = None
-                if len(self._early_aborts) > EARLY_ABORTS_KEPT:
-                    self._early_aborts.popitem(last=False)
+                self._early_aborts.add(request_id)
         self.scheduler.abort(abort.request_ids)
         await self._dispatch_step()
 

@@ -2,8 +2,14 @@
 
 It cuts a matched stop string from the text (unless ``include_stop_str_in_output``), holds
 back text that could be the start of a stop string while streaming, honours ``min_tokens``,
-flushes held-back text on every finish, and sends an abort back to schedule when a stop string
-ends a request, so its KV blocks are freed at once.
+flushes held-back text on every finish (an engine stop, length, and an abort from the caller:
+REFERENCE.md §4), and sends an abort back to schedule when a stop string ends a request, so
+its KV blocks are freed at once.
+
+An abort of a request with stop strings that has had an output is answered with its final
+``"abort"`` output, carrying the held-back text (vLLM's ``OutputProcessor.abort_requests``
+makes the same final output from its detokenizer state, ``vllm/v1/engine/output_processor.py``);
+:meth:`pipeline.engine.AsyncEngine.abort` ends such a stream with it.
 
 Ports: ``in`` takes EngineRequest (registration), TextOutputs, RequestRejected and
 AbortRequests (from detokenize); ``out`` sends :class:`RequestOutputs` to the API; ``abort``
@@ -129,5 +135,31 @@ class StopCheckStage(Stage):
 
     @handles(AbortRequests)
     async def on_abort(self, abort: AbortRequests) -> None:
+        outputs: list[RequestOutput] = []
         for request_id in abort.request_ids:
-            self._requests.pop(request_id, None)
+            tracked = self._requests.pop(request_id, None)
+            # NOTE: only requests with stop strings that have had an output get a final
+            # output here (the API waits for it exactly then); others hold nothing back and
+            # the API ends their stream itself. An id stop-check no longer tracks (finished,
+            # or its own stop-string abort coming back through detokenize) gets nothing.
+            if tracked is None or tracked.checker is None or not tracked.token_ids:
+                continue
+            # The held-back text goes out as is: a complete stop string in it would have
+            # stopped the request when it arrived (before min_tokens it did not count).
+            delta = tracked.checker.finish()
+            tracked.text += delta
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    tracked.text,
+                    delta,
+                    tuple(tracked.token_ids),
+                    "abort",
+                    None,
+                    tuple(tracked.logprobs) if tracked.logprobs is not None else None,
+                    tracked.num_prompt_tokens,
+                    tracked.num_cached_tokens,
+                )
+            )
+        if outputs:
+            await self.emit("out", RequestOutputs(tuple(outputs)))

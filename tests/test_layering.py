@@ -19,6 +19,8 @@ PURE_MODULES = (
     "stages.token_bucket",
     "stages.params",
     "stages.messages",
+    "stages.early_aborts",
+    "stages.execute.model_length",
 )
 FORBIDDEN = ("asyncio", "anyio", "zmq", "grpc", "torch")
 

@@ -761,7 +761,11 @@ class GrpcTransport(Transport):
             await receiver.aclose()
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(grace=None)
+            # NOTE: grace=None cancels every call, and gRPC core sends each connected peer a
+            # GOAWAY "Cancelling all calls" that it always logs at INFO. On a graceful close
+            # the receivers above have ended their calls, so a grace period returns at once
+            # with a clean GOAWAY; only a forced close cancels.
+            await server.stop(grace=None if abort else self.options.heartbeat_timeout)
 
 
 def _parse_address(address: str) -> tuple[str, int, str]:

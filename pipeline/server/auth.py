@@ -162,12 +162,18 @@ class ApiKeys:
         """Keys given literally (``--api-key``) and in key files (``--api-key-file``).
 
         Raises:
-            ValueError: a malformed key or key file line, or a key given twice.
+            ValueError: a malformed key or key file line, a key given twice, or a key file
+                holding no key (only comments and blank lines).
             OSError: a key file cannot be read.
         """
         entries = [ApiKey.create(key) for key in keys]
         for path in files:
-            entries.extend(parse_api_key_file(Path(path).read_text(), str(path)))
+            from_file = parse_api_key_file(Path(path).read_text(), str(path))
+            # NOTE: a key file was given to turn authentication on; one with no key in it
+            # (keys not mounted yet, say) must not silently leave the server open to all.
+            if not from_file:
+                raise ValueError(f"{path}: no API key in the file (only comments or blank lines)")
+            entries.extend(from_file)
         return cls(entries)
 
     @property

@@ -153,17 +153,23 @@ def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
     """The engine prompt of a request (not validated here beyond its presence).
 
     Raises:
-        InvalidRequestError: no input is set (field ``input``).
+        InvalidRequestError: no input is set (field ``input``), or an empty ``messages`` or
+            ``token_ids`` list (named by its proto field: the engine would call it
+            ``prompt``).
     """
     which = request.WhichOneof("input")
     if which == "text":
         return request.text
     if which == "messages":
+        if not request.messages.messages:
+            raise InvalidRequestError("messages must hold at least one message", field="messages")
         return [
             ChatMessage(message.role or "user", message.content)
             for message in request.messages.messages
         ]
     if which == "token_ids":
+        if not request.token_ids.ids:
+            raise InvalidRequestError("token_ids must hold at least one token", field="token_ids")
         return list(request.token_ids.ids)
     raise InvalidRequestError(
         "the request has no input: set text, messages or token_ids", field="input"

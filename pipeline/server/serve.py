@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import signal
+import ssl
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +57,11 @@ DEFAULT_PORT = 50051
 #: how long in-flight calls get to end at shutdown before they are cancelled
 DEFAULT_GRACE_SECONDS = 5.0
 _PEM_MARKER = b"-----BEGIN "
+_PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+#: PKCS#8 ("PRIVATE KEY"), PKCS#1 ("RSA PRIVATE KEY"), SEC 1 ("EC PRIVATE KEY"), ...
+_PEM_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:[A-Z0-9]+ )?PRIVATE KEY-----")
+#: PKCS#8 "ENCRYPTED PRIVATE KEY", or the legacy OpenSSL header of an encrypted PKCS#1 key
+_PEM_ENCRYPTED = re.compile(rb"-----BEGIN ENCRYPTED PRIVATE KEY-----|Proc-Type: 4,ENCRYPTED")
 _HEALTH_NAMES = ("", SERVICE_NAME)
 # NOTE: without this, gRPC binds with SO_REUSEPORT on Linux and a second server could
 # silently share a port that is already taken.
@@ -88,16 +95,24 @@ class ServerTLS:
         private_key: str | Path,
         client_ca: str | Path | None = None,
     ) -> ServerTLS:
-        """Read the PEM files.
+        """Read the PEM files and check them as the TLS library will use them: the chain
+        holds certificates, the key file an unencrypted private key, the key belongs to the
+        chain's first certificate, and ``client_ca`` holds certificates. So a bad pair (say
+        the two files swapped) is a clear error here, not a failure to listen later.
 
         Raises:
-            OSError: a file cannot be read. ValueError: a file is not PEM.
+            OSError: a file cannot be read. ValueError: a file is not what it should be, or
+                the key does not match the certificate (the message names the file).
         """
-        return cls(
-            Path(certificate_chain).read_bytes(),
-            Path(private_key).read_bytes(),
-            Path(client_ca).read_bytes() if client_ca is not None else None,
-        )
+        chain = _read_pem(certificate_chain, "certificate chain")
+        key = _read_pem(private_key, "private key")
+        ca = _read_pem(client_ca, "client CA") if client_ca is not None else None
+        _check_certificates(certificate_chain, chain, "certificate chain")
+        _check_private_key(private_key, key)
+        _check_key_pair(certificate_chain, private_key)
+        if client_ca is not None and ca is not None:
+            _check_certificates(client_ca, ca, "client CA")
+        return cls(chain, key, ca)
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials(
@@ -105,6 +120,56 @@ class ServerTLS:
             root_certificates=self.client_ca,
             require_client_auth=self.client_ca is not None,
         )
+
+
+def _read_pem(path: str | Path, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise OSError(f"TLS {what} {path}: {exc.strerror or exc}") from None
+
+
+def _check_certificates(path: str | Path, data: bytes, what: str) -> None:
+    """``data`` (read from ``path``) holds PEM certificates that the TLS library parses."""
+    if _PEM_CERTIFICATE not in data:
+        swapped = what == "certificate chain" and _PEM_PRIVATE_KEY.search(data)
+        hint = " (it holds a private key: are the certificate and key swapped?)"
+        raise ValueError(
+            f"TLS {what} {path} holds no PEM certificate ('{_PEM_CERTIFICATE.decode()}')"
+            + (hint if swapped else "")
+        )
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=str(path))
+    except ssl.SSLError as exc:
+        raise ValueError(f"TLS {what} {path} is not a valid PEM certificate: {exc}") from None
+
+
+def _check_private_key(path: str | Path, data: bytes) -> None:
+    """``data`` (read from ``path``) holds an unencrypted PEM private key."""
+    if _PEM_ENCRYPTED.search(data):
+        raise ValueError(f"TLS private key {path} is encrypted; gRPC needs an unencrypted key")
+    if not _PEM_PRIVATE_KEY.search(data):
+        hint = " (it holds a certificate: are the certificate and key swapped?)"
+        raise ValueError(
+            f"TLS private key {path} holds no PEM private key ('-----BEGIN ... PRIVATE KEY')"
+            + (hint if _PEM_CERTIFICATE in data else "")
+        )
+
+
+def _check_key_pair(certificate_chain: str | Path, private_key: str | Path) -> None:
+    """The key parses and belongs to the chain's first certificate (``ssl`` checks both, as
+    the TLS library serving the port will)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # NOTE: the password callback keeps an encrypted key the marker check missed from
+        # prompting on the terminal; the empty password then fails to decrypt it.
+        context.load_cert_chain(str(certificate_chain), str(private_key), password=lambda: b"")
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(
+                f"TLS private key {private_key} does not match the certificate {certificate_chain}"
+            ) from None
+        raise ValueError(f"TLS private key {private_key} cannot be loaded: {exc}") from None
 
 
 def format_address(host: str, port: int) -> str:

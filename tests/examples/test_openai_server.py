@@ -364,6 +364,26 @@ def test_stop_string_ends_the_text(client: openai.OpenAI) -> None:
     assert stop not in "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
+#: a token the tiny model generates greedily within 12 tokens after "Hello there" (" Tucker")
+STOP_TOKEN = 40405
+
+
+def test_a_stop_tokens_text_is_not_in_the_answer(client: openai.OpenAI) -> None:
+    """A request the engine stops with a stop token id answers the text before that token
+    (as vLLM); the token's text is left out, streamed or not."""
+    request = dict(model=MODEL, prompt="Hello there", max_tokens=12, temperature=0.0,
+                   extra_body=IGNORE_EOS)  # fmt: skip
+    full = client.completions.create(**request).choices[0].text  # type: ignore[call-overload]
+    assert " Tucker" in full
+    stopped = dict(request, extra_body={**IGNORE_EOS, "stop_token_ids": [STOP_TOKEN]})
+    choice = client.completions.create(**stopped).choices[0]  # type: ignore[call-overload]
+    assert choice.finish_reason == "stop" and stop_reason(choice) == STOP_TOKEN
+    assert choice.text == full[: full.index(" Tucker")]
+    chunks = list(client.completions.create(**stopped, stream=True))  # type: ignore[call-overload]
+    assert "".join(chunk.choices[0].text for chunk in chunks) == choice.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_chat_without_a_limit_runs_to_the_model_length(client: openai.OpenAI) -> None:
     model = client.models.list().data[0]
     assert model.model_extra is not None
@@ -436,3 +456,47 @@ def test_engine_death_is_answered_openai_style(doomed_server: Server) -> None:
     assert isinstance(collected, openai.InternalServerError) and collected.status_code == 503
     assert isinstance(collected.body, dict) and collected.body["type"] == "server_error"
     assert later.value.status_code == 503
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_stop_signal_aborts_streams_in_flight_and_exits_cleanly(
+    tiny_model_dir: Path, tmp_path: Path, stop_signal: signal.Signals
+) -> None:
+    """SIGINT or SIGTERM while a long stream runs: the stream ends at once with
+    ``finish_reason: "abort"`` and ``[DONE]``, the server exits with status 0 without a
+    traceback, and no engine process is left."""
+    stderr_path = tmp_path / "stderr.txt"
+    running = Server(tiny_model_dir, stderr_path)
+    try:
+        children = child_pids(running.process.pid)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on forever"}],
+                "max_tokens": 900, "temperature": 0.0, "stream": True, **IGNORE_EOS}  # fmt: skip
+        request = urllib.request.Request(
+            running.url + "/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        events: list[str] = []
+        # NOTE: the timeout bounds each read: a hang guard, not a timing assertion
+        with urllib.request.urlopen(request, timeout=60) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line:
+                    continue
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:  # the stream runs: stop the server
+                    running.process.send_signal(stop_signal)
+        assert running.process.wait(timeout=60) == 0, stderr_path.read_text()[-3000:]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(event) for event in events[:-1]]
+        finish_reasons = [chunk["choices"][0]["finish_reason"] for chunk in chunks]
+        assert finish_reasons[-1] == "abort" and not any(finish_reasons[:-1])
+        completion_tokens = sum(
+            bool(chunk["choices"][0]["delta"].get("content")) for chunk in chunks
+        )
+        assert completion_tokens < 900  # ended by the abort, not by max_tokens
+        stderr = stderr_path.read_text()
+        assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr[-3000:]
+        assert not [pid for pid in children if process_alive(pid)]
+    finally:
+        running.kill()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from pipeline._cli_llm import EXIT_BROKEN_PIPE
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
 
@@ -54,11 +57,17 @@ def gguf_path() -> Path:
         (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
         (["generate", "hi", "--max-tokens", "0"], "max_tokens must be >= 1"),
         (["generate", "hi", "--scheduler", "nope"], "no actorline.schedulers plugin named 'nope'"),
+        # engine values the execute stage's config refuses, checked before the model loads
+        (["generate", "hi", "--device", "gpu"], "device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
+        (["generate", "hi", "--max-model-len", "0"], "max_model_len must be a positive integer"),
+        (["generate", "hi", "--num-blocks", "0"], "num_blocks must be a positive integer"),
+        (["generate", "hi", "--kv-cache-memory", "-5"], "kv_cache_memory must be a positive"),
+        (["generate", "hi", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
     ],
 )
 def test_bad_input_fails_with_one_clear_line(args: list[str], message: str) -> None:
     result = actorline(*args)
-    assert result.returncode != 0
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("actorline: error:"), result.stderr
     assert message in lines[0]
@@ -100,3 +109,42 @@ def test_prompt_longer_than_the_model_fails_with_one_line(
     assert len(lines) == 1 and lines[0].startswith("actorline: error:"), result.stderr
     assert f"the model's length is {length}" in lines[0] and "the prompt has" in lines[0]
     assert not result.stdout.strip()
+
+
+@pytest.mark.slow
+def test_generate_into_a_closed_pipe_exits_quietly_with_sigpipe_status(
+    tiny_model_dir: Path,
+) -> None:
+    """``actorline generate ... | head -c 5``: once the reader has gone, the command stops
+    (aborting its request) without a traceback and exits 128 + SIGPIPE, like a process
+    killed by SIGPIPE."""
+    process = subprocess.Popen(
+        [*CLI, "generate", "Write a long story", "--model", str(tiny_model_dir),
+         "--max-tokens", "900", "--ignore-eos", "--transport", "memory"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    try:
+        assert len(process.stdout.read(5)) == 5
+        process.stdout.close()  # what head does once it has its bytes
+        status = process.wait(timeout=180)  # a hang guard, not a timing assertion
+        stderr = process.stderr.read().decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+    assert status == EXIT_BROKEN_PIPE == 128 + signal.SIGPIPE, stderr
+    assert stderr == ""
+
+
+@pytest.mark.slow
+def test_grpc_transport_shuts_down_without_grpc_log_lines(tiny_model_dir: Path) -> None:
+    result = actorline(
+        "generate", "hi", "--model", str(tiny_model_dir), "--max-tokens", "4",
+        "--transport", "grpc", "--compression", "zstd",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "chttp2" not in result.stderr and "goaway" not in result.stderr.lower()
+    assert result.stderr == ""

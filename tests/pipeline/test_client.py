@@ -225,6 +225,20 @@ def test_invalid_requests_raise_invalid_request_error_with_the_field(
     assert isinstance(caught.value, InvalidRequestError) and caught.value.field == field
 
 
+def test_errors_carry_the_callers_request_id(served: ServedEngine) -> None:
+    """Checked here or by the server, an error names the request by the caller's id."""
+    cases = (
+        ("Hi", SamplingParams(top_p=2.0)),  # checked here
+        ("Hi", SamplingParams(stop_token_ids=(10**6,))),  # checked by the server
+        ([1] * 1024, None),  # refused by the engine: too long
+    )
+    with Client(served.address, api_key=KEY) as client:
+        for prompt, params in cases:
+            with pytest.raises(InvalidRequestError) as caught:
+                list(client.generate(prompt, params, request_id="mine"))
+            assert caught.value.request_id == "mine"
+
+
 def test_over_the_limit_raises_rate_limited_error(served: ServedEngine) -> None:
     with Client(served.address, api_key=LIMITED_KEY) as client:
         with pytest.raises(InvalidRequestError, match="more than tenant") as caught:

@@ -25,6 +25,7 @@ from pipeline import (
     PromptTooLongError,
     SamplingParams,
 )
+from stages.models import resolve_model
 
 T = TypeVar("T")
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -208,6 +209,82 @@ def test_abort_ends_the_stream(served: tuple[LoopThread, AsyncEngine]) -> None:
     loop.run(body())
 
 
+def test_abort_delivers_text_held_back_for_a_stop_string(
+    served: tuple[LoopThread, AsyncEngine], tiny_model_dir: Path
+) -> None:
+    """While the text so far could still become a stop string, stop-check holds it back; an
+    abort then ends the stream with that text delivered (REFERENCE.md §4: flush held-back
+    text on every finish), so the final text is everything the request generated."""
+    loop, engine = served
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reference = loop.run(complete(engine, "Hold this back", GREEDY.replace(max_tokens=40)))
+
+    def text_of(count: int) -> str:
+        return str(tokenizer.decode(list(reference.token_ids[:count]), skip_special_tokens=True))
+
+    held_tokens = 30
+    while text_of(held_tokens).endswith("\ufffd") or not text_of(held_tokens):
+        held_tokens -= 1
+    # every text up to held_tokens tokens is a proper prefix of this stop string, which
+    # itself never matches: all of it is held back while streaming
+    stop = text_of(held_tokens) + "\x00"
+    params = GREEDY.replace(max_tokens=500, stop=(stop,))
+
+    async def body() -> None:
+        outputs = []
+        async for output in engine.generate("Hold this back", params, request_id="held"):
+            outputs.append(output)
+            if len(outputs) == 1:
+                assert output.text == "" and output.token_ids  # held back
+                assert await engine.abort("held")
+        final = outputs[-1]
+        assert final.finish_reason == "abort" and final.stop_reason is None
+        assert final.request_id == "held"
+        assert final.text and final.text == text_of(len(final.token_ids))
+        assert "".join(output.delta for output in outputs) == final.text
+        await wait_all_blocks_free(engine)
+
+    loop.run(body())
+
+
+def test_errors_carry_the_callers_request_id(served: tuple[LoopThread, AsyncEngine]) -> None:
+    """An error raised by generate names the request by the caller's id, never by the id the
+    request has inside the pipeline ("<id>#<n>")."""
+    loop, engine = served
+    for prompt, params in (
+        ("", SamplingParams()),
+        ([{"role": "user"}], SamplingParams()),
+        ("fine", SamplingParams(top_p=0.0)),
+    ):
+        with pytest.raises(InvalidRequestError) as caught:
+            loop.run(complete_with_id(engine, prompt, params, "my-request"))
+        assert caught.value.request_id == "my-request"
+    with pytest.raises(PromptTooLongError) as too_long:
+        assert engine.info is not None
+        loop.run(complete_with_id(engine, [5] * engine.info.max_model_len, GREEDY, "long-one"))
+    assert too_long.value.request_id == "long-one"
+
+    async def twice() -> None:
+        params = GREEDY.replace(max_tokens=500)
+        first = engine.generate("one", params, request_id="same")
+        await anext(first)
+        with pytest.raises(InvalidRequestError, match="already running") as caught:
+            await complete_with_id(engine, "two", params, "same")
+        assert caught.value.request_id == "same"
+        await first.aclose()  # type: ignore[attr-defined]
+
+    loop.run(twice())
+
+
+async def complete_with_id(
+    engine: AsyncEngine, prompt: Any, params: SamplingParams, request_id: str
+) -> Any:
+    last = None
+    async for output in engine.generate(prompt, params, request_id=request_id):
+        last = output
+    return last
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 
@@ -215,7 +292,6 @@ def test_abort_ends_the_stream(served: tuple[LoopThread, AsyncEngine]) -> None:
     ("prompt", "params", "field"),
     [
         ("", SamplingParams(), "prompt"),
-        ("   ", SamplingParams(), "prompt"),
         (42, SamplingParams(), "prompt"),
         (None, SamplingParams(), "prompt"),
         ("fine", SamplingParams(temperature=-1.0), "temperature"),
@@ -497,3 +573,41 @@ def test_bad_models_fail_to_start_with_typed_errors(tmp_path: Path) -> None:
                 engine.running  # noqa: B018 - nothing was started
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_stop_and_eos_tokens_leave_no_text_with_the_real_model() -> None:
+    """With the real model: a stop token id ("\\n") and EOS ("<|im_end|>", shown with
+    skip_special_tokens=False) end the request without their text in the output, as in vLLM
+    V1; the token ids keep them. include_stop_str_in_output puts the text back."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m").path)
+    (newline,) = tokenizer.encode("\n", add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+
+    async def body() -> None:
+        async with AsyncEngine("smollm2-135m", transport="memory") as engine:
+            stopped = await complete(
+                engine, "The capital of France is", greedy.replace(stop_token_ids=(newline,))
+            )
+            assert stopped.finish_reason == "stop" and stopped.stop_reason == newline
+            assert stopped.token_ids[-1] == newline and "Paris" in stopped.text
+            assert stopped.text == tokenizer.decode(list(stopped.token_ids[:-1]))
+            assert not stopped.text.endswith("\n")
+            kept = await complete(
+                engine,
+                "The capital of France is",
+                greedy.replace(stop_token_ids=(newline,), include_stop_str_in_output=True),
+            )
+            assert kept.text == stopped.text + "\n"
+
+            chat = [{"role": "user", "content": "Say hi"}]
+            shown = SamplingParams(max_tokens=40, temperature=0.0, skip_special_tokens=False)
+            ended = await complete(engine, chat, shown)
+            assert ended.finish_reason == "stop", ended  # the model ended its turn: EOS
+            assert ended.token_ids[-1] in tokenizer.convert_tokens_to_ids(["<|im_end|>"])
+            assert ended.text and "<|im_end|>" not in ended.text
+            with_eos = await complete(engine, chat, shown.replace(include_stop_str_in_output=True))
+            assert with_eos.text == ended.text + "<|im_end|>"
+
+    asyncio.run(asyncio.wait_for(body(), 240))

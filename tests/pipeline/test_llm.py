@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pipeline import LLM, InvalidRequestError, SamplingParams
+from pipeline import LLM, InvalidRequestError, PipelineClosedError, SamplingParams
+from stages.messages import ChatMessage
 
 
 @pytest.mark.slow
@@ -127,3 +130,40 @@ def test_bad_sampling_params_in_a_batch_send_nothing(tiny_model_dir: Path) -> No
         assert sent.ids == []  # nothing was sent
         llm.generate(["fine"], params[0])
         assert len(sent.ids) == 1
+
+
+def test_chat_messages_as_objects_are_one_conversation(tiny_model_dir: Path) -> None:
+    """A list of ChatMessage is one conversation, as a list of role/content dicts is (and as
+    AsyncEngine.generate takes it), in both generate and chat."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    as_dicts = [{"role": "user", "content": "Hi"}]
+    as_objects = [ChatMessage("user", "Hi")]
+    other = [ChatMessage("user", "Bye")]
+    with LLM(str(tiny_model_dir), transport="memory") as llm:
+        (expected,) = llm.chat(as_dicts, params)
+        for outputs in (
+            llm.generate(as_objects, params),
+            llm.chat(as_objects, params),
+            llm.generate([as_objects], params),
+        ):
+            assert [output.text for output in outputs] == [expected.text]
+            assert outputs[0].token_ids == expected.token_ids
+        first, second = llm.chat([as_objects, other], params)
+        assert first.token_ids == expected.token_ids
+        assert second.token_ids == llm.chat(other, params)[0].token_ids
+
+
+def test_using_a_closed_llm_raises_pipeline_closed_error(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), transport="memory")
+    llm.close()
+    llm.close()  # idempotent
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(PipelineClosedError, match="closed"):
+            llm.generate("hello", SamplingParams(max_tokens=2))
+        with pytest.raises(PipelineClosedError, match="closed"):
+            llm.chat([{"role": "user", "content": "Hi"}])
+        with pytest.raises(PipelineClosedError):  # the loop thread underneath refuses too
+            llm._loop.run(llm.engine.close())
+        gc.collect()  # an un-awaited coroutine warns when it is collected
+    assert [str(warning.message) for warning in caught] == []

@@ -51,6 +51,18 @@ def test_load_combines_literal_keys_and_files(tmp_path: Path) -> None:
         ApiKeys.load([], [tmp_path / "missing"])
 
 
+def test_a_key_file_without_keys_is_an_error_naming_it(tmp_path: Path) -> None:
+    """A file given to turn authentication on must not silently leave it off."""
+    empty = tmp_path / "keys.txt"
+    empty.write_text("# keys are mounted here\n\n  \n")
+    assert parse_api_key_file(empty.read_text()) == []  # the parser alone has no opinion
+    with pytest.raises(ValueError, match="no API key in the file") as caught:
+        ApiKeys.load(["literal"], [empty])
+    assert str(caught.value).startswith(f"{empty}: ")
+    with pytest.raises(ValueError, match="non-empty"):
+        ApiKeys.load([""])
+
+
 def test_authenticate_returns_the_keys_tenant() -> None:
     keys = ApiKeys([ApiKey.create("alpha"), ApiKey.create("beta")])
     alpha = keys.authenticate("Bearer alpha")

@@ -154,6 +154,23 @@ def test_a_request_without_input_names_the_input() -> None:
     assert caught.value.field == "input"
 
 
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (pb.GenerateRequest(messages=pb.ChatMessages()), "messages"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids"),
+    ],
+)
+def test_an_empty_input_list_names_its_proto_field(
+    request_: pb.GenerateRequest, field: str
+) -> None:
+    wire = pb.GenerateRequest.FromString(request_.SerializeToString())
+    assert wire.WhichOneof("input") == field  # set, though empty
+    with pytest.raises(InvalidRequestError, match="at least one") as caught:
+        prompt_from_proto(wire)
+    assert caught.value.field == field
+
+
 def test_responses_carry_only_the_new_tokens_and_finish_on_the_last() -> None:
     logprobs = tuple(Logprobs(t, -0.5 * t, 1, (t, 9), (-0.5 * t, -3.0)) for t in (4, 5, 6))
     running = RequestOutput("engine-id", "ab", "b", (4, 5), None, None, logprobs[:2], 7, 3)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -28,8 +29,10 @@ from pipeline.server import generation_pb2_grpc as pb_grpc
 from pipeline.server.status import ERROR_KIND_KEY
 from stages.params import SamplingParams
 from tests.pipeline.server.serving import (
+    Certificate,
     ServedEngine,
     ServeProcess,
+    actorline_command,
     child_pids,
     engine_host_pids,
     process_alive,
@@ -228,6 +231,12 @@ def no_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         (["--tls-cert", "missing.pem", "--tls-key", "missing.key"], "missing.pem"),
         (["--api-key-file", "missing-keys.txt"], "missing-keys.txt"),
         (["--api-key", "has space"], "printable ASCII"),
+        (["--api-key", ""], "an API key must be a non-empty string"),
+        (["--port", "99999"], "--port must be in [0, 65535], got 99999"),
+        (["--port", "-1"], "--port must be in [0, 65535], got -1"),
+        (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535], got 70000"),
+        (["--device", "gpu"], "device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got 'gpu'"),
+        (["--num-blocks", "0"], "num_blocks must be a positive integer"),
         (["--requests-per-second", "0"], "--requests-per-second must be > 0"),
         (["--model", "/nonexistent/model"], "nonexistent"),
     ],
@@ -244,3 +253,68 @@ def test_serve_rejects_bad_arguments_before_starting(
     error = capsys.readouterr().err
     assert error.startswith("actorline: error:") and message in error
     assert "has space" not in error  # keys never appear in messages
+
+
+def test_serve_refuses_a_key_file_without_keys(
+    tiny_model_dir: Path, tmp_path: Path, no_engine: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key file holding only comments and blank lines would turn authentication off: it is
+    an error naming the file, before anything starts."""
+    empty = tmp_path / "keys.txt"
+    empty.write_text("# the keys are mounted here\n\n   \n")
+    status = main(
+        ["serve", "--model", str(tiny_model_dir), "--port", "0", "--api-key-file", str(empty)]
+    )
+    assert status == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("actorline: error: API keys: ") and str(empty) in line
+    assert "no API key in the file" in line
+
+
+@pytest.mark.parametrize("case", ["swapped", "mismatched", "key as client CA"])
+def test_serve_checks_the_tls_files_before_starting(
+    tiny_model_dir: Path,
+    no_engine: None,
+    capsys: pytest.CaptureFixture[str],
+    server_certificate: Certificate,
+    client_certificate: Certificate,
+    case: str,
+) -> None:
+    certificate, key = server_certificate.certificate_path, server_certificate.key_path
+    arguments, named, problem = {
+        "swapped": (
+            ["--tls-cert", str(key), "--tls-key", str(certificate)],
+            key,
+            "holds no PEM certificate",
+        ),
+        "mismatched": (
+            ["--tls-cert", str(certificate), "--tls-key", str(client_certificate.key_path)],
+            client_certificate.key_path,
+            "does not match the certificate",
+        ),
+        "key as client CA": (
+            ["--tls-cert", str(certificate), "--tls-key", str(key), "--tls-client-ca", str(key)],
+            key,
+            "client CA",
+        ),
+    }[case]
+    status = main(["serve", "--model", str(tiny_model_dir), "--port", "0", *arguments])
+    assert status == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("actorline: error: TLS ") and str(named) in line and problem in line
+
+
+def test_swapped_tls_files_are_one_line_from_the_command(
+    tiny_model_dir: Path, server_certificate: Certificate
+) -> None:
+    """Through the real command: one line on stderr (no gRPC log lines), exit status 2."""
+    result = subprocess.run(
+        [*actorline_command(), "serve", "--model", str(tiny_model_dir), "--port", "0",
+         "--tls-cert", str(server_certificate.key_path),
+         "--tls-key", str(server_certificate.certificate_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert "are the certificate and key swapped?" in line
+    assert str(server_certificate.key_path) in line

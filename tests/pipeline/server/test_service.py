@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,6 +17,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from transformers import AutoTokenizer
 
 from pipeline.engine import Prompt
 from pipeline.server import generation_pb2 as pb
@@ -160,6 +162,27 @@ def test_sampling_parameters_reach_the_engine(served: ServedEngine, case: str) -
         last = responses[-1]
         stop = last.WhichOneof("stop_reason")
         assert (getattr(last, stop) if stop else None) == reference.stop_reason
+
+    served.run(body())
+
+
+def test_the_stop_tokens_text_is_not_streamed(served: ServedEngine, tiny_model_dir: Path) -> None:
+    """A request the engine stops with a stop token id streams the text before that token
+    only (as vLLM); the token itself is among the token ids and names the stop reason."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    params = SAMPLING_CASES["stop token"]
+    (stop_token,) = params.stop_token_ids
+    assert tokenizer.decode([stop_token])  # the token has text to leave out
+
+    async def body() -> None:
+        request = pb.GenerateRequest(text="Hello there", sampling_params=sampling_to_proto(params))
+        async with plain_channel(served) as channel:
+            responses = await generate(pb_grpc.GenerationStub(channel), request)
+        token_ids = [token for response in responses for token in response.token_ids]
+        last = responses[-1]
+        assert last.finish_reason == pb.FINISH_REASON_STOP and last.stop_token_id == stop_token
+        assert token_ids[-1] == stop_token and stop_token not in token_ids[:-1]
+        assert "".join(r.delta for r in responses) == tokenizer.decode(token_ids[:-1])
 
     served.run(body())
 
@@ -435,8 +458,10 @@ INVALID: dict[str, tuple[pb.GenerateRequest, str, str]] = {
         "prompt",
         "prompt_too_long",
     ),
-    "empty text": (pb.GenerateRequest(text="  "), "prompt", "invalid"),
+    "empty text": (pb.GenerateRequest(text=""), "prompt", "invalid"),
     "no input": (pb.GenerateRequest(), "input", "invalid"),
+    "empty messages": (pb.GenerateRequest(messages=pb.ChatMessages()), "messages", "invalid"),
+    "empty token ids": (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids", "invalid"),
     "empty request id": (pb.GenerateRequest(text=TEXT, request_id=""), "request_id", "invalid"),
     "long request id": (
         pb.GenerateRequest(text=TEXT, request_id="x" * 300),
