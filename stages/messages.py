@@ -120,9 +120,7 @@ class EngineInfo:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """Compute tokens ``[start, start + num_tokens)`` of a request this step. When the chunk
-    reaches the end of the request's known tokens, execute samples the next token. The chunk
-    of a new or resumed request may start past 0, after the prefix the scheduler expects from
-    the prefix cache; execute computes from what the cache really serves."""
+    reaches the end of the request's known tokens, execute samples the next token."""
 
     request_id: str
     start: int
@@ -163,8 +161,7 @@ class StepResult:
 
     ``request_ids[i]`` sampled ``token_ids[i]``. ``logprobs`` lists entries only for requests
     that asked (matched by ``logprob_request_ids``). ``cached_tokens`` maps requests that
-    (re)started this step to the number of their tokens served from the prefix cache (which
-    may reach past their chunk).
+    started this step to the number of prompt tokens served from the prefix cache.
     ``preempted``: requests execute had to drop for lack of blocks (not computed this step).
     Prefix-cache counters are cumulative, in tokens.
     """

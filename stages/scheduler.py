@@ -8,22 +8,10 @@ a :class:`Scheduler` and talks to execute; this module only plans and keeps acco
 
 The execute stage owns the real block allocator. The scheduler keeps a *mirror*: each request
 holds ``ceil(num_computed_tokens / block_size)`` blocks, and free blocks are what execute last
-reported plus whatever this plan frees. Execute stays authoritative: if it still runs short it
-preempts on its own and says so in :class:`~stages.messages.StepResult`, which the scheduler
-treats like its own preemption.
-
-Prefix caching, as vLLM budgets it (``vllm/v1/core/sched/scheduler.py``: a new request's
-``num_computed_tokens`` starts at its prefix-cache hit): the scheduler counts, by the
-allocator's chained block hash (:func:`~stages.execute.allocator.hash_block_tokens`), the full
-computed blocks that live requests hold. Execute publishes every such block and never evicts
-a referenced one, so a waiting request whose leading blocks are all held is sure to hit them:
-its first chunk starts after them (capped, like vLLM's ``get_computed_blocks``, so the last
-token is always computed), only the rest counts against the token budget, and only blocks
-past the hit against the free ones. Hits the scheduler cannot foresee (blocks cached but held
-by no request) come back in ``StepResult.cached_tokens``; the request then skips to them. A
-finished or preempted request frees, in the mirror, only blocks no other live request holds
-by the same hash: a lower bound when two requests computed the same block twice, so the plan
-never counts on a block execute cannot free.
+reported plus whatever this plan frees. Execute stays authoritative: if it still runs short
+(e.g. shared prefix blocks freed later than the mirror assumed) it preempts on its own and
+says so in :class:`~stages.messages.StepResult`, which the scheduler treats like its own
+preemption.
 
 Token-level stops are decided in :meth:`Scheduler.update` as soon as a token arrives, so no
 step is wasted: EOS and stop token ids ("stop", never before ``min_tokens``), ``max_tokens``
@@ -40,7 +28,6 @@ import time
 from collections.abc import Callable, Iterable
 
 from stages.errors import InvalidRequestError
-from stages.execute.allocator import hash_block_tokens
 from stages.messages import (
     EngineInfo,
     EngineOutputs,
@@ -107,11 +94,6 @@ class _RequestState:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_blocks: int = 0  # blocks held in the mirror
-    # Chained hashes of the leading full blocks of its known tokens, computed as needed (the
-    # tokens never change, so they hold across preemption), and how many of them are counted
-    # in the scheduler's held blocks.
-    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
-    num_held_hashes: int = 0
     num_preemptions: int = 0
     status: _Status = _Status.WAITING
     sent_to_execute: bool = False
@@ -147,76 +129,6 @@ class _RequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output_token_ids)
-
-    def tokens(self, start: int, end: int) -> tuple[int, ...]:
-        """Known tokens ``[start, end)`` (prompt then outputs)."""
-        prompt = self.request.prompt_token_ids
-        if end <= len(prompt):
-            return tuple(prompt[start:end])
-        split = len(prompt)
-        return (*prompt[start:], *self.output_token_ids[max(start - split, 0) : end - split])
-
-
-class _HeldBlocks:
-    """How many live requests hold a computed block with each chained hash (see the module
-    docstring): what a waiting request can count on finding in execute's prefix cache, and
-    what a released request really gives back."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self._counts: dict[bytes, int] = {}
-
-    def hashes(self, state: _RequestState, num_blocks: int) -> list[bytes]:
-        """``state.block_hashes``, holding at least its first ``num_blocks`` full blocks'
-        hashes (each computed once)."""
-        hashes = state.block_hashes
-        size = self.block_size
-        parent = hashes[-1] if hashes else None
-        for index in range(len(hashes), num_blocks):
-            parent = hash_block_tokens(parent, state.tokens(index * size, (index + 1) * size))
-            hashes.append(parent)
-        return hashes
-
-    def hit(self, state: _RequestState) -> int:
-        """Tokens of ``state``'s longest prefix of held blocks, leaving its last token to
-        compute (vLLM ``get_computed_blocks``: ``num_tokens - 1``)."""
-        if not self._counts:
-            return 0  # nothing is held: no need to hash its tokens yet
-        most = (state.num_tokens - 1) // self.block_size
-        hashes = self.hashes(state, most)
-        num_blocks = 0
-        while num_blocks < most and hashes[num_blocks] in self._counts:
-            num_blocks += 1
-        return num_blocks * self.block_size
-
-    def hold(self, state: _RequestState, num_blocks: int) -> None:
-        """Count ``state`` as holding its first ``num_blocks`` full blocks."""
-        if num_blocks <= state.num_held_hashes:
-            return
-        hashes = self.hashes(state, num_blocks)
-        counts = self._counts
-        for index in range(state.num_held_hashes, num_blocks):
-            counts[hashes[index]] = counts.get(hashes[index], 0) + 1
-        state.num_held_hashes = num_blocks
-
-    def release(self, state: _RequestState) -> int:
-        """Forget ``state``'s blocks (it finished or was preempted).
-
-        Returns:
-            How many of its mirror blocks execute frees: its blocks no other live request
-            holds by the same hash (a lower bound; see the module docstring).
-        """
-        freed = state.num_blocks - state.num_held_hashes
-        for block_hash in state.block_hashes[: state.num_held_hashes]:
-            count = self._counts[block_hash] - 1
-            if count:
-                self._counts[block_hash] = count
-            else:
-                del self._counts[block_hash]
-                freed += 1
-        state.num_held_hashes = 0
-        state.num_blocks = 0
-        return freed
 
 
 @dataclasses.dataclass(slots=True)
@@ -269,12 +181,8 @@ class Scheduler:
         self._waiting: dict[str, _RequestState] = {}
         self._running: dict[str, _RequestState] = {}
         # Done or aborted requests whose state execute still holds: sent in the next step's
-        # `finished`; their free gives back `_pending_freed_blocks` in that plan.
+        # `finished` (their mirror blocks become free in that plan).
         self._pending_finish: list[_RequestState] = []
-        self._pending_freed_blocks = 0
-        # Full computed blocks of live requests, by hash (prefix caching only).
-        self._held = _HeldBlocks(1)
-        self._prefix_caching = False
         # Requests that ended without ever reaching execute (prompt does not fit): reported
         # in the next update().
         self._unrunnable: list[_RequestState] = []
@@ -304,8 +212,6 @@ class Scheduler:
         if first:
             self._total_blocks = info.num_blocks
             self._free_blocks = info.num_blocks
-            self._held = _HeldBlocks(info.block_size)
-            self._prefix_caching = info.enable_prefix_caching
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a tokenized request.
@@ -397,19 +303,7 @@ class Scheduler:
         state.status = _Status.DONE
         if state.sent_to_execute:
             self._pending_finish.append(state)
-        # NOTE: aborted with a chunk in flight, its blocks are released when the result tells
-        # what that chunk holds (and who else hit the same blocks in that step).
-        in_flight = self._in_flight
-        if in_flight is None or in_flight.states.get(state.request_id) is not state:
-            self._release_finished(state)
         self.policy.on_finish(state)
-
-    def _release_finished(self, state: _RequestState) -> None:
-        """Stop counting a finished request's blocks as held: a request planned from now on
-        must not expect a hit on them (execute frees them before it plans that request)."""
-        freed = self._held.release(state)
-        if state.sent_to_execute:
-            self._pending_freed_blocks += freed
 
     def _preempt(self, state: _RequestState, plan: _Plan) -> None:
         """Preempt a running request by recompute within ``plan``."""
@@ -419,7 +313,8 @@ class Scheduler:
             plan.budget += chunk.num_tokens
         # NOTE: num_blocks already counts the blocks planned for its chunk in this step, so
         # they come back once, with the blocks it held (execute frees those first).
-        plan.free_blocks += self._held.release(state)
+        plan.free_blocks += state.num_blocks
+        state.num_blocks = 0
         state.num_computed_tokens = 0
         state.num_preemptions += 1
         state.status = _Status.WAITING
@@ -427,8 +322,8 @@ class Scheduler:
         plan.preempted.append(state.request_id)
         self._num_preemptions += 1
 
-    def _chunk_size(self, state: _RequestState, start: int, budget: int) -> int:
-        remaining = state.num_tokens - start
+    def _chunk_size(self, state: _RequestState, budget: int) -> int:
+        remaining = state.num_tokens - state.num_computed_tokens
         size = min(remaining, budget)
         if remaining > 1 and self.config.long_prefill_chunk is not None:
             size = min(size, self.config.long_prefill_chunk)
@@ -447,7 +342,7 @@ class Scheduler:
                 break
             if state.status is not _Status.RUNNING:
                 continue  # preempted earlier in this plan
-            wanted = self._chunk_size(state, state.num_computed_tokens, plan.budget)
+            wanted = self._chunk_size(state, plan.budget)
             while True:
                 # Tokens this request can hold with its blocks plus every free one.
                 fits = (state.num_blocks + plan.free_blocks) * block_size
@@ -512,14 +407,11 @@ class Scheduler:
                     self._pending_finish.append(state)
                 self.policy.on_finish(state)
                 continue
-            # Its leading blocks that live requests hold are served by the prefix cache: the
-            # chunk starts after them, and they take neither budget nor free blocks.
-            hit = self._held.hit(state) if self._prefix_caching else 0
-            size = self._chunk_size(state, hit, plan.budget)
-            if _blocks_for(hit + size, block_size) - hit // block_size > plan.free_blocks:
+            size = self._chunk_size(state, plan.budget)
+            if _blocks_for(size, block_size) > plan.free_blocks:
                 if not nothing_else_runs:
                     break  # wait for running requests to free blocks (no partial admission)
-                size = min(size, plan.free_blocks * block_size)  # the hit is block-aligned
+                size = min(size, plan.free_blocks * block_size)
                 if size < 1:
                     break
             del self._waiting[state.request_id]
@@ -529,9 +421,6 @@ class Scheduler:
             if not state.sent_to_execute:
                 state.sent_to_execute = True
                 new_requests.append(state.request)
-            state.num_computed_tokens = hit
-            state.num_blocks = hit // block_size
-            self._held.hold(state, hit // block_size)
             self._add_chunk(state, size, plan, block_size)
         return new_requests
 
@@ -550,9 +439,10 @@ class Scheduler:
         finishing, self._pending_finish = self._pending_finish, []
         plan = _Plan(
             budget=self.config.max_num_batched_tokens,
-            free_blocks=self._free_blocks + self._pending_freed_blocks,
+            free_blocks=self._free_blocks + sum(s.num_blocks for s in finishing),
         )
-        self._pending_freed_blocks = 0
+        for state in finishing:
+            state.num_blocks = 0
         self._schedule_running(plan, block_size)
         new_requests: list[EngineRequest] = []
         # NOTE: as in vLLM, a step that had to preempt admits no waiting request: blocks are
@@ -586,14 +476,12 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def _stop_reason(self, state: _RequestState, token_id: int) -> tuple[str, int | None] | None:
-        """Whether ``state`` is done after sampling ``token_id``: the finish reason and the
-        stop reason, which as in vLLM (``vllm/v1/core/sched/utils.py``: ``check_stop``) is
-        the token id only when a ``stop_token_ids`` entry ended the request, None for EOS."""
+        """Whether ``state`` is done after sampling ``token_id`` (vLLM ``check_stop``)."""
         assert self._info is not None
         params = state.request.params
         if state.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in self._info.eos_token_ids:
-                return _FINISH_STOP, None
+                return _FINISH_STOP, None  # vLLM: EOS is no stop_reason
             if token_id in params.stop_token_ids:
                 return _FINISH_STOP, token_id
         if state.num_output_tokens >= state.max_tokens or state.num_tokens >= self._token_limit():
@@ -635,7 +523,7 @@ class Scheduler:
             if state is None:
                 raise SchedulerError(f"execute preempted {request_id!r}, which had no chunk")
             # Execute already freed its blocks (they are in `free_blocks`).
-            self._held.release(state)
+            state.num_blocks = 0
             state.num_computed_tokens = 0
             if state.status is _Status.RUNNING:
                 del self._running[request_id]
@@ -643,30 +531,10 @@ class Scheduler:
                 state.num_preemptions += 1
                 self._waiting[request_id] = state
                 self._num_preemptions += 1
-        assert self._info is not None  # a step was planned
-        block_size = self._info.block_size
         for request_id, cached in result.cached_tokens.items():
             state = in_flight.states.get(request_id)
-            if state is None or request_id in preempted:
-                continue
-            if not state.cached_tokens_reported:
+            if state is not None and not state.cached_tokens_reported:
                 state.num_cached_tokens = cached
-            if cached > state.num_computed_tokens:
-                # The cache served more than the plan foresaw (blocks held by no request):
-                # skip to it, so no later step spends budget on cached tokens. Execute's
-                # table then holds the hit blocks (it computed nothing of this chunk).
-                state.num_computed_tokens = cached
-                state.num_blocks = max(state.num_blocks, cached // block_size)
-        # NOTE: every request of the step counts the blocks it now holds before any of them
-        # is released (aborted in flight, or stopping below): a released request frees, in
-        # the mirror, only blocks no other live request holds, such as one that hit them
-        # in this very step.
-        for request_id, state in in_flight.states.items():
-            if request_id not in preempted and self._prefix_caching:
-                self._held.hold(state, state.num_computed_tokens // block_size)
-        for request_id, state in in_flight.states.items():
-            if state.status is _Status.DONE and request_id not in preempted:
-                self._release_finished(state)
 
         logprobs_by_id = dict(zip(result.logprob_request_ids, result.logprobs, strict=True))
         ids: list[str] = []
@@ -709,21 +577,12 @@ class Scheduler:
             stop_reasons.append(None)
         self._unrunnable = []
 
-        # The tokens execute really computed: a (re)started request computes from its
-        # prefix-cache hit, which may differ from where its chunk starts.
-        num_prefill = num_decode = 0
-        for chunk in in_flight.step.chunks:
-            if chunk.request_id in preempted:
-                continue
-            if chunk.request_id in in_flight.decoding:
-                num_decode += 1
-                continue
-            start = result.cached_tokens.get(chunk.request_id, chunk.start)
-            num_prefill += max(chunk.start + chunk.num_tokens - start, 0)
+        computed = [c for c in in_flight.step.chunks if c.request_id not in preempted]
+        num_decode = sum(1 for c in computed if c.request_id in in_flight.decoding)
         self.policy.on_step(
             StepObservation(
                 duration=result.forward_seconds or self._last_step_seconds,
-                num_prefill_tokens=num_prefill,
+                num_prefill_tokens=sum(c.num_tokens for c in computed) - num_decode,
                 num_decode_tokens=num_decode,
             )
         )

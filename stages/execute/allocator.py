@@ -14,12 +14,6 @@ and nano-vllm (``nanovllm/engine/block_manager.py``):
 - Block hashes are chained: ``H(parent hash, block tokens, extra key)``, over full blocks only,
   with SHA-256 so they are stable across processes. A hit re-checks the block's token ids
   (hash collisions must never serve wrong K/V).
-- Every full block a request computes is published, even when another block already holds
-  the same tokens (two requests that computed a prefix side by side), as vLLM's block pool
-  keeps several blocks per hash. So a prefix held by *any* running request is always found:
-  the scheduler relies on that to plan prefix hits (:mod:`stages.scheduler`). A hit prefers a
-  referenced copy (no free block is taken), and a copy that becomes free while another copy
-  exists is unpublished, so at most one unreferenced copy of a block is kept.
 - A request's blocks are freed tail first, so when they are evicted the chain tails go before
   the shared heads.
 - Block 0 is reserved and never handed out: padding tokens write their K/V there.
@@ -144,8 +138,7 @@ class BlockAllocator:
         self._free: OrderedDict[int, None] = OrderedDict(
             (block_id, None) for block_id in range(1, num_blocks)
         )
-        # block hash -> the published blocks holding it (insertion-ordered set)
-        self._cached: dict[bytes, dict[int, None]] = {}
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._requests: dict[str, _RequestBlocks] = {}
         self._queries = 0
         self._hits = 0
@@ -164,7 +157,7 @@ class BlockAllocator:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks currently published in the prefix cache (referenced or not)."""
-        return sum(len(copies) for copies in self._cached.values())
+        return len(self._cached)
 
     @property
     def stats(self) -> PrefixCacheStats:
@@ -193,21 +186,13 @@ class BlockAllocator:
         held = len(self._requests[request_id].block_ids) if request_id in self._requests else 0
         return max(0, -(-num_tokens // self.block_size) - held)
 
-    def lookup_prefix(self, token_ids: Sequence[int]) -> int:
-        """How many tokens :meth:`match_prefix` would serve for ``token_ids`` now, without
-        taking references or counting a query."""
-        return len(self._find_prefix(token_ids)[0]) * self.block_size
-
     # ----------------------------------------------------------------- operations
-    def match_prefix(
-        self, request_id: str, token_ids: Sequence[int], max_blocks: int | None = None
-    ) -> int:
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         """Give a request with no blocks yet the longest run of cached full blocks that
         prefixes ``token_ids``, taking a reference on each.
 
         The hit is capped at ``len(token_ids) - 1`` tokens so at least one token is computed
-        (its logits are needed), and at ``max_blocks`` blocks when given. Counts
-        ``len(token_ids)`` queried tokens.
+        (its logits are needed). Counts ``len(token_ids)`` queried tokens.
 
         Returns:
             The number of tokens served from the cache (a multiple of ``block_size``).
@@ -220,13 +205,26 @@ class BlockAllocator:
         if not self.enable_prefix_caching:
             return 0
         self._queries += len(token_ids)
-        hit_blocks, hit_hashes = self._find_prefix(token_ids, max_blocks)
+        size = self.block_size
+        max_full_blocks = max(0, len(token_ids) - 1) // size
+        hit_blocks: list[int] = []
+        hit_hashes: list[bytes] = []
+        parent: bytes | None = None
+        for index in range(max_full_blocks):
+            block_tokens = tuple(token_ids[index * size : (index + 1) * size])
+            block_hash = hash_block_tokens(parent, block_tokens, self.extra_hash_key)
+            block_id = self._cached.get(block_hash)
+            if block_id is None or self._blocks[block_id].token_ids != block_tokens:
+                break
+            hit_blocks.append(block_id)
+            hit_hashes.append(block_hash)
+            parent = block_hash
         if not hit_blocks:
             return 0
         for block_id in hit_blocks:
             self._take_reference(block_id)
         self._requests[request_id] = _RequestBlocks(hit_blocks, hit_hashes)
-        num_cached = len(hit_blocks) * self.block_size
+        num_cached = len(hit_blocks) * size
         self._hits += num_cached
         return num_cached
 
@@ -257,8 +255,8 @@ class BlockAllocator:
         """Publish the request's blocks that became full now that the K/V of its first
         ``num_computed`` tokens (``token_ids[:num_computed]``) is in the cache.
 
-        A block is published even when another block already holds the same tokens (see
-        the module docstring). No-op when prefix caching is off.
+        A block whose hash is already published by another block stays private (the first
+        copy serves later hits). No-op when prefix caching is off.
 
         Returns:
             The number of blocks newly published.
@@ -290,13 +288,11 @@ class BlockAllocator:
             blocks.block_hashes.append(block_hash)
             parent = block_hash
             block = self._blocks[blocks.block_ids[index]]
-            if block.block_hash is not None:
-                continue  # a prefix hit: published already
-            # NOTE: published even when another block holds the same tokens (see the module
-            # docstring): while this request runs, its prefix must stay findable.
+            if block_hash in self._cached or block.block_hash is not None:
+                continue
             block.block_hash = block_hash
             block.token_ids = block_tokens
-            self._cached.setdefault(block_hash, {})[block.block_id] = None
+            self._cached[block_hash] = block.block_id
             published += 1
         return published
 
@@ -317,8 +313,6 @@ class BlockAllocator:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
-                if block.block_hash is not None and len(self._cached[block.block_hash]) > 1:
-                    self._evict(block)  # another copy keeps the tokens findable
                 if block.block_hash is None:
                     # NOTE: a block with nothing cached in it is worthless to keep: put it at
                     # the front so it is reused before any cached block is evicted.
@@ -341,40 +335,6 @@ class BlockAllocator:
         return evicted
 
     # ----------------------------------------------------------------- internals
-    def _find_prefix(
-        self, token_ids: Sequence[int], max_blocks: int | None = None
-    ) -> tuple[list[int], list[bytes]]:
-        """The cached blocks (and their hashes) of the longest run of full blocks that
-        prefixes ``token_ids``, capped at ``len(token_ids) - 1`` tokens and ``max_blocks``
-        blocks. Of several copies of a block, a referenced one is taken (reviving a free copy
-        would use up a free block)."""
-        if not self.enable_prefix_caching:
-            return [], []
-        size = self.block_size
-        max_full_blocks = max(0, len(token_ids) - 1) // size
-        if max_blocks is not None:
-            max_full_blocks = min(max_full_blocks, max(max_blocks, 0))
-        hit_blocks: list[int] = []
-        hit_hashes: list[bytes] = []
-        parent: bytes | None = None
-        for index in range(max_full_blocks):
-            block_tokens = tuple(token_ids[index * size : (index + 1) * size])
-            block_hash = hash_block_tokens(parent, block_tokens, self.extra_hash_key)
-            found: int | None = None
-            for block_id in self._cached.get(block_hash, ()):
-                block = self._blocks[block_id]
-                if block.token_ids != block_tokens:
-                    continue  # a hash collision: never serve it
-                found = block_id
-                if block.ref_count > 0:
-                    break
-            if found is None:
-                break
-            hit_blocks.append(found)
-            hit_hashes.append(block_hash)
-            parent = block_hash
-        return hit_blocks, hit_hashes
-
     def _take_reference(self, block_id: int) -> None:
         block = self._blocks[block_id]
         if block.ref_count == 0:
@@ -382,11 +342,8 @@ class BlockAllocator:
         block.ref_count += 1
 
     def _evict(self, block: _Block) -> None:
-        """Unpublish ``block`` (its tokens stay findable through any other copy)."""
         assert block.block_hash is not None
-        copies = self._cached[block.block_hash]
-        del copies[block.block_id]
-        if not copies:
+        if self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
         block.block_hash = None
         block.token_ids = None

@@ -6,25 +6,14 @@ no torch, no asyncio.
 A request's *known tokens* are its prompt plus its sampled outputs; ``num_computed`` leading
 ones have K/V in the cache. A step is checked whole (:func:`validate_step`) before anything
 changes; then :func:`release` frees finished and preempted requests, :func:`plan_chunk`
-allocates each chunk's blocks (a new or resumed request first looks its tokens up in the prefix
+allocates each chunk's blocks (a chunk starting at 0 first looks its tokens up in the prefix
 cache), and after the chunks ran :func:`commit_chunk` records them and publishes newly full
 blocks. Flow after vLLM v1 (``vllm/v1/worker/gpu_model_runner.py``: ``_update_states``) and
 nano-vllm (``nanovllm/engine/model_runner.py``).
-
-NOTE: the chunk of a new or resumed request may start past 0: the scheduler starts it after
-the prefix it knows running requests hold in the cache. The runner computes from what the
-cache really served: more, and the chunk shrinks (the scheduler catches up from
-``cached_tokens``); less (never expected), and the gap is computed too, never skipped.
-
-NOTE: cached blocks past a (re)started chunk's end are free blocks the scheduler did not plan
-for (it plans blocks up to the chunk's end). A hit takes them only out of the step's
-:class:`SpareBlocks`, the free blocks its plan leaves unused, so an unforeseen hit never
-leaves another chunk of the step without blocks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Protocol, TypeVar
 
@@ -32,13 +21,11 @@ from stages.execute.allocator import BlockAllocator, OutOfBlocksError
 from stages.messages import Logprobs, ScheduledChunk, SchedulerStep, StepResult
 
 __all__ = [
-    "SpareBlocks",
     "StepError",
     "TrackedRequest",
     "commit_chunk",
     "plan_chunk",
     "release",
-    "spare_blocks",
     "step_result",
     "validate_step",
 ]
@@ -103,8 +90,7 @@ def validate_step(
             raise StepError(f"chunk {chunk} ends past the request's {num_tokens} known tokens")
         if end > max_model_len:
             raise StepError(f"chunk {chunk} ends past max_model_len {max_model_len}")
-        # A (re)starting request (nothing computed) may start anywhere: see the module NOTE.
-        if 0 < num_computed < chunk.start:
+        if chunk.start > 0 and num_computed < chunk.start:
             raise StepError(
                 f"chunk {chunk} starts past the request's {num_computed} computed tokens"
             )
@@ -127,100 +113,30 @@ def release(
             request.num_computed = 0
 
 
-@dataclasses.dataclass(slots=True)
-class SpareBlocks:
-    """Free blocks a step's plan leaves unused (see the module NOTE): :func:`spare_blocks`
-    counts them before the chunks are planned, :func:`plan_chunk` keeps the count as each
-    chunk takes more or fewer blocks than planned."""
-
-    count: int
-
-
-def _restarts(request: TrackedRequest, chunk: ScheduledChunk) -> bool:
-    """Whether the chunk (re)starts its request: it first looks up the prefix cache."""
-    return chunk.start == 0 or request.num_computed == 0
-
-
-def _planned_blocks(
-    allocator: BlockAllocator, request: TrackedRequest, chunk: ScheduledChunk
-) -> int:
-    """The free blocks the scheduler planned ``chunk`` to take: up to its end, a (re)started
-    request holding the prefix up to its start (the hit the scheduler expects)."""
-    end = chunk.start + chunk.num_tokens
-    if _restarts(request, chunk):
-        size = allocator.block_size
-        return -(-end // size) - chunk.start // size
-    return allocator.blocks_needed(request.request_id, end)
-
-
-def spare_blocks(
-    allocator: BlockAllocator, requests: Mapping[str, TrackedRequest], step: SchedulerStep
-) -> SpareBlocks:
-    """The free blocks left once every chunk of the (validated, released, registered) step
-    has the blocks the scheduler planned for it (0 if the plan needs more than are free, or
-    when no chunk (re)starts: only a (re)start uses them)."""
-    for chunk in step.chunks:
-        if _restarts(requests[chunk.request_id], chunk):
-            break
-    else:
-        return SpareBlocks(0)
-    needed = 0
-    for chunk in step.chunks:
-        needed += _planned_blocks(allocator, requests[chunk.request_id], chunk)
-    return SpareBlocks(max(allocator.num_free_blocks - needed, 0))
-
-
 def plan_chunk(
     allocator: BlockAllocator,
     request: TrackedRequest,
     chunk: ScheduledChunk,
     cached_tokens: dict[str, int],
     preempted: list[str],
-    spare: SpareBlocks | None = None,
 ) -> int | None:
     """Look up the prefix cache for a (re)start and allocate the (validated) chunk's blocks.
 
-    A new or resumed request (nothing computed, or a chunk starting at 0) first takes the
-    cached blocks of its longest cached prefix, past the chunk's end only as many as
-    ``spare`` holds (no limit without it); that hit goes into ``cached_tokens``. A request
-    that gets no blocks has its blocks freed, restarts from 0 and goes into ``preempted``.
-    ``spare`` (if given) loses what a (re)started chunk took beyond its plan, or gains what
-    it saved; a continuing chunk takes exactly its plan (or, preempted, less).
+    A prefix hit goes into ``cached_tokens``; a request that gets no blocks has its blocks
+    freed, restarts from 0 and goes into ``preempted``.
 
     Returns:
-        The first position to compute (the chunk ends at ``chunk.start + chunk.num_tokens``):
-        the request's computed tokens, which may lie before ``chunk.start`` when the cache
-        served less than the scheduler assumed. None when the prefix cache served every
-        token of the chunk or the request was preempted.
+        The first position to compute (the chunk ends at ``chunk.start + chunk.num_tokens``),
+        or None when the prefix cache served every token or the request was preempted.
     """
-    if spare is None or not _restarts(request, chunk):
-        return _plan_chunk(allocator, request, chunk, cached_tokens, preempted, None)
-    planned = _planned_blocks(allocator, request, chunk)
-    free_before = allocator.num_free_blocks
-    start = _plan_chunk(allocator, request, chunk, cached_tokens, preempted, spare.count)
-    spare.count -= (free_before - allocator.num_free_blocks) - planned
-    return start
-
-
-def _plan_chunk(
-    allocator: BlockAllocator,
-    request: TrackedRequest,
-    chunk: ScheduledChunk,
-    cached_tokens: dict[str, int],
-    preempted: list[str],
-    spare: int | None,
-) -> int | None:
     end = chunk.start + chunk.num_tokens
-    if _restarts(request, chunk):
-        # A new or resumed request: drop anything it held, reuse cached prefix blocks. Each
-        # cached block past the chunk's end may take a free block the plan did not count.
+    if chunk.start == 0:
+        # A new or resumed request: drop anything it held, reuse cached prefix blocks.
         allocator.free(request.request_id)
-        limit = None if spare is None else -(-end // allocator.block_size) + max(spare, 0)
-        cached = allocator.match_prefix(request.request_id, request.tokens(), limit)
+        cached = allocator.match_prefix(request.request_id, request.tokens())
         request.num_computed = cached
         cached_tokens[request.request_id] = cached
-    # validate_step: a continuing request has computed at least up to chunk.start.
-    start = request.num_computed
+    start = max(chunk.start, request.num_computed)
     if start >= end:
         return None
     try:

@@ -16,8 +16,8 @@ execute stage in :func:`pipeline.presets.llm_pipeline`.
 
 Step semantics are :class:`stages.execute.runner.ModelRunner`'s, through the same code
 (:mod:`stages.execute.bookkeeping`): check the step whole, free ``finished`` and ``preempted``,
-register ``new_requests``, plan each chunk (a new or resumed request first looks its tokens
-up in the prefix cache), then sample where a chunk reaches the end of the
+register ``new_requests``, plan each chunk (a chunk starting at 0 is a (re)start that first
+looks its tokens up in the prefix cache), then sample where a chunk reaches the end of the
 request's known tokens and commit the computed blocks.
 """
 
@@ -41,7 +41,6 @@ from stages.execute.bookkeeping import (
     commit_chunk,
     plan_chunk,
     release,
-    spare_blocks,
     step_result,
     validate_step,
 )
@@ -217,10 +216,9 @@ class NullRunner:
         cached_tokens: dict[str, int] = {}
         preempted: list[str] = []
         planned: list[tuple[_Request, int, int]] = []
-        spare = spare_blocks(allocator, self._requests, step)
         for chunk in step.chunks:
             request = self._requests[chunk.request_id]
-            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted, spare)
+            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted)
             if start is not None:
                 planned.append((request, start, chunk.start + chunk.num_tokens))
         sampling = [request for request, _, end in planned if end == request.num_tokens]

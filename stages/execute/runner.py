@@ -5,9 +5,8 @@ Synchronous on purpose: the execute stage calls it on a worker thread, off the e
 
 A request's *known tokens* are its prompt plus its sampled outputs. A chunk
 ``[start, start + n)`` computes those positions (less any already in the cache) and, when it
-reaches the end of the known tokens, samples the next token. A new or resumed request first
-looks its tokens up in the prefix cache (its chunk may already start past the prefix the
-scheduler expects there; see :mod:`stages.execute.bookkeeping`). Step flow after vLLM v1
+reaches the end of the known tokens, samples the next token. A chunk starting at 0 (a new or
+resumed request) first looks its tokens up in the prefix cache. Step flow after vLLM v1
 (``vllm/v1/worker/gpu_model_runner.py``: ``_update_states``, ``_prepare_inputs``,
 ``execute_model``) and nano-vllm (``nanovllm/engine/model_runner.py``).
 """
@@ -38,7 +37,6 @@ from stages.execute.bookkeeping import (
     commit_chunk,
     plan_chunk,
     release,
-    spare_blocks,
     step_result,
     validate_step,
 )
@@ -137,9 +135,7 @@ class ModelRunner:
             stages.models.ModelError: the model cannot be found or read.
             UnsupportedModelError: the model needs attention features paged attention lacks.
             ExecuteConfigError: the config does not fit the model or the machine (no CUDA,
-                max_model_len too long, cache too small). A model whose RoPE depends on the
-                sequence length is served only below its switch point
-                (:mod:`stages.execute.model_length`).
+                max_model_len too long, cache too small).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -335,10 +331,9 @@ class ModelRunner:
         cached_tokens: dict[str, int] = {}
         preempted: list[str] = []
         works: list[_Work] = []
-        spare = spare_blocks(allocator, self._requests, step)
         for chunk in step.chunks:
             request = self._requests[chunk.request_id]
-            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted, spare)
+            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted)
             if start is not None:
                 end = chunk.start + chunk.num_tokens
                 works.append(_Work(request, start, end, samples=end == request.num_tokens))
