@@ -64,6 +64,22 @@ class _Tracked:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_tokens = 0
 
+    def output(
+        self, request_id: str, delta: str, finish_reason: str | None, stop_reason: int | str | None
+    ) -> RequestOutput:
+        """The request's output now, ``delta`` already added to its text."""
+        return RequestOutput(
+            request_id,
+            self.text,
+            delta,
+            tuple(self.token_ids),
+            finish_reason,
+            stop_reason,
+            tuple(self.logprobs) if self.logprobs is not None else None,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+        )
+
 
 class StopCheckStage(Stage):
     inputs = ("in",)
@@ -104,23 +120,9 @@ class StopCheckStage(Stage):
                 elif finish_reason is not None:
                     delta += checker.finish()
             tracked.text += delta
-            logprobs = None
             if tracked.logprobs is not None:
                 tracked.logprobs.extend(batch.logprobs.get(request_id, ()))
-                logprobs = tuple(tracked.logprobs)
-            outputs.append(
-                RequestOutput(
-                    request_id,
-                    tracked.text,
-                    delta,
-                    tuple(tracked.token_ids),
-                    finish_reason,
-                    stop_reason,
-                    logprobs,
-                    tracked.num_prompt_tokens,
-                    tracked.num_cached_tokens,
-                )
-            )
+            outputs.append(tracked.output(request_id, delta, finish_reason, stop_reason))
             if finish_reason is not None:
                 del requests[request_id]
         if outputs or batch.stats is not None:
@@ -148,18 +150,6 @@ class StopCheckStage(Stage):
             # stopped the request when it arrived (before min_tokens it did not count).
             delta = tracked.checker.finish()
             tracked.text += delta
-            outputs.append(
-                RequestOutput(
-                    request_id,
-                    tracked.text,
-                    delta,
-                    tuple(tracked.token_ids),
-                    "abort",
-                    None,
-                    tuple(tracked.logprobs) if tracked.logprobs is not None else None,
-                    tracked.num_prompt_tokens,
-                    tracked.num_cached_tokens,
-                )
-            )
+            outputs.append(tracked.output(request_id, delta, "abort", None))
         if outputs:
             await self.emit("out", RequestOutputs(tuple(outputs)))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,18 +14,13 @@ from pipeline import Caller, DeadlockError, Pipeline, Stage
 from pipeline.demo import Job, collatz_pipeline, collatz_steps
 from pipeline.stage import handles
 from tests.pipeline.test_runtime import run
-from tests.processes import child_processes
 from transports.codec import message
 
 # Generous bound: it only tells "fails or finishes" from "hangs" on a loaded machine.
 PROMPTLY = 60.0
 
 
-@pytest.fixture(autouse=True)
-def no_child_left() -> Iterator[None]:
-    before = set(child_processes())
-    yield
-    assert set(child_processes()) - before == set()
+pytestmark = pytest.mark.usefixtures("no_child_left")
 
 
 @message(64)

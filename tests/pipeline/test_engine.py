@@ -257,11 +257,11 @@ def test_errors_carry_the_callers_request_id(served: tuple[LoopThread, AsyncEngi
         ("fine", SamplingParams(top_p=0.0)),
     ):
         with pytest.raises(InvalidRequestError) as caught:
-            loop.run(complete_with_id(engine, prompt, params, "my-request"))
+            loop.run(complete_as(engine, prompt, params, "my-request"))
         assert caught.value.request_id == "my-request"
     with pytest.raises(PromptTooLongError) as too_long:
         assert engine.info is not None
-        loop.run(complete_with_id(engine, [5] * engine.info.max_model_len, GREEDY, "long-one"))
+        loop.run(complete_as(engine, [5] * engine.info.max_model_len, GREEDY, "long-one"))
     assert too_long.value.request_id == "long-one"
 
     async def twice() -> None:
@@ -269,20 +269,11 @@ def test_errors_carry_the_callers_request_id(served: tuple[LoopThread, AsyncEngi
         first = engine.generate("one", params, request_id="same")
         await anext(first)
         with pytest.raises(InvalidRequestError, match="already running") as caught:
-            await complete_with_id(engine, "two", params, "same")
+            await complete_as(engine, "two", params, "same")
         assert caught.value.request_id == "same"
         await first.aclose()  # type: ignore[attr-defined]
 
     loop.run(twice())
-
-
-async def complete_with_id(
-    engine: AsyncEngine, prompt: Any, params: SamplingParams, request_id: str
-) -> Any:
-    last = None
-    async for output in engine.generate(prompt, params, request_id=request_id):
-        last = output
-    return last
 
 
 # -- bad input -----------------------------------------------------------------------------------

@@ -39,11 +39,7 @@ PROMPTLY = 20.0
 FAST_HEARTBEATS = StartOptions(heartbeat_interval=0.2, heartbeat_timeout=2.0)
 
 
-@pytest.fixture(autouse=True)
-def no_child_left() -> Any:
-    before = set(child_processes())
-    yield
-    assert set(child_processes()) - before == set()
+pytestmark = pytest.mark.usefixtures("no_child_left")
 
 
 def run(body: Callable[[], Awaitable[Any]], timeout: float = 120) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,23 +16,14 @@ from pipeline import Caller, Pipeline, PipelineClosedError, Stage, StartOptions
 from pipeline.demo import Job, JobResult
 from pipeline.stage import handles
 from tests.pipeline.test_runtime import _ipc_paths_by_host, open_sockets, run
+from tests.pipeline.test_supervision import Forward
 from tests.processes import child_processes
 
 # Generous bound: it only tells "returns" from "hangs" on a loaded machine.
 PROMPTLY = 20.0
 
 
-@pytest.fixture(autouse=True)
-def no_child_left() -> Iterator[None]:
-    before = set(child_processes())
-    yield
-    assert set(child_processes()) - before == set()
-
-
-class Forward(Stage):
-    @handles(Job)
-    async def on_job(self, job: Job) -> None:
-        await self.emit("out", job)
+pytestmark = pytest.mark.usefixtures("no_child_left")
 
 
 class HangsInStop(Stage):

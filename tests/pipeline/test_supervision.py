@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -35,11 +34,7 @@ PROMPTLY = 20.0
 FAST_HEARTBEATS = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
 
 
-@pytest.fixture(autouse=True)
-def no_child_left() -> Iterator[None]:
-    before = set(child_processes())
-    yield
-    assert set(child_processes()) - before == set()
+pytestmark = pytest.mark.usefixtures("no_child_left")
 
 
 class Forward(Stage):
