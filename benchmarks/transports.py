@@ -348,28 +348,37 @@ class RawGrpc:
         await self.server.stop(None)
 
 
-async def raw_grpc_throughput(data: bytes, count: int) -> Throughput:
+async def _raw_grpc_stream_rate(
+    first: bytes, write: bytes, writes: int, count_of: Callable[[bytes], int], count: int
+) -> Throughput:
+    """Raw grpc.aio: send ``first`` (to connect, untimed, as the link's connect() does), then
+    ``write`` ``writes`` times; the rate is per message, ``count`` of them, counted on the
+    receiving side by ``count_of`` each request."""
     done = asyncio.get_running_loop().create_future()
     received = 0
 
-    async def count_request(request: bytes) -> None:
+    async def count_messages(request: bytes) -> None:
         nonlocal received
-        received += 1
-        if received == count + 1:  # the timed messages and the one sent to connect
+        received += count_of(request)
+        if received == count + 1 and not done.done():  # + the one sent to connect
             done.set_result(None)
 
-    raw = RawGrpc(count_request)
+    raw = RawGrpc(count_messages)
     await raw.start()
     call = raw.call()
-    await call.write(data)  # connect before timing, as the link's connect() does
+    await call.write(first)
     clock = Clock()
-    for _ in range(count):
-        await call.write(data)
+    for _ in range(writes):
+        await call.write(write)
     await done
     rate = clock.rate(count)
     await call.done_writing()
     await raw.close()
     return rate
+
+
+async def raw_grpc_throughput(data: bytes, count: int) -> Throughput:
+    return await _raw_grpc_stream_rate(data, data, count, lambda request: 1, count)
 
 
 def messages_per_write(size: int) -> int:
@@ -395,28 +404,10 @@ async def raw_grpc_batched_throughput(data: bytes, count: int) -> Throughput:
     they are small); the rate is per message."""
     per_write = messages_per_write(len(data))
     writes = max(-(-count // per_write), BATCHED_MIN_WRITES)
-    count = writes * per_write
-    done = asyncio.get_running_loop().create_future()
-    received = 0
-
-    async def count_messages(request: bytes) -> None:
-        nonlocal received
-        received += len(split_batch(request))
-        if received == count + 1 and not done.done():  # + the one sent to connect
-            done.set_result(None)
-
-    raw = RawGrpc(count_messages)
-    await raw.start()
-    call = raw.call()
-    await call.write(data)  # connect before timing, as the link's connect() does
-    clock = Clock()
-    for _ in range(writes):
-        await call.write(join_batch([data] * per_write) if per_write > 1 else data)
-    await done
-    rate = clock.rate(count)
-    await call.done_writing()
-    await raw.close()
-    return rate
+    write = join_batch([data] * per_write) if per_write > 1 else data
+    return await _raw_grpc_stream_rate(
+        data, write, writes, lambda request: len(split_batch(request)), writes * per_write
+    )
 
 
 async def raw_grpc_round_trip(data: bytes, rounds: int) -> list[float]:
