@@ -160,10 +160,14 @@ class StepResult:
     """Execute's answer to a :class:`SchedulerStep`.
 
     ``request_ids[i]`` sampled ``token_ids[i]``. ``logprobs`` lists entries only for requests
-    that asked (matched by ``logprob_request_ids``). ``cached_tokens`` maps requests that
-    started this step to the number of prompt tokens served from the prefix cache.
+    that asked (matched by ``logprob_request_ids``). ``cached_tokens`` maps requests whose
+    prefix-cache hit started or grew this step to the tokens served from the cache so far;
+    ``computed_tokens`` maps requests the cache served past their chunk's end to the tokens
+    they have computed now (the next chunk starts there).
     ``preempted``: requests execute had to drop for lack of blocks (not computed this step).
-    Prefix-cache counters are cumulative, in tokens.
+    ``shared_blocks``: for each request holding blocks that other requests hold too (shared
+    prefixes), how many; freeing it frees only its other blocks. Prefix-cache counters are
+    cumulative, in tokens.
     """
 
     step_id: int
@@ -174,7 +178,9 @@ class StepResult:
     logprob_request_ids: tuple[str, ...] = ()
     logprobs: tuple[Logprobs, ...] = ()
     cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    computed_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     preempted: tuple[str, ...] = ()
+    shared_blocks: dict[str, int] = dataclasses.field(default_factory=dict)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_computed_tokens: int = 0

@@ -8,9 +8,23 @@ a :class:`Scheduler` and talks to execute; this module only plans and keeps acco
 
 The execute stage owns the real block allocator. The scheduler keeps a *mirror*: each request
 holds ``ceil(num_computed_tokens / block_size)`` blocks, and free blocks are what execute last
-reported plus whatever this plan frees. Execute stays authoritative: if it still runs short
-(e.g. shared prefix blocks freed later than the mirror assumed) it preempts on its own and
-says so in :class:`~stages.messages.StepResult`, which the scheduler treats like its own
+reported plus what this plan frees, minus what it allocates. Execute's prefix cache may serve a
+chunk's request past the chunk's end, but only with blocks that cost no free block or that no
+chunk of the step needs; the request's computed tokens then come back in
+``StepResult.computed_tokens`` and the mirror takes them (the next chunk starts there). A
+planned step never needs more blocks than are free, so execute never runs short:
+
+- an allocation is charged every block it may take, though a prefix hit on a block another
+  request holds takes none;
+- finishing or preempting a request credits only the blocks no other request held at the last
+  step (:attr:`StepResult.shared_blocks`). That is a lower bound: a block two preempted
+  requests shared comes free too, uncounted. So a request that does not fit after its victims
+  were preempted does not preempt itself on that estimate; it sits the step out and sees the
+  exact count in the next one. (Preempting itself instead would let every request be
+  re-admitted into the same shortage, for ever.)
+
+Execute stays authoritative all the same: if it ever ran short it would preempt on its own and
+say so in :class:`~stages.messages.StepResult`, which the scheduler treats like its own
 preemption.
 
 Token-level stops are decided in :meth:`Scheduler.update` as soon as a token arrives, so no
@@ -177,6 +191,7 @@ class Scheduler:
         self._info: EngineInfo | None = None
         self._total_blocks = 0
         self._free_blocks = 0  # as execute last reported
+        self._shared_blocks: dict[str, int] = {}  # as execute last reported
         # Insertion-ordered: running in the order they were admitted.
         self._waiting: dict[str, _RequestState] = {}
         self._running: dict[str, _RequestState] = {}
@@ -313,7 +328,7 @@ class Scheduler:
             plan.budget += chunk.num_tokens
         # NOTE: num_blocks already counts the blocks planned for its chunk in this step, so
         # they come back once, with the blocks it held (execute frees those first).
-        plan.free_blocks += state.num_blocks
+        plan.free_blocks += self._freed_blocks(state)
         state.num_blocks = 0
         state.num_computed_tokens = 0
         state.num_preemptions += 1
@@ -321,6 +336,11 @@ class Scheduler:
         self._waiting[state.request_id] = state
         plan.preempted.append(state.request_id)
         self._num_preemptions += 1
+
+    def _freed_blocks(self, state: _RequestState) -> int:
+        """The blocks that certainly come free when ``state`` is preempted or finished: all
+        it holds but those another request also held at the last step."""
+        return state.num_blocks - self._shared_blocks.get(state.request_id, 0)
 
     def _chunk_size(self, state: _RequestState, budget: int) -> int:
         remaining = state.num_tokens - state.num_computed_tokens
@@ -333,7 +353,9 @@ class Scheduler:
         # NOTE: decodes go before prefill chunks of running requests so that a long prompt
         # mid-prefill never starves the token stream of the others. Each chunk gets its blocks
         # from the mirror; a request that cannot get blocks for even one token preempts the
-        # policy's victim (possibly itself, possibly one already planned this step).
+        # policy's victim (possibly one already planned this step), or itself when it is the
+        # victim, unless requests were preempted in this plan: their credit is a lower bound
+        # (see the module docstring), so it waits one step for the exact count instead.
         running = list(self._running.values())
         ordered = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         ordered += [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
@@ -350,10 +372,12 @@ class Scheduler:
                 if size >= 1:
                     break
                 victim = self._select_victim()
+                if victim is state and plan.preempted:
+                    break  # sit this step out (size < 1)
                 self._preempt(victim, plan)
                 if victim is state:
                     break
-            if state.status is not _Status.RUNNING:
+            if state.status is not _Status.RUNNING or size < 1:
                 continue
             self._add_chunk(state, size, plan, block_size)
 
@@ -439,7 +463,7 @@ class Scheduler:
         finishing, self._pending_finish = self._pending_finish, []
         plan = _Plan(
             budget=self.config.max_num_batched_tokens,
-            free_blocks=self._free_blocks + sum(s.num_blocks for s in finishing),
+            free_blocks=self._free_blocks + sum(self._freed_blocks(s) for s in finishing),
         )
         for state in finishing:
             state.num_blocks = 0
@@ -511,6 +535,7 @@ class Scheduler:
         self._in_flight = None
         self._num_steps += 1
         self._free_blocks = result.free_blocks
+        self._shared_blocks = result.shared_blocks
         self._total_blocks = result.total_blocks
         self._prefix_cache_queries = result.prefix_cache_queries
         self._prefix_cache_hits = result.prefix_cache_hits
@@ -535,6 +560,20 @@ class Scheduler:
             state = in_flight.states.get(request_id)
             if state is not None and not state.cached_tokens_reported:
                 state.num_cached_tokens = cached
+        block_size = self._info.block_size if self._info is not None else 1
+        for request_id, served in result.computed_tokens.items():
+            # The cache served past the chunk (blocks that cost execute nothing, or that it
+            # could spare): those tokens are computed, their blocks held.
+            state = in_flight.states.get(request_id)
+            if state is None or request_id in preempted or state.status is not _Status.RUNNING:
+                continue
+            if not state.num_computed_tokens < served < state.num_tokens:
+                raise SchedulerError(
+                    f"execute reports {served} computed tokens for {request_id!r}, which "
+                    f"has {state.num_computed_tokens} computed of {state.num_tokens}"
+                )
+            state.num_computed_tokens = served
+            state.num_blocks = _blocks_for(served, block_size)
 
         logprobs_by_id = dict(zip(result.logprob_request_ids, result.logprobs, strict=True))
         ids: list[str] = []

@@ -14,6 +14,13 @@ and nano-vllm (``nanovllm/engine/block_manager.py``):
 - Block hashes are chained: ``H(parent hash, block tokens, extra key)``, over full blocks only,
   with SHA-256 so they are stable across processes. A hit re-checks the block's token ids
   (hash collisions must never serve wrong K/V).
+- A request's cached prefix is matched chunk by chunk (:meth:`BlockAllocator.match_prefix`
+  with a ``limit``): past its scheduled tokens a request takes only blocks that cost no free
+  block (another request holds them) or that the step can spare, so execute never runs
+  short of the blocks the scheduler planned for.
+- Each block knows its holders, so the allocator can say how many of a request's blocks are
+  shared (:meth:`BlockAllocator.shared_block_counts`): preempting or finishing a request frees
+  only its other blocks, which the scheduler needs to know to never plan more than is free.
 - A request's blocks are freed tail first, so when they are evicted the chain tails go before
   the shared heads.
 - Block 0 is reserved and never handed out: padding tokens write their K/V there.
@@ -90,6 +97,7 @@ class PrefixCacheStats:
 class _Block:
     block_id: int
     ref_count: int = 0
+    holders: list[str] = dataclasses.field(default_factory=list)  # one per reference
     # Set while the block holds a full, published block of tokens (reusable by prefix hits).
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
@@ -140,6 +148,8 @@ class BlockAllocator:
         )
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._requests: dict[str, _RequestBlocks] = {}
+        # request id -> how many of its blocks other requests hold too (only non-zero counts)
+        self._shared: dict[str, int] = {}
         self._queries = 0
         self._hits = 0
 
@@ -181,49 +191,76 @@ class BlockAllocator:
         """The free blocks in eviction order (the first is handed out next)."""
         return list(self._free)
 
+    def shared_block_counts(self) -> dict[str, int]:
+        """For every request holding a block that another request holds too, how many such
+        blocks it holds (a copy). Freeing the request frees its other blocks only."""
+        return dict(self._shared)
+
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """How many more blocks ``request_id`` needs to hold ``num_tokens`` tokens."""
         held = len(self._requests[request_id].block_ids) if request_id in self._requests else 0
         return max(0, -(-num_tokens // self.block_size) - held)
 
     # ----------------------------------------------------------------- operations
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Give a request with no blocks yet the longest run of cached full blocks that
-        prefixes ``token_ids``, taking a reference on each.
+    def match_prefix(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        limit: int | None = None,
+        spare_blocks: int = 0,
+    ) -> int:
+        """Extend the request's run of cached leading blocks with the published blocks that
+        continue it in ``token_ids`` (its known tokens), taking a reference on each.
 
-        The hit is capped at ``len(token_ids) - 1`` tokens so at least one token is computed
-        (its logits are needed). Counts ``len(token_ids)`` queried tokens.
+        A request with no blocks starts from the first block, and counts ``len(token_ids)``
+        queried tokens (once per start, however many calls extend the match). A request that
+        holds blocks is extended only while each block it holds is a full block with its
+        tokens' hash known (computed and committed, or hit); otherwise nothing matches. The
+        match stays below ``len(token_ids)`` tokens, so at least one token is computed (its
+        logits are needed). Past the first ``limit`` tokens (when given) a block is taken only
+        if another request holds it (taking it costs no free block), or while fewer than
+        ``spare_blocks`` free blocks were taken past the limit.
 
         Returns:
-            The number of tokens served from the cache (a multiple of ``block_size``).
-
-        Raises:
-            AllocatorError: the request already holds blocks.
+            The number of tokens newly served from the cache (a multiple of ``block_size``).
         """
-        if request_id in self._requests:
-            raise AllocatorError(f"request {request_id!r} already holds blocks; free it first")
         if not self.enable_prefix_caching:
             return 0
-        self._queries += len(token_ids)
+        blocks = self._requests.get(request_id)
+        if blocks is None:
+            self._queries += len(token_ids)
+            held = 0
+            parent: bytes | None = None
+        else:
+            held = len(blocks.block_ids)
+            if len(blocks.block_hashes) != held:
+                return 0  # its last block is not a full, hashed block
+            parent = blocks.block_hashes[-1] if held else None
         size = self.block_size
-        max_full_blocks = max(0, len(token_ids) - 1) // size
+        free_up_to = len(token_ids) if limit is None else limit  # blocks ending here are free
         hit_blocks: list[int] = []
         hit_hashes: list[bytes] = []
-        parent: bytes | None = None
-        for index in range(max_full_blocks):
+        for index in range(held, max(0, len(token_ids) - 1) // size):
             block_tokens = tuple(token_ids[index * size : (index + 1) * size])
             block_hash = hash_block_tokens(parent, block_tokens, self.extra_hash_key)
             block_id = self._cached.get(block_hash)
             if block_id is None or self._blocks[block_id].token_ids != block_tokens:
                 break
+            if (index + 1) * size > free_up_to and self._blocks[block_id].ref_count == 0:
+                if spare_blocks <= 0:
+                    break
+                spare_blocks -= 1
             hit_blocks.append(block_id)
             hit_hashes.append(block_hash)
             parent = block_hash
         if not hit_blocks:
             return 0
+        if blocks is None:
+            blocks = self._requests[request_id] = _RequestBlocks()
         for block_id in hit_blocks:
-            self._take_reference(block_id)
-        self._requests[request_id] = _RequestBlocks(hit_blocks, hit_hashes)
+            self._take_reference(block_id, request_id)
+        blocks.block_ids.extend(hit_blocks)
+        blocks.block_hashes.extend(hit_hashes)
         num_cached = len(hit_blocks) * size
         self._hits += num_cached
         return num_cached
@@ -249,6 +286,7 @@ class BlockAllocator:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
+            block.holders = [request_id]
             blocks.block_ids.append(block_id)
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> int:
@@ -311,13 +349,17 @@ class BlockAllocator:
         for block_id in reversed(blocks.block_ids):
             block = self._blocks[block_id]
             block.ref_count -= 1
-            if block.ref_count == 0:
+            block.holders.remove(request_id)
+            if block.ref_count == 1:
+                self._count_shared(block.holders[0], -1)  # its last holder has it alone
+            elif block.ref_count == 0:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     # NOTE: a block with nothing cached in it is worthless to keep: put it at
                     # the front so it is reused before any cached block is evicted.
                     self._free.move_to_end(block_id, last=False)
                 released += 1
+        self._shared.pop(request_id, None)
         return released
 
     def reset_prefix_cache(self) -> int:
@@ -335,11 +377,23 @@ class BlockAllocator:
         return evicted
 
     # ----------------------------------------------------------------- internals
-    def _take_reference(self, block_id: int) -> None:
+    def _take_reference(self, block_id: int, request_id: str) -> None:
         block = self._blocks[block_id]
         if block.ref_count == 0:
             del self._free[block_id]
+        else:
+            if block.ref_count == 1:
+                self._count_shared(block.holders[0], 1)  # no longer its holder's alone
+            self._count_shared(request_id, 1)
         block.ref_count += 1
+        block.holders.append(request_id)
+
+    def _count_shared(self, request_id: str, delta: int) -> None:
+        count = self._shared.get(request_id, 0) + delta
+        if count:
+            self._shared[request_id] = count
+        else:
+            del self._shared[request_id]
 
     def _evict(self, block: _Block) -> None:
         assert block.block_hash is not None

@@ -5,15 +5,18 @@ no torch, no asyncio.
 
 A request's *known tokens* are its prompt plus its sampled outputs; ``num_computed`` leading
 ones have K/V in the cache. A step is checked whole (:func:`validate_step`) before anything
-changes; then :func:`release` frees finished and preempted requests, :func:`plan_chunk`
-allocates each chunk's blocks (a chunk starting at 0 first looks its tokens up in the prefix
-cache), and after the chunks ran :func:`commit_chunk` records them and publishes newly full
-blocks. Flow after vLLM v1 (``vllm/v1/worker/gpu_model_runner.py``: ``_update_states``) and
-nano-vllm (``nanovllm/engine/model_runner.py``).
+changes; then :func:`release` frees finished and preempted requests, :func:`plan_chunks`
+allocates each chunk's blocks (a chunk first takes what the prefix cache holds of its tokens;
+past the chunk's end only blocks that cost no free block or that the step can spare, so the
+blocks the scheduler planned are always there; the scheduler learns the longer hit from
+``computed_tokens``), and after the chunks ran :func:`commit_chunk` records them and publishes
+newly full blocks. Flow after vLLM v1 (``vllm/v1/worker/gpu_model_runner.py``:
+``_update_states``) and nano-vllm (``nanovllm/engine/model_runner.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Protocol, TypeVar
 
@@ -21,10 +24,12 @@ from stages.execute.allocator import BlockAllocator, OutOfBlocksError
 from stages.messages import Logprobs, ScheduledChunk, SchedulerStep, StepResult
 
 __all__ = [
+    "PlanReport",
     "StepError",
     "TrackedRequest",
     "commit_chunk",
     "plan_chunk",
+    "plan_chunks",
     "release",
     "step_result",
     "validate_step",
@@ -36,11 +41,27 @@ class StepError(ValueError):
     request, a chunk outside the request's tokens, ...): a scheduler bug."""
 
 
+@dataclasses.dataclass(slots=True)
+class PlanReport:
+    """What planning a step's chunks decided, for its :class:`StepResult`.
+
+    ``cached_tokens``: for each request whose prefix-cache hit started or grew, the tokens
+    the cache served since its start. ``computed_tokens``: for each request the cache served
+    past its chunk's end, its computed tokens now. ``preempted``: requests that got no
+    blocks (freed, restarting from 0).
+    """
+
+    cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    computed_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    preempted: list[str] = dataclasses.field(default_factory=list)
+
+
 class TrackedRequest(Protocol):
     """What the bookkeeping needs of a runner's per-request state."""
 
     request_id: str
     num_computed: int
+    num_cached: int  # of num_computed, tokens served by the prefix cache since its start
 
     @property
     def num_tokens(self) -> int: ...
@@ -110,42 +131,99 @@ def release(
         allocator.free(request_id)
         request = requests.get(request_id)
         if request is not None:
-            request.num_computed = 0
+            request.num_computed = request.num_cached = 0
+
+
+def plan_chunks(
+    allocator: BlockAllocator,
+    requests: Mapping[str, TrackedT],
+    chunks: Sequence[ScheduledChunk],
+    report: PlanReport,
+) -> list[tuple[TrackedT, int, int]]:
+    """:func:`plan_chunk` for each of a (validated, released) step's chunks in order, each
+    told how many free blocks it may take past its end: those that no chunk of the step
+    needs (each chunk counted at most ``ceil(end / block_size)`` less what it holds).
+
+    Returns:
+        ``(request, first position to compute, end)`` for each chunk with tokens to compute.
+    """
+    size = allocator.block_size
+    needs: list[int] = []
+    if allocator.enable_prefix_caching:
+        for chunk in chunks:
+            end = chunk.start + chunk.num_tokens
+            if chunk.start == 0:  # a (re)start: what it holds is freed first
+                needs.append(-(-end // size))
+            else:
+                needs.append(allocator.blocks_needed(chunk.request_id, end))
+    reserved = sum(needs)
+    planned: list[tuple[TrackedT, int, int]] = []
+    for index, chunk in enumerate(chunks):
+        request = requests[chunk.request_id]
+        spare = 0
+        if needs:
+            spare = allocator.num_free_blocks - reserved
+            reserved -= needs[index]
+        start = plan_chunk(allocator, request, chunk, report, spare)
+        if start is not None:
+            planned.append((request, start, chunk.start + chunk.num_tokens))
+    return planned
 
 
 def plan_chunk(
     allocator: BlockAllocator,
     request: TrackedRequest,
     chunk: ScheduledChunk,
-    cached_tokens: dict[str, int],
-    preempted: list[str],
+    report: PlanReport,
+    spare_blocks: int = 0,
 ) -> int | None:
-    """Look up the prefix cache for a (re)start and allocate the (validated) chunk's blocks.
+    """Take the chunk's cached blocks from the prefix cache and allocate the rest of the
+    (validated) chunk's blocks.
 
-    A prefix hit goes into ``cached_tokens``; a request that gets no blocks has its blocks
-    freed, restarts from 0 and goes into ``preempted``.
+    The prefix cache serves a (re)start's leading blocks and, while the request's blocks so
+    far are all full (computed or served), the next chunk's too. Within the chunk any cached
+    block is taken (each costs at most the free block the chunk's allocation would); past
+    its end only blocks another request holds, or up to ``spare_blocks`` free ones. What it
+    decides goes into ``report`` (see :class:`PlanReport`).
 
     Returns:
         The first position to compute (the chunk ends at ``chunk.start + chunk.num_tokens``),
         or None when the prefix cache served every token or the request was preempted.
     """
+    request_id = request.request_id
     end = chunk.start + chunk.num_tokens
     if chunk.start == 0:
-        # A new or resumed request: drop anything it held, reuse cached prefix blocks.
-        allocator.free(request.request_id)
-        cached = allocator.match_prefix(request.request_id, request.tokens())
-        request.num_computed = cached
-        cached_tokens[request.request_id] = cached
+        # A new or resumed request: drop anything it held, count one prefix-cache query.
+        allocator.free(request_id)
+        request.num_computed = request.num_cached = 0
+    size = allocator.block_size
+    # NOTE: the cache can serve more only where the request's blocks so far are all full
+    # (the chunk starts on a block boundary, everything before it computed or served), and
+    # only if a full block fits before the request's last token; checked here so a decode
+    # step never builds a token list.
+    continues_hits = (
+        chunk.start % size == 0
+        and request.num_computed == chunk.start
+        and (request.num_tokens - 1) // size > chunk.start // size
+    )
+    if allocator.enable_prefix_caching and (chunk.start == 0 or continues_hits):
+        hit = allocator.match_prefix(request_id, request.tokens(), end, spare_blocks)
+        request.num_computed += hit
+        request.num_cached += hit
+        if chunk.start == 0 or hit:
+            report.cached_tokens[request_id] = request.num_cached
+        if request.num_computed > end:
+            report.computed_tokens[request_id] = request.num_computed
     start = max(chunk.start, request.num_computed)
     if start >= end:
         return None
     try:
-        allocator.allocate(request.request_id, end)
+        allocator.allocate(request_id, end)
     except OutOfBlocksError:
-        allocator.free(request.request_id)
-        request.num_computed = 0
-        cached_tokens.pop(request.request_id, None)
-        preempted.append(request.request_id)
+        allocator.free(request_id)
+        request.num_computed = request.num_cached = 0
+        report.cached_tokens.pop(request_id, None)
+        report.preempted.append(request_id)
         return None
     return start
 
@@ -168,8 +246,7 @@ def step_result(
     token_ids: Sequence[int],
     logprob_request_ids: Sequence[str],
     logprobs: Sequence[Logprobs],
-    cached_tokens: dict[str, int],
-    preempted: Sequence[str],
+    report: PlanReport,
     num_computed_tokens: int,
     forward_seconds: float,
 ) -> StepResult:
@@ -184,8 +261,10 @@ def step_result(
         total_blocks=allocator.num_usable_blocks,
         logprob_request_ids=tuple(logprob_request_ids),
         logprobs=tuple(logprobs),
-        cached_tokens=cached_tokens,
-        preempted=tuple(preempted),
+        cached_tokens=report.cached_tokens,
+        computed_tokens=report.computed_tokens,
+        preempted=tuple(report.preempted),
+        shared_blocks=allocator.shared_block_counts(),
         prefix_cache_queries=stats.queries,
         prefix_cache_hits=stats.hits,
         num_computed_tokens=num_computed_tokens,

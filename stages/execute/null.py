@@ -37,9 +37,10 @@ import numpy as np
 from pipeline.stage import Stage, handles
 from stages.execute.allocator import BlockAllocator
 from stages.execute.bookkeeping import (
+    PlanReport,
     StepError,
     commit_chunk,
-    plan_chunk,
+    plan_chunks,
     release,
     step_result,
     validate_step,
@@ -76,6 +77,7 @@ class _Request:
     wants_logprobs: bool
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # leading tokens whose (virtual) K/V is in the cache
+    num_cached: int = 0  # of those, served by the prefix cache since the request started
 
     @property
     def num_tokens(self) -> int:
@@ -213,14 +215,8 @@ class NullRunner:
         for new_request in step.new_requests:
             self._register(new_request)
 
-        cached_tokens: dict[str, int] = {}
-        preempted: list[str] = []
-        planned: list[tuple[_Request, int, int]] = []
-        for chunk in step.chunks:
-            request = self._requests[chunk.request_id]
-            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted)
-            if start is not None:
-                planned.append((request, start, chunk.start + chunk.num_tokens))
+        report = PlanReport()
+        planned = plan_chunks(allocator, self._requests, step.chunks, report)
         sampling = [request for request, _, end in planned if end == request.num_tokens]
         for request, _, end in planned:
             commit_chunk(allocator, request, end)
@@ -246,8 +242,7 @@ class NullRunner:
             token_ids=token_ids,
             logprob_request_ids=logprob_ids,
             logprobs=logprobs,
-            cached_tokens=cached_tokens,
-            preempted=preempted,
+            report=report,
             num_computed_tokens=sum(end - start for _, start, end in planned),
             forward_seconds=time.perf_counter() - began,
         )

@@ -33,9 +33,10 @@ from stages.execute.attention import (
     forward_context,
 )
 from stages.execute.bookkeeping import (
+    PlanReport,
     StepError,
     commit_chunk,
-    plan_chunk,
+    plan_chunks,
     release,
     step_result,
     validate_step,
@@ -71,6 +72,7 @@ class _Request:
     request_id: str
     sampling: SamplingState
     num_computed: int = 0  # leading tokens whose K/V is in the cache
+    num_cached: int = 0  # of those, served by the prefix cache since the request started
 
     @property
     def num_tokens(self) -> int:
@@ -328,15 +330,10 @@ class ModelRunner:
         for new_request in step.new_requests:
             self._register(new_request)
 
-        cached_tokens: dict[str, int] = {}
-        preempted: list[str] = []
+        report = PlanReport()
         works: list[_Work] = []
-        for chunk in step.chunks:
-            request = self._requests[chunk.request_id]
-            start = plan_chunk(allocator, request, chunk, cached_tokens, preempted)
-            if start is not None:
-                end = chunk.start + chunk.num_tokens
-                works.append(_Work(request, start, end, samples=end == request.num_tokens))
+        for request, start, end in plan_chunks(allocator, self._requests, step.chunks, report):
+            works.append(_Work(request, start, end, samples=end == request.num_tokens))
 
         request_ids: list[str] = []
         token_ids: list[int] = []
@@ -369,8 +366,7 @@ class ModelRunner:
             token_ids=token_ids,
             logprob_request_ids=logprob_ids,
             logprobs=logprobs,
-            cached_tokens=cached_tokens,
-            preempted=preempted,
+            report=report,
             num_computed_tokens=num_computed,
             forward_seconds=forward_seconds,
         )

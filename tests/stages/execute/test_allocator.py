@@ -173,11 +173,49 @@ def test_duplicate_content_stays_private() -> None:
     assert allocator.match_prefix("c", prompt) == 4
 
 
-def test_match_prefix_refuses_a_request_holding_blocks() -> None:
+def test_match_prefix_extends_only_a_run_of_full_hashed_blocks() -> None:
     allocator = BlockAllocator(num_blocks=8, block_size=BLOCK)
-    allocator.allocate("a", 4)
-    with pytest.raises(AllocatorError, match="already holds"):
-        allocator.match_prefix("a", tokens(0, 8))
+    allocator.allocate("a", 12)
+    allocator.commit("a", tokens(0, 12), 12)
+    allocator.allocate("b", 3)  # a partial block, not hashed: nothing can follow it
+    assert allocator.match_prefix("b", tokens(0, 13)) == 0
+    assert len(allocator.block_table("b")) == 1
+    # A request whose blocks are all full and hashed continues from its last one.
+    allocator.allocate("c", 4)
+    allocator.commit("c", tokens(0, 4), 4)
+    assert allocator.match_prefix("c", tokens(0, 13)) == 8
+    assert allocator.block_table("c")[1:] == allocator.block_table("a")[1:]
+
+
+def test_match_prefix_past_the_limit_takes_only_held_or_spare_blocks() -> None:
+    allocator = BlockAllocator(num_blocks=8, block_size=BLOCK)
+    prompt = tokens(0, 17)
+    allocator.allocate("a", 16)
+    allocator.commit("a", prompt, 16)
+    allocator.free("a")  # four cached blocks, all free now
+    # Within the limit (the chunk) any cached block; past it, none without spare blocks.
+    assert allocator.match_prefix("b", prompt, limit=5) == 4
+    assert allocator.match_prefix("b", prompt, limit=8, spare_blocks=1) == 8
+    assert allocator.num_free_blocks == 7 - 3
+    # Blocks another request holds cost no free block: taken past the limit regardless.
+    assert allocator.match_prefix("c", prompt, limit=1) == 12
+    assert allocator.shared_block_counts() == {"b": 3, "c": 3}
+
+
+def test_shared_block_counts_follow_every_reference() -> None:
+    allocator = BlockAllocator(num_blocks=10, block_size=BLOCK)
+    prompt = tokens(0, 13)
+    allocator.allocate("a", 12)
+    allocator.commit("a", prompt, 12)
+    assert allocator.shared_block_counts() == {}
+    assert allocator.match_prefix("b", prompt) == 12
+    assert allocator.match_prefix("c", tokens(0, 9)) == 8
+    assert allocator.shared_block_counts() == {"a": 3, "b": 3, "c": 2}
+    assert allocator.free("a") == 0  # every block of a is held by b too
+    assert allocator.shared_block_counts() == {"b": 2, "c": 2}
+    allocator.free("c")
+    assert allocator.shared_block_counts() == {}
+    assert allocator.free("b") == 3
 
 
 def test_prefix_caching_disabled() -> None:
@@ -292,6 +330,12 @@ class AllocatorMachine(RuleBasedStateMachine):
             # Free exactly when unreferenced: never both free and referenced.
             assert (block_id in free) == (count == 0)
         assert allocator.num_free_blocks == len(free)
+        # Each request's shared blocks are exactly its blocks another request holds too.
+        shared = {
+            request_id: sum(1 for b in allocator.block_table(request_id) if references[b] > 1)
+            for request_id in self.requests
+        }
+        assert allocator.shared_block_counts() == {r: n for r, n in shared.items() if n}
         stats = allocator.stats
         assert 0 <= stats.hits <= stats.queries
 
