@@ -210,7 +210,7 @@ class AdmitStage(Stage):
             until_model_len = request.params.max_tokens is None
             request = resolve_max_tokens(request, self.engine)
             self._check_queue()
-            self._check_rate(request, until_model_len=until_model_len)
+            request = self._check_rate(request, until_model_len=until_model_len)
         except RequestError as error:
             await self._reject(request, error)
             return
@@ -225,12 +225,16 @@ class AdmitStage(Stage):
                 f"(limit {self.config.max_queued_requests}); retry later"
             )
 
-    def _check_rate(self, request: EngineRequest, *, until_model_len: bool = False) -> None:
-        """Take the request's cost from its tenant's buckets, or raise.
+    def _check_rate(
+        self, request: EngineRequest, *, until_model_len: bool = False
+    ) -> EngineRequest:
+        """Take the request's cost from its tenant's buckets and return it, or raise.
 
         The cost is the prompt plus ``max_tokens``. A request without ``max_tokens`` (runs
-        until the model's length) costs at most the tenant's burst: it reserves all the
-        tenant may use at once rather than being refused for a length it never asked for.
+        until the model's length) from a tenant with a tokens/s limit gets ``max_tokens``
+        capped at what the tenant's burst leaves after the prompt, and costs that: it takes
+        all the tenant may use at once rather than being refused for a length it never
+        asked for, and can never generate more than it paid for.
         """
         buckets = self._buckets.get(request.tenant)
         if buckets is None:
@@ -240,15 +244,20 @@ class AdmitStage(Stage):
             self._buckets[request.tenant] = buckets
         tenant = request.tenant or "(default)"
         assert request.params.max_tokens is not None  # resolved by resolve_max_tokens
-        cost = len(request.prompt_token_ids) + request.params.max_tokens
+        prompt = len(request.prompt_token_ids)
         if buckets.tokens is not None and until_model_len:
-            cost = min(cost, max(len(request.prompt_token_ids), int(buckets.tokens.burst)))
+            allowed = int(buckets.tokens.burst) - prompt
+            if 1 <= allowed < request.params.max_tokens:
+                params = request.params.replace(max_tokens=allowed)
+                request = dataclasses.replace(request, params=params)
+        assert request.params.max_tokens is not None
+        cost = prompt + request.params.max_tokens
         if buckets.tokens is not None and cost > buckets.tokens.burst:
             # Waiting never helps this request: not a rate limit (retryable) but a bad one.
             if until_model_len:
                 raise InvalidRequestError(
-                    f"the prompt has {cost} tokens, more than tenant {tenant} may use at once "
-                    f"({buckets.tokens.burst:.0f})",
+                    f"the prompt has {prompt} tokens, which leaves no room for an answer in "
+                    f"what tenant {tenant} may use at once ({buckets.tokens.burst:.0f})",
                     field="prompt",
                     request_id=request.request_id,
                 )
@@ -273,6 +282,7 @@ class AdmitStage(Stage):
             buckets.requests.try_take(1)
         if buckets.tokens is not None:
             buckets.tokens.try_take(cost)
+        return request
 
     def _prune_buckets(self) -> None:
         # A full bucket is what a new tenant gets, so forgetting it changes nothing; this

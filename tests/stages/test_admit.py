@@ -172,15 +172,16 @@ def test_max_tokens_none_means_the_rest_of_the_model_length() -> None:
     run_admit(config, body)
 
 
-def test_max_tokens_none_costs_at_most_the_burst() -> None:
+def test_max_tokens_none_is_capped_at_the_burst() -> None:
     # A tenant whose burst is below the model's length can still run a request without
-    # max_tokens: it reserves the whole burst instead of being refused as too long.
+    # max_tokens: it gets and pays for the whole burst (never more) instead of being refused
+    # as too long.
     config = AdmitConfig(default_limits=TenantLimits(tokens_per_second=20, burst_seconds=1.0))
 
     async def body(running: RunningPipeline) -> None:
         admitted = await answer(running, request("b1", (5,) * 10, max_tokens=None))
         assert isinstance(admitted, EngineRequest)
-        assert admitted.params.max_tokens == INFO.max_model_len - 10
+        assert admitted.params.max_tokens == 20 - 10
         # it took the whole burst (20 tokens), so the next one waits
         limited = await answer(running, request("b2", (5,) * 3, max_tokens=1))
         assert isinstance(limited, RequestRejected) and limited.kind == "rate_limited"
