@@ -320,8 +320,10 @@ class Pipeline:
         """Check the graph can run.
 
         Raises:
-            GraphError: a link names a missing stage or port, an entry is linked to nothing, or
-                nothing is linked to an exit (its receivers would wait forever).
+            GraphError: a link names a missing stage or port, an entry is linked to nothing,
+                nothing is linked to an exit (its receivers would wait forever), or a stage's
+                output is linked to nothing (its messages would be lost) and the stage does
+                not declare it in ``optional_outputs``.
         """
         for link in self._links:
             for endpoint, side in ((link.source, "outputs"), (link.target, "inputs")):
@@ -339,6 +341,17 @@ class Pipeline:
         for name in self._exits:
             if not any(link.target == Endpoint(BOUNDARY, name) for link in self._links):
                 raise GraphError(f"exit {name!r} is fed by no stage")
+        linked = {link.source for link in self._links}
+        for spec in self._stages.values():
+            for port in spec.factory.outputs:
+                if port not in spec.factory.optional_outputs and (
+                    Endpoint(spec.name, port) not in linked
+                ):
+                    raise GraphError(
+                        f"output {spec.name}.{port} is linked to nothing: its messages would be "
+                        f"lost (link it, list it in {spec.factory.__qualname__}.optional_outputs, "
+                        "or declare outputs = () for a stage that never emits)"
+                    )
 
     # -- running --------------------------------------------------------------------------------
 

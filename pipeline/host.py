@@ -32,7 +32,7 @@ from pipeline._protocol import (
     RemoteLink,
     StageStatistics,
 )
-from pipeline.errors import DeadlockError, PipelineError, StageFailedError
+from pipeline.errors import DeadlockError, GraphError, PipelineError, StageFailedError
 from pipeline.graph import BOUNDARY, Endpoint
 from pipeline.stage import Stage
 from transports.base import Receiver, Sender, Transport
@@ -212,6 +212,12 @@ class Host:
     def _unrouted(self, stage: str, port: str) -> None:
         cell = self._cells.get(stage)
         if cell is not None:
+            outputs = type(cell.stage).outputs
+            if port not in outputs:  # a misspelt port: fail the handler, never drop silently
+                raise GraphError(
+                    f"stage {stage!r} emitted on {port!r}, which is not one of its outputs "
+                    f"{outputs}"
+                )
             cell.dropped += 1
         if (stage, port) not in self._warned_ports:
             self._warned_ports.add((stage, port))

@@ -170,7 +170,15 @@ class RunningPipeline:
         """Start ``pipeline``; see :meth:`Pipeline.start`."""
         running = cls(pipeline, options)
         try:
-            await asyncio.wait_for(running._start(), options.start_timeout)
+            try:
+                await asyncio.wait_for(running._start(), options.start_timeout)
+            except asyncio.TimeoutError as exc:
+                if running.failure is not None:
+                    raise
+                raise TimeoutError(
+                    f"pipeline {pipeline.name!r} did not start within {options.start_timeout:g} s "
+                    "(start_timeout); a stage's start() or a host process is still starting"
+                ) from exc
         except BaseException as exc:
             await running._teardown()
             if running.failure is not None and running.failure is not exc:

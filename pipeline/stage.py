@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -45,6 +46,7 @@ def handles(*message_types: type, port: str | None = None) -> Callable[[T], T]:
         raise TypeError("handles() needs at least one message type")
 
     def mark(function: T) -> T:
+        _check_handler(function)
         existing = getattr(function, _HANDLES_ATTRIBUTE, ())
         setattr(function, _HANDLES_ATTRIBUTE, (*existing, *((port, t) for t in message_types)))
         return function
@@ -52,17 +54,31 @@ def handles(*message_types: type, port: str | None = None) -> Callable[[T], T]:
     return mark
 
 
+def _check_handler(function: object) -> None:
+    """Raise TypeError unless ``function`` is an ``async def`` taking ``(self, message)``."""
+    name = getattr(function, "__qualname__", repr(function))
+    if not inspect.iscoroutinefunction(function):
+        raise TypeError(f"handler {name} must be an 'async def' method")
+    try:
+        inspect.signature(function).bind(None, None)
+    except TypeError:
+        raise TypeError(f"handler {name} must take (self, message)") from None
+
+
 class Stage:
     """Base class of every pipeline stage.
 
-    Class attributes: ``inputs`` / ``outputs`` (port names), ``mailbox_capacity`` (the bound
-    of the inbox shared by all input ports). Subclasses override :meth:`start`, :meth:`stop`
+    Class attributes: ``inputs`` / ``outputs`` (port names), ``optional_outputs`` (outputs
+    a pipeline may leave linked to nothing, their messages then dropped; every other output
+    must be linked, or the pipeline does not start), ``mailbox_capacity`` (the bound of the
+    inbox shared by all input ports). Subclasses override :meth:`start`, :meth:`stop`
     and declare handlers with :func:`handles`, or override :meth:`handle` entirely.
     """
 
     api_version: ClassVar[int] = 1
     inputs: ClassVar[tuple[str, ...]] = ("in",)
     outputs: ClassVar[tuple[str, ...]] = ("out",)
+    optional_outputs: ClassVar[tuple[str, ...]] = ()
     mailbox_capacity: ClassVar[int] = 1024
     _handler_table: ClassVar[dict[tuple[str | None, type], str]] = {}
 
@@ -74,6 +90,22 @@ class Stage:
                 for key in getattr(value, _HANDLES_ATTRIBUTE, ()):
                     table[key] = attribute
         cls._handler_table = table
+        if "handle" in vars(cls):
+            handle = vars(cls)["handle"]
+            if not inspect.iscoroutinefunction(handle):
+                raise TypeError(f"{cls.__qualname__}.handle must be an 'async def' method")
+            try:
+                inspect.signature(handle).bind(None, None, None)
+            except TypeError:
+                raise TypeError(
+                    f"{cls.__qualname__}.handle must take (self, message, port)"
+                ) from None
+        for name in cls.optional_outputs:
+            if name not in cls.outputs:
+                raise TypeError(
+                    f"{cls.__qualname__}: optional output {name!r} is not among its outputs "
+                    f"{cls.outputs}"
+                )
         for ports in (cls.inputs, cls.outputs):
             if isinstance(ports, str) or len(set(ports)) != len(ports):
                 raise TypeError(f"{cls.__qualname__}: ports must be a tuple of distinct names")
@@ -124,7 +156,11 @@ class Stage:
         await handler(message)
 
     async def emit(self, port: str, message: object) -> None:
-        """Send ``message`` to every link of output ``port`` (waits while a link is full)."""
+        """Send ``message`` to every link of output ``port`` (waits while a link is full).
+
+        Raises:
+            GraphError: ``port`` is not one of this stage's outputs.
+        """
         if self._host is None:
             raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
         await self._host.emit(self._name, port, message)

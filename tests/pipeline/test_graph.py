@@ -228,3 +228,56 @@ def test_validate_refuses_an_exit_nothing_feeds() -> None:
     pipeline = collatz_pipeline().remove("check")
     with pytest.raises(GraphError, match="exit 'results' is fed by no stage"):
         pipeline.validate()
+
+
+def test_an_output_linked_to_nothing_is_refused_unless_optional() -> None:
+    pipeline = Pipeline().add("a", Passthrough).add("b", Passthrough)
+    pipeline.entry("in", "a").exit("out", "b").connect("a", "b")
+    pipeline.validate()
+    lost = Pipeline().add("a", Passthrough).entry("in", "a")
+    with pytest.raises(GraphError, match=r"output a\.out is linked to nothing"):
+        lost.validate()
+
+    class Sink(Stage):
+        outputs = ("out", "debug")
+        optional_outputs = ("debug",)
+
+    fine = Pipeline().add("s", Sink).entry("in", "s").exit("out", "s.out")
+    fine.validate()
+    with pytest.raises(TypeError, match="optional output 'nope'"):
+        type("Bad", (Stage,), {"optional_outputs": ("nope",)})
+
+
+def test_removing_a_stage_that_cannot_be_bypassed_is_caught_before_start() -> None:
+    class Fork(Stage):
+        outputs = ("out", "side")
+
+    pipeline = Pipeline().add("a", Passthrough).add("fork", Fork)
+    pipeline.add("b", Passthrough).add("c", Passthrough).entry("in", "a")
+    pipeline.connect("a", "fork").connect("fork.out", "b").connect("fork.side", "c")
+    pipeline.exit("main", "b").exit("side", "c")
+    pipeline.validate()
+    # Two outputs: removing fork drops its links (no bypass), leaving a's output dangling.
+    pipeline.remove("fork")
+    with pytest.raises(GraphError, match=r"output a\.out is linked to nothing"):
+        pipeline.validate()
+
+
+def test_handler_signatures_are_checked_when_the_class_is_defined() -> None:
+    with pytest.raises(TypeError, match="must be an 'async def'"):
+
+        class Sync(Stage):
+            @handles(int)
+            def on_int(self, message: int) -> None: ...
+
+    with pytest.raises(TypeError, match=r"must take \(self, message\)"):
+
+        class NoMessage(Stage):
+            @handles(int)
+            async def on_int(self) -> None: ...
+
+    with pytest.raises(TypeError, match=r"handle must take \(self, message, port\)"):
+
+        class NoPort(Stage):
+            async def handle(self, message: object) -> None:  # type: ignore[override]
+                ...

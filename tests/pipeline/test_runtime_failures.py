@@ -133,6 +133,7 @@ def test_a_send_blocked_when_the_pipeline_stops_gets_pipeline_closed() -> None:
 class RaisesLater(Stage):
     """Mailbox of one; sleeps on its first job, then raises: senders pile up meanwhile."""
 
+    outputs = ()
     mailbox_capacity = 1
 
     @handles(Job)
@@ -170,6 +171,8 @@ def test_a_send_blocked_on_a_cross_host_link_gets_the_failure() -> None:
 
 class Threaded(Stage):
     """Runs a blocking job on its worker thread until ``release`` (at most 30 s)."""
+
+    outputs = ()
 
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)

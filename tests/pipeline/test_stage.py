@@ -21,6 +21,7 @@ class Derived(Base):
 
 
 class Recorder(Stage):
+    outputs = ()
     inputs = ("in", "control")
 
     def __init__(self, config: object = None) -> None:
@@ -107,3 +108,24 @@ def test_shutting_the_worker_thread_down_does_not_wait_for_a_running_job() -> No
         assert await asyncio.to_thread(finished.wait, 30)
 
     asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_emitting_on_a_port_the_stage_lacks_fails_the_pipeline() -> None:
+    from pipeline import Pipeline, StageFailedError
+
+    class Misspelt(Stage):
+        @handles(int)
+        async def on_int(self, message: int) -> None:
+            await self.emit("ot", message)
+
+    async def body() -> None:
+        pipeline = Pipeline().add("m", Misspelt).entry("in", "m").exit("out", "m")
+        running = await pipeline.start(transport="memory")
+        try:
+            await running.send("in", 1)
+            with pytest.raises(StageFailedError, match=r"emitted on 'ot'.*outputs \('out',\)"):
+                await asyncio.wait_for(running.receive("out"), 10)
+        finally:
+            await running.stop()
+
+    asyncio.run(body())
