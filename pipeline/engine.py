@@ -24,7 +24,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from pipeline.errors import EngineDeadError, HostDiedError, PipelineClosedError, PipelineError
+from pipeline.errors import (
+    EngineDeadError,
+    GraphError,
+    HostDiedError,
+    PipelineClosedError,
+    PipelineError,
+    StageFailedError,
+)
 from pipeline.graph import Pipeline
 from pipeline.options import EngineOptions
 from pipeline.presets import ENGINE_HOST, llm_pipeline, start_options
@@ -49,7 +56,16 @@ logger = logging.getLogger("actorline.engine")
 
 #: what ``generate`` accepts: text, chat messages (dicts with role/content or ChatMessage), or
 #: token ids
-Prompt = str | Sequence[ChatMessage | Mapping[str, str]] | Sequence[int]
+#: token ids, or vLLM's prompt dicts ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
+Prompt = str | Sequence[ChatMessage | Mapping[str, str]] | Sequence[int] | Mapping[str, Any]
+
+#: the keys of vLLM's TextPrompt / TokensPrompt that actorline serves
+_PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def is_prompt_dict(item: object) -> bool:
+    """Whether ``item`` is a vLLM-style prompt dict (not a chat message)."""
+    return isinstance(item, Mapping) and any(key in item for key in _PROMPT_DICT_KEYS)
 
 
 class EngineObserver:
@@ -58,6 +74,11 @@ class EngineObserver:
 
     The hooks run on the engine's event loop, in the engine's own tasks: they must return
     quickly and never block. An exception in a hook is logged and ignored.
+
+    Every hook names a request by its id inside the pipeline, the same in all hooks (and in
+    ``output.request_id`` here): the caller's ``request_id`` when it chose none, else the
+    caller's id with ``#<n>`` appended, unique per submission (so a reused id never mixes
+    two requests' events).
     """
 
     def request_sent(self, request: GenerateRequest) -> None:
@@ -72,7 +93,7 @@ class EngineObserver:
         """The pipeline refused a request (``rejected.kind`` says why)."""
 
     def request_ended(self, request_id: str, error: BaseException | None) -> None:
-        """The caller's stream of ``request_id`` ended: after its last output, after a
+        """The caller's stream of the request ended: after its last output, after a
         rejection or engine failure (``error``), or because the caller stopped reading (the
         request is then aborted). Called exactly once for every request sent."""
 
@@ -210,6 +231,7 @@ class AsyncEngine:
         else:
             self.options = EngineOptions.create(model, **option_values)
         self.pipeline = pipeline if pipeline is not None else llm_pipeline(self.options)
+        _check_engine_boundary(self.pipeline)
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None
         self._running: RunningPipeline | None = None
@@ -231,23 +253,38 @@ class AsyncEngine:
     async def start(self) -> AsyncEngine:
         """Start the pipeline (spawning the engine process) and wait until the model is loaded.
 
+        An engine starts once: whatever fails here stops what had started (no process is
+        left behind), and the engine is then closed.
+
         Raises:
             ModelNotFoundError: an unknown alias, or a path that does not exist.
             ModelFormatError: not a usable model (a corrupt or truncated GGUF, ...).
             plugins.PluginError: the scheduler plugin is missing, broken or invalid.
             StageFailedError: a stage failed to start for another reason (a model the
                 attention path cannot serve, ...).
+            TimeoutError: the pipeline did not start within ``start_timeout``.
+            PipelineClosedError: the engine was closed (create a new one).
+            RuntimeError: the engine is started already.
         """
+        if self._closed:
+            raise PipelineClosedError("this engine was closed; create a new AsyncEngine")
         if self._running is not None:
-            return self
-        # NOTE: what can be checked here is, so the caller gets the typed error rather than a
-        # StageFailedError from a stage in another process. The model is resolved (a GGUF
-        # converted, once) here instead of in two stages at once.
-        await asyncio.to_thread(_preflight, self.options)
-        self._running = await self.pipeline.start(start_options(self.options))
-        self._running.add_failure_callback(self._on_failure)
-        info = await self._running.receive("engine_info")
-        assert isinstance(info, EngineInfo)
+            raise RuntimeError("this engine is started already ('async with' it only once)")
+        try:
+            # NOTE: what can be checked here is, so the caller gets the typed error rather
+            # than a StageFailedError from a stage in another process. The model is resolved
+            # (a GGUF converted, once) here instead of in two stages at once.
+            await asyncio.to_thread(_preflight, self.options)
+            self._running = await self.pipeline.start(start_options(self.options))
+            self._running.add_failure_callback(self._on_failure)
+            info = await self._running.receive("engine_info")
+            if not isinstance(info, EngineInfo):
+                raise GraphError(
+                    f"exit 'engine_info' gave a {type(info).__qualname__}, not an EngineInfo"
+                )
+        except BaseException:
+            await self.close()
+            raise
         self.info = info
         self._dispatcher = asyncio.create_task(self._dispatch(), name="engine:dispatch")
         self._abort_sender = asyncio.create_task(self._send_aborts(), name="engine:aborts")
@@ -302,7 +339,7 @@ class AsyncEngine:
     async def generate(
         self,
         prompt: Prompt,
-        params: SamplingParams | None = None,
+        sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
         tenant: str = "",
@@ -312,17 +349,25 @@ class AsyncEngine:
         ``finish_reason``).
 
         ``prompt``: a string (``chat_template=True`` wraps it as a user message), a list of
-        chat messages, or a list of token ids.
+        chat messages, a list of token ids, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``. ``request_id``: a non-empty string, unique among this
+        engine's running requests (default: a fresh uuid).
 
         Raises:
-            InvalidRequestError: a bad prompt or sampling parameter (the field is named).
+            InvalidRequestError: a bad prompt, sampling parameter or request id (the field is
+                named).
             RateLimitedError, OverloadedError: refused by admission.
             EngineDeadError: the engine died.
         """
         if request_id is None:
             request_id = engine_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(
+                f"request_id must be a non-empty string, got {request_id!r}", field="request_id"
+            )
         else:
             engine_id = f"{request_id}#{next(self._incarnations)}"
+        params = sampling_params
         try:
             params = checked_params(params)
             request = _make_request(engine_id, prompt, params, tenant, chat_template)
@@ -503,6 +548,8 @@ class AsyncEngine:
             return error
         if isinstance(error, HostDiedError):
             dead = EngineDeadError(error.host, error.exitcode)
+        elif isinstance(error, StageFailedError):  # the host lives; a stage on it raised
+            dead = EngineDeadError(error.host, None, str(error), failed=True)
         else:
             dead = EngineDeadError(ENGINE_HOST, None, str(error))
         dead.__cause__ = error
@@ -530,6 +577,23 @@ def checked_params(params: SamplingParams | None) -> SamplingParams:
     return params
 
 
+#: what the engine sends into and reads from a pipeline
+_ENGINE_ENTRIES = ("requests", "aborts")
+_ENGINE_EXITS = ("outputs", "engine_info")
+
+
+def _check_engine_boundary(pipeline: Pipeline) -> None:
+    """Raise GraphError unless ``pipeline`` has the entries and exits the engine uses."""
+    missing = [f"entry {name!r}" for name in _ENGINE_ENTRIES if name not in pipeline.entries]
+    missing += [f"exit {name!r}" for name in _ENGINE_EXITS if name not in pipeline.exits]
+    if missing:
+        raise GraphError(
+            f"pipeline {pipeline.name!r} lacks {', '.join(missing)}: an AsyncEngine needs the "
+            f"entries {list(_ENGINE_ENTRIES)} and exits {list(_ENGINE_EXITS)} of the default "
+            f"LLM pipeline (it has entries {pipeline.entries}, exits {pipeline.exits})"
+        )
+
+
 def _preflight(options: EngineOptions) -> None:
     """Resolve the model and construct the scheduling policy, raising their typed errors."""
     from stages.models import resolve_model
@@ -539,10 +603,39 @@ def _preflight(options: EngineOptions) -> None:
     load_policy(options.scheduler)
 
 
+def _from_prompt_dict(prompt: Mapping[str, Any], request_id: str) -> Any:
+    """The text or token ids of a vLLM-style prompt dict.
+
+    Raises:
+        InvalidRequestError: not exactly one of the keys, or a value of the wrong type.
+    """
+    keys = sorted(map(str, prompt))
+    if len(keys) != 1 or keys[0] not in _PROMPT_DICT_KEYS:
+        raise InvalidRequestError(
+            "a prompt dict must be {'prompt': text} or {'prompt_token_ids': [ids]}, "
+            f"got the keys {keys}",
+            field="prompt",
+            request_id=request_id,
+        )
+    key, value = keys[0], prompt[keys[0]]
+    if key == "prompt":
+        valid = isinstance(value, str)
+    else:
+        valid = isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+    if not valid:
+        kind = "a string" if key == "prompt" else "a list of token ids"
+        raise InvalidRequestError(
+            f"{key} must be {kind}, got {value!r:.60}", field="prompt", request_id=request_id
+        )
+    return value
+
+
 def _make_request(
     request_id: str, prompt: Prompt, params: SamplingParams, tenant: str, chat_template: bool
 ) -> GenerateRequest:
     arrival = time.time()
+    if isinstance(prompt, Mapping):
+        prompt = _from_prompt_dict(prompt, request_id)
     if isinstance(prompt, str):
         # NOTE: only "" is refused here: a whitespace-only prompt has tokens and runs, as in
         # vLLM; tokenize refuses a prompt whose token list comes out empty.

@@ -18,10 +18,10 @@ import weakref
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from pipeline.engine import AsyncEngine, Prompt, checked_params
+from pipeline.engine import AsyncEngine, Prompt, checked_params, is_prompt_dict
 from pipeline.errors import PipelineClosedError
 from pipeline.options import EngineOptions
-from stages.errors import InvalidRequestError
+from stages.errors import InvalidRequestError, OverloadedError, RateLimitedError
 from stages.messages import ChatMessage, RequestOutput
 from stages.params import SamplingParams
 
@@ -35,6 +35,11 @@ PROGRESS_BAR_MIN_PROMPTS = 8
 
 #: how long an interrupted call waits for its cancelled coroutine to unwind
 _UNWIND_TIMEOUT = 10.0
+
+#: seconds before a prompt the engine refused for now (queue full, rate limit) is sent
+#: again, doubling up to _RETRY_MAX
+_RETRY_FIRST = 0.05
+_RETRY_MAX = 1.0
 
 
 class _LoopThread:
@@ -125,15 +130,20 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         chat_template: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished output per prompt, in order.
 
-        ``prompts``: one prompt or a list (strings, chat conversations, token id lists).
-        ``params``: one SamplingParams for all, or a list with one per prompt.
+        ``prompts``: one prompt or a list of them; a prompt is a string, a chat conversation,
+        a list of token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
+        ``sampling_params``: one SamplingParams for all, or a list with one per prompt.
+
+        Any number of prompts can be given: as vLLM's offline ``LLM``, the whole batch runs.
+        The engine's queue bound (``max_queued_requests``) and rate limits pace it (a
+        refused prompt is sent again once the engine has room) instead of failing it.
 
         Raises:
             InvalidRequestError: a bad prompt or parameter. Sampling parameters are checked
@@ -144,13 +154,14 @@ class LLM:
         """
         self._check_open()
         batch = _as_batch(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            per_prompt = [params or SamplingParams()] * len(batch)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            per_prompt = [sampling_params or SamplingParams()] * len(batch)
         else:
-            per_prompt = list(params)
+            per_prompt = list(sampling_params)
             if len(per_prompt) != len(batch):
                 raise InvalidRequestError(
-                    f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts", field="params"
+                    f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts",
+                    field="sampling_params",
                 )
         for sampling in {id(p): p for p in per_prompt}.values():
             checked_params(sampling)  # all before anything is sent
@@ -160,7 +171,7 @@ class LLM:
     def chat(
         self,
         conversations: Sequence[Any],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
@@ -172,7 +183,7 @@ class LLM:
         self._check_open()
         if conversations and _is_chat_message(conversations[0]):
             conversations = [conversations]
-        return self.generate(list(conversations), params, use_tqdm=use_tqdm)
+        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm)
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:
@@ -191,13 +202,24 @@ class LLM:
 
             progress = tqdm(total=len(prompts), desc="generating", unit="req")
 
+        # NOTE: at most max_queued_requests in the engine at once, so a batch of any size
+        # fits its queue; a refusal that waiting cures (queue full on stale counts, a rate
+        # limit) is retried with backoff. Either comes before the request's first output.
+        window = asyncio.Semaphore(self.options.max_queued_requests)
+
         async def one(prompt: Prompt, sampling: SamplingParams) -> RequestOutput:
             last: RequestOutput | None = None
-            async for output in self._engine.generate(
-                prompt, sampling, chat_template=chat_template
-            ):
-                last = output
-            assert last is not None
+            backoff = _RETRY_FIRST
+            async with window:
+                while last is None:
+                    try:
+                        async for output in self._engine.generate(
+                            prompt, sampling, chat_template=chat_template
+                        ):
+                            last = output
+                    except (OverloadedError, RateLimitedError):
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, _RETRY_MAX)
             if progress is not None:
                 progress.update(1)
             return last
@@ -226,7 +248,7 @@ class LLM:
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if isinstance(prompts, Sequence) and prompts and all(type(t) is int for t in prompts):
         return [prompts]  # type: ignore[list-item]
@@ -241,8 +263,8 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 def _is_chat_message(item: object) -> bool:
     """Whether ``item`` is one chat message (so a list of them is one conversation), in
-    either form :meth:`AsyncEngine.generate` accepts."""
-    return isinstance(item, (ChatMessage, Mapping))
+    either form :meth:`AsyncEngine.generate` accepts (a prompt dict is not one)."""
+    return isinstance(item, ChatMessage) or (isinstance(item, Mapping) and not is_prompt_dict(item))
 
 
 def _as_kwargs(options: EngineOptions) -> dict[str, Any]:

@@ -13,6 +13,9 @@ __all__ = ["TRANSPORTS", "EngineOptions"]
 #: admit, schedule and execute in a spawned engine process linked by that transport.
 TRANSPORTS = ("zmq", "grpc", "memory")
 
+#: ``log_level`` values (any case)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineOptions:
@@ -75,6 +78,16 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.scheduler, str) or not self.scheduler:
             raise ValueError(f"scheduler must be a policy name, got {self.scheduler!r}")
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError(
+                "give num_blocks (an exact block count) or kv_cache_memory (bytes), not both"
+            )
+        if self.log_level is not None and (
+            not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS
+        ):
+            raise ValueError(
+                f"log_level must be one of {LOG_LEVELS} or None, got {self.log_level!r}"
+            )
 
     @classmethod
     def create(cls, model: str | None = None, **options: Any) -> EngineOptions:

@@ -117,6 +117,6 @@ def start_options(options: EngineOptions) -> StartOptions:
         transport=transport,
         compression=options.compression,
         start_timeout=options.start_timeout,
-        log_level=options.log_level,
+        log_level=options.log_level.upper() if options.log_level else None,
         tune_gc=options.tune_gc,
     )

@@ -293,6 +293,8 @@ def test_errors_carry_the_callers_request_id(served: tuple[LoopThread, AsyncEngi
         ("fine", SamplingParams(stop_token_ids=(10**9,)), "stop_token_ids"),
         ([10**9, 1], SamplingParams(), "prompt_token_ids"),
         ([{"role": "user"}], SamplingParams(), "prompt"),
+        ({"prompt": 5}, SamplingParams(), "prompt"),
+        ({"prompt_token_ids": [1], "extra": 1}, SamplingParams(), "prompt"),
     ],
 )
 def test_bad_input_gets_a_typed_error_naming_the_field(
@@ -330,6 +332,48 @@ def test_bad_requests_do_not_disturb_running_ones(served: tuple[LoopThread, Asyn
     loop.run(body())
 
 
+def test_request_ids_must_be_non_empty_strings(served: tuple[LoopThread, AsyncEngine]) -> None:
+    loop, engine = served
+    for bad in ("", 123):
+
+        async def body(request_id: Any = bad) -> None:
+            params = SamplingParams(max_tokens=1)
+            async for _ in engine.generate("hi", params, request_id=request_id):
+                pass
+
+        with pytest.raises(InvalidRequestError, match="request_id must be a non-empty string"):
+            loop.run(body())
+
+
+@pytest.mark.usefixtures("no_child_left")
+def test_an_engine_starts_once_and_a_failed_start_leaves_nothing_running(
+    tiny_model_dir: Path,
+) -> None:
+    from pipeline import GraphError, Pipeline
+    from tests.pipeline.test_supervision import Forward
+
+    without_info = Pipeline("mine").add("f", Forward).entry("requests", "f").exit("outputs", "f")
+    with pytest.raises(GraphError, match="lacks entry 'aborts', exit 'engine_info'"):
+        AsyncEngine(pipeline=without_info)
+
+    async def body() -> None:
+        engine = AsyncEngine(str(tiny_model_dir), transport="memory")
+        async with engine:
+            with pytest.raises(RuntimeError, match="started already"):
+                await engine.start()
+        with pytest.raises(PipelineClosedError, match="create a new AsyncEngine"):
+            await engine.start()
+        # A start that fails (here: it times out) stops what it started; no child is left
+        # (the no_child_left fixture checks) and the engine is closed.
+        engine = AsyncEngine(str(tiny_model_dir), start_timeout=0.01)
+        with pytest.raises(TimeoutError, match="did not start within"):
+            await engine.start()
+        with pytest.raises(PipelineClosedError):
+            await engine.start()
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
 def test_unknown_option_is_a_clear_type_error() -> None:
     with pytest.raises(TypeError, match=r"unknown engine option.*max_batch"):
         AsyncEngine("smollm2-135m", max_batch=3)
@@ -337,6 +381,11 @@ def test_unknown_option_is_a_clear_type_error() -> None:
         AsyncEngine("smollm2-135m", transport="carrier-pigeon")
     with pytest.raises(ValueError, match="tune_gc must be a boolean"):
         AsyncEngine("smollm2-135m", tune_gc="yes")
+    with pytest.raises(ValueError, match=r"num_blocks .* or kv_cache_memory .* not both"):
+        AsyncEngine("smollm2-135m", num_blocks=64, kv_cache_memory=2**20)
+    with pytest.raises(ValueError, match="log_level must be one of"):
+        AsyncEngine("smollm2-135m", log_level="LOUD")
+    AsyncEngine("smollm2-135m", log_level="debug")  # any case
 
 
 # -- engine death ----------------------------------------------------------------------------------

@@ -167,3 +167,34 @@ def test_using_a_closed_llm_raises_pipeline_closed_error(tiny_model_dir: Path) -
             llm._loop.run(llm.engine.close())
         gc.collect()  # an un-awaited coroutine warns when it is collected
     assert [str(warning.message) for warning in caught] == []
+
+
+def test_a_batch_larger_than_the_queue_bound_runs_whole(tiny_model_dir: Path) -> None:
+    """As vLLM's offline LLM: every prompt of a batch runs, however many; the engine's queue
+    bound and rate limits pace the batch instead of failing it."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompts = [f"prompt {i}" for i in range(12)]
+    with LLM(
+        str(tiny_model_dir), transport="memory", max_queued_requests=2, requests_per_second=20.0
+    ) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(output.token_ids) for output in outputs] == [2] * len(prompts)
+
+
+def test_vllm_prompt_dicts_and_keyword(tiny_model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_model_dir), transport="memory") as llm:
+        (by_text,) = llm.generate("hello there", params)
+        outputs = llm.generate(
+            [{"prompt": "hello there"}, {"prompt_token_ids": [5, 6, 7]}], sampling_params=params
+        )
+        assert outputs[0].token_ids == by_text.token_ids
+        (single,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)
+        assert (
+            single.token_ids == outputs[1].token_ids == llm.generate([5, 6, 7], params)[0].token_ids
+        )
+        with pytest.raises(InvalidRequestError, match="prompt dict") as caught:
+            llm.generate({"prompt": "x", "multi_modal_data": {}}, params)
+        assert caught.value.field == "prompt"
+        with pytest.raises(InvalidRequestError, match="prompt_token_ids must be a list"):
+            llm.generate({"prompt_token_ids": "5 6 7"}, params)
