@@ -46,6 +46,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
+import re
 import secrets
 import signal
 import socket
@@ -200,6 +202,7 @@ class ApiError(Exception):
         error_type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -207,6 +210,7 @@ class ApiError(Exception):
         self.error_type = error_type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """``{"error": {"message", "type", "param", "code"}}``."""
@@ -215,7 +219,7 @@ class ApiError(Exception):
         return {"error": error}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
     @classmethod
     def from_engine(cls, error: Exception) -> ApiError:
@@ -227,7 +231,11 @@ class ApiError(Exception):
         if isinstance(error, InvalidRequestError):
             return cls(400, str(error), param=error.field, code="invalid_value")
         if isinstance(error, RateLimitedError):
-            return cls(429, str(error), error_type="rate_limit_error", code="rate_limit_exceeded")
+            # NOTE: the openai client waits Retry-After seconds before it retries a 429.
+            wait = re.search(r"retry in ([0-9.]+)s", str(error))
+            seconds = max(1, math.ceil(float(wait.group(1)))) if wait else 1
+            return cls(429, str(error), error_type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(seconds)})  # fmt: skip
         if isinstance(error, OverloadedError):
             return cls(503, str(error), error_type="server_error", code="overloaded")
         if isinstance(error, PipelineError):
@@ -237,6 +245,9 @@ class ApiError(Exception):
 
 
 def _unsupported(body: BaseModel) -> None:
+    if getattr(body, "stream_options", None) is not None and not getattr(body, "stream", False):
+        raise ApiError(400, "stream_options: only allowed when stream is true",
+                       param="stream_options", code="invalid_value")  # fmt: skip
     for field, asks_too_much in _UNSUPPORTED.items():
         value = getattr(body, field, None)
         if asks_too_much(value):

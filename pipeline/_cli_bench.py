@@ -19,7 +19,9 @@ def add_commands(commands: Any) -> None:
         ("split", split, "single process against the zmq process split"),
         ("ablation", ablation, "each execute-stage optimization switched off in turn"),
     )
-    bench = commands.add_parser("bench", help="run a benchmark (DESIGN §7)")
+    bench = commands.add_parser(
+        "bench", help="run a benchmark (see the README's Performance section)"
+    )
     names = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, module, help_text in benchmarks:
         parser = names.add_parser(name, help=help_text, description=help_text)

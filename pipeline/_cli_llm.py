@@ -228,6 +228,8 @@ def _serve(args: argparse.Namespace) -> int:
     ):
         if limit is not None and not limit > 0:
             raise CliError(f"{flag} must be > 0, got {limit}", 2)
+    if not args.grace >= 0:
+        raise CliError(f"--grace must be >= 0 seconds, got {args.grace}", 2)
     try:
         api_keys = ApiKeys.load(args.api_key, args.api_key_file)
     except (OSError, ValueError) as exc:
@@ -240,6 +242,11 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except (OSError, ValueError) as exc:
         raise CliError(str(exc), 2) from exc
+    # NOTE: as vLLM, a port that cannot be had is an argument error before the model loads
+    # (a probe: another process could still take the port in between, then serve fails).
+    _check_listenable("--port", args.host, args.port)
+    if args.metrics_port is not None:
+        _check_listenable("--metrics-port", args.metrics_host, args.metrics_port)
     engine_options, _, _ = preflight(
         args,
         requests_per_second=args.requests_per_second,
@@ -276,6 +283,24 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, PipelineError) as exc:
         raise CliError(str(exc), 1) from exc
     return 0
+
+
+def _check_listenable(flag: str, host: str, port: int) -> None:
+    """Raise CliError (exit 2) unless a TCP socket can listen on ``host``:``port`` now."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        raise CliError(f"{flag}: cannot resolve host {host!r}: {exc}", 2) from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+            probe.listen()
+        except OSError as exc:
+            raise CliError(f"{flag}: cannot listen on {host}:{port}: {exc.strerror}", 2) from exc
 
 
 def _add_serve_command(commands: Any) -> None:

@@ -86,7 +86,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="actorline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="actorline", description="actorline: LLM inference as a pipeline of actors."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     plugins_parser = commands.add_parser("plugins", help="list installed plugins per group")

@@ -237,8 +237,11 @@ class _SnapshotCollector(Collector):
 
         running = stats.num_running if stats else 0
         waiting = stats.num_waiting if stats else 0
-        total = stats.kv_blocks_total if stats else 0
-        free = stats.kv_blocks_free if stats else 0
+        # NOTE: before the first engine step there are no stats yet: every block is free.
+        info = self._metrics.engine.info
+        info_blocks = info.num_blocks if info is not None else 0
+        total = stats.kv_blocks_total if stats else info_blocks
+        free = stats.kv_blocks_free if stats else info_blocks
         queries = stats.prefix_cache_queries if stats else 0
         hits = stats.prefix_cache_hits if stats else 0
         yield gauge("requests_running", "Requests being computed by the scheduler.", running)

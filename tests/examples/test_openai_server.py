@@ -237,6 +237,9 @@ def test_errors_are_openai_style(client: openai.OpenAI, server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as too_many:
         client.completions.create(model=MODEL, prompt="Hi", logprobs=21)
     assert too_many.value.param == "logprobs"
+    with pytest.raises(openai.BadRequestError) as options_alone:  # as vLLM: stream=True only
+        client.completions.create(model=MODEL, prompt="Hi", stream_options={"include_usage": True})
+    assert options_alone.value.param == "stream_options"
 
 
 def test_disconnect_aborts_the_request(client: openai.OpenAI, server: Server) -> None:
@@ -267,6 +270,7 @@ def test_rate_limits_follow_the_api_key(server: Server) -> None:
             first.completions.create(**request, user="bob")  # type: ignore[call-overload]
         second.completions.create(**request, user="bob")  # type: ignore[call-overload]
     assert limited.value.status_code == 429
+    assert int(limited.value.response.headers["retry-after"]) >= 1  # the client's backoff
     body = json.dumps(limited.value.body)
     assert "limit" in body
     # the tenant is named by the key's hash, never by the key itself

@@ -238,6 +238,7 @@ def no_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         (["--device", "gpu"], "device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got 'gpu'"),
         (["--num-blocks", "0"], "num_blocks must be a positive integer"),
         (["--requests-per-second", "0"], "--requests-per-second must be > 0"),
+        (["--grace", "-1"], "--grace must be >= 0"),
         (["--model", "/nonexistent/model"], "nonexistent"),
     ],
 )
@@ -253,6 +254,26 @@ def test_serve_rejects_bad_arguments_before_starting(
     error = capsys.readouterr().err
     assert error.startswith("actorline: error:") and message in error
     assert "has space" not in error  # keys never appear in messages
+
+
+def test_serve_refuses_ports_it_cannot_have_before_loading_the_model(
+    tiny_model_dir: Path, no_engine: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for arguments, message in (
+            (["--host", "127.0.0.1", "--port", port], f"--port: cannot listen on 127.0.0.1:{port}"),
+            (["--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port", port],
+             "--metrics-port: cannot listen"),
+            (["--host", "999.1.1.1", "--port", "0"], "--port: cannot resolve host '999.1.1.1'"),
+        ):  # fmt: skip
+            status = main(["serve", "--model", str(tiny_model_dir), *arguments])
+            error = capsys.readouterr().err
+            assert status == 2 and error.startswith("actorline: error:") and message in error
 
 
 def test_serve_refuses_a_key_file_without_keys(
