@@ -18,9 +18,9 @@ planned step never needs more blocks than are free, so execute never runs short:
   request holds takes none;
 - finishing or preempting a request credits only the blocks no other request held at the last
   step (:attr:`StepResult.shared_blocks`). That is a lower bound: a block two preempted
-  requests shared comes free too, uncounted. So a request that does not fit after its victims
-  were preempted does not preempt itself on that estimate; it sits the step out and sees the
-  exact count in the next one. (Preempting itself instead would let every request be
+  requests shared comes free too, uncounted. So a request that does not fit after such
+  credits does not preempt itself on that estimate; it sits the step out and sees the exact
+  count in the next one. (Preempting itself instead would let every request be
   re-admitted into the same shortage, for ever.)
 
 Execute stays authoritative all the same: if it ever ran short it would preempt on its own and
@@ -164,6 +164,8 @@ class _Plan:
     free_blocks: int
     chunks: dict[str, ScheduledChunk] = dataclasses.field(default_factory=dict)
     preempted: list[str] = dataclasses.field(default_factory=list)
+    # Blocks freed in this plan were credited below what comes free (shared ones).
+    free_is_lower_bound: bool = False
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -329,6 +331,8 @@ class Scheduler:
         # NOTE: num_blocks already counts the blocks planned for its chunk in this step, so
         # they come back once, with the blocks it held (execute frees those first).
         plan.free_blocks += self._freed_blocks(state)
+        if state.request_id in self._shared_blocks:
+            plan.free_is_lower_bound = True
         state.num_blocks = 0
         state.num_computed_tokens = 0
         state.num_preemptions += 1
@@ -354,8 +358,8 @@ class Scheduler:
         # mid-prefill never starves the token stream of the others. Each chunk gets its blocks
         # from the mirror; a request that cannot get blocks for even one token preempts the
         # policy's victim (possibly one already planned this step), or itself when it is the
-        # victim, unless requests were preempted in this plan: their credit is a lower bound
-        # (see the module docstring), so it waits one step for the exact count instead.
+        # victim, unless blocks freed in this plan were credited short (shared ones, see the
+        # module docstring): then it waits one step for the exact count instead.
         running = list(self._running.values())
         ordered = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         ordered += [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
@@ -372,7 +376,7 @@ class Scheduler:
                 if size >= 1:
                     break
                 victim = self._select_victim()
-                if victim is state and plan.preempted:
+                if victim is state and plan.free_is_lower_bound:
                     break  # sit this step out (size < 1)
                 self._preempt(victim, plan)
                 if victim is state:
@@ -464,6 +468,7 @@ class Scheduler:
         plan = _Plan(
             budget=self.config.max_num_batched_tokens,
             free_blocks=self._free_blocks + sum(self._freed_blocks(s) for s in finishing),
+            free_is_lower_bound=any(s.request_id in self._shared_blocks for s in finishing),
         )
         for state in finishing:
             state.num_blocks = 0
