@@ -48,7 +48,13 @@ from pipeline._protocol import (
     StartStages,
     StopHost,
 )
-from pipeline.errors import DeadlockError, HostDiedError, PipelineClosedError, StageFailedError
+from pipeline.errors import (
+    DeadlockError,
+    GraphError,
+    HostDiedError,
+    PipelineClosedError,
+    StageFailedError,
+)
 from pipeline.host import FailureCallback, Host
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
@@ -286,7 +292,7 @@ class ProcessHost:
             preparation = multiprocessing.spawn.get_preparation_data(f"actorline-{self.name}")
             preparation.pop("authkey", None)  # the host uses no multiprocessing connections
             plan, self._ipc_dir = _with_ipc_dir(self.plan)
-            bootstrap = pickle.dumps((preparation, pickle.dumps(plan)))
+            bootstrap = pickle.dumps((preparation, _pickled_plan(plan)))
             self._process = subprocess.Popen(  # noqa: ASYNC220 - returns at once
                 [sys.executable, "-m", "pipeline._host_main", str(child_end.fileno())],
                 pass_fds=(child_end.fileno(),),
@@ -496,3 +502,25 @@ class ProcessHost:
                 await reader
         if self._control is not None:
             self._control.close()
+
+
+def _pickled_plan(plan: HostPlan) -> bytes:
+    """``plan`` pickled for its spawned host.
+
+    Raises:
+        GraphError: a stage's class or config cannot be pickled (a class defined inside a
+            function, a lambda or an open file in the config, ...), naming the stage.
+    """
+    try:
+        return pickle.dumps(plan)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        for spec in plan.stages:
+            try:
+                pickle.dumps((spec.factory, spec.config))
+            except (pickle.PicklingError, AttributeError, TypeError) as stage_exc:
+                raise GraphError(
+                    f"stage {spec.name!r} cannot run on host {plan.name!r}: a spawned host "
+                    f"gets its stage's class and config by pickle, and {stage_exc} (define the "
+                    "class at module level; keep the config plain data)"
+                ) from stage_exc
+        raise GraphError(f"the plan of host {plan.name!r} cannot be pickled: {exc}") from exc

@@ -19,6 +19,7 @@ import pytest
 
 from pipeline import (
     Caller,
+    GraphError,
     HostDiedError,
     Pipeline,
     PipelineClosedError,
@@ -375,6 +376,22 @@ def test_zmq_links_across_hosts_can_use_tcp() -> None:
         assert addresses["main"] and addresses["worker"], addresses
         for bound in addresses.values():
             assert all(a.startswith("tcp://127.0.0.1:") for a in bound), addresses
+
+    run(body)
+    assert child_pids() == set()
+
+
+def test_a_stage_that_cannot_be_pickled_to_its_host_is_named() -> None:
+    class Local(Stage):  # defined in a function: a spawned process cannot import it
+        @handles(Job)
+        async def on_job(self, job: Job) -> None:
+            await self.emit("out", job)
+
+    pipeline = collatz_pipeline().insert("local", Local, after="step", host="worker")
+
+    async def body() -> None:
+        with pytest.raises(GraphError, match=r"stage 'local' cannot run on host 'worker'.*module"):
+            await pipeline.start()
 
     run(body)
     assert child_pids() == set()
