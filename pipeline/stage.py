@@ -46,7 +46,8 @@ def handles(*message_types: type, port: str | None = None) -> Callable[[T], T]:
         raise TypeError("handles() needs at least one message type")
 
     def mark(function: T) -> T:
-        _check_handler(function)
+        name = getattr(function, "__qualname__", repr(function))
+        _check_async_method(function, f"handler {name}", ("self", "message"))
         existing = getattr(function, _HANDLES_ATTRIBUTE, ())
         setattr(function, _HANDLES_ATTRIBUTE, (*existing, *((port, t) for t in message_types)))
         return function
@@ -54,15 +55,15 @@ def handles(*message_types: type, port: str | None = None) -> Callable[[T], T]:
     return mark
 
 
-def _check_handler(function: object) -> None:
-    """Raise TypeError unless ``function`` is an ``async def`` taking ``(self, message)``."""
-    name = getattr(function, "__qualname__", repr(function))
+def _check_async_method(function: object, what: str, parameters: tuple[str, ...]) -> None:
+    """Raise TypeError (naming ``what``) unless ``function`` is an ``async def`` that can be
+    called with ``parameters``."""
     if not inspect.iscoroutinefunction(function):
-        raise TypeError(f"handler {name} must be an 'async def' method")
+        raise TypeError(f"{what} must be an 'async def' method")
     try:
-        inspect.signature(function).bind(None, None)
+        inspect.signature(function).bind(*(None for _ in parameters))
     except TypeError:
-        raise TypeError(f"handler {name} must take (self, message)") from None
+        raise TypeError(f"{what} must take ({', '.join(parameters)})") from None
 
 
 class Stage:
@@ -91,15 +92,9 @@ class Stage:
                     table[key] = attribute
         cls._handler_table = table
         if "handle" in vars(cls):
-            handle = vars(cls)["handle"]
-            if not inspect.iscoroutinefunction(handle):
-                raise TypeError(f"{cls.__qualname__}.handle must be an 'async def' method")
-            try:
-                inspect.signature(handle).bind(None, None, None)
-            except TypeError:
-                raise TypeError(
-                    f"{cls.__qualname__}.handle must take (self, message, port)"
-                ) from None
+            _check_async_method(
+                vars(cls)["handle"], f"{cls.__qualname__}.handle", ("self", "message", "port")
+            )
         for name in cls.optional_outputs:
             if name not in cls.outputs:
                 raise TypeError(

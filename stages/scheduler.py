@@ -330,10 +330,7 @@ class Scheduler:
             plan.budget += chunk.num_tokens
         # NOTE: num_blocks already counts the blocks planned for its chunk in this step, so
         # they come back once, with the blocks it held (execute frees those first).
-        plan.free_blocks += self._freed_blocks(state)
-        if state.request_id in self._shared_blocks:
-            plan.free_is_lower_bound = True
-        state.num_blocks = 0
+        self._credit_freed_blocks(state, plan)
         state.num_computed_tokens = 0
         state.num_preemptions += 1
         state.status = _Status.WAITING
@@ -341,10 +338,15 @@ class Scheduler:
         plan.preempted.append(state.request_id)
         self._num_preemptions += 1
 
-    def _freed_blocks(self, state: _RequestState) -> int:
-        """The blocks that certainly come free when ``state`` is preempted or finished: all
-        it holds but those another request also held at the last step."""
-        return state.num_blocks - self._shared_blocks.get(state.request_id, 0)
+    def _credit_freed_blocks(self, state: _RequestState, plan: _Plan) -> None:
+        """Give ``plan`` the blocks that certainly come free as ``state`` is preempted or
+        finished (all it holds but those another request also held at the last step; the
+        credit is then a lower bound) and take them from ``state``."""
+        shared = self._shared_blocks.get(state.request_id, 0)
+        plan.free_blocks += state.num_blocks - shared
+        if shared:
+            plan.free_is_lower_bound = True
+        state.num_blocks = 0
 
     def _chunk_size(self, state: _RequestState, budget: int) -> int:
         remaining = state.num_tokens - state.num_computed_tokens
@@ -465,13 +467,9 @@ class Scheduler:
             return None
         block_size = self._info.block_size
         finishing, self._pending_finish = self._pending_finish, []
-        plan = _Plan(
-            budget=self.config.max_num_batched_tokens,
-            free_blocks=self._free_blocks + sum(self._freed_blocks(s) for s in finishing),
-            free_is_lower_bound=any(s.request_id in self._shared_blocks for s in finishing),
-        )
+        plan = _Plan(budget=self.config.max_num_batched_tokens, free_blocks=self._free_blocks)
         for state in finishing:
-            state.num_blocks = 0
+            self._credit_freed_blocks(state, plan)
         self._schedule_running(plan, block_size)
         new_requests: list[EngineRequest] = []
         # NOTE: as in vLLM, a step that had to preempt admits no waiting request: blocks are
@@ -565,7 +563,7 @@ class Scheduler:
             state = in_flight.states.get(request_id)
             if state is not None and not state.cached_tokens_reported:
                 state.num_cached_tokens = cached
-        block_size = self._info.block_size if self._info is not None else 1
+        assert self._info is not None  # a step was scheduled
         for request_id, served in result.computed_tokens.items():
             # The cache served past the chunk (blocks that cost execute nothing, or that it
             # could spare): those tokens are computed, their blocks held.
@@ -578,7 +576,7 @@ class Scheduler:
                     f"has {state.num_computed_tokens} computed of {state.num_tokens}"
                 )
             state.num_computed_tokens = served
-            state.num_blocks = _blocks_for(served, block_size)
+            state.num_blocks = _blocks_for(served, self._info.block_size)
 
         logprobs_by_id = dict(zip(result.logprob_request_ids, result.logprobs, strict=True))
         ids: list[str] = []
