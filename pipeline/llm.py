@@ -13,6 +13,8 @@ background thread and each call waits for its result.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import threading
 import weakref
 from collections.abc import Coroutine, Mapping, Sequence
@@ -56,7 +58,8 @@ class _LoopThread:
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the loop and wait for its result. If the wait is interrupted
         (Ctrl-C in the calling thread), the coroutine is cancelled and allowed to unwind
-        (its ``finally`` blocks abort what it started) before the interruption goes on.
+        (its ``finally`` blocks abort what it started) before the interruption goes on --
+        also when the interruption lands while the call is being handed to the loop.
 
         Raises:
             PipelineClosedError: the loop was stopped (``coroutine`` is closed, not run).
@@ -64,29 +67,40 @@ class _LoopThread:
         if self.stopped:  # the owner was closed: nothing would run the coroutine
             coroutine.close()
             raise PipelineClosedError("the event loop thread is stopped")
-        started, unwound = False, threading.Event()
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+        unwound = threading.Event()
+        state: dict[str, Any] = {}  # "task" once submitted, "started" once its body runs
 
         async def guarded() -> T:
-            nonlocal started
-            started = True
+            state["started"] = True
             try:
                 return await coroutine
             finally:
                 unwound.set()
 
-        def if_never_started() -> None:
-            # Runs on the loop after the task's cancellation: a task cancelled before its
-            # first step never runs its body, so nothing will set ``unwound``.
-            if not started:
-                coroutine.close()
+        def submit() -> None:
+            task = self.loop.create_task(guarded())
+            state["task"] = task
+            task.add_done_callback(functools.partial(_copy_outcome, result))
+
+        def abandon() -> None:
+            # The loop runs callbacks in the order they were queued, so a submit() that made
+            # it into the queue has run by now; without a task it never got there.
+            task = state.get("task")
+            if task is not None:
+                task.cancel()
+            if not state.get("started"):  # a task cancelled before its first step never
+                coroutine.close()  # runs its body, so nothing else would set ``unwound``
                 unwound.set()
 
-        future = asyncio.run_coroutine_threadsafe(guarded(), self.loop)
+        # asyncio.run_coroutine_threadsafe is not used: an interrupt inside it can leave the
+        # coroutine queued to run with no future in hand to cancel it.
         try:
-            return future.result()
+            self.loop.call_soon_threadsafe(submit)
+            return result.result()
         except BaseException:
-            if future.cancel():
-                self.loop.call_soon_threadsafe(if_never_started)
+            if not result.done():
+                self.loop.call_soon_threadsafe(abandon)
                 unwound.wait(_UNWIND_TIMEOUT)
             raise
 
@@ -97,6 +111,15 @@ class _LoopThread:
             self.thread.join(timeout=30)
         if not self.loop.is_running():
             self.loop.close()
+
+
+def _copy_outcome(result: concurrent.futures.Future[T], task: asyncio.Task[T]) -> None:
+    if task.cancelled():
+        result.cancel()
+    elif (error := task.exception()) is not None:
+        result.set_exception(error)
+    else:
+        result.set_result(task.result())
 
 
 def _shutdown(engine: AsyncEngine, loop_thread: _LoopThread) -> None:
