@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
-from google.protobuf import descriptor_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
@@ -370,6 +370,49 @@ def test_reflection_lists_and_describes_the_service(served: ServedEngine) -> Non
         for service in file.service
     }
     assert services[SERVICE_NAME] == ["Generate", "Abort", "GetModelInfo"]
+
+
+def test_a_client_built_from_reflection_alone_streams_a_generation(served: ServedEngine) -> None:
+    """What grpcurl or a dynamic client in any language does: fetch the service's schema by
+    reflection, build the messages from it (no actorline code, no generated stubs), send a
+    request written as JSON and read the stream as JSON."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def body() -> tuple[list[dict[str, Any]], RequestOutput]:
+        reference = await last_engine_output(served, TEXT, params)
+        async with plain_channel(served) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            query = reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)
+            [answer] = [reply async for reply in stub.ServerReflectionInfo(iter([query]))]
+            pool = descriptor_pool.DescriptorPool()
+            for data in answer.file_descriptor_response.file_descriptor_proto:
+                pool.Add(descriptor_pb2.FileDescriptorProto.FromString(data))
+            method = pool.FindServiceByName(SERVICE_NAME).FindMethodByName("Generate")
+            request_class = message_factory.GetMessageClass(method.input_type)
+            response_class = message_factory.GetMessageClass(method.output_type)
+            request = json_format.ParseDict(
+                {
+                    "text": TEXT,
+                    "samplingParams": {"maxTokens": 8, "temperature": 0, "ignoreEos": True},
+                },
+                request_class(),
+            )
+            call = channel.unary_stream(
+                f"/{SERVICE_NAME}/Generate",
+                request_serializer=request_class.SerializeToString,
+                response_deserializer=response_class.FromString,
+            )
+            responses = [
+                json_format.MessageToDict(response)
+                async for response in call(request, metadata=bearer(GOOD_KEY))
+            ]
+        return responses, reference
+
+    responses, reference = served.run(body())
+    assert "".join(r.get("delta", "") for r in responses) == reference.text
+    assert [int(t) for r in responses for t in r.get("tokenIds", [])] == list(reference.token_ids)
+    assert responses[-1]["finishReason"] == "FINISH_REASON_LENGTH"
+    assert responses[-1]["usage"]["completionTokens"] == 8
 
 
 # -- errors ---------------------------------------------------------------------------------
