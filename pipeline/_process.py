@@ -13,7 +13,10 @@ no resource-tracker process, so a stopped pipeline leaves no process behind.
 
 A host that listens on zmq links gets its private ipc directory from the parent (the zmq
 transport's ``ipc_dir`` setting): the child removes it when it closes its transport, and the
-parent once the child is gone, so not even a SIGKILLed host leaves ipc files behind.
+parent once the child is gone, so not even a SIGKILLed host leaves ipc files behind. When the
+parent itself is killed, its hosts, orphaned, remove the ipc directories they connected to
+(the parent's and their siblings', all named ``actorline-zmq-*`` and all dead or dying) as
+they exit.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from pipeline._gc import freeze_startup_heap
@@ -58,6 +63,7 @@ from pipeline.errors import (
 from pipeline.host import FailureCallback, Host
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
+from transports.zmq import IPC_DIR_PREFIX
 
 __all__ = ["ProcessHost", "serve_host"]
 
@@ -68,6 +74,10 @@ _MAX_CONTROL_FRAME = 64 << 20
 #: seconds a controller waits for a shutdown phase on top of the host's own bound
 _STOP_MARGIN = 2.0
 _ZMQ = "zmq"
+_IPC_SCHEME = "ipc://"
+#: how long an orphaned host waits to see its parent gone (the kernel closes a dying
+#: process's sockets before it reparents its children)
+_ORPHAN_GRACE = 2.0
 
 
 def _with_ipc_dir(plan: HostPlan) -> tuple[HostPlan, str | None]:
@@ -80,9 +90,30 @@ def _with_ipc_dir(plan: HostPlan) -> tuple[HostPlan, str | None]:
     zmq_settings = dict(settings.get(_ZMQ) or {})
     if "ipc_dir" in zmq_settings or zmq_settings.get("tcp_interface") is not None:
         return plan, None  # a directory named already, or links on tcp: no ipc files
-    directory = tempfile.mkdtemp(prefix="actorline-zmq-")
+    directory = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
     settings[_ZMQ] = {**zmq_settings, "ipc_dir": directory}
     return dataclasses.replace(plan, transport_settings=tuple(settings.items())), directory
+
+
+def _our_ipc_dirs(addresses: Iterable[str]) -> set[str]:
+    """The ipc directories actorline made among ``addresses`` (never a user's ``ipc_dir``)."""
+    directories = set()
+    for address in addresses:
+        if address.startswith(_IPC_SCHEME):
+            directory = os.path.dirname(address[len(_IPC_SCHEME) :])
+            if os.path.basename(directory).startswith(IPC_DIR_PREFIX):
+                directories.add(directory)
+    return directories
+
+
+async def _parent_gone(parent: int, grace: float) -> bool:
+    """Whether this process was reparented (its parent ``parent`` died) within ``grace``."""
+    deadline = time.monotonic() + grace
+    while os.getppid() == parent:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
 
 
 def _failure_message(call_id: int, host: str, error: BaseException) -> HostFailure:
@@ -197,6 +228,9 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     control = _ControlChannel(reader, writer)
     built = False
+    parent = os.getppid()
+    peer_dirs: set[str] = set()  # other hosts' ipc directories this one connected to
+    orphaned = False
 
     def report(error: BaseException) -> None:
         with contextlib.suppress(Exception):
@@ -218,6 +252,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
                         raise host._stage_error("(constructor)", exc) from exc
                 control.send(LinksBound(call_id, await host.bind_links()))
             elif isinstance(command, ConnectLinks):
+                peer_dirs.update(_our_ipc_dirs(command.addresses.values()))
                 await host.connect_links(command.addresses)
                 control.send(Ack(call_id))
             elif isinstance(command, StartStages):
@@ -245,6 +280,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
             try:
                 command = await control.receive()
             except EOFError:
+                orphaned = True
                 break  # the controller is gone: stop
             task = asyncio.create_task(run_command(command))
             tasks.add(task)
@@ -257,6 +293,12 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
     finally:
         await host.stop(abort=True)  # no-op after an orderly StopHost
         control.close()
+        # A parent that was killed cannot remove its ipc directory, nor those it made for
+        # its hosts: the orphans do. Only once the parent is certainly dead (it may also have
+        # just closed the socket while alive and still using its directory).
+        if orphaned and peer_dirs and await _parent_gone(parent, _ORPHAN_GRACE):
+            for directory in peer_dirs:
+                shutil.rmtree(directory, ignore_errors=True)
 
 
 # -- the controller side -------------------------------------------------------------------------

@@ -78,12 +78,15 @@ from transports.errors import (
 )
 from transports.framing import FrameCodec, FrameKind
 
-__all__ = ["ZmqReceiver", "ZmqSender", "ZmqTransport", "frame_limit"]
+__all__ = ["IPC_DIR_PREFIX", "ZmqReceiver", "ZmqSender", "ZmqTransport", "frame_limit"]
 
 logger = logging.getLogger("actorline.transports.zmq")
 
 _SCHEMES = ("ipc://", "tcp://", "inproc://")
 _IPC = "ipc://"
+#: the name of every ipc directory actorline makes (a host process's own, or one its parent
+#: made for it), which is how an orphaned host knows what it may remove
+IPC_DIR_PREFIX = "actorline-zmq-"
 _TCP = "tcp://"
 _MILLISECONDS = 1000
 _HEARTBEAT_FRAME = FrameCodec.control(FrameKind.HEARTBEAT)[0]
@@ -569,7 +572,7 @@ class ZmqTransport(Transport):
 
     def _fresh_ipc_address(self) -> str:
         if self._private_dir is None:
-            self._private_dir = tempfile.mkdtemp(prefix="actorline-zmq-")
+            self._private_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         elif not os.path.isdir(self._private_dir):
             os.makedirs(self._private_dir, mode=0o700, exist_ok=True)
         return f"{_IPC}{self._private_dir}/{next(self._ipc_names)}"

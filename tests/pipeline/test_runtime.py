@@ -9,6 +9,8 @@ import dataclasses
 import gc
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -357,6 +359,57 @@ def test_no_ipc_file_or_directory_is_left_behind(kill: bool) -> None:
     run(body)
     assert [path for path in used if path.exists()] == []
     assert child_pids() == set()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie nobody reaped yet has exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+_KILLED_PARENT = """
+import asyncio, sys, time
+from pipeline.demo import collatz_pipeline
+
+async def main():
+    running = await collatz_pipeline().place("step", "worker").start(transport="zmq")
+    hosts = await running.statistics()
+    dirs = {link.address[len("ipc://"):].rsplit("/", 1)[0]
+            for host in hosts for link in host.links_in.values()}
+    print(running.pids["worker"], *sorted(dirs), flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def test_a_killed_parents_ipc_directories_are_removed_by_its_orphaned_hosts(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL the process that started a zmq pipeline: it cannot clean up, so its spawned
+    host, seeing its parent gone, removes the parent's ipc directory and its own as it exits."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_PARENT],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    try:
+        assert parent.stdout is not None
+        worker, *directories = parent.stdout.readline().split()
+        assert len(directories) == 2, directories  # the parent's and the worker's
+        assert all(Path(d).is_dir() and Path(d).parent == tmp_path for d in directories)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 15
+    while _running(int(worker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(int(worker)), "the orphaned host did not exit"
+    assert sorted(tmp_path.glob("actorline-zmq-*")) == []
 
 
 def test_zmq_links_across_hosts_can_use_tcp() -> None:
