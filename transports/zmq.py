@@ -513,6 +513,8 @@ class ZmqTransport(Transport):
             TransportError: the address cannot be bound (in use, bad path...).
             LinkClosedError: the transport was closed.
         """
+        if self._closed:  # before a fresh ipc address would make a directory nobody removes
+            raise LinkClosedError("the zmq transport is closed")
         if address is None:
             if self._tcp_host is not None:
                 address = f"{_TCP}{self._tcp_host}:0"

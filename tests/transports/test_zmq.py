@@ -11,6 +11,7 @@ import logging
 import re
 import socket
 import struct
+import tempfile
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -91,11 +92,16 @@ def test_an_explicit_ipc_path_exists_while_listening_and_is_removed_on_close(
     run(main())
 
 
-def test_fresh_ipc_addresses_live_in_a_private_directory_removed_with_the_transport() -> None:
+def test_fresh_ipc_addresses_live_in_a_private_directory_removed_with_the_transport(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes it
+
     async def main() -> None:
         transport = ZmqTransport(OPTIONS)
         first, second = await transport.listen(), await transport.listen()
         directory = Path(first.address.removeprefix("ipc://")).parent
+        assert directory.parent == tmp_path
         assert Path(second.address.removeprefix("ipc://")).parent == directory
         assert first.address != second.address and directory.is_dir()
         await transport.aclose()
@@ -104,6 +110,7 @@ def test_fresh_ipc_addresses_live_in_a_private_directory_removed_with_the_transp
             await transport.listen()
 
     run(main())
+    assert list(tmp_path.iterdir()) == []  # nor a new directory for the refused listen
 
 
 def _has_ipv6_loopback() -> bool:
