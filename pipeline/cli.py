@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 __all__ = ["main"]
 
@@ -85,8 +86,16 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors, like every other bad input of the CLI (argparse's
+    own prints the whole usage block first). Subcommand parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="actorline", description="actorline: LLM inference as a pipeline of actors."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pipeline import LLM, SamplingParams
 from pipeline._cli_llm import EXIT_BROKEN_PIPE
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
@@ -26,12 +29,20 @@ def test_plugins_lists_every_group() -> None:
 
 
 @pytest.mark.slow
-def test_generate_streams_text(tiny_model_dir: Path) -> None:
-    result = actorline(
-        "generate", "Hello there", "--model", str(tiny_model_dir), "--max-tokens", "6"
-    )
+@pytest.mark.parametrize("chat", [True, False], ids=["chat template", "raw text"])
+def test_generate_prints_the_engines_greedy_answer(tiny_model_dir: Path, chat: bool) -> None:
+    """What the CLI prints is exactly what the engine generates for the same input: the
+    prompt wrapped as a user message for a chat model, or raw with --no-chat-template."""
+    raw = [] if chat else ["--no-chat-template"]
+    args = ["Hello there", "--model", str(tiny_model_dir), "--max-tokens", "6", *raw]
+    result = actorline("generate", *args, "--ignore-eos")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt: Any = [{"role": "user", "content": "Hello there"}] if chat else "Hello there"
+    with LLM(str(tiny_model_dir), transport="memory") as llm:
+        [expected] = llm.generate([prompt], params, use_tqdm=False)
+    assert len(expected.token_ids) == 6
+    assert result.stdout == expected.text + "\n"
 
 
 @pytest.mark.slow
@@ -63,13 +74,19 @@ def gguf_path() -> Path:
         (["generate", "hi", "--num-blocks", "0"], "num_blocks must be a positive integer"),
         (["generate", "hi", "--kv-cache-memory", "-5"], "kv_cache_memory must be a positive"),
         (["generate", "hi", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
+        # argument errors argparse finds: one line too, not the usage block
+        ([], "the following arguments are required: COMMAND"),
+        (["generate"], "the following arguments are required: prompt"),
+        (["generate", "hi", "--max-tokens", "x"], "argument --max-tokens: invalid int value"),
+        (["serve", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
+        (["bench", "nope"], "invalid choice: 'nope'"),
     ],
 )
 def test_bad_input_fails_with_one_clear_line(args: list[str], message: str) -> None:
     result = actorline(*args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("actorline: error:"), result.stderr
+    assert len(lines) == 1 and re.match(r"actorline( \w+)?: error: ", lines[0]), result.stderr
     assert message in lines[0]
 
 
