@@ -34,7 +34,7 @@ from pipeline.errors import (
 )
 from pipeline.graph import Pipeline
 from pipeline.options import EngineOptions
-from pipeline.presets import ENGINE_HOST, llm_pipeline, start_options
+from pipeline.presets import ENGINE_HOST, llm_pipeline, options_of, start_options
 from pipeline.runtime import RunningPipeline
 from stages.errors import InvalidRequestError, RequestError, error_from_kind
 from stages.messages import (
@@ -210,7 +210,8 @@ class AsyncEngine:
     ``AsyncEngine(model, **options)`` takes :class:`~pipeline.options.EngineOptions` fields
     (or ``options=EngineOptions(...)``);
     ``AsyncEngine(pipeline=...)`` runs a customised pipeline (it must keep the entries
-    ``requests``/``aborts`` and exits ``outputs``/``engine_info`` of the default one).
+    ``requests``/``aborts`` and exits ``outputs``/``engine_info`` of the default one), with
+    the options :func:`~pipeline.presets.llm_pipeline` built it from unless others are given.
     Start it with ``async with`` or :meth:`start`.
 
     Raises (from the constructor): TypeError for an unknown option, ValueError for a bad value.
@@ -228,6 +229,10 @@ class AsyncEngine:
             if model is not None or option_values:
                 raise TypeError("give either options=EngineOptions(...) or keyword options")
             self.options = options
+        elif pipeline is not None and model is None and not option_values:
+            # A pipeline from llm_pipeline(options) runs with the options it was built from
+            # (model checked, transport, start timeout), not the defaults.
+            self.options = options_of(pipeline) or EngineOptions()
         else:
             self.options = EngineOptions.create(model, **option_values)
         self.pipeline = pipeline if pipeline is not None else llm_pipeline(self.options)

@@ -21,14 +21,24 @@ the scheduler stage, re-place a stage on another host.
 
 from __future__ import annotations
 
+import weakref
+
 from pipeline.graph import MAIN_HOST, Pipeline
 from pipeline.options import EngineOptions
 from pipeline.runtime import StartOptions
 
-__all__ = ["ENGINE_HOST", "llm_pipeline", "start_options"]
+__all__ = ["ENGINE_HOST", "llm_pipeline", "options_of", "start_options"]
 
 #: the host of admit, schedule and execute when the engine runs in its own process
 ENGINE_HOST = "engine"
+
+#: the options each pipeline llm_pipeline built was built from (edits keep the object)
+_BUILT_FROM: weakref.WeakKeyDictionary[Pipeline, EngineOptions] = weakref.WeakKeyDictionary()
+
+
+def options_of(pipeline: Pipeline) -> EngineOptions | None:
+    """The options :func:`llm_pipeline` built ``pipeline`` from (None: not built by it)."""
+    return _BUILT_FROM.get(pipeline)
 
 
 def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
@@ -107,6 +117,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     pipeline.entry("aborts", "schedule.abort", "detokenize")
     pipeline.exit("outputs", "stop_check.out")
     pipeline.exit("engine_info", "execute.info")
+    _BUILT_FROM[pipeline] = options
     return pipeline
 
 

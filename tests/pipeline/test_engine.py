@@ -20,10 +20,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline import (
     AsyncEngine,
     EngineDeadError,
+    EngineOptions,
     InvalidRequestError,
     PipelineClosedError,
     PromptTooLongError,
     SamplingParams,
+    Stage,
+    llm_pipeline,
 )
 from stages.models import resolve_model
 
@@ -651,3 +654,29 @@ def test_stop_and_eos_tokens_leave_no_text_with_the_real_model() -> None:
             assert with_eos.text == ended.text + "<|im_end|>"
 
     asyncio.run(asyncio.wait_for(body(), 240))
+
+
+def test_a_built_pipeline_runs_with_the_options_it_was_built_from(tiny_model_dir: Path) -> None:
+    """AsyncEngine(pipeline=llm_pipeline(options)) checks the model and starts the hosts with
+    ``options`` (not the defaults, whose model and transport may differ); options given
+    explicitly still win."""
+    options = EngineOptions(model=str(tiny_model_dir), transport="memory", num_blocks=16)
+    pipeline = llm_pipeline(options).insert("noop", Passthrough, after="detokenize")
+
+    async def body() -> None:
+        async with AsyncEngine(pipeline=pipeline) as engine:
+            assert engine.options == options
+            assert engine.running.pids == {}  # memory: one process, as built
+            assert engine.info is not None and engine.info.num_blocks == 16
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            outputs = [output async for output in engine.generate("Hi", params)]
+            assert len(outputs[-1].token_ids) == 4
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+    other = EngineOptions(model=str(tiny_model_dir), transport="zmq")
+    assert AsyncEngine(pipeline=pipeline, options=other).options == other
+
+
+class Passthrough(Stage):
+    async def handle(self, message: Any, port: str) -> None:
+        await self.emit("out", message)
