@@ -387,15 +387,21 @@ async def check_backpressure(factory: LinkFactory, capacity: int = 8) -> None:
                 sent += 1
 
         producer = asyncio.create_task(produce())
-        # Wait until the producer stops making progress (it never finishes: total > bound).
-        last, still = -1, 0
-        while still < 5 and not producer.done():
+        # Wait until the producer is held: its send waits for room (it never finishes: total >
+        # bound) and stays waiting, making no progress, for a few polls in a row (a wait that
+        # ends as the transport moves messages on to the wire is not yet the limit).
+        deadline = time.monotonic() + STEP_TIMEOUT
+        last, held = -1, 0
+        while held < 5 and not producer.done():
+            assert time.monotonic() < deadline, (
+                f"no send waited for room within {STEP_TIMEOUT}s ({sent} went through)"
+            )
             await asyncio.sleep(0.05)
-            still = still + 1 if sent == last else 0
+            waiting = pair.sender.statistics().waiting_senders == 1
+            held = held + 1 if waiting and sent == last else 0
             last = sent
         assert not producer.done(), f"all {total} sends went through with nobody reading"
         assert sent <= bound, f"{sent} sends went through; at most {bound} may"
-        assert pair.sender.statistics().waiting_senders == 1
         received = [await _receive(pair.receiver) for _ in range(total)]
         await asyncio.wait_for(producer, STEP_TIMEOUT)
         assert [m.seq for m in received if isinstance(m, KitPayload)] == list(range(total))
@@ -430,7 +436,11 @@ async def check_close_semantics(factory: LinkFactory) -> None:
     try:
         receiver = await transport.listen(factory.listen_address)
         waiting = asyncio.create_task(receiver.receive())
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while receiver.statistics().waiting_receivers != 1:
+            assert not waiting.done(), f"receive returned with nothing sent: {waiting!r}"
+            assert time.monotonic() < deadline, f"no receive waited within {STEP_TIMEOUT}s"
+            await asyncio.sleep(0.01)
         await receiver.aclose()
         with _expect_raises(LinkClosedError):
             await asyncio.wait_for(waiting, STEP_TIMEOUT)

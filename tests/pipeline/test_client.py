@@ -244,13 +244,29 @@ def test_over_the_limit_raises_rate_limited_error(served: ServedEngine) -> None:
         with pytest.raises(InvalidRequestError, match="more than tenant") as caught:
             list(client.generate("Hello", SamplingParams(max_tokens=100)))  # never fits
         assert caught.value.field == "max_tokens"
-        assert list(client.generate("Hello", SamplingParams(max_tokens=4)))[-1].finished
-        # 64 tokens/s, a burst of 64: ~45 tokens right after ~45 are over the limit
-        first = client.generate("Hello", SamplingParams(max_tokens=40, ignore_eos=True))
-        next(first)
-        with pytest.raises(RateLimitedError, match="tokens per second"):
-            list(client.generate("Hello", SamplingParams(max_tokens=40)))
-        first.close()
+    # 64 tokens/s, a burst of 64 (the server's limits have no longer burst), still full: the
+    # refusal checked before took nothing. Each request below costs the whole burst (3 prompt
+    # tokens + 61), so whichever reaches the engine second is refused unless a whole second
+    # passes between the two. Sent at once, not one after the other's first output, so how
+    # fast the engine generates does not matter.
+    whole_burst = SamplingParams(max_tokens=61, ignore_eos=True)
+
+    async def body() -> list[list[StreamedOutput] | BaseException]:
+        async with AsyncClient(served.address, api_key=LIMITED_KEY) as client:
+
+            async def stream(request_id: str) -> list[StreamedOutput]:
+                outputs = client.generate([504, 2365, 6354], whole_burst, request_id=request_id)
+                return [output async for output in outputs]
+
+            return await asyncio.gather(stream("a"), stream("b"), return_exceptions=True)
+
+    results = served.run(body())
+    refused = [result for result in results if isinstance(result, BaseException)]
+    finished = [result for result in results if not isinstance(result, BaseException)]
+    assert len(refused) == 1, results
+    assert isinstance(refused[0], RateLimitedError), refused[0]
+    assert "tokens per second" in str(refused[0])
+    assert len(finished) == 1 and finished[0][-1].finish_reason == "length"  # one fits
 
 
 def test_unreachable_server_raises_service_unavailable() -> None:

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pipeline import AsyncEngine, InvalidRequestError, SamplingParams
+from pipeline.engine import EngineObserver
 from stages.detokenize import DetokenizeStage
+from stages.messages import GenerateRequest, RequestOutput
 from stages.stop_check import StopCheckStage
+
+#: seconds a condition may take to hold: a hang guard, not a timing assumption
+HANG_GUARD = 30.0
 
 
 async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
@@ -25,6 +31,34 @@ async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"the engine did not go idle: {engine.stats}")
+
+
+async def eventually(condition: Callable[[], bool], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + HANG_GUARD
+    while not condition():
+        assert loop.time() < deadline, f"not reached in {HANG_GUARD}s: {what}"
+        await asyncio.sleep(0.01)
+
+
+class Recorder(EngineObserver):
+    """The ids (inside the pipeline) of requests sent, finished and ended (hooks run on the
+    engine's loop, the test's too)."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.finished: set[str] = set()
+        self.ended: set[str] = set()
+
+    def request_sent(self, request: GenerateRequest) -> None:
+        self.sent.append(request.request_id)
+
+    def output_received(self, output: RequestOutput) -> None:
+        if output.finished:
+            self.finished.add(output.request_id)
+
+    def request_ended(self, request_id: str, error: BaseException | None) -> None:
+        self.ended.add(request_id)
 
 
 def test_every_way_a_request_ends_releases_its_frontend_state(tiny_model_dir: Path) -> None:
@@ -59,13 +93,13 @@ def test_every_way_a_request_ends_releases_its_frontend_state(tiny_model_dir: Pa
                 async for _ in engine.generate("Once upon a time", greedy.replace(top_p=3.0)):
                     pass
             await wait_idle(engine)
-            await asyncio.sleep(0.1)  # the last aborts pass through the frontend stages
             detokenize = engine.running.stage("detokenize")
             stop_check = engine.running.stage("stop_check")
             assert isinstance(detokenize, DetokenizeStage)
             assert isinstance(stop_check, StopCheckStage)
-            assert detokenize._requests == {}
-            assert stop_check._requests == {}
+            # the last aborts pass through the frontend stages
+            await eventually(lambda: not detokenize._requests, "detokenize forgets every request")
+            await eventually(lambda: not stop_check._requests, "stop_check forgets every request")
             assert engine.num_unfinished_requests == 0
 
     asyncio.run(asyncio.wait_for(body(), 120))
@@ -78,13 +112,21 @@ def test_a_late_abort_never_hits_a_later_request_with_the_same_id(tiny_model_dir
 
     async def body() -> None:
         async with AsyncEngine(str(tiny_model_dir), transport="memory", num_blocks=64) as engine:
+            recorder = Recorder()
+            engine.add_observer(recorder)
             params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
             async for output in engine.generate("Hello world", params, request_id="x"):
                 assert output.request_id == "x"
-                await asyncio.sleep(0.3)  # the engine finishes it meanwhile
+                # the engine finishes it meanwhile: its final output has arrived, unread
+                await eventually(lambda: bool(recorder.finished), "the engine finishes x")
                 break
+            (first,) = recorder.sent
+            assert recorder.finished == {first}
+            # the stream's end has queued the late abort; once the pipeline is idle (two calm
+            # snapshots in a row), it has passed through every stage, schedule included
+            await eventually(lambda: first in recorder.ended, "the stream of x ends")
+            assert await engine.running.wait_idle(HANG_GUARD)
             await wait_idle(engine)
-            await asyncio.sleep(0.2)  # the abort has reached schedule
             outputs = [o async for o in engine.generate("Hello world", params, request_id="x")]
             assert outputs[-1].finish_reason == "length"
             assert {o.request_id for o in outputs} == {"x"}

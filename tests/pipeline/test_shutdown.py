@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("no_child_left")
 
 
 class HangsInStop(Stage):
-    """Answers jobs; its ``stop`` never returns by itself (a stuck flush)."""
+    """Answers jobs; its ``stop`` never returns by itself (a stuck flush). With a config (a
+    file path), ``stop`` first creates that file: the sign that the stage waits in it."""
 
     @handles(Job)
     async def on_job(self, job: Job) -> None:
@@ -35,6 +36,8 @@ class HangsInStop(Stage):
         await self.emit("out", JobResult(job.job_id, _empty()))
 
     async def stop(self) -> None:
+        if self.config is not None:
+            Path(self.config).touch()  # noqa: ASYNC240 - a tiny local write, before hanging
         await asyncio.sleep(3600)
 
 
@@ -108,16 +111,22 @@ def test_a_stop_cancelled_while_draining_leaves_nothing_behind() -> None:
     run(body)
 
 
-def test_a_stop_cancelled_twice_is_finished_by_the_next_stop() -> None:
+def test_a_stop_cancelled_twice_is_finished_by_the_next_stop(tmp_path: Path) -> None:
     """The waiting caller is cancelled again while the forced part runs: that part goes on
     in the background, and the next stop waits for it (or finishes it)."""
+    in_stop = tmp_path / "in-stop"
 
     async def body() -> None:
-        running = await _pipeline(HangsInStop).start(StartOptions(stop_timeout=30))
+        running = await _pipeline(HangsInStop, str(in_stop)).start(StartOptions(stop_timeout=30))
         pid = running.pids["worker"]
         paths = await _ipc_files(running)
         stopping = asyncio.ensure_future(running.stop(graceful=False))
-        await asyncio.sleep(0.5)  # the worker waits in stop()
+        deadline = asyncio.get_running_loop().time() + PROMPTLY
+        while not in_stop.exists():
+            assert asyncio.get_running_loop().time() < deadline, "the worker never stopped"
+            assert not stopping.done()
+            await asyncio.sleep(0.01)
+        # the worker waits in stop()
         stopping.cancel()
         await asyncio.sleep(0)  # the stop is now waiting for the forced part ...
         stopping.cancel()  # ... and is cancelled again

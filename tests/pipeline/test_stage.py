@@ -91,16 +91,18 @@ def test_shutting_the_worker_thread_down_does_not_wait_for_a_running_job() -> No
     import threading
 
     stage = Recorder()
+    started = threading.Event()
     release = threading.Event()
     finished = threading.Event()
 
     def job() -> None:
+        started.set()
         release.wait(30)
         finished.set()
 
     async def run() -> None:
         running = asyncio.ensure_future(stage.run_in_thread(job))
-        await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(started.wait, 30)  # the job runs on the worker thread
         running.cancel()  # what a forced stop does to the stage's task
         stage._shutdown_executor()  # returns at once: the job still runs
         assert not finished.is_set()

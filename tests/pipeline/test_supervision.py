@@ -17,6 +17,7 @@ from pipeline import (
     HostDiedError,
     Pipeline,
     PipelineClosedError,
+    RunningPipeline,
     Stage,
     StageFailedError,
     StartOptions,
@@ -69,6 +70,17 @@ class Holds(Stage):
         await self.emit("out", _answer(job))
 
 
+async def wait_handling(running: RunningPipeline, stage: str) -> None:
+    """Poll the statistics until ``stage`` is busy handling a message."""
+    deadline = asyncio.get_running_loop().time() + PROMPTLY
+    while True:
+        hosts = await running.statistics()
+        if any(s.name == stage and s.busy for host in hosts for s in host.stages):
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"{stage} never got busy"
+        await asyncio.sleep(0.01)
+
+
 def _two_stage(second: type[Stage], host: str) -> Pipeline:
     pipeline = Pipeline("two").add("first", Forward).add("second", second, host=host)
     pipeline.connect("first", "second")
@@ -108,7 +120,7 @@ def test_cancelling_a_busy_stage_at_stop_is_no_failure(host: str) -> None:
         running = await _two_stage(Holds, host).start()
         caller = Caller(running, "jobs", "results", key=lambda m: m.job_id)
         call = asyncio.ensure_future(caller.call(Job("held", (1,))))
-        await asyncio.sleep(0.3)
+        await wait_handling(running, "second")
         await asyncio.wait_for(running.stop(graceful=False), PROMPTLY)
         assert running.failure is None
         with pytest.raises(PipelineClosedError):

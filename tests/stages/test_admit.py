@@ -66,7 +66,9 @@ async def answer(running: RunningPipeline, message: EngineRequest) -> Any:
     """Send one request and return its single answer (admitted request or rejection)."""
     await running.send("requests", message)
     admitted, rejected = running.exit_channel("admitted"), running.exit_channel("rejected")
-    for _ in range(500):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30  # a hang guard, not a timing assumption
+    while loop.time() < deadline:
         if len(admitted):
             return await running.receive("admitted")
         if len(rejected):
@@ -123,7 +125,8 @@ def test_requests_wait_for_the_engine_info() -> None:
 
 
 def test_requests_per_second_limit_per_tenant() -> None:
-    limits = TenantLimits(requests_per_second=0.5, burst_seconds=4.0)  # a burst of 2
+    # a burst of 2; refilling one request takes 20 s, far longer than the test runs
+    limits = TenantLimits(requests_per_second=0.05, burst_seconds=40.0)
     config = AdmitConfig(tenant_limits={"small": limits})
 
     async def body(running: RunningPipeline) -> None:
@@ -140,7 +143,9 @@ def test_requests_per_second_limit_per_tenant() -> None:
 
 
 def test_tokens_per_second_limit() -> None:
-    config = AdmitConfig(default_limits=TenantLimits(tokens_per_second=10, burst_seconds=3.0))
+    # a burst of 30 tokens; refilling the 10 that t2 lacks takes 80 s, far longer than the test
+    limits = TenantLimits(tokens_per_second=0.125, burst_seconds=240.0)
+    config = AdmitConfig(default_limits=limits)
 
     async def body(running: RunningPipeline) -> None:
         first = await answer(running, request("t1", (5,) * 10, max_tokens=10))  # 20 tokens
@@ -157,7 +162,9 @@ def test_tokens_per_second_limit() -> None:
 
 
 def test_max_tokens_none_means_the_rest_of_the_model_length() -> None:
-    config = AdmitConfig(default_limits=TenantLimits(tokens_per_second=64, burst_seconds=1.0))
+    # a burst of 64 tokens that takes 512 s to refill: n2 is refused however slow the machine
+    limits = TenantLimits(tokens_per_second=0.125, burst_seconds=512.0)
+    config = AdmitConfig(default_limits=limits)
 
     async def body(running: RunningPipeline) -> None:
         admitted = await answer(running, request("n1", (5,) * 10, max_tokens=None))
@@ -176,7 +183,9 @@ def test_max_tokens_none_is_capped_at_the_burst() -> None:
     # A tenant whose burst is below the model's length can still run a request without
     # max_tokens: it gets and pays for the whole burst (never more) instead of being refused
     # as too long.
-    config = AdmitConfig(default_limits=TenantLimits(tokens_per_second=20, burst_seconds=1.0))
+    # a burst of 20 tokens; refilling the 4 that b2 costs takes 32 s, far longer than the test
+    limits = TenantLimits(tokens_per_second=0.125, burst_seconds=160.0)
+    config = AdmitConfig(default_limits=limits)
 
     async def body(running: RunningPipeline) -> None:
         admitted = await answer(running, request("b1", (5,) * 10, max_tokens=None))
@@ -185,7 +194,7 @@ def test_max_tokens_none_is_capped_at_the_burst() -> None:
         # it took the whole burst (20 tokens), so the next one waits
         limited = await answer(running, request("b2", (5,) * 3, max_tokens=1))
         assert isinstance(limited, RequestRejected) and limited.kind == "rate_limited"
-        await asyncio.sleep(1.1)
+        # a prompt over the burst is a bad request, never a retryable rate limit
         too_long = await answer(running, request("b3", (5,) * 30, max_tokens=None))
         assert isinstance(too_long, RequestRejected)
         assert (too_long.kind, too_long.field) == ("invalid", "prompt")

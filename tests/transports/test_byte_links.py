@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -42,21 +43,32 @@ def test_a_bad_frame_is_logged_with_the_peer_counted_and_skipped(
 
 
 def test_the_watchdog_fires_only_after_silence_that_counts() -> None:
-    timeout = 0.2
+    # NOTE: the peer is heard every 0.1 s against a 2 s timeout, so only a 1.9 s stall of
+    # this loop could fire the watchdog early; the waits are polls with a 30 s hang guard.
+    timeout, heard_every = 2.0, 0.1
+
+    async def wait_until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, "the watchdog never checked"
+            await asyncio.sleep(0.01)
 
     async def main() -> None:
         lost: list[float] = []
         counts = False
         watchdog = SilenceWatchdog(timeout, lambda: counts, lost.append)
         watchdog.start()
-        await asyncio.sleep(3 * timeout)
+        started = watchdog.last_heard
+        # a check that finds silence that does not count starts the wait over
+        await wait_until(lambda: watchdog.last_heard != started)
         assert lost == []  # silent, but the silence did not count
         counts = True
-        for _ in range(4):  # hearing the peer keeps postponing the verdict
+        # hearing the peer keeps postponing the verdict, across at least one check
+        for _ in range(round(1.25 * timeout / heard_every)):
             watchdog.last_heard = time.monotonic()
-            await asyncio.sleep(timeout / 2)
+            await asyncio.sleep(heard_every)
         assert lost == []
-        await asyncio.sleep(3 * timeout)
+        await wait_until(lambda: bool(lost))
         assert len(lost) == 1 and lost[0] >= timeout
         watchdog.stop()
 

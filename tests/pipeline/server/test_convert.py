@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.server import generation_pb2 as pb
@@ -54,6 +54,7 @@ def test_max_tokens_none_travels_as_until_model_len() -> None:
     assert caught.value.field == "until_model_len"
 
 
+@settings(deadline=None)
 @given(
     max_tokens=INT64,
     temperature=FLOATS,

@@ -447,9 +447,13 @@ def test_keys_over_their_limits_are_resource_exhausted(served: ServedEngine) -> 
     async def body() -> None:
         async with plain_channel(served) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            # 64 tokens/s, a burst of 64: of two requests of ~45 tokens at once, one passes
-            half = pb.GenerateRequest(text=TEXT, sampling_params=pb.SamplingParams(max_tokens=40))
-            calls = [stub.Generate(half, metadata=bearer(TOKEN_LIMITED_KEY)) for _ in range(2)]
+            # 64 tokens/s, a burst of 64 (keys have no longer burst). Without max_tokens a
+            # request gets and pays for the whole burst, so of two sent at once one passes and
+            # the other is refused unless a whole second passes between their arrivals.
+            whole = pb.GenerateRequest(
+                text=TEXT, sampling_params=pb.SamplingParams(until_model_len=True)
+            )
+            calls = [stub.Generate(whole, metadata=bearer(TOKEN_LIMITED_KEY)) for _ in range(2)]
             outcomes = await asyncio.gather(
                 *(read_until_end(call) for call in calls), return_exceptions=True
             )

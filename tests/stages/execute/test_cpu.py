@@ -205,7 +205,9 @@ def test_non_fp32_linears_are_left_alone() -> None:
 
 
 @pytest.mark.skipif(not GLIBC or ctypes.util.find_library("c") is None, reason="glibc only")
-def test_allocator_settings_take_effect_on_glibc() -> None:
+def test_glibc_accepts_the_allocator_settings() -> None:
+    """glibc's mallopt accepts both thresholds (tune_allocator says so) and malloc_trim
+    runs. Whether later allocations follow them is glibc's part, not checked here."""
     assert tune_allocator() is True
     release_free_memory()  # may or may not find pages to release; must not fail
 

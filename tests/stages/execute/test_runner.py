@@ -365,7 +365,9 @@ def test_smollm2_batched_matches_per_request_generate(default_model_dir: Path) -
 
 @pytest.mark.slow
 @pytest.mark.model
-def test_gguf_path_loads() -> None:
+def test_gguf_path_loads(default_model_dir: Path) -> None:
+    """A .gguf path loads the model itself: its first greedy token is HF's on the same
+    weights (``default_model_dir``, the HF directory converted from that GGUF)."""
     from stages.models import ALIASES
 
     alias = ALIASES["smollm2-135m"]
@@ -376,9 +378,11 @@ def test_gguf_path_loads() -> None:
     info = runner.load()
     assert info.model == gguf.stem
     assert info.vocab_size == 49152 and info.max_model_len == 128
-    prompt = EngineRequest("g", (1, 504, 3458, 282), GREEDY)
+    prompt_ids = (1, 504, 3458, 282)
+    prompt = EngineRequest("g", prompt_ids, GREEDY)
     result = runner.execute(SchedulerStep(0, (prompt,), (ScheduledChunk("g", 0, 4),)))
-    assert result.request_ids == ("g",) and 0 <= result.token_ids[0] < 49152
+    assert result.request_ids == ("g",)
+    assert list(result.token_ids) == HFReference(default_model_dir).greedy(prompt_ids, 1)
 
 
 # ----------------------------------------------------------------- CUDA
