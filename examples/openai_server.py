@@ -842,6 +842,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--key-limit", type=_key_limit, action="append", default=[],
                         metavar="KEY:RPS:TPS",
                         help="requests/s and tokens/s of one --api-key ('-': none)")  # fmt: skip
+    parser.add_argument("--rate-limit-burst", type=float, default=1.0, metavar="SECONDS",
+                        help="seconds of its rate a key may spend at once (1)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -897,6 +899,7 @@ def main(argv: list[str] | None = None) -> int:
             requests_per_second=args.requests_per_second,
             tokens_per_second=args.tokens_per_second,
             tenant_limits=_tenant_limits(args.api_key, args.key_limit),
+            rate_limit_burst=args.rate_limit_burst,
         )
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

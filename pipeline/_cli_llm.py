@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -228,6 +229,8 @@ def _serve(args: argparse.Namespace) -> int:
     ):
         if limit is not None and not limit > 0:
             raise CliError(f"{flag} must be > 0, got {limit}", 2)
+    if not 0 < args.rate_limit_burst < math.inf:
+        raise CliError(f"--rate-limit-burst must be > 0 seconds, got {args.rate_limit_burst}", 2)
     if not args.grace >= 0:
         raise CliError(f"--grace must be >= 0 seconds, got {args.grace}", 2)
     try:
@@ -252,6 +255,7 @@ def _serve(args: argparse.Namespace) -> int:
         requests_per_second=args.requests_per_second,
         tokens_per_second=args.tokens_per_second,
         tenant_limits=api_keys.tenant_limits(),
+        rate_limit_burst=args.rate_limit_burst,
         log_level=args.log_level,
     )
     logging.basicConfig(
@@ -361,6 +365,14 @@ def _add_serve_command(commands: Any) -> None:
         type=float,
         default=None,
         help="default limit per API key (prompt plus max_tokens)",
+    )
+    auth.add_argument(
+        "--rate-limit-burst",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds of its rate a key may spend at once (1); under a tokens/s limit also "
+        "the largest request",
     )
     tls = serve.add_argument_group("TLS")
     tls.add_argument("--tls-cert", default=None, help="PEM certificate chain of the server")

@@ -4,6 +4,7 @@ own config by :mod:`pipeline.presets`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +29,10 @@ class EngineOptions:
     ``scheduler`` (a policy name in ``actorline.schedulers``). Topology: ``transport``
     ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None). Admission:
     ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
-    per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)). Benchmarking:
+    per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)), ``rate_limit_burst``
+    (seconds of its rate each tenant's buckets hold: the largest burst a tenant may send at
+    once, and so also the largest request, prompt plus ``max_tokens``, under a tokens/s
+    limit). Benchmarking:
     ``null_model`` replaces the model with :mod:`stages.execute.null` (random tokens at once,
     real KV bookkeeping) to measure the framework alone. Process: ``tune_gc`` (default on)
     raises the garbage collector's young-generation threshold while the engine runs and
@@ -55,6 +59,7 @@ class EngineOptions:
     tenant_limits: Mapping[str, tuple[float | None, float | None]] = dataclasses.field(
         default_factory=dict
     )
+    rate_limit_burst: float = 1.0
     seed: int = 0
     use_cuda_graphs: bool = True
     start_timeout: float = 600.0
@@ -78,6 +83,9 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.scheduler, str) or not self.scheduler:
             raise ValueError(f"scheduler must be a policy name, got {self.scheduler!r}")
+        burst = self.rate_limit_burst
+        if type(burst) not in (int, float) or not 0 < burst < math.inf:
+            raise ValueError(f"rate_limit_burst must be a number of seconds > 0, got {burst!r}")
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(
                 "give num_blocks (an exact block count) or kv_cache_memory (bytes), not both"

@@ -57,9 +57,11 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     engine = ENGINE_HOST if options.split_processes else MAIN_HOST
     admit = AdmitConfig(
         max_queued_requests=options.max_queued_requests,
-        default_limits=TenantLimits(options.requests_per_second, options.tokens_per_second),
+        default_limits=TenantLimits(
+            options.requests_per_second, options.tokens_per_second, options.rate_limit_burst
+        ),
         tenant_limits={
-            name: TenantLimits(requests, tokens)
+            name: TenantLimits(requests, tokens, options.rate_limit_burst)
             for name, (requests, tokens) in options.tenant_limits.items()
         },
     )

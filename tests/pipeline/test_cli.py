@@ -79,6 +79,7 @@ def gguf_path() -> Path:
         (["generate"], "the following arguments are required: prompt"),
         (["generate", "hi", "--max-tokens", "x"], "argument --max-tokens: invalid int value"),
         (["serve", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
+        (["serve", "--rate-limit-burst", "0"], "--rate-limit-burst must be > 0 seconds"),
         (["bench", "nope"], "invalid choice: 'nope'"),
     ],
 )

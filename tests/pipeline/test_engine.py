@@ -24,6 +24,7 @@ from pipeline import (
     InvalidRequestError,
     PipelineClosedError,
     PromptTooLongError,
+    RateLimitedError,
     SamplingParams,
     Stage,
     llm_pipeline,
@@ -389,6 +390,38 @@ def test_unknown_option_is_a_clear_type_error() -> None:
     with pytest.raises(ValueError, match="log_level must be one of"):
         AsyncEngine("smollm2-135m", log_level="LOUD")
     AsyncEngine("smollm2-135m", log_level="debug")  # any case
+    for burst in (0, -1.0, float("inf"), float("nan"), "2", True):
+        with pytest.raises(ValueError, match="rate_limit_burst must be a number of seconds"):
+            AsyncEngine("smollm2-135m", rate_limit_burst=burst)
+
+
+def test_the_rate_limit_burst_bounds_a_tenants_burst_and_largest_request(
+    tiny_model_dir: Path,
+) -> None:
+    """10 tokens/s: with the default 1 s burst a 3 + 37 token request can never fit; with a
+    4 s burst (40 tokens) it runs, and a second one at once is over the limit."""
+    params = SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True)
+    prompt = [1, 2, 3]
+
+    async def body() -> None:
+        limits = {"model": str(tiny_model_dir), "transport": "memory", "tokens_per_second": 10}
+        async with AsyncEngine(**limits) as engine:
+            with pytest.raises(InvalidRequestError, match="more than tenant") as refused:
+                await complete(engine, prompt, params)
+            assert refused.value.field == "max_tokens"
+        async with AsyncEngine(**limits, rate_limit_burst=4.0) as engine:
+            both = await asyncio.gather(
+                complete(engine, prompt, params),
+                complete(engine, prompt, params),
+                return_exceptions=True,
+            )
+            refusals = [r for r in both if isinstance(r, BaseException)]
+            assert len(refusals) == 1 and isinstance(refusals[0], RateLimitedError), both
+            assert "tokens per second" in str(refusals[0])
+            [ran] = [r for r in both if not isinstance(r, BaseException)]
+            assert len(ran.token_ids) == 37
+
+    asyncio.run(asyncio.wait_for(body(), 120))
 
 
 # -- engine death ----------------------------------------------------------------------------------
