@@ -44,6 +44,7 @@ VARIANTS: Mapping[str, Mapping[str, object]] = {
     "decode_attention=per_sequence": {"decode_attention": "per_sequence"},
     "decode_attention=padded": {"decode_attention": "padded"},
     "enable_prefix_caching=False": {"enable_prefix_caching": False},
+    "no C compiler (both fallbacks)": {"native_linears": False, "decode_attention": "grouped"},
 }
 """Variant name -> the ExecuteConfig fields it changes from the defaults."""
 
