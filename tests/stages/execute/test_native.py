@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.execute import runner as runner_module
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.native import (
     KERNEL_SOURCE,
@@ -148,13 +147,14 @@ def test_build_is_cached_and_reports_compiler_errors(tmp_path: Path) -> None:
         build_library(KERNEL_SOURCE, cache=tmp_path, compiler="/nonexistent/cc")
 
 
+@pytest.mark.usefixtures("no_c_compiler")
 def test_runner_falls_back_when_the_kernel_cannot_be_built(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(runner_module, "paged_decode_kernel", lambda: None)
     runner = ModelRunner(ExecuteConfig(model=str(tiny_model_dir), num_blocks=16))
     runner.load()
     assert runner._decode_mode == "grouped"
+    assert "native paged_decode unavailable, using gather + SDPA" in caplog.text
     explicit = ModelRunner(
         ExecuteConfig(model=str(tiny_model_dir), num_blocks=16, decode_attention="native")
     )
