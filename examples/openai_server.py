@@ -47,7 +47,6 @@ import hashlib
 import json
 import logging
 import math
-import re
 import secrets
 import signal
 import socket
@@ -232,8 +231,7 @@ class ApiError(Exception):
             return cls(400, str(error), param=error.field, code="invalid_value")
         if isinstance(error, RateLimitedError):
             # NOTE: the openai client waits Retry-After seconds before it retries a 429.
-            wait = re.search(r"retry in ([0-9.]+)s", str(error))
-            seconds = max(1, math.ceil(float(wait.group(1)))) if wait else 1
+            seconds = max(1, math.ceil(error.retry_after or 1))
             return cls(429, str(error), error_type="rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(seconds)})  # fmt: skip
         if isinstance(error, OverloadedError):

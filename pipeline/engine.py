@@ -529,6 +529,7 @@ class AsyncEngine:
                                 rejected.message,
                                 field=rejected.field,
                                 request_id=collector.request_id,
+                                retry_after=rejected.retry_after,
                             )
                         )
 

@@ -267,16 +267,16 @@ class AdmitStage(Stage):
                 field="max_tokens",
                 request_id=request.request_id,
             )
-        if buckets.requests is not None and buckets.requests.retry_after(1) > 0:
-            raise RateLimitedError(
-                f"tenant {tenant} is over its limit of requests per second; retry in "
-                f"{buckets.requests.retry_after(1):.2f}s"
-            )
-        if buckets.tokens is not None and buckets.tokens.retry_after(cost) > 0:
-            raise RateLimitedError(
-                f"tenant {tenant} is over its limit of tokens per second; retry in "
-                f"{buckets.tokens.retry_after(cost):.2f}s"
-            )
+        for bucket, amount, what in (
+            (buckets.requests, 1, "requests"),
+            (buckets.tokens, cost, "tokens"),
+        ):
+            wait = bucket.retry_after(amount) if bucket is not None else 0.0
+            if wait > 0:
+                raise RateLimitedError(
+                    f"tenant {tenant} is over its limit of {what} per second; retry in {wait:.2f}s",
+                    retry_after=wait,
+                )
         # take from both only once both allow it, so a refusal costs the tenant nothing
         if buckets.requests is not None:
             buckets.requests.try_take(1)
@@ -292,7 +292,7 @@ class AdmitStage(Stage):
     async def _reject(self, request: EngineRequest, error: RequestError) -> None:
         await self.emit(
             "rejected",
-            RequestRejected(request.request_id, type(error).kind, str(error), error.field),
+            RequestRejected.of(request.request_id, error),
         )
 
     def idle(self) -> bool:

@@ -19,16 +19,24 @@ __all__ = [
 
 
 class RequestError(Exception):
-    """A request was refused or failed; ``field`` names the offending input, if any."""
+    """A request was refused or failed; ``field`` names the offending input, if any;
+    ``retry_after``: seconds after which the same request may be accepted, when known (a
+    rate limit knows when its bucket will hold enough)."""
 
     kind = "error"
 
     def __init__(
-        self, message: str, *, field: str | None = None, request_id: str | None = None
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        request_id: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.field = field
         self.request_id = request_id
+        self.retry_after = retry_after
 
 
 class InvalidRequestError(RequestError, ValueError):
@@ -72,8 +80,13 @@ def error_kind(error: RequestError) -> str:
 
 
 def error_from_kind(
-    kind: str, message: str, *, field: str | None = None, request_id: str | None = None
+    kind: str,
+    message: str,
+    *,
+    field: str | None = None,
+    request_id: str | None = None,
+    retry_after: float | None = None,
 ) -> RequestError:
     """Rebuild the typed error for a wire ``kind`` (unknown kinds give RequestError)."""
     cls = ERROR_KINDS.get(kind, RequestError)
-    return cls(message, field=field, request_id=request_id)
+    return cls(message, field=field, request_id=request_id, retry_after=retry_after)

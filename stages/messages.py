@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from stages.errors import RequestError
 from stages.params import SamplingParams
 from transports.codec import message
 
@@ -83,12 +84,19 @@ class EngineRequest:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestRejected:
     """A request refused before running (or failed). ``kind`` is a
-    :data:`stages.errors.ERROR_KINDS` key; ``field`` names the offending input."""
+    :data:`stages.errors.ERROR_KINDS` key; ``field`` names the offending input;
+    ``retry_after``: seconds until a retry may be accepted, when known."""
 
     request_id: str
     kind: str
     message: str
     field: str | None = None
+    retry_after: float | None = None
+
+    @classmethod
+    def of(cls, request_id: str, error: RequestError) -> RequestRejected:
+        """The rejection that carries ``error`` to the caller of ``request_id``."""
+        return cls(request_id, type(error).kind, str(error), error.field, error.retry_after)
 
 
 @message(105)

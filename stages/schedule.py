@@ -71,7 +71,7 @@ class ScheduleStage(Stage):
         except RequestError as error:
             await self.emit(
                 "rejected",
-                RequestRejected(request.request_id, type(error).kind, str(error), error.field),
+                RequestRejected.of(request.request_id, error),
             )
             return
         await self._dispatch_step()

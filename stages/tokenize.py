@@ -53,7 +53,7 @@ class TokenizeStage(Stage):
         except RequestError as error:
             await self.emit(
                 "rejected",
-                RequestRejected(request.request_id, type(error).kind, str(error), error.field),
+                RequestRejected.of(request.request_id, error),
             )
             return
         engine_request = EngineRequest(

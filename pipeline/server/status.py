@@ -3,8 +3,13 @@
 The server turns every error a call ends with into a status code, details that name the
 offending field, and two trailers, ``actorline-error-kind`` (a
 :data:`stages.errors.ERROR_KINDS` key, ``unauthenticated``, ``engine_dead`` or
-``unavailable``) and ``actorline-error-field``. The client turns them back into the same
-Python error types. Mapping:
+``unavailable``) and ``actorline-error-field``. It also sends gRPC's richer error model
+(``grpc-status-details-bin``, a ``google.rpc.Status``, as Google APIs do, AIP-193), which
+clients in any language decode with their gRPC library's status helpers: an ``ErrorInfo``
+(reason: the kind in capitals, domain ``actorline``, metadata ``field``), a ``BadRequest``
+naming the field of an invalid argument, and a ``RetryInfo`` when a rate limit knows how long
+to wait. The client turns all this back into the same Python error types, ``retry_after``
+included. Mapping:
 
 =====================================  ======================  ================
 error                                  status                  kind
@@ -26,6 +31,9 @@ import dataclasses
 from collections.abc import Iterable
 
 import grpc
+from google.protobuf import duration_pb2
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 
 from pipeline.errors import EngineDeadError, PipelineError
 from pipeline.presets import ENGINE_HOST
@@ -50,6 +58,10 @@ __all__ = [
 
 ERROR_KIND_KEY = "actorline-error-kind"
 ERROR_FIELD_KEY = "actorline-error-field"
+#: the trailer of gRPC's richer error model (a serialized google.rpc.Status)
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+#: ``ErrorInfo.domain`` of every error the service reports
+ERROR_DOMAIN = "actorline"
 
 _ENGINE_DEAD = "engine_dead"
 _UNAVAILABLE = "unavailable"
@@ -73,18 +85,38 @@ class ServiceError(Exception):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ErrorStatus:
-    """How a call ends for an error: ``code`` and ``details`` for the status, ``kind`` and
-    ``field`` for the trailers."""
+    """How a call ends for an error: ``code`` and ``details`` for the status, ``kind``,
+    ``field`` and ``retry_after`` for the trailers."""
 
     code: grpc.StatusCode
     details: str
     kind: str
     field: str | None = None
+    retry_after: float | None = None
 
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        pairs = [(ERROR_KIND_KEY, self.kind)]
+    def rich_status(self) -> status_pb2.Status:
+        """The ``google.rpc.Status`` of gRPC's richer error model for this error."""
+        status = status_pb2.Status(code=self.code.value[0], message=self.details)
+        info = error_details_pb2.ErrorInfo(reason=self.kind.upper(), domain=ERROR_DOMAIN)
+        if self.field:
+            info.metadata["field"] = self.field
+        status.details.add().Pack(info)
+        if self.field and self.code == grpc.StatusCode.INVALID_ARGUMENT:
+            violation = error_details_pb2.BadRequest.FieldViolation(
+                field=self.field, description=self.details
+            )
+            status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+        if self.retry_after is not None:
+            delay = duration_pb2.Duration()
+            delay.FromNanoseconds(max(0, round(self.retry_after * 1e9)))
+            status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        return status
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        pairs: list[tuple[str, str | bytes]] = [(ERROR_KIND_KEY, self.kind)]
         if self.field:
             pairs.append((ERROR_FIELD_KEY, self.field))
+        pairs.append((STATUS_DETAILS_KEY, self.rich_status().SerializeToString()))
         return tuple(pairs)
 
 
@@ -105,7 +137,12 @@ def status_for(error: BaseException) -> ErrorStatus:
             grpc.StatusCode.INVALID_ARGUMENT, _details(error, error.field), error.kind, error.field
         )
     if isinstance(error, (RateLimitedError, OverloadedError)):
-        return ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), error.kind)
+        return ErrorStatus(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            str(error),
+            error.kind,
+            retry_after=error.retry_after,
+        )
     if isinstance(error, EngineDeadError):
         return ErrorStatus(grpc.StatusCode.UNAVAILABLE, str(error), _ENGINE_DEAD)
     if isinstance(error, (ServiceUnavailableError, PipelineError)):
@@ -119,6 +156,22 @@ def _trailer(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> st
     for name, value in metadata or ():
         if name == key:
             return value.decode() if isinstance(value, bytes) else value
+    return None
+
+
+def _retry_after(metadata: Iterable[tuple[str, str | bytes]] | None) -> float | None:
+    """The ``RetryInfo`` delay in the rich status among ``metadata`` (None: none)."""
+    for name, value in metadata or ():
+        if name != STATUS_DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except DecodeError:  # a peer's garbage: no delay, the status code still counts
+            return None
+        for detail in status.details:
+            retry = error_details_pb2.RetryInfo()
+            if detail.Unpack(retry):
+                return retry.retry_delay.ToNanoseconds() / 1e9
     return None
 
 
@@ -147,14 +200,15 @@ def error_from_status(
         return ServiceUnavailableError(details)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(details)
+    retry_after = _retry_after(trailing_metadata)
     if kind in ERROR_KINDS and code in (
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.INTERNAL,
     ):
-        return ERROR_KINDS[kind](details, field=field)
+        return ERROR_KINDS[kind](details, field=field, retry_after=retry_after)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequestError(details, field=field)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return RateLimitedError(details)
+        return RateLimitedError(details, retry_after=retry_after)
     return ServiceError(code.name, details)

@@ -266,6 +266,8 @@ def test_over_the_limit_raises_rate_limited_error(served: ServedEngine) -> None:
     assert len(refused) == 1, results
     assert isinstance(refused[0], RateLimitedError), refused[0]
     assert "tokens per second" in str(refused[0])
+    # when to retry comes through gRPC's RetryInfo: at most the one second a full burst takes
+    assert refused[0].retry_after is not None and 0 < refused[0].retry_after <= 1.0
     assert len(finished) == 1 and finished[0][-1].finish_reason == "length"  # one fits
 
 

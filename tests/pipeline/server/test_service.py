@@ -15,8 +15,10 @@ import grpc
 import grpc.aio
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
 from transformers import AutoTokenizer
 
 from pipeline.engine import Prompt
@@ -475,6 +477,50 @@ def test_keys_over_their_limits_are_resource_exhausted(served: ServedEngine) -> 
             assert await generate(stub, request, GOOD_KEY)
 
     served.run(body())
+
+
+def test_errors_carry_grpcs_richer_error_model(served: ServedEngine) -> None:
+    """What a plain gRPC client in any language reads with its status helpers (here Python's
+    grpcio-status, on a synchronous channel): the google.rpc.Status in
+    grpc-status-details-bin, with ErrorInfo, BadRequest naming the field, and RetryInfo
+    saying how long a rate-limited caller should wait."""
+    bad = _request(top_p=0.0)
+    limited = pb.GenerateRequest(text=TEXT, sampling_params=GREEDY)
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as invalid:
+            list(stub.Generate(bad, metadata=bearer(GOOD_KEY)))
+        # a key with one request per 1,000 s: of two calls, at least the second is refused
+        calls = [stub.Generate(limited, metadata=bearer(REQUEST_LIMITED_KEY)) for _ in range(2)]
+        refusals = []
+        for call in calls:
+            try:
+                list(call)
+            except grpc.RpcError as error:
+                refusals.append(error)
+    status = rpc_status.from_call(invalid.value)
+    assert status is not None and status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    details = {detail.TypeName(): detail for detail in status.details}
+    info, violations = error_details_pb2.ErrorInfo(), error_details_pb2.BadRequest()
+    assert details["google.rpc.ErrorInfo"].Unpack(info)
+    assert (info.reason, info.domain, dict(info.metadata)) == (
+        "INVALID",
+        "actorline",
+        {"field": "top_p"},
+    )
+    assert details["google.rpc.BadRequest"].Unpack(violations)
+    [violation] = violations.field_violations
+    assert violation.field == "top_p" and "top_p" in violation.description
+    assert "google.rpc.RetryInfo" not in details
+
+    assert refusals, "the request-limited key let both calls through"
+    status = rpc_status.from_call(refusals[-1])
+    assert status is not None and status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    details = {detail.TypeName(): detail for detail in status.details}
+    info, retry = error_details_pb2.ErrorInfo(), error_details_pb2.RetryInfo()
+    assert details["google.rpc.ErrorInfo"].Unpack(info) and info.reason == "RATE_LIMITED"
+    assert details["google.rpc.RetryInfo"].Unpack(retry)
+    assert 0 < retry.retry_delay.ToNanoseconds() / 1e9 <= 1000  # the bucket's own estimate
 
 
 def _request(**sampling: Any) -> pb.GenerateRequest:

@@ -9,6 +9,7 @@ from pipeline.errors import EngineDeadError, PipelineClosedError
 from pipeline.server.auth import AuthenticationError
 from pipeline.server.status import (
     ERROR_FIELD_KEY,
+    STATUS_DETAILS_KEY,
     ServiceError,
     ServiceUnavailableError,
     error_from_status,
@@ -30,6 +31,7 @@ ROUND_TRIPS = [
     ),
     (PromptTooLongError("too long", field="prompt"), grpc.StatusCode.INVALID_ARGUMENT),
     (RateLimitedError("over the limit"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RateLimitedError("retry in 0.25s", retry_after=0.25), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (OverloadedError("too many queued"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineDeadError("engine", -9), grpc.StatusCode.UNAVAILABLE),
     (ServiceUnavailableError("shutting down"), grpc.StatusCode.UNAVAILABLE),
@@ -47,6 +49,20 @@ def test_typed_errors_round_trip(error: Exception, code: grpc.StatusCode) -> Non
     assert type(rebuilt) is type(error)
     assert str(error) in str(rebuilt)  # the details may add the field's name
     assert getattr(rebuilt, "field", None) == getattr(error, "field", None)
+    assert getattr(rebuilt, "retry_after", None) == getattr(error, "retry_after", None)
+
+
+def test_the_rich_status_matches_the_call_and_garbage_in_it_is_ignored() -> None:
+    status = status_for(RateLimitedError("slow down", retry_after=1.5))
+    rich = status.rich_status()
+    assert rich.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]  # as the call's code
+    assert rich.message == status.details
+    garbage = [
+        (key, b"\xff\x00garbage" if key == STATUS_DETAILS_KEY else value)
+        for key, value in status.trailing_metadata()
+    ]
+    rebuilt = error_from_status(status.code, status.details, garbage)
+    assert isinstance(rebuilt, RateLimitedError) and rebuilt.retry_after is None
 
 
 def test_details_always_name_the_field() -> None:
