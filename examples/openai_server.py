@@ -16,7 +16,13 @@ Request fields use OpenAI's names (``max_tokens``/``max_completion_tokens``, ``t
 ``top_p``, ``stop``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logprobs`` (and
 ``top_logprobs`` for chat), ``stream_options.include_usage``) plus vLLM's sampling extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``); unknown fields are ignored, as vLLM does. Only ``n=1`` is supported. A
+``stop_token_ids``); unknown fields are ignored, as vLLM does. ``n`` (1 to 16) asks for that
+many choices, each its own engine request, all started at once; with a ``seed``, choice j
+samples with ``seed + j`` (seeded choices differ, and reproduce); greedy choices are identical.
+``prompt`` of /v1/completions may be a list of prompts (strings or token-id lists): choice
+``prompt_index * n + j`` (at most 64 choices per request); usage counts each prompt once. A
+stream interleaves its choices' chunks, each carrying one choice and its ``index``; chat
+streams start with one ``{"role": "assistant"}`` chunk per choice. ``best_of`` above 1 is refused. A
 chat request without a token limit generates until the model's length; /v1/completions
 defaults to 16 tokens. Choices carry vLLM's ``stop_reason`` (the stop string or token id that
 ended them, else null); streamed chunks carry the logprobs of their own tokens. The model card
@@ -32,7 +38,9 @@ Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``
 invalid parameter (``param`` names it), 401 for a bad API key, 404 for an unknown model, 429
 when a rate limit is hit, 503 when overloaded or the engine is down, 500 for anything else. An
 error after a stream began is sent as one ``data: {"error": {...}}`` event before
-``data: [DONE]``. A client that disconnects aborts its request, freeing its KV cache at once.
+``data: [DONE]``. A refusal of any choice (e.g. 429) answers the request, aborting the choices
+already started. A client that disconnects aborts its request (every choice), freeing its KV
+cache at once.
 SIGINT or SIGTERM aborts every running request (a stream ends with ``finish_reason: "abort"``
 and ``[DONE]``), refuses new ones (503) and exits with status 0.
 """
@@ -65,6 +73,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from pipeline import AsyncEngine, PipelineError
 from pipeline.metrics import EngineMetrics
@@ -94,6 +103,13 @@ logger = logging.getLogger("actorline.examples.openai")
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 #: OpenAI's default ``max_tokens`` for /v1/completions
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: the most choices (``n``) per prompt
+MAX_N = 16
+#: the most choices of one request (its prompts times ``n``), each its own engine request
+MAX_CHOICES = 64
+#: seeds are in [0, SEED_RANGE) (:func:`stages.params.validate_sampling`); choice j's seed is
+#: the request's + j, modulo this
+SEED_RANGE = 2**63
 #: the floor of a logprob in answers (JSON has no -Infinity; vLLM uses the same)
 MIN_LOGPROB = -9999.0
 SSE_DONE = "data: [DONE]\n\n"
@@ -140,7 +156,8 @@ class _GenerationBody(BaseModel):
 class CompletionRequest(_GenerationBody):
     """The body of ``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int]
+    #: one prompt or several (OpenAI's four forms: text, texts, token ids, token-id lists)
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -174,7 +191,6 @@ class ChatCompletionRequest(_GenerationBody):
 
 #: body fields accepted only at a value that asks for nothing this server lacks
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": lambda value: value not in (None, 1),
     "echo": bool,
     "best_of": lambda value: value not in (None, 1),
     "suffix": bool,
@@ -249,8 +265,7 @@ def _unsupported(body: BaseModel) -> None:
     for field, asks_too_much in _UNSUPPORTED.items():
         value = getattr(body, field, None)
         if asks_too_much(value):
-            what = "only n=1 is supported" if field == "n" else "is not supported"
-            raise ApiError(400, f"{field}: {what} (got {value!r})", param=field,
+            raise ApiError(400, f"{field}: is not supported (got {value!r})", param=field,
                            code="unsupported_value")  # fmt: skip
 
 
@@ -271,6 +286,47 @@ def _sampling(
     except InvalidRequestError as exc:
         raise ApiError.from_engine(exc) from None
     return params
+
+
+def _choices_per_prompt(body: _GenerationBody) -> int:
+    """``n``: how many choices to generate for each prompt (default 1, at most MAX_N)."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}", param="n",
+                       code="invalid_value")  # fmt: skip
+    return n
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a /v1/completions request (a list of token ids is one prompt)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    if isinstance(prompt[0], int):
+        return [cast(list[int], prompt)]
+    return list(cast(list[str] | list[list[int]], prompt))
+
+
+def _choice_prompts(
+    prompts: Sequence[Any], params: SamplingParams, n: int
+) -> list[tuple[Any, SamplingParams]]:
+    """Each choice's prompt and sampling parameters, in OpenAI's order (choice
+    ``prompt_index * n + j``): with a seed, choice j of a prompt samples with seed + j, so
+    that seeded choices differ and reproduce; without one each samples on its own.
+
+    Raises:
+        ApiError: 400, more than MAX_CHOICES choices.
+    """
+    if len(prompts) * n > MAX_CHOICES:
+        param = "prompt" if len(prompts) > MAX_CHOICES else "n"
+        raise ApiError(400, f"{len(prompts)} prompt(s) times n={n} is {len(prompts) * n} "
+                       f"choices; at most {MAX_CHOICES} per request", param=param,
+                       code="invalid_value")  # fmt: skip
+    seed = params.seed
+    each = [params if seed is None else params.replace(seed=(seed + j) % SEED_RANGE)
+            for j in range(n)]  # fmt: skip
+    return [(prompt, choice) for prompt in prompts for choice in each]
 
 
 def _chat_logprobs_asked(body: ChatCompletionRequest) -> int | None:
@@ -379,90 +435,167 @@ def _completion_logprobs(
 # -- generation -----------------------------------------------------------------------------------
 
 
-def _usage(output: RequestOutput) -> dict[str, Any]:
-    completion = len(output.token_ids)
+def _usage(outputs: Sequence[RequestOutput], per_prompt: int) -> dict[str, Any]:
+    """The usage of a request's choices (``per_prompt`` choices of each prompt, in order): each
+    prompt's tokens (and its cached ones) counted once, from its first choice; the completion
+    tokens of every choice."""
+    firsts = outputs[::per_prompt]
+    prompt = sum(output.num_prompt_tokens for output in firsts)
+    completion = sum(len(output.token_ids) for output in outputs)
     return {
-        "prompt_tokens": output.num_prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": output.num_prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)},
     }
 
 
-async def _abort_on_disconnect(request: Request, engine: AsyncEngine, request_id: str) -> None:
-    """Wait for the client to go away, then abort its request (frees its KV blocks)."""
+async def _abort_on_disconnect(
+    request: Request, engine: AsyncEngine, request_id: str, engine_ids: Sequence[str]
+) -> None:
+    """Wait for the client to go away, then abort every engine request answering it (frees
+    their KV blocks)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
     logger.info("client of %s disconnected; aborting", request_id)
-    with contextlib.suppress(Exception):  # the engine may be closing
-        await engine.abort(request_id)
+    for engine_id in engine_ids:
+        with contextlib.suppress(Exception):  # finished meanwhile, or the engine is closing
+            await engine.abort(engine_id)
+
+
+async def _next_output(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    return await anext(stream)
 
 
 @dataclasses.dataclass
-class _Generation:
-    """One running request: its stream of outputs (first one already received), the task
-    that aborts it when the client disconnects, and the set of running requests it is in
-    until it ends."""
+class _Choices:
+    """The engine requests answering one HTTP request, one per choice (a choice's index is its
+    position): their output streams, the task that aborts them all when the client
+    disconnects, and the set of running requests their ids are in until they end."""
 
     request_id: str
-    stream: AsyncGenerator[RequestOutput, None]
-    first: RequestOutput
+    engine_ids: list[str]
+    streams: list[AsyncGenerator[RequestOutput, None]]
     watcher: asyncio.Task[None]
     running: set[str]
+    #: the latest output of each choice (set by :meth:`start`, kept by :meth:`outputs`)
+    latest: list[RequestOutput] = dataclasses.field(default_factory=list)
+    #: the tasks reading the streams (:meth:`start`'s, then :meth:`outputs`')
+    _readers: list[asyncio.Task[Any]] = dataclasses.field(default_factory=list)
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        yield self.first
-        async for output in self.stream:
-            yield output
+    async def start(self) -> None:
+        """Wait for every choice's first output.
+
+        Raises:
+            Exception: the engine's error for a choice (by index, the first of those refused
+                when one is), as soon as one is refused.
+        """
+        readers = [asyncio.create_task(_next_output(stream)) for stream in self.streams]
+        self._readers = readers
+        await asyncio.wait(readers, return_when=asyncio.FIRST_EXCEPTION)
+        for reader in readers:
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                raise cast(Exception, reader.exception())
+        self.latest = [reader.result() for reader in readers]
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every choice's outputs (its first one included) as they arrive, with its index.
+
+        Raises:
+            Exception: the first error of any choice (the engine died, ...).
+        """
+        arrived: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+        self._readers = [
+            asyncio.create_task(self._read(index, arrived)) for index in range(len(self.streams))
+        ]
+        ended = 0
+        while ended < len(self.streams):
+            index, item = await arrived.get()
+            if item is None:
+                ended += 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                self.latest[index] = item
+                yield index, item
+
+    async def _read(
+        self, index: int, arrived: asyncio.Queue[tuple[int, RequestOutput | Exception | None]]
+    ) -> None:
+        arrived.put_nowait((index, self.latest[index]))
+        try:
+            async for output in self.streams[index]:
+                arrived.put_nowait((index, output))
+        except Exception as exc:
+            arrived.put_nowait((index, exc))
+        else:
+            arrived.put_nowait((index, None))
 
     async def close(self) -> None:
-        self.running.discard(self.request_id)
+        """End every choice, aborting those still running. Shielded: a cancelled response
+        must still end the engine streams. Idempotent."""
+        self.running.difference_update(self.engine_ids)
         self.watcher.cancel()
-        # NOTE: shielded: a cancelled streaming response must still end the engine stream
-        # (which aborts the request if it is still running).
         with anyio.CancelScope(shield=True):
-            await self.stream.aclose()
+            # NOTE: a stream can be closed only once no task runs it: cancel its reader first
+            # (which ends it, aborting a running request), then close what was never read.
+            for reader in self._readers:
+                reader.cancel()
+            if self._readers:
+                await asyncio.wait(self._readers)
+            for reader in self._readers:
+                if not reader.cancelled():
+                    reader.exception()  # retrieved: a second refusal needs no warning
+            for stream in self.streams:
+                await stream.aclose()
 
 
 async def _start(
-    request: Request, server: _Server, request_id: str, prompt: Any,
-    params: SamplingParams, tenant: str,
-) -> _Generation:  # fmt: skip
-    """Start generating and wait for the first output, so that a refusal (invalid, rate
-    limited, ...) is answered with its HTTP status, not in the middle of a stream."""
+    request: Request, server: _Server, request_id: str,
+    choices: Sequence[tuple[Any, SamplingParams]], tenant: str,
+) -> _Choices:  # fmt: skip
+    """Start one engine request per choice (a prompt and its sampling parameters), all at
+    once, and wait for the first output of each, so that a refusal (invalid, rate limited,
+    ...) is answered with its HTTP status, not in the middle of a stream; when one is refused,
+    those already started are aborted."""
     engine = server.usable_engine()
+    engine_ids = [f"{request_id}-{index}" for index in range(len(choices))]
     # NOTE: generate() is an async generator; aclose() ends it (aborting a running request)
-    stream = cast(
-        AsyncGenerator[RequestOutput, None],
-        engine.generate(prompt, params, request_id=request_id, tenant=tenant),
-    )
-    watcher = asyncio.ensure_future(_abort_on_disconnect(request, engine, request_id))
-    server.running.add(request_id)
+    streams = [
+        cast(
+            AsyncGenerator[RequestOutput, None],
+            engine.generate(prompt, params, request_id=engine_id, tenant=tenant),
+        )
+        for engine_id, (prompt, params) in zip(engine_ids, choices)
+    ]
+    watcher = asyncio.ensure_future(_abort_on_disconnect(request, engine, request_id, engine_ids))
+    server.running.update(engine_ids)
+    started = _Choices(request_id, engine_ids, streams, watcher, server.running)
     try:
-        first = await anext(stream)
+        await started.start()
     except Exception as exc:
-        server.running.discard(request_id)
-        watcher.cancel()
-        await stream.aclose()
+        await started.close()
         raise ApiError.from_engine(exc) from exc
-    return _Generation(request_id, stream, first, watcher, server.running)
+    except BaseException:
+        await started.close()
+        raise
+    return started
 
 
-async def _collect(generation: _Generation) -> RequestOutput:
-    """The last output of ``generation``.
+async def _collect(choices: _Choices) -> list[RequestOutput]:
+    """The last output of every choice.
 
     Raises:
         ApiError: the engine failed on the way (it died, was closed, ...).
     """
     try:
-        last = generation.first
-        async for output in generation.outputs():
-            last = output
-        return last
+        async for _ in choices.outputs():
+            pass
+        return choices.latest
     except Exception as exc:
         raise ApiError.from_engine(exc) from exc
     finally:
-        await generation.close()
+        await choices.close()
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -470,39 +603,62 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 async def _event_stream(
-    generation: _Generation, events: AsyncGenerator[str, None]
-) -> AsyncIterator[str]:
+    choices: _Choices, events: AsyncGenerator[str, None]
+) -> AsyncGenerator[str, None]:
     """``events`` then ``data: [DONE]``; an error after the stream began is sent as one
-    ``data: {"error": ...}`` event before ``[DONE]`` (as vLLM does). Ends ``generation``."""
+    ``data: {"error": ...}`` event before ``[DONE]`` (as vLLM does). Ends every choice."""
     try:
         async with contextlib.aclosing(events):
             async for event in events:
                 yield event
     except Exception as exc:
         error = ApiError.from_engine(exc)
-        logger.warning("request %s failed mid-stream: %s", generation.request_id, error.message)
+        logger.warning("request %s failed mid-stream: %s", choices.request_id, error.message)
         yield _sse(error.body())
     finally:
-        await generation.close()
+        await choices.close()
     yield SSE_DONE
+
+
+class _EventStreamResponse(StreamingResponse):
+    """The server-sent events of ``choices`` (see :func:`_event_stream`), which ends every
+    choice however the response ends: a client gone before the stream began, or while an
+    event was being sent, leaves the stream's generator unfinished."""
+
+    def __init__(self, choices: _Choices, events: AsyncGenerator[str, None]) -> None:
+        self._choices = choices
+        self._events = _event_stream(choices, events)
+        super().__init__(self._events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()
+            await self._choices.close()
 
 
 @dataclasses.dataclass
 class _Reply:
     """How to shape the answer to one request: the fields every response or chunk starts
-    with, the token decoder when logprobs were asked for (else None), and whether a stream
-    ends with a usage chunk."""
+    with, the token decoder when logprobs were asked for (else None), whether a stream ends
+    with a usage chunk, and how many choices each prompt has (``n``)."""
 
     head: dict[str, Any]
     texts: _TokenTexts | None
     include_usage: bool
+    per_prompt: int
 
     def chunk(self, choice: dict[str, Any]) -> str:
         usage = {"usage": None} if self.include_usage else {}
         return _sse({**self.head, "choices": [choice], **usage})
 
-    def usage_chunk(self, output: RequestOutput) -> str:
-        return _sse({**self.head, "choices": [], "usage": _usage(output)})
+    def usage(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+        return _usage(outputs, self.per_prompt)
+
+    def usage_chunk(self, outputs: Sequence[RequestOutput]) -> str:
+        return _sse({**self.head, "choices": [], "usage": self.usage(outputs)})
 
 
 @dataclasses.dataclass
@@ -521,68 +677,77 @@ class _LogprobsCursor:
 
 
 def _completion_choice(
-    reply: _Reply, output: RequestOutput, text: str, entries: Sequence[Logprobs], offset: int
-) -> tuple[dict[str, Any], int]:
-    """A /v1/completions choice of ``text`` with the logprobs of ``entries`` (text offsets
-    from ``offset``), and the offset after them."""
+    reply: _Reply, index: int, output: RequestOutput, text: str, entries: Sequence[Logprobs],
+    offset: int,
+) -> tuple[dict[str, Any], int]:  # fmt: skip
+    """The /v1/completions choice ``index`` of ``text`` with the logprobs of ``entries`` (text
+    offsets from ``offset``), and the offset after them."""
     logprobs = None
     if reply.texts is not None and entries:
         logprobs, offset = _completion_logprobs(entries, reply.texts, offset)
-    choice = {"index": 0, "text": text, "logprobs": logprobs,
+    choice = {"index": index, "text": text, "logprobs": logprobs,
               "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}  # fmt: skip
     return choice, offset
 
 
-def _completion_response(reply: _Reply, output: RequestOutput) -> dict[str, Any]:
-    choice, _ = _completion_choice(reply, output, output.text, output.logprobs or (), 0)
-    return {**reply.head, "choices": [choice], "usage": _usage(output)}
+def _completion_response(reply: _Reply, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    choices = [
+        _completion_choice(reply, index, output, output.text, output.logprobs or (), 0)[0]
+        for index, output in enumerate(outputs)
+    ]
+    return {**reply.head, "choices": choices, "usage": reply.usage(outputs)}
 
 
-async def _completion_events(reply: _Reply, generation: _Generation) -> AsyncGenerator[str, None]:
-    cursor = _LogprobsCursor()
-    async for output in generation.outputs():
+async def _completion_events(reply: _Reply, choices: _Choices) -> AsyncGenerator[str, None]:
+    cursors = [_LogprobsCursor() for _ in choices.streams]
+    async for index, output in choices.outputs():
         if output.delta or output.finished:
+            cursor = cursors[index]
             choice, cursor.offset = _completion_choice(
-                reply, output, output.delta, cursor.take(output), cursor.offset
+                reply, index, output, output.delta, cursor.take(output), cursor.offset
             )
             yield reply.chunk(choice)
-        if output.finished and reply.include_usage:
-            yield reply.usage_chunk(output)
+    if reply.include_usage:
+        yield reply.usage_chunk(choices.latest)
 
 
 def _chat_choice_logprobs(reply: _Reply, entries: Sequence[Logprobs]) -> dict[str, Any] | None:
     return _chat_logprobs(entries, reply.texts) if reply.texts is not None and entries else None
 
 
-def _chat_response(reply: _Reply, output: RequestOutput) -> dict[str, Any]:
-    choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
-              "logprobs": _chat_choice_logprobs(reply, output.logprobs or ()),
-              "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}  # fmt: skip
-    return {**reply.head, "choices": [choice], "usage": _usage(output)}
+def _chat_response(reply: _Reply, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    choices = [
+        {"index": index, "message": {"role": "assistant", "content": output.text},
+         "logprobs": _chat_choice_logprobs(reply, output.logprobs or ()),
+         "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+        for index, output in enumerate(outputs)
+    ]  # fmt: skip
+    return {**reply.head, "choices": choices, "usage": reply.usage(outputs)}
 
 
 def _chat_chunk(
-    reply: _Reply, delta: dict[str, str], entries: Sequence[Logprobs],
+    reply: _Reply, index: int, delta: dict[str, str], entries: Sequence[Logprobs],
     output: RequestOutput | None = None,
 ) -> str:  # fmt: skip
-    """A chat stream chunk of ``delta`` with the logprobs of ``entries``; ``output``: the
-    finished output whose reasons it carries (None: not the last chunk)."""
-    choice = {"index": 0, "delta": delta, "logprobs": _chat_choice_logprobs(reply, entries),
+    """A chat stream chunk of choice ``index``: ``delta`` with the logprobs of ``entries``;
+    ``output``: the finished output whose reasons it carries (None: not its last chunk)."""
+    choice = {"index": index, "delta": delta, "logprobs": _chat_choice_logprobs(reply, entries),
               "finish_reason": output.finish_reason if output else None,
               "stop_reason": output.stop_reason if output else None}  # fmt: skip
     return reply.chunk(choice)
 
 
-async def _chat_events(reply: _Reply, generation: _Generation) -> AsyncGenerator[str, None]:
-    cursor = _LogprobsCursor()
-    yield _chat_chunk(reply, {"role": "assistant", "content": ""}, ())
-    async for output in generation.outputs():
+async def _chat_events(reply: _Reply, choices: _Choices) -> AsyncGenerator[str, None]:
+    cursors = [_LogprobsCursor() for _ in choices.streams]
+    for index in range(len(cursors)):
+        yield _chat_chunk(reply, index, {"role": "assistant", "content": ""}, ())
+    async for index, output in choices.outputs():
         if output.delta:
-            yield _chat_chunk(reply, {"content": output.delta}, cursor.take(output))
+            yield _chat_chunk(reply, index, {"content": output.delta}, cursors[index].take(output))
         if output.finished:
-            yield _chat_chunk(reply, {}, cursor.take(output), output)
-            if reply.include_usage:
-                yield reply.usage_chunk(output)
+            yield _chat_chunk(reply, index, {}, cursors[index].take(output), output)
+    if reply.include_usage:
+        yield reply.usage_chunk(choices.latest)
 
 
 # -- the application ------------------------------------------------------------------------------
@@ -714,11 +879,13 @@ def create_app(
                            f"{server.model_name!r}", param="model",
                            code="model_not_found")  # fmt: skip
 
-    def reply(request_id: str, kind: str, body: _GenerationBody, logprobs: int | None) -> _Reply:
+    def reply(
+        request_id: str, kind: str, body: _GenerationBody, logprobs: int | None, n: int
+    ) -> _Reply:
         head = {"id": request_id, "object": kind, "created": int(time.time()),
                 "model": server.model_name}  # fmt: skip
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _Reply(head, server.token_texts(logprobs), include_usage)
+        return _Reply(head, server.token_texts(logprobs), include_usage, n)
 
     @api.get("/models")
     async def list_models() -> dict[str, Any]:
@@ -732,20 +899,17 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request, tenant: Tenant) -> Response:
         check_model(body.model)
         _unsupported(body)
-        prompt: Any = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, "only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
+        n = _choices_per_prompt(body)
+        prompts = _prompts(body.prompt)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = _sampling(body, max_tokens, body.logprobs)
+        each = _choice_prompts(prompts, params, n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        answer = reply(request_id, "text_completion", body, params.logprobs)
-        generation = await _start(request, server, request_id, prompt, params, tenant)
+        answer = reply(request_id, "text_completion", body, params.logprobs, n)
+        choices = await _start(request, server, request_id, each, tenant)
         if not body.stream:
-            return JSONResponse(_completion_response(answer, await _collect(generation)))
-        events = _event_stream(generation, _completion_events(answer, generation))
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+            return JSONResponse(_completion_response(answer, await _collect(choices)))
+        return _EventStreamResponse(choices, _completion_events(answer, choices))
 
     @api.post("/chat/completions", response_model=None)
     async def chat_completions(
@@ -753,6 +917,7 @@ def create_app(
     ) -> Response:
         check_model(body.model)
         _unsupported(body)
+        n = _choices_per_prompt(body)
         messages = _chat_messages(body)
         # NOTE: with no limit asked for, None: the engine stops at the model's length (vLLM)
         max_tokens = next(
@@ -760,14 +925,14 @@ def create_app(
             None,
         )
         params = _sampling(body, max_tokens, _chat_logprobs_asked(body))
+        each = _choice_prompts([messages], params, n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         kind = "chat.completion.chunk" if body.stream else "chat.completion"
-        answer = reply(request_id, kind, body, params.logprobs)
-        generation = await _start(request, server, request_id, messages, params, tenant)
+        answer = reply(request_id, kind, body, params.logprobs, n)
+        choices = await _start(request, server, request_id, each, tenant)
         if not body.stream:
-            return JSONResponse(_chat_response(answer, await _collect(generation)))
-        events = _event_stream(generation, _chat_events(answer, generation))
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+            return JSONResponse(_chat_response(answer, await _collect(choices)))
+        return _EventStreamResponse(choices, _chat_events(answer, choices))
 
     app.include_router(api)
     return app

@@ -1,6 +1,8 @@
 """examples/openai_server.py as a real uvicorn server (a subprocess on a free port running the
 tiny model), driven with the official ``openai`` client: models list, completions and chat
-completions with and without streaming, logprobs in both endpoints' formats, stop strings and
+completions with and without streaming, several choices (``n``) and several prompts in one
+request (seeded choices, usage counting each prompt once, streams interleaving the choices),
+logprobs in both endpoints' formats, stop strings and
 ``stop_reason``, chat generating up to the model's length by default, OpenAI-style errors (400
 naming the field, 401, 404, 429), rate limits that follow the API key (not the ``user``
 field), a client that disconnects mid-stream aborting its request, the engine dying under
@@ -36,6 +38,8 @@ MODEL = "tiny"
 API_KEY = "test-key-0123"
 #: two keys limited to about one request (a bucket of 1 refilling at 0.001/s) each
 LIMITED_KEYS = ("limited-key-a", "limited:key-b")
+#: a key limited likewise, for a request of two choices (the second one is refused)
+CHOICES_LIMITED_KEY = "limited-key-n"
 READY_PREFIX = "serving OpenAI-compatible API on "
 IGNORE_EOS = {"ignore_eos": True}
 #: seconds to wait for the server to notice a disconnect and abort
@@ -111,8 +115,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    limits = [argument for key in LIMITED_KEYS for argument in ("--key-limit", f"{key}:0.001:-")]
-    keys = [argument for key in (API_KEY, *LIMITED_KEYS) for argument in ("--api-key", key)]
+    limited = (*LIMITED_KEYS, CHOICES_LIMITED_KEY)
+    limits = [argument for key in limited for argument in ("--key-limit", f"{key}:0.001:-")]
+    keys = [argument for key in (API_KEY, *limited) for argument in ("--api-key", key)]
     stderr_path = tmp_path_factory.mktemp("openai") / "stderr.txt"
     running = Server(tiny_model_dir, stderr_path, *keys, *limits)
     try:
@@ -208,12 +213,112 @@ def test_chat_completion_streams_with_usage(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 
 
+def test_seeded_choices_differ_and_reproduce(client: openai.OpenAI) -> None:
+    request = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0,
+                   seed=7, extra_body=IGNORE_EOS)  # fmt: skip
+    completion = client.completions.create(**request, n=3)  # type: ignore[call-overload]
+    assert [choice.index for choice in completion.choices] == [0, 1, 2]
+    texts = [choice.text for choice in completion.choices]
+    assert len(set(texts)) > 1  # choice j samples with seed + j
+    again = client.completions.create(**request, n=3)  # type: ignore[call-overload]
+    assert [choice.text for choice in again.choices] == texts
+    single = client.completions.create(**request)  # type: ignore[call-overload]
+    assert single.choices[0].text == texts[0]  # choice 0 samples with the seed itself
+    assert completion.usage is not None and single.usage is not None
+    assert completion.usage.prompt_tokens == single.usage.prompt_tokens  # counted once
+    assert completion.usage.completion_tokens == 24
+    assert completion.usage.total_tokens == single.usage.prompt_tokens + 24
+
+
+def test_several_prompts_in_one_request(client: openai.OpenAI) -> None:
+    greedy = dict(model=MODEL, max_tokens=4, temperature=0.0, extra_body=IGNORE_EOS)
+    for prompts in (["Hello there", "Once upon a time"],
+                    [list(range(1000, 1010)), list(range(2000, 2012))]):  # fmt: skip
+        singles = [
+            client.completions.create(prompt=prompt, **greedy)  # type: ignore[call-overload]
+            for prompt in prompts
+        ]
+        batched = client.completions.create(prompt=prompts, n=2, **greedy)  # type: ignore[call-overload]
+        # choice prompt_index * n + j; greedy choices of one prompt are identical
+        assert [choice.index for choice in batched.choices] == [0, 1, 2, 3]
+        expected = [single.choices[0].text for single in singles for _ in range(2)]
+        assert [choice.text for choice in batched.choices] == expected
+        assert all(choice.finish_reason == "length" for choice in batched.choices)
+        assert batched.usage is not None
+        assert batched.usage.prompt_tokens == sum(
+            single.usage.prompt_tokens for single in singles if single.usage
+        )
+        assert batched.usage.completion_tokens == 16
+
+
+def test_chat_streams_several_choices(client: openai.OpenAI) -> None:
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Say something"}],
+                   max_tokens=6, temperature=0.0, n=2, logprobs=True,
+                   extra_body=IGNORE_EOS)  # fmt: skip
+    full = client.chat.completions.create(**request)  # type: ignore[call-overload]
+    assert [choice.index for choice in full.choices] == [0, 1]
+    assert full.usage is not None and full.usage.completion_tokens == 12
+    chunks = list(
+        client.chat.completions.create(  # type: ignore[call-overload]
+            **request, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    usage = [chunk for chunk in chunks if not chunk.choices]
+    assert usage == [chunks[-1]]  # one usage chunk, after every choice ended
+    assert usage[0].usage is not None and usage[0].usage.completion_tokens == 12
+    assert usage[0].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(len(chunk.choices) == 1 for chunk in chunks[:-1])
+    for choice in full.choices:
+        own = [chunk.choices[0] for chunk in chunks[:-1] if chunk.choices[0].index == choice.index]
+        assert own[0].delta.role == "assistant"
+        assert [part.delta.role for part in own].count("assistant") == 1
+        assert "".join(part.delta.content or "" for part in own) == choice.message.content
+        assert [part.finish_reason for part in own if part.finish_reason] == ["length"]
+        assert own[-1].finish_reason == "length"
+        # each choice's logprobs: its own tokens, each once
+        tokens = [entry.token for part in own if part.logprobs
+                  for entry in part.logprobs.content or ()]  # fmt: skip
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert tokens == [entry.token for entry in choice.logprobs.content]
+        assert len(tokens) == 6
+
+
+def test_a_refused_choice_refuses_the_request(server: Server) -> None:
+    """The key's budget admits one request: of two choices, one is refused, so the request
+    is answered 429 and the choice already admitted is aborted."""
+    running = ("actorline_requests_running", frozenset[tuple[str, str]]())
+    aborted = ("actorline_requests_finished_total", frozenset({("finish_reason", "abort")}))
+    rejected = ("actorline_requests_rejected_total", frozenset({("kind", "rate_limited")}))
+    before = server.metrics()
+    with (
+        openai.OpenAI(base_url=server.url, api_key=CHOICES_LIMITED_KEY, max_retries=0) as limited,
+        pytest.raises(openai.RateLimitError) as refused,
+    ):
+        limited.completions.create(
+            model=MODEL, prompt="Go on forever", n=2, max_tokens=900, extra_body=IGNORE_EOS
+        )
+    assert refused.value.status_code == 429
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+    poll_until(lambda: server.metrics()[aborted] > before[aborted], "the admitted choice's abort")
+    poll_until(lambda: server.metrics()[running] == 0, "no request to run")
+    assert server.metrics()[rejected] == before[rejected] + 1
+
+
 def test_errors_are_openai_style(client: openai.OpenAI, server: Server) -> None:
     messages = [{"role": "user", "content": "Hi"}]
-    with pytest.raises(openai.BadRequestError) as bad_n:
-        client.chat.completions.create(model=MODEL, messages=messages, n=2)  # type: ignore[arg-type]
-    assert bad_n.value.status_code == 400
-    assert bad_n.value.param == "n" and "n=1" in bad_n.value.message
+    with pytest.raises(openai.BadRequestError) as no_choice:
+        client.chat.completions.create(model=MODEL, messages=messages, n=0)  # type: ignore[arg-type]
+    assert no_choice.value.status_code == 400
+    assert no_choice.value.param == "n" and no_choice.value.code == "invalid_value"
+    with pytest.raises(openai.BadRequestError) as too_many_choices:
+        client.completions.create(model=MODEL, prompt="Hi", n=17)
+    assert too_many_choices.value.param == "n" and too_many_choices.value.code == "invalid_value"
+    with pytest.raises(openai.BadRequestError) as too_many_in_all:  # 5 prompts x 16 > 64
+        client.completions.create(model=MODEL, prompt=["Hi"] * 5, n=16)
+    assert too_many_in_all.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as no_prompt:
+        client.completions.create(model=MODEL, prompt=[])
+    assert no_prompt.value.param == "prompt"
     with pytest.raises(openai.BadRequestError) as bad_temperature:
         client.completions.create(model=MODEL, prompt="Hi", temperature=-1.0)
     assert bad_temperature.value.param == "temperature"
@@ -242,18 +347,19 @@ def test_errors_are_openai_style(client: openai.OpenAI, server: Server) -> None:
     assert options_alone.value.param == "stream_options"
 
 
-def test_disconnect_aborts_the_request(client: openai.OpenAI, server: Server) -> None:
+@pytest.mark.parametrize("n", [1, 2])
+def test_disconnect_aborts_the_request(client: openai.OpenAI, server: Server, n: int) -> None:
     aborted = ("actorline_requests_finished_total", frozenset({("finish_reason", "abort")}))
     before = server.metrics()[aborted]
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Go on forever"}],
-        max_tokens=900, temperature=0.0, stream=True, extra_body=IGNORE_EOS,
+        max_tokens=900, temperature=0.0, n=n, stream=True, extra_body=IGNORE_EOS,
     )  # fmt: skip
     for index, _ in enumerate(stream):
-        if index == 2:
+        if index == 2 + n:
             break
     stream.close()
-    poll_until(lambda: server.metrics()[aborted] > before, "the disconnected request's abort")
+    poll_until(lambda: server.metrics()[aborted] >= before + n, "every choice's abort")
     running = ("actorline_requests_running", frozenset[tuple[str, str]]())
     poll_until(lambda: server.metrics()[running] == 0, "no request to run")
 
@@ -467,14 +573,16 @@ def test_a_stop_signal_aborts_streams_in_flight_and_exits_cleanly(
     tiny_model_dir: Path, tmp_path: Path, stop_signal: signal.Signals
 ) -> None:
     """SIGINT or SIGTERM while a long stream runs: the stream ends at once with
-    ``finish_reason: "abort"`` and ``[DONE]``, the server exits with status 0 without a
-    traceback, and no engine process is left."""
+    ``finish_reason: "abort"`` (each of its choices: two under SIGTERM) and ``[DONE]``, the
+    server exits with status 0 without a traceback, and no engine process is left."""
     stderr_path = tmp_path / "stderr.txt"
     running = Server(tiny_model_dir, stderr_path)
+    n = 1 if stop_signal == signal.SIGINT else 2
     try:
         children = child_pids(running.process.pid)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on forever"}],
-                "max_tokens": 900, "temperature": 0.0, "stream": True, **IGNORE_EOS}  # fmt: skip
+                "max_tokens": 900, "temperature": 0.0, "n": n, "stream": True,
+                **IGNORE_EOS}  # fmt: skip
         request = urllib.request.Request(
             running.url + "/chat/completions",
             data=json.dumps(body).encode(),
@@ -488,17 +596,18 @@ def test_a_stop_signal_aborts_streams_in_flight_and_exits_cleanly(
                 if not line:
                     continue
                 events.append(line.removeprefix("data: "))
-                if len(events) == 3:  # the stream runs: stop the server
+                if len(events) == 2 + n:  # the stream runs: stop the server
                     running.process.send_signal(stop_signal)
         assert running.process.wait(timeout=60) == 0, stderr_path.read_text()[-3000:]
         assert events[-1] == "[DONE]"
-        chunks = [json.loads(event) for event in events[:-1]]
-        finish_reasons = [chunk["choices"][0]["finish_reason"] for chunk in chunks]
-        assert finish_reasons[-1] == "abort" and not any(finish_reasons[:-1])
-        completion_tokens = sum(
-            bool(chunk["choices"][0]["delta"].get("content")) for chunk in chunks
-        )
-        assert completion_tokens < 900  # ended by the abort, not by max_tokens
+        choices = [json.loads(event)["choices"][0] for event in events[:-1]]
+        for index in range(n):
+            own = [choice for choice in choices if choice["index"] == index]
+            finish_reasons = [choice["finish_reason"] for choice in own]
+            assert finish_reasons[-1] == "abort" and not any(finish_reasons[:-1])
+            completion_tokens = sum(bool(choice["delta"].get("content")) for choice in own)
+            assert completion_tokens < 900  # ended by the abort, not by max_tokens
+        assert {choice["index"] for choice in choices} == set(range(n))
         stderr = stderr_path.read_text()
         assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr[-3000:]
         assert not [pid for pid in children if process_alive(pid)]
