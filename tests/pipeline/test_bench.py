@@ -7,6 +7,8 @@ import argparse
 import itertools
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,32 @@ def test_ablation_quick(tiny_model_dir: Path) -> None:
         assert variant.prefill_seconds > 0 and variant.decode_seconds > 0
     table = format_ablation(result)
     assert f"vs {ALL_ON}" in table and "cpu_linears=False" in table
+
+
+def test_transports_quick() -> None:
+    """benchmarks/transports.py runs every link and its raw peers on the same bytes and prints
+    the ratios as JSON, and nothing else: no gRPC log line amid the figures."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "transports.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--quick", "--json", "--sizes", "10000"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    rows = {(row["transport"], row["zstd"]): row for row in json.loads(result.stdout)}
+    assert set(rows) == {
+        (name, zstd) for name in ("memory", "zmq", "grpc") for zstd in (False, True)
+    } - {("memory", True)}
+    for (name, _), row in rows.items():
+        assert row["size"] == 10_000 and row["link_msgs_per_s"] > 0
+        assert row["link_p50_us"] > 0 and row["link_p99_us"] >= row["link_p50_us"]
+        if name != "memory":  # measured against the raw library in the same run
+            assert row["raw_msgs_per_s"] > 0
+            assert row["ratio"] == pytest.approx(row["link_msgs_per_s"] / row["raw_msgs_per_s"])
+    grpc = rows["grpc", False]
+    assert grpc["raw_batched_msgs_per_s"] > 0
+    assert grpc["batched_ratio"] == pytest.approx(
+        grpc["link_msgs_per_s"] / grpc["raw_batched_msgs_per_s"]
+    )
