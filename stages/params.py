@@ -76,6 +76,13 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20
+#: stop strings per request, and characters per stop string: every step checks each one
+#: against the new text, so a request must not make that cost (or the hold-back index, which
+#: grows with their length) unbounded for everyone on the frontend
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LENGTH = 1024
+#: float32's smallest normal value: a positive double below it is 0 in the sampler
+_FLOAT32_TINY = 1.1754943508222875e-38
 
 
 def validate_sampling(
@@ -106,15 +113,18 @@ def validate_sampling(
     if check_float("temperature", params.temperature) < 0:
         fail("temperature", f"must be >= 0, got {params.temperature}")
     top_p = check_float("top_p", params.top_p)
-    if not 0.0 < top_p <= 1.0:
-        fail("top_p", f"must be in (0, 1], got {params.top_p}")
+    if not _FLOAT32_TINY <= top_p <= 1.0:
+        fail("top_p", f"must be in (0, 1] (and at least {_FLOAT32_TINY:.3g}), got {params.top_p}")
     check_int("top_k", params.top_k)
     if params.top_k < -1:
         fail("top_k", f"must be -1, 0 (disabled) or >= 1, got {params.top_k}")
     if not 0.0 <= check_float("min_p", params.min_p) <= 1.0:
         fail("min_p", f"must be in [0, 1], got {params.min_p}")
-    if check_float("repetition_penalty", params.repetition_penalty) <= 0:
-        fail("repetition_penalty", f"must be > 0, got {params.repetition_penalty}")
+    if check_float("repetition_penalty", params.repetition_penalty) < _FLOAT32_TINY:
+        fail(
+            "repetition_penalty",
+            f"must be > 0 (and at least {_FLOAT32_TINY:.3g}), got {params.repetition_penalty}",
+        )
     if not -2.0 <= check_float("presence_penalty", params.presence_penalty) <= 2.0:
         fail("presence_penalty", f"must be in [-2, 2], got {params.presence_penalty}")
     if not -2.0 <= check_float("frequency_penalty", params.frequency_penalty) <= 2.0:
@@ -127,6 +137,14 @@ def validate_sampling(
         fail("stop", "must be a list of strings")
     if any(s == "" for s in params.stop):
         fail("stop", "must not contain an empty string")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(params.stop)}")
+    longest = max((len(s) for s in params.stop), default=0)
+    if longest > MAX_STOP_STRING_LENGTH:
+        fail(
+            "stop",
+            f"strings may be at most {MAX_STOP_STRING_LENGTH} characters, got one of {longest}",
+        )
     if not isinstance(params.stop_token_ids, tuple):
         fail("stop_token_ids", "must be a list of token ids")
     for token_id in params.stop_token_ids:

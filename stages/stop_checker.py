@@ -122,15 +122,18 @@ class StopChecker:
         self._stop_reason: str | None = None
         self._closed = False
         # For the hold-back: per last character c, every proper prefix of a stop string that
-        # ends with c, longest first. Only these can be a suffix of text ending with c.
-        by_last_char: dict[str, list[str]] = {}
+        # ends with c, longest first, as (its length, the stop string): only these can be a
+        # suffix of text ending with c. Lengths, not the prefixes themselves, so memory grows
+        # with the stop strings' length, not its square.
+        by_last_char: dict[str, list[tuple[int, str]]] = {}
         if not self._include:
             for stop_string in self._stop:
                 for length in range(1, len(stop_string)):
-                    prefix = stop_string[:length]
-                    by_last_char.setdefault(prefix[-1], []).append(prefix)
+                    by_last_char.setdefault(stop_string[length - 1], []).append(
+                        (length, stop_string)
+                    )
         self._prefixes_by_last_char = {
-            char: tuple(sorted(set(prefixes), key=len, reverse=True))
+            char: tuple(sorted(prefixes, key=lambda entry: entry[0], reverse=True))
             for char, prefixes in by_last_char.items()
         }
 
@@ -203,9 +206,9 @@ class StopChecker:
         # Hold back the longest suffix that is a proper prefix of a stop string: only the
         # prefixes ending with the buffer's last character can be.
         held = 0
-        for prefix in self._prefixes_by_last_char.get(buffer[-1], ()):
-            if buffer.endswith(prefix):
-                held = len(prefix)
+        for length, stop_string in self._prefixes_by_last_char.get(buffer[-1], ()):
+            if length <= len(buffer) and stop_string.startswith(buffer[-length:]):
+                held = length
                 break
         self._window = buffer[-self._window_size :] if self._window_size else ""
         self._held = held

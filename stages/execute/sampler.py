@@ -344,6 +344,7 @@ class Sampler:
         # NOTE: a token stays when the mass of the tokens more likely than it is below top_p
         # (the most likely always stays); the same set as vLLM's ascending-sort rule.
         keep = (cumulative - probs) < top_p.unsqueeze(1)
+        keep[:, 0] = True  # whatever rounding does to a tiny top_p
         covered = has_top_k | (cumulative[:, -1] >= top_p)  # no token beyond the candidates
         kept = values.masked_fill(~keep, float("-inf"))
         result = torch.full_like(logits, float("-inf")).scatter_(1, indices, kept)

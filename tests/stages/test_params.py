@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from stages.errors import InvalidRequestError
-from stages.params import SamplingParams, validate_sampling
+from stages.params import (
+    MAX_STOP_STRING_LENGTH,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+    validate_sampling,
+)
 
 
 def test_none_stop_lists_mean_none_as_in_vllm() -> None:
@@ -28,9 +33,19 @@ def test_stop_takes_one_string_or_a_list() -> None:
         ({"stop": ""}, "stop"),
         ({"stop_token_ids": [1.5]}, "stop_token_ids"),
         ({"stop_token_ids": 7}, "stop_token_ids"),
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": ["x" * (MAX_STOP_STRING_LENGTH + 1)]}, "stop"),
+        # positive, yet 0 in float32: an empty nucleus, a division by zero
+        ({"top_p": 1e-300}, "top_p"),
+        ({"repetition_penalty": 5e-324}, "repetition_penalty"),
     ],
 )
-def test_bad_stop_lists_are_still_refused(fields: dict[str, object], field: str) -> None:
+def test_bad_values_are_refused(fields: dict[str, object], field: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         validate_sampling(SamplingParams(**fields))  # type: ignore[arg-type]
     assert caught.value.field == field
+
+
+def test_the_largest_stop_lists_allowed_pass() -> None:
+    validate_sampling(SamplingParams(stop=("y" * MAX_STOP_STRING_LENGTH,) * MAX_STOP_STRINGS))
+    validate_sampling(SamplingParams(top_p=1.2e-38, repetition_penalty=1.2e-38))

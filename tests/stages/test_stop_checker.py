@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from stages.detokenizer import DetokenizerFactory
 from stages.errors import InvalidRequestError
-from stages.params import SamplingParams
+from stages.params import MAX_STOP_STRING_LENGTH, SamplingParams
 from stages.stop_checker import StopChecker, StopCheckerClosedError, StopDecision
 
 
@@ -183,6 +183,18 @@ def test_overlapping_prefix_is_held_through_a_false_start() -> None:
     assert checker.push("a", 3).delta == "a"  # "aaa": only "aa" can still start "aab"
     assert checker.push("b", 4) == StopDecision("", True, "aab")
     assert checker.text == "xa"
+
+
+def test_a_stop_string_of_the_longest_length_allowed_is_held_and_matched() -> None:
+    stop = "".join(chr(ord("a") + i % 26) for i in range(MAX_STOP_STRING_LENGTH))
+    checker = StopChecker([stop, "zz"])
+    for i in range(0, len(stop) - 1, 100):  # every piece extends a prefix: all held
+        assert checker.push(stop[i : min(i + 100, len(stop) - 1)], 1 + i).delta == ""
+    assert checker.held_text == stop[:-1]
+    assert checker.push(stop[-1], 10**4) == StopDecision("", True, stop)
+    released = StopChecker([stop])
+    assert released.push(stop[:500], 1).delta == ""
+    assert released.push("!", 2).delta == stop[:500] + "!"  # a false start, released
 
 
 def test_no_stop_strings_streams_everything() -> None:

@@ -189,6 +189,16 @@ def test_top_p_keeps_the_nucleus() -> None:
     assert observed[3:].sum() == 0 and observed[2] > 0.1
 
 
+def test_the_smallest_top_p_keeps_the_most_likely_token() -> None:
+    """A top_p near float32's smallest normal value: only the most likely token (never
+    whatever sits at index 0, which is what an empty nucleus would sample)."""
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    for params in (SamplingParams(top_p=1.2e-38), SamplingParams(top_p=1.2e-38, top_k=3)):
+        states = [make_state(params) for _ in range(64)]
+        tokens = Sampler(4, CPU).sample(logits.expand(64, -1), states).token_ids
+        assert set(tokens) == {2}
+
+
 def test_top_k_and_top_p_together() -> None:
     observed = frequencies(SamplingParams(top_k=3, top_p=0.9))
     # Top-k leaves 0.4, 0.25, 0.15 (renormalised 0.5, 0.3125, 0.1875); all within top-p 0.9.
