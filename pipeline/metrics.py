@@ -37,18 +37,21 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from pipeline._protocol import HANDLE_SECONDS_BUCKETS
@@ -331,8 +334,11 @@ class EngineMetrics:
         return self
 
     def start_http_server(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Serve the registry at ``http://host:port/metrics`` (prometheus_client's threaded
-        HTTP server; port 0 picks a free one).
+        """Serve the registry at ``http://host:port/metrics`` (prometheus_client's WSGI app on
+        a threaded HTTP server; port 0 picks a free one). A connection gets
+        :data:`METRICS_READ_TIMEOUT` seconds to send its request, and at most
+        :data:`METRICS_MAX_CONNECTIONS` are served at once (more are closed at once), so idle
+        or slow clients cannot pile up threads.
 
         Returns:
             The port listened on.
@@ -341,7 +347,18 @@ class EngineMetrics:
         """
         if self._http is not None:
             raise RuntimeError("the metrics HTTP server is already running")
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        server_class = _MetricsServer6 if ":" in host else _MetricsServer
+        server = make_server(
+            host.strip("[]"),
+            port,
+            make_wsgi_app(self.registry),
+            server_class,
+            handler_class=_MetricsRequestHandler,
+        )
+        thread = threading.Thread(
+            target=server.serve_forever, name="actorline-metrics-http", daemon=True
+        )
+        thread.start()
         self._http = (server, thread)
         bound: int = server.server_port
         logger.info("metrics on http://%s:%d/metrics", host, bound)
@@ -411,3 +428,48 @@ class EngineMetrics:
                 if not failing:
                     logger.info("metrics: pipeline statistics unavailable: %s", exc)
                 failing = True
+
+
+#: seconds a metrics connection may take to send its request (and to take each response write)
+METRICS_READ_TIMEOUT = 10.0
+#: metrics connections served at once; more are closed on arrival
+METRICS_MAX_CONNECTIONS = 32
+
+
+class _MetricsRequestHandler(WSGIRequestHandler):
+    """A quiet request handler with a socket timeout: a client that connects and sends
+    nothing (or dribbles) is dropped after :data:`METRICS_READ_TIMEOUT` seconds."""
+
+    timeout = METRICS_READ_TIMEOUT
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not worth a log line each."""
+
+
+class _MetricsServer(ThreadingWSGIServer):
+    """prometheus_client's threaded WSGI server, serving at most
+    :data:`METRICS_MAX_CONNECTIONS` connections at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(METRICS_MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # full: close it rather than queue a thread
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _MetricsServer6(_MetricsServer):
+    address_family = socket.AF_INET6

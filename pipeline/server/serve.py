@@ -28,9 +28,8 @@ from grpc_reflection.v1alpha import reflection
 from pipeline.engine import AsyncEngine
 from pipeline.options import EngineOptions
 from pipeline.server import generation_pb2 as pb
-from pipeline.server import generation_pb2_grpc as pb_grpc
 from pipeline.server.auth import ApiKeys
-from pipeline.server.service import GenerationService
+from pipeline.server.service import GenerationService, add_to_server
 
 if TYPE_CHECKING:
     from pipeline.metrics import EngineMetrics
@@ -219,7 +218,7 @@ class GenerationServer:
         if self._server is not None:
             raise RuntimeError("the server is already started")
         server = grpc.aio.server(options=self._grpc_options)
-        pb_grpc.add_GenerationServicer_to_server(self.service, server)
+        add_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server

@@ -12,18 +12,20 @@ output iterator (``aclosing``) then aborts the request in the engine, which free
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncGenerator
-from typing import NoReturn, cast
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, NoReturn, cast
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from pipeline.engine import AsyncEngine
 from pipeline.server import generation_pb2 as pb
 from pipeline.server import generation_pb2_grpc as pb_grpc
-from pipeline.server.auth import AUTHORIZATION_KEY, ApiKeys
+from pipeline.server.auth import AUTHORIZATION_KEY, ApiKeys, AuthenticationError
 from pipeline.server.convert import (
     model_info_to_proto,
     prompt_from_proto,
@@ -151,14 +153,35 @@ class GenerationService(pb_grpc.GenerationServicer):
     # -- internals ------------------------------------------------------------------------------
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> str:
-        authorization = None
-        for key, value in context.invocation_metadata() or ():
-            if key == AUTHORIZATION_KEY:
-                authorization = value.decode() if isinstance(value, bytes) else value
+        values = [
+            value.decode() if isinstance(value, bytes) else value
+            for key, value in context.invocation_metadata() or ()
+            if key == AUTHORIZATION_KEY
+        ]
         try:
-            return self._api_keys.authenticate(authorization)
+            if len(values) > 1:
+                # NOTE: which one counts would be the server's guess; a proxy in front may
+                # have checked another one than this server would bill.
+                raise AuthenticationError(
+                    f"{len(values)} '{AUTHORIZATION_KEY}' metadata values; send exactly one"
+                )
+            return self._api_keys.authenticate(values[0] if values else None)
         except RequestError as error:
             await _end_call(context, error)
+
+    async def refuse_malformed(
+        self, request: MalformedRequest, context: grpc.aio.ServicerContext
+    ) -> NoReturn:
+        """End a call whose request bytes did not parse: UNAUTHENTICATED without a valid key
+        (as any call), else INVALID_ARGUMENT naming the message type."""
+        await self._authenticate(context)
+        await _end_call(
+            context,
+            InvalidRequestError(
+                f"the request is not a valid {request.type_name}: {request.reason}",
+                field="request",
+            ),
+        )
 
     def _check_serving(self) -> None:
         if self._shutting_down:
@@ -186,3 +209,63 @@ async def _end_call(context: grpc.aio.ServicerContext, error: BaseException) -> 
         logger.error("call failed: %s", error, exc_info=error)
     await context.abort(status.code, status.details, status.trailing_metadata())
     raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+# -- registration -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MalformedRequest:
+    """Request bytes that did not parse as ``type_name`` (``reason`` from protobuf)."""
+
+    type_name: str
+    reason: str
+
+
+def _lenient(message_type: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that never raises: bytes that do not parse become a
+    :class:`MalformedRequest`. (gRPC's own handling of a deserializer error is status
+    UNKNOWN with Python's exception text, and an ERROR traceback in the log per call, which
+    any client, authenticated or not, could repeat at will.)"""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as error:
+            return MalformedRequest(message_type.DESCRIPTOR.full_name, str(error))
+
+    return parse
+
+
+def _or_refuse(service: GenerationService, method: Any) -> Any:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, MalformedRequest):
+            await service.refuse_malformed(request, context)
+        return await method(request, context)
+
+    return handle
+
+
+def add_to_server(service: GenerationService, server: grpc.aio.Server) -> None:
+    """Register ``service`` on ``server`` as the generated ``add_GenerationServicer_to_server``
+    does, but with request bytes that do not parse answered INVALID_ARGUMENT."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            _or_refuse(service, service.Generate),
+            request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            _or_refuse(service, service.Abort),
+            request_deserializer=_lenient(pb.AbortRequest),
+            response_serializer=pb.AbortResponse.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            _or_refuse(service, service.GetModelInfo),
+            request_deserializer=_lenient(pb.GetModelInfoRequest),
+            response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)

@@ -10,6 +10,7 @@ import collections
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -300,3 +301,31 @@ def test_actorline_serve_metrics_port(tiny_model_dir: Path, tmp_path: Path) -> N
             process.kill()
             process.wait()
         stderr.close()
+
+
+def test_the_metrics_server_drops_idle_connections_and_bounds_them(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that connects and sends nothing is dropped after the read timeout, and
+    connections beyond the cap are closed on arrival: idle clients cannot pile up threads."""
+    from pipeline import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module._MetricsRequestHandler, "timeout", 3.0)
+    metrics = EngineMetrics(AsyncEngine(str(tiny_model_dir), transport="memory"))
+    port = metrics.start_http_server("127.0.0.1", 0)
+    try:
+        idle = [
+            socket.create_connection(("127.0.0.1", port), timeout=30)
+            for _ in range(metrics_module.METRICS_MAX_CONNECTIONS)
+        ]
+        extra = socket.create_connection(("127.0.0.1", port), timeout=30)
+        assert extra.recv(1) == b""  # over the cap: closed at once
+        extra.close()
+        for connection in idle:  # each dropped by its read timeout, none answered
+            assert connection.recv(1) == b""
+            connection.close()
+        # the slots are free again: a scrape is served
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+            assert b"actorline_generation_tokens_total" in reply.read()
+    finally:
+        metrics.stop_http_server()

@@ -445,6 +445,56 @@ def test_calls_without_a_valid_key_are_unauthenticated(
     served.run(body())
 
 
+def test_two_authorization_values_are_unauthenticated(served: ServedEngine) -> None:
+    """Which of two keys counts would be a guess (a proxy may have checked the other)."""
+
+    async def body() -> None:
+        async with plain_channel(served) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for metadata in (
+                (*bearer(GOOD_KEY), *bearer(OTHER_KEY)),
+                (*bearer("wrong-key"), *bearer(GOOD_KEY)),
+            ):
+                call = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata)
+                error = await rpc_error(call)
+                assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "send exactly one" in (error.details() or "")
+
+    served.run(body())
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\xff\xff\xff", b"\x0a\x05ab", b"\x0a\x02\xc3\x28"],
+    ids=["garbage", "truncated", "invalid utf-8"],
+)
+def test_request_bytes_that_do_not_parse_are_invalid_argument(
+    served: ServedEngine, data: bytes
+) -> None:
+    """Not gRPC's UNKNOWN with Python's exception text: INVALID_ARGUMENT naming the message
+    type, and UNAUTHENTICATED first for a caller without a key."""
+
+    async def body() -> tuple[grpc.aio.AioRpcError, grpc.aio.AioRpcError, bool]:
+        async with plain_channel(served) as channel:
+            raw = channel.unary_stream(
+                f"/{SERVICE_NAME}/Generate",
+                request_serializer=lambda request: request,
+                response_deserializer=pb.GenerateResponse.FromString,
+            )
+            keyed = await rpc_error(raw(data, metadata=bearer(GOOD_KEY)))
+            anonymous = await rpc_error(raw(data))
+            request = pb.GenerateRequest(text=TEXT, sampling_params=GREEDY)
+            served_still = bool(await generate(pb_grpc.GenerationStub(channel), request))
+            return keyed, anonymous, served_still
+
+    keyed, anonymous, served_still = served.run(body())
+    assert keyed.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid actorline.v1.GenerateRequest" in (keyed.details() or "")
+    assert trailer(keyed, ERROR_FIELD_KEY) == "request"
+    assert anonymous.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert served_still
+
+
 def test_keys_over_their_limits_are_resource_exhausted(served: ServedEngine) -> None:
     async def body() -> None:
         async with plain_channel(served) as channel:
