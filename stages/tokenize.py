@@ -35,6 +35,19 @@ def load_tokenizer(model: str) -> Any:
         return AutoTokenizer.from_pretrained(resolve_model(model).path)
 
 
+#: inputs larger than this (characters of text and message contents, plus a few per message)
+#: are tokenized on the stage's worker thread rather than on the event loop
+LARGE_INPUT = 16_384
+
+
+def _input_size(request: GenerateRequest) -> int:
+    size = len(request.prompt) if isinstance(request.prompt, str) else 0
+    for message in request.messages or ():
+        content = message.content
+        size += 16 + (len(content) if isinstance(content, str) else 0)
+    return size
+
+
 class TokenizeStage(Stage):
     inputs = ("in",)
     outputs = ("out", "track", "rejected")
@@ -49,7 +62,13 @@ class TokenizeStage(Stage):
     @handles(GenerateRequest)
     async def on_request(self, request: GenerateRequest) -> None:
         try:
-            token_ids = self.encode(request)
+            if _input_size(request) > LARGE_INPUT:
+                # NOTE: seconds of tokenizer work for a multi-megabyte prompt would stall the
+                # frontend's event loop (every stream, the server's health checks); the
+                # stage's own thread keeps it free. Small inputs skip the thread's hop.
+                token_ids = await self.run_in_thread(self.encode, request)
+            else:
+                token_ids = self.encode(request)
         except RequestError as error:
             await self.emit(
                 "rejected",

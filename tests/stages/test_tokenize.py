@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stages.errors import InvalidRequestError
 from stages.messages import GenerateRequest
 from stages.params import SamplingParams
-from stages.tokenize import TokenizeConfig, TokenizeStage, load_tokenizer
+from stages.tokenize import LARGE_INPUT, TokenizeConfig, TokenizeStage, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +46,49 @@ def test_a_prompt_without_tokens_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="no tokens") as caught:
         bare.encode(GenerateRequest("r", SamplingParams(), prompt="\u200b"))
     assert caught.value.field == "prompt"
+
+
+class _ThreadRecorder:
+    """The real tokenizer, noting which thread each encode ran on."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.threads: list[str] = []
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self.threads.append(threading.current_thread().name)
+        return self._tokenizer.encode(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def test_large_inputs_are_tokenized_off_the_event_loop(tiny_model_dir: Path) -> None:
+    """A multi-megabyte prompt is tokenized on the stage's worker thread, so the frontend's
+    loop keeps serving others meanwhile; small prompts stay on the loop (no hop). Both get
+    their answer: the large one refused as too long, the small one generated."""
+    from pipeline import AsyncEngine, PromptTooLongError
+
+    async def body() -> list[str]:
+        async with AsyncEngine(str(tiny_model_dir), transport="memory") as engine:
+            stage = engine.running.stage("tokenize")
+            assert isinstance(stage, TokenizeStage)
+            recorder = _ThreadRecorder(stage.tokenizer)
+            stage.tokenizer = recorder
+
+            async def last(prompt: str) -> Any:
+                params = SamplingParams(max_tokens=2, temperature=0.0)
+                outputs = [output async for output in engine.generate(prompt, params)]
+                return outputs[-1]
+
+            huge = "word " * (LARGE_INPUT // 2)
+            results = await asyncio.gather(last(huge), last("Hello"), return_exceptions=True)
+            assert isinstance(results[0], PromptTooLongError), results[0]
+            assert results[1].finished
+            return recorder.threads
+
+    threads = asyncio.run(asyncio.wait_for(body(), 120))
+    main = threading.main_thread().name
+    assert len(threads) == 2
+    assert threads[0] != main and threads[0].startswith("actorline-tokenize")
+    assert threads[1] == main
