@@ -5,7 +5,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["child_processes"]
+__all__ = ["child_processes", "process_alive"]
+
+
+def _stat_fields(stat: Path) -> list[str]:
+    """The fields of a /proc/PID/stat after the command name: state, parent, ..."""
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie nobody reaped yet has exited)."""
+    try:
+        return _stat_fields(Path(f"/proc/{pid}/stat"))[0] != "Z"
+    except OSError:
+        return False
 
 
 def child_processes(parent: int | None = None) -> dict[int, str]:
@@ -17,7 +30,7 @@ def child_processes(parent: int | None = None) -> dict[int, str]:
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            fields = _stat_fields(entry / "stat")
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue

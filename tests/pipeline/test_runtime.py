@@ -33,7 +33,7 @@ from pipeline import (
 from pipeline._gc import YOUNG_THRESHOLD
 from pipeline.demo import Job, JobResult, collatz_pipeline, collatz_steps
 from pipeline.stage import handles
-from tests.processes import child_processes
+from tests.processes import child_processes, process_alive
 from transports.compression import Compression
 
 JOBS = [Job(f"job-{i}", tuple(range(1 + 7 * i, 30 + 7 * i))) for i in range(6)]
@@ -361,15 +361,6 @@ def test_no_ipc_file_or_directory_is_left_behind(kill: bool) -> None:
     assert child_pids() == set()
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie nobody reaped yet has exited)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 _KILLED_PARENT = """
 import asyncio, sys, time
 from pipeline.demo import collatz_pipeline
@@ -406,9 +397,9 @@ def test_a_killed_parents_ipc_directories_are_removed_by_its_orphaned_hosts(
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 15
-    while _running(int(worker)) and time.monotonic() < deadline:
+    while process_alive(int(worker)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(int(worker)), "the orphaned host did not exit"
+    assert not process_alive(int(worker)), "the orphaned host did not exit"
     assert sorted(tmp_path.glob("actorline-zmq-*")) == []
 
 

@@ -27,7 +27,7 @@ from pipeline.engine import AsyncEngine
 from pipeline.llm import _LoopThread
 from pipeline.server.auth import ApiKey, ApiKeys
 from pipeline.server.serve import GenerationServer, ServerTLS
-from tests.processes import child_processes
+from tests.processes import child_processes, process_alive
 
 __all__ = [
     "GOOD_KEY",
@@ -219,15 +219,6 @@ async def read_until_end(call: Any) -> list[Any]:
 def child_pids(parent: int) -> set[int]:
     """Live (non-zombie) processes whose parent is ``parent``."""
     return set(child_processes(parent))
-
-
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live (non-zombie) process."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def engine_host_pids(parent: int) -> set[int]:
