@@ -573,11 +573,10 @@ async def _start(
     started = _Choices(request_id, engine_ids, streams, watcher, server.running)
     try:
         await started.start()
-    except Exception as exc:
+    except BaseException as exc:
         await started.close()
-        raise ApiError.from_engine(exc) from exc
-    except BaseException:
-        await started.close()
+        if isinstance(exc, Exception):
+            raise ApiError.from_engine(exc) from exc
         raise
     return started
 

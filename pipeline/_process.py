@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from typing import Any
 
 from pipeline._gc import freeze_startup_heap
@@ -63,7 +62,7 @@ from pipeline.errors import (
 from pipeline.host import FailureCallback, Host
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
-from transports.zmq import IPC_DIR_PREFIX
+from transports.zmq import IPC_DIR_PREFIX, made_ipc_directory
 
 __all__ = ["ProcessHost", "serve_host"]
 
@@ -74,7 +73,6 @@ _MAX_CONTROL_FRAME = 64 << 20
 #: seconds a controller waits for a shutdown phase on top of the host's own bound
 _STOP_MARGIN = 2.0
 _ZMQ = "zmq"
-_IPC_SCHEME = "ipc://"
 #: how long an orphaned host waits to see its parent gone (the kernel closes a dying
 #: process's sockets before it reparents its children)
 _ORPHAN_GRACE = 2.0
@@ -93,17 +91,6 @@ def _with_ipc_dir(plan: HostPlan) -> tuple[HostPlan, str | None]:
     directory = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
     settings[_ZMQ] = {**zmq_settings, "ipc_dir": directory}
     return dataclasses.replace(plan, transport_settings=tuple(settings.items())), directory
-
-
-def _our_ipc_dirs(addresses: Iterable[str]) -> set[str]:
-    """The ipc directories actorline made among ``addresses`` (never a user's ``ipc_dir``)."""
-    directories = set()
-    for address in addresses:
-        if address.startswith(_IPC_SCHEME):
-            directory = os.path.dirname(address[len(_IPC_SCHEME) :])
-            if os.path.basename(directory).startswith(IPC_DIR_PREFIX):
-                directories.add(directory)
-    return directories
 
 
 async def _parent_gone(parent: int, grace: float) -> bool:
@@ -252,7 +239,8 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
                         raise host._stage_error("(constructor)", exc) from exc
                 control.send(LinksBound(call_id, await host.bind_links()))
             elif isinstance(command, ConnectLinks):
-                peer_dirs.update(_our_ipc_dirs(command.addresses.values()))
+                made = map(made_ipc_directory, command.addresses.values())
+                peer_dirs.update(directory for directory in made if directory is not None)
                 await host.connect_links(command.addresses)
                 control.send(Ack(call_id))
             elif isinstance(command, StartStages):

@@ -78,7 +78,14 @@ from transports.errors import (
 )
 from transports.framing import FrameCodec, FrameKind
 
-__all__ = ["IPC_DIR_PREFIX", "ZmqReceiver", "ZmqSender", "ZmqTransport", "frame_limit"]
+__all__ = [
+    "IPC_DIR_PREFIX",
+    "ZmqReceiver",
+    "ZmqSender",
+    "ZmqTransport",
+    "frame_limit",
+    "made_ipc_directory",
+]
 
 logger = logging.getLogger("actorline.transports.zmq")
 
@@ -95,6 +102,15 @@ _END_FRAME = FrameCodec.control(FrameKind.END)[0]
 _HELLO_PREFIX = bytes(FrameCodec.control(FrameKind.HELLO)[0][:3])
 #: how many distinct stray peers a receiver warns about (then it drops them quietly)
 _STRAY_WARNINGS = 16
+
+
+def made_ipc_directory(address: str) -> str | None:
+    """The ipc directory actorline made (named :data:`IPC_DIR_PREFIX`...) that holds the
+    socket file of ``address``; None for any other address (tcp, a user's ``ipc_dir``)."""
+    if not address.startswith(_IPC):
+        return None
+    directory = os.path.dirname(address[len(_IPC) :])
+    return directory if os.path.basename(directory).startswith(IPC_DIR_PREFIX) else None
 
 
 def frame_limit(max_message_bytes: int) -> int:

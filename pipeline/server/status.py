@@ -152,26 +152,33 @@ def status_for(error: BaseException) -> ErrorStatus:
     return ErrorStatus(grpc.StatusCode.INTERNAL, "internal server error", _INTERNAL)
 
 
-def _trailer(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
+def _metadata_value(
+    metadata: Iterable[tuple[str, str | bytes]] | None, key: str
+) -> str | bytes | None:
     for name, value in metadata or ():
         if name == key:
-            return value.decode() if isinstance(value, bytes) else value
+            return value
     return None
+
+
+def _trailer(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    value = _metadata_value(metadata, key)
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _retry_after(metadata: Iterable[tuple[str, str | bytes]] | None) -> float | None:
     """The ``RetryInfo`` delay in the rich status among ``metadata`` (None: none)."""
-    for name, value in metadata or ():
-        if name != STATUS_DETAILS_KEY or not isinstance(value, bytes):
-            continue
-        try:
-            status = status_pb2.Status.FromString(value)
-        except DecodeError:  # a peer's garbage: no delay, the status code still counts
-            return None
-        for detail in status.details:
-            retry = error_details_pb2.RetryInfo()
-            if detail.Unpack(retry):
-                return retry.retry_delay.ToNanoseconds() / 1e9
+    value = _metadata_value(metadata, STATUS_DETAILS_KEY)
+    if not isinstance(value, bytes):
+        return None
+    try:
+        status = status_pb2.Status.FromString(value)
+    except DecodeError:  # a peer's garbage: no delay, the status code still counts
+        return None
+    for detail in status.details:
+        retry = error_details_pb2.RetryInfo()
+        if detail.Unpack(retry):
+            return retry.retry_delay.ToNanoseconds() / 1e9
     return None
 
 
