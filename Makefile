@@ -43,7 +43,7 @@ test: lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup
-	$(BIN)/python benchmarks/transports.py
+	$(BIN)/actorline bench transports
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -28,8 +28,8 @@ import sys
 from typing import Any
 
 from pipeline import AsyncEngine, Pipeline, SamplingParams, Stage
-from pipeline.options import EngineOptions
-from pipeline.presets import llm_pipeline
+from pipeline.engine.options import EngineOptions
+from pipeline.engine.presets import llm_pipeline
 from stages.messages import TextOutputs
 
 __all__ = ["MaskConfig", "MaskStage", "build_pipeline", "generate", "main"]

@@ -19,13 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from pipeline.client import (
+from pipeline.engine.errors import EngineDeadError
+from pipeline.server.client import (
     AuthenticationError,
     Client,
     ServiceError,
     ServiceUnavailableError,
 )
-from pipeline.errors import EngineDeadError
 from stages.errors import InvalidRequestError, RequestError
 from stages.params import SamplingParams, validate_sampling
 

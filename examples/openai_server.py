@@ -2,7 +2,7 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (with
 ``"stream": true``: server-sent events, ``data: {...}`` chunks ending with ``data: [DONE]``)
-and ``GET /metrics`` (Prometheus, :class:`pipeline.metrics.EngineMetrics`)::
+and ``GET /metrics`` (Prometheus, :class:`pipeline.engine.metrics.EngineMetrics`)::
 
     python examples/openai_server.py --model smollm2-135m --port 8000
 
@@ -76,8 +76,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from pipeline import AsyncEngine, PipelineError
-from pipeline.metrics import EngineMetrics
-from pipeline.options import EngineOptions
+from pipeline.engine.metrics import EngineMetrics
+from pipeline.engine.options import EngineOptions
 from stages.errors import (
     InvalidRequestError,
     OverloadedError,

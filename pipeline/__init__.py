@@ -1,8 +1,9 @@
-"""actorline's actor runtime and user-facing API.
+"""actorline: LLM inference as a pipeline of asyncio actors. The names users import.
 
-The runtime (stages, pipelines, hosts, supervision) is imported eagerly and is light. The LLM
-façade (``LLM``, ``AsyncEngine``, ``SamplingParams``, ...) imports the stages, which import the
-runtime, so its names are resolved lazily on first access (DESIGN §1).
+The runtime (:mod:`pipeline.runtime`: stages, pipelines, hosts, supervision) is imported
+eagerly and is light. The LLM façade (``LLM``, ``AsyncEngine``, ``SamplingParams``, ...)
+imports the stages, which import the runtime, so its names are resolved lazily on first
+access (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
@@ -10,29 +11,36 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pipeline.caller import Caller
-from pipeline.errors import (
+from pipeline.runtime import (
+    BOUNDARY,
+    MAIN_HOST,
+    Caller,
     CallOverflowError,
     DeadlockError,
-    EngineDeadError,
+    Endpoint,
     GraphError,
     HostDiedError,
     HostUnresponsiveError,
+    Link,
     PeerLostError,
+    Pipeline,
     PipelineClosedError,
     PipelineError,
+    RunningPipeline,
+    Stage,
     StageFailedError,
+    StageSpec,
+    StartOptions,
     UnhandledMessageError,
+    handles,
 )
-from pipeline.graph import BOUNDARY, MAIN_HOST, Endpoint, Link, Pipeline, StageSpec
-from pipeline.runtime import RunningPipeline, StartOptions
-from pipeline.stage import Stage, handles
 
 # façade name -> module that defines it (imported on first access)
 _LAZY = {
     "AsyncEngine": "pipeline.engine",
-    "LLM": "pipeline.llm",
-    "EngineOptions": "pipeline.options",
+    "LLM": "pipeline.engine",
+    "EngineOptions": "pipeline.engine",
+    "EngineDeadError": "pipeline.engine",
     "SamplingParams": "stages.params",
     "ChatMessage": "stages.messages",
     "Logprobs": "stages.messages",
@@ -41,11 +49,11 @@ _LAZY = {
     "PromptTooLongError": "stages.errors",
     "RateLimitedError": "stages.errors",
     "OverloadedError": "stages.errors",
-    "llm_pipeline": "pipeline.presets",
-    "Client": "pipeline.client",
-    "EngineMetrics": "pipeline.metrics",
+    "llm_pipeline": "pipeline.engine",
+    "Client": "pipeline.server.client",
+    "EngineMetrics": "pipeline.engine.metrics",
     "EngineObserver": "pipeline.engine",
-    "AsyncClient": "pipeline.client",
+    "AsyncClient": "pipeline.server.client",
 }
 
 __all__ = [
@@ -54,7 +62,6 @@ __all__ = [
     "CallOverflowError",
     "Caller",
     "DeadlockError",
-    "EngineDeadError",
     "Endpoint",
     "GraphError",
     "HostDiedError",

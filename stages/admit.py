@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from pipeline.stage import Stage, handles
+from pipeline.runtime.stage import Stage, handles
 from stages.errors import (
     InvalidRequestError,
     OverloadedError,
@@ -145,7 +145,7 @@ def resolve_max_tokens(request: EngineRequest, info: EngineInfo) -> EngineReques
 
 
 #: the number of tenants' buckets above which full ones are forgotten
-_PRUNE_BUCKETS_AT = 1024
+PRUNE_BUCKETS_AT = 1024
 
 
 class _TenantBuckets:
@@ -238,7 +238,7 @@ class AdmitStage(Stage):
         """
         buckets = self._buckets.get(request.tenant)
         if buckets is None:
-            if len(self._buckets) >= _PRUNE_BUCKETS_AT:
+            if len(self._buckets) >= PRUNE_BUCKETS_AT:
                 self._prune_buckets()
             buckets = _TenantBuckets(self.config.limits_for(request.tenant))
             self._buckets[request.tenant] = buckets

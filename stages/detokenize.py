@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.stage import Stage, handles
+from pipeline.runtime.stage import Stage, handles
 from stages.detokenizer import DetokenizerFactory, IncrementalDetokenizer
 from stages.early_aborts import EarlyAborts
 from stages.messages import (

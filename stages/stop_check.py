@@ -9,7 +9,7 @@ its KV blocks are freed at once.
 An abort of a request with stop strings that has had an output is answered with its final
 ``"abort"`` output, carrying the held-back text (vLLM's ``OutputProcessor.abort_requests``
 makes the same final output from its detokenizer state, ``vllm/v1/engine/output_processor.py``);
-:meth:`pipeline.engine.AsyncEngine.abort` ends such a stream with it.
+:meth:`pipeline.engine.async_engine.AsyncEngine.abort` ends such a stream with it.
 
 Ports: ``in`` takes EngineRequest (registration), TextOutputs, RequestRejected and
 AbortRequests (from detokenize); ``out`` sends :class:`RequestOutputs` to the API; ``abort``
@@ -18,7 +18,7 @@ sends :class:`AbortRequests` to schedule.
 
 from __future__ import annotations
 
-from pipeline.stage import Stage, handles
+from pipeline.runtime.stage import Stage, handles
 from stages.messages import (
     AbortRequests,
     EngineRequest,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pipeline.stage import Stage, handles
+from pipeline.runtime.stage import Stage, handles
 from stages.errors import InvalidRequestError, RequestError
 from stages.messages import EngineRequest, GenerateRequest, RequestRejected
 

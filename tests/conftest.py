@@ -77,7 +77,7 @@ def _host_processes() -> set[str]:
     return {
         f"{pid}: {command}"
         for pid, command in child_processes().items()
-        if "pipeline._host_main" in command
+        if "pipeline.runtime.host_main" in command
     }
 
 

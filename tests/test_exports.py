@@ -8,10 +8,14 @@ import pytest
 
 MODULES = [
     "pipeline",
-    "pipeline.client",
+    "pipeline.server.client",
     "pipeline.engine",
-    "pipeline.errors",
+    "pipeline.engine.async_engine",
+    "pipeline.engine.errors",
+    "pipeline.runtime.errors",
     "pipeline.runtime",
+    "pipeline.runtime.running",
+    "pipeline.cli",
     "plugins",
     "stages",
     "stages.errors",

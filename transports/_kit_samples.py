@@ -22,7 +22,14 @@ from transports.errors import (
     TruncatedFrameError,
     UnknownTagError,
 )
-from transports.framing import _HEADER, _MAGIC, _VERSION, _ZSTD, FrameCodec, FrameKind
+from transports.framing import (
+    FLAG_ZSTD,
+    FRAME_HEADER,
+    FRAME_MAGIC,
+    FRAME_VERSION,
+    FrameCodec,
+    FrameKind,
+)
 
 __all__ = [
     "KitArrays",
@@ -128,14 +135,16 @@ def assert_same_value(label: str, sent: Any, got: Any) -> None:
 
 
 def data_frame(payload: bytes, *, flags: int = 0, buffer_flags: bytes = b"") -> bytes:
-    header = _HEADER.pack(_MAGIC, _VERSION, FrameKind.DATA, flags, len(payload), len(buffer_flags))
+    header = FRAME_HEADER.pack(
+        FRAME_MAGIC, FRAME_VERSION, FrameKind.DATA, flags, len(payload), len(buffer_flags)
+    )
     return header + buffer_flags + payload
 
 
 def payload_of(frame: Buffer) -> bytes:
     data = bytes(frame)
-    n_buffers = _HEADER.unpack_from(data)[-1]
-    return data[_HEADER.size + n_buffers :]
+    n_buffers = FRAME_HEADER.unpack_from(data)[-1]
+    return data[FRAME_HEADER.size + n_buffers :]
 
 
 def bad_frames(max_message_bytes: int) -> list[tuple[str, list[Buffer], type[DecodeError]]]:
@@ -182,18 +191,18 @@ def bad_frames(max_message_bytes: int) -> list[tuple[str, list[Buffer], type[Dec
         ("empty tensor of a huge shape", [data_frame(huge_empty[0])], NotMsgpackError),
         ("empty array of a huge shape", [data_frame(huge_empty[1])], NotMsgpackError),
         ("messages nested too deep", [data_frame(too_deep)], NestingTooDeepError),
-        ("bad zstd", [data_frame(payload_of(payload), flags=_ZSTD)], DecompressionError),
-        ("corrupt zstd body", [data_frame(bytes(corrupt), flags=_ZSTD)], DecompressionError),
+        ("bad zstd", [data_frame(payload_of(payload), flags=FLAG_ZSTD)], DecompressionError),
+        ("corrupt zstd body", [data_frame(bytes(corrupt), flags=FLAG_ZSTD)], DecompressionError),
         (
             "truncated zstd",
-            [data_frame(payload_of(compressed)[:-10], flags=_ZSTD)],
+            [data_frame(payload_of(compressed)[:-10], flags=FLAG_ZSTD)],
             DecompressionError,
         ),
         (
             "bad zstd buffer frame",
-            [data_frame(payload_of(ping), buffer_flags=bytes([_ZSTD])), b"not zstd"],
+            [data_frame(payload_of(ping), buffer_flags=bytes([FLAG_ZSTD])), b"not zstd"],
             DecompressionError,
         ),
-        ("zstd bomb", [data_frame(bomb, flags=_ZSTD)], FrameTooLargeError),
+        ("zstd bomb", [data_frame(bomb, flags=FLAG_ZSTD)], FrameTooLargeError),
         ("oversized payload", [data_frame(bytes(max_message_bytes + 1))], FrameTooLargeError),
     ]

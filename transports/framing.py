@@ -24,12 +24,16 @@ from transports.errors import (
     TruncatedFrameError,
 )
 
-__all__ = ["FrameCodec", "FrameKind"]
+__all__ = ["FLAG_ZSTD", "FRAME_HEADER", "FRAME_MAGIC", "FRAME_VERSION", "FrameCodec", "FrameKind"]
 
-_MAGIC = 0xAC
-_VERSION = 1
-_HEADER = struct.Struct("!BBBBIH")
-_ZSTD = 1
+#: the first byte of every frame
+FRAME_MAGIC = 0xAC
+#: the framing format version
+FRAME_VERSION = 1
+#: magic, version, kind, flags, payload length, buffer count
+FRAME_HEADER = struct.Struct("!BBBBIH")
+#: the flag of a zstd-compressed payload or buffer
+FLAG_ZSTD = 1
 
 
 class FrameKind(enum.IntEnum):
@@ -73,20 +77,22 @@ class FrameCodec:
                 self.bytes_after_compression += len(compressed)
                 if len(compressed) < len(payload):
                     payload = compressed
-                    flags |= _ZSTD
+                    flags |= FLAG_ZSTD
             if zstd.compression.compress_buffers:
                 for index, buffer in enumerate(buffers):
                     if memoryview(buffer).nbytes >= threshold:
                         buffers[index] = zstd.compress(buffer)
-                        buffer_flags[index] = _ZSTD
-        header = _HEADER.pack(_MAGIC, _VERSION, FrameKind.DATA, flags, len(payload), len(buffers))
+                        buffer_flags[index] = FLAG_ZSTD
+        header = FRAME_HEADER.pack(
+            FRAME_MAGIC, FRAME_VERSION, FrameKind.DATA, flags, len(payload), len(buffers)
+        )
         return [b"".join((header, buffer_flags, payload)), *buffers]
 
     @staticmethod
     def control(kind: FrameKind, text: str = "") -> list[Buffer]:
         """A control frame (HELLO carries ``text``; HEARTBEAT and END carry nothing)."""
         payload = text.encode()
-        return [_HEADER.pack(_MAGIC, _VERSION, kind, 0, len(payload), 0) + payload]
+        return [FRAME_HEADER.pack(FRAME_MAGIC, FRAME_VERSION, kind, 0, len(payload), 0) + payload]
 
     def decode(self, frames: Sequence[Buffer]) -> tuple[FrameKind, object]:
         """Decode frames into ``(kind, message)``; for HELLO the message is the peer name.
@@ -97,20 +103,20 @@ class FrameCodec:
         if not frames:
             raise TruncatedFrameError("empty multipart message")
         head = memoryview(frames[0])
-        if head.nbytes < _HEADER.size:
+        if head.nbytes < FRAME_HEADER.size:
             raise TruncatedFrameError(
-                f"header frame has {head.nbytes} bytes, needs at least {_HEADER.size}"
+                f"header frame has {head.nbytes} bytes, needs at least {FRAME_HEADER.size}"
             )
-        magic, version, kind_value, flags, payload_len, n_buffers = _HEADER.unpack_from(head)
-        if magic != _MAGIC:
+        magic, version, kind_value, flags, payload_len, n_buffers = FRAME_HEADER.unpack_from(head)
+        if magic != FRAME_MAGIC:
             raise NotMsgpackError(f"not an actorline frame (magic byte 0x{magic:02x})")
-        if version != _VERSION:
+        if version != FRAME_VERSION:
             raise NotMsgpackError(f"unsupported frame version {version}")
         try:
             kind = FrameKind(kind_value)
         except ValueError:
             raise NotMsgpackError(f"unknown frame kind {kind_value}") from None
-        start = _HEADER.size + n_buffers
+        start = FRAME_HEADER.size + n_buffers
         if head.nbytes != start + payload_len:
             raise TruncatedFrameError(
                 f"header frame declares {start + payload_len} bytes, has {head.nbytes}"
@@ -128,11 +134,11 @@ class FrameCodec:
             return kind, bytes(payload).decode("utf-8", "replace")
         if kind is not FrameKind.DATA:
             return kind, None
-        if flags & _ZSTD:
+        if flags & FLAG_ZSTD:
             payload = self._decompress(payload)
         buffers: list[Buffer] = list(frames[1:])
         for index in range(n_buffers):
-            if head[_HEADER.size + index] & _ZSTD:
+            if head[FRAME_HEADER.size + index] & FLAG_ZSTD:
                 buffers[index] = self._decompress(buffers[index])
             elif memoryview(buffers[index]).nbytes > self.max_frame_bytes:
                 raise FrameTooLargeError(f"buffer frame {index} exceeds the size limit")

@@ -64,7 +64,7 @@ from transports.errors import (
     TransportError,
     TruncatedFrameError,
 )
-from transports.framing import _MAGIC, FrameCodec, FrameKind
+from transports.framing import FRAME_MAGIC, FrameCodec, FrameKind
 from transports.memory import MemoryChannel, wake_all, wake_one
 
 __all__ = [
@@ -100,7 +100,7 @@ _COUNT = struct.Struct("!I")
 #: the most frames one link message has: a header and up to 2**16 - 1 buffers
 MAX_FRAMES = 1 << 16
 # NOTE: every frame FrameCodec makes starts with this byte (see transports.framing).
-_FRAME_MAGIC = bytes([_MAGIC])
+_FRAME_MAGIC = bytes([FRAME_MAGIC])
 _LENGTH_SIZE = 4
 # NOTE: the first byte of a gRPC message carrying several link messages; a single link
 # message starts with 0xAC (one frame) or 0 (a frame count), never with this.

@@ -7,7 +7,7 @@ times and each keeps its best run, so a noisy neighbour skews no single variant.
 generated tokens/s, the ratio to "all on", prefill and decode seconds, and how many requests'
 greedy outputs equal "all on"'s.
 
-    python benchmarks/ablation.py [--repeats N] [--quick] [--json] [--only NAME ...]
+    actorline bench ablation [--repeats N] [--quick] [--json] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def run_ablation(config: AblationConfig) -> AblationResult:
 
 def _drive_variant(config: AblationConfig, name: str) -> VariantResult:
     """In the variant's process: load the runner, warm up, run the workload to completion."""
-    from pipeline.bench.offline import _prompt_ids
+    from pipeline.bench.offline import prompt_ids
     from stages.execute.config import ExecuteConfig
     from stages.execute.runner import ModelRunner
     from stages.messages import EngineRequest
@@ -141,7 +141,7 @@ def _drive_variant(config: AblationConfig, name: str) -> VariantResult:
 
     tokenizer = load_tokenizer(config.model)
     workload = make_workload(config.workload)
-    prompts = [_prompt_ids(tokenizer, request.prompt) for request in workload]
+    prompts = [prompt_ids(tokenizer, request.prompt) for request in workload]
     # Blocks for every request at once (as the offline benchmark sizes them): no preemption.
     max_tokens = [request.max_tokens for request in workload]
     num_blocks = blocks_to_hold(prompts, max_tokens, 16) + 1
@@ -252,5 +252,5 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python benchmarks/ablation.py``."""
+    """``actorline bench ablation``."""
     return run_main(__doc__, add_arguments, run_from_args, argv)

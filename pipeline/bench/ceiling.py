@@ -5,7 +5,7 @@ pipeline can deliver with no model in the way: tokenize, admit, schedule, the nu
 detokenize, stop-check, the links between them and the API's dispatch. Target: 50,000
 tokens/s with 256 streaming requests over the zmq topology.
 
-    python benchmarks/ceiling.py [--profile] [--transport memory] [--json]
+    actorline bench ceiling [--profile] [--transport memory] [--json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pipeline.bench.report import (
 from pipeline.bench.workload import WorkloadSpec, make_workload
 
 if TYPE_CHECKING:
-    from pipeline.engine import AsyncEngine
+    from pipeline.engine.async_engine import AsyncEngine
     from stages.params import SamplingParams
 
 __all__ = [
@@ -115,7 +115,7 @@ class CeilingResult:
 
 async def measure_ceiling(config: CeilingConfig) -> CeilingResult:
     """Run the ceiling benchmark on the running event loop (see the module docstring)."""
-    from pipeline.engine import AsyncEngine
+    from pipeline.engine.async_engine import AsyncEngine
     from stages.params import SamplingParams
 
     spec = WorkloadSpec(
@@ -255,5 +255,5 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python benchmarks/ceiling.py``."""
+    """``actorline bench ceiling``."""
     return run_main(__doc__, add_arguments, run_from_args, argv)

@@ -18,7 +18,7 @@ zmq run (its KV cache sized to the workload, as HF's) and in one more zmq run of
 workload with the engine's default KV budget (``ExecuteConfig.kv_cache_memory``), the
 configuration the target is about (``--skip rss-default`` leaves that run out).
 
-    python benchmarks/offline.py [--quick] [--json] [--profile]
+    actorline bench offline [--quick] [--json] [--profile]
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     resolved = resolve_model(config.model)
     tokenizer = load_tokenizer(config.model)
     workload = make_workload(config.workload)
-    prompts = [_prompt_ids(tokenizer, request.prompt) for request in workload]
+    prompts = [prompt_ids(tokenizer, request.prompt) for request in workload]
     max_tokens = [request.max_tokens for request in workload]
     pad_token_id = tokenizer.pad_token_id
     if pad_token_id is None:
@@ -285,7 +285,7 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     )
 
 
-def _prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     """The token ids every system gets: the chat template applied when there is one."""
     if getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
@@ -364,8 +364,8 @@ def _run_actorline(
 ) -> _ActorlineRun:
     import time
 
-    from pipeline.llm import LLM
-    from pipeline.presets import ENGINE_HOST
+    from pipeline.engine.llm import LLM
+    from pipeline.engine.presets import ENGINE_HOST
     from stages.params import SamplingParams
 
     # NOTE: the KV cache holds every request at once (blocks of 16 tokens), so neither
@@ -533,5 +533,5 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python benchmarks/offline.py``."""
+    """``actorline bench offline``."""
     return run_main(__doc__, add_arguments, run_from_args, argv)

@@ -13,7 +13,7 @@ Each request is streamed by its own task; measured from the moment it is sent:
 It prints TTFT and ITL p50/p99 per rate, plus achieved throughput and mean request latency.
 One engine serves every rate (started once, warmed up with one short request).
 
-    python benchmarks/online.py [--rates 1 2 4] [--requests 24] [--json] [--profile]
+    actorline bench online [--rates 1 2 4] [--requests 24] [--json] [--profile]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pipeline.bench.report import add_common_arguments, format_table, print_resu
 from pipeline.bench.workload import WorkloadSpec, make_workload, percentile, poisson_arrivals
 
 if TYPE_CHECKING:
-    from pipeline.engine import AsyncEngine
+    from pipeline.engine.async_engine import AsyncEngine
 
 __all__ = [
     "OnlineConfig",
@@ -118,9 +118,8 @@ class _Trace:
 
 async def measure_online(config: OnlineConfig) -> OnlineResult:
     """Run the online benchmark on the running event loop (see the module docstring)."""
-    from pipeline._cli_llm import has_chat_template
-    from pipeline.engine import AsyncEngine
-    from stages.models import resolve_model
+    from pipeline.engine.async_engine import AsyncEngine
+    from stages.models import has_chat_template, resolve_model
 
     chat = has_chat_template(resolve_model(config.model).path)
     results: list[RateResult] = []
@@ -278,5 +277,5 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python benchmarks/online.py``."""
+    """``actorline bench online``."""
     return run_main(__doc__, add_arguments, run_from_args, argv)

@@ -15,10 +15,10 @@ import dataclasses
 import os
 import time
 
-from pipeline._protocol import HostStatistics
 from pipeline.bench.process import cpu_seconds
 from pipeline.bench.report import format_table
-from pipeline.runtime import RunningPipeline, plan_hosts
+from pipeline.runtime.protocol import HostStatistics
+from pipeline.runtime.running import RunningPipeline, plan_hosts
 
 __all__ = [
     "STAGE_ORDER",

@@ -1,6 +1,6 @@
 r"""The public gRPC API: the ``actorline.v1.Generation`` service (``generation.proto``), its
 server (``actorline serve``) and the wire conversions the Python client
-(:mod:`pipeline.client`) shares with it.
+(:mod:`pipeline.server.client`) shares with it.
 
 Modules: ``generation.proto`` and its generated ``generation_pb2``/``generation_pb2_grpc``
 stubs; :mod:`~pipeline.server.auth` (API keys → engine tenants and limits);

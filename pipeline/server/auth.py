@@ -186,7 +186,7 @@ class ApiKeys:
 
     def tenant_limits(self) -> dict[str, tuple[float | None, float | None]]:
         """Engine tenant → (requests/s, tokens/s) for the keys with their own limits (for
-        :class:`~pipeline.options.EngineOptions` ``tenant_limits``)."""
+        :class:`~pipeline.engine.options.EngineOptions` ``tenant_limits``)."""
         return {key.tenant: key.limits for key in self._keys if key.limits is not None}
 
     def authenticate(self, authorization: str | None) -> str:

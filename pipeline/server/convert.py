@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from pipeline.engine import Prompt
+from pipeline.engine.prompts import Prompt
 from pipeline.server import generation_pb2 as pb
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage, EngineInfo, Logprobs, RequestOutput

@@ -25,14 +25,14 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pipeline.engine import AsyncEngine
-from pipeline.options import EngineOptions
+from pipeline.engine.async_engine import AsyncEngine
+from pipeline.engine.options import EngineOptions
 from pipeline.server import generation_pb2 as pb
 from pipeline.server.auth import ApiKeys
 from pipeline.server.service import GenerationService, add_to_server
 
 if TYPE_CHECKING:
-    from pipeline.metrics import EngineMetrics
+    from pipeline.engine.metrics import EngineMetrics
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",
@@ -289,7 +289,7 @@ async def serve(
     (and its process) stops. ``on_ready(address)`` is called once the server serves.
 
     With ``metrics_port`` (0: a free one), Prometheus metrics
-    (:class:`~pipeline.metrics.EngineMetrics`) are served at
+    (:class:`~pipeline.engine.metrics.EngineMetrics`) are served at
     ``http://metrics_host:port/metrics``; ``on_metrics_ready(url)`` is called after
     ``on_ready``.
 
@@ -317,7 +317,7 @@ async def serve(
         starting.result()
         metrics_url = None
         if metrics_port is not None:
-            from pipeline.metrics import EngineMetrics
+            from pipeline.engine.metrics import EngineMetrics
 
             metrics = await EngineMetrics(engine).start()
             bound = metrics.start_http_server(metrics_host, metrics_port)

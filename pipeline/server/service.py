@@ -1,4 +1,5 @@
-"""The ``actorline.v1.Generation`` servicer over a started :class:`~pipeline.engine.AsyncEngine`.
+"""The ``actorline.v1.Generation`` servicer over a started
+:class:`~pipeline.engine.async_engine.AsyncEngine`.
 
 Each call is authenticated by its API key (:mod:`pipeline.server.auth`), which selects the
 engine tenant, so the admit stage enforces the key's rate limits. Request ids are namespaced
@@ -22,7 +23,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
-from pipeline.engine import AsyncEngine
+from pipeline.engine.async_engine import AsyncEngine
 from pipeline.server import generation_pb2 as pb
 from pipeline.server import generation_pb2_grpc as pb_grpc
 from pipeline.server.auth import AUTHORIZATION_KEY, ApiKeys, AuthenticationError

@@ -35,8 +35,9 @@ from google.protobuf import duration_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
-from pipeline.errors import EngineDeadError, PipelineError
-from pipeline.presets import ENGINE_HOST
+from pipeline.engine.errors import EngineDeadError
+from pipeline.engine.presets import ENGINE_HOST
+from pipeline.runtime.errors import PipelineError
 from pipeline.server.auth import AuthenticationError
 from stages.errors import (
     ERROR_KINDS,
@@ -70,7 +71,7 @@ _INTERNAL = RequestError.kind
 
 class ServiceUnavailableError(ConnectionError):
     """The service cannot take the call: it is unreachable, shutting down, or its engine is
-    gone (see also :class:`~pipeline.errors.EngineDeadError`)."""
+    gone (see also :class:`~pipeline.engine.errors.EngineDeadError`)."""
 
 
 class ServiceError(Exception):

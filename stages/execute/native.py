@@ -36,7 +36,7 @@ from typing import TypeVar
 
 import torch
 
-from pipeline import settings
+from pipeline.runtime import settings
 
 __all__ = [
     "GEMM_PANEL",

@@ -12,7 +12,7 @@ run out), sized from the same :class:`~stages.execute.config.ExecuteConfig`, and
 and EOS ids. No KV tensors are allocated (``kv_cache_bytes`` is 0) and torch is never used.
 
 Select it with ``AsyncEngine(model, null_model=True)`` (or ``LLM``), which swaps it in for the
-execute stage in :func:`pipeline.presets.llm_pipeline`.
+execute stage in :func:`pipeline.engine.presets.llm_pipeline`.
 
 Step semantics are :class:`stages.execute.runner.ModelRunner`'s, through the same code
 (:mod:`stages.execute.bookkeeping`): check the step whole, free ``finished`` and ``preempted``,
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.stage import Stage, handles
+from pipeline.runtime.stage import Stage, handles
 from stages.execute.allocator import BlockAllocator
 from stages.execute.bookkeeping import (
     PlanReport,

@@ -6,7 +6,7 @@ and KV cache are ready — linked to schedule and admit).
 
 from __future__ import annotations
 
-from pipeline.stage import Stage, handles
+from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
 from stages.execute.runner import ModelRunner
 from stages.messages import EngineInfo, SchedulerStep

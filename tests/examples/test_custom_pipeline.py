@@ -14,9 +14,9 @@ import pytest
 from custom_pipeline import MaskConfig, MaskStage, build_pipeline, generate
 
 from pipeline import AsyncEngine, PromptTooLongError, SamplingParams
-from pipeline.graph import Endpoint
-from pipeline.options import EngineOptions
-from pipeline.presets import ENGINE_HOST, llm_pipeline
+from pipeline.engine.options import EngineOptions
+from pipeline.engine.presets import ENGINE_HOST, llm_pipeline
+from pipeline.runtime.spec import Endpoint
 from stages.execute.null import NullExecuteStage
 from tests.examples.running import RUN_TIMEOUT, example_command, example_env, run
 

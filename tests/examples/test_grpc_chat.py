@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from grpc_chat import REPLY_PREFIX, ChatSession
 
-from pipeline.client import Client
-from pipeline.engine import EngineObserver
+from pipeline.engine.async_engine import EngineObserver
+from pipeline.server.client import Client
 from stages.messages import ChatMessage, GenerateRequest, RequestOutput
 from stages.params import SamplingParams
 from tests.examples.running import RUN_TIMEOUT, example_command, example_env

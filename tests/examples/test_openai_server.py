@@ -101,7 +101,7 @@ class Server:
     def kill_engine(self) -> None:
         """SIGKILL the engine's process(es) (the pipeline hosts the server spawned)."""
         hosts = [pid for pid, command in child_processes(self.process.pid).items()
-                 if "pipeline._host_main" in command]  # fmt: skip
+                 if "pipeline.runtime.host_main" in command]  # fmt: skip
         assert hosts, "the engine runs in a process of its own"
         for pid in hosts:
             os.kill(pid, signal.SIGKILL)

@@ -14,7 +14,7 @@ import pytest
 
 import plugins
 from pipeline import Pipeline, Stage
-from pipeline.errors import GraphError
+from pipeline.runtime.errors import GraphError
 from stages.admit import AdmitStage
 from stages.detokenize import DetokenizeStage
 from stages.execute.null import NullExecuteStage
@@ -43,7 +43,7 @@ def distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     (package / "__init__.py").write_text(
         textwrap.dedent(
             """
-            from pipeline.stage import Stage
+            from pipeline.runtime.stage import Stage
 
             class Echo(Stage):
                 pass

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline import Pipeline, RunningPipeline
 from stages.admit import (
-    _PRUNE_BUCKETS_AT,
+    PRUNE_BUCKETS_AT,
     AdmitConfig,
     AdmitStage,
     TenantLimits,
@@ -207,9 +207,9 @@ def test_full_buckets_of_many_tenants_are_forgotten() -> None:
     config = AdmitConfig(default_limits=TenantLimits(requests_per_second=1000.0))
 
     async def body(running: RunningPipeline) -> None:
-        for i in range(_PRUNE_BUCKETS_AT + 50):
+        for i in range(PRUNE_BUCKETS_AT + 50):
             await running.send("requests", request(f"u{i}", tenant=f"user-{i}"))
-        for _ in range(_PRUNE_BUCKETS_AT + 50):
+        for _ in range(PRUNE_BUCKETS_AT + 50):
             assert isinstance(await running.receive("admitted"), EngineRequest)
         await asyncio.sleep(0.01)  # every bucket refills within a millisecond
         await running.send("requests", request("last", tenant="one more"))

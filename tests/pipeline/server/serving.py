@@ -23,8 +23,8 @@ import grpc
 import grpc.aio
 import pytest
 
-from pipeline.engine import AsyncEngine
-from pipeline.llm import _LoopThread
+from pipeline.engine.async_engine import AsyncEngine
+from pipeline.engine.loop_thread import LoopThread
 from pipeline.server.auth import ApiKey, ApiKeys
 from pipeline.server.serve import GenerationServer, ServerTLS
 from tests.processes import child_processes, process_alive
@@ -92,7 +92,7 @@ class ServedEngine:
     ) -> None:
         entries = [ApiKey.create(key, limits) for key, limits in (keys or {}).items()]
         self.api_keys = ApiKeys(entries)
-        self._loop_thread = _LoopThread()
+        self._loop_thread = LoopThread()
         self.engine = AsyncEngine(
             str(model), tenant_limits=self.api_keys.tenant_limits(), **engine_options
         )
@@ -224,7 +224,9 @@ def child_pids(parent: int) -> set[int]:
 def engine_host_pids(parent: int) -> set[int]:
     """Live spawned pipeline hosts (the engine process) whose parent is ``parent``."""
     return {
-        pid for pid, command in child_processes(parent).items() if "pipeline._host_main" in command
+        pid
+        for pid, command in child_processes(parent).items()
+        if "pipeline.runtime.host_main" in command
     }
 
 

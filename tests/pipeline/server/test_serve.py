@@ -22,10 +22,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline.cli import main
-from pipeline.client import AuthenticationError, Client, ServiceUnavailableError, StreamedOutput
-from pipeline.errors import EngineDeadError
+from pipeline.engine.errors import EngineDeadError
 from pipeline.server import generation_pb2 as pb
 from pipeline.server import generation_pb2_grpc as pb_grpc
+from pipeline.server.client import (
+    AuthenticationError,
+    Client,
+    ServiceUnavailableError,
+    StreamedOutput,
+)
 from pipeline.server.status import ERROR_KIND_KEY
 from stages.params import SamplingParams
 from tests.pipeline.server.serving import (
@@ -219,7 +224,7 @@ def no_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the command started an engine despite bad arguments")
 
-    monkeypatch.setattr("pipeline.engine.AsyncEngine.start", refuse)
+    monkeypatch.setattr("pipeline.engine.async_engine.AsyncEngine.start", refuse)
     yield
 
 

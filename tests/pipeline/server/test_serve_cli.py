@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.client import AsyncClient, Client, ServiceUnavailableError, StreamedOutput
+from pipeline.server.client import AsyncClient, Client, ServiceUnavailableError, StreamedOutput
 from stages.errors import RateLimitedError
 from stages.params import SamplingParams
 from tests.pipeline.server.serving import Certificate, ServeProcess, serve_arguments

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 from transformers import AutoTokenizer
 
-from pipeline.engine import Prompt
+from pipeline.engine.prompts import Prompt
 from pipeline.server import generation_pb2 as pb
 from pipeline.server import generation_pb2_grpc as pb_grpc
 from pipeline.server.convert import finish_reason_name, sampling_to_proto

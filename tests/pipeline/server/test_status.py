@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pipeline.errors import EngineDeadError, PipelineClosedError
+from pipeline.engine.errors import EngineDeadError
+from pipeline.runtime.errors import PipelineClosedError
 from pipeline.server.auth import AuthenticationError
 from pipeline.server.status import (
     ERROR_FIELD_KEY,

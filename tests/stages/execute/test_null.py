@@ -217,7 +217,7 @@ def test_rejects_inconsistent_steps(tiny_model_dir: Path, tokenizer: object) -> 
 
 
 def test_engine_streams_detokenized_random_tokens(tiny_model_dir: Path) -> None:
-    from pipeline.engine import AsyncEngine
+    from pipeline.engine.async_engine import AsyncEngine
     from stages.tokenize import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model_dir))

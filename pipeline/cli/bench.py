@@ -1,0 +1,30 @@
+"""The ``actorline bench`` subcommand (offline, online, ceiling, split, ablation, transports);
+each runs the benchmark of the same name in :mod:`pipeline.bench`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["add_commands"]
+
+
+def add_commands(commands: Any) -> None:
+    """Add ``bench`` with one subcommand per benchmark to the CLI's subparsers."""
+    from pipeline.bench import ablation, ceiling, offline, online, split, transports
+
+    benchmarks = (
+        ("offline", offline, "throughput against HF generate and HF continuous batching"),
+        ("online", online, "TTFT and inter-token latency under Poisson arrivals"),
+        ("ceiling", ceiling, "framework overhead: null model, 256 streaming requests"),
+        ("split", split, "single process against the zmq process split"),
+        ("ablation", ablation, "each execute-stage optimization switched off in turn"),
+        ("transports", transports, "links against raw pyzmq and raw grpc.aio, same bytes"),
+    )
+    bench = commands.add_parser(
+        "bench", help="run a benchmark (see the README's Performance section)"
+    )
+    names = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, module, help_text in benchmarks:
+        parser = names.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(parser)
+        parser.set_defaults(run=module.run_from_args)

@@ -1,0 +1,387 @@
+"""The LLM subcommands of the ``actorline`` CLI (generate, serve)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING, Any, cast
+
+from pipeline.cli.errors import CliError
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator
+
+    from pipeline.engine.options import EngineOptions
+    from stages.messages import RequestOutput
+
+__all__ = [
+    "EXIT_BROKEN_PIPE",
+    "add_commands",
+    "add_engine_arguments",
+    "engine_options_from",
+    "sampling_from",
+]
+
+#: the largest TCP port number
+_MAX_PORT = 65535
+#: the exit status of ``generate`` when stdout is closed under it: a process killed by
+#: SIGPIPE reports 128 + SIGPIPE to the shell
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that runs an engine."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default="smollm2-135m", help="alias, HF directory or .gguf file")
+    group.add_argument("--transport", default="zmq", choices=("zmq", "grpc", "memory"))
+    group.add_argument("--compression", default=None, choices=("zstd",))
+    group.add_argument("--scheduler", default="fcfs", help="scheduling policy plugin name")
+    group.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
+    group.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
+    group.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    group.add_argument("--no-prefix-caching", action="store_true")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--min-tokens", type=int, default=0)
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": args.model,
+        "transport": args.transport,
+        "compression": args.compression,
+        "scheduler": args.scheduler,
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_blocks": args.num_blocks,
+        "kv_cache_memory": args.kv_cache_memory,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+
+
+def sampling_from(args: argparse.Namespace) -> Any:
+    from stages.params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def preflight(args: argparse.Namespace, **extra_options: Any) -> tuple[EngineOptions, Any, Any]:
+    """Check the model and the parameters before starting anything (clear one-line errors).
+    Commands without sampling options (serve) get None for the parameters. ``extra_options``:
+    more EngineOptions fields (serve's rate limits, ...).
+
+    Returns:
+        The engine options, the sampling parameters and the resolved model.
+    Raises:
+        CliError: with status 2 for bad input.
+    """
+    import plugins
+    from pipeline.engine.options import EngineOptions
+    from pipeline.engine.presets import llm_pipeline
+    from stages.errors import InvalidRequestError
+    from stages.models import ModelError, resolve_model
+    from stages.params import validate_sampling
+    from stages.policies import load_policy
+
+    try:
+        options = EngineOptions.create(**engine_options_from(args), **extra_options)
+        # NOTE: building the pipeline builds every stage's config as the engine will
+        # (ExecuteConfig: device, KV cache sizes, max_model_len; the scheduler's and admit's),
+        # each validated in its __post_init__, without loading the model.
+        llm_pipeline(options)
+        params = sampling_from(args) if hasattr(args, "max_tokens") else None
+        if params is not None:
+            validate_sampling(params)
+        load_policy(args.scheduler)  # imported and constructed, as the engine will
+        resolved = resolve_model(args.model)
+    except (ModelError, InvalidRequestError, ValueError, TypeError, plugins.PluginError) as exc:
+        raise CliError(_config_message(exc), 2) from exc
+    return options, params, resolved
+
+
+def _config_message(error: BaseException) -> str:
+    """The one-line message for a bad option: a stage config's error names the field alone
+    (``device must be ...``), as the other option errors do, not the config class."""
+    message = str(error)
+    field = getattr(error, "field", None)
+    if isinstance(field, str):
+        prefix, dot, rest = message.partition(f".{field} ")
+        if dot and prefix.isidentifier() and prefix.endswith("Config"):
+            return f"{field} {rest}"
+    return message
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of what is still buffered
+    does not fail on the closed pipe again (the recipe of Python's ``signal`` docs, "Note on
+    SIGPIPE")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pipeline.engine.async_engine import AsyncEngine
+    from pipeline.runtime.errors import PipelineError
+    from stages.errors import RequestError
+    from stages.models import has_chat_template
+
+    prompt = args.prompt
+    if not isinstance(prompt, str) or not prompt:
+        raise CliError("the prompt is empty", 2)
+    options, params, resolved = preflight(args)
+    chat = not args.no_chat_template and has_chat_template(resolved.path)
+
+    async def run() -> None:
+        async with AsyncEngine(options=options) as engine:
+            # NOTE: aclosing: a write that fails (stdout closed) ends the stream at once,
+            # which aborts the request in the engine.
+            outputs = cast(
+                "AsyncGenerator[RequestOutput, None]",
+                engine.generate(prompt, params, chat_template=chat),
+            )
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    sys.stdout.write(output.delta)
+                    sys.stdout.flush()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+    try:
+        asyncio.run(run())
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly, with the status of a process
+        # killed by SIGPIPE, as the shell tools in the pipeline do.
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except RequestError as exc:
+        raise CliError(str(exc), 2) from exc
+    except PipelineError as exc:
+        raise CliError(str(exc), 1) from exc
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from pipeline.runtime import settings
+    from pipeline.runtime.errors import PipelineError
+    from pipeline.server.auth import ApiKeys
+    from pipeline.server.serve import SERVICE_NAME, ServerTLS, serve
+
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 <= port <= _MAX_PORT:
+            raise CliError(f"{flag} must be in [0, {_MAX_PORT}], got {port}", 2)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise CliError("--tls-cert and --tls-key go together", 2)
+    if args.tls_client_ca and not args.tls_cert:
+        raise CliError("--tls-client-ca needs --tls-cert and --tls-key", 2)
+    for flag, limit in (
+        ("--requests-per-second", args.requests_per_second),
+        ("--tokens-per-second", args.tokens_per_second),
+    ):
+        if limit is not None and not limit > 0:
+            raise CliError(f"{flag} must be > 0, got {limit}", 2)
+    if not 0 < args.rate_limit_burst < math.inf:
+        raise CliError(f"--rate-limit-burst must be > 0 seconds, got {args.rate_limit_burst}", 2)
+    if not args.grace >= 0:
+        raise CliError(f"--grace must be >= 0 seconds, got {args.grace}", 2)
+    try:
+        api_keys = ApiKeys.load(args.api_key, args.api_key_file)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"API keys: {exc}", 2) from exc
+    try:
+        tls = (
+            ServerTLS.from_files(args.tls_cert, args.tls_key, args.tls_client_ca)
+            if args.tls_cert
+            else None
+        )
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc), 2) from exc
+    # NOTE: as vLLM, a port that cannot be had is an argument error before the model loads
+    # (a probe: another process could still take the port in between, then serve fails).
+    _check_listenable("--port", args.host, args.port)
+    if args.metrics_port is not None:
+        _check_listenable("--metrics-port", args.metrics_host, args.metrics_port)
+    engine_options, _, _ = preflight(
+        args,
+        requests_per_second=args.requests_per_second,
+        tokens_per_second=args.tokens_per_second,
+        tenant_limits=api_keys.tenant_limits(),
+        rate_limit_burst=args.rate_limit_burst,
+        log_level=args.log_level,
+    )
+    logging.basicConfig(
+        level=args.log_level or settings.log_level(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+    def ready(address: str) -> None:
+        print(f"serving {SERVICE_NAME} on {address}", flush=True)
+
+    def metrics_ready(url: str) -> None:
+        print(f"metrics on {url}", flush=True)
+
+    try:
+        asyncio.run(
+            serve(
+                engine_options,
+                host=args.host,
+                port=args.port,
+                api_keys=api_keys,
+                tls=tls,
+                grace=args.grace,
+                on_ready=ready,
+                metrics_host=args.metrics_host,
+                metrics_port=args.metrics_port,
+                on_metrics_ready=metrics_ready,
+            )
+        )
+    except (OSError, PipelineError) as exc:
+        raise CliError(str(exc), 1) from exc
+    return 0
+
+
+def _check_listenable(flag: str, host: str, port: int) -> None:
+    """Raise CliError (exit 2) unless a TCP socket can listen on ``host``:``port`` now."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        raise CliError(f"{flag}: cannot resolve host {host!r}: {exc}", 2) from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+            probe.listen()
+        except OSError as exc:
+            raise CliError(f"{flag}: cannot listen on {host}:{port}: {exc.strerror}", 2) from exc
+
+
+def _add_serve_command(commands: Any) -> None:
+    from pipeline.server.serve import DEFAULT_GRACE_SECONDS, DEFAULT_HOST, DEFAULT_PORT
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the gRPC Generation service",
+        description="Serve actorline.v1.Generation (with gRPC health and reflection). Prints "
+        "'serving actorline.v1.Generation on HOST:PORT' once ready; stops cleanly on SIGINT "
+        "or SIGTERM.",
+    )
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    server.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="port to listen on (0: pick a free one)"
+    )
+    server.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE_SECONDS,
+        help="seconds in-flight calls get to end at shutdown",
+    )
+    server.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: pick a free "
+        "port; prints 'metrics on URL' after the serving line); off by default",
+    )
+    server.add_argument(
+        "--metrics-host", default=DEFAULT_HOST, help="address the metrics endpoint listens on"
+    )
+    server.add_argument(
+        "--log-level", default=None, choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper
+    )
+    auth = serve.add_argument_group("authentication and limits")
+    auth.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted API key (repeatable; visible in the process list, so prefer a file)",
+    )
+    auth.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        help="file of API keys, one per line: KEY [REQUESTS_PER_SECOND TOKENS_PER_SECOND]",
+    )
+    auth.add_argument(
+        "--requests-per-second",
+        type=float,
+        default=None,
+        help="default limit per API key (per server without keys)",
+    )
+    auth.add_argument(
+        "--tokens-per-second",
+        type=float,
+        default=None,
+        help="default limit per API key (prompt plus max_tokens)",
+    )
+    auth.add_argument(
+        "--rate-limit-burst",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds of its rate a key may spend at once (1); under a tokens/s limit also "
+        "the largest request",
+    )
+    tls = serve.add_argument_group("TLS")
+    tls.add_argument("--tls-cert", default=None, help="PEM certificate chain of the server")
+    tls.add_argument("--tls-key", default=None, help="PEM private key of the server")
+    tls.add_argument(
+        "--tls-client-ca", default=None, help="PEM CA that client certificates must chain to"
+    )
+    add_engine_arguments(serve)
+    serve.set_defaults(run=_serve)
+
+
+def add_commands(commands: Any) -> None:
+    generate = commands.add_parser("generate", help="stream an answer to a prompt")
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument(
+        "--no-chat-template", action="store_true", help="send the prompt as raw text"
+    )
+    add_engine_arguments(generate)
+    add_sampling_arguments(generate)
+    generate.set_defaults(run=_generate)
+    _add_serve_command(commands)

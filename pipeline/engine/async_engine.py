@@ -1,0 +1,583 @@
+"""``AsyncEngine``: the async API over the LLM pipeline.
+
+::
+
+    async with AsyncEngine("smollm2-135m") as engine:
+        async for output in engine.generate("Hello", SamplingParams(max_tokens=32)):
+            print(output.delta, end="", flush=True)
+
+Each ``generate`` call is an async iterator of :class:`~stages.messages.RequestOutput`
+streaming text deltas. Breaking out of it, or cancelling the task that iterates it, aborts the
+request in the engine and frees its KV blocks. If the consumer falls behind, pending outputs
+of a request are merged (deltas concatenated), so a slow reader never backs up the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pipeline.engine.errors import EngineDeadError
+from pipeline.engine.options import EngineOptions
+from pipeline.engine.presets import ENGINE_HOST, llm_pipeline, options_of, start_options
+from pipeline.engine.prompts import Prompt, checked_params, make_request
+from pipeline.runtime.errors import (
+    GraphError,
+    HostDiedError,
+    PipelineClosedError,
+    PipelineError,
+    StageFailedError,
+)
+from pipeline.runtime.graph import Pipeline
+from pipeline.runtime.running import RunningPipeline
+from stages.errors import InvalidRequestError, RequestError, error_from_kind
+from stages.messages import (
+    AbortRequests,
+    EngineInfo,
+    EngineStats,
+    GenerateRequest,
+    RequestMetrics,
+    RequestOutput,
+    RequestOutputs,
+    RequestRejected,
+)
+from stages.params import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineObserver"]
+
+logger = logging.getLogger("actorline.engine")
+
+
+class EngineObserver:
+    """Hooks the engine calls for every request it runs (e.g.
+    :class:`pipeline.engine.metrics.EngineMetrics`); subclass and override what you need.
+
+    The hooks run on the engine's event loop, in the engine's own tasks: they must return
+    quickly and never block. An exception in a hook is logged and ignored.
+
+    Every hook names a request by its id inside the pipeline, the same in all hooks (and in
+    ``output.request_id`` here): the caller's ``request_id`` when it chose none, else the
+    caller's id with ``#<n>`` appended, unique per submission (so a reused id never mixes
+    two requests' events).
+    """
+
+    def request_sent(self, request: GenerateRequest) -> None:
+        """``request`` is about to enter the pipeline."""
+
+    def output_received(self, output: RequestOutput) -> None:
+        """The pipeline produced ``output`` (one per engine step that gave the request
+        tokens; the last has a ``finish_reason``). Also called with the ``"abort"`` output
+        that :meth:`AsyncEngine.abort` and :meth:`AsyncEngine.close` end a stream with."""
+
+    def request_rejected(self, rejected: RequestRejected) -> None:
+        """The pipeline refused a request (``rejected.kind`` says why)."""
+
+    def request_ended(self, request_id: str, error: BaseException | None) -> None:
+        """The caller's stream of the request ended: after its last output, after a
+        rejection or engine failure (``error``), or because the caller stopped reading (the
+        request is then aborted). Called exactly once for every request sent."""
+
+
+class _Collector:
+    """The outputs of one request waiting for its consumer; merges when the consumer lags
+    (vLLM's RequestOutputCollector does the same)."""
+
+    __slots__ = (
+        "aborting",
+        "arrival",
+        "arrival_wall",
+        "error",
+        "first_token",
+        "last",
+        "metrics",
+        "pending",
+        "request_id",
+        "stop_strings",
+        "waiter",
+    )
+
+    def __init__(self, request_id: str, stop_strings: bool = False) -> None:
+        self.request_id = request_id  # the caller's id (outputs carry it)
+        # With stop strings, stop-check may hold text back; an abort then waits for the
+        # pipeline's final output, which carries it (see AsyncEngine.abort).
+        self.stop_strings = stop_strings
+        self.aborting = False
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.arrival = time.monotonic()
+        self.arrival_wall = time.time()
+        self.first_token: float | None = None
+        self.last: RequestOutput | None = None
+        # NOTE: the metrics of a running request change only at its first token and at its
+        # end, so one object serves every output in between (outputs are immutable).
+        self.metrics: RequestMetrics | None = None
+
+    def put(self, output: RequestOutput) -> None:
+        if self.aborting and output.finish_reason not in (None, "abort"):
+            # The request finished on its own before the abort reached stop-check: the
+            # caller asked to abort, so the stream ends as aborted (vLLM's output processor
+            # drops what arrives for a request after its abort, too); the text is complete.
+            output = dataclasses.replace(output, finish_reason="abort", stop_reason=None)
+        now = time.monotonic()
+        metrics = self.metrics
+        if self.first_token is None and output.token_ids:
+            self.first_token = now
+            metrics = None
+        finished = output.finish_reason is not None
+        if metrics is None or finished:
+            metrics = RequestMetrics(
+                self.arrival_wall,
+                None if self.first_token is None else self.first_token - self.arrival,
+                now - self.arrival if finished else None,
+            )
+            self.metrics = metrics
+        pending = self.pending
+        delta = output.delta if pending is None else pending.delta + output.delta
+        output = _with_metrics(output, self.request_id, delta, metrics)
+        self.pending = self.last = output
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput:
+        while self.pending is None:
+            if self.error is not None:
+                raise self.error
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        output, self.pending = self.pending, None
+        return output
+
+
+def _with_metrics(
+    output: RequestOutput, request_id: str, delta: str, metrics: RequestMetrics
+) -> RequestOutput:
+    """``output`` with ``request_id``, ``delta`` and ``metrics`` replaced.
+
+    NOTE: calls the constructor with every field of RequestOutput, in order: half the cost of
+    ``dataclasses.replace``, which runs once per token per stream. A new RequestOutput field
+    must be added here too.
+    """
+    return RequestOutput(
+        request_id,
+        output.text,
+        delta,
+        output.token_ids,
+        output.finish_reason,
+        output.stop_reason,
+        output.logprobs,
+        output.num_prompt_tokens,
+        output.num_cached_tokens,
+        metrics,
+    )
+
+
+class AsyncEngine:
+    """The asynchronous LLM engine.
+
+    ``AsyncEngine(model, **options)`` takes :class:`~pipeline.engine.options.EngineOptions` fields
+    (or ``options=EngineOptions(...)``);
+    ``AsyncEngine(pipeline=...)`` runs a customised pipeline (it must keep the entries
+    ``requests``/``aborts`` and exits ``outputs``/``engine_info`` of the default one), with
+    the options :func:`~pipeline.engine.presets.llm_pipeline` built it from unless others are given.
+    Start it with ``async with`` or :meth:`start`.
+
+    Raises (from the constructor): TypeError for an unknown option, ValueError for a bad value.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        pipeline: Pipeline | None = None,
+        options: EngineOptions | None = None,
+        **option_values: Any,
+    ) -> None:
+        if options is not None:
+            if model is not None or option_values:
+                raise TypeError("give either options=EngineOptions(...) or keyword options")
+            self.options = options
+        elif pipeline is not None and model is None and not option_values:
+            # A pipeline from llm_pipeline(options) runs with the options it was built from
+            # (model checked, transport, start timeout), not the defaults.
+            self.options = options_of(pipeline) or EngineOptions()
+        else:
+            self.options = EngineOptions.create(model, **option_values)
+        self.pipeline = pipeline if pipeline is not None else llm_pipeline(self.options)
+        _check_engine_boundary(self.pipeline)
+        self.info: EngineInfo | None = None
+        self.stats: EngineStats | None = None
+        self._running: RunningPipeline | None = None
+        # NOTE: keyed by the id the request has inside the pipeline. A caller's id becomes
+        # "<id>#<n>" there, so an abort of a finished request that arrives late (it can:
+        # aborts take a shorter path than requests) never hits a later request of the same id.
+        self._collectors: dict[str, _Collector] = {}
+        self._engine_ids: dict[str, str] = {}  # caller's id -> the running request's id
+        self._incarnations = itertools.count()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._abort_queue: asyncio.Queue[str] = asyncio.Queue()
+        self._abort_sender: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._observers: tuple[EngineObserver, ...] = ()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> AsyncEngine:
+        """Start the pipeline (spawning the engine process) and wait until the model is loaded.
+
+        An engine starts once: whatever fails here stops what had started (no process is
+        left behind), and the engine is then closed.
+
+        Raises:
+            ModelNotFoundError: an unknown alias, or a path that does not exist.
+            ModelFormatError: not a usable model (a corrupt or truncated GGUF, ...).
+            plugins.PluginError: the scheduler plugin is missing, broken or invalid.
+            StageFailedError: a stage failed to start for another reason (a model the
+                attention path cannot serve, ...).
+            TimeoutError: the pipeline did not start within ``start_timeout``.
+            PipelineClosedError: the engine was closed (create a new one).
+            RuntimeError: the engine is started already.
+        """
+        if self._closed:
+            raise PipelineClosedError("this engine was closed; create a new AsyncEngine")
+        if self._running is not None:
+            raise RuntimeError("this engine is started already ('async with' it only once)")
+        try:
+            # NOTE: what can be checked here is, so the caller gets the typed error rather
+            # than a StageFailedError from a stage in another process. The model is resolved
+            # (a GGUF converted, once) here instead of in two stages at once.
+            await asyncio.to_thread(_preflight, self.options)
+            self._running = await self.pipeline.start(start_options(self.options))
+            self._running.add_failure_callback(self._on_failure)
+            info = await self._running.receive("engine_info")
+            if not isinstance(info, EngineInfo):
+                raise GraphError(
+                    f"exit 'engine_info' gave a {type(info).__qualname__}, not an EngineInfo"
+                )
+        except BaseException:
+            await self.close()
+            raise
+        self.info = info
+        self._dispatcher = asyncio.create_task(self._dispatch(), name="engine:dispatch")
+        self._abort_sender = asyncio.create_task(self._send_aborts(), name="engine:aborts")
+        return self
+
+    async def close(self) -> None:
+        """Abort every running request and stop the pipeline (and the engine process)."""
+        if self._closed:
+            return
+        self._closed = True
+        engine_ids = tuple(self._collectors)
+        for engine_id in engine_ids:
+            self._engine_ids.pop(self._collectors[engine_id].request_id, None)
+            self._finish_aborted(engine_id)
+        if self._running is not None:
+            with contextlib.suppress(Exception):
+                await self._running.send("aborts", AbortRequests(engine_ids))
+            await self._running.stop(graceful=False)
+        for task in (self._dispatcher, self._abort_sender):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        for collector in self._collectors.values():
+            collector.fail(PipelineClosedError("the engine was closed"))
+
+    async def __aenter__(self) -> AsyncEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine stopped working (an EngineDeadError, ...); None while it works."""
+        return self._failure
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests of this engine whose stream has not ended yet."""
+        return len(self._collectors)
+
+    @property
+    def running(self) -> RunningPipeline:
+        """The running pipeline (for statistics and advanced use)."""
+        if self._running is None:
+            raise PipelineClosedError("the engine is not started")
+        return self._running
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str = "",
+        chat_template: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Generate for one prompt, yielding outputs as tokens arrive (the last one has a
+        ``finish_reason``).
+
+        ``prompt``: a string (``chat_template=True`` wraps it as a user message), a list of
+        chat messages, a list of token ids, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``. ``request_id``: a non-empty string, unique among this
+        engine's running requests (default: a fresh uuid).
+
+        Raises:
+            InvalidRequestError: a bad prompt, sampling parameter or request id (the field is
+                named).
+            RateLimitedError, OverloadedError: refused by admission.
+            EngineDeadError: the engine died.
+        """
+        if request_id is None:
+            request_id = engine_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(
+                f"request_id must be a non-empty string, got {request_id!r}", field="request_id"
+            )
+        else:
+            engine_id = f"{request_id}#{next(self._incarnations)}"
+        params = sampling_params
+        try:
+            params = checked_params(params)
+            request = make_request(engine_id, prompt, params, tenant, chat_template)
+        except RequestError as exc:
+            # NOTE: the error reaches the caller, who knows the request by its own id, not
+            # by the "<id>#<n>" it has inside the pipeline.
+            exc.request_id = request_id
+            raise
+        running = self._check_usable()
+        if request_id in self._engine_ids:
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already running",
+                field="request_id",
+                request_id=request_id,
+            )
+        collector = _Collector(request_id, stop_strings=bool(params.stop))
+        self._collectors[engine_id] = collector
+        self._engine_ids[request_id] = engine_id
+        finished = False
+        try:
+            if self._observers:
+                self._notify(lambda observer: observer.request_sent(request))
+            await running.send("requests", request)
+            while True:
+                output = await collector.get()
+                finished = output.finish_reason is not None
+                yield output
+                if finished:
+                    return
+        except PipelineError as exc:
+            raise self._engine_error(exc) from exc
+        finally:
+            self._collectors.pop(engine_id, None)
+            self._forget(request_id, engine_id)
+            if not finished and not self._closed and collector.error is None:
+                self._abort_queue.put_nowait(engine_id)
+            if self._observers:
+                self._notify(lambda observer: observer.request_ended(engine_id, collector.error))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running request: its stream ends with ``finish_reason="abort"`` and its KV
+        blocks are freed. Returns False (and does nothing) for an unknown or finished id,
+        including one whose last output has arrived but was not read yet.
+
+        The final output's text is all the request generated: with stop strings, the text
+        stop-check held back as a possible start of one is delivered too (as at every
+        finish), so that stream ends once the pipeline's final output arrives; any other
+        stream ends at once. The id is free for a new request as soon as this returns.
+        """
+        self._check_usable()
+        engine_id = self._engine_ids.pop(request_id, None)
+        collector = self._collectors.get(engine_id) if engine_id is not None else None
+        if engine_id is None or collector is None:
+            return False
+        # NOTE: stop-check answers an abort of a request it has sent an output for with the
+        # final "abort" output, held-back text included (StopCheckStage.on_abort). Once an
+        # output of the request has arrived here, that answer will come: stop-check has the
+        # request, and the abort reaches it after that output (or the request has finished
+        # there, and its final output comes instead). Before any output nothing is held.
+        if collector.stop_strings and collector.last is not None:
+            collector.aborting = True
+        else:
+            self._finish_aborted(engine_id)
+        self._abort_queue.put_nowait(engine_id)
+        return True
+
+    def _finish_aborted(self, engine_id: str) -> None:
+        """End the stream of the request ``engine_id`` (its id in the pipeline) at once with
+        an "abort" output carrying what the caller has received; nothing if it has ended."""
+        collector = self._collectors.pop(engine_id, None)
+        if collector is None:
+            return
+        last = collector.last
+        aborted = RequestOutput(
+            engine_id,
+            last.text if last else "",
+            "",
+            last.token_ids if last else (),
+            "abort",
+            None,
+            last.logprobs if last else None,
+            last.num_prompt_tokens if last else 0,
+            last.num_cached_tokens if last else 0,
+        )
+        if self._observers:
+            self._notify(lambda observer: observer.output_received(aborted))
+        collector.put(aborted)
+
+    def _check_usable(self) -> RunningPipeline:
+        if self._failure is not None:
+            raise self._failure
+        if self._running is None or self._closed:
+            raise PipelineClosedError("the engine is not running; use 'async with' or start()")
+        return self._running
+
+    # -- observers ------------------------------------------------------------------------------
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Call ``observer``'s hooks for every request from now on (see
+        :class:`EngineObserver`)."""
+        if observer not in self._observers:
+            self._observers = (*self._observers, observer)
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        """Stop calling ``observer`` (ignored if it is not attached)."""
+        self._observers = tuple(known for known in self._observers if known is not observer)
+
+    def _notify(self, hook: Callable[[EngineObserver], None]) -> None:
+        for observer in self._observers:
+            try:
+                hook(observer)
+            except Exception:
+                logger.exception("engine observer %r failed", observer)
+
+    def _notify_batch(self, batch: RequestOutputs) -> None:
+        for observer in self._observers:
+            try:
+                for output in batch.outputs:
+                    observer.output_received(output)
+                for rejected in batch.rejected:
+                    observer.request_rejected(rejected)
+            except Exception:
+                logger.exception("engine observer %r failed", observer)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        assert self._running is not None
+        channel = self._running.exit_channel("outputs")
+        collectors = self._collectors
+        with contextlib.suppress(Exception):  # the pipeline's failure is handled in _on_failure
+            while True:
+                batch = await channel.receive()
+                if not isinstance(batch, RequestOutputs):
+                    continue
+                if batch.stats is not None:
+                    self.stats = batch.stats
+                if self._observers:
+                    self._notify_batch(batch)
+                for output in batch.outputs:
+                    collector = collectors.get(output.request_id)
+                    if collector is not None:
+                        collector.put(output)
+                        if output.finish_reason is not None:
+                            del collectors[output.request_id]
+                            self._forget(collector.request_id, output.request_id)
+                for rejected in batch.rejected:
+                    collector = collectors.pop(rejected.request_id, None)
+                    if collector is not None:
+                        self._forget(collector.request_id, rejected.request_id)
+                        collector.fail(
+                            error_from_kind(
+                                rejected.kind,
+                                rejected.message,
+                                field=rejected.field,
+                                request_id=collector.request_id,
+                                retry_after=rejected.retry_after,
+                            )
+                        )
+
+    def _forget(self, request_id: str, engine_id: str) -> None:
+        """Drop the caller's ``request_id`` if it still names ``engine_id``."""
+        if self._engine_ids.get(request_id) == engine_id:
+            del self._engine_ids[request_id]
+
+    async def _send_aborts(self) -> None:
+        assert self._running is not None
+        while True:
+            ids = [await self._abort_queue.get()]
+            while not self._abort_queue.empty():
+                ids.append(self._abort_queue.get_nowait())
+            try:
+                await self._running.send("aborts", AbortRequests(tuple(ids)))
+            except PipelineError:
+                return
+
+    def _engine_error(self, error: BaseException) -> BaseException:
+        if isinstance(error, (EngineDeadError, RequestError, PipelineClosedError)):
+            return error
+        if isinstance(error, HostDiedError):
+            dead = EngineDeadError(error.host, error.exitcode)
+        elif isinstance(error, StageFailedError):  # the host lives; a stage on it raised
+            dead = EngineDeadError(error.host, None, str(error), failed=True)
+        else:
+            dead = EngineDeadError(ENGINE_HOST, None, str(error))
+        dead.__cause__ = error
+        return dead
+
+    def _on_failure(self, error: BaseException) -> None:
+        self._failure = self._engine_error(error)
+        logger.error("engine failed: %s", error)
+        for collector in self._collectors.values():
+            collector.fail(self._failure)
+        self._collectors.clear()
+        self._engine_ids.clear()
+
+
+#: what the engine sends into and reads from a pipeline
+_ENGINE_ENTRIES = ("requests", "aborts")
+_ENGINE_EXITS = ("outputs", "engine_info")
+
+
+def _check_engine_boundary(pipeline: Pipeline) -> None:
+    """Raise GraphError unless ``pipeline`` has the entries and exits the engine uses."""
+    missing = [f"entry {name!r}" for name in _ENGINE_ENTRIES if name not in pipeline.entries]
+    missing += [f"exit {name!r}" for name in _ENGINE_EXITS if name not in pipeline.exits]
+    if missing:
+        raise GraphError(
+            f"pipeline {pipeline.name!r} lacks {', '.join(missing)}: an AsyncEngine needs the "
+            f"entries {list(_ENGINE_ENTRIES)} and exits {list(_ENGINE_EXITS)} of the default "
+            f"LLM pipeline (it has entries {pipeline.entries}, exits {pipeline.exits})"
+        )
+
+
+def _preflight(options: EngineOptions) -> None:
+    """Resolve the model and construct the scheduling policy, raising their typed errors."""
+    from stages.models import resolve_model
+    from stages.policies import load_policy
+
+    resolve_model(options.model)
+    load_policy(options.scheduler)

@@ -1,0 +1,214 @@
+"""``LLM``: the synchronous offline wrapper over :class:`~pipeline.engine.async_engine.AsyncEngine`.
+
+::
+
+    llm = LLM("smollm2-135m")
+    outputs = llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=32))
+    print(outputs[0].text)
+
+It is a thin wrapper, not a second engine: the async engine runs on an event loop in a
+background thread and each call waits for its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from pipeline.engine.async_engine import AsyncEngine
+from pipeline.engine.loop_thread import LoopThread
+from pipeline.engine.options import EngineOptions
+from pipeline.engine.prompts import Prompt, checked_params, is_prompt_dict
+from pipeline.runtime.errors import PipelineClosedError
+from stages.errors import InvalidRequestError, OverloadedError, RateLimitedError
+from stages.messages import ChatMessage, RequestOutput
+from stages.params import SamplingParams
+
+__all__ = ["LLM"]
+
+T = TypeVar("T")
+
+#: batches at least this long show a progress bar (unless use_tqdm=False)
+PROGRESS_BAR_MIN_PROMPTS = 8
+
+#: seconds before a prompt the engine refused for now (queue full, rate limit) is sent
+#: again, doubling up to _RETRY_MAX
+_RETRY_FIRST = 0.05
+_RETRY_MAX = 1.0
+
+
+def _shutdown(engine: AsyncEngine, loop_thread: LoopThread) -> None:
+    try:
+        if loop_thread.loop.is_running():
+            loop_thread.run(engine.close())
+    finally:
+        loop_thread.stop()
+
+
+class LLM:
+    """Synchronous offline generation. ``LLM(model, **options)`` takes the same options as
+    :class:`~pipeline.engine.async_engine.AsyncEngine`; the engine starts at construction (the
+    model loads) and stops at :meth:`close` (or at exit of a ``with`` block, or interpreter
+    exit)."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.options = EngineOptions.create(model, **options)
+        self._loop = LoopThread()
+        self._engine = AsyncEngine(**_as_kwargs(self.options))
+        self._finalizer = weakref.finalize(self, _shutdown, self._engine, self._loop)
+        try:
+            self._loop.run(self._engine.start())
+        except BaseException:
+            self._finalizer()
+            raise
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self._engine
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished output per prompt, in order.
+
+        ``prompts``: one prompt or a list of them; a prompt is a string, a chat conversation,
+        a list of token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
+        ``sampling_params``: one SamplingParams for all, or a list with one per prompt.
+
+        Any number of prompts can be given: as vLLM's offline ``LLM``, the whole batch runs.
+        The engine's queue bound (``max_queued_requests``) and rate limits pace it (a
+        refused prompt is sent again once the engine has room) instead of failing it.
+
+        Raises:
+            InvalidRequestError: a bad prompt or parameter. Sampling parameters are checked
+                before anything is sent; a prompt the engine refuses (too long, say) aborts
+                the rest of the batch.
+            EngineDeadError: the engine died.
+            PipelineClosedError: the LLM was closed.
+        """
+        self._check_open()
+        batch = _as_batch(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            per_prompt = [sampling_params or SamplingParams()] * len(batch)
+        else:
+            per_prompt = list(sampling_params)
+            if len(per_prompt) != len(batch):
+                raise InvalidRequestError(
+                    f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts",
+                    field="sampling_params",
+                )
+        for sampling in {id(p): p for p in per_prompt}.values():
+            checked_params(sampling)  # all before anything is sent
+        show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
+        return self._loop.run(self._generate_all(batch, per_prompt, show, chat_template))
+
+    def chat(
+        self,
+        conversations: Sequence[Any],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to chat conversations (lists of ``{"role", "content"}`` mappings
+        or :class:`~stages.messages.ChatMessage`), or to one conversation.
+
+        Raises: as :meth:`generate`.
+        """
+        self._check_open()
+        if conversations and _is_chat_message(conversations[0]):
+            conversations = [conversations]
+        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm)
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise PipelineClosedError("the LLM is closed")
+
+    async def _generate_all(
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        show_progress: bool,
+        chat_template: bool,
+    ) -> list[RequestOutput]:
+        progress = None
+        if show_progress:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(prompts), desc="generating", unit="req")
+
+        # NOTE: at most max_queued_requests in the engine at once, so a batch of any size
+        # fits its queue; a refusal that waiting cures (queue full on stale counts, a rate
+        # limit) is retried with backoff. Either comes before the request's first output.
+        window = asyncio.Semaphore(self.options.max_queued_requests)
+
+        async def one(prompt: Prompt, sampling: SamplingParams) -> RequestOutput:
+            last: RequestOutput | None = None
+            backoff = _RETRY_FIRST
+            async with window:
+                while last is None:
+                    try:
+                        async for output in self._engine.generate(
+                            prompt, sampling, chat_template=chat_template
+                        ):
+                            last = output
+                    except (OverloadedError, RateLimitedError):
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, _RETRY_MAX)
+            if progress is not None:
+                progress.update(1)
+            return last
+
+        tasks = [asyncio.ensure_future(one(p, s)) for p, s in zip(prompts, params)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+
+    def close(self) -> None:
+        """Stop the engine and its process. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(type(t) is int for t in prompts):
+        return [prompts]  # type: ignore[list-item]
+    if isinstance(prompts, Sequence) and prompts and _is_chat_message(prompts[0]):
+        return [prompts]  # type: ignore[list-item]  # one conversation
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise InvalidRequestError(
+            "prompts must be a non-empty prompt or list of prompts", field="prompt"
+        )
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _is_chat_message(item: object) -> bool:
+    """Whether ``item`` is one chat message (so a list of them is one conversation), in
+    either form :meth:`AsyncEngine.generate` accepts (a prompt dict is not one)."""
+    return isinstance(item, ChatMessage) or (isinstance(item, Mapping) and not is_prompt_dict(item))
+
+
+def _as_kwargs(options: EngineOptions) -> dict[str, Any]:
+    import dataclasses
+
+    return {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}

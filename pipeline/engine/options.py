@@ -1,0 +1,121 @@
+"""Engine options: one frozen dataclass, validated on construction, split into each stage's
+own config by :mod:`pipeline.engine.presets`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["TRANSPORTS", "EngineOptions"]
+
+#: ``transport`` values: "memory" runs every stage in the calling process; the others run
+#: admit, schedule and execute in a spawned engine process linked by that transport.
+TRANSPORTS = ("zmq", "grpc", "memory")
+
+#: ``log_level`` values (any case)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """Everything ``AsyncEngine(model, **options)`` and ``LLM(model, **options)`` accept.
+
+    Model: ``model`` (alias, HF directory or .gguf), ``dtype`` ("float32", "bfloat16",
+    "auto"), ``device`` ("cpu", "cuda", "auto"). KV cache: ``block_size``, ``num_blocks`` (an
+    exact count) or ``kv_cache_memory`` (bytes), ``enable_prefix_caching``, ``max_model_len``.
+    Batching: ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_chunk``,
+    ``scheduler`` (a policy name in ``actorline.schedulers``). Topology: ``transport``
+    ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None). Admission:
+    ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
+    per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)), ``rate_limit_burst``
+    (seconds of its rate each tenant's buckets hold: the largest burst a tenant may send at
+    once, and so also the largest request, prompt plus ``max_tokens``, under a tokens/s
+    limit). Benchmarking:
+    ``null_model`` replaces the model with :mod:`stages.execute.null` (random tokens at once,
+    real KV bookkeeping) to measure the framework alone. Process: ``tune_gc`` (default on)
+    raises the garbage collector's young-generation threshold while the engine runs and
+    freezes the engine process's start-up heap (see :mod:`pipeline.runtime.gc_policy`).
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_chunk: int | None = None
+    scheduler: str = "fcfs"
+    transport: str = "zmq"
+    compression: str | None = None
+    max_queued_requests: int = 4096
+    requests_per_second: float | None = None
+    tokens_per_second: float | None = None
+    tenant_limits: Mapping[str, tuple[float | None, float | None]] = dataclasses.field(
+        default_factory=dict
+    )
+    rate_limit_burst: float = 1.0
+    seed: int = 0
+    use_cuda_graphs: bool = True
+    start_timeout: float = 600.0
+    log_level: str | None = None
+    null_model: bool = False
+    tune_gc: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError("model must be a non-empty alias or path")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("null_model", "tune_gc"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if not isinstance(self.scheduler, str) or not self.scheduler:
+            raise ValueError(f"scheduler must be a policy name, got {self.scheduler!r}")
+        burst = self.rate_limit_burst
+        if type(burst) not in (int, float) or not 0 < burst < math.inf:
+            raise ValueError(f"rate_limit_burst must be a number of seconds > 0, got {burst!r}")
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError(
+                "give num_blocks (an exact block count) or kv_cache_memory (bytes), not both"
+            )
+        if self.log_level is not None and (
+            not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS
+        ):
+            raise ValueError(
+                f"log_level must be one of {LOG_LEVELS} or None, got {self.log_level!r}"
+            )
+
+    @classmethod
+    def create(cls, model: str | None = None, **options: Any) -> EngineOptions:
+        """Build options from keyword arguments.
+
+        Raises:
+            TypeError: an unknown option name (the error lists the known ones).
+            ValueError: an invalid value.
+        """
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        if model is not None:
+            options["model"] = model
+        return cls(**options)
+
+    @property
+    def split_processes(self) -> bool:
+        """Whether the engine stages run in their own process."""
+        return self.transport != "memory"

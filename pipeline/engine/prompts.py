@@ -1,0 +1,116 @@
+"""Prompts and parameters as the engine accepts them, checked before a request enters the
+pipeline: the prompt forms of vLLM (text, chat messages, token ids, prompt dicts) and
+:class:`~stages.params.SamplingParams`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stages.errors import InvalidRequestError
+from stages.messages import ChatMessage, GenerateRequest
+from stages.params import SamplingParams, validate_sampling
+
+__all__ = ["Prompt", "checked_params", "is_prompt_dict", "make_request"]
+
+#: what ``generate`` accepts: text, chat messages (dicts with role/content or ChatMessage), or
+#: token ids, or vLLM's prompt dicts ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
+Prompt = str | Sequence[ChatMessage | Mapping[str, str]] | Sequence[int] | Mapping[str, Any]
+
+#: the keys of vLLM's TextPrompt / TokensPrompt that actorline serves
+_PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def is_prompt_dict(item: object) -> bool:
+    """Whether ``item`` is a vLLM-style prompt dict (not a chat message)."""
+    return isinstance(item, Mapping) and any(key in item for key in _PROMPT_DICT_KEYS)
+
+
+def checked_params(params: SamplingParams | None) -> SamplingParams:
+    """``params`` (None: the defaults), validated.
+
+    Raises:
+        InvalidRequestError: not a SamplingParams, or a field out of range (named).
+    """
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError("params must be a SamplingParams", field="params")
+    validate_sampling(params)
+    return params
+
+
+def _from_prompt_dict(prompt: Mapping[str, Any], request_id: str) -> Any:
+    """The text or token ids of a vLLM-style prompt dict.
+
+    Raises:
+        InvalidRequestError: not exactly one of the keys, or a value of the wrong type.
+    """
+    keys = sorted(map(str, prompt))
+    if len(keys) != 1 or keys[0] not in _PROMPT_DICT_KEYS:
+        raise InvalidRequestError(
+            "a prompt dict must be {'prompt': text} or {'prompt_token_ids': [ids]}, "
+            f"got the keys {keys}",
+            field="prompt",
+            request_id=request_id,
+        )
+    key, value = keys[0], prompt[keys[0]]
+    if key == "prompt":
+        valid = isinstance(value, str)
+    else:
+        valid = isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+    if not valid:
+        kind = "a string" if key == "prompt" else "a list of token ids"
+        raise InvalidRequestError(
+            f"{key} must be {kind}, got {value!r:.60}", field="prompt", request_id=request_id
+        )
+    return value
+
+
+def make_request(
+    request_id: str, prompt: Prompt, params: SamplingParams, tenant: str, chat_template: bool
+) -> GenerateRequest:
+    """The pipeline's request for ``prompt``.
+
+    Raises:
+        InvalidRequestError: a prompt of no accepted form (the field is named).
+    """
+    arrival = time.time()
+    if isinstance(prompt, Mapping):
+        prompt = _from_prompt_dict(prompt, request_id)
+    if isinstance(prompt, str):
+        # NOTE: only "" is refused here: a whitespace-only prompt has tokens and runs, as in
+        # vLLM; tokenize refuses a prompt whose token list comes out empty.
+        if not prompt:
+            raise InvalidRequestError("prompt is empty", field="prompt", request_id=request_id)
+        return GenerateRequest(
+            request_id, params, prompt=prompt, chat_template=chat_template, tenant=tenant,
+            arrival_time=arrival,
+        )  # fmt: skip
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and prompt:
+        if all(type(token) is int for token in prompt):
+            return GenerateRequest(
+                request_id, params, prompt_token_ids=tuple(prompt),  # type: ignore[arg-type]
+                tenant=tenant, arrival_time=arrival,
+            )  # fmt: skip
+        messages = []
+        for item in prompt:
+            if isinstance(item, ChatMessage):
+                messages.append(item)
+            elif isinstance(item, Mapping) and isinstance(item.get("content"), str):
+                messages.append(ChatMessage(str(item.get("role", "user")), item["content"]))
+            else:
+                raise InvalidRequestError(
+                    "a prompt list must hold token ids or chat messages "
+                    "({'role': ..., 'content': ...})",
+                    field="prompt",
+                    request_id=request_id,
+                )
+        return GenerateRequest(
+            request_id, params, messages=tuple(messages), tenant=tenant, arrival_time=arrival
+        )
+    raise InvalidRequestError(
+        f"prompt must be a non-empty string, chat messages or token ids, got {prompt!r:.60}",
+        field="prompt",
+        request_id=request_id,
+    )

@@ -1,0 +1,469 @@
+"""A host runs the stages placed on it inside one event loop.
+
+Links between stages of the same host deliver straight into the target's mailbox (a bounded
+:class:`~transports.memory.MemoryChannel`); links to other hosts go through a transport: this
+host listens for its inbound links (a pump task moves each received message into the target
+mailbox) and connects senders for its outbound ones. A stage that raises, or a link whose peer
+is lost, is reported through ``on_failure``; the controller then fails the whole pipeline.
+
+A handler that waits to send into a full mailbox of this host is recorded as waiting on that
+stage; when the waits close a cycle (every stage in it waits on the next one's full mailbox,
+so none can drain its own), the host reports a
+:class:`~pipeline.runtime.errors.DeadlockError` instead of hanging. Cycles through other
+hosts are not seen (their links are not mailboxes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import os
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import plugins
+from pipeline.runtime.errors import DeadlockError, GraphError, PipelineError, StageFailedError
+from pipeline.runtime.protocol import (
+    HANDLE_SECONDS_BUCKETS,
+    HostPlan,
+    HostStatistics,
+    RemoteLink,
+    StageStatistics,
+)
+from pipeline.runtime.spec import BOUNDARY, Endpoint
+from pipeline.runtime.stage import Stage
+from transports.base import Receiver, Sender, Transport
+from transports.errors import EndOfStream, LinkClosedError, PeerLostError
+from transports.memory import MemoryChannel, WouldBlock
+
+__all__ = ["Host"]
+
+logger = logging.getLogger("actorline.host")
+
+FailureCallback = Callable[[BaseException], None]
+_Deliver = Callable[[Any], Awaitable[None]]
+
+
+class _StageCell:
+    """A stage with its mailbox and counters."""
+
+    __slots__ = (
+        "buckets",
+        "busy",
+        "dropped",
+        "handle_seconds",
+        "handled",
+        "mailbox",
+        "name",
+        "stage",
+        "stop_started",
+        "task",
+        "waiting_on",
+    )
+
+    def __init__(self, name: str, stage: Stage) -> None:
+        self.name = name
+        self.stage = stage
+        self.mailbox: MemoryChannel[tuple[str, Any]] = MemoryChannel(
+            stage.mailbox_capacity, name=f"mailbox:{name}"
+        )
+        self.task: asyncio.Task[None] | None = None
+        self.handled = 0
+        self.handle_seconds = 0.0
+        self.buckets = [0] * (len(HANDLE_SECONDS_BUCKETS) + 1)
+        self.busy = False
+        self.dropped = 0
+        #: the stage whose full mailbox this stage's handler waits to send into
+        self.waiting_on: _StageCell | None = None
+        self.stop_started = False
+
+
+class Host:
+    """The stages of one placement, their mailboxes, routes and cross-host links."""
+
+    def __init__(
+        self,
+        plan: HostPlan,
+        on_failure: FailureCallback,
+        *,
+        exits: dict[str, MemoryChannel[Any]] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.name = plan.name
+        self._on_failure = on_failure
+        self._exits = exits or {}
+        self._cells: dict[str, _StageCell] = {}
+        self._routes: dict[tuple[str, str], tuple[_Deliver, ...]] = {}
+        self._transports: dict[str, Transport] = {}
+        self._receivers: dict[str, Receiver] = {}
+        self._senders: dict[str, Sender] = {}
+        self._pumps: list[asyncio.Task[None]] = []
+        self._cell_of_task: dict[asyncio.Task[Any], _StageCell] = {}
+        self._failed = False
+        self._stopped = False
+        self._warned_ports: set[tuple[str, str]] = set()
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        """Construct the stages (constructors only; heavy loading happens in start)."""
+        for spec in self.plan.stages:
+            stage = spec.factory(spec.config)
+            stage._bind(self, spec.name)
+            self._cells[spec.name] = _StageCell(spec.name, stage)
+        for source, target in self.plan.local_links:
+            self._add_route(source, self._local_deliver(target))
+
+    def _local_deliver(self, target: Endpoint) -> _Deliver:
+        if target.stage == BOUNDARY:
+            return self._exits[target.port].send
+        cell = self._cells[target.stage]
+        mailbox = cell.mailbox
+        port = target.port
+
+        async def deliver(message: Any) -> None:
+            try:
+                mailbox.send_nowait((port, message))
+            except WouldBlock:
+                await self._send_when_room(cell, (port, message))
+                return
+            if cell.waiting_on is not None:  # its owner waits too: did this close a cycle?
+                self._check_deadlock(cell)
+
+        return deliver
+
+    def _add_route(self, source: Endpoint, deliver: _Deliver) -> None:
+        key = (source.stage, source.port)
+        self._routes[key] = (*self._routes.get(key, ()), deliver)
+
+    def _transport(self, name: str) -> Transport:
+        transport = self._transports.get(name)
+        if transport is None:
+            factory = plugins.load(plugins.TRANSPORTS, name)
+            settings = dict(self.plan.transport_settings).get(name) or {}
+            transport = factory(self.plan.link_options, **settings)
+            self._transports[name] = transport
+        return transport
+
+    async def bind_links(self) -> dict[str, str]:
+        """Listen for every inbound cross-host link and start its pump; returns addresses."""
+        addresses: dict[str, str] = {}
+        for link in self.plan.inbound:
+            receiver = await self._transport(link.transport).listen()
+            self._receivers[link.link_id] = receiver
+            addresses[link.link_id] = receiver.address
+            self._pumps.append(
+                asyncio.create_task(self._pump(link, receiver), name=f"pump:{link.link_id}")
+            )
+        return addresses
+
+    async def connect_links(self, addresses: dict[str, str]) -> None:
+        """Connect a sender for every outbound cross-host link."""
+        for link in self.plan.outbound:
+            address = addresses[link.link_id]
+            sender = await self._transport(link.transport).connect(
+                address, name=f"{self.name}/{link.endpoint}#{link.link_id}"
+            )
+            self._senders[link.link_id] = sender
+            self._add_route(link.endpoint, sender.send)
+
+    async def start_stages(self) -> None:
+        """Run every stage's ``start`` (concurrently), then start handling messages.
+
+        Raises:
+            StageFailedError: a stage's start raised.
+        """
+
+        async def start_one(cell: _StageCell) -> None:
+            try:
+                await cell.stage.start()
+            except asyncio.CancelledError as exc:
+                # NOTE: unlike a handler's task, start runs in the caller's: it may have been
+                # cancelled by its caller (a start timeout). Only where Python can tell that
+                # it was not (>= 3.11) is this the stage failing.
+                if _cancel_requested() is not False:
+                    raise
+                raise self._cancelled_error(cell.name, exc, "start") from exc
+            except Exception as exc:
+                raise self._stage_error(cell.name, exc) from exc
+
+        await asyncio.gather(*(start_one(cell) for cell in self._cells.values()))
+        for cell in self._cells.values():
+            cell.task = asyncio.create_task(self._run_stage(cell), name=f"stage:{cell.name}")
+            self._cell_of_task[cell.task] = cell
+
+    # -- running --------------------------------------------------------------------------------
+
+    async def emit(self, stage: str, port: str, message: Any) -> None:
+        routes = self._routes.get((stage, port))
+        if routes is None:
+            self._unrouted(stage, port)
+            return
+        for deliver in routes:
+            await deliver(message)
+
+    async def send_entry(self, entry: str, message: Any) -> None:
+        """Deliver a message sent by the caller to an entry (main host only)."""
+        await self.emit(BOUNDARY, entry, message)
+
+    def _unrouted(self, stage: str, port: str) -> None:
+        cell = self._cells.get(stage)
+        if cell is not None:
+            outputs = type(cell.stage).outputs
+            if port not in outputs:  # a misspelt port: fail the handler, never drop silently
+                raise GraphError(
+                    f"stage {stage!r} emitted on {port!r}, which is not one of its outputs "
+                    f"{outputs}"
+                )
+            cell.dropped += 1
+        if (stage, port) not in self._warned_ports:
+            self._warned_ports.add((stage, port))
+            logger.warning(
+                "output %s.%s is linked to nothing; its messages are dropped", stage, port
+            )
+
+    async def _run_stage(self, cell: _StageCell) -> None:
+        mailbox = cell.mailbox
+        handle = cell.stage.handle
+        clock = time.perf_counter
+        buckets, bounds = cell.buckets, HANDLE_SECONDS_BUCKETS
+        while True:
+            try:
+                port, message = await mailbox.receive()
+            except (EndOfStream, LinkClosedError):
+                return
+            cell.busy = True
+            started = clock()
+            try:
+                await handle(message, port)
+            except asyncio.CancelledError as exc:
+                # NOTE: only this host cancels a stage's task, and it sets _stopped first. A
+                # CancelledError that nobody aimed at the task (the handler awaited a future
+                # or task that was cancelled) is the handler failing, not the stage stopping.
+                # (_cancel_requested also covers the event loop cancelling every task as it
+                # shuts down, where Python can tell.)
+                if self._stopped or _cancel_requested():
+                    raise
+                self._fail(self._cancelled_error(cell.name, exc, "its handler"), exc)
+                return
+            except Exception as exc:
+                self._fail(self._stage_error(cell.name, exc), exc)
+                return
+            finally:
+                elapsed = clock() - started
+                cell.handle_seconds += elapsed
+                buckets[bisect.bisect_left(bounds, elapsed)] += 1
+                cell.handled += 1
+                cell.busy = False
+
+    async def _send_when_room(self, target: _StageCell, item: tuple[str, Any]) -> None:
+        """Send ``item`` into ``target``'s full mailbox, waiting for room.
+
+        NOTE: when the waiting task is a stage's own handler (not a pump, the caller or a
+        background task of a stage) the wait is recorded, so that a cycle of handlers each
+        waiting on the next one's full mailbox is found (:meth:`_check_deadlock`) the moment
+        it closes. Only the stage's own task drains its mailbox, so such a cycle never clears.
+        """
+        sender = self._cell_of_task.get(asyncio.current_task())  # type: ignore[arg-type]
+        if sender is None:
+            await target.mailbox.send(item)
+        else:
+            sender.waiting_on = target
+            try:
+                cycle = self._wait_cycle(sender)
+                if cycle is not None:
+                    error = self._deadlock(cycle)
+                    self._fail(error, None)
+                    raise error
+                await target.mailbox.send(item)
+            finally:
+                sender.waiting_on = None
+        if target.waiting_on is not None:
+            self._check_deadlock(target)
+
+    def _check_deadlock(self, cell: _StageCell) -> None:
+        """Fail the host if waits through ``cell`` (whose mailbox just filled) close a cycle."""
+        cycle = self._wait_cycle(cell)
+        if cycle is not None:
+            error = self._deadlock(cycle)
+            self._fail(error, None)
+
+    @staticmethod
+    def _wait_cycle(start: _StageCell) -> list[_StageCell] | None:
+        """The stages of a wait cycle through ``start``: each one's handler waits to send into
+        the next one's mailbox, which is full; None if the waits do not lead back."""
+        path: list[_StageCell] = []
+        cell = start
+        while True:
+            target = cell.waiting_on
+            if target is None or len(target.mailbox) < target.mailbox.capacity:
+                return None
+            path.append(cell)
+            if target is start:
+                return path
+            if target in path:  # a cycle that does not pass through start
+                return None
+            cell = target
+
+    def _deadlock(self, cycle: list[_StageCell]) -> DeadlockError:
+        return DeadlockError(
+            self.name,
+            tuple(cell.name for cell in cycle),
+            tuple(cell.mailbox.capacity for cell in cycle),
+        )
+
+    async def _pump(self, link: RemoteLink, receiver: Receiver) -> None:
+        deliver = self._local_deliver(link.endpoint)
+        try:
+            while True:
+                await deliver(await receiver.receive())
+        except (EndOfStream, LinkClosedError):
+            return
+        except PeerLostError as exc:
+            if not self._stopped:
+                self._fail(PeerLostError(f"link {link.link_id} into {link.endpoint}: {exc}"), exc)
+
+    def _stage_error(self, stage: str, exc: BaseException) -> StageFailedError:
+        error = StageFailedError(
+            stage,
+            self.name,
+            type(exc).__qualname__,
+            str(exc),
+            "".join(traceback.format_exception(exc)),
+        )
+        error.__cause__ = exc
+        return error
+
+    def _cancelled_error(
+        self, stage: str, exc: asyncio.CancelledError, where: str
+    ) -> StageFailedError:
+        """The failure of a stage whose ``where`` raised CancelledError nobody asked for."""
+        error = StageFailedError(
+            stage,
+            self.name,
+            "CancelledError",
+            f"{where} raised CancelledError, but nothing cancelled the stage (it awaited "
+            "a future or task that was cancelled)",
+            "".join(traceback.format_exception(exc)),
+        )
+        error.__cause__ = exc
+        return error
+
+    def _fail(self, error: PipelineError | PeerLostError, cause: BaseException | None) -> None:
+        if self._failed or self._stopped:
+            return
+        self._failed = True
+        logger.error("host %s: %s", self.name, error, exc_info=cause)
+        self._on_failure(error)
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def statistics(self) -> HostStatistics:
+        stages = tuple(
+            StageStatistics(
+                name=cell.name,
+                mailbox=cell.mailbox.statistics(),
+                handled=cell.handled,
+                handle_seconds=cell.handle_seconds,
+                busy=cell.busy,
+                idle=cell.stage.idle(),
+                dropped=cell.dropped,
+                handle_buckets=tuple(cell.buckets),
+            )
+            for cell in self._cells.values()
+        )
+        return HostStatistics(
+            host=self.name,
+            pid=os.getpid(),
+            stages=stages,
+            links_in={key: r.statistics() for key, r in self._receivers.items()},
+            links_out={key: s.statistics() for key, s in self._senders.items()},
+        )
+
+    def stage(self, name: str) -> Stage:
+        """The stage object ``name`` running on this host."""
+        return self._cells[name].stage
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    async def quiesce(self, timeout: float = 5.0, *, abort: bool = False) -> None:
+        """Shutdown, first phase: stop handling, stop every stage (each ``stop`` gets up to
+        ``timeout`` seconds), close every sender (which tells each receiver END, unless
+        ``abort``). Receivers stay open so that peers doing the same meanwhile can still
+        deliver their END. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._cancel_tasks(timeout)
+        await self._stop_stages(timeout)
+        if not abort:
+            for sender in self._senders.values():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(sender.aclose(), timeout)
+
+    async def release(self, timeout: float = 5.0, *, abort: bool = False) -> None:
+        """Shutdown, second phase: close receivers and transports (``abort`` drops whatever
+        is still queued for a peer instead of waiting for it). Idempotent."""
+        if not self._stopped:
+            await self.quiesce(timeout, abort=abort)
+        # NOTE: one at a time off the dicts, so that a release cut short (cancelled) leaves
+        # what it has not closed yet for a later one.
+        while self._receivers:
+            _, receiver = self._receivers.popitem()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(receiver.aclose(), timeout)
+        while self._transports:
+            _, transport = self._transports.popitem()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(transport.aclose(abort=abort), timeout)
+
+    async def stop(self, timeout: float = 5.0, *, abort: bool = False) -> None:
+        """Both shutdown phases at once. Idempotent."""
+        await self.quiesce(timeout, abort=abort)
+        await self.release(timeout, abort=abort)
+
+    async def abort(self, timeout: float = 1.0) -> None:
+        """Forced shutdown, also finishing one that was cut short (cancelled): cancel what
+        still runs, stop the stages whose ``stop`` was not called yet, drop whatever is
+        queued, close every link and transport. Idempotent."""
+        self._stopped = True
+        await self._cancel_tasks(timeout)
+        await self._stop_stages(timeout)
+        await self.release(timeout, abort=True)
+
+    async def _cancel_tasks(self, timeout: float) -> None:
+        """Cancel the stages' tasks and the pumps; wait for them up to ``timeout``."""
+        tasks = [cell.task for cell in self._cells.values() if cell.task is not None]
+        tasks = [task for task in (*tasks, *self._pumps) if not task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                logger.warning("host %s: task %s ignored its cancellation", self.name, task)
+
+    async def _stop_stages(self, timeout: float) -> None:
+        """Call ``stop`` (each up to ``timeout``) of every stage not stopped yet, in order."""
+        for cell in self._cells.values():
+            if cell.stop_started:
+                continue
+            cell.stop_started = True
+            try:
+                await asyncio.wait_for(cell.stage.stop(), timeout)
+            except Exception:
+                logger.exception("stage %s failed to stop cleanly", cell.name)
+            finally:
+                cell.stage._shutdown_executor()
+                cell.mailbox.close_receiving()
+
+
+def _cancel_requested() -> bool | None:
+    """Whether the current task has been asked to cancel; None where Python cannot tell
+    (3.10, which has no ``Task.cancelling``)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return None if cancelling is None else cancelling() > 0

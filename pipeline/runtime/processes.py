@@ -1,0 +1,556 @@
+"""Internal: hosts in spawned processes, and the control channel to them.
+
+A host process is started with ``python -m pipeline.runtime.host_main FD`` and a socket pair. The
+parent first hands it, over that socket, multiprocessing's preparation data (``sys.path``, the
+main module, so user stage classes resolve exactly as with multiprocessing's spawn) and the
+host plan, pickled — parent to its own child, never from a network peer. After that the socket
+carries only length-prefixed codec frames (control commands and replies; nothing unpickled).
+
+The parent watches the child through a pidfd (readable the moment the process exits, so
+SIGKILL and the OOM killer are noticed at once) and the socket; the child stops when the
+socket closes, so a dead parent leaves no orphan. Unlike multiprocessing's spawn, this starts
+no resource-tracker process, so a stopped pipeline leaves no process behind.
+
+A host that listens on zmq links gets its private ipc directory from the parent (the zmq
+transport's ``ipc_dir`` setting): the child removes it when it closes its transport, and the
+parent once the child is gone, so not even a SIGKILLed host leaves ipc files behind. When the
+parent itself is killed, its hosts, orphaned, remove the ipc directories they connected to
+(the parent's and their siblings', all named ``actorline-zmq-*`` and all dead or dying) as
+they exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing.spawn
+import os
+import pickle
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from pipeline.runtime.errors import (
+    DeadlockError,
+    GraphError,
+    HostDiedError,
+    PipelineClosedError,
+    StageFailedError,
+)
+from pipeline.runtime.gc_policy import freeze_startup_heap
+from pipeline.runtime.host import FailureCallback, Host
+from pipeline.runtime.protocol import (
+    Ack,
+    BindLinks,
+    ConnectLinks,
+    HostFailure,
+    HostPlan,
+    HostStatistics,
+    LinksBound,
+    QueryStatistics,
+    StartStages,
+    StopHost,
+)
+from transports.codec import Codec
+from transports.errors import DecodeError, PeerLostError
+from transports.zmq import IPC_DIR_PREFIX, made_ipc_directory
+
+__all__ = ["ProcessHost", "serve_host"]
+
+logger = logging.getLogger("actorline.process")
+
+_LENGTH = struct.Struct("!I")
+_MAX_CONTROL_FRAME = 64 << 20
+#: seconds a controller waits for a shutdown phase on top of the host's own bound
+_STOP_MARGIN = 2.0
+_ZMQ = "zmq"
+#: how long an orphaned host waits to see its parent gone (the kernel closes a dying
+#: process's sockets before it reparents its children)
+_ORPHAN_GRACE = 2.0
+
+
+def _with_ipc_dir(plan: HostPlan) -> tuple[HostPlan, str | None]:
+    """The plan to hand a spawned host, and the ipc directory the parent made for it (None
+    when the host listens on no zmq link, its zmq links are on tcp, or the settings name a
+    directory already)."""
+    if not any(link.transport == _ZMQ for link in plan.inbound):
+        return plan, None
+    settings = dict(plan.transport_settings)
+    zmq_settings = dict(settings.get(_ZMQ) or {})
+    if "ipc_dir" in zmq_settings or zmq_settings.get("tcp_interface") is not None:
+        return plan, None  # a directory named already, or links on tcp: no ipc files
+    directory = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
+    settings[_ZMQ] = {**zmq_settings, "ipc_dir": directory}
+    return dataclasses.replace(plan, transport_settings=tuple(settings.items())), directory
+
+
+async def _parent_gone(parent: int, grace: float) -> bool:
+    """Whether this process was reparented (its parent ``parent`` died) within ``grace``."""
+    deadline = time.monotonic() + grace
+    while os.getppid() == parent:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def _failure_message(call_id: int, host: str, error: BaseException) -> HostFailure:
+    if isinstance(error, DeadlockError):
+        return HostFailure(
+            call_id,
+            host,
+            "",
+            "DeadlockError",
+            str(error),
+            cycle=error.stages,
+            capacities=error.capacities,
+        )
+    if isinstance(error, StageFailedError):
+        return HostFailure(
+            call_id,
+            host,
+            error.stage,
+            error.remote_type,
+            error.remote_message,
+            error.remote_traceback,
+        )
+    return HostFailure(call_id, host, "", type(error).__qualname__, str(error))
+
+
+def _error_from_failure(failure: HostFailure) -> BaseException:
+    if failure.error_type == "DeadlockError" and failure.cycle:
+        return DeadlockError(failure.host, failure.cycle, failure.capacities)
+    if failure.error_type == "PeerLostError" and not failure.stage:
+        return PeerLostError(f"host {failure.host!r}: {failure.message}")
+    return StageFailedError(
+        failure.stage or "(host)",
+        failure.host,
+        failure.error_type,
+        failure.message,
+        failure.traceback,
+    )
+
+
+class _ControlChannel:
+    """Length-prefixed codec frames over an asyncio stream pair."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.codec = Codec()
+
+    def send(self, message: object) -> None:
+        payload, buffers = self.codec.encode(message)
+        assert not buffers, "control messages carry no out-of-band buffers"
+        self.writer.write(_LENGTH.pack(len(payload)) + payload)
+
+    async def receive(self) -> object:
+        """The next control message. Raises EOFError when the peer is gone."""
+        while True:
+            try:
+                (length,) = _LENGTH.unpack(await self.reader.readexactly(_LENGTH.size))
+                if length > _MAX_CONTROL_FRAME:
+                    raise EOFError(f"control frame of {length} bytes is too large")
+                data = await self.reader.readexactly(length)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                raise EOFError("control channel closed") from exc
+            try:
+                return self.codec.decode(data)
+            except DecodeError as exc:
+                logger.warning("ignoring an undecodable control message: %s", exc)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+# -- the child side ------------------------------------------------------------------------------
+
+
+def serve_host(control_fd: int) -> None:
+    """Entry point of a host process (``python -m pipeline.runtime.host_main FD``)."""
+    # NOTE: Ctrl-C reaches the whole process group; the controller decides how to shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=control_fd)
+    sock.setblocking(True)
+    preparation, plan = _receive_bootstrap(sock)
+    multiprocessing.spawn.prepare(preparation)
+    plan = pickle.loads(plan)
+    assert isinstance(plan, HostPlan)
+    logging.basicConfig(
+        level=plan.log_level,
+        format=f"%(asctime)s %(levelname)s [{plan.name}:%(process)d] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    asyncio.run(_serve(plan, sock))
+
+
+def _receive_bootstrap(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    def exactly(count: int) -> bytes:
+        chunks = bytearray()
+        while len(chunks) < count:
+            chunk = sock.recv(count - len(chunks))
+            if not chunk:
+                raise SystemExit("actorline host: the parent went away during start-up")
+            chunks += chunk
+        return bytes(chunks)
+
+    (length,) = _LENGTH.unpack(exactly(_LENGTH.size))
+    # NOTE: the bootstrap comes from our own parent process over an inherited socket pair
+    # (like multiprocessing's spawn); nothing received later is unpickled.
+    preparation, plan_bytes = pickle.loads(exactly(length))
+    return preparation, plan_bytes
+
+
+async def _serve(plan: HostPlan, sock: socket.socket) -> None:
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    control = _ControlChannel(reader, writer)
+    built = False
+    parent = os.getppid()
+    peer_dirs: set[str] = set()  # other hosts' ipc directories this one connected to
+    orphaned = False
+
+    def report(error: BaseException) -> None:
+        with contextlib.suppress(Exception):
+            control.send(_failure_message(0, plan.name, error))
+
+    host = Host(plan, report)
+
+    async def run_command(command: Any) -> bool:
+        """Run one command; True once the host should exit."""
+        nonlocal built
+        call_id = command.call_id
+        try:
+            if isinstance(command, BindLinks):
+                if not built:
+                    built = True
+                    try:
+                        host.build()
+                    except Exception as exc:
+                        raise host._stage_error("(constructor)", exc) from exc
+                control.send(LinksBound(call_id, await host.bind_links()))
+            elif isinstance(command, ConnectLinks):
+                made = map(made_ipc_directory, command.addresses.values())
+                peer_dirs.update(directory for directory in made if directory is not None)
+                await host.connect_links(command.addresses)
+                control.send(Ack(call_id))
+            elif isinstance(command, StartStages):
+                await host.start_stages()
+                if plan.tune_gc:
+                    freeze_startup_heap()
+                control.send(Ack(call_id))
+            elif isinstance(command, QueryStatistics):
+                control.send(Ack(call_id, host.statistics()))
+            elif isinstance(command, StopHost):
+                if command.phase == 1:
+                    await host.quiesce(command.timeout, abort=command.abort)
+                else:
+                    await host.release(command.timeout, abort=command.abort)
+                control.send(Ack(call_id))
+                return command.phase != 1
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                control.send(_failure_message(call_id, plan.name, exc))
+        return False
+
+    tasks: set[asyncio.Task[bool]] = set()
+    try:
+        while True:
+            try:
+                command = await control.receive()
+            except EOFError:
+                orphaned = True
+                break  # the controller is gone: stop
+            task = asyncio.create_task(run_command(command))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            if isinstance(command, StopHost) and command.phase != 1:
+                await task
+                with contextlib.suppress(Exception):
+                    await writer.drain()
+                break
+    finally:
+        await host.stop(abort=True)  # no-op after an orderly StopHost
+        control.close()
+        # A parent that was killed cannot remove its ipc directory, nor those it made for
+        # its hosts: the orphans do. Only once the parent is certainly dead (it may also have
+        # just closed the socket while alive and still using its directory).
+        if orphaned and peer_dirs and await _parent_gone(parent, _ORPHAN_GRACE):
+            for directory in peer_dirs:
+                shutil.rmtree(directory, ignore_errors=True)
+
+
+# -- the controller side -------------------------------------------------------------------------
+
+
+class ProcessHost:
+    """The controller's handle on a host running in a spawned process."""
+
+    def __init__(self, plan: HostPlan, on_failure: FailureCallback) -> None:
+        self.plan = plan
+        self.name = plan.name
+        self._on_failure = on_failure
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count(1)
+        self._control: _ControlChannel | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._pidfd: int | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._gone = False
+        self._exited = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ipc_dir: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def spawn(self) -> None:
+        """Start the host process and hand it its plan."""
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            preparation = multiprocessing.spawn.get_preparation_data(f"actorline-{self.name}")
+            preparation.pop("authkey", None)  # the host uses no multiprocessing connections
+            plan, self._ipc_dir = _with_ipc_dir(self.plan)
+            bootstrap = pickle.dumps((preparation, _pickled_plan(plan)))
+            self._process = subprocess.Popen(  # noqa: ASYNC220 - returns at once
+                [sys.executable, "-m", "pipeline.runtime.host_main", str(child_end.fileno())],
+                pass_fds=(child_end.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            self._remove_ipc_dir()
+            raise
+        finally:
+            child_end.close()
+        parent_end.sendall(_LENGTH.pack(len(bootstrap)) + bootstrap)
+        loop = self._loop = asyncio.get_running_loop()
+        reader, writer = await asyncio.open_unix_connection(sock=parent_end)
+        self._control = _ControlChannel(reader, writer)
+        self._reader_task = loop.create_task(self._read_control(), name=f"control:{self.name}")
+        try:
+            self._pidfd = os.pidfd_open(self._process.pid)
+            loop.add_reader(self._pidfd, self._on_exit)
+        except (AttributeError, OSError):  # no pidfd: the control socket's EOF tells instead
+            self._pidfd = None
+
+    async def _read_control(self) -> None:
+        assert self._control is not None
+        while True:
+            try:
+                message = await self._control.receive()
+            except EOFError:
+                if self._pidfd is None:
+                    self._on_exit()
+                return
+            call_id = getattr(message, "call_id", 0)
+            future = self._calls.pop(call_id, None) if call_id else None
+            if future is not None:
+                if not future.done():
+                    future.set_result(message)
+            elif isinstance(message, HostFailure) and not self._stopping:
+                self._on_failure(_error_from_failure(message))
+
+    def _on_exit(self) -> None:
+        if self._gone:
+            return
+        assert self._loop is not None and self._process is not None
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+        self._gone = True
+        self._exited.set()
+        exitcode = self._process.wait()
+        self._remove_ipc_dir()
+        error = HostDiedError(self.name, exitcode)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+        if not self._stopping:
+            self._on_failure(error)
+
+    def _remove_ipc_dir(self) -> None:
+        """Remove the host's ipc directory (the host is gone, or never started)."""
+        directory, self._ipc_dir = self._ipc_dir, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    async def _call(self, command_type: type, *args: Any, timeout: float | None = None) -> Any:
+        if self._gone or self._control is None or self._loop is None:
+            if self._stopping:  # stopped by its controller, not dead
+                raise PipelineClosedError(f"host {self.name!r} is stopped")
+            code = self._process.returncode if self._process else None
+            raise HostDiedError(self.name, code)
+        call_id = next(self._ids)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[call_id] = future
+        try:
+            self._control.send(command_type(call_id, *args))
+            reply = await asyncio.wait_for(future, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if isinstance(reply, HostFailure):
+            raise _error_from_failure(reply)
+        return reply
+
+    async def bind_links(self) -> dict[str, str]:
+        reply = await self._call(BindLinks)
+        assert isinstance(reply, LinksBound)
+        return reply.addresses
+
+    async def connect_links(self, addresses: dict[str, str]) -> None:
+        await self._call(ConnectLinks, addresses)
+
+    async def start_stages(self) -> None:
+        await self._call(StartStages)
+
+    async def statistics(self) -> HostStatistics:
+        reply = await self._call(QueryStatistics, timeout=10.0)
+        assert isinstance(reply, Ack) and reply.statistics is not None
+        return reply.statistics
+
+    async def _wait_exit(self, timeout: float) -> bool:
+        process = self._process
+        assert process is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while process.poll() is None:
+            if self._pidfd is not None:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return False
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._exited.wait()), remaining)
+                if self._gone:
+                    return True
+            else:  # NOTE: without a pidfd there is no exit event to wait on
+                if loop.time() >= deadline:
+                    return False
+                await asyncio.sleep(0.02)
+        return True
+
+    async def exited(self, grace: float) -> bool:
+        """Whether the host process has exited, or exits within ``grace`` seconds. An exit
+        seen here is reported as it would be by the exit watch (HostDiedError through
+        ``on_failure``, unless the host is being stopped)."""
+        if self._process is None or self._loop is None:
+            return False
+        if not self._gone:
+            if not await self._wait_exit(grace):
+                return False
+            self._on_exit()
+        return True
+
+    def _phase_timeout(self, phase: int, timeout: float) -> float:
+        """How long the host may take for shutdown ``phase`` when each step gets
+        ``timeout``: phase 1 cancels its tasks, stops each stage and closes each sender in
+        turn; phase 2 closes each receiver and each transport."""
+        plan = self.plan
+        if phase == 1:
+            steps = 1 + len(plan.stages) + len(plan.outbound)
+        else:
+            links = (*plan.inbound, *plan.outbound)
+            steps = len(plan.inbound) + len({link.transport for link in links})
+        return max(steps, 1) * timeout + _STOP_MARGIN
+
+    async def quiesce(self, timeout: float = 5.0, *, abort: bool = False) -> None:
+        """Shutdown phase 1 (see :meth:`Host.quiesce`; each step of it gets ``timeout``).
+        Never raises."""
+        self._stopping = True
+        if self._process is not None and not self._gone:
+            with contextlib.suppress(Exception):
+                await self._call(
+                    StopHost, 1, abort, timeout, timeout=self._phase_timeout(1, timeout)
+                )
+
+    async def stop(self, timeout: float = 5.0, *, abort: bool = False) -> None:
+        """Shutdown phase 2: ask the host to release its links and exit, wait for the
+        process; terminate, then kill, if it does not exit. Idempotent; never raises."""
+        self._stopping = True
+        process = self._process
+        if process is None:
+            return
+        if not self._gone:
+            with contextlib.suppress(Exception):
+                await self._call(
+                    StopHost, 2, abort, timeout, timeout=self._phase_timeout(2, timeout)
+                )
+        if not await self._wait_exit(timeout):
+            logger.warning("host %s did not exit; terminating pid %s", self.name, process.pid)
+            process.terminate()
+            if not await self._wait_exit(1.0):
+                process.kill()
+        await self._release()
+
+    def kill_now(self) -> None:
+        """Forced end, the part that does not wait: SIGKILL the process if it still runs and
+        remove its ipc directory. Idempotent; never raises."""
+        self._stopping = True
+        process = self._process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(OSError):
+                process.kill()  # (a no-op once the process has been reaped)
+        self._remove_ipc_dir()
+
+    async def kill(self) -> None:
+        """Forced end (also of a shutdown cut short): :meth:`kill_now`, then reap the process
+        and close the control channel. Idempotent; never raises."""
+        self.kill_now()
+        if self._process is None:
+            return
+        await self._wait_exit(_STOP_MARGIN)
+        await self._release()
+
+    async def _release(self) -> None:
+        """Reap the (exited or killed) process and release what the controller holds for it:
+        the ipc directory, the pidfd, the control reader and channel. Idempotent."""
+        process = self._process
+        assert process is not None
+        process.wait()
+        if self._loop is not None:
+            self._on_exit()  # (once) calls still waiting for an answer fail; nothing reported
+        self._remove_ipc_dir()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._gone = True
+        self._exited.set()
+        reader, self._reader_task = self._reader_task, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+        if self._control is not None:
+            self._control.close()
+
+
+def _pickled_plan(plan: HostPlan) -> bytes:
+    """``plan`` pickled for its spawned host.
+
+    Raises:
+        GraphError: a stage's class or config cannot be pickled (a class defined inside a
+            function, a lambda or an open file in the config, ...), naming the stage.
+    """
+    try:
+        return pickle.dumps(plan)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        for spec in plan.stages:
+            try:
+                pickle.dumps((spec.factory, spec.config))
+            except (pickle.PicklingError, AttributeError, TypeError) as stage_exc:
+                raise GraphError(
+                    f"stage {spec.name!r} cannot run on host {plan.name!r}: a spawned host "
+                    f"gets its stage's class and config by pickle, and {stage_exc} (define the "
+                    "class at module level; keep the config plain data)"
+                ) from stage_exc
+        raise GraphError(f"the plan of host {plan.name!r} cannot be pickled: {exc}") from exc

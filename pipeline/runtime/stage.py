@@ -1,0 +1,195 @@
+"""The Stage: an actor with a bounded mailbox, named input and output ports.
+
+A stage is built from plain, picklable config (so a spawned process can build it), loads heavy
+resources in :meth:`Stage.start`, then handles one message at a time. Dispatch is on the
+message's type, declared with :func:`handles`::
+
+    class Square(Stage):
+        inputs = ("in",)
+        outputs = ("out",)
+
+        @handles(Number)
+        async def on_number(self, message: Number) -> None:
+            await self.emit("out", Number(message.value ** 2))
+
+A handler that raises fails the pipeline (supervision): every pending call gets a
+:class:`~pipeline.runtime.errors.StageFailedError`. Bad input from callers should be answered with a
+typed error message instead; a raise means the stage itself is broken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from pipeline.runtime.errors import UnhandledMessageError
+
+if TYPE_CHECKING:
+    from pipeline.runtime.host import Host
+
+__all__ = ["Handler", "Stage", "handles"]
+
+T = TypeVar("T")
+Handler = Callable[[Any], Awaitable[None]]
+_HANDLES_ATTRIBUTE = "__actorline_handles__"
+
+
+def handles(*message_types: type, port: str | None = None) -> Callable[[T], T]:
+    """Mark an ``async def handler(self, message)`` method as the handler of ``message_types``
+    (arriving on ``port``, or on any port when None)."""
+    if not message_types:
+        raise TypeError("handles() needs at least one message type")
+
+    def mark(function: T) -> T:
+        name = getattr(function, "__qualname__", repr(function))
+        _check_async_method(function, f"handler {name}", ("self", "message"))
+        existing = getattr(function, _HANDLES_ATTRIBUTE, ())
+        setattr(function, _HANDLES_ATTRIBUTE, (*existing, *((port, t) for t in message_types)))
+        return function
+
+    return mark
+
+
+def _check_async_method(function: object, what: str, parameters: tuple[str, ...]) -> None:
+    """Raise TypeError (naming ``what``) unless ``function`` is an ``async def`` that can be
+    called with ``parameters``."""
+    if not inspect.iscoroutinefunction(function):
+        raise TypeError(f"{what} must be an 'async def' method")
+    try:
+        inspect.signature(function).bind(*(None for _ in parameters))
+    except TypeError:
+        raise TypeError(f"{what} must take ({', '.join(parameters)})") from None
+
+
+class Stage:
+    """Base class of every pipeline stage.
+
+    Class attributes: ``inputs`` / ``outputs`` (port names), ``optional_outputs`` (outputs
+    a pipeline may leave linked to nothing, their messages then dropped; every other output
+    must be linked, or the pipeline does not start), ``mailbox_capacity`` (the bound of the
+    inbox shared by all input ports). Subclasses override :meth:`start`, :meth:`stop`
+    and declare handlers with :func:`handles`, or override :meth:`handle` entirely.
+    """
+
+    api_version: ClassVar[int] = 1
+    inputs: ClassVar[tuple[str, ...]] = ("in",)
+    outputs: ClassVar[tuple[str, ...]] = ("out",)
+    optional_outputs: ClassVar[tuple[str, ...]] = ()
+    mailbox_capacity: ClassVar[int] = 1024
+    _handler_table: ClassVar[dict[tuple[str | None, type], str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        table: dict[tuple[str | None, type], str] = {}
+        for klass in reversed(cls.__mro__):
+            for attribute, value in vars(klass).items():
+                for key in getattr(value, _HANDLES_ATTRIBUTE, ()):
+                    table[key] = attribute
+        cls._handler_table = table
+        if "handle" in vars(cls):
+            _check_async_method(
+                vars(cls)["handle"], f"{cls.__qualname__}.handle", ("self", "message", "port")
+            )
+        for name in cls.optional_outputs:
+            if name not in cls.outputs:
+                raise TypeError(
+                    f"{cls.__qualname__}: optional output {name!r} is not among its outputs "
+                    f"{cls.outputs}"
+                )
+        for ports in (cls.inputs, cls.outputs):
+            if isinstance(ports, str) or len(set(ports)) != len(ports):
+                raise TypeError(f"{cls.__qualname__}: ports must be a tuple of distinct names")
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+        self._host: Host | None = None
+        self._name = type(self).__name__
+        self._handlers: dict[tuple[str | None, type], Handler] = {
+            key: getattr(self, attribute) for key, attribute in self._handler_table.items()
+        }
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # -- lifecycle (override) -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load resources (models, tokenizers). Called once before any message arrives."""
+
+    async def stop(self) -> None:
+        """Release resources. Called once at shutdown, after the last message."""
+
+    def idle(self) -> bool:
+        """False while the stage holds work not visible in its mailbox (e.g. queued requests);
+        a graceful shutdown waits for every stage to be idle."""
+        return True
+
+    # -- messages -----------------------------------------------------------------------------
+
+    async def handle(self, message: Any, port: str) -> None:
+        """Dispatch ``message`` (arrived on ``port``) to its handler by type.
+
+        Raises:
+            UnhandledMessageError: no handler for this type on this port.
+        """
+        handlers = self._handlers
+        kind = type(message)
+        handler = handlers.get((port, kind)) or handlers.get((None, kind))
+        if handler is None:
+            for base in kind.__mro__[1:]:
+                handler = handlers.get((port, base)) or handlers.get((None, base))
+                if handler is not None:
+                    handlers[(port, kind)] = handler
+                    break
+            else:
+                raise UnhandledMessageError(
+                    f"stage {self.name!r} has no handler for {kind.__qualname__} on port {port!r}"
+                )
+        await handler(message)
+
+    async def emit(self, port: str, message: object) -> None:
+        """Send ``message`` to every link of output ``port`` (waits while a link is full).
+
+        Raises:
+            GraphError: ``port`` is not one of this stage's outputs.
+        """
+        if self._host is None:
+            raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
+        await self._host.emit(self._name, port, message)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The stage's name in its pipeline."""
+        return self._name
+
+    @property
+    def logger(self) -> logging.Logger:
+        return logging.getLogger(f"actorline.stage.{self._name}")
+
+    async def run_in_thread(self, function: Callable[..., T], *args: Any) -> T:
+        """Run blocking ``function(*args)`` on this stage's own worker thread (one thread per
+        stage, so thread-affine work such as a model's forward pass stays on one thread)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"actorline-{self._name}"
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(function, *args))
+
+    def _bind(self, host: Host, name: str) -> None:
+        self._host = host
+        self._name = name
+
+    def _shutdown_executor(self) -> None:
+        """Release the worker thread without blocking the event loop: jobs not started yet
+        are cancelled; a job already running (its awaiting task was cancelled) finishes on
+        its own, then the thread exits. (The interpreter joins the thread at exit; a host
+        process that does not exit in time is terminated by its controller.)"""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

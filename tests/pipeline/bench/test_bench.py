@@ -1,0 +1,211 @@
+"""The benchmarks in their --quick form on the tiny model: they run end to end and report
+well-formed, positive figures (never a timing threshold). Plus their pure helpers."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.bench.workload import (
+    FILLER_WORDS,
+    TOPICS,
+    WorkloadSpec,
+    make_workload,
+    percentile,
+    poisson_arrivals,
+)
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    from pipeline.cli import bench as _cli_bench
+
+    parser = argparse.ArgumentParser(prog="actorline")
+    _cli_bench.add_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+
+def test_workload_is_fixed_by_its_seed() -> None:
+    spec = WorkloadSpec()
+    requests = make_workload(spec)
+    assert requests == make_workload(spec)
+    assert requests != make_workload(WorkloadSpec(seed=1))
+    assert len(requests) == 64
+    assert {r.max_tokens for r in requests} == {16, 32, 64, 128}
+    for item in requests:
+        head, _, filler = item.prompt.partition(". ")
+        assert head.removeprefix("Write about ") in TOPICS
+        words = filler.split()
+        assert 5 <= len(words) <= 120 and set(words) <= set(FILLER_WORDS)
+    with pytest.raises(ValueError, match="max_filler"):
+        WorkloadSpec(min_filler=10, max_filler=5)
+
+
+def test_poisson_arrivals_and_percentiles() -> None:
+    arrivals = poisson_arrivals(4.0, 2000, seed=3)
+    assert arrivals == poisson_arrivals(4.0, 2000, seed=3)
+    assert all(b > a for a, b in itertools.pairwise(arrivals))
+    assert arrivals[-1] / len(arrivals) == pytest.approx(0.25, rel=0.1)  # mean gap 1/rate
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(0.0, 3, seed=0)
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_cli_lists_every_benchmark() -> None:
+    parser = bench_parser()
+    for name in ("offline", "online", "ceiling", "split", "ablation"):
+        args = parser.parse_args(["bench", name, "--quick", "--json"])
+        assert args.benchmark == name and args.quick and args.json and callable(args.run)
+    args = parser.parse_args(["bench", "ceiling", "--profile", "--requests", "8"])
+    assert args.profile and args.requests == 8 and args.tune_gc
+    assert not parser.parse_args(["bench", "ceiling", "--no-tune-gc"]).tune_gc
+
+
+# -- the benchmarks, --quick, on the tiny model ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ceiling_quick_via_the_cli(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = bench_parser().parse_args(
+        ["bench", "ceiling", "--quick", "--json", "--profile", "--model", str(tiny_model_dir)]
+    )
+    assert args.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_requests"] == 32 and result["max_tokens"] == 32
+    (run,) = result["runs"]
+    assert run["tokens"] == 32 * 32  # every token reached the callers
+    assert run["seconds"] > 0 and run["tokens_per_second"] > 0 and run["engine_steps"] > 0
+    assert result["best_tokens_per_second"] == run["tokens_per_second"]
+    assert result["target_tokens_per_second"] == 50_000
+    profile = result["profile"]
+    stages = {row["stage"]: row for row in profile["stages"] if row["stage"] != "transport"}
+    assert set(stages) == {"tokenize", "admit", "schedule", "execute", "detokenize", "stop_check"}
+    # each host's cross-host links: encoding and decoding, measured in the links
+    transport = {row["host"]: row for row in profile["stages"] if row["stage"] == "transport"}
+    assert set(transport) == {"main", "engine"}
+    assert all(row["handled"] > 0 and row["seconds"] > 0 for row in transport.values())
+    assert [row["stage"] for row in profile["stages"]][-2:] == ["transport", "transport"]
+    assert stages["tokenize"]["handled"] == 32
+    # NOTE: the API learns the step count from outputs, so it can trail the statistics
+    # snapshot by the free-only step that runs after the last tokens.
+    steps = stages["execute"]["handled"]
+    assert run["engine_steps"] <= steps <= run["engine_steps"] + 2
+    assert all(row["seconds"] > 0 for row in stages.values())
+    assert {row["host"] for row in profile["hosts"]} == {"main", "engine"}
+    links = {row["link"]: row for row in profile["links"]}
+    assert steps - 1 <= links["schedule.out → detokenize.in"]["messages"] <= steps
+
+
+@pytest.mark.slow
+def test_offline_quick(tiny_model_dir: Path) -> None:
+    from pipeline.bench.offline import OfflineConfig, format_offline, run_offline
+
+    result = run_offline(OfflineConfig.quick(model=str(tiny_model_dir), profile=True))
+    names = [system.name for system in result.systems]
+    assert names == [
+        "actorline (zmq)",
+        "actorline (memory)",
+        "HF generate (static batches)",
+        "HF continuous batching",
+    ]
+    for system in result.systems:
+        # ignore_eos everywhere: every system generates exactly the requested tokens
+        assert system.generated_tokens == result.requested_tokens > 0
+        assert system.seconds > 0 and system.tokens_per_second > 0
+    assert set(result.ratios) == {
+        f"{ours} / {theirs}" for ours in names[:2] for theirs in names[2:]
+    }
+    assert all(ratio > 0 for ratio in result.ratios.values())
+    assert [check.requests_checked for check in result.greedy_checks] == [2, 2]
+    assert result.engine_peak_rss_bytes is not None and result.engine_peak_rss_bytes > 0
+    assert set(result.profiles) == {"actorline (zmq)", "actorline (memory)"}
+    text = format_offline(result)
+    assert "HF continuous batching" in text and "peak RSS" in text and "greedy check" in text
+
+
+@pytest.mark.slow
+def test_online_quick(tiny_model_dir: Path) -> None:
+    from pipeline.bench.online import OnlineConfig, format_online, run_online
+
+    result = run_online(OnlineConfig.quick(model=str(tiny_model_dir)))
+    assert [rate.rate for rate in result.rates] == [4.0, 8.0]
+    for rate in result.rates:
+        assert rate.requests == 4 and rate.output_tokens >= 4 * 8
+        for value in (rate.ttft_p50_ms, rate.ttft_p99_ms, rate.itl_p50_ms, rate.itl_p99_ms,
+                      rate.tokens_per_second, rate.mean_latency_ms):  # fmt: skip
+            assert value > 0
+        assert rate.ttft_p99_ms >= rate.ttft_p50_ms and rate.itl_p99_ms >= rate.itl_p50_ms
+    assert "TTFT p50" in format_online(result)
+
+
+@pytest.mark.slow
+def test_split_quick(tiny_model_dir: Path) -> None:
+    from pipeline.bench.split import SplitConfig, format_split, run_split
+
+    result = run_split(SplitConfig.quick(model=str(tiny_model_dir)))
+    assert len(result.rows) == 2
+    for row in result.rows:
+        assert row.memory_tokens_per_second > 0 and row.zmq_tokens_per_second > 0
+        assert row.zmq_over_memory == pytest.approx(
+            row.zmq_tokens_per_second / row.memory_tokens_per_second
+        )
+    assert "split / single" in format_split(result)
+
+
+@pytest.mark.slow
+def test_ablation_quick(tiny_model_dir: Path) -> None:
+    from pipeline.bench.ablation import ALL_ON, AblationConfig, format_ablation, run_ablation
+
+    config = AblationConfig.quick(model=str(tiny_model_dir))
+    result = run_ablation(config)
+    assert [variant.name for variant in result.variants] == list(config.variants)
+    requested = sum(request.max_tokens for request in make_workload(config.workload))
+    for variant in result.variants:
+        # ignore_eos: every request generates exactly its max_tokens, in every variant
+        assert variant.generated_tokens == requested
+        assert variant.tokens_per_second > 0
+        assert variant.prefill_seconds > 0 and variant.decode_seconds > 0
+    table = format_ablation(result)
+    assert f"vs {ALL_ON}" in table and "cpu_linears=False" in table
+
+
+def test_transports_quick() -> None:
+    """``actorline bench transports`` runs every link and its raw peers on the same bytes and
+    prints the ratios as JSON, and nothing else: no gRPC log line amid the figures."""
+    command = ["bench", "transports", "--quick", "--json", "--sizes", "10000"]
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    rows = {(row["transport"], row["zstd"]): row for row in json.loads(result.stdout)}
+    assert set(rows) == {
+        (name, zstd) for name in ("memory", "zmq", "grpc") for zstd in (False, True)
+    } - {("memory", True)}
+    for (name, _), row in rows.items():
+        assert row["size"] == 10_000 and row["link_msgs_per_s"] > 0
+        assert row["link_p50_us"] > 0 and row["link_p99_us"] >= row["link_p50_us"]
+        if name != "memory":  # measured against the raw library in the same run
+            assert row["raw_msgs_per_s"] > 0
+            assert row["ratio"] == pytest.approx(row["link_msgs_per_s"] / row["raw_msgs_per_s"])
+    grpc = rows["grpc", False]
+    assert grpc["raw_batched_msgs_per_s"] > 0
+    assert grpc["batched_ratio"] == pytest.approx(
+        grpc["link_msgs_per_s"] / grpc["raw_batched_msgs_per_s"]
+    )

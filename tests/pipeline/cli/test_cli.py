@@ -1,0 +1,168 @@
+"""The actorline CLI as a real subprocess: it generates, and fails cleanly on bad input."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline import LLM, SamplingParams
+from pipeline.cli.llm import EXIT_BROKEN_PIPE
+
+CLI = [sys.executable, "-m", "pipeline.cli"]
+
+
+def actorline(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_plugins_lists_every_group() -> None:
+    result = actorline("plugins")
+    assert result.returncode == 0, result.stderr
+    for expected in ("actorline.schedulers", "fcfs", "sjf", "actorline.transports", "zmq", "grpc"):
+        assert expected in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chat", [True, False], ids=["chat template", "raw text"])
+def test_generate_prints_the_engines_greedy_answer(tiny_model_dir: Path, chat: bool) -> None:
+    """What the CLI prints is exactly what the engine generates for the same input: the
+    prompt wrapped as a user message for a chat model, or raw with --no-chat-template."""
+    raw = [] if chat else ["--no-chat-template"]
+    args = ["Hello there", "--model", str(tiny_model_dir), "--max-tokens", "6", *raw]
+    result = actorline("generate", *args, "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt: Any = [{"role": "user", "content": "Hello there"}] if chat else "Hello there"
+    with LLM(str(tiny_model_dir), transport="memory") as llm:
+        [expected] = llm.generate([prompt], params, use_tqdm=False)
+    assert len(expected.token_ids) == 6
+    assert result.stdout == expected.text + "\n"
+
+
+@pytest.mark.slow
+def test_demo_pipeline_runs() -> None:
+    result = actorline("demo", "--count", "5")
+    assert result.returncode == 0, result.stderr
+    assert "collatz(3) reaches 1 in 7 steps" in result.stdout
+
+
+def gguf_path() -> Path:
+    from stages.models import ALIASES, alias_file
+
+    return alias_file(ALIASES["smollm2-135m"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", ""], "the prompt is empty"),
+        (["generate", "hi", "--model", "smollm9-1t"], "unknown model 'smollm9-1t'"),
+        (["generate", "hi", "--model", "/no/such/model.gguf"], "does not exist"),
+        (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+        (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["generate", "hi", "--max-tokens", "0"], "max_tokens must be >= 1"),
+        (["generate", "hi", "--scheduler", "nope"], "no actorline.schedulers plugin named 'nope'"),
+        # engine values the execute stage's config refuses, checked before the model loads
+        (["generate", "hi", "--device", "gpu"], "device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
+        (["generate", "hi", "--max-model-len", "0"], "max_model_len must be a positive integer"),
+        (["generate", "hi", "--num-blocks", "0"], "num_blocks must be a positive integer"),
+        (["generate", "hi", "--kv-cache-memory", "-5"], "kv_cache_memory must be a positive"),
+        (["generate", "hi", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
+        # argument errors argparse finds: one line too, not the usage block
+        ([], "the following arguments are required: COMMAND"),
+        (["generate"], "the following arguments are required: prompt"),
+        (["generate", "hi", "--max-tokens", "x"], "argument --max-tokens: invalid int value"),
+        (["serve", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
+        (["serve", "--rate-limit-burst", "0"], "--rate-limit-burst must be > 0 seconds"),
+        (["bench", "nope"], "invalid choice: 'nope'"),
+    ],
+)
+def test_bad_input_fails_with_one_clear_line(args: list[str], message: str) -> None:
+    result = actorline(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"actorline( \w+)?: error: ", lines[0]), result.stderr
+    assert message in lines[0]
+
+
+def test_corrupt_and_truncated_gguf_fail_cleanly(tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(gguf_path().read_bytes()[: 2 << 20])
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 4096)
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello")
+    for path, message in (
+        (truncated, "not a readable GGUF model"),
+        (corrupt, "not a readable GGUF model"),
+        (not_gguf, "is not a GGUF file"),
+    ):
+        result = actorline("generate", "hi", "--model", str(path), "--max-tokens", "2")
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("words", "extra", "length"),
+    [(1100, [], 1024), (100, ["--max-model-len", "64", "--transport", "memory"], 64)],
+    ids=["model-length", "max-model-len"],
+)
+def test_prompt_longer_than_the_model_fails_with_one_line(
+    tiny_model_dir: Path, words: int, extra: list[str], length: int
+) -> None:
+    prompt = "hello " * words
+    result = actorline(
+        "generate", prompt, "--model", str(tiny_model_dir), "--max-tokens", "4", *extra
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("actorline: error:"), result.stderr
+    assert f"the model's length is {length}" in lines[0] and "the prompt has" in lines[0]
+    assert not result.stdout.strip()
+
+
+@pytest.mark.slow
+def test_generate_into_a_closed_pipe_exits_quietly_with_sigpipe_status(
+    tiny_model_dir: Path,
+) -> None:
+    """``actorline generate ... | head -c 5``: once the reader has gone, the command stops
+    (aborting its request) without a traceback and exits 128 + SIGPIPE, like a process
+    killed by SIGPIPE."""
+    process = subprocess.Popen(
+        [*CLI, "generate", "Write a long story", "--model", str(tiny_model_dir),
+         "--max-tokens", "900", "--ignore-eos", "--transport", "memory"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    try:
+        assert len(process.stdout.read(5)) == 5
+        process.stdout.close()  # what head does once it has its bytes
+        status = process.wait(timeout=180)  # a hang guard, not a timing assertion
+        stderr = process.stderr.read().decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+    assert status == EXIT_BROKEN_PIPE == 128 + signal.SIGPIPE, stderr
+    assert stderr == ""
+
+
+@pytest.mark.slow
+def test_grpc_transport_shuts_down_without_grpc_log_lines(tiny_model_dir: Path) -> None:
+    result = actorline(
+        "generate", "hi", "--model", str(tiny_model_dir), "--max-tokens", "4",
+        "--transport", "grpc", "--compression", "zstd",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "chttp2" not in result.stderr and "goaway" not in result.stderr.lower()
+    assert result.stderr == ""
