@@ -3,7 +3,7 @@
 The runtime (:mod:`pipeline.runtime`: stages, pipelines, hosts, supervision) is imported
 eagerly and is light. The LLM façade (``LLM``, ``AsyncEngine``, ``SamplingParams``, ...)
 imports the stages, which import the runtime, so its names are resolved lazily on first
-access (docs/architecture.md §1).
+access (docs/architecture.md §1.2).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 It cuts a matched stop string from the text (unless ``include_stop_str_in_output``), holds
 back text that could be the start of a stop string while streaming, honours ``min_tokens``,
-flushes held-back text on every finish (an engine stop, length, and an abort from the caller:
-REFERENCE.md §4), and sends an abort back to schedule when a stop string ends a request, so
-its KV blocks are freed at once.
+flushes held-back text on every finish (an engine stop, length, and an abort from the
+caller: docs/architecture.md §2.8), and sends an abort back to schedule when a stop string
+ends a request, so its KV blocks are freed at once.
 
 An abort of a request with stop strings that has had an output is answered with its final
 ``"abort"`` output, carrying the held-back text (vLLM's ``OutputProcessor.abort_requests``

@@ -217,7 +217,7 @@ def test_abort_delivers_text_held_back_for_a_stop_string(
     served: tuple[LoopThread, AsyncEngine], tiny_model_dir: Path
 ) -> None:
     """While the text so far could still become a stop string, stop-check holds it back; an
-    abort then ends the stream with that text delivered (REFERENCE.md §4: flush held-back
+    abort then ends the stream with that text delivered (docs/architecture.md §2.8: flush held-back
     text on every finish), so the final text is everything the request generated."""
     loop, engine = served
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
