@@ -223,7 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-tune-gc",
         dest="tune_gc",
         action="store_false",
-        help="leave the garbage collector at CPython's defaults (see pipeline/_gc.py)",
+        help="leave the garbage collector at CPython's defaults (see docs/performance.md §5)",
     )
 
 

@@ -57,7 +57,8 @@ T = TypeVar("T")
 
 #: the peak resident memory target of the engine process (1.5 GB)
 RSS_TARGET_BYTES = 1_500_000_000
-#: vLLM's CPU build against HF continuous batching on such a workload, 2 cores (DESIGN §7)
+#: vLLM's CPU build against HF continuous batching on such a workload, 2 cores
+#: (docs/performance.md §1)
 VLLM_REFERENCE_RATIO = 2.8
 ACTORLINE_ZMQ = "actorline (zmq)"
 ACTORLINE_MEMORY = "actorline (memory)"

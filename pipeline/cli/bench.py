@@ -21,7 +21,7 @@ def add_commands(commands: Any) -> None:
         ("transports", transports, "links against raw pyzmq and raw grpc.aio, same bytes"),
     )
     bench = commands.add_parser(
-        "bench", help="run a benchmark (see the README's Performance section)"
+        "bench", help="run a benchmark (figures and how to read them: docs/performance.md)"
     )
     names = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, module, help_text in benchmarks:

@@ -8,8 +8,9 @@ import sys
 # glibc's mallopt(M_ARENA_MAX) (malloc.h). A host's threads (torch's and OpenMP's pools, the
 # executor) would each get a malloc arena of their own, every one keeping its own freed
 # memory; two arenas cut the engine's peak RSS by ~50 MB at the same tokens/s
-# (benchmarks/offline.py, alternating runs). It must happen before those threads exist,
-# hence here, before anything else is imported. MALLOC_ARENA_MAX in the environment wins.
+# (actorline bench offline, alternating runs; docs/performance.md §1). It must happen before
+# those threads exist, hence here, before anything else is imported. MALLOC_ARENA_MAX in the
+# environment wins.
 _M_ARENA_MAX = -8
 HOST_ARENA_MAX = 2
 

@@ -1,5 +1,6 @@
-"""The garbage-collector policy of running pipelines (pipeline/_gc.py): the young threshold is
-raised while any pipeline runs and put back after the last, unless someone else changed it."""
+"""The garbage-collector policy of running pipelines (pipeline/runtime/gc_policy.py): the young
+threshold is raised while any pipeline runs and put back after the last, unless someone else
+changed it."""
 
 from __future__ import annotations
 
