@@ -48,7 +48,7 @@ VARIANTS = {
     # shrinks; the demo's small items do not, see test_zstd_really_compresses_the_traffic)
     "zmq+zstd": ("worker", StartOptions(transport="zmq", compression=ZSTD_EVERYTHING)),
     "grpc+zstd": ("worker", StartOptions(transport="grpc", compression=ZSTD_EVERYTHING)),
-    # hosts linked over zmq tcp, as on separate machines (docs/architecture.md §5)
+    # hosts linked over zmq tcp, as on separate machines (docs/architecture.md §5.3)
     "zmq+tcp": ("worker", StartOptions(transport_settings={"zmq": {"tcp_interface": "127.0.0.1"}})),
 }
 
