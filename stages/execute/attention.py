@@ -21,6 +21,14 @@ the cache and attends:
 - **prefill rows** (chunks, prefix hits) are attended per sequence with a causal mask aligned
   lower-right: the queries are the *last* ``n`` of the ``L`` context positions.
 
+Every path also serves the variants of :mod:`stages.execute.variants` (docs/architecture.md,
+"Attention variants"): a layer's sliding window masks keys before it (and a windowed prefill
+gathers only the blocks from the window's start on, so blocks freed behind the window are
+never read), soft-capped scores and sinks go through :func:`~stages.execute.variants.
+eager_attention` on the torch paths and through the kernel's own arguments natively. The
+masks a window needs are built once per step and window (the first layer that asks) and
+shared by the layers with that window.
+
 Follows vLLM's transformers backend (``vllm/model_executor/models/transformers/``: the
 function registered in ``ALL_ATTENTION_FUNCTIONS`` that reads a forward context) and the
 token-major cache and precomputed index tensors of transformers' continuous batching
@@ -40,6 +48,14 @@ import torch.nn.functional as F
 
 from stages.execute.allocator import RESERVED_BLOCK_ID
 from stages.execute.native import PagedDecodeKernel, paged_decode_kernel
+from stages.execute.variants import (
+    LayerVariant,
+    UnsupportedModelError,
+    causal_window_mask,
+    eager_attention,
+    key_window_mask,
+    layer_variant,
+)
 
 __all__ = [
     "ATTENTION_NAME",
@@ -47,6 +63,7 @@ __all__ = [
     "DecodeAttentionMode",
     "DecodeGroup",
     "KVCache",
+    "LayerShape",
     "PrefillSequence",
     "StepMetadata",
     "UnsupportedModelError",
@@ -58,6 +75,7 @@ __all__ = [
     "key_padding_mask",
     "paged_attention_forward",
     "plan_decode_groups",
+    "survey_layers",
 ]
 
 ATTENTION_NAME = "actorline_paged"
@@ -75,13 +93,6 @@ DECODE_ATTENTION_MODES: tuple[str, ...] = ("native", "grouped", "padded", "per_s
 # "grouped" splits the length-sorted batch into padded groups bounded by these two limits.
 AUTO_GROUP_MAX_KEYS = 4096  # padded keys (rows x longest context) per group
 AUTO_GROUP_MAX_PADDING = 1.5  # max length / min length within a group
-
-_REFUSED_KWARGS = ("softcap", "s_aux", "sinks")
-
-
-class UnsupportedModelError(ValueError):
-    """The model needs an attention feature the paged path does not implement (sliding
-    window, logit softcapping, attention sinks, MLA, ALiBi, ...): serving it would be wrong."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -142,6 +153,21 @@ class DecodeGroup:
     # "native" mode: each row's context length [end - start] int64; the kernel reads exactly
     # that many positions of its blocks (key_len and key_mask unused).
     context_lens: torch.Tensor | None = None
+    # Each row's context length on the attention's device [end - start]: windowed layers
+    # build their key masks from it (None: taken from context_lens).
+    lengths: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """The key mask of a layer with this window (built once per step and window)."""
+        if window is None:
+            return self.key_mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            lengths = self.lengths if self.lengths is not None else self.context_lens
+            assert lengths is not None, "a decode group knows its rows' context lengths"
+            mask = self.window_masks[window] = key_window_mask(lengths, self.key_len, window)
+        return mask
 
 
 @dataclasses.dataclass(slots=True)
@@ -155,6 +181,28 @@ class PrefillSequence:
     # None when the chunk is the whole context (attend to this step's k/v directly).
     key_blocks: torch.Tensor | None  # [ceil(context_len / block_size)]
     causal_mask: torch.Tensor | None  # [n, context_len] bool, lower-right aligned
+    # window -> (first block of key_blocks read, mask over the keys from that block on)
+    windows: dict[int, tuple[int, torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+    def window_keys(
+        self, window: int, block_size: int, device: torch.device
+    ) -> tuple[int, torch.Tensor]:
+        """For a layer with this window: the first of ``key_blocks`` its queries read (the
+        ones before lie wholly behind the window, maybe freed) and the ``[n, keys]`` mask over
+        the keys from that block on (``key_blocks`` None: over this step's keys)."""
+        entry = self.windows.get(window)
+        if entry is None:
+            count = self.query_end - self.query_start
+            first_query = self.context_len - count
+            first_block = 0
+            if self.key_blocks is not None:
+                first_block = max(0, first_query - window + 1) // block_size
+            first_key = first_block * block_size if self.key_blocks is not None else first_query
+            mask = causal_window_mask(
+                count, first_query, self.context_len - first_key, first_key, window, device
+            )
+            entry = self.windows[window] = (first_block, mask)
+        return entry
 
 
 @dataclasses.dataclass(slots=True)
@@ -173,7 +221,30 @@ class StepMetadata:
     calls: int = 0
 
 
-_FORWARD_CONTEXT: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar(
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerShape:
+    """What one layer's attention call shows of it: head counts and size (as the modules
+    have them, whatever the config states), its variant and the dtype of its keys."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int | None
+    softcap: float | None
+    has_sinks: bool
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(slots=True)
+class _Survey:
+    """The forward context of :func:`survey_layers`: records each layer's call."""
+
+    max_model_len: int
+    layers: dict[int, LayerShape] = dataclasses.field(default_factory=dict)
+    calls: int = 0
+
+
+_FORWARD_CONTEXT: contextvars.ContextVar[StepMetadata | _Survey | None] = contextvars.ContextVar(
     "actorline_paged_attention_metadata", default=None
 )
 
@@ -187,6 +258,30 @@ def forward_context(metadata: StepMetadata) -> Iterator[StepMetadata]:
         yield metadata
     finally:
         _FORWARD_CONTEXT.reset(token)
+
+
+def survey_layers(model: Any, input_ids: torch.Tensor, max_model_len: int) -> dict[int, LayerShape]:
+    """Run ``model`` (switched to paged attention) once over ``input_ids [1, T]`` recording
+    each layer's attention call instead of attending (outputs are zeros, the logits
+    meaningless): the shapes the KV cache must have, read from the modules rather than the
+    config (a config may state head counts its modules do not have), and the variants.
+
+    Returns:
+        ``{layer_idx: LayerShape}`` for every layer that called attention.
+
+    Raises:
+        UnsupportedModelError: a layer passes an attention feature the paged path lacks, or
+            has no integer ``layer_idx``.
+    """
+    survey = _Survey(max_model_len)
+    token = _FORWARD_CONTEXT.set(survey)
+    try:
+        with torch.inference_mode():
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            model(input_ids=input_ids, position_ids=positions, use_cache=False)
+    finally:
+        _FORWARD_CONTEXT.reset(token)
+    return survey.layers
 
 
 def paged_attention_forward(
@@ -214,18 +309,30 @@ def paged_attention_forward(
             f"{ATTENTION_NAME} attention called outside forward_context(); the model must be "
             "run by the execute stage's runner"
         )
-    _refuse_unsupported_kwargs(kwargs, metadata.max_model_len)
+    variant = layer_variant(kwargs, metadata.max_model_len)
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
         raise UnsupportedModelError(
             f"attention module {type(module).__name__} has no integer layer_idx"
         )
     metadata.calls += 1
-    key_cache = metadata.kv_cache.key[layer]  # [num_slots, Hkv, D]
-    value_cache = metadata.kv_cache.value[layer]  # [num_slots, Hkv, D]
     num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
     num_kv_heads = key.shape[1]
+    if isinstance(metadata, _Survey):
+        metadata.layers[layer] = LayerShape(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            window=variant.window,
+            softcap=variant.softcap,
+            has_sinks=variant.sinks is not None,
+            dtype=key.dtype,
+        )
+        return query.new_zeros(1, num_tokens, num_heads, head_dim), None
+    key_cache = metadata.kv_cache.key[layer]  # [num_slots, Hkv, D]
+    value_cache = metadata.kv_cache.value[layer]  # [num_slots, Hkv, D]
     group_size = num_heads // num_kv_heads
+    scale = scaling if scaling is not None else head_dim**-0.5
 
     # Write this step's K/V first, so reads below see the whole context.
     key_cache.index_copy_(0, metadata.slot_mapping, key[0].transpose(0, 1))
@@ -234,8 +341,10 @@ def paged_attention_forward(
     block_size = metadata.kv_cache.block_size
     output = query.new_empty(num_tokens, num_heads, head_dim)  # [T, Hq, D]
     kernel = metadata.decode_kernel
+    window = variant.window
     for group in metadata.decode_groups:
         if kernel is not None and group.context_lens is not None:
+            sinks = variant.sinks.float().contiguous() if variant.sinks is not None else None
             kernel(
                 query[0, :, group.start : group.end],  # [Hq, g, D]
                 key_cache,
@@ -244,7 +353,10 @@ def paged_attention_forward(
                 group.context_lens,
                 output[group.start : group.end],  # [g, Hq, D]
                 block_size,
-                scaling if scaling is not None else head_dim**-0.5,
+                scale,
+                window=window,
+                softcap=variant.softcap,
+                sinks=sinks,
             )
             continue
         rows = group.end - group.start
@@ -254,56 +366,73 @@ def paged_attention_forward(
         group_query = group_query.reshape(rows, num_kv_heads, group_size, head_dim)
         keys = gather_blocks(key_cache, group.key_blocks, block_size)  # [g, nb*bs, Hkv, D]
         values = gather_blocks(value_cache, group.key_blocks, block_size)
-        attended = F.scaled_dot_product_attention(
-            group_query,
-            keys[:, : group.key_len].transpose(1, 2),  # [g, Hkv, L, D]
-            values[:, : group.key_len].transpose(1, 2),  # [g, Hkv, L, D]
-            attn_mask=group.key_mask,
-            scale=scaling,
-        )  # [g, Hkv, rep, D]
+        group_keys = keys[:, : group.key_len].transpose(1, 2)  # [g, Hkv, L, D]
+        group_values = values[:, : group.key_len].transpose(1, 2)  # [g, Hkv, L, D]
+        if variant.needs_eager:
+            attended = eager_attention(
+                group_query,
+                group_keys,
+                group_values,
+                group.mask(window),
+                scale,
+                variant.softcap,
+                _sinks_view(variant, 1, num_kv_heads, group_size),
+            )
+        else:
+            attended = F.scaled_dot_product_attention(
+                group_query, group_keys, group_values, attn_mask=group.mask(window), scale=scale
+            )  # [g, Hkv, rep, D]
         output[group.start : group.end] = attended.reshape(rows, num_heads, head_dim)
     for sequence in metadata.prefills:
         start, end = sequence.query_start, sequence.query_end
         sequence_query = query[:, :, start:end]  # [1, Hq, n, D]
-        if sequence.key_blocks is None:
-            attended = F.scaled_dot_product_attention(
-                sequence_query,
-                key[:, :, start:end],
-                value[:, :, start:end],
-                is_causal=True,  # square: top-left and lower-right alignment agree
-                scale=scaling,
-                enable_gqa=group_size > 1,
-            )
+        count = end - start
+        mask = sequence.causal_mask
+        if window is not None and sequence.context_len > window:
+            first_block, mask = sequence.window_keys(window, block_size, query.device)
         else:
-            length = sequence.context_len
-            keys = gather_blocks(key_cache, sequence.key_blocks, block_size)  # [nb*bs, Hkv, D]
-            values = gather_blocks(value_cache, sequence.key_blocks, block_size)
+            first_block = 0
+        if sequence.key_blocks is None:
+            keys, values = key[:, :, start:end], value[:, :, start:end]  # [1, Hkv, n, D]
+        else:
+            blocks = sequence.key_blocks[first_block:]
+            length = sequence.context_len - first_block * block_size
+            keys = gather_blocks(key_cache, blocks, block_size)[:length]  # [L, Hkv, D]
+            values = gather_blocks(value_cache, blocks, block_size)[:length]
+            keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            values = values.transpose(0, 1).unsqueeze(0)
+        if variant.needs_eager:
+            if mask is None:  # the whole context, square: plain causal
+                mask = causal_window_mask(count, 0, count, 0, None, query.device)
+            attended = eager_attention(
+                sequence_query.reshape(num_kv_heads, group_size, count, head_dim),
+                keys.transpose(0, 1),  # [Hkv, 1, L, D]
+                values.transpose(0, 1),
+                mask,
+                scale,
+                variant.softcap,
+                _sinks_view(variant, num_kv_heads, group_size, 1),
+            ).view(1, num_heads, count, head_dim)
+        else:
             attended = F.scaled_dot_product_attention(
                 sequence_query,
-                keys[:length].transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
-                values[:length].transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
-                attn_mask=sequence.causal_mask,
-                scale=scaling,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None,  # square: top-left and lower-right alignment agree
+                scale=scale,
                 enable_gqa=group_size > 1,
             )  # [1, Hq, n, D]
         output[start:end] = attended[0].transpose(0, 1)
     return output.unsqueeze(0), None
 
 
-def _refuse_unsupported_kwargs(kwargs: dict[str, Any], max_model_len: int) -> None:
-    for name in _REFUSED_KWARGS:
-        value = kwargs.get(name)
-        if value is not None and not (isinstance(value, (int, float)) and value == 0):
-            raise UnsupportedModelError(
-                f"the model passes {name}={value!r} to attention, which paged attention does "
-                "not implement"
-            )
-    window = kwargs.get("sliding_window")
-    if window is not None and window < max_model_len:
-        raise UnsupportedModelError(
-            f"the model uses sliding-window attention (window {window} < max_model_len "
-            f"{max_model_len}), which paged attention does not implement"
-        )
+def _sinks_view(variant: LayerVariant, *shape: int) -> torch.Tensor | None:
+    """The layer's sinks ``[Hq]`` as ``[*shape, 1]`` (``shape`` multiplies to ``Hq`` with the
+    KV-head axis first), or None."""
+    if variant.sinks is None:
+        return None
+    return variant.sinks.reshape(*shape, 1)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -437,9 +566,9 @@ def build_step_metadata(
             continue
         uniform = min(group_lens) == longest
         key_mask = None
+        lens = torch.tensor(group_lens, dtype=torch.long).to(device)
         if not uniform:
-            lens = torch.tensor(group_lens, dtype=torch.long)
-            key_mask = key_padding_mask(lens, num_blocks * block_size).to(device)
+            key_mask = key_padding_mask(lens, num_blocks * block_size)
         decode_groups.append(
             DecodeGroup(
                 start=group_start,
@@ -447,6 +576,7 @@ def build_step_metadata(
                 key_blocks=tables[group_start:group_end, :num_blocks].to(device),
                 key_len=longest if uniform else num_blocks * block_size,
                 key_mask=key_mask,
+                lengths=lens,
             )
         )
 
@@ -480,12 +610,14 @@ def build_step_metadata(
 
 def check_model_config(config: Any, max_model_len: int | None = None) -> None:
     """Refuse, before loading weights, model configs whose attention the paged path cannot
-    serve correctly.
+    serve correctly. Sliding windows, soft-capped logits and sinks are served
+    (:mod:`stages.execute.variants`); ``max_model_len`` is unused and kept for callers.
 
     Raises:
-        UnsupportedModelError: naming the feature (sliding window, softcap, sinks, MLA, ALiBi,
-            encoder-decoder, non-full-attention layers).
+        UnsupportedModelError: naming the feature (MLA, ALiBi, encoder-decoder, layers of
+            another kind than full or sliding-window attention).
     """
+    del max_model_len
     model_type = getattr(config, "model_type", "?")
 
     def refuse(feature: str) -> None:
@@ -497,16 +629,12 @@ def check_model_config(config: Any, max_model_len: int | None = None) -> None:
     if getattr(config, "is_encoder_decoder", False):
         refuse("an encoder-decoder architecture")
     layer_types = getattr(config, "layer_types", None)
-    if layer_types and any(kind != "full_attention" for kind in layer_types):
-        refuse(f"non-full attention layers ({sorted(set(layer_types))})")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True):
-        limit = max_model_len if max_model_len is not None else config.max_position_embeddings
-        if window < limit:
-            refuse(f"sliding-window attention (window {window})")
-    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if getattr(config, name, None):
-            refuse(f"attention logit softcapping ({name}={getattr(config, name)})")
+    served = ("full_attention", "sliding_attention")
+    if layer_types and any(kind not in served for kind in layer_types):
+        other = sorted({kind for kind in layer_types if kind not in served})
+        refuse(f"layers other than full or sliding-window attention ({other})")
+    if getattr(config, "attention_chunk_size", None):
+        refuse(f"chunked attention (attention_chunk_size={config.attention_chunk_size})")
     if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
         refuse("multi-head latent attention (MLA)")
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", "") == (

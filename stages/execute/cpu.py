@@ -53,6 +53,7 @@ __all__ = [
     "onednn_linear_available",
     "release_file_pages",
     "release_free_memory",
+    "tied_embedding_agrees",
     "tune_allocator",
     "use_cpu_linears",
 ]
@@ -252,17 +253,33 @@ class PackedLinear(torch.nn.Module):
 
 class PackedEmbedding(torch.nn.Module):
     """Input embeddings tied to a :class:`PackedLinear` LM head: row ``v`` is column ``v`` of
-    the packed head, ``packed[v // 16, :, v % 16]``, so the tie costs no second copy."""
+    the packed head, ``packed[v // 16, :, v % 16]``, so the tie costs no second copy. ``scale``
+    multiplies the rows, as scaled word embeddings do (Gemma's ``embed_scale``)."""
 
-    def __init__(self, head: PackedLinear) -> None:
+    def __init__(self, head: PackedLinear, scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.head = head
         self.num_embeddings = head.out_features
         self.embedding_dim = head.in_features
+        self.scale = scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., K]
         packed = self.head.packed
-        return packed[input_ids // GEMM_PANEL, :, input_ids % GEMM_PANEL]
+        rows = packed[input_ids // GEMM_PANEL, :, input_ids % GEMM_PANEL]
+        return rows if self.scale is None else rows * self.scale
+
+
+def tied_embedding_agrees(original: torch.nn.Module, candidate: torch.nn.Module) -> bool:
+    """Whether ``candidate`` gives ``original``'s rows (exactly) for a spread of token ids: an
+    embedding subclass may do more than look rows up (scale them, say), and a replacement
+    that lost that would be silently wrong."""
+    count = int(getattr(original, "num_embeddings", 0))
+    if count < 1:
+        return False
+    ids = torch.linspace(0, count - 1, steps=min(count, 64)).long().unsqueeze(0)
+    with torch.inference_mode():
+        expected, got = original(ids), candidate(ids)
+    return bool(got.shape == expected.shape and torch.equal(got, expected))
 
 
 def use_cpu_linears(model: Any, *, native: bool = True) -> int:
@@ -342,7 +359,11 @@ def _use_packed_linears(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, packed)
         if module is head and tied:
-            model.set_input_embeddings(PackedEmbedding(packed))
+            scale = getattr(embeddings, "embed_scale", None)
+            candidate = PackedEmbedding(packed, scale if isinstance(scale, torch.Tensor) else None)
+            # NOTE: a subclass that does something else keeps its own module (and the weight).
+            if tied_embedding_agrees(embeddings, candidate):
+                model.set_input_embeddings(candidate)
         # NOTE: a checkpoint loaded with mmap keeps the whole file mapped while any of its
         # tensors (the norms) lives, so the replaced weights' pages would stay resident next
         # to their packed copies (+0.5 GB for SmolLM2-135M); drop them as we go.

@@ -210,7 +210,16 @@ class DecodeGraphs:
         metadata = StepMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=slot_mapping,
-            decode_groups=[DecodeGroup(0, batch_size, tables, context_len, key_mask)],
+            decode_groups=[
+                DecodeGroup(
+                    0,
+                    batch_size,
+                    tables,
+                    context_len,
+                    key_mask,
+                    lengths=self._context_lens[:batch_size],
+                )
+            ],
             prefills=[],
             max_model_len=self.max_model_len,
         )

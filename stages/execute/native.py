@@ -155,6 +155,7 @@ class PagedDecodeKernel:
             pointer, i64, i64,  # out, row stride, head stride
             i32, i32, i32, i32, i32,  # rows, heads, kv heads, head dim, block size
             i64, ctypes.c_float, i32,  # cache blocks, scale, threads
+            i64, ctypes.c_float, pointer,  # window, softcap, sinks
         ]  # fmt: skip
         function.restype = ctypes.c_int
         self._function = function
@@ -188,9 +189,15 @@ class PagedDecodeKernel:
         out: torch.Tensor,  # [B, Hq, D] (any row/head strides with D contiguous)
         block_size: int,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [Hq] fp32 contiguous
     ) -> None:
-        """Attend ``query`` row ``b`` to the first ``context_lens[b]`` positions of its blocks,
-        writing ``out[b]``.
+        """Attend ``query`` row ``b`` to the first ``context_lens[b]`` positions of its blocks
+        (only the last ``window`` of them when given: the blocks before are never read),
+        writing ``out[b]``. ``softcap`` caps the scores (``softcap * tanh(s / softcap)``);
+        ``sinks`` holds one sink logit per query head (joins the softmax, adds no value).
 
         Raises:
             NativeKernelError: the kernel refused the arguments or could not allocate.
@@ -213,8 +220,20 @@ class PagedDecodeKernel:
             or not context_lens.is_contiguous()
             or block_tables.dtype != torch.int64
             or context_lens.dtype != torch.int64
+            or (
+                sinks is not None
+                and (
+                    sinks.shape != (num_heads,)
+                    or sinks.dtype != torch.float32
+                    or not sinks.is_contiguous()
+                )
+            )
         ):
             raise NativeKernelError("paged decode kernel: unsupported tensor layout or dtype")
+        if (window is not None and window < 1) or (softcap is not None and not softcap > 0):
+            raise NativeKernelError(
+                f"paged decode kernel: window ({window}) and softcap ({softcap}) must be positive"
+            )
         status = self._function(
             query.data_ptr(), query.stride(1), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(),
@@ -223,6 +242,7 @@ class PagedDecodeKernel:
             out.data_ptr(), out.stride(0), out.stride(1),
             num_rows, num_heads, num_kv_heads, head_dim, block_size,
             key_cache.shape[0] // block_size, scale, torch.get_num_threads(),
+            window or 0, softcap or 0.0, sinks.data_ptr() if sinks is not None else None,
         )  # fmt: skip
         if status != 0:
             reason = "out of memory" if status == 1 else "arguments it cannot serve"

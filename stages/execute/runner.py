@@ -26,11 +26,13 @@ from stages.execute.allocator import BlockAllocator
 from stages.execute.attention import (
     DecodeAttentionMode,
     KVCache,
+    LayerShape,
     UnsupportedModelError,
     build_step_metadata,
     check_model_config,
     enable_paged_attention,
     forward_context,
+    survey_layers,
 )
 from stages.execute.bookkeeping import (
     PlanReport,
@@ -165,12 +167,20 @@ class ModelRunner:
             # NOTE: before the KV cache exists: repacking holds one weight twice for a moment.
             use_cpu_linears(model, native=config.native_linears)
         text_config = model.config.get_text_config()
-        num_layers = int(text_config.num_hidden_layers)
-        num_heads = int(text_config.num_attention_heads)
-        num_kv_heads = int(getattr(text_config, "num_key_value_heads", None) or num_heads)
-        head_dim = int(
-            getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        vocab_size = int(text_config.vocab_size)
+        probe_ids = torch.tensor(
+            [[(17 * index + 3) % vocab_size for index in range(_PROBE_TOKENS)]],
+            device=self.device,
         )
+        with torch.inference_mode():
+            # The model's own attention, before paged attention replaces it.
+            expected = model(input_ids=probe_ids, use_cache=False).logits[0].float()  # [8, V]
+        enable_paged_attention(model)
+        shape = _layer_shape(
+            survey_layers(model, probe_ids, config.max_model_len or (1 << 62)), text_config
+        )
+        num_layers, num_heads = int(text_config.num_hidden_layers), shape.num_heads
+        num_kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
         block_bytes = KVCache.bytes_per_block(
             num_layers=num_layers,
             block_size=config.block_size,
@@ -217,8 +227,7 @@ class ModelRunner:
                 head_dim=head_dim,
             ),
         )
-        vocab_size = int(text_config.vocab_size)
-        self._probe(vocab_size, num_layers)
+        self._probe(probe_ids, expected, num_layers)
         self._sampler = Sampler(vocab_size, self.device)
         self._eos_token_ids = _eos_token_ids(model)
         self._decode_graphs = self._make_decode_graphs()
@@ -239,16 +248,12 @@ class ModelRunner:
         logger.info("execute: loaded %s (%s)", resolved.name, self.info)
         return self.info
 
-    def _probe(self, vocab_size: int, num_layers: int) -> None:
-        """Check paged attention against the model's own attention on a few tokens, run as a
+    def _probe(self, input_ids: torch.Tensor, expected: torch.Tensor, num_layers: int) -> None:
+        """Check paged attention (the model is switched to it) against the model's own
+        attention (``expected`` logits of ``input_ids [1, 8]``) on the same tokens, run as a
         prefill, a prefix chunk and a decode step; refuse the model on any mismatch."""
         assert self.kv_cache is not None and self.allocator is not None
         model = self.model
-        tokens = [(17 * index + 3) % vocab_size for index in range(_PROBE_TOKENS)]
-        input_ids = torch.tensor([tokens], device=self.device)
-        with torch.inference_mode():
-            expected = model(input_ids=input_ids, use_cache=False).logits[0].float()  # [8, V]
-        enable_paged_attention(model)
         allocator = self.allocator
         allocator.allocate(_PROBE_REQUEST, _PROBE_TOKENS)
         table = allocator.block_table(_PROBE_REQUEST)
@@ -435,6 +440,41 @@ class ModelRunner:
     def output_token_ids(self, request_id: str) -> list[int]:
         """The tokens sampled so far for ``request_id`` (a copy)."""
         return list(self._requests[request_id].sampling.output_token_ids)
+
+
+def _layer_shape(layers: dict[int, LayerShape], text_config: Any) -> LayerShape:
+    """The one shape every layer's KV cache takes, read from the modules' attention calls.
+
+    Raises:
+        UnsupportedModelError: the layers do not all call attention, or differ in KV heads
+            or head size (the cache holds one shape for all).
+    """
+    num_layers = int(text_config.num_hidden_layers)
+    if sorted(layers) != list(range(num_layers)):
+        raise UnsupportedModelError(
+            f"the model's config states {num_layers} layers but attention was called for "
+            f"layers {sorted(layers)}; it does not route every layer's attention through "
+            "transformers' attention interface"
+        )
+    shapes = {(s.num_heads, s.num_kv_heads, s.head_dim) for s in layers.values()}
+    if len(shapes) != 1:
+        raise UnsupportedModelError(
+            "the model's layers differ in (query heads, KV heads, head size): "
+            f"{sorted(shapes)}; the paged KV cache holds one shape for every layer"
+        )
+    first = layers[0]
+    stated_heads = int(getattr(text_config, "num_attention_heads", first.num_heads))
+    stated_kv = int(getattr(text_config, "num_key_value_heads", None) or stated_heads)
+    if (stated_heads, stated_kv) != (first.num_heads, first.num_kv_heads):
+        logger.info(
+            "execute: the config states %d query and %d KV heads, the attention modules have "
+            "%d and %d; the KV cache follows the modules",
+            stated_heads,
+            stated_kv,
+            first.num_heads,
+            first.num_kv_heads,
+        )
+    return first
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -12,7 +12,13 @@
  * Two passes over the context: scores (n floats per query head), then softmax and the
  * weighted sum of values. The same plan as vLLM's CPU paged attention v1 (csrc/cpu/attention.cpp, reduce
  * over the blocks of the block table), written with GCC vector extensions so that one
- * source compiles to AVX2, AVX-512 or NEON for the machine it runs on. */
+ * source compiles to AVX2, AVX-512 or NEON for the machine it runs on.
+ *
+ * Attention variants (docs/architecture.md, "Attention variants"): a sliding window reads only
+ * a row's last ``window`` positions (its leading blocks may be freed, so they are never
+ * touched); soft-capped logits become ``softcap * tanh(score / softcap)`` (Gemma 2); a sink
+ * (gpt-oss, one logit per query head) joins the softmax's max and denominator and adds no
+ * value, as transformers' eager attention does. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -31,15 +37,19 @@ static inline float hsum(vf v) {
     return s;
 }
 
-/* Softmax of each of ``rows`` score rows in place (max-subtracted), leaving the exponentials
- * and each row's 1 / sum in inv_sum (the weighted sum divides once, at the end). */
-static inline void softmax_rows(float *scores, int rows, int64_t context_len, float *inv_sum) {
+/* Softmax of each of ``rows`` score rows of ``count`` scores in place (max-subtracted),
+ * leaving the exponentials and each row's 1 / sum in inv_sum (the weighted sum divides once,
+ * at the end). With sinks (one logit per row, or NULL) each row's sink takes part in the max
+ * and the sum. */
+static inline void softmax_rows(float *scores, int rows, int64_t count, const float *sinks,
+                                float *inv_sum) {
     for (int h = 0; h < rows; ++h) {
-        float *s = scores + h * context_len;
+        float *s = scores + h * count;
         float peak = s[0];
-        for (int64_t j = 1; j < context_len; ++j) peak = s[j] > peak ? s[j] : peak;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < context_len; ++j) {
+        for (int64_t j = 1; j < count; ++j) peak = s[j] > peak ? s[j] : peak;
+        if (sinks != NULL && sinks[h] > peak) peak = sinks[h];
+        float sum = sinks != NULL ? expf(sinks[h] - peak) : 0.0f;
+        for (int64_t j = 0; j < count; ++j) {
             s[j] = expf(s[j] - peak);
             sum += s[j];
         }
@@ -47,47 +57,57 @@ static inline void softmax_rows(float *scores, int rows, int64_t context_len, fl
     }
 }
 
-/* One work item: the kv_heads * group query heads at query attend to the first context_len
- * positions of blocks. key_cache/value_cache point at the item's first KV head; a token's row
- * is row_stride floats long (all KV heads), of which the item reads kv_heads * D. scores holds
- * heads * context_len floats, acc heads * vectors vectors. */
+/* One work item: the kv_heads * group query heads at query attend to positions
+ * [first, context_len) of blocks. key_cache/value_cache point at the item's first KV head; a
+ * token's row is row_stride floats long (all KV heads), of which the item reads kv_heads * D.
+ * scores holds heads * (context_len - first) floats, acc heads * vectors vectors. softcap 0:
+ * no capping; sinks: the item's heads' sink logits, or NULL. */
 static inline __attribute__((always_inline)) void
 attend(const float *restrict query, int64_t q_head_stride, const float *restrict key_cache,
-       const float *restrict value_cache, const int64_t *restrict blocks, int64_t context_len,
-       int64_t row_stride, int kv_heads, int group, const int vectors, int block_size,
-       float scale, float *restrict scores, vf *restrict acc, float *restrict out,
-       int64_t out_head_stride) {
+       const float *restrict value_cache, const int64_t *restrict blocks, int64_t first,
+       int64_t context_len, int64_t row_stride, int kv_heads, int group, const int vectors,
+       int block_size, float scale, float softcap, const float *restrict sinks,
+       float *restrict scores, vf *restrict acc, float *restrict out, int64_t out_head_stride) {
     const int heads = kv_heads * group;
-    /* Pass 1: scores[h][j] = scale * <q_h, k_j>. */
-    for (int64_t j0 = 0, b = 0; j0 < context_len; j0 += block_size, ++b) {
-        const float *k = key_cache + blocks[b] * block_size * row_stride;
-        const int64_t count = context_len - j0 < block_size ? context_len - j0 : block_size;
-        for (int64_t o = 0; o < count; ++o, k += row_stride) {
+    const int64_t count = context_len - first;
+    /* Pass 1: scores[h][j - first] = scale * <q_h, k_j>, capped. */
+    for (int64_t j = first; j < context_len;) {
+        const int64_t offset = j % block_size;
+        const int64_t run = block_size - offset < context_len - j ? block_size - offset
+                                                                  : context_len - j;
+        const float *k = key_cache + (blocks[j / block_size] * block_size + offset) * row_stride;
+        for (int64_t o = 0; o < run; ++o, k += row_stride) {
             for (int h = 0; h < heads; ++h) {
                 const float *q = query + h * q_head_stride;
                 const float *kh = k + (h / group) * vectors * LANES;
                 vf dot = *(const vf *)q * *(const vf *)kh;
                 for (int i = 1; i < vectors; ++i)
                     dot += *(const vf *)(q + i * LANES) * *(const vf *)(kh + i * LANES);
-                scores[h * context_len + j0 + o] = hsum(dot) * scale;
+                float score = hsum(dot) * scale;
+                if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
+                scores[h * count + j - first + o] = score;
             }
         }
+        j += run;
     }
     float inv_sum[MAX_HEADS];
-    softmax_rows(scores, heads, context_len, inv_sum);
+    softmax_rows(scores, heads, count, sinks, inv_sum);
     /* Pass 2: out_h = sum_j p[h][j] v_j / sum_h. */
     for (int i = 0; i < heads * vectors; ++i) acc[i] = (vf){0};
-    for (int64_t j0 = 0, b = 0; j0 < context_len; j0 += block_size, ++b) {
-        const float *v = value_cache + blocks[b] * block_size * row_stride;
-        const int64_t count = context_len - j0 < block_size ? context_len - j0 : block_size;
-        for (int64_t o = 0; o < count; ++o, v += row_stride) {
+    for (int64_t j = first; j < context_len;) {
+        const int64_t offset = j % block_size;
+        const int64_t run = block_size - offset < context_len - j ? block_size - offset
+                                                                  : context_len - j;
+        const float *v = value_cache + (blocks[j / block_size] * block_size + offset) * row_stride;
+        for (int64_t o = 0; o < run; ++o, v += row_stride) {
             for (int h = 0; h < heads; ++h) {
-                const float p = scores[h * context_len + j0 + o];
+                const float p = scores[h * count + j - first + o];
                 const float *vh = v + (h / group) * vectors * LANES;
                 vf *a = acc + h * vectors;
                 for (int i = 0; i < vectors; ++i) a[i] += p * *(const vf *)(vh + i * LANES);
             }
         }
+        j += run;
     }
     for (int h = 0; h < heads; ++h)
         for (int i = 0; i < vectors; ++i)
@@ -96,19 +116,23 @@ attend(const float *restrict query, int64_t q_head_stride, const float *restrict
 
 /* attend() with constant vector counts for the common head sizes, so the D loops unroll. */
 static void attend_item(const float *query, int64_t q_head_stride, const float *key_cache,
-                        const float *value_cache, const int64_t *blocks, int64_t context_len,
-                        int64_t row_stride, int kv_heads, int group, int vectors, int block_size,
-                        float scale, float *scores, vf *acc, float *out,
+                        const float *value_cache, const int64_t *blocks, int64_t first,
+                        int64_t context_len, int64_t row_stride, int kv_heads, int group,
+                        int vectors, int block_size, float scale, float softcap,
+                        const float *sinks, float *scores, vf *acc, float *out,
                         int64_t out_head_stride) {
     if (vectors == 8)
-        attend(query, q_head_stride, key_cache, value_cache, blocks, context_len, row_stride,
-               kv_heads, group, 8, block_size, scale, scores, acc, out, out_head_stride);
+        attend(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,
+               row_stride, kv_heads, group, 8, block_size, scale, softcap, sinks, scores, acc,
+               out, out_head_stride);
     else if (vectors == 16)
-        attend(query, q_head_stride, key_cache, value_cache, blocks, context_len, row_stride,
-               kv_heads, group, 16, block_size, scale, scores, acc, out, out_head_stride);
+        attend(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,
+               row_stride, kv_heads, group, 16, block_size, scale, softcap, sinks, scores, acc,
+               out, out_head_stride);
     else
-        attend(query, q_head_stride, key_cache, value_cache, blocks, context_len, row_stride,
-               kv_heads, group, vectors, block_size, scale, scores, acc, out, out_head_stride);
+        attend(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,
+               row_stride, kv_heads, group, vectors, block_size, scale, softcap, sinks, scores,
+               acc, out, out_head_stride);
 }
 
 /* Returns 0 on success, 1 when the scratch allocation failed, 2 on arguments it cannot serve.
@@ -117,16 +141,21 @@ static void attend_item(const float *query, int64_t q_head_stride, const float *
  * out:   row r, head h at out + r * out_row_stride + h * out_head_stride (D contiguous).
  * key_cache, value_cache: [num_slots, num_kv_heads, head_dim] contiguous.
  * block_tables: [num_rows, table_width] block ids (< num_cache_blocks), rows table_stride
- * apart; context_lens: [num_rows], each >= 1 and within its row of the table. */
+ * apart; context_lens: [num_rows], each >= 1 and within its row of the table.
+ * window: each row attends its last ``window`` positions only (0: all); blocks before them
+ * are never read. softcap: cap of the scores (0: none). sinks: [num_heads] sink logits, or
+ * NULL. */
 int actorline_paged_decode_f32(const float *query, int64_t q_row_stride, int64_t q_head_stride,
                                const float *key_cache, const float *value_cache,
                                const int64_t *block_tables, int64_t table_stride,
                                int64_t table_width, const int64_t *context_lens, float *out,
                                int64_t out_row_stride, int64_t out_head_stride, int num_rows,
                                int num_heads, int num_kv_heads, int head_dim, int block_size,
-                               int64_t num_cache_blocks, float scale, int num_threads) {
+                               int64_t num_cache_blocks, float scale, int num_threads,
+                               int64_t window, float softcap, const float *sinks) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0 ||
-        head_dim <= 0 || head_dim % LANES != 0 || head_dim / LANES > MAX_VECTORS)
+        head_dim <= 0 || head_dim % LANES != 0 || head_dim / LANES > MAX_VECTORS ||
+        window < 0 || !(softcap >= 0.0f))
         return 2;
     const int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP) return 2;
@@ -134,10 +163,12 @@ int actorline_paged_decode_f32(const float *query, int64_t q_row_stride, int64_t
     int64_t longest = 1;
     for (int r = 0; r < num_rows; ++r) {
         if (context_lens[r] <= 0) return 2;
-        longest = context_lens[r] > longest ? context_lens[r] : longest;
+        const int64_t first = window > 0 && context_lens[r] > window ? context_lens[r] - window : 0;
+        const int64_t count = context_lens[r] - first;
+        longest = count > longest ? count : longest;
         const int64_t blocks = (context_lens[r] + block_size - 1) / block_size;
         if (blocks > table_width) return 2;
-        for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t b = first / block_size; b < blocks; ++b) {
             const int64_t block = block_tables[r * table_stride + b];
             if (block < 0 || block >= num_cache_blocks) return 2;
         }
@@ -161,10 +192,13 @@ int actorline_paged_decode_f32(const float *query, int64_t q_row_stride, int64_t
         const int64_t h = item % items_per_row * item_kv_heads; /* its first KV head */
         float *scores = scratch + per_thread * (size_t)omp_get_thread_num();
         vf *acc = (vf *)(scores + (size_t)item_heads * (size_t)longest);
+        const int64_t length = context_lens[r];
+        const int64_t first = window > 0 && length > window ? length - window : 0;
         attend_item(query + r * q_row_stride + h * group * q_head_stride, q_head_stride,
                     key_cache + h * head_dim, value_cache + h * head_dim,
-                    block_tables + r * table_stride, context_lens[r], row_stride,
-                    item_kv_heads, group, vectors, block_size, scale, scores, acc,
+                    block_tables + r * table_stride, first, length, row_stride, item_kv_heads,
+                    group, vectors, block_size, scale, softcap,
+                    sinks != NULL ? sinks + h * group : NULL, scores, acc,
                     out + r * out_row_stride + h * group * out_head_stride, out_head_stride);
     }
     free(scratch);

@@ -1,4 +1,7 @@
-"""Tests of stages/execute/attention.py: packed paged attention against HF's own attention."""
+"""Tests of stages/execute/attention.py: packed paged attention against HF's own attention,
+for plain causal attention (Llama) and its variants (stages/execute/variants.py): a sliding
+window with soft-capped logits and the model's own scaling (Gemma 2), a sliding window with
+attention sinks (gpt-oss)."""
 
 from __future__ import annotations
 
@@ -30,11 +33,46 @@ BLOCK = 4
 NUM_BLOCKS = 64
 
 
+# Windows shorter than the test's sequences (2..21 tokens), so they exclude keys.
+WINDOW = 5
+VARIANT_FIELDS: dict[str, dict[str, Any]] = {
+    "mistral": dict(head_dim=16, sliding_window=WINDOW),  # every layer windowed
+    "gemma2": dict(
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=2.0,  # low enough to cap most scores of this random model
+        query_pre_attn_scalar=24,
+    ),
+    "gpt_oss": dict(
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def models() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     """(reference with HF's attention, a deep copy switched to paged attention)."""
+    return reference_and_paged("llama")
+
+
+def reference_and_paged(family: str) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     torch.manual_seed(0)
-    reference = LlamaForCausalLM(tiny_config()).eval()
+    if family == "llama":
+        reference = LlamaForCausalLM(tiny_config()).eval()
+    else:
+        fields = {key: value for key, value in TINY_LLAMA.items() if key != "head_dim"}
+        config = AutoConfig.for_model(family, **{**fields, **VARIANT_FIELDS[family]})
+        reference = AutoModelForCausalLM.from_config(config).eval()
+        if family == "gpt_oss":  # sinks big enough to matter (they init near 0)
+            for layer in reference.model.layers:
+                torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
     paged = copy.deepcopy(reference)
     enable_paged_attention(paged)
     return reference, paged
@@ -56,6 +94,11 @@ def new_cache() -> KVCache:
     )
 
 
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma2", "gpt_oss"])
+def family_models(request: pytest.FixtureRequest) -> tuple[Any, Any]:
+    return reference_and_paged(request.param)
+
+
 def test_deep_copied_config_keeps_the_reference_on_its_own_attention(
     models: tuple[LlamaForCausalLM, LlamaForCausalLM],
 ) -> None:
@@ -66,18 +109,22 @@ def test_deep_copied_config_keeps_the_reference_on_its_own_attention(
 
 @pytest.mark.parametrize("decode_mode", ["padded", "per_sequence", "grouped", "native"])
 def test_packed_steps_match_per_sequence_reference(
-    models: tuple[LlamaForCausalLM, LlamaForCausalLM], decode_mode: str
+    family_models: tuple[Any, Any], decode_mode: str
 ) -> None:
     """Three packed steps over four sequences (whole prefills, prefix chunks whose 4..11
     queries sit at the end of up to 20 keys, one-token starts, decodes of uneven lengths),
-    every computed position's logits equal to HF's attention over the whole sequence."""
-    reference, paged = models
+    every computed position's logits equal to HF's attention over the whole sequence, for
+    every variant (windows of 5 keys, capped logits, sinks)."""
+    reference, paged = family_models
     generator = torch.Generator().manual_seed(1)
     lengths = {"a": 12, "b": 8, "c": 2, "d": 21}
     sequences = {
         name: torch.randint(3, 40000, (length,), generator=generator).tolist()
         for name, length in lengths.items()
     }
+    # The tables' first blocks are never read past a window: block 0 there, as the
+    # allocator leaves a request's blocks behind its window once they are freed.
+    windowed = getattr(reference.config, "sliding_window", None) is not None
     with torch.inference_mode():
         expected = {
             name: reference(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
@@ -90,6 +137,10 @@ def test_packed_steps_match_per_sequence_reference(
         for name, length in lengths.items()
     }
     cache = new_cache()
+    if windowed:  # a freed block's keys, if not masked, would show in the logits
+        for layer in range(len(cache.key)):
+            cache.key[layer][:BLOCK] = 30.0
+            cache.value[layer][:BLOCK] = 1e4
     # (name, start, end) per step; decode rows (one token) first, ascending context.
     steps = [
         [("c", 0, 1), ("a", 0, 7), ("b", 0, 6), ("d", 0, 9)],
@@ -97,6 +148,10 @@ def test_packed_steps_match_per_sequence_reference(
         [("c", 1, 2), ("b", 7, 8), ("a", 11, 12), ("d", 20, 21)],
     ]
     for step in steps:
+        if windowed and not getattr(reference.config, "layer_types", None):
+            for name, start, _ in step:  # free what lies wholly behind every window
+                for index in range(max(0, start - WINDOW + 1) // BLOCK):
+                    tables[name][index] = 0
         num_decode = sum(1 for _, start, end in step if end - start == 1)
         metadata, positions = build_step_metadata(
             kv_cache=cache,
@@ -245,9 +300,11 @@ def test_attention_outside_forward_context_fails(
 @pytest.mark.parametrize(
     ("kwargs", "feature"),
     [
-        ({"softcap": 50.0}, "softcap"),
-        ({"s_aux": torch.zeros(4)}, "s_aux"),
-        ({"sliding_window": 4}, "sliding-window"),
+        ({"attention_chunk_size": 8}, "attention_chunk_size"),
+        ({"position_bias": torch.zeros(1)}, "position_bias"),
+        ({"sliding_window": 0}, "sliding_window must be"),
+        ({"softcap": -1.0}, "softcap must be"),
+        ({"s_aux": torch.zeros(4, 2)}, "one logit per query head"),
     ],
 )
 def test_runtime_attention_features_are_refused(kwargs: dict[str, object], feature: str) -> None:
@@ -266,7 +323,7 @@ def test_runtime_attention_features_are_refused(kwargs: dict[str, object], featu
     query, key = torch.zeros(1, 4, 2, 16), torch.zeros(1, 2, 2, 16)
     with forward_context(metadata), pytest.raises(UnsupportedModelError, match=feature):
         paged_attention_forward(module, query, key, key, None, **kwargs)  # type: ignore[arg-type]
-    # A window at least max_model_len long is full attention: accepted.
+    # A window at least max_model_len long is full attention; softcap 0 is no capping.
     with forward_context(metadata):
         output, _ = paged_attention_forward(
             module,  # type: ignore[arg-type]
@@ -275,7 +332,7 @@ def test_runtime_attention_features_are_refused(kwargs: dict[str, object], featu
             key,
             None,
             sliding_window=64,
-            softcap=None,
+            softcap=0.0,
         )
     assert output.shape == (1, 2, 4, 16)
 
@@ -287,9 +344,9 @@ def config_of(**fields: object) -> types.SimpleNamespace:
 @pytest.mark.parametrize(
     ("fields", "feature"),
     [
-        ({"sliding_window": 128}, "sliding-window"),
-        ({"attn_logit_softcapping": 50.0}, "softcapping"),
-        ({"layer_types": ["full_attention", "sliding_attention"]}, "non-full attention"),
+        ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
+        ({"layer_types": ["linear_attention", "full_attention"]}, "other than full"),
+        ({"attention_chunk_size": 8192}, "chunked attention"),
         ({"kv_lora_rank": 512}, "latent attention"),
         ({"position_embedding_type": "alibi"}, "ALiBi"),
         ({"alibi": True}, "ALiBi"),
@@ -303,7 +360,7 @@ def test_unsupported_configs_are_refused(fields: dict[str, object], feature: str
 
 def test_supported_configs_pass() -> None:
     check_model_config(tiny_config())
-    # A sliding window switched off, or no shorter than the longest sequence, is full attention.
-    check_model_config(config_of(sliding_window=128, use_sliding_window=False))
-    check_model_config(config_of(sliding_window=4096), max_model_len=4096)
-    check_model_config(config_of(layer_types=["full_attention"] * 2, attn_logit_softcapping=None))
+    # Sliding windows, soft-capped logits and mixed layer types are served.
+    check_model_config(config_of(sliding_window=128))
+    check_model_config(config_of(attn_logit_softcapping=50.0))
+    check_model_config(config_of(layer_types=["full_attention", "sliding_attention"]))

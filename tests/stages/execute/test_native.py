@@ -35,7 +35,12 @@ def reference_attention(
     lens: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Attention in float64 over each row's gathered keys (its last ``window`` only), with
+    capped scores and a sink logit per head as transformers' eager attention has them."""
     num_heads, rows, _ = query.shape
     group = num_heads // key_cache.shape[1]
     outputs = []
@@ -44,10 +49,17 @@ def reference_attention(
         slots = torch.cat(
             [torch.arange(b * block_size, (b + 1) * block_size) for b in tables[row].tolist()]
         )[:length]
+        if window is not None:
+            slots = slots[max(0, length - window) :]
         keys = key_cache[slots].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = value_cache[slots].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", query[:, row].double(), keys) * scale
-        outputs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().unsqueeze(1)], dim=1)
+        probs = scores.softmax(-1)[:, : len(slots)]  # the sink column dropped
+        outputs.append(torch.einsum("hl,lhd->hd", probs, values))
     return torch.stack(outputs)  # [B, Hq, D]
 
 
@@ -98,6 +110,51 @@ def test_kernel_matches_attention_over_gathered_keys(
     assert out[len(lens) :].isnan().all(), "the kernel wrote outside its rows"
 
 
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("repeat", [1, 6], ids=["per-head-items", "whole-sequence-items"])
+@pytest.mark.parametrize(
+    ("window", "softcap", "with_sinks"),
+    [(5, None, False), (16, 3.0, False), (7, None, True), (None, 2.5, True), (1, 3.0, True)],
+)
+def test_kernel_attention_variants(
+    kernel: PagedDecodeKernel,
+    window: int | None,
+    softcap: float | None,
+    with_sinks: bool,
+    repeat: int,
+) -> None:
+    """Windows (whose out-of-window blocks hold NaN, as a freed and reused block might:
+    the kernel must never read them), capped scores and sinks, against the reference."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 4
+    generator = torch.Generator().manual_seed(17)
+    lens = torch.tensor([1, 3, 4, 5, 9, 16, 33] * repeat)
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = len(lens) * width + 1
+    key_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
+    tables = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: len(lens) * width]
+    tables = tables.view(len(lens), width).clone()
+    if window is not None:
+        for row, length in enumerate(lens.tolist()):
+            for block in tables[row, : max(0, length - window) // block_size].tolist():
+                key_cache[block * block_size : (block + 1) * block_size] = float("nan")
+                value_cache[block * block_size : (block + 1) * block_size] = float("nan")
+    query = torch.randn(num_heads, len(lens), head_dim, generator=generator) * 3
+    sinks = torch.randn(num_heads, generator=generator) * 2 if with_sinks else None
+    out = torch.empty(len(lens), num_heads, head_dim)
+    scale = head_dim**-0.5
+
+    kernel(
+        query, key_cache, value_cache, tables, lens, out, block_size, scale,
+        window=window, softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+
+    expected = reference_attention(
+        query, key_cache, value_cache, tables, lens, block_size, scale, window, softcap, sinks
+    )
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
+
+
 def test_kernel_refuses_unsupported_layouts(kernel: PagedDecodeKernel) -> None:
     cache = torch.zeros(32, 2, 8)
     query = torch.zeros(4, 1, 8)
@@ -118,6 +175,10 @@ def test_kernel_refuses_unsupported_layouts(kernel: PagedDecodeKernel) -> None:
         kernel(query, cache, cache, tables, torch.tensor([17]), out, 16, 1.0)
     with pytest.raises(NativeKernelError, match="layout or dtype"):
         kernel(query, cache, cache, tables, torch.tensor([3]), torch.zeros(2, 4, 8), 16, 1.0)
+    with pytest.raises(NativeKernelError, match="layout or dtype"):
+        kernel(query, cache, cache, tables, torch.tensor([3]), out, 16, 1.0, sinks=torch.zeros(2))
+    with pytest.raises(NativeKernelError, match="must be positive"):
+        kernel(query, cache, cache, tables, torch.tensor([3]), out, 16, 1.0, window=0)
     assert not PagedDecodeKernel.supports(
         dtype=torch.bfloat16, device=torch.device("cpu"), num_heads=4, num_kv_heads=2, head_dim=8
     )

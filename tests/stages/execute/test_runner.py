@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.execute.attention import KVCache, UnsupportedModelError
+from stages.execute.attention import KVCache
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.runner import ModelRunner, StepError
 from stages.messages import EngineRequest, ScheduledChunk, SchedulerStep
@@ -261,44 +261,6 @@ def test_config_validation(fields: dict[str, object], name: str) -> None:
     with pytest.raises(ExecuteConfigError, match=name) as caught:
         ExecuteConfig(**fields)  # type: ignore[arg-type]
     assert caught.value.field == name
-
-
-def test_sliding_window_model_is_refused(tmp_path: Path) -> None:
-    from transformers import MistralConfig, MistralForCausalLM
-
-    config = MistralConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=64,
-    )
-    MistralForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        ModelRunner(ExecuteConfig(model=str(tmp_path), num_blocks=8)).load()
-
-
-def test_softcapping_model_is_refused(tmp_path: Path) -> None:
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        layer_types=["full_attention", "full_attention"],
-        attn_logit_softcapping=50.0,
-    )
-    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="softcapping"):
-        ModelRunner(ExecuteConfig(model=str(tmp_path), num_blocks=8)).load()
 
 
 def test_another_architecture_matches(tmp_path: Path, tiny_model_dir: Path) -> None:
