@@ -21,8 +21,8 @@ the cache and attends:
 - **prefill rows** (chunks, prefix hits) are attended per sequence with a causal mask aligned
   lower-right: the queries are the *last* ``n`` of the ``L`` context positions.
 
-Every path also serves the variants of :mod:`stages.execute.variants` (docs/architecture.md,
-"Attention variants"): a layer's sliding window masks keys before it (and a windowed prefill
+Every path also serves the variants of :mod:`stages.execute.variants` (docs/architecture.md
+§6.1): a layer's sliding window masks keys before it (and a windowed prefill
 gathers only the blocks from the window's start on, so blocks freed behind the window are
 never read), soft-capped scores and sinks go through :func:`~stages.execute.variants.
 eager_attention` on the torch paths and through the kernel's own arguments natively. The

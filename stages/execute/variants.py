@@ -1,5 +1,5 @@
 """Attention variants the paged path implements beside plain causal attention: sliding
-windows, soft-capped logits and attention sinks (docs/architecture.md, "Attention variants").
+windows, soft-capped logits and attention sinks (docs/architecture.md §6.1).
 
 transformers hands each layer's variant to the attention function as keyword arguments:
 ``sliding_window`` (Mistral, Qwen2's windowed layers, the ``sliding_attention`` layers of

@@ -14,7 +14,7 @@
  * over the blocks of the block table), written with GCC vector extensions so that one
  * source compiles to AVX2, AVX-512 or NEON for the machine it runs on.
  *
- * Attention variants (docs/architecture.md, "Attention variants"): a sliding window reads only
+ * Attention variants (docs/architecture.md §6.1): a sliding window reads only
  * a row's last ``window`` positions (its leading blocks may be freed, so they are never
  * touched); soft-capped logits become ``softcap * tanh(score / softcap)`` (Gemma 2); a sink
  * (gpt-oss, one logit per query head) joins the softmax's max and denominator and adds no
