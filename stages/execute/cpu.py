@@ -358,7 +358,7 @@ def _use_packed_linears(
         packed = PackedLinear.from_linear(module, kernel)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, packed)
-        if module is head and tied:
+        if module is head and tied and embeddings is not None:
             scale = getattr(embeddings, "embed_scale", None)
             candidate = PackedEmbedding(packed, scale if isinstance(scale, torch.Tensor) else None)
             # NOTE: a subclass that does something else keeps its own module (and the weight).
