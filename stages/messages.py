@@ -122,6 +122,9 @@ class EngineInfo:
     device: str
     kv_cache_bytes: int
     enable_prefix_caching: bool
+    # The window every layer attends within (None: some layer sees the whole context): the
+    # blocks behind it are freed as a request advances (docs/architecture.md §6.2).
+    sliding_window: int | None = None
 
 
 @message(107)

@@ -7,8 +7,10 @@ when KV blocks run out a running request is preempted by recompute. The schedule
 a :class:`Scheduler` and talks to execute; this module only plans and keeps accounts.
 
 The execute stage owns the real block allocator. The scheduler keeps a *mirror*: each request
-holds ``ceil(num_computed_tokens / block_size)`` blocks, and free blocks are what execute last
-reported plus what this plan frees, minus what it allocates. Execute's prefix cache may serve a
+holds ``ceil(num_computed_tokens / block_size)`` blocks (less, under a model-wide sliding
+window, the leading ones wholly behind it, which execute gives back after each step:
+docs/architecture.md §6.2), and free blocks are what execute last reported plus what this plan
+frees, minus what it allocates. Execute's prefix cache may serve a
 chunk's request past the chunk's end, but only with blocks that cost no free block or that no
 chunk of the step needs; the request's computed tokens then come back in
 ``StepResult.computed_tokens`` and the mirror takes them (the next chunk starts there). A
@@ -42,6 +44,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from stages.errors import InvalidRequestError
+from stages.execute.windows import blocks_behind_window, window_blocks_needed
 from stages.messages import (
     EngineInfo,
     EngineOutputs,
@@ -107,7 +110,7 @@ class _RequestState:
     arrival_index: int
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
-    num_blocks: int = 0  # blocks held in the mirror
+    num_blocks: int = 0  # blocks held in the mirror (those behind a window not counted)
     num_preemptions: int = 0
     status: _Status = _Status.WAITING
     sent_to_execute: bool = False
@@ -311,9 +314,27 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
 
     def _token_limit(self) -> int:
-        """The most tokens (prompt + output) a request may reach."""
+        """The most tokens (prompt + output) a request may reach: under a model-wide window
+        a request holds only its window's blocks, so a cache that holds them does not bound
+        it."""
+        info = self._info
+        assert info is not None
+        window = info.sliding_window
+        if window is not None and self._total_blocks >= window_blocks_needed(
+            window, info.block_size
+        ):
+            return info.max_model_len
+        return min(info.max_model_len, self._total_blocks * info.block_size)
+
+    def _held_blocks(self, num_computed_tokens: int) -> int:
+        """The blocks execute holds for a request with this many computed tokens between
+        steps: its table, less the leading blocks behind the window it gave back."""
         assert self._info is not None
-        return min(self._info.max_model_len, self._total_blocks * self._info.block_size)
+        block_size = self._info.block_size
+        window = self._info.sliding_window
+        return _blocks_for(num_computed_tokens, block_size) - blocks_behind_window(
+            num_computed_tokens, window, block_size
+        )
 
     def _finish(self, state: _RequestState) -> None:
         """Retire ``state`` (done or aborted) and queue the free of its execute state."""
@@ -372,8 +393,10 @@ class Scheduler:
                 continue  # preempted earlier in this plan
             wanted = self._chunk_size(state, plan.budget)
             while True:
-                # Tokens this request can hold with its blocks plus every free one.
-                fits = (state.num_blocks + plan.free_blocks) * block_size
+                # Tokens this request can hold with its table plus every free block (its
+                # table covers its computed tokens; entries behind a window hold no block).
+                table = _blocks_for(state.num_computed_tokens, block_size)
+                fits = (table + plan.free_blocks) * block_size
                 size = min(wanted, fits - state.num_computed_tokens)
                 if size >= 1:
                     break
@@ -389,7 +412,7 @@ class Scheduler:
 
     def _add_chunk(self, state: _RequestState, size: int, plan: _Plan, block_size: int) -> None:
         start = state.num_computed_tokens
-        needed = _blocks_for(start + size, block_size) - state.num_blocks
+        needed = _blocks_for(start + size, block_size) - _blocks_for(start, block_size)
         assert needed <= plan.free_blocks, "planned more blocks than free"
         plan.free_blocks -= needed
         plan.budget -= size
@@ -576,7 +599,10 @@ class Scheduler:
                     f"has {state.num_computed_tokens} computed of {state.num_tokens}"
                 )
             state.num_computed_tokens = served
-            state.num_blocks = _blocks_for(served, self._info.block_size)
+        for request_id, state in in_flight.states.items():
+            # What execute holds now: after the step it gave back what fell behind a window.
+            if request_id not in preempted:
+                state.num_blocks = self._held_blocks(state.num_computed_tokens)
 
         logprobs_by_id = dict(zip(result.logprob_request_ids, result.logprobs, strict=True))
         ids: list[str] = []

@@ -23,6 +23,9 @@ and nano-vllm (``nanovllm/engine/block_manager.py``):
   only its other blocks, which the scheduler needs to know to never plan more than is free.
 - A request's blocks are freed tail first, so when they are evicted the chain tails go before
   the shared heads.
+- Under a sliding window a request's leading blocks can be given back while it runs
+  (:meth:`BlockAllocator.release_leading`, docs/architecture.md §6.2): its table keeps their
+  positions with block 0 in their place, so positions still map to table entries.
 - Block 0 is reserved and never handed out: padding tokens write their K/V there.
 """
 
@@ -108,6 +111,8 @@ class _RequestBlocks:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     # Hashes of the request's leading full blocks that are published (hit or committed).
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    # Leading entries given back (release_leading): RESERVED_BLOCK_ID in block_ids.
+    released: int = 0
 
 
 class BlockAllocator:
@@ -179,9 +184,15 @@ class BlockAllocator:
         return request_id in self._requests
 
     def block_table(self, request_id: str) -> list[int]:
-        """The request's block ids in token order (a copy; empty for unknown requests)."""
+        """The request's block ids in token order (a copy; empty for unknown requests).
+        Leading blocks given back by :meth:`release_leading` read ``RESERVED_BLOCK_ID``."""
         blocks = self._requests.get(request_id)
         return list(blocks.block_ids) if blocks is not None else []
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """How many blocks the request references (its table less the released entries)."""
+        blocks = self._requests.get(request_id)
+        return len(blocks.block_ids) - blocks.released if blocks is not None else 0
 
     def ref_count(self, block_id: int) -> int:
         """How many requests reference ``block_id``."""
@@ -325,8 +336,11 @@ class BlockAllocator:
             block_hash = hash_block_tokens(parent, block_tokens, self.extra_hash_key)
             blocks.block_hashes.append(block_hash)
             parent = block_hash
-            block = self._blocks[blocks.block_ids[index]]
-            if block_hash in self._cached or block.block_hash is not None:
+            block_id = blocks.block_ids[index]
+            block = self._blocks[block_id]
+            if block_id == RESERVED_BLOCK_ID or block_hash in self._cached:
+                continue  # given back already, or another block holds these tokens
+            if block.block_hash is not None:
                 continue
             block.block_hash = block_hash
             block.token_ids = block_tokens
@@ -346,20 +360,30 @@ class BlockAllocator:
         if blocks is None:
             return 0
         released = 0
-        for block_id in reversed(blocks.block_ids):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            block.holders.remove(request_id)
-            if block.ref_count == 1:
-                self._count_shared(block.holders[0], -1)  # its last holder has it alone
-            elif block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    # NOTE: a block with nothing cached in it is worthless to keep: put it at
-                    # the front so it is reused before any cached block is evicted.
-                    self._free.move_to_end(block_id, last=False)
-                released += 1
+        for block_id in reversed(blocks.block_ids[blocks.released :]):
+            released += self._drop_reference(block_id, request_id)
         self._shared.pop(request_id, None)
+        return released
+
+    def release_leading(self, request_id: str, num_blocks: int) -> int:
+        """Give back the request's first ``num_blocks`` blocks while it keeps running (they
+        lie behind every layer's sliding window; docs/architecture.md §6.2). Their table
+        entries become ``RESERVED_BLOCK_ID``; blocks left unreferenced become free (published
+        ones stay cached for other requests until evicted). Entries given back before, and
+        unknown requests, are ignored.
+
+        Returns:
+            The number of blocks that became free.
+        """
+        blocks = self._requests.get(request_id)
+        if blocks is None:
+            return 0
+        end = min(num_blocks, len(blocks.block_ids))
+        released = 0
+        for index in range(blocks.released, end):
+            released += self._drop_reference(blocks.block_ids[index], request_id)
+            blocks.block_ids[index] = RESERVED_BLOCK_ID
+        blocks.released = max(blocks.released, end)
         return released
 
     def reset_prefix_cache(self) -> int:
@@ -377,6 +401,23 @@ class BlockAllocator:
         return evicted
 
     # ----------------------------------------------------------------- internals
+    def _drop_reference(self, block_id: int, request_id: str) -> int:
+        """Drop one of ``request_id``'s references to ``block_id``; 1 if it became free."""
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        block.holders.remove(request_id)
+        if block.ref_count >= 1:  # it was shared: no longer counted as shared by request_id
+            if block.ref_count == 1:
+                self._count_shared(block.holders[0], -1)  # its last holder has it alone
+            self._count_shared(request_id, -1)
+            return 0
+        self._free[block_id] = None
+        if block.block_hash is None:
+            # NOTE: a block with nothing cached in it is worthless to keep: put it at the
+            # front so it is reused before any cached block is evicted.
+            self._free.move_to_end(block_id, last=False)
+        return 1
+
     def _take_reference(self, block_id: int, request_id: str) -> None:
         block = self._blocks[block_id]
         if block.ref_count == 0:

@@ -10,8 +10,10 @@ allocates each chunk's blocks (a chunk first takes what the prefix cache holds o
 past the chunk's end only blocks that cost no free block or that the step can spare, so the
 blocks the scheduler planned are always there; the scheduler learns the longer hit from
 ``computed_tokens``), and after the chunks ran :func:`commit_chunk` records them and publishes
-newly full blocks. Flow after vLLM v1 (``vllm/v1/worker/gpu_model_runner.py``:
-``_update_states``) and nano-vllm (``nanovllm/engine/model_runner.py``).
+newly full blocks, and :func:`release_behind_windows` gives back the blocks that fell behind
+a sliding window (docs/architecture.md §6.2). Flow after vLLM v1
+(``vllm/v1/worker/gpu_model_runner.py``: ``_update_states``) and nano-vllm
+(``nanovllm/engine/model_runner.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Protocol, TypeVar
 
 from stages.execute.allocator import BlockAllocator, OutOfBlocksError
+from stages.execute.windows import blocks_behind_window
 from stages.messages import Logprobs, ScheduledChunk, SchedulerStep, StepResult
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "plan_chunk",
     "plan_chunks",
     "release",
+    "release_behind_windows",
     "step_result",
     "validate_step",
 ]
@@ -236,6 +240,29 @@ def commit_chunk(allocator: BlockAllocator, request: TrackedRequest, end: int) -
     block_size = allocator.block_size
     if allocator.enable_prefix_caching and end // block_size > before // block_size:
         allocator.commit(request.request_id, request.tokens(0, end), end)
+
+
+def release_behind_windows(
+    allocator: BlockAllocator,
+    requests: Mapping[str, TrackedRequest],
+    step: SchedulerStep,
+    report: PlanReport,
+    window: int | None,
+) -> None:
+    """After a step's chunks ran (and were committed): give back, for every request the step
+    scheduled and did not preempt, the leading blocks wholly behind ``window`` at its computed
+    tokens (:func:`~stages.execute.windows.blocks_behind_window`); the scheduler's mirror
+    counts the same. No-op without a window."""
+    if window is None:
+        return
+    preempted = set(report.preempted)
+    for chunk in step.chunks:
+        request = requests.get(chunk.request_id)
+        if request is None or chunk.request_id in preempted:
+            continue
+        behind = blocks_behind_window(request.num_computed, window, allocator.block_size)
+        if behind:
+            allocator.release_leading(chunk.request_id, behind)
 
 
 def step_result(

@@ -2,8 +2,11 @@
 
 Three limits bound it: the model's ``max_position_embeddings``, the tokens the KV cache holds,
 and, for a RoPE variant whose frequencies depend on the sequence length, the length up to
-which those frequencies stay fixed. Pure Python: the model runner passes the HF config object,
-the null model the parsed ``config.json``; both resolve the length with the same code.
+which those frequencies stay fixed. When every layer attends within a sliding window, the
+blocks behind it are freed as a request advances (docs/architecture.md §6.2), so the cache
+bounds a request only by its window: :func:`resolve_model_length` lifts the cache's cap then.
+Pure Python: the model runner passes the HF config object, the null model the parsed
+``config.json``; both resolve the length with the same code.
 
 NOTE: transformers recomputes such RoPE frequencies in the forward pass from the largest
 position it is given (``transformers/modeling_rope_utils.py``: ``dynamic_rope_update``). On a
@@ -21,8 +24,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from stages.execute.config import ExecuteConfigError
+from stages.execute.windows import kv_window, window_blocks_needed
 
-__all__ = ["RopeLengthLimit", "resolve_max_model_len", "rope_length_limit"]
+__all__ = [
+    "RopeLengthLimit",
+    "resolve_max_model_len",
+    "resolve_model_length",
+    "rope_length_limit",
+]
 
 logger = logging.getLogger("actorline.execute")
 
@@ -151,3 +160,31 @@ def resolve_max_model_len(requested: int | None, config: Any, cache_tokens: int)
             "raise num_blocks or kv_cache_memory",
         )
     return requested
+
+
+def resolve_model_length(
+    requested: int | None,
+    config: Any,
+    usable_blocks: int,
+    block_size: int,
+    layer_windows: list[int | None],
+) -> tuple[int, int | None]:
+    """The model length (:func:`resolve_max_model_len`) and the window that bounds every
+    layer (:func:`~stages.execute.windows.kv_window`, None when some layer sees the whole
+    context). When such a window is shorter than the length and the cache holds a request's
+    window (:func:`~stages.execute.windows.window_blocks_needed`), the cache does not cap the
+    length: a request of any length holds only its window's blocks.
+
+    Raises:
+        ExecuteConfigError: as :func:`resolve_max_model_len`.
+    """
+    cache_tokens = usable_blocks * block_size
+    model_limit = int(_field(config, "max_position_embeddings") or 0)
+    if model_limit > cache_tokens:
+        window = kv_window(layer_windows, model_limit)
+        if window is not None and usable_blocks >= window_blocks_needed(window, block_size):
+            length = resolve_max_model_len(requested, config, model_limit)
+            if window < length:
+                return length, window
+    length = resolve_max_model_len(requested, config, cache_tokens)
+    return length, kv_window(layer_windows, length)

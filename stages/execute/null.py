@@ -42,11 +42,13 @@ from stages.execute.bookkeeping import (
     commit_chunk,
     plan_chunks,
     release,
+    release_behind_windows,
     step_result,
     validate_step,
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
-from stages.execute.model_length import resolve_max_model_len
+from stages.execute.model_length import resolve_model_length
+from stages.execute.windows import config_layer_windows
 from stages.messages import (
     EngineInfo,
     EngineRequest,
@@ -123,6 +125,7 @@ class NullRunner:
         self.allocator: BlockAllocator | None = None
         self.info: EngineInfo | None = None
         self.max_model_len = 0
+        self._window: int | None = None  # bounds every layer: blocks behind it are freed
         self._requests: dict[str, _Request] = {}
         self._token_ids: np.ndarray = np.zeros(0, dtype=np.int64)
         self._uniform_logprob = 0.0
@@ -169,8 +172,12 @@ class NullRunner:
                     f"({config.kv_cache_bytes_budget} bytes) holds no KV block; one block "
                     f"takes {block_bytes} bytes (plus one reserved block)",
                 )
-        self.max_model_len = resolve_max_model_len(
-            config.max_model_len, text_config, usable_blocks * config.block_size
+        self.max_model_len, self._window = resolve_model_length(
+            config.max_model_len,
+            text_config,
+            usable_blocks,
+            config.block_size,
+            config_layer_windows(text_config),
         )
         self.allocator = BlockAllocator(
             usable_blocks + 1,
@@ -189,6 +196,7 @@ class NullRunner:
             device="cpu",
             kv_cache_bytes=0,
             enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=self._window,
         )
         logger.info("execute (null model): %s", self.info)
         return self.info
@@ -220,6 +228,7 @@ class NullRunner:
         sampling = [request for request, _, end in planned if end == request.num_tokens]
         for request, _, end in planned:
             commit_chunk(allocator, request, end)
+        release_behind_windows(allocator, self._requests, step, report, self._window)
 
         request_ids: list[str] = []
         logprob_ids: list[str] = []

@@ -40,12 +40,13 @@ from stages.execute.bookkeeping import (
     commit_chunk,
     plan_chunks,
     release,
+    release_behind_windows,
     step_result,
     validate_step,
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
-from stages.execute.model_length import resolve_max_model_len
+from stages.execute.model_length import resolve_model_length
 from stages.execute.native import PagedDecodeKernel, paged_decode_kernel
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.messages import (
@@ -126,6 +127,7 @@ class ModelRunner:
         self._requests: dict[str, _Request] = {}
         self._eos_token_ids: tuple[int, ...] = ()
         self._decode_mode: DecodeAttentionMode = "grouped"
+        self._window: int | None = None  # bounds every layer: blocks behind it are freed
         self._decode_graphs: Any = None  # stages.execute.cuda_graphs.DecodeGraphs
 
     # ----------------------------------------------------------------- loading
@@ -176,9 +178,8 @@ class ModelRunner:
             # The model's own attention, before paged attention replaces it.
             expected = model(input_ids=probe_ids, use_cache=False).logits[0].float()  # [8, V]
         enable_paged_attention(model)
-        shape = _layer_shape(
-            survey_layers(model, probe_ids, config.max_model_len or (1 << 62)), text_config
-        )
+        layers = survey_layers(model, probe_ids, config.max_model_len or (1 << 62))
+        shape = _layer_shape(layers, text_config)
         num_layers, num_heads = int(text_config.num_hidden_layers), shape.num_heads
         num_kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
         block_bytes = KVCache.bytes_per_block(
@@ -198,8 +199,12 @@ class ModelRunner:
                     f"({config.kv_cache_bytes_budget} bytes) holds no KV block; one block "
                     f"takes {block_bytes} bytes (plus one reserved block)",
                 )
-        self.max_model_len = resolve_max_model_len(
-            config.max_model_len, text_config, usable_blocks * config.block_size
+        self.max_model_len, self._window = resolve_model_length(
+            config.max_model_len,
+            text_config,
+            usable_blocks,
+            config.block_size,
+            [layers[index].window for index in sorted(layers)],
         )
         self.kv_cache = KVCache.allocate(
             num_layers=num_layers,
@@ -242,6 +247,7 @@ class ModelRunner:
             device=str(self.device),
             kv_cache_bytes=self.kv_cache.nbytes,
             enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=self._window,
         )
         if on_cpu and config.tune_allocator:
             release_free_memory()
@@ -363,6 +369,7 @@ class ModelRunner:
                     logprobs.append(token_logprobs)
             for work in works:
                 commit_chunk(allocator, work.request, work.end)
+        release_behind_windows(allocator, self._requests, step, report, self._window)
 
         return step_result(
             step,

@@ -1,6 +1,7 @@
 """The scheduler against execute's real KV bookkeeping (the block allocator with prefix caching
 and the step functions the model runner and the null model share), with prompts that share
-prefixes, under block pressure.
+prefixes, under block pressure, with and without a model-wide sliding window (whose blocks
+behind the window execute gives back after every step).
 
 The scheduler plans with a mirror of the blocks; these tests check the mirror is exact, that a
 planned step never needs more blocks than are free (execute would have to preempt on its own),
@@ -16,12 +17,13 @@ import dataclasses
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stages.execute.allocator import BlockAllocator
+from stages.execute.allocator import RESERVED_BLOCK_ID, BlockAllocator
 from stages.execute.bookkeeping import (
     PlanReport,
     commit_chunk,
     plan_chunks,
     release,
+    release_behind_windows,
     step_result,
     validate_step,
 )
@@ -53,9 +55,12 @@ class BookkeepingExecute:
     """Execute without a model: the real allocator and step bookkeeping; every sampling chunk
     draws ``FILLER``."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_model_len: int, window: int | None = None
+    ) -> None:
         self.allocator = BlockAllocator(num_blocks + 1, block_size)
         self.max_model_len = max_model_len
+        self.window = window
         self.requests: dict[str, _Tracked] = {}
 
     def run(self, step: SchedulerStep) -> StepResult:
@@ -68,6 +73,7 @@ class BookkeepingExecute:
         sampled = [tracked for tracked, _, end in planned if end == tracked.num_tokens]
         for tracked, _, end in planned:
             commit_chunk(self.allocator, tracked, end)
+        release_behind_windows(self.allocator, self.requests, step, report, self.window)
         for tracked in sampled:
             tracked.known.append(FILLER)
         return step_result(
@@ -91,6 +97,7 @@ class Workload:
     max_num_batched_tokens: int
     long_prefill_chunk: int | None
     policy: str
+    window: int | None  # a window on every layer (None: full attention)
     # (shared prefix index, prefix tokens kept, own tail length, max_tokens, priority, arrival)
     requests: list[tuple[int, int, int, int, int, int]]
 
@@ -105,6 +112,7 @@ workloads = st.builds(
     max_num_batched_tokens=st.integers(1, 40),
     long_prefill_chunk=st.none() | st.integers(1, 12),
     policy=st.sampled_from(sorted(POLICIES)),
+    window=st.none() | st.integers(1, 14),
     requests=st.lists(
         st.tuples(
             st.integers(0, len(PREFIXES) - 1),
@@ -130,6 +138,7 @@ def _drain(
     info = dataclasses.replace(
         engine_info(workload.num_blocks, workload.block_size, max_model_len),
         enable_prefix_caching=True,
+        sliding_window=workload.window,
     )
     scheduler = Scheduler(
         SchedulerConfig(
@@ -139,7 +148,9 @@ def _drain(
         clock=FakeClock(),
     )
     scheduler.set_engine_info(info)
-    execute = BookkeepingExecute(info.num_blocks, info.block_size, info.max_model_len)
+    execute = BookkeepingExecute(
+        info.num_blocks, info.block_size, info.max_model_len, workload.window
+    )
     pending = [
         (arrival, EngineRequest(f"r{i}", _prompt(i, p, kept, tail), SamplingParams(
             max_tokens=max_tokens, priority=priority, ignore_eos=True)))
@@ -167,7 +178,11 @@ def _drain(
             if reason is not None
         }
         for request_id, state in scheduler._running.items():
-            assert state.num_blocks == len(execute.allocator.block_table(request_id)), request_id
+            table = execute.allocator.block_table(request_id)
+            assert len(table) == -(-state.num_computed_tokens // workload.block_size)
+            held = execute.allocator.num_held_blocks(request_id)
+            assert state.num_blocks == held, request_id
+            assert held == sum(1 for block in table if block != RESERVED_BLOCK_ID)
     else:
         raise AssertionError("the workload did not drain (a preemption cycle?)")
     assert ended == {f"r{i}" for i in range(len(workload.requests))}
@@ -196,6 +211,7 @@ def test_one_token_chunks_over_shared_prefixes_under_block_pressure_drain() -> N
         max_num_batched_tokens=16,
         long_prefill_chunk=1,
         policy="fcfs",
+        window=None,
         requests=[
             (0, 24, 2, 8, 0, 0),
             (0, 24, 3, 8, 0, 0),
@@ -215,6 +231,7 @@ def test_a_cached_prompt_is_served_in_one_step_whatever_the_chunk_size() -> None
         max_num_batched_tokens=16,
         long_prefill_chunk=8,
         policy="fcfs",
+        window=None,
         # the same 24-token prompt twice, the second after the first has finished
         requests=[(1, 24, 0, 1, 0, 0), (1, 24, 0, 1, 0, 40)],
     )

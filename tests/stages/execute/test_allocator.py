@@ -240,6 +240,29 @@ def test_reset_prefix_cache_keeps_referenced_blocks() -> None:
     assert allocator.match_prefix("c", tokens(0, 9)) == 0
 
 
+def test_release_leading_gives_back_blocks_behind_a_window() -> None:
+    allocator = BlockAllocator(num_blocks=10, block_size=BLOCK)
+    prompt = tokens(0, 13)
+    allocator.allocate("a", 13)
+    allocator.commit("a", prompt, 13)
+    table = allocator.block_table("a")
+    assert allocator.match_prefix("b", prompt) == 12  # b holds a's three full blocks too
+    free = allocator.num_free_blocks
+    # a's first block is shared with b: giving it back frees nothing, and a no longer counts it
+    assert allocator.release_leading("a", 1) == 0
+    assert allocator.block_table("a") == [RESERVED_BLOCK_ID, *table[1:]]
+    assert allocator.num_held_blocks("a") == 3
+    assert allocator.shared_block_counts() == {"a": 2, "b": 2}  # b has the first alone
+    assert allocator.release_leading("a", 1) == 0  # given back already: nothing happens
+    allocator.free("b")
+    assert allocator.num_free_blocks == free + 1  # only b held the first block
+    assert allocator.release_leading("a", 2) == 1
+    assert allocator.free("a") == 2
+    assert allocator.num_free_blocks == allocator.num_usable_blocks
+    # Published blocks given back stay in the prefix cache.
+    assert allocator.match_prefix("c", prompt) == 12
+
+
 def test_free_of_unknown_request_is_a_no_op() -> None:
     allocator = BlockAllocator(num_blocks=4, block_size=BLOCK)
     assert allocator.free("never-seen") == 0
@@ -259,7 +282,8 @@ PROMPTS = st.builds(
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random interleavings of the runner's calls: lookup, grow, compute/commit, free."""
+    """Random interleavings of the runner's calls: lookup, grow, compute/commit, give back
+    leading blocks (a sliding window), free."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -306,6 +330,21 @@ class AllocatorMachine(RuleBasedStateMachine):
             prompt, covered, computed = self.requests[request_id]
             self.requests[request_id] = (prompt + extra, covered, computed)
 
+    @rule(request_id=REQUEST_IDS, count=st.integers(min_value=0, max_value=4))
+    def release_leading(self, request_id: str, count: int) -> None:
+        if request_id not in self.requests:
+            return
+        table = self.allocator.block_table(request_id)
+        held = self.allocator.num_held_blocks(request_id)
+        newly = min(count, len(table)) - sum(1 for b in table[:count] if b == RESERVED_BLOCK_ID)
+        freed = self.allocator.release_leading(request_id, count)
+        assert 0 <= freed <= newly
+        after = self.allocator.block_table(request_id)
+        assert len(after) == len(table)  # positions keep their entries
+        assert after[:count] == [RESERVED_BLOCK_ID] * min(count, len(table))
+        assert after[count:] == table[count:]
+        assert self.allocator.num_held_blocks(request_id) == held - newly
+
     @rule(request_id=REQUEST_IDS)
     def finish(self, request_id: str) -> None:
         self.allocator.free(request_id)
@@ -317,11 +356,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         free = set(allocator.free_block_ids())
         assert RESERVED_BLOCK_ID not in free
         references: dict[int, int] = {}
+        held_tables: dict[str, list[int]] = {}
         for request_id in self.requests:
             table = allocator.block_table(request_id)
-            assert RESERVED_BLOCK_ID not in table
-            assert len(set(table)) == len(table)
-            for block_id in table:
+            # Given-back entries lead the table; the rest are distinct real blocks.
+            released = len(table) - allocator.num_held_blocks(request_id)
+            assert table[:released] == [RESERVED_BLOCK_ID] * released
+            held = held_tables[request_id] = table[released:]
+            assert RESERVED_BLOCK_ID not in held
+            assert len(set(held)) == len(held)
+            for block_id in held:
                 references[block_id] = references.get(block_id, 0) + 1
         for block_id in range(1, allocator.num_blocks):
             count = allocator.ref_count(block_id)
@@ -332,7 +376,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert allocator.num_free_blocks == len(free)
         # Each request's shared blocks are exactly its blocks another request holds too.
         shared = {
-            request_id: sum(1 for b in allocator.block_table(request_id) if references[b] > 1)
+            request_id: sum(1 for b in held_tables[request_id] if references[b] > 1)
             for request_id in self.requests
         }
         assert allocator.shared_block_counts() == {r: n for r, n in shared.items() if n}

@@ -74,7 +74,7 @@ def test_engine_info_matches_the_model_runner(tiny_model_dir: Path, tokenizer: o
     null = NullRunner(config).load(tokenizer)
     assert isinstance(null, EngineInfo)
     for field in ("model", "vocab_size", "max_model_len", "eos_token_ids", "num_blocks",
-                  "block_size", "dtype", "enable_prefix_caching"):  # fmt: skip
+                  "block_size", "dtype", "enable_prefix_caching", "sliding_window"):  # fmt: skip
         assert getattr(null, field) == getattr(real, field), field
     assert null.kv_cache_bytes == 0  # nothing is allocated
 
@@ -89,6 +89,28 @@ def test_explicit_num_blocks_and_length_limits(tiny_model_dir: Path, tokenizer: 
         make_runner(tiny_model_dir, tokenizer, num_blocks=10, max_model_len=10 * BLOCK + 1)
     with pytest.raises(ExecuteConfigError, match="kv_cache_memory"):
         make_runner(tiny_model_dir, tokenizer, kv_cache_memory=1)
+
+
+def test_a_windowed_config_frees_blocks_behind_the_window(
+    tiny_model_dir: Path, tokenizer: object, tmp_path: Path
+) -> None:
+    """A config with a sliding window on every layer: the null model frees what falls behind
+    it as the real runner does, so a generation runs past what the cache holds whole."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "windowed"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": 32}))
+    runner = make_runner(model_dir, tokenizer, num_blocks=8)
+    assert runner.info is not None and runner.info.sliding_window == 32
+    assert runner.info.max_model_len == 1024  # the cache (8 x 16 tokens) does not cap it
+    requests = [request("long", [5, 6, 7], max_tokens=300, ignore_eos=True)]
+    outputs, results, _ = run_to_completion(runner, requests)
+    assert len(outputs["long"]) == 300
+    assert max(r.total_blocks - r.free_blocks for r in results) <= 4  # ceil(31 / 16) + 2
+    assert not any(r.preempted for r in results)
 
 
 def test_sampleable_ids_exclude_special_tokens(tokenizer: object) -> None:
