@@ -199,6 +199,35 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _front_end_ports(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """The gRPC and HTTP ports asked for (None: that front end is off): ``--grpc-port`` (or
+    its old name ``--port``) and ``--http-port``; with neither, gRPC on the default port;
+    with only ``--http-port``, HTTP alone.
+
+    Raises:
+        CliError: a port out of range, ``--port`` and ``--grpc-port`` both given, or the two
+            front ends on the same port.
+    """
+    from pipeline.server.serve import DEFAULT_PORT
+
+    if args.grpc_port is not None and args.port is not None:
+        raise CliError("--port is the old name of --grpc-port; give one of them", 2)
+    grpc_flag = "--grpc-port" if args.grpc_port is not None else "--port"
+    grpc_port = args.grpc_port if args.grpc_port is not None else args.port
+    for flag, port in (
+        (grpc_flag, grpc_port),
+        ("--http-port", args.http_port),
+        ("--metrics-port", args.metrics_port),
+    ):
+        if port is not None and not 0 <= port <= _MAX_PORT:
+            raise CliError(f"{flag} must be in [0, {_MAX_PORT}], got {port}", 2)
+    if grpc_port is None and args.http_port is None:
+        grpc_port = DEFAULT_PORT
+    if grpc_port is not None and grpc_port == args.http_port and grpc_port != 0:
+        raise CliError(f"{grpc_flag} and --http-port must differ, got {grpc_port} for both", 2)
+    return grpc_port, args.http_port
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -207,9 +236,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pipeline.server.auth import ApiKeys
     from pipeline.server.serve import SERVICE_NAME, ServerTLS, serve
 
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
-        if port is not None and not 0 <= port <= _MAX_PORT:
-            raise CliError(f"{flag} must be in [0, {_MAX_PORT}], got {port}", 2)
+    grpc_port, http_port = _front_end_ports(args)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together", 2)
     if args.tls_client_ca and not args.tls_cert:
@@ -224,6 +251,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(f"--rate-limit-burst must be > 0 seconds, got {args.rate_limit_burst}", 2)
     if not args.grace >= 0:
         raise CliError(f"--grace must be >= 0 seconds, got {args.grace}", 2)
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise CliError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}", 2)
     try:
         api_keys = ApiKeys.load(args.api_key, args.api_key_file)
     except (OSError, ValueError) as exc:
@@ -238,7 +267,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(str(exc), 2) from exc
     # NOTE: as vLLM, a port that cannot be had is an argument error before the model loads
     # (a probe: another process could still take the port in between, then serve fails).
-    _check_listenable("--port", args.host, args.port)
+    if grpc_port is not None:
+        _check_listenable("--grpc-port" if args.grpc_port is not None else "--port", args.host,
+                          grpc_port)  # fmt: skip
+    if http_port is not None:
+        _check_listenable("--http-port", args.host, http_port)
     if args.metrics_port is not None:
         _check_listenable("--metrics-port", args.metrics_host, args.metrics_port)
     engine_options, _, _ = preflight(
@@ -257,6 +290,9 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(address: str) -> None:
         print(f"serving {SERVICE_NAME} on {address}", flush=True)
 
+    def http_ready(url: str) -> None:
+        print(f"serving OpenAI-compatible API on {url}", flush=True)
+
     def metrics_ready(url: str) -> None:
         print(f"metrics on {url}", flush=True)
 
@@ -265,14 +301,18 @@ def _serve(args: argparse.Namespace) -> int:
             serve(
                 engine_options,
                 host=args.host,
-                port=args.port,
+                port=grpc_port,
+                http_port=http_port,
                 api_keys=api_keys,
                 tls=tls,
                 grace=args.grace,
                 on_ready=ready,
+                on_http_ready=http_ready,
                 metrics_host=args.metrics_host,
                 metrics_port=args.metrics_port,
                 on_metrics_ready=metrics_ready,
+                served_model_name=args.served_model_name,
+                max_request_bytes=args.max_request_bytes,
             )
         )
     except (OSError, PipelineError) as exc:
@@ -299,19 +339,45 @@ def _check_listenable(flag: str, host: str, port: int) -> None:
 
 
 def _add_serve_command(commands: Any) -> None:
+    from pipeline.server.http.defaults import DEFAULT_MAX_REQUEST_BYTES
     from pipeline.server.serve import DEFAULT_GRACE_SECONDS, DEFAULT_HOST, DEFAULT_PORT
 
     serve = commands.add_parser(
         "serve",
-        help="serve the gRPC Generation service",
-        description="Serve actorline.v1.Generation (with gRPC health and reflection). Prints "
-        "'serving actorline.v1.Generation on HOST:PORT' once ready; stops cleanly on SIGINT "
-        "or SIGTERM.",
+        help="serve the gRPC Generation service and/or the OpenAI-compatible HTTP API",
+        description="Serve actorline.v1.Generation (with gRPC health and reflection) and/or "
+        "the OpenAI-compatible HTTP API from one engine. Prints 'serving "
+        "actorline.v1.Generation on HOST:PORT' and/or 'serving OpenAI-compatible API on "
+        "URL' once ready; stops cleanly on SIGINT or SIGTERM.",
     )
     server = serve.add_argument_group("server")
     server.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     server.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="port to listen on (0: pick a free one)"
+        "--grpc-port",
+        type=int,
+        default=None,
+        help=f"gRPC port (0: pick a free one); the default, {DEFAULT_PORT}, unless only "
+        "--http-port is given",
+    )
+    server.add_argument("--port", type=int, default=None, help="the old name of --grpc-port")
+    server.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API on this port (0: pick a free one); off by "
+        "default",
+    )
+    server.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id of the HTTP API (default: --model)",
+    )
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help=f"largest HTTP request body accepted; larger ones get 413 "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)",
     )
     server.add_argument(
         "--grace",
@@ -324,7 +390,8 @@ def _add_serve_command(commands: Any) -> None:
         type=int,
         default=None,
         help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: pick a free "
-        "port; prints 'metrics on URL' after the serving line); off by default",
+        "port; prints 'metrics on URL' after the serving lines); off by default (the HTTP "
+        "API serves them at /metrics too)",
     )
     server.add_argument(
         "--metrics-host", default=DEFAULT_HOST, help="address the metrics endpoint listens on"

@@ -1,12 +1,15 @@
-r"""The public gRPC API: the ``actorline.v1.Generation`` service (``generation.proto``), its
-server (``actorline serve``) and the wire conversions the Python client
-(:mod:`pipeline.server.client`) shares with it.
+r"""The servers of ``actorline serve``, two front ends over one engine: the gRPC
+``actorline.v1.Generation`` service (``generation.proto``) with the wire conversions the
+Python client (:mod:`pipeline.server.client`) shares with it, and the OpenAI-compatible HTTP
+API (:mod:`pipeline.server.http`).
 
 Modules: ``generation.proto`` and its generated ``generation_pb2``/``generation_pb2_grpc``
-stubs; :mod:`~pipeline.server.auth` (API keys → engine tenants and limits);
-:mod:`~pipeline.server.convert` (protobuf ↔ Python); :mod:`~pipeline.server.status`
-(errors ↔ gRPC status codes); :mod:`~pipeline.server.service` (the servicer);
-:mod:`~pipeline.server.serve` (server, TLS, health, reflection, ``serve``).
+stubs; :mod:`~pipeline.server.auth` (API keys → engine tenants and limits, for both front
+ends); :mod:`~pipeline.server.tls` (TLS files, for both); :mod:`~pipeline.server.listen`
+(addresses); :mod:`~pipeline.server.convert` (protobuf ↔ Python);
+:mod:`~pipeline.server.status` (errors ↔ gRPC status codes); :mod:`~pipeline.server.service`
+(the servicer); :mod:`~pipeline.server.serve` (the gRPC server with health and reflection,
+and ``serve``, which runs the front ends); :mod:`pipeline.server.http` (the HTTP API).
 
 The generated stubs are committed. After editing ``generation.proto``, regenerate them from
 the repository root with::
@@ -28,6 +31,7 @@ __all__ = [
     "AuthenticationError",
     "GenerationServer",
     "GenerationService",
+    "HttpServer",
     "ServerTLS",
     "ServiceError",
     "ServiceUnavailableError",
@@ -42,7 +46,8 @@ _LAZY = {
     "AuthenticationError": "pipeline.server.auth",
     "GenerationServer": "pipeline.server.serve",
     "GenerationService": "pipeline.server.service",
-    "ServerTLS": "pipeline.server.serve",
+    "HttpServer": "pipeline.server.http.server",
+    "ServerTLS": "pipeline.server.tls",
     "ServiceError": "pipeline.server.status",
     "ServiceUnavailableError": "pipeline.server.status",
     "serve": "pipeline.server.serve",

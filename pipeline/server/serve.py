@@ -13,11 +13,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import re
 import signal
-import ssl
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -29,7 +26,9 @@ from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.options import EngineOptions
 from pipeline.server import generation_pb2 as pb
 from pipeline.server.auth import ApiKeys
+from pipeline.server.listen import DEFAULT_HOST, format_address
 from pipeline.server.service import GenerationService, add_to_server
+from pipeline.server.tls import ServerTLS
 
 if TYPE_CHECKING:
     from pipeline.engine.metrics import EngineMetrics
@@ -49,131 +48,14 @@ logger = logging.getLogger("actorline.server")
 
 #: the full name of the Generation service
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-#: listen on loopback only unless told otherwise
-DEFAULT_HOST = "127.0.0.1"
 #: the conventional gRPC port
 DEFAULT_PORT = 50051
 #: how long in-flight calls get to end at shutdown before they are cancelled
 DEFAULT_GRACE_SECONDS = 5.0
-_PEM_MARKER = b"-----BEGIN "
-_PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
-#: PKCS#8 ("PRIVATE KEY"), PKCS#1 ("RSA PRIVATE KEY"), SEC 1 ("EC PRIVATE KEY"), ...
-_PEM_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:[A-Z0-9]+ )?PRIVATE KEY-----")
-#: PKCS#8 "ENCRYPTED PRIVATE KEY", or the legacy OpenSSL header of an encrypted PKCS#1 key
-_PEM_ENCRYPTED = re.compile(rb"-----BEGIN ENCRYPTED PRIVATE KEY-----|Proc-Type: 4,ENCRYPTED")
 _HEALTH_NAMES = ("", SERVICE_NAME)
 # NOTE: without this, gRPC binds with SO_REUSEPORT on Linux and a second server could
 # silently share a port that is already taken.
 _SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ServerTLS:
-    """The server's PEM certificate chain and private key; with ``client_ca``, clients must
-    present a certificate signed by it (mutual TLS).
-
-    Raises (from the constructor): ValueError for empty or non-PEM data.
-    """
-
-    certificate_chain: bytes = dataclasses.field(repr=False)
-    private_key: bytes = dataclasses.field(repr=False)
-    client_ca: bytes | None = dataclasses.field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        for name in ("certificate_chain", "private_key", "client_ca"):
-            value = getattr(self, name)
-            if value is None and name == "client_ca":
-                continue
-            if not isinstance(value, bytes) or _PEM_MARKER not in value:
-                raise ValueError(f"{name} must be PEM data (bytes with '-----BEGIN ...')")
-
-    @classmethod
-    def from_files(
-        cls,
-        certificate_chain: str | Path,
-        private_key: str | Path,
-        client_ca: str | Path | None = None,
-    ) -> ServerTLS:
-        """Read the PEM files and check them as the TLS library will use them: the chain
-        holds certificates, the key file an unencrypted private key, the key belongs to the
-        chain's first certificate, and ``client_ca`` holds certificates. So a bad pair (say
-        the two files swapped) is a clear error here, not a failure to listen later.
-
-        Raises:
-            OSError: a file cannot be read. ValueError: a file is not what it should be, or
-                the key does not match the certificate (the message names the file).
-        """
-        chain = _read_pem(certificate_chain, "certificate chain")
-        key = _read_pem(private_key, "private key")
-        ca = _read_pem(client_ca, "client CA") if client_ca is not None else None
-        _check_certificates(certificate_chain, chain, "certificate chain")
-        _check_private_key(private_key, key)
-        _check_key_pair(certificate_chain, private_key)
-        if client_ca is not None and ca is not None:
-            _check_certificates(client_ca, ca, "client CA")
-        return cls(chain, key, ca)
-
-    def credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials(
-            [(self.private_key, self.certificate_chain)],
-            root_certificates=self.client_ca,
-            require_client_auth=self.client_ca is not None,
-        )
-
-
-def _read_pem(path: str | Path, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise OSError(f"TLS {what} {path}: {exc.strerror or exc}") from None
-
-
-def _check_certificates(path: str | Path, data: bytes, what: str) -> None:
-    """``data`` (read from ``path``) holds PEM certificates that the TLS library parses."""
-    if _PEM_CERTIFICATE not in data:
-        swapped = what == "certificate chain" and _PEM_PRIVATE_KEY.search(data)
-        hint = " (it holds a private key: are the certificate and key swapped?)"
-        raise ValueError(
-            f"TLS {what} {path} holds no PEM certificate ('{_PEM_CERTIFICATE.decode()}')"
-            + (hint if swapped else "")
-        )
-    try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=str(path))
-    except ssl.SSLError as exc:
-        raise ValueError(f"TLS {what} {path} is not a valid PEM certificate: {exc}") from None
-
-
-def _check_private_key(path: str | Path, data: bytes) -> None:
-    """``data`` (read from ``path``) holds an unencrypted PEM private key."""
-    if _PEM_ENCRYPTED.search(data):
-        raise ValueError(f"TLS private key {path} is encrypted; gRPC needs an unencrypted key")
-    if not _PEM_PRIVATE_KEY.search(data):
-        hint = " (it holds a certificate: are the certificate and key swapped?)"
-        raise ValueError(
-            f"TLS private key {path} holds no PEM private key ('-----BEGIN ... PRIVATE KEY')"
-            + (hint if _PEM_CERTIFICATE in data else "")
-        )
-
-
-def _check_key_pair(certificate_chain: str | Path, private_key: str | Path) -> None:
-    """The key parses and belongs to the chain's first certificate (``ssl`` checks both, as
-    the TLS library serving the port will)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        # NOTE: the password callback keeps an encrypted key the marker check missed from
-        # prompting on the terminal; the empty password then fails to decrypt it.
-        context.load_cert_chain(str(certificate_chain), str(private_key), password=lambda: b"")
-    except ssl.SSLError as exc:
-        if exc.reason == "KEY_VALUES_MISMATCH":
-            raise ValueError(
-                f"TLS private key {private_key} does not match the certificate {certificate_chain}"
-            ) from None
-        raise ValueError(f"TLS private key {private_key} cannot be loaded: {exc}") from None
-
-
-def format_address(host: str, port: int) -> str:
-    """``host:port``, with brackets around an IPv6 host."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class GenerationServer:
@@ -275,28 +157,40 @@ async def serve(
     options: EngineOptions,
     *,
     host: str = DEFAULT_HOST,
-    port: int = DEFAULT_PORT,
+    port: int | None = DEFAULT_PORT,
+    http_port: int | None = None,
     api_keys: ApiKeys | None = None,
     tls: ServerTLS | None = None,
     grace: float = DEFAULT_GRACE_SECONDS,
     on_ready: Callable[[str], None] = lambda address: None,
+    on_http_ready: Callable[[str], None] = lambda url: None,
     metrics_host: str = DEFAULT_HOST,
     metrics_port: int | None = None,
     on_metrics_ready: Callable[[str], None] = lambda url: None,
+    served_model_name: str | None = None,
+    max_request_bytes: int | None = None,
 ) -> None:
-    """Run the engine behind a :class:`GenerationServer` until SIGINT or SIGTERM, then shut
-    down cleanly: in-flight calls end with UNAVAILABLE, the server stops, and the engine
-    (and its process) stops. ``on_ready(address)`` is called once the server serves.
+    """Run one engine behind the gRPC :class:`GenerationServer` (on ``port``; None: no gRPC)
+    and/or the OpenAI-compatible :class:`~pipeline.server.http.server.HttpServer` (on
+    ``http_port``; None: no HTTP) until SIGINT or SIGTERM, then shut down cleanly: in-flight
+    gRPC calls end with UNAVAILABLE, HTTP streams with ``finish_reason: "abort"``, the servers
+    stop, and the engine (and its process) stops. Both front ends share the engine, the API
+    keys (and so the per-key limits), the TLS files and one
+    :class:`~pipeline.engine.metrics.EngineMetrics`, served at ``/metrics`` of the HTTP port
+    and, with ``metrics_port`` (0: a free one), at ``http://metrics_host:port/metrics``.
 
-    With ``metrics_port`` (0: a free one), Prometheus metrics
-    (:class:`~pipeline.engine.metrics.EngineMetrics`) are served at
-    ``http://metrics_host:port/metrics``; ``on_metrics_ready(url)`` is called after
-    ``on_ready``.
+    Once serving, ``on_ready(address)`` is called for gRPC, then ``on_http_ready(url)`` for
+    HTTP (the API's base URL), then ``on_metrics_ready(url)``. ``served_model_name``: the
+    model id of the HTTP API (default ``options.model``); ``max_request_bytes``: its body
+    cap (None: the default).
 
     Raises:
+        ValueError: neither front end asked for.
         OSError: an address cannot be bound.
         PipelineError: the engine could not start (e.g. the model failed to load).
     """
+    if port is None and http_port is None:
+        raise ValueError("serve needs a gRPC port, an HTTP port or both")
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -304,6 +198,7 @@ async def serve(
         loop.add_signal_handler(signum, stop_requested.set)
     engine = AsyncEngine(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
     metrics: EngineMetrics | None = None
+    stops: list[Callable[[], Awaitable[None]]] = []
     try:
         starting = asyncio.ensure_future(engine.start())
         stopping = asyncio.ensure_future(stop_requested.wait())
@@ -316,24 +211,42 @@ async def serve(
         stopping.cancel()
         starting.result()
         metrics_url = None
-        if metrics_port is not None:
+        if metrics_port is not None or http_port is not None:
             from pipeline.engine.metrics import EngineMetrics
 
             metrics = await EngineMetrics(engine).start()
+        if metrics is not None and metrics_port is not None:
             bound = metrics.start_http_server(metrics_host, metrics_port)
             metrics_url = f"http://{format_address(metrics_host, bound)}/metrics"
-        server = GenerationServer(engine, api_keys=api_keys, tls=tls)
-        address = await server.start(host, port)
-        logger.info("serving %s on %s", SERVICE_NAME, address)
-        on_ready(address)
+        if port is not None:
+            server = GenerationServer(engine, api_keys=api_keys, tls=tls)
+            stops.append(lambda: server.stop(grace))
+            address = await server.start(host, port)
+            logger.info("serving %s on %s", SERVICE_NAME, address)
+            on_ready(address)
+        if http_port is not None:
+            from pipeline.server.http.server import HttpServer
+
+            extra = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
+            http = HttpServer(
+                engine,
+                api_keys=api_keys,
+                tls=tls,
+                model_name=served_model_name,
+                metrics=metrics,
+                **extra,
+            )
+            stops.append(lambda: http.stop(grace))
+            url = await http.start(host, http_port)
+            logger.info("serving the OpenAI-compatible API on %s", url)
+            on_http_ready(url)
         if metrics_url is not None:
             on_metrics_ready(metrics_url)
-        try:
-            await stop_requested.wait()
-        finally:
-            logger.info("shutting down")
-            await server.stop(grace)
+        await stop_requested.wait()
     finally:
+        if stops:
+            logger.info("shutting down")
+            await asyncio.gather(*(stop() for stop in stops))
         if metrics is not None:
             await metrics.aclose()
         await engine.close()

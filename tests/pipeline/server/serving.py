@@ -22,15 +22,18 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.loop_thread import LoopThread
 from pipeline.server.auth import ApiKey, ApiKeys
-from pipeline.server.serve import GenerationServer, ServerTLS
+from pipeline.server.serve import SERVICE_NAME, GenerationServer, ServerTLS
 from tests.processes import child_processes, process_alive
 
 __all__ = [
     "GOOD_KEY",
+    "HTTP_READY_LINE",
     "OTHER_KEY",
     "READY_LINE",
     "REQUEST_LIMITED_KEY",
@@ -48,6 +51,7 @@ __all__ = [
     "make_certificate",
     "process_alive",
     "read_until_end",
+    "reflection_generate",
     "rpc_error",
     "serve_arguments",
     "trailer",
@@ -72,8 +76,10 @@ TEST_KEYS: dict[str, tuple[float | None, float | None] | None] = {
 RUN_TIMEOUT = 120.0
 
 REPOSITORY = Path(__file__).resolve().parents[3]
-#: what ``actorline serve`` prints once it serves
+#: what ``actorline serve`` prints once it serves gRPC
 READY_LINE = re.compile(r"^serving actorline\.v1\.Generation on (127\.0\.0\.1:\d+)$")
+#: what it prints once it serves HTTP (after the gRPC line, when both are served)
+HTTP_READY_LINE = re.compile(r"^serving OpenAI-compatible API on (https?://127\.0\.0\.1:\d+/v1)$")
 #: seconds for an ``actorline serve`` subprocess to load the model and print its address
 SERVE_START_TIMEOUT = 300.0
 
@@ -208,6 +214,36 @@ def trailer(error: grpc.aio.AioRpcError, key: str) -> str | None:
     return dict(error.trailing_metadata() or ()).get(key)
 
 
+async def reflection_generate(
+    channel: grpc.aio.Channel, request: dict[str, Any], metadata: Any = ()
+) -> list[dict[str, Any]]:
+    """What grpcurl or a dynamic client in any language does: fetch the Generation service's
+    schema by reflection, build the messages from it (no actorline code, no generated stubs),
+    send ``request`` written as JSON to Generate and read the stream as JSON.
+
+    Raises:
+        grpc.aio.AioRpcError: the call failed.
+    """
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    query = reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)
+    [answer] = [reply async for reply in stub.ServerReflectionInfo(iter([query]))]
+    pool = descriptor_pool.DescriptorPool()
+    for data in answer.file_descriptor_response.file_descriptor_proto:
+        pool.Add(descriptor_pb2.FileDescriptorProto.FromString(data))
+    method = pool.FindServiceByName(SERVICE_NAME).FindMethodByName("Generate")
+    request_class = message_factory.GetMessageClass(method.input_type)
+    response_class = message_factory.GetMessageClass(method.output_type)
+    call = channel.unary_stream(
+        f"/{SERVICE_NAME}/Generate",
+        request_serializer=request_class.SerializeToString,
+        response_deserializer=response_class.FromString,
+    )
+    message = json_format.ParseDict(request, request_class())
+    return [
+        json_format.MessageToDict(response) async for response in call(message, metadata=metadata)
+    ]
+
+
 async def read_until_end(call: Any) -> list[Any]:
     """Every remaining response of a streaming call (raises its error, if it fails)."""
     responses = []
@@ -255,11 +291,13 @@ def actorline_command() -> list[str]:
 
 
 class ServeProcess:
-    """``actorline serve ARGUMENTS`` in a subprocess (stderr to ``stderr_path``);
-    :attr:`address` once it printed its ready line. :meth:`kill` it when done.
+    """``actorline serve ARGUMENTS`` in a subprocess (stderr to ``stderr_path``), once it
+    printed its ready lines: :attr:`address` (gRPC ``host:port``; None when only
+    ``--http-port`` is given) and :attr:`http_url` (the HTTP API's base URL, with
+    ``--http-port``; else None). :meth:`kill` it when done.
 
-    Raises (from the constructor): AssertionError when no ready line comes (the process is
-    killed, the message shows its stderr).
+    Raises (from the constructor): AssertionError when a ready line does not come (the
+    process is killed, the message shows its stderr).
     """
 
     def __init__(self, arguments: list[str], stderr_path: Path) -> None:
@@ -276,12 +314,23 @@ class ServeProcess:
         self.stderr_path = stderr_path
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read_stdout, daemon=True).start()
-        self.address = self._wait_ready()
+        serves_http = "--http-port" in arguments
+        serves_grpc = not serves_http or any(
+            flag in arguments for flag in ("--port", "--grpc-port")
+        )
+        self.address = self._wait_ready(READY_LINE) if serves_grpc else None
+        self.http_url = self._wait_ready(HTTP_READY_LINE) if serves_http else None
 
     @property
     def stderr(self) -> str:
         """What the process wrote to stderr so far."""
         return self.stderr_path.read_text()
+
+    @property
+    def base_url(self) -> str:
+        """The HTTP server's URL (``/health``, ``/metrics`` are under it)."""
+        assert self.http_url is not None
+        return self.http_url.removesuffix("/v1")
 
     def _read_stdout(self) -> None:
         assert self.process.stdout is not None
@@ -289,12 +338,12 @@ class ServeProcess:
             self.lines.put(line.rstrip("\n"))
         self.lines.put(None)
 
-    def _wait_ready(self) -> str:
+    def _wait_ready(self, ready: re.Pattern[str]) -> str:
         try:
             line = self.lines.get(timeout=SERVE_START_TIMEOUT)
         except queue.Empty:
             line = None
-        match = READY_LINE.match(line or "")
+        match = ready.match(line or "")
         if match is None:
             self.kill()
             raise AssertionError(f"no ready line (got {line!r}); stderr:\n{self.stderr[-3000:]}")

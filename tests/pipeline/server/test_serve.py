@@ -240,6 +240,10 @@ def no_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         (["--port", "99999"], "--port must be in [0, 65535], got 99999"),
         (["--port", "-1"], "--port must be in [0, 65535], got -1"),
         (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535], got 70000"),
+        (["--http-port", "65536"], "--http-port must be in [0, 65535], got 65536"),
+        (["--grpc-port", "1"], "--port is the old name of --grpc-port; give one of them"),
+        (["--port", "50052", "--http-port", "50052"], "--port and --http-port must differ"),
+        (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1, got 0"),
         (["--device", "gpu"], "device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got 'gpu'"),
         (["--num-blocks", "0"], "num_blocks must be a positive integer"),
         (["--requests-per-second", "0"], "--requests-per-second must be > 0"),
@@ -274,6 +278,10 @@ def test_serve_refuses_ports_it_cannot_have_before_loading_the_model(
             (["--host", "127.0.0.1", "--port", port], f"--port: cannot listen on 127.0.0.1:{port}"),
             (["--port", "0", "--metrics-host", "127.0.0.1", "--metrics-port", port],
              "--metrics-port: cannot listen"),
+            (["--host", "127.0.0.1", "--http-port", port],
+             f"--http-port: cannot listen on 127.0.0.1:{port}"),
+            (["--host", "127.0.0.1", "--grpc-port", port],
+             f"--grpc-port: cannot listen on 127.0.0.1:{port}"),
             (["--host", "999.1.1.1", "--port", "0"], "--port: cannot resolve host '999.1.1.1'"),
         ):  # fmt: skip
             status = main(["serve", "--model", str(tiny_model_dir), *arguments])

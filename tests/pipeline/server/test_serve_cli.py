@@ -1,15 +1,22 @@
 """``actorline serve`` flags end to end, through the real command and the Python client: TLS
-(``--tls-cert``/``--tls-key``), mutual TLS (``--tls-client-ca``), and per-key rate limits
+(``--tls-cert``/``--tls-key``) and mutual TLS (``--tls-client-ca``) on both front ends (the
+HTTP one driven with the ``openai`` client), and per-key rate limits
 from ``--api-key-file`` and the default ``--requests-per-second``/``--tokens-per-second``
 (RESOURCE_EXHAUSTED, :class:`RateLimitedError` in the client) that leave other keys alone."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import signal
+import ssl
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from pipeline.server.client import AsyncClient, Client, ServiceUnavailableError, StreamedOutput
@@ -64,6 +71,7 @@ def tls_serve(
     serve = ServeProcess(
         serve_arguments(
             tiny_model_dir,
+            "--http-port", "0",
             "--tls-cert", str(server_certificate.certificate_path),
             "--tls-key", str(server_certificate.key_path),
             "--api-key", CLI_KEY,
@@ -117,6 +125,7 @@ def test_tls_client_ca_flag_requires_a_client_certificate(
     serve = ServeProcess(
         serve_arguments(
             tiny_model_dir,
+            "--http-port", "0",
             "--tls-cert", str(server_certificate.certificate_path),
             "--tls-key", str(server_certificate.key_path),
             "--tls-client-ca", str(client_certificate.certificate_path),
@@ -149,9 +158,46 @@ def test_tls_client_ca_flag_requires_a_client_certificate(
             pytest.raises(ServiceUnavailableError),
         ):
             stranger.model_info()
+        # the HTTP port asks for a client certificate too
+        assert serve.http_url is not None
+        mutual = ssl.create_default_context(cafile=server_certificate.certificate_path)
+        mutual.load_cert_chain(client_certificate.certificate_path, client_certificate.key_path)
+        with urllib.request.urlopen(serve.http_url + "/models", context=mutual) as models:
+            assert json.loads(models.read())["data"][0]["object"] == "model"
+        anonymous_tls = ssl.create_default_context(cafile=server_certificate.certificate_path)
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(serve.http_url + "/models", context=anonymous_tls).read()
         stop(serve)
     finally:
         serve.kill()
+
+
+def test_tls_flags_serve_the_http_api_over_tls(
+    tls_serve: ServeProcess, server_certificate: Certificate, client_certificate: Certificate
+) -> None:
+    """The openai client over https, trusting the server's certificate, with a key from the
+    key file; plaintext to the same port, and TLS trusting another CA, fail."""
+    assert tls_serve.http_url is not None and tls_serve.http_url.startswith("https://")
+    trusting = ssl.create_default_context(cafile=server_certificate.certificate_path)
+    with (
+        openai.DefaultHttpx2Client(verify=trusting) as http_client,
+        openai.OpenAI(
+            base_url=tls_serve.http_url, api_key=FILE_UNLIMITED_KEY, http_client=http_client,
+            max_retries=0,
+        ) as client,
+    ):  # fmt: skip
+        completion = client.completions.create(
+            model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=5, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert completion.usage is not None and completion.usage.completion_tokens == 5
+    plaintext = tls_serve.http_url.replace("https://", "http://") + "/models"
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(plaintext, timeout=60).read()
+    untrusting = ssl.create_default_context(cafile=client_certificate.certificate_path)
+    with pytest.raises(urllib.error.URLError) as refused:
+        urllib.request.urlopen(tls_serve.http_url + "/models", context=untrusting, timeout=60)
+    assert isinstance(refused.value.reason, ssl.SSLCertVerificationError)
 
 
 # -- rate limits ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -38,6 +38,7 @@ from tests.pipeline.server.serving import (
     ServedEngine,
     bearer,
     read_until_end,
+    reflection_generate,
     rpc_error,
     trailer,
 )
@@ -383,31 +384,14 @@ def test_a_client_built_from_reflection_alone_streams_a_generation(served: Serve
     async def body() -> tuple[list[dict[str, Any]], RequestOutput]:
         reference = await last_engine_output(served, TEXT, params)
         async with plain_channel(served) as channel:
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            query = reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)
-            [answer] = [reply async for reply in stub.ServerReflectionInfo(iter([query]))]
-            pool = descriptor_pool.DescriptorPool()
-            for data in answer.file_descriptor_response.file_descriptor_proto:
-                pool.Add(descriptor_pb2.FileDescriptorProto.FromString(data))
-            method = pool.FindServiceByName(SERVICE_NAME).FindMethodByName("Generate")
-            request_class = message_factory.GetMessageClass(method.input_type)
-            response_class = message_factory.GetMessageClass(method.output_type)
-            request = json_format.ParseDict(
+            responses = await reflection_generate(
+                channel,
                 {
                     "text": TEXT,
                     "samplingParams": {"maxTokens": 8, "temperature": 0, "ignoreEos": True},
                 },
-                request_class(),
+                bearer(GOOD_KEY),
             )
-            call = channel.unary_stream(
-                f"/{SERVICE_NAME}/Generate",
-                request_serializer=request_class.SerializeToString,
-                response_deserializer=response_class.FromString,
-            )
-            responses = [
-                json_format.MessageToDict(response)
-                async for response in call(request, metadata=bearer(GOOD_KEY))
-            ]
         return responses, reference
 
     responses, reference = served.run(body())

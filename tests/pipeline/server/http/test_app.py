@@ -1,140 +1,45 @@
-"""examples/openai_server.py as a real uvicorn server (a subprocess on a free port running the
-tiny model), driven with the official ``openai`` client: models list, completions and chat
-completions with and without streaming, several choices (``n``) and several prompts in one
-request (seeded choices, usage counting each prompt once, streams interleaving the choices),
-logprobs in both endpoints' formats, stop strings and
+"""The OpenAI-compatible API of ``actorline serve --http-port`` (a real process serving the
+tiny model; :mod:`tests.pipeline.server.http.conftest`), driven with the official ``openai``
+client: models list, completions and chat completions with and without streaming, several
+choices (``n``) and several prompts in one request (seeded choices, usage counting each prompt
+once, streams interleaving the choices), logprobs in both endpoints' formats, stop strings and
 ``stop_reason``, chat generating up to the model's length by default, OpenAI-style errors (400
 naming the field, 401, 404, 429), rate limits that follow the API key (not the ``user``
-field), a client that disconnects mid-stream aborting its request, the engine dying under
-running requests (503 JSON; an error event then ``[DONE]`` in a stream), Prometheus metrics,
-and a clean exit on SIGTERM (status 0, no process left)."""
+field) and are shared with the gRPC front end, a client that disconnects mid-stream aborting
+its request, both front ends serving at once (the gRPC one to a reflection-only client, as
+grpcurl), and ``/health`` and ``/metrics`` without a key."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import http.client
 import json
-import os
-import queue
-import signal
-import subprocess
 import threading
-import time
+import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
+import grpc
+import grpc.aio
 import openai
 import pydantic
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.examples.running import RUN_TIMEOUT, example_command, example_env
-from tests.pipeline.server.serving import child_pids, process_alive
-from tests.processes import child_processes
+from tests.pipeline.server.http.conftest import (
+    API_KEY,
+    CHOICES_LIMITED_KEY,
+    IGNORE_EOS,
+    LIMITED_KEYS,
+    MODEL,
+    RUNNING,
+    SHARED_BUDGET_KEY,
+    metrics,
+    poll_until,
+)
+from tests.pipeline.server.serving import ServeProcess, bearer, reflection_generate, rpc_error
 
 pytestmark = pytest.mark.slow
-
-MODEL = "tiny"
-API_KEY = "test-key-0123"
-#: two keys limited to about one request (a bucket of 1 refilling at 0.001/s) each
-LIMITED_KEYS = ("limited-key-a", "limited:key-b")
-#: a key limited likewise, for a request of two choices (the second one is refused)
-CHOICES_LIMITED_KEY = "limited-key-n"
-READY_PREFIX = "serving OpenAI-compatible API on "
-IGNORE_EOS = {"ignore_eos": True}
-#: seconds to wait for the server to notice a disconnect and abort
-ABORT_WAIT = 30.0
-POLL_SECONDS = 0.1
-
-
-def poll_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + ABORT_WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(POLL_SECONDS)
-
-
-class Server:
-    """The example server in a subprocess; ``url`` is its /v1 base URL once ready."""
-
-    def __init__(self, model: Path, stderr_path: Path, *arguments: str) -> None:
-        self._stderr = stderr_path.open("w")
-        self.stderr_path = stderr_path
-        self.process = subprocess.Popen(
-            example_command(
-                "openai_server", "--model", str(model), "--served-model-name", MODEL,
-                "--port", "0", "--num-blocks", "128", *arguments,
-            ),
-            stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=example_env(),
-        )  # fmt: skip
-        lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, args=(lines,), daemon=True).start()
-        try:
-            line = lines.get(timeout=RUN_TIMEOUT)
-        except queue.Empty:
-            line = None
-        if line is None or not line.startswith(READY_PREFIX):
-            self.kill()
-            raise AssertionError(f"no ready line ({line!r}): {stderr_path.read_text()[-3000:]}")
-        self.url = line.removeprefix(READY_PREFIX)
-
-    def _read(self, lines: queue.Queue[str | None]) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
-
-    def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-        with urllib.request.urlopen(self.url.removesuffix("/v1") + "/metrics") as response:
-            text = response.read().decode()
-        return {
-            (sample.name, frozenset(sample.labels.items())): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-        }
-
-    def metric(self, name: str) -> float:
-        """The value of the unlabelled sample ``name``."""
-        return self.metrics()[name, frozenset()]
-
-    def kill_engine(self) -> None:
-        """SIGKILL the engine's process(es) (the pipeline hosts the server spawned)."""
-        hosts = [pid for pid, command in child_processes(self.process.pid).items()
-                 if "pipeline.runtime.host_main" in command]  # fmt: skip
-        assert hosts, "the engine runs in a process of its own"
-        for pid in hosts:
-            os.kill(pid, signal.SIGKILL)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self._stderr.close()
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    limited = (*LIMITED_KEYS, CHOICES_LIMITED_KEY)
-    limits = [argument for key in limited for argument in ("--key-limit", f"{key}:0.001:-")]
-    keys = [argument for key in (API_KEY, *limited) for argument in ("--api-key", key)]
-    stderr_path = tmp_path_factory.mktemp("openai") / "stderr.txt"
-    running = Server(tiny_model_dir, stderr_path, *keys, *limits)
-    try:
-        yield running
-        children = child_pids(running.process.pid)
-        assert children, "the engine runs in a process of its own"
-        running.process.send_signal(signal.SIGTERM)
-        assert running.process.wait(timeout=60) == 0, running.stderr_path.read_text()[-3000:]
-        assert not [pid for pid in children if process_alive(pid)]
-    finally:
-        running.kill()
-
-
-@pytest.fixture
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.url, api_key=API_KEY, max_retries=0) as created:
-        yield created
 
 
 def stop_reason(choice: object) -> object:
@@ -283,15 +188,17 @@ def test_chat_streams_several_choices(client: openai.OpenAI) -> None:
         assert len(tokens) == 6
 
 
-def test_a_refused_choice_refuses_the_request(server: Server) -> None:
+def test_a_refused_choice_refuses_the_request(openai_serve: ServeProcess) -> None:
     """The key's budget admits one request: of two choices, one is refused, so the request
     is answered 429 and the choice already admitted is aborted."""
     running = ("actorline_requests_running", frozenset[tuple[str, str]]())
     aborted = ("actorline_requests_finished_total", frozenset({("finish_reason", "abort")}))
     rejected = ("actorline_requests_rejected_total", frozenset({("kind", "rate_limited")}))
-    before = server.metrics()
+    before = metrics(openai_serve)
     with (
-        openai.OpenAI(base_url=server.url, api_key=CHOICES_LIMITED_KEY, max_retries=0) as limited,
+        openai.OpenAI(
+            base_url=openai_serve.http_url, api_key=CHOICES_LIMITED_KEY, max_retries=0
+        ) as limited,
         pytest.raises(openai.RateLimitError) as refused,
     ):
         limited.completions.create(
@@ -299,12 +206,14 @@ def test_a_refused_choice_refuses_the_request(server: Server) -> None:
         )
     assert refused.value.status_code == 429
     assert int(refused.value.response.headers["retry-after"]) >= 1
-    poll_until(lambda: server.metrics()[aborted] > before[aborted], "the admitted choice's abort")
-    poll_until(lambda: server.metrics()[running] == 0, "no request to run")
-    assert server.metrics()[rejected] == before[rejected] + 1
+    poll_until(
+        lambda: metrics(openai_serve)[aborted] > before[aborted], "the admitted choice's abort"
+    )
+    poll_until(lambda: metrics(openai_serve)[running] == 0, "no request to run")
+    assert metrics(openai_serve)[rejected] == before[rejected] + 1
 
 
-def test_errors_are_openai_style(client: openai.OpenAI, server: Server) -> None:
+def test_errors_are_openai_style(client: openai.OpenAI, openai_serve: ServeProcess) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     with pytest.raises(openai.BadRequestError) as no_choice:
         client.chat.completions.create(model=MODEL, messages=messages, n=0)  # type: ignore[arg-type]
@@ -332,7 +241,7 @@ def test_errors_are_openai_style(client: openai.OpenAI, server: Server) -> None:
         client.completions.create(model="gpt-5", prompt="Hi")
     assert unknown.value.param == "model" and unknown.value.code == "model_not_found"
     with (
-        openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0) as stranger,
+        openai.OpenAI(base_url=openai_serve.http_url, api_key="wrong", max_retries=0) as stranger,
         pytest.raises(openai.AuthenticationError),
     ):
         stranger.models.list()
@@ -348,9 +257,11 @@ def test_errors_are_openai_style(client: openai.OpenAI, server: Server) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_disconnect_aborts_the_request(client: openai.OpenAI, server: Server, n: int) -> None:
+def test_disconnect_aborts_the_request(
+    client: openai.OpenAI, openai_serve: ServeProcess, n: int
+) -> None:
     aborted = ("actorline_requests_finished_total", frozenset({("finish_reason", "abort")}))
-    before = server.metrics()[aborted]
+    before = metrics(openai_serve)[aborted]
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Go on forever"}],
         max_tokens=900, temperature=0.0, n=n, stream=True, extra_body=IGNORE_EOS,
@@ -359,14 +270,15 @@ def test_disconnect_aborts_the_request(client: openai.OpenAI, server: Server, n:
         if index == 2 + n:
             break
     stream.close()
-    poll_until(lambda: server.metrics()[aborted] >= before + n, "every choice's abort")
+    poll_until(lambda: metrics(openai_serve)[aborted] >= before + n, "every choice's abort")
     running = ("actorline_requests_running", frozenset[tuple[str, str]]())
-    poll_until(lambda: server.metrics()[running] == 0, "no request to run")
+    poll_until(lambda: metrics(openai_serve)[running] == 0, "no request to run")
 
 
-def test_rate_limits_follow_the_api_key(server: Server) -> None:
+def test_rate_limits_follow_the_api_key(openai_serve: ServeProcess) -> None:
     first, second = (
-        openai.OpenAI(base_url=server.url, api_key=key, max_retries=0) for key in LIMITED_KEYS
+        openai.OpenAI(base_url=openai_serve.http_url, api_key=key, max_retries=0)
+        for key in LIMITED_KEYS
     )
     request = dict(model=MODEL, prompt="Hi", max_tokens=1)
     with first, second:
@@ -382,7 +294,7 @@ def test_rate_limits_follow_the_api_key(server: Server) -> None:
     # the tenant is named by the key's hash, never by the key itself
     assert "key-" + hashlib.sha256(LIMITED_KEYS[0].encode()).hexdigest()[:12] in body
     assert LIMITED_KEYS[0] not in body
-    assert LIMITED_KEYS[0] not in server.stderr_path.read_text()
+    assert LIMITED_KEYS[0] not in openai_serve.stderr
 
 
 def check_token_logprobs(logprob: float, top: list[float], rank_one: bool) -> None:
@@ -511,105 +423,124 @@ def test_chat_without_a_limit_runs_to_the_model_length(client: openai.OpenAI) ->
     assert completion.usage.total_tokens == max_model_len
 
 
-@pytest.fixture
-def doomed_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Server]:
-    """A server of its own (no API keys) whose engine the test kills."""
-    running = Server(tiny_model_dir, tmp_path / "stderr.txt")
-    try:
-        yield running
-    finally:
-        running.kill()
+# -- one engine, two front ends -------------------------------------------------------------
 
 
-def test_engine_death_is_answered_openai_style(doomed_server: Server) -> None:
-    long = dict(model=MODEL, max_tokens=900, temperature=0.0, extra_body=IGNORE_EOS)
-    chat = dict(long, messages=[{"role": "user", "content": "Go on forever"}])
-    failures: queue.Queue[BaseException | None] = queue.Queue()
-    with openai.OpenAI(base_url=doomed_server.url, api_key="none", max_retries=0) as client:
+def test_both_front_ends_serve_at_once(client: openai.OpenAI, openai_serve: ServeProcess) -> None:
+    """An OpenAI stream and a gRPC call from a reflection-only client (as grpcurl) run at the
+    same time on the one engine; greedy, they generate the same tokens for the same prompt."""
+    prompt = list(range(1000, 1010))
+    streamed: list[str] = []
+    started = threading.Event()
 
-        def complete() -> None:
-            try:
-                client.completions.create(prompt="Go on forever", **long)  # type: ignore[call-overload]
-            except openai.APIError as exc:
-                failures.put(exc)
-            else:
-                failures.put(None)
+    def stream() -> None:
+        for chunk in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0, stream=True,
+            extra_body=IGNORE_EOS,
+        ):  # fmt: skip
+            streamed.append(chunk.choices[0].text)
+            started.set()
 
-        threading.Thread(target=complete, daemon=True).start()
-        stream = iter(client.chat.completions.create(**chat, stream=True))  # type: ignore[call-overload]
-        next(stream)
-        raw_request = urllib.request.Request(
-            f"{doomed_server.url}/chat/completions",
-            data=json.dumps({**chat, "stream": True, "ignore_eos": True}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(raw_request, timeout=RUN_TIMEOUT) as raw:
-            assert raw.status == 200
-            events = (line.decode().rstrip("\n") for line in raw if line.strip())
-            next(events)
-            poll_until(lambda: doomed_server.metric("actorline_requests_running") == 3,
-                       "three running requests")  # fmt: skip
-            doomed_server.kill_engine()
-            tail = list(events)[-2:]
-        with pytest.raises(openai.APIError) as streamed:
-            for _ in stream:
-                pass
-        collected = failures.get(timeout=ABORT_WAIT)
-        with pytest.raises(openai.InternalServerError) as later:
-            client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
 
-    assert tail[-1] == "data: [DONE]"
-    error = json.loads(tail[0].removeprefix("data: "))["error"]
-    assert error["type"] == "server_error" and "engine" in error["message"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(streamed.value.body, dict) and streamed.value.body["type"] == "server_error"
-    assert isinstance(collected, openai.InternalServerError) and collected.status_code == 503
-    assert isinstance(collected.body, dict) and collected.body["type"] == "server_error"
-    assert later.value.status_code == 503
+    async def grpc_call() -> list[dict[str, object]]:
+        assert openai_serve.address is not None
+        async with grpc.aio.insecure_channel(openai_serve.address) as channel:
+            return await reflection_generate(
+                channel,
+                {"tokenIds": {"ids": prompt}, "samplingParams": {"maxTokens": 24,
+                 "temperature": 0, "ignoreEos": True}},
+                bearer(API_KEY),
+            )  # fmt: skip
+
+    responses = asyncio.run(grpc_call())
+    reader.join(60)
+    assert responses[-1]["finishReason"] == "FINISH_REASON_LENGTH"
+    assert "".join(str(r.get("delta", "")) for r in responses) == "".join(streamed)
+    assert len(streamed) > 1
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
-def test_a_stop_signal_aborts_streams_in_flight_and_exits_cleanly(
-    tiny_model_dir: Path, tmp_path: Path, stop_signal: signal.Signals
+def test_a_wrong_key_is_401_over_http_and_unauthenticated_over_grpc(
+    openai_serve: ServeProcess,
 ) -> None:
-    """SIGINT or SIGTERM while a long stream runs: the stream ends at once with
-    ``finish_reason: "abort"`` (each of its choices: two under SIGTERM) and ``[DONE]``, the
-    server exits with status 0 without a traceback, and no engine process is left."""
-    stderr_path = tmp_path / "stderr.txt"
-    running = Server(tiny_model_dir, stderr_path)
-    n = 1 if stop_signal == signal.SIGINT else 2
-    try:
-        children = child_pids(running.process.pid)
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on forever"}],
-                "max_tokens": 900, "temperature": 0.0, "n": n, "stream": True,
-                **IGNORE_EOS}  # fmt: skip
-        request = urllib.request.Request(
-            running.url + "/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"content-type": "application/json"},
+    with (
+        openai.OpenAI(
+            base_url=openai_serve.http_url, api_key="wrong-key", max_retries=0
+        ) as stranger,
+        pytest.raises(openai.AuthenticationError) as refused,
+    ):
+        stranger.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1
         )
-        events: list[str] = []
-        # NOTE: the timeout bounds each read: a hang guard, not a timing assertion
-        with urllib.request.urlopen(request, timeout=60) as response:
-            for raw in response:
-                line = raw.decode().strip()
-                if not line:
-                    continue
-                events.append(line.removeprefix("data: "))
-                if len(events) == 2 + n:  # the stream runs: stop the server
-                    running.process.send_signal(stop_signal)
-        assert running.process.wait(timeout=60) == 0, stderr_path.read_text()[-3000:]
-        assert events[-1] == "[DONE]"
-        choices = [json.loads(event)["choices"][0] for event in events[:-1]]
-        for index in range(n):
-            own = [choice for choice in choices if choice["index"] == index]
-            finish_reasons = [choice["finish_reason"] for choice in own]
-            assert finish_reasons[-1] == "abort" and not any(finish_reasons[:-1])
-            completion_tokens = sum(bool(choice["delta"].get("content")) for choice in own)
-            assert completion_tokens < 900  # ended by the abort, not by max_tokens
-        assert {choice["index"] for choice in choices} == set(range(n))
-        stderr = stderr_path.read_text()
-        assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr[-3000:]
-        assert not [pid for pid in children if process_alive(pid)]
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    assert isinstance(refused.value.body, dict)
+    assert set(refused.value.body) == {"message", "type", "param", "code"}
+    assert "wrong-key" not in json.dumps(refused.value.body)
+    with pytest.raises(urllib.error.HTTPError) as keyless:
+        urllib.request.urlopen(openai_serve.http_url + "/models", timeout=60)
+    assert keyless.value.code == 401
+    assert json.loads(keyless.value.read())["error"]["code"] == "invalid_api_key"
+    # two keys in one request: which one counts would be a guess
+    url = urllib.parse.urlsplit(openai_serve.base_url)
+    connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=60)
+    try:
+        connection.putrequest("GET", "/v1/models")
+        connection.putheader("Authorization", f"Bearer {API_KEY}")
+        connection.putheader("Authorization", "Bearer another-key")
+        connection.endheaders()
+        doubled = connection.getresponse()
+        assert doubled.status == 401
+        assert "2 Authorization headers" in json.loads(doubled.read())["error"]["message"]
     finally:
-        running.kill()
+        connection.close()
+
+    async def grpc_calls() -> list[grpc.aio.AioRpcError]:
+        assert openai_serve.address is not None
+        async with grpc.aio.insecure_channel(openai_serve.address) as channel:
+            request = {"text": "Hi", "samplingParams": {"maxTokens": 1}}
+            return [
+                await rpc_error(reflection_generate(channel, request, metadata))
+                for metadata in (bearer("wrong-key"), ())
+            ]
+
+    for error in asyncio.run(grpc_calls()):
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_keys_rate_limit_is_shared_by_both_front_ends(openai_serve: ServeProcess) -> None:
+    """The key's budget of one request, spent over gRPC, is spent for HTTP too."""
+
+    async def grpc_call() -> list[dict[str, object]]:
+        assert openai_serve.address is not None
+        async with grpc.aio.insecure_channel(openai_serve.address) as channel:
+            request = {"text": "Hi", "samplingParams": {"maxTokens": 1}}
+            return await reflection_generate(channel, request, bearer(SHARED_BUDGET_KEY))
+
+    assert asyncio.run(grpc_call())[-1]["finishReason"]
+    with (
+        openai.OpenAI(
+            base_url=openai_serve.http_url, api_key=SHARED_BUDGET_KEY, max_retries=0
+        ) as limited,
+        pytest.raises(openai.RateLimitError),
+    ):
+        limited.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+
+
+def test_health_and_metrics_need_no_key(openai_serve: ServeProcess) -> None:
+    with urllib.request.urlopen(openai_serve.base_url + "/health", timeout=60) as response:
+        assert response.status == 200
+        assert json.loads(response.read()) == {"status": "ok"}
+    samples = metrics(openai_serve)
+    assert samples[RUNNING] == 0
+    with pytest.raises(urllib.error.HTTPError) as unknown:
+        urllib.request.urlopen(openai_serve.base_url + "/v1/nothing-here", timeout=60)
+    assert unknown.value.code == 401  # the key is checked before the route
+    request = urllib.request.Request(
+        openai_serve.base_url + "/nothing-here", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(request, timeout=60)
+    assert missing.value.code == 404
+    assert set(json.loads(missing.value.read())["error"]) == {"message", "type", "param", "code"}

@@ -1,0 +1,74 @@
+"""The shape every answer shares: the fields a response or stream chunk starts with
+(``id``, ``object``, ``created``, ``model``), the logprobs decoder when they were asked for,
+and the usage of a request's choices."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.server.http.logprobs import TokenTexts
+from pipeline.server.http.sse import event
+from stages.messages import RequestOutput
+
+__all__ = ["Answer", "usage"]
+
+
+def usage(outputs: Sequence[RequestOutput], per_prompt: int) -> dict[str, Any]:
+    """The usage of a request's choices (``per_prompt`` choices of each prompt, in order):
+    each prompt's tokens (and its cached ones) counted once, from its first choice; the
+    completion tokens of every choice. Counted by the engine (no tokenizing here)."""
+    firsts = outputs[::per_prompt]
+    prompt = sum(output.num_prompt_tokens for output in firsts)
+    completion = sum(len(output.token_ids) for output in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)},
+    }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Answer:
+    """How to shape the answer to one request: its ``head`` fields, the token decoder when
+    logprobs were asked for (else None), whether a stream ends with a usage chunk, and how
+    many choices each prompt has (``n``)."""
+
+    head: dict[str, Any]
+    texts: TokenTexts | None
+    include_usage: bool
+    per_prompt: int
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        kind: str,
+        model: str,
+        texts: TokenTexts | None,
+        include_usage: bool,
+        per_prompt: int,
+    ) -> Answer:
+        head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
+        return cls(head, texts, include_usage, per_prompt)
+
+    def response(
+        self, choices: list[dict[str, Any]], outputs: Sequence[RequestOutput]
+    ) -> dict[str, Any]:
+        """A whole (not streamed) response."""
+        return {**self.head, "choices": choices, "usage": self.usage(outputs)}
+
+    def chunk(self, choice: dict[str, Any]) -> str:
+        """A stream event carrying one choice's chunk."""
+        extra = {"usage": None} if self.include_usage else {}
+        return event({**self.head, "choices": [choice], **extra})
+
+    def usage(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+        return usage(outputs, self.per_prompt)
+
+    def usage_chunk(self, outputs: Sequence[RequestOutput]) -> str:
+        """The stream's last event when usage was asked for: no choices, the usage."""
+        return event({**self.head, "choices": [], "usage": self.usage(outputs)})

@@ -1,0 +1,168 @@
+"""OpenAI-style errors of the HTTP API: every error is answered as
+``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
+
+=====================================  ======  =====================  =======================
+error                                  status  type                   code
+=====================================  ======  =====================  =======================
+invalid body or parameter              400     invalid_request_error  invalid_value, ...
+PromptTooLongError                     400     invalid_request_error  context_length_exceeded
+AuthenticationError (no or bad key)    401     invalid_request_error  invalid_api_key
+unknown model                          404     invalid_request_error  model_not_found
+body over the cap                      413     invalid_request_error  request_too_large
+RateLimitedError                       429     rate_limit_error       rate_limit_exceeded
+OverloadedError                        503     server_error           overloaded
+the engine died or is shutting down    503     server_error           engine_unavailable
+anything else                          500     server_error           null
+=====================================  ======  =====================  =======================
+
+``param`` names the offending field where one is to blame. A 429 carries ``Retry-After``
+(whole seconds; the openai client waits that long before it retries).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from pipeline.runtime.errors import PipelineError
+from pipeline.server.auth import AuthenticationError
+from stages.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    PromptTooLongError,
+    RateLimitedError,
+)
+
+__all__ = [
+    "INVALID_REQUEST",
+    "SERVER_ERROR",
+    "ApiError",
+    "add_error_handlers",
+    "error_body",
+]
+
+logger = logging.getLogger("actorline.server.http")
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+class ApiError(HTTPException):
+    """An error answered as OpenAI-style JSON with HTTP ``status``.
+
+    NOTE: an HTTPException, so that one raised while FastAPI reads a body (the body cap)
+    reaches the handler as it is rather than as FastAPI's generic 400.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        error_type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(status, message, dict(headers) if headers is not None else None)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the answer."""
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    @classmethod
+    def from_error(cls, error: BaseException) -> ApiError:
+        """The answer to an error of the engine API or of authentication (an ApiError is
+        its own answer)."""
+        if isinstance(error, ApiError):
+            return error
+        if isinstance(error, AuthenticationError):
+            return cls(401, str(error), code="invalid_api_key")
+        if isinstance(error, PromptTooLongError):
+            return cls(400, str(error), param=error.field, code="context_length_exceeded")
+        if isinstance(error, InvalidRequestError):
+            return cls(400, str(error), param=error.field, code="invalid_value")
+        if isinstance(error, RateLimitedError):
+            seconds = max(1, math.ceil(error.retry_after or 1))
+            return cls(
+                429,
+                str(error),
+                error_type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(seconds)},
+            )
+        if isinstance(error, OverloadedError):
+            return cls(503, str(error), error_type=SERVER_ERROR, code="overloaded")
+        if isinstance(error, PipelineError):
+            return cls(
+                503,
+                f"the engine is not available: {error}",
+                error_type=SERVER_ERROR,
+                code="engine_unavailable",
+            )
+        return cls(500, f"{type(error).__name__}: {error}", error_type=SERVER_ERROR)
+
+
+def _validation_error(error: RequestValidationError) -> ApiError:
+    """The 400 for a body that is not JSON or does not fit the request model: the first
+    problem, naming its field (never echoing the body's values)."""
+    problems = error.errors()
+    first = problems[0] if problems else {"msg": "invalid request body"}
+    if first.get("type") == "json_invalid":
+        context = first.get("ctx")
+        detail = context.get("error", "") if isinstance(context, dict) else ""
+        return ApiError(400, f"the body is not valid JSON: {detail}", code="invalid_json")
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer every error OpenAI-style: API errors, invalid bodies, HTTP errors of the
+    framework (unknown route, wrong method, ...), and anything unexpected (500, logged with
+    its traceback)."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        return _validation_error(error).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return ApiError(error.status_code, str(error.detail), headers=error.headers).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        answer = ApiError.from_error(error)
+        if answer.status == 500:
+            logger.error("request failed: %s", error, exc_info=error)
+        return answer.response()

@@ -1,0 +1,110 @@
+"""Logprobs in OpenAI's two formats: chat's ``{"content": [{token, logprob, bytes,
+top_logprobs}]}`` and the legacy completions' ``{tokens, token_logprobs, top_logprobs,
+text_offset}`` (vLLM's ``vllm/entrypoints/openai/serving_chat.py`` and
+``serving_completion.py`` fill the same fields).
+
+A token's text is the token decoded alone, special tokens kept (as vLLM shows them). A
+logprob below :data:`MIN_LOGPROB` (``-inf`` included: JSON has none) is sent as that floor,
+as vLLM does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from stages.messages import Logprobs, RequestOutput
+
+__all__ = [
+    "MIN_LOGPROB",
+    "LogprobsCursor",
+    "TokenTexts",
+    "chat_logprobs",
+    "completion_logprobs",
+]
+
+MIN_LOGPROB = -9999.0
+
+
+class TokenTexts:
+    """The text of each token id, decoded once per id with ``tokenizer`` (a HF tokenizer).
+
+    NOTE: decoding one id is a dictionary lookup in the tokenizer, and each id is decoded at
+    most once: cheap enough for the event loop (no text is tokenized here).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = str(self._tokenizer.decode([token_id]))
+        return text
+
+
+def _floor(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _chat_token(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
+    text = texts(token_id)
+    return {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode())}
+
+
+def chat_logprobs(entries: Sequence[Logprobs], texts: TokenTexts) -> dict[str, Any]:
+    """Chat's ``logprobs``: one entry per token, its ``top_logprobs`` a list of ``{token,
+    logprob, bytes}``."""
+    content = [
+        {
+            **_chat_token(texts, entry.token_id, entry.logprob),
+            "top_logprobs": [
+                _chat_token(texts, token_id, logprob)
+                for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs)
+            ],
+        }
+        for entry in entries
+    ]
+    return {"content": content}
+
+
+def completion_logprobs(
+    entries: Sequence[Logprobs], texts: TokenTexts, offset: int = 0
+) -> tuple[dict[str, Any], int]:
+    """The completions ``logprobs`` of ``entries`` (``top_logprobs`` as token → logprob
+    dicts), text offsets counted from ``offset``; and the offset after the last token."""
+    tokens = [texts(entry.token_id) for entry in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    payload = {
+        "tokens": tokens,
+        "token_logprobs": [_floor(entry.logprob) for entry in entries],
+        "top_logprobs": [
+            {
+                texts(token_id): _floor(logprob)
+                for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs)
+            }
+            for entry in entries
+        ],
+        "text_offset": offsets,
+    }
+    return payload, offset
+
+
+@dataclasses.dataclass
+class LogprobsCursor:
+    """How much of one choice's logprobs a stream has sent: ``sent`` entries, covering
+    ``offset`` characters of token text."""
+
+    sent: int = 0
+    offset: int = 0
+
+    def take(self, output: RequestOutput) -> Sequence[Logprobs]:
+        """The entries of ``output`` not sent yet (they count as sent from now on)."""
+        entries = (output.logprobs or ())[self.sent :]
+        self.sent += len(entries)
+        return entries

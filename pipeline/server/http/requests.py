@@ -1,0 +1,219 @@
+"""From a request body to engine requests: each choice's prompt and
+:class:`~stages.params.SamplingParams`, checked before anything starts.
+
+``n`` (1 to :data:`~pipeline.server.http.protocol.MAX_N`) asks for that many choices of each
+prompt, each its own engine request; with a ``seed``, choice j samples with ``seed + j``
+(seeded choices differ, and reproduce), as vLLM's ``n`` does with one seed per sequence.
+``prompt`` of /v1/completions may be a list of prompts: choice ``prompt_index * n + j``, at
+most :data:`~pipeline.server.http.protocol.MAX_CHOICES` in all. A chat request without a
+token limit generates up to the model's length (vLLM); /v1/completions defaults to 16 tokens
+(OpenAI).
+
+NOTE: nothing here tokenizes. Chat messages go to the engine as messages and its tokenize
+stage applies the chat template (on its worker thread for large inputs), so a big prompt
+never holds the event loop here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+from pipeline.engine.prompts import Prompt
+from pipeline.server.http.errors import ApiError
+from pipeline.server.http.protocol import (
+    CHAT_ROLES,
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_CHOICES,
+    MAX_N,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationBody,
+)
+from stages.errors import InvalidRequestError
+from stages.messages import ChatMessage
+from stages.params import MAX_LOGPROBS, SamplingParams, validate_sampling
+
+__all__ = ["SEED_RANGE", "Plan", "plan_chat", "plan_completion"]
+
+#: seeds are in [0, SEED_RANGE) (:func:`stages.params.validate_sampling`); choice j's seed is
+#: the request's + j, modulo this
+SEED_RANGE = 2**63
+
+#: body fields accepted only at a value that asks for nothing this server lacks
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "echo": bool,
+    "best_of": lambda value: value not in (None, 1),
+    "suffix": bool,
+    "tools": bool,
+    "response_format": lambda value: value not in (None, {"type": "text"}),
+}
+#: body fields that are SamplingParams fields of the same name
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+    "repetition_penalty", "min_tokens", "ignore_eos",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """The engine requests answering one HTTP request: each choice's prompt and parameters
+    (choice ``prompt_index * per_prompt + j``), how many choices each prompt has, how many
+    top logprobs each token carries (None: no logprobs), and whether a stream ends with a
+    usage chunk."""
+
+    choices: tuple[tuple[Prompt, SamplingParams], ...]
+    per_prompt: int
+    logprobs: int | None
+    include_usage: bool
+
+
+def plan_completion(body: CompletionRequest) -> Plan:
+    """The plan of a ``/v1/completions`` body.
+
+    Raises:
+        ApiError: 400 naming the field that is invalid or asks for what is not served.
+    """
+    _check_supported(body)
+    n = _choices_per_prompt(body)
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = _sampling(body, max_tokens, body.logprobs)
+    return _plan(body, _prompts(body.prompt), params, n)
+
+
+def plan_chat(body: ChatCompletionRequest) -> Plan:
+    """The plan of a ``/v1/chat/completions`` body.
+
+    Raises:
+        ApiError: 400 naming the field that is invalid or asks for what is not served.
+    """
+    _check_supported(body)
+    n = _choices_per_prompt(body)
+    messages = _chat_messages(body)
+    limits = (body.max_completion_tokens, body.max_tokens)
+    max_tokens = next((limit for limit in limits if limit is not None), None)
+    params = _sampling(body, max_tokens, _chat_logprobs(body))
+    return _plan(body, [messages], params, n)
+
+
+def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParams, n: int) -> Plan:
+    if len(prompts) * n > MAX_CHOICES:
+        param = "prompt" if len(prompts) > MAX_CHOICES else "n"
+        raise ApiError(
+            400,
+            f"{len(prompts)} prompt(s) times n={n} is {len(prompts) * n} choices; at most "
+            f"{MAX_CHOICES} per request",
+            param=param,
+            code="invalid_value",
+        )
+    seed = params.seed
+    each = [
+        params if seed is None else params.replace(seed=(seed + j) % SEED_RANGE) for j in range(n)
+    ]
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    choices = tuple((prompt, choice) for prompt in prompts for choice in each)
+    return Plan(choices, n, params.logprobs, include_usage)
+
+
+def _check_supported(body: GenerationBody) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(
+            400,
+            "stream_options: only allowed when stream is true",
+            param="stream_options",
+            code="invalid_value",
+        )
+    for field, asks_too_much in _UNSUPPORTED.items():
+        value = getattr(body, field, None)
+        if asks_too_much(value):
+            raise ApiError(
+                400,
+                f"{field}: is not supported (got {value!r:.60})",
+                param=field,
+                code="unsupported_value",
+            )
+
+
+def _sampling(body: GenerationBody, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The body's sampling parameters, validated. ``max_tokens`` None: up to the model's
+    length; ``logprobs``: top alternatives per token (None: no logprobs)."""
+    values: dict[str, Any] = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
+    values = {name: value for name, value in values.items() if value is not None}
+    if body.stop is not None:
+        values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    if body.stop_token_ids is not None:
+        values["stop_token_ids"] = tuple(body.stop_token_ids)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+        validate_sampling(params)
+    except InvalidRequestError as exc:
+        raise ApiError.from_error(exc) from None
+    return params
+
+
+def _choices_per_prompt(body: GenerationBody) -> int:
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}", param="n", code="invalid_value")
+    return n
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    """The prompts of a /v1/completions body (a list of token ids is one prompt)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    if isinstance(prompt[0], int):
+        return [cast(list[int], prompt)]
+    return list(cast(list[str] | list[list[int]], prompt))
+
+
+def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
+    """``top_logprobs`` (default 0) when ``logprobs`` is true, else None."""
+    top = body.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(
+            400,
+            f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
+            param="top_logprobs",
+            code="invalid_value",
+        )
+    if not body.logprobs:
+        if top:
+            raise ApiError(
+                400,
+                "top_logprobs needs logprobs set to true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        return None
+    return top or 0
+
+
+def _chat_messages(body: ChatCompletionRequest) -> tuple[ChatMessage, ...]:
+    if not body.messages:
+        raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
+    messages = []
+    for index, message in enumerate(body.messages):
+        role = CHAT_ROLES.get(message.role)
+        if role is None:
+            raise ApiError(
+                400,
+                f"role {message.role!r:.40} is not supported; use one of {', '.join(CHAT_ROLES)}",
+                param=f"messages[{index}].role",
+                code="invalid_value",
+            )
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise ApiError(
+                    400,
+                    "only text content parts are supported",
+                    param=f"messages[{index}].content",
+                    code="unsupported_value",
+                )
+            content = "".join(part.text or "" for part in content)
+        messages.append(ChatMessage(role, content or ""))
+    return tuple(messages)
