@@ -377,7 +377,7 @@ def _add_serve_command(commands: Any) -> None:
         type=int,
         default=None,
         help=f"largest HTTP request body accepted; larger ones get 413 "
-        f"(default {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)",
+        f"(default {DEFAULT_MAX_REQUEST_BYTES}, 1 MiB)",
     )
     server.add_argument(
         "--grace",

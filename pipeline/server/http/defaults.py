@@ -5,8 +5,8 @@ from __future__ import annotations
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES"]
 
-#: the default body cap, 4 MiB: room for a whole 128k-token context in any JSON form (token
-#: ids take about 7 bytes each, text escaped as \uXXXX 6 bytes a character), while what one
-#: request can make the server buffer and parse stays a few megabytes (docs/serving.md,
-#: "Request body cap")
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+#: the default body cap, 1 MiB (llama.cpp's server has the same): room for a 128k-token
+#: context in the usual JSON forms (token ids take 6 or 7 bytes each, English text about 4
+#: bytes a token, text escaped as \uXXXX 6 bytes a character), while what one body costs the
+#: event loop to parse stays tens of milliseconds (docs/serving.md, "Request body cap")
+DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024

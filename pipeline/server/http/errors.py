@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from pipeline.runtime.errors import PipelineError
 from pipeline.server.auth import AuthenticationError
+from pipeline.server.http.protocol import describe_problem
 from stages.errors import (
     InvalidRequestError,
     OverloadedError,
@@ -137,9 +138,14 @@ def _validation_error(error: RequestValidationError) -> ApiError:
         context = first.get("ctx")
         detail = context.get("error", "") if isinstance(context, dict) else ""
         return ApiError(400, f"the body is not valid JSON: {detail}", code="invalid_json")
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    # NOTE: FastAPI's locations start with where the value was: "body"
+    in_body = [
+        {**problem, "loc": tuple(problem.get("loc", ()))[1:]}
+        if tuple(problem.get("loc", ()))[:1] == ("body",)
+        else problem
+        for problem in problems
+    ]
+    param, message = describe_problem(in_body)
     return ApiError(400, message, param=param, code="invalid_value")
 
 
