@@ -7,6 +7,7 @@
 - :mod:`pipeline.bench.split`: single process against the zmq split;
 - :mod:`pipeline.bench.ablation`: each execute-stage optimization switched off in turn;
 - :mod:`pipeline.bench.transports`: the links against raw pyzmq and raw grpc.aio;
+- :mod:`pipeline.bench.http_body`: hostile request bodies, with and without the HTTP body cap;
 - :mod:`pipeline.bench.profile`: the per-stage table every benchmark prints with ``--profile``.
 
 Benchmarks measure; they are never timed tests.

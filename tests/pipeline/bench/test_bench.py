@@ -64,7 +64,7 @@ def test_poisson_arrivals_and_percentiles() -> None:
 
 def test_cli_lists_every_benchmark() -> None:
     parser = bench_parser()
-    for name in ("offline", "online", "ceiling", "split", "ablation"):
+    for name in ("offline", "online", "ceiling", "split", "ablation", "http-body"):
         args = parser.parse_args(["bench", name, "--quick", "--json"])
         assert args.benchmark == name and args.quick and args.json and callable(args.run)
     args = parser.parse_args(["bench", "ceiling", "--profile", "--requests", "8"])
@@ -163,6 +163,21 @@ def test_split_quick(tiny_model_dir: Path) -> None:
             row.zmq_tokens_per_second / row.memory_tokens_per_second
         )
     assert "split / single" in format_split(result)
+
+
+@pytest.mark.slow
+def test_http_body_quick(tiny_model_dir: Path) -> None:
+    from pipeline.bench.http_body import HttpBodyConfig, format_http_body, run_http_body
+
+    config = HttpBodyConfig(model=str(tiny_model_dir), bodies=2, body_mb=1.2, bystander_tokens=32)
+    result = run_http_body(config)
+    peer, capped = result.runs
+    assert peer.max_request_bytes > 1_200_000 and 413 not in peer.statuses
+    assert capped.statuses == (413, 413)
+    assert capped.engine_alive and capped.bystander_finished
+    for run in (peer, capped):
+        assert run.peak_growth_mib >= 0 and run.answer_seconds > 0
+    assert "peer / capped" in format_http_body(result)
 
 
 @pytest.mark.slow
