@@ -45,6 +45,7 @@ _LAZY = {
     "ChatMessage": "stages.messages",
     "Logprobs": "stages.messages",
     "RequestError": "stages.errors",
+    "RequestFailedError": "stages.errors",
     "InvalidRequestError": "stages.errors",
     "PromptTooLongError": "stages.errors",
     "RateLimitedError": "stages.errors",

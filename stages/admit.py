@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
-from pipeline.runtime.stage import Stage, handles
+from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.errors import (
     InvalidRequestError,
     OverloadedError,
@@ -22,6 +23,7 @@ from stages.errors import (
     RateLimitedError,
     RequestError,
 )
+from stages.failures import rejection, request_id_of
 from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejected
 from stages.params import SamplingParams, validate_sampling
 from stages.token_bucket import TokenBucket
@@ -190,7 +192,14 @@ class AdmitStage(Stage):
         self.engine = info
         held, self._held = self._held, []
         for request in held:
-            await self.on_request(request)
+            try:
+                await self.on_request(request)
+            except Exception as error:  # as the runtime would for this request's own message
+                if not recoverable(error) or not await self.recover(request, "in", error):
+                    raise
+                self.logger.error(
+                    "failed on held request %r: %s", request.request_id, error, exc_info=error
+                )
 
     @handles(EngineStats)
     async def on_stats(self, stats: EngineStats) -> None:
@@ -288,6 +297,16 @@ class AdmitStage(Stage):
         # A full bucket is what a new tenant gets, so forgetting it changes nothing; this
         # bounds the table when tenant names are many (one per user, say).
         self._buckets = {name: b for name, b in self._buckets.items() if not b.full()}
+
+    async def recover(self, message: Any, port: str, error: Exception) -> bool:
+        """A request this stage failed on is answered with a typed error. Nothing is kept
+        per request (a request whose send to schedule failed has paid its tenant's buckets,
+        as one that ran), so the stage goes on as it was."""
+        request_id = request_id_of(message)
+        if request_id is None:
+            return False
+        await self.emit("rejected", rejection(self.name, request_id, error))
+        return True
 
     async def _reject(self, request: EngineRequest, error: RequestError) -> None:
         await self.emit(

@@ -9,15 +9,22 @@ detokenization).
 Ports: ``in`` takes EngineRequest (registers a request, from tokenize), EngineOutputs (new
 tokens, from schedule), RequestRejected (from admit) and AbortRequests (from the API); ``out``
 forwards registrations, rejections and aborts and sends :class:`TextOutputs` to stop-check.
+
+A request whose detokenizer fails (registering it, or decoding its tokens in a step's batch)
+fails alone (docs/architecture.md, "Failure: one request or the pipeline"): its state is
+dropped and a :class:`RequestRejected` with ``abort`` set goes on to stop-check, which aborts
+it in the engine; the other requests of the batch go on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from pipeline.runtime.stage import Stage, handles
+from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.detokenizer import DetokenizerFactory, IncrementalDetokenizer
 from stages.early_aborts import EarlyAborts
+from stages.failures import rejection, request_id_of
 from stages.messages import (
     AbortRequests,
     EngineOutputs,
@@ -69,15 +76,26 @@ class DetokenizeStage(Stage):
         requests = self._requests
         keep: list[int] = []
         texts: list[str] = []
+        failed: list[RequestRejected] = []
         for index, request_id in enumerate(outputs.request_ids):
             detokenizer = requests.get(request_id)
             if detokenizer is None:  # aborted by the caller while the step ran
                 continue
             finish_reason = outputs.finish_reasons[index]
-            if finish_reason is None:
-                text = detokenizer.push(outputs.new_token_ids[index])
-            else:
-                text = self._finish(request_id, detokenizer, finish_reason, outputs, index)
+            try:
+                if finish_reason is None:
+                    text = detokenizer.push(outputs.new_token_ids[index])
+                else:
+                    text = self._finish(request_id, detokenizer, finish_reason, outputs, index)
+            except Exception as error:
+                if not recoverable(error):
+                    raise
+                self.logger.error(
+                    "failed to decode request %r: %s", request_id, error, exc_info=error
+                )
+                self._forget(request_id)
+                failed.append(rejection(self.name, request_id, error, abort=True))
+                continue
             keep.append(index)
             texts.append(text)
         if len(keep) == len(outputs.request_ids):
@@ -101,6 +119,8 @@ class DetokenizeStage(Stage):
                 outputs.stats,
             ),
         )
+        for rejected in failed:
+            await self.emit("out", rejected)
 
     def _finish(
         self,
@@ -125,9 +145,24 @@ class DetokenizeStage(Stage):
 
     @handles(RequestRejected)
     async def on_rejected(self, rejected: RequestRejected) -> None:
-        self._requests.pop(rejected.request_id, None)
-        self._stop_text_kept.discard(rejected.request_id)
+        self._forget(rejected.request_id)
         await self.emit("out", rejected)
+
+    async def recover(self, message: Any, port: str, error: Exception) -> bool:
+        """A request whose registration failed is forgotten and answered; it is in the
+        engine already (tokenize sent it to admit too), so the answer asks stop-check to
+        abort it there. Failures on other messages (a step's batch, rejections, aborts) are
+        this stage's own."""
+        request_id = request_id_of(message)
+        if request_id is None:
+            return False
+        self._forget(request_id)
+        await self.emit("out", rejection(self.name, request_id, error, abort=True))
+        return True
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._stop_text_kept.discard(request_id)
 
     @handles(AbortRequests)
     async def on_abort(self, abort: AbortRequests) -> None:

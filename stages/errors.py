@@ -13,6 +13,7 @@ __all__ = [
     "PromptTooLongError",
     "RateLimitedError",
     "RequestError",
+    "RequestFailedError",
     "error_from_kind",
     "error_kind",
 ]
@@ -63,6 +64,14 @@ class OverloadedError(RequestError):
     kind = "overloaded"
 
 
+class RequestFailedError(RequestError):
+    """A stage failed on this request's message (a bug, or a value it could not handle): the
+    request ended, everyone else's go on (docs/architecture.md, "Failure: one request or the
+    pipeline"). Retrying the same request fails the same way."""
+
+    kind = "failed"
+
+
 ERROR_KINDS: dict[str, type[RequestError]] = {
     cls.kind: cls
     for cls in (
@@ -71,6 +80,7 @@ ERROR_KINDS: dict[str, type[RequestError]] = {
         PromptTooLongError,
         RateLimitedError,
         OverloadedError,
+        RequestFailedError,
     )
 }
 

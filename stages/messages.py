@@ -85,18 +85,21 @@ class EngineRequest:
 class RequestRejected:
     """A request refused before running (or failed). ``kind`` is a
     :data:`stages.errors.ERROR_KINDS` key; ``field`` names the offending input;
-    ``retry_after``: seconds until a retry may be accepted, when known."""
+    ``retry_after``: seconds until a retry may be accepted, when known. ``abort``: the
+    request failed in a frontend stage after it entered the engine, which may still run it:
+    stop-check aborts it there."""
 
     request_id: str
     kind: str
     message: str
     field: str | None = None
     retry_after: float | None = None
+    abort: bool = False
 
     @classmethod
-    def of(cls, request_id: str, error: RequestError) -> RequestRejected:
+    def of(cls, request_id: str, error: RequestError, *, abort: bool = False) -> RequestRejected:
         """The rejection that carries ``error`` to the caller of ``request_id``."""
-        return cls(request_id, type(error).kind, str(error), error.field, error.retry_after)
+        return cls(request_id, type(error).kind, str(error), error.field, error.retry_after, abort)
 
 
 @message(105)

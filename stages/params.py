@@ -9,12 +9,19 @@ the same function early so Python callers get the error before anything is queue
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from stages.checks import check_bool, check_int, check_number, check_text, check_token_ids, describe
 from stages.errors import InvalidRequestError
 from transports.codec import message
 
-__all__ = ["SamplingParams", "validate_sampling"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_LENGTH",
+    "MAX_STOP_TOKEN_IDS",
+    "SamplingParams",
+    "validate_sampling",
+]
 
 
 @message(100)
@@ -81,6 +88,8 @@ MAX_LOGPROBS = 20
 #: grows with their length) unbounded for everyone on the frontend
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LENGTH = 1024
+#: stop token ids per request: the scheduler looks each sampled token up in them every step
+MAX_STOP_TOKEN_IDS = 1024
 #: float32's smallest normal value: a positive double below it is 0 in the sampler
 _FLOAT32_TINY = 1.1754943508222875e-38
 
@@ -88,82 +97,96 @@ _FLOAT32_TINY = 1.1754943508222875e-38
 def validate_sampling(
     params: SamplingParams, *, vocab_size: int | None = None, request_id: str | None = None
 ) -> None:
-    """Check every field of ``params``.
+    """Check every field of ``params``: its type (a bool is not an int, a str is not a
+    number), its range, and that every stage and transport can carry it (integers in int64,
+    text with a UTF-8 form: :mod:`stages.checks`). ``vocab_size``: also check token ids
+    against the vocabulary.
 
     Raises:
-        InvalidRequestError: naming the first field that is out of range.
+        InvalidRequestError: naming the first field that is wrong.
     """
+    rid = request_id
 
     def fail(field: str, problem: str) -> None:
-        raise InvalidRequestError(f"{field} {problem}", field=field, request_id=request_id)
-
-    def check_int(field: str, value: object) -> None:
-        if type(value) is not int:
-            fail(field, f"must be an integer, got {type(value).__name__}")
-
-    def check_float(field: str, value: object) -> float:
-        if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
-            fail(field, f"must be a finite number, got {value!r}")
-        return float(value)  # type: ignore[arg-type]
+        raise InvalidRequestError(f"{field} {problem}", field=field, request_id=rid)
 
     if params.max_tokens is not None:
-        check_int("max_tokens", params.max_tokens)
-        if params.max_tokens < 1:
-            fail("max_tokens", f"must be >= 1 (or None), got {params.max_tokens}")
-    if check_float("temperature", params.temperature) < 0:
+        check_int("max_tokens", params.max_tokens, minimum=1, request_id=rid)
+    if check_number("temperature", params.temperature, request_id=rid) < 0:
         fail("temperature", f"must be >= 0, got {params.temperature}")
-    top_p = check_float("top_p", params.top_p)
+    top_p = check_number("top_p", params.top_p, request_id=rid)
     if not _FLOAT32_TINY <= top_p <= 1.0:
         fail("top_p", f"must be in (0, 1] (and at least {_FLOAT32_TINY:.3g}), got {params.top_p}")
-    check_int("top_k", params.top_k)
-    if params.top_k < -1:
-        fail("top_k", f"must be -1, 0 (disabled) or >= 1, got {params.top_k}")
-    if not 0.0 <= check_float("min_p", params.min_p) <= 1.0:
+    # -1 and 0 both disable top-k (vLLM's -1, and 0 as in the OpenAI-style servers)
+    check_int("top_k", params.top_k, minimum=-1, request_id=rid)
+    if not 0.0 <= check_number("min_p", params.min_p, request_id=rid) <= 1.0:
         fail("min_p", f"must be in [0, 1], got {params.min_p}")
-    if check_float("repetition_penalty", params.repetition_penalty) < _FLOAT32_TINY:
+    if check_number("repetition_penalty", params.repetition_penalty, request_id=rid) < (
+        _FLOAT32_TINY
+    ):
         fail(
             "repetition_penalty",
             f"must be > 0 (and at least {_FLOAT32_TINY:.3g}), got {params.repetition_penalty}",
         )
-    if not -2.0 <= check_float("presence_penalty", params.presence_penalty) <= 2.0:
-        fail("presence_penalty", f"must be in [-2, 2], got {params.presence_penalty}")
-    if not -2.0 <= check_float("frequency_penalty", params.frequency_penalty) <= 2.0:
-        fail("frequency_penalty", f"must be in [-2, 2], got {params.frequency_penalty}")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= check_number(penalty, getattr(params, penalty), request_id=rid) <= 2.0:
+            fail(penalty, f"must be in [-2, 2], got {getattr(params, penalty)}")
     if params.seed is not None:
-        check_int("seed", params.seed)
-        if not 0 <= params.seed < 2**63:
-            fail("seed", f"must be in [0, 2**63), got {params.seed}")
-    if not isinstance(params.stop, tuple) or not all(isinstance(s, str) for s in params.stop):
-        fail("stop", "must be a list of strings")
-    if any(s == "" for s in params.stop):
-        fail("stop", "must not contain an empty string")
-    if len(params.stop) > MAX_STOP_STRINGS:
-        fail("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(params.stop)}")
-    longest = max((len(s) for s in params.stop), default=0)
-    if longest > MAX_STOP_STRING_LENGTH:
-        fail(
-            "stop",
-            f"strings may be at most {MAX_STOP_STRING_LENGTH} characters, got one of {longest}",
-        )
+        check_int("seed", params.seed, minimum=0, request_id=rid)
+    _check_stop(params.stop, rid)
     if not isinstance(params.stop_token_ids, tuple):
-        fail("stop_token_ids", "must be a list of token ids")
-    for token_id in params.stop_token_ids:
-        if type(token_id) is not int or token_id < 0:
-            fail("stop_token_ids", f"must be non-negative integers, got {token_id!r}")
-        if vocab_size is not None and token_id >= vocab_size:
-            fail("stop_token_ids", f"token id {token_id} is outside the vocabulary ({vocab_size})")
-    check_int("min_tokens", params.min_tokens)
-    if params.min_tokens < 0:
-        fail("min_tokens", f"must be >= 0, got {params.min_tokens}")
+        fail(
+            "stop_token_ids", f"must be a list of token ids, got {describe(params.stop_token_ids)}"
+        )
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        fail(
+            "stop_token_ids",
+            f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(params.stop_token_ids)}",
+        )
+    check_token_ids(
+        "stop_token_ids",
+        params.stop_token_ids,
+        vocab_size=vocab_size,
+        allow_empty=True,
+        request_id=rid,
+    )
+    check_int("min_tokens", params.min_tokens, minimum=0, request_id=rid)
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         fail(
             "min_tokens", f"({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})"
         )
     if params.logprobs is not None:
-        check_int("logprobs", params.logprobs)
-        if not 0 <= params.logprobs <= MAX_LOGPROBS:
-            fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {params.logprobs}")
-    check_int("priority", params.priority)
+        check_int("logprobs", params.logprobs, minimum=0, maximum=MAX_LOGPROBS, request_id=rid)
+    check_int("priority", params.priority, request_id=rid)
     for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-        if type(getattr(params, flag)) is not bool:
-            fail(flag, "must be a boolean")
+        check_bool(flag, getattr(params, flag), request_id=rid)
+
+
+def _check_stop(stop: object, request_id: str | None) -> None:
+    """Stop strings: a tuple of at most MAX_STOP_STRINGS non-empty strings with a UTF-8
+    form, each of at most MAX_STOP_STRING_LENGTH characters.
+
+    Raises:
+        InvalidRequestError: naming ``stop``.
+    """
+    if not isinstance(stop, tuple):
+        raise InvalidRequestError(
+            f"stop must be a list of strings, got {describe(stop)}",
+            field="stop",
+            request_id=request_id,
+        )
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(
+            f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
+            field="stop",
+            request_id=request_id,
+        )
+    for index, text in enumerate(stop):
+        check_text(
+            "stop",
+            text,
+            max_length=MAX_STOP_STRING_LENGTH,
+            allow_empty=False,
+            request_id=request_id,
+            where=f"stop[{index}]",
+        )

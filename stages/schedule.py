@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.runtime.stage import Stage, handles
+from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.early_aborts import EarlyAborts
 from stages.errors import RequestError
+from stages.failures import rejection
 from stages.messages import (
     AbortRequests,
     EngineInfo,
@@ -73,6 +74,19 @@ class ScheduleStage(Stage):
                 "rejected",
                 RequestRejected.of(request.request_id, error),
             )
+            return
+        except Exception as error:
+            # NOTE: a failure taking in one request is that request's (docs/architecture.md,
+            # "Failure: one request or the pipeline"): whatever the scheduler took of it is
+            # dropped, it is answered, and everyone else runs on. A failure planning a step
+            # (below) is the scheduler's own, and fails the pipeline.
+            if not recoverable(error):
+                raise
+            self.scheduler.abort((request.request_id,))
+            self.logger.error(
+                "failed to take in request %r: %s", request.request_id, error, exc_info=error
+            )
+            await self.emit("rejected", rejection(self.name, request.request_id, error))
             return
         await self._dispatch_step()
 

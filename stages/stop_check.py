@@ -14,11 +14,19 @@ makes the same final output from its detokenizer state, ``vllm/v1/engine/output_
 Ports: ``in`` takes EngineRequest (registration), TextOutputs, RequestRejected and
 AbortRequests (from detokenize); ``out`` sends :class:`RequestOutputs` to the API; ``abort``
 sends :class:`AbortRequests` to schedule.
+
+A request that fails here (registering it, or checking its text in a batch) fails alone
+(docs/architecture.md, "Failure: one request or the pipeline"): it is forgotten, answered
+with a typed error, and aborted in the engine, as is a request that detokenize failed
+(a :class:`RequestRejected` with ``abort`` set); the other requests of the batch go on.
 """
 
 from __future__ import annotations
 
-from pipeline.runtime.stage import Stage, handles
+from typing import Any
+
+from pipeline.runtime.stage import Stage, handles, recoverable
+from stages.failures import rejection, request_id_of
 from stages.messages import (
     AbortRequests,
     EngineRequest,
@@ -98,42 +106,73 @@ class StopCheckStage(Stage):
         requests = self._requests
         outputs: list[RequestOutput] = []
         stopped: list[str] = []
+        failed: list[RequestRejected] = []
         for index, request_id in enumerate(batch.request_ids):
             tracked = requests.get(request_id)
             if tracked is None:
                 continue
-            tracked.token_ids.extend(batch.new_token_ids[index])
-            if request_id in batch.num_cached_tokens:
-                tracked.num_cached_tokens = batch.num_cached_tokens[request_id]
-            finish_reason = batch.finish_reasons[index]
-            stop_reason: str | int | None = batch.stop_reasons[index]
-            checker = tracked.checker
-            if checker is None:
-                delta = batch.texts[index]
-            else:
-                decision = checker.push(batch.texts[index], len(tracked.token_ids))
-                delta = decision.delta
-                if decision.stopped:
-                    if finish_reason is None:
-                        stopped.append(request_id)  # the engine still runs it: free its KV now
-                    finish_reason, stop_reason = "stop", decision.stop_reason
-                elif finish_reason is not None:
-                    delta += checker.finish()
-            tracked.text += delta
-            if tracked.logprobs is not None:
-                tracked.logprobs.extend(batch.logprobs.get(request_id, ()))
-            outputs.append(tracked.output(request_id, delta, finish_reason, stop_reason))
+            try:
+                tracked.token_ids.extend(batch.new_token_ids[index])
+                if request_id in batch.num_cached_tokens:
+                    tracked.num_cached_tokens = batch.num_cached_tokens[request_id]
+                finish_reason = batch.finish_reasons[index]
+                stop_reason: str | int | None = batch.stop_reasons[index]
+                checker = tracked.checker
+                if checker is None:
+                    delta = batch.texts[index]
+                else:
+                    decision = checker.push(batch.texts[index], len(tracked.token_ids))
+                    delta = decision.delta
+                    if decision.stopped:
+                        if finish_reason is None:
+                            stopped.append(request_id)  # the engine still runs it: free its KV
+                        finish_reason, stop_reason = "stop", decision.stop_reason
+                    elif finish_reason is not None:
+                        delta += checker.finish()
+                tracked.text += delta
+                if tracked.logprobs is not None:
+                    tracked.logprobs.extend(batch.logprobs.get(request_id, ()))
+                outputs.append(tracked.output(request_id, delta, finish_reason, stop_reason))
+            except Exception as error:
+                # NOTE: one request's failure is its own (docs/architecture.md, "Failure: one
+                # request or the pipeline"): it ends with a typed error and is aborted in the
+                # engine; the batch's other requests go on.
+                if not recoverable(error):
+                    raise
+                self.logger.error(
+                    "failed to check request %r: %s", request_id, error, exc_info=error
+                )
+                del requests[request_id]
+                failed.append(rejection(self.name, request_id, error, abort=True))
+                continue
             if finish_reason is not None:
                 del requests[request_id]
-        if outputs or batch.stats is not None:
-            await self.emit("out", RequestOutputs(tuple(outputs), stats=batch.stats))
-        if stopped:
-            await self.emit("abort", AbortRequests(tuple(stopped)))
+        if outputs or failed or batch.stats is not None:
+            await self.emit("out", RequestOutputs(tuple(outputs), tuple(failed), stats=batch.stats))
+        if stopped or failed:
+            aborted = (*stopped, *(rejected.request_id for rejected in failed))
+            await self.emit("abort", AbortRequests(aborted))
 
     @handles(RequestRejected)
     async def on_rejected(self, rejected: RequestRejected) -> None:
         self._requests.pop(rejected.request_id, None)
         await self.emit("out", RequestOutputs((), rejected=(rejected,)))
+        if rejected.abort:  # it failed in detokenize after it entered the engine
+            await self.emit("abort", AbortRequests((rejected.request_id,)))
+
+    async def recover(self, message: Any, port: str, error: Exception) -> bool:
+        """A request whose registration failed (its stop strings, say) is forgotten,
+        answered, and aborted in the engine, which has it already. Failures on other
+        messages (a batch, rejections, aborts) are this stage's own."""
+        request_id = request_id_of(message)
+        if request_id is None:
+            return False
+        self._requests.pop(request_id, None)
+        await self.emit(
+            "out", RequestOutputs((), rejected=(rejection(self.name, request_id, error),))
+        )
+        await self.emit("abort", AbortRequests((request_id,)))
+        return True
 
     @handles(AbortRequests)
     async def on_abort(self, abort: AbortRequests) -> None:

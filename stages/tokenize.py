@@ -13,7 +13,9 @@ from typing import Any
 
 from pipeline.runtime.stage import Stage, handles
 from stages.errors import InvalidRequestError, RequestError
+from stages.failures import rejection, request_id_of
 from stages.messages import EngineRequest, GenerateRequest, RequestRejected
+from stages.validation import validate_generate_request
 
 __all__ = ["TokenizeConfig", "TokenizeStage", "load_tokenizer"]
 
@@ -86,45 +88,37 @@ class TokenizeStage(Stage):
         await self.emit("track", engine_request)
         await self.emit("out", engine_request)
 
+    async def recover(self, message: Any, port: str, error: Exception) -> bool:
+        """A request this stage failed on (the tokenizer raised, or the link to admit could
+        not carry it) is answered with a typed error; the stage holds nothing per request.
+        (Detokenize, told of it on ``track`` already, forgets it on the rejection.)"""
+        request_id = request_id_of(message)
+        if request_id is None:
+            return False
+        await self.emit("rejected", rejection(self.name, request_id, error))
+        return True
+
     def encode(self, request: GenerateRequest) -> tuple[int, ...]:
-        """Token ids of the request's input.
+        """Token ids of the request's input, the request first checked whole by the
+        validation core (:func:`~stages.validation.validate_generate_request`: the API checks
+        it too, but a caller of the pipeline's entry may not have).
 
         Raises:
-            InvalidRequestError: no input, several inputs, an empty or non-string prompt or
-                one that tokenizes to no tokens, malformed chat messages, or token ids that
-                are not non-negative integers.
+            InvalidRequestError: anything the validation core refuses (no input or several,
+                an empty prompt, text without a UTF-8 form, malformed chat messages, token
+                ids that are not non-negative int64, a bad sampling parameter), a prompt
+                that tokenizes to no tokens, or chat messages for a model without a chat
+                template.
         """
-        given = [
-            name
-            for name in ("prompt", "messages", "prompt_token_ids")
-            if getattr(request, name) is not None
-        ]
-        if len(given) != 1:
-            raise InvalidRequestError(
-                "give exactly one of prompt, messages or prompt_token_ids"
-                + (f" (got {', '.join(given)})" if given else ""),
-                field="prompt",
-            )
+        validate_generate_request(request)
         if request.prompt_token_ids is not None:
-            ids = request.prompt_token_ids
-            if not ids:
-                raise InvalidRequestError("prompt_token_ids is empty", field="prompt_token_ids")
-            if any(type(t) is not int or t < 0 for t in ids):
-                raise InvalidRequestError(
-                    "prompt_token_ids must be non-negative integers", field="prompt_token_ids"
-                )
-            return tuple(ids)
+            return tuple(request.prompt_token_ids)
         if request.messages is not None:
             return self._apply_chat_template([(m.role, m.content) for m in request.messages])
         prompt = request.prompt
-        if not isinstance(prompt, str):
-            raise InvalidRequestError(
-                f"prompt must be a string, got {type(prompt).__name__}", field="prompt"
-            )
+        assert prompt is not None  # exactly one input, checked above
         # NOTE: as vLLM, whitespace is a prompt like any other; only a prompt without tokens
         # is refused (the model needs at least one position to compute).
-        if not prompt:
-            raise InvalidRequestError("prompt is empty", field="prompt")
         if request.chat_template:
             ids = self._apply_chat_template([("user", prompt)])
         else:
@@ -134,13 +128,6 @@ class TokenizeStage(Stage):
         return ids
 
     def _apply_chat_template(self, messages: list[tuple[str, str]]) -> tuple[int, ...]:
-        if not messages:
-            raise InvalidRequestError("messages is empty", field="messages")
-        for role, content in messages:
-            if not isinstance(role, str) or not role:
-                raise InvalidRequestError("every message needs a role", field="messages")
-            if not isinstance(content, str):
-                raise InvalidRequestError("message content must be a string", field="messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model has no chat template; send a plain prompt", field="messages"

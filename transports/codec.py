@@ -237,6 +237,11 @@ class Codec:
             return obj.value
         if isinstance(obj, (tuple, frozenset, set)):
             return list(obj)
+        if isinstance(obj, int):  # msgpack hands over only the ints it cannot carry
+            raise EncodeError(
+                f"an integer of {obj.bit_length()} bits is outside msgpack's range "
+                "[-2**63, 2**64)"
+            )
         raise EncodeError(f"cannot encode a value of type {type(obj).__qualname__}")
 
     def _field_error(

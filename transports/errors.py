@@ -38,7 +38,12 @@ class EndOfStream(TransportError):
 
 class PeerLostError(TransportError):
     """The peer went away without closing: its process died, the connection broke, or it
-    fell silent for longer than the heartbeat timeout."""
+    fell silent for longer than the heartbeat timeout. ``silent_for``: in that last case,
+    the seconds it had been silent (None when the link broke)."""
+
+    def __init__(self, message: str, *, silent_for: float | None = None) -> None:
+        super().__init__(message)
+        self.silent_for = silent_for
 
 
 class EncodeError(TransportError):

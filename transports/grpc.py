@@ -309,7 +309,11 @@ class GrpcReceiver(Receiver):
         peer = self._inbound.peer
         logger.warning("%s fell silent for %.1f s; the link is lost", peer, silent_for)
         self._lost = True
-        self._queue.fail(PeerLostError(f"{peer} fell silent for more than {self._timeout} s"))
+        self._queue.fail(
+            PeerLostError(
+                f"{peer} fell silent for more than {self._timeout} s", silent_for=self._timeout
+            )
+        )
         if self._handler is not None:
             self._handler.cancel()  # ends the call
 

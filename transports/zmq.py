@@ -253,7 +253,10 @@ class ZmqReceiver(Receiver):
         if self._ended:
             raise EndOfStream(f"{self._inbound.peer} closed the link")
         if self._lost:
-            raise PeerLostError(f"{self._inbound.peer} fell silent for more than {self._timeout} s")
+            raise PeerLostError(
+                f"{self._inbound.peer} fell silent for more than {self._timeout} s",
+                silent_for=self._timeout,
+            )
 
     def _lose(self, silent_for: float) -> None:
         """The watchdog's verdict: interrupt waiting receives with PeerLostError."""

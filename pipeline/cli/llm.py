@@ -160,6 +160,7 @@ def _silence_stdout() -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from pipeline.engine.async_engine import AsyncEngine
+    from pipeline.engine.prompts import checked_request
     from pipeline.runtime.errors import PipelineError
     from stages.errors import RequestError
     from stages.models import has_chat_template
@@ -169,6 +170,10 @@ def _generate(args: argparse.Namespace) -> int:
         raise CliError("the prompt is empty", 2)
     options, params, resolved = preflight(args)
     chat = not args.no_chat_template and has_chat_template(resolved.path)
+    try:  # the validation core of every front end, before the engine starts
+        checked_request("generate", prompt, params, "", chat)
+    except RequestError as exc:
+        raise CliError(str(exc), 2) from exc
 
     async def run() -> None:
         async with AsyncEngine(options=options) as engine:

@@ -27,10 +27,11 @@ from typing import Any
 from pipeline.engine.errors import EngineDeadError
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import ENGINE_HOST, llm_pipeline, options_of, start_options
-from pipeline.engine.prompts import Prompt, checked_params, make_request
+from pipeline.engine.prompts import Prompt, checked_request
 from pipeline.runtime.errors import (
     GraphError,
     HostDiedError,
+    HostUnresponsiveError,
     PipelineClosedError,
     PipelineError,
     StageFailedError,
@@ -49,6 +50,7 @@ from stages.messages import (
     RequestRejected,
 )
 from stages.params import SamplingParams
+from stages.validation import check_request_id
 
 __all__ = ["AsyncEngine", "EngineObserver"]
 
@@ -353,16 +355,22 @@ class AsyncEngine:
         """
         if request_id is None:
             request_id = engine_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(
-                f"request_id must be a non-empty string, got {request_id!r}", field="request_id"
-            )
         else:
+            request_id = check_request_id(request_id)
             engine_id = f"{request_id}#{next(self._incarnations)}"
-        params = sampling_params
+        info = self.info
         try:
-            params = checked_params(params)
-            request = make_request(engine_id, prompt, params, tenant, chat_template)
+            # NOTE: the one validation core of every front end (docs/architecture.md,
+            # "Failure: one request or the pipeline"): a value no stage or link could carry
+            # is refused here, naming its field, before it can reach a stage.
+            request = checked_request(
+                engine_id,
+                prompt,
+                sampling_params,
+                tenant,
+                chat_template,
+                vocab_size=info.vocab_size if info is not None else None,
+            )
         except RequestError as exc:
             # NOTE: the error reaches the caller, who knows the request by its own id, not
             # by the "<id>#<n>" it has inside the pipeline.
@@ -375,7 +383,7 @@ class AsyncEngine:
                 field="request_id",
                 request_id=request_id,
             )
-        collector = _Collector(request_id, stop_strings=bool(params.stop))
+        collector = _Collector(request_id, stop_strings=bool(request.params.stop))
         self._collectors[engine_id] = collector
         self._engine_ids[request_id] = engine_id
         finished = False
@@ -539,7 +547,15 @@ class AsyncEngine:
     def _engine_error(self, error: BaseException) -> BaseException:
         if isinstance(error, (EngineDeadError, RequestError, PipelineClosedError)):
             return error
-        if isinstance(error, HostDiedError):
+        if isinstance(error, HostUnresponsiveError):  # alive, frozen: not "died"
+            dead = EngineDeadError(
+                error.host,
+                None,
+                "the engine was shut down",
+                unresponsive=True,
+                unresponsive_for=error.seconds,
+            )
+        elif isinstance(error, HostDiedError):
             dead = EngineDeadError(error.host, error.exitcode)
         elif isinstance(error, StageFailedError):  # the host lives; a stage on it raised
             dead = EngineDeadError(error.host, None, str(error), failed=True)
@@ -550,7 +566,8 @@ class AsyncEngine:
 
     def _on_failure(self, error: BaseException) -> None:
         self._failure = self._engine_error(error)
-        logger.error("engine failed: %s", error)
+        # NOTE: the pipeline has logged the failure already (one line, at ERROR)
+        logger.debug("engine failed: %s", error)
         for collector in self._collectors.values():
             collector.fail(self._failure)
         self._collectors.clear()

@@ -11,12 +11,31 @@ class EngineDeadError(HostDiedError):
     """The LLM engine stopped working; raised to every pending request of the LLM API.
 
     Usually its host died (``exitcode`` says how); with ``failed=True`` the host lives but a
-    stage on it raised (``detail`` says which), which ends the engine just the same.
+    stage on it raised (``detail`` says which), which ends the engine just the same. With
+    ``unresponsive_for`` its host lives but stopped answering (frozen, e.g. SIGSTOP, or its
+    event loop blocked) for that many seconds (``unresponsive``: for a time not known), and
+    was ended.
     """
 
     def __init__(
-        self, host: str, exitcode: int | None, detail: str = "", *, failed: bool = False
+        self,
+        host: str,
+        exitcode: int | None,
+        detail: str = "",
+        *,
+        failed: bool = False,
+        unresponsive: bool = False,
+        unresponsive_for: float | None = None,
     ) -> None:
         super().__init__(host, exitcode, detail)
+        self.unresponsive = unresponsive or unresponsive_for is not None
+        self.unresponsive_for = unresponsive_for
         if failed:
             self.args = (f"the engine failed: {detail}" if detail else "the engine failed",)
+        elif self.unresponsive:
+            text = (
+                f"host {host!r} is unresponsive"
+                if unresponsive_for is None
+                else f"host {host!r} has been unresponsive for {unresponsive_for:g} s"
+            )
+            self.args = (f"{text}: {detail}" if detail else text,)

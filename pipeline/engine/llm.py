@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.loop_thread import LoopThread
 from pipeline.engine.options import EngineOptions
-from pipeline.engine.prompts import Prompt, checked_params, is_prompt_dict
+from pipeline.engine.prompts import Prompt, checked_request, is_prompt_dict
 from pipeline.runtime.errors import PipelineClosedError
 from stages.errors import InvalidRequestError, OverloadedError, RateLimitedError
 from stages.messages import ChatMessage, RequestOutput
@@ -87,9 +87,9 @@ class LLM:
         refused prompt is sent again once the engine has room) instead of failing it.
 
         Raises:
-            InvalidRequestError: a bad prompt or parameter. Sampling parameters are checked
-                before anything is sent; a prompt the engine refuses (too long, say) aborts
-                the rest of the batch.
+            InvalidRequestError: a bad prompt or parameter. Every prompt and parameter is
+                checked before anything is sent; a prompt the engine still refuses (too long
+                once tokenized, say) aborts the rest of the batch.
             EngineDeadError: the engine died.
             PipelineClosedError: the LLM was closed.
         """
@@ -104,8 +104,16 @@ class LLM:
                     f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts",
                     field="sampling_params",
                 )
-        for sampling in {id(p): p for p in per_prompt}.values():
-            checked_params(sampling)  # all before anything is sent
+        info = self._engine.info
+        for prompt, sampling in zip(batch, per_prompt):  # all before anything is sent
+            checked_request(
+                "check",
+                prompt,
+                sampling,
+                "",
+                chat_template,
+                vocab_size=info.vocab_size if info is not None else None,
+            )
         show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
         return self._loop.run(self._generate_all(batch, per_prompt, show, chat_template))
 

@@ -1,6 +1,8 @@
 """Prompts and parameters as the engine accepts them, checked before a request enters the
 pipeline: the prompt forms of vLLM (text, chat messages, token ids, prompt dicts) and
-:class:`~stages.params.SamplingParams`."""
+:class:`~stages.params.SamplingParams`. The request they make is checked whole by the
+validation core, :func:`stages.validation.validate_generate_request` (docs/architecture.md,
+"Failure: one request or the pipeline")."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from typing import Any
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage, GenerateRequest
 from stages.params import SamplingParams, validate_sampling
+from stages.validation import validate_generate_request
 
-__all__ = ["Prompt", "checked_params", "is_prompt_dict", "make_request"]
+__all__ = ["Prompt", "checked_params", "checked_request", "is_prompt_dict", "make_request"]
 
 #: what ``generate`` accepts: text, chat messages (dicts with role/content or ChatMessage), or
 #: token ids, or vLLM's prompt dicts ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
@@ -98,7 +101,9 @@ def make_request(
             if isinstance(item, ChatMessage):
                 messages.append(item)
             elif isinstance(item, Mapping) and isinstance(item.get("content"), str):
-                messages.append(ChatMessage(str(item.get("role", "user")), item["content"]))
+                # NOTE: the role is not coerced (str(5) would make a role of a number): the
+                # validation core refuses a role that is not text.
+                messages.append(ChatMessage(item.get("role", "user"), item["content"]))
             else:
                 raise InvalidRequestError(
                     "a prompt list must hold token ids or chat messages "
@@ -114,3 +119,29 @@ def make_request(
         field="prompt",
         request_id=request_id,
     )
+
+
+def checked_request(
+    request_id: str,
+    prompt: Prompt,
+    params: SamplingParams | None,
+    tenant: str,
+    chat_template: bool,
+    *,
+    vocab_size: int | None = None,
+) -> GenerateRequest:
+    """The pipeline's request for ``prompt``, checked whole (every field, every prompt form)
+    by :func:`~stages.validation.validate_generate_request`; ``params`` None: the defaults.
+    ``vocab_size`` (the engine's, once known) bounds token ids.
+
+    Raises:
+        InvalidRequestError: naming the field that is wrong.
+    """
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(
+            "params must be a SamplingParams", field="params", request_id=request_id
+        )
+    request = make_request(request_id, prompt, params, tenant, chat_template)
+    validate_generate_request(request, vocab_size=vocab_size)
+    return request

@@ -96,11 +96,17 @@ class HostDiedError(PipelineError):
 class HostUnresponsiveError(HostDiedError):
     """A host process stopped answering while the pipeline was running: its links fell
     silent past the heartbeat timeout (the process is frozen, e.g. SIGSTOP, or its event
-    loop is blocked). The controller then ends it like a dead host."""
+    loop is blocked). The controller then ends it like a dead host. ``seconds``: how long it
+    had been silent when it was given up on (None: not known)."""
 
-    def __init__(self, host: str, detail: str = "") -> None:
+    def __init__(self, host: str, detail: str = "", *, seconds: float | None = None) -> None:
         super().__init__(host, None, detail)
-        text = f"host {host!r} is unresponsive"
+        self.seconds = seconds
+        text = (
+            f"host {host!r} is unresponsive"
+            if seconds is None
+            else f"host {host!r} has been unresponsive for {seconds:g} s"
+        )
         self.args = (f"{text}: {detail}" if detail else text,)
 
 

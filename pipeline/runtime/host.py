@@ -6,6 +6,11 @@ host listens for its inbound links (a pump task moves each received message into
 mailbox) and connects senders for its outbound ones. A stage that raises, or a link whose peer
 is lost, is reported through ``on_failure``; the controller then fails the whole pipeline.
 
+A handler that raises on a message is first offered to its stage's
+:meth:`~pipeline.runtime.stage.Stage.recover`: a failure the stage contains (it answered the one
+request the message belongs to) is logged and counted, and the stage goes on; any other fails
+the pipeline (docs/architecture.md, "Failure: one request or the pipeline").
+
 A handler that waits to send into a full mailbox of this host is recorded as waiting on that
 stage; when the waits close a cycle (every stage in it waits on the next one's full mailbox,
 so none can drain its own), the host reports a
@@ -35,7 +40,7 @@ from pipeline.runtime.protocol import (
     StageStatistics,
 )
 from pipeline.runtime.spec import BOUNDARY, Endpoint
-from pipeline.runtime.stage import Stage
+from pipeline.runtime.stage import Stage, recoverable
 from transports.base import Receiver, Sender, Transport
 from transports.errors import EndOfStream, LinkClosedError, PeerLostError
 from transports.memory import MemoryChannel, WouldBlock
@@ -59,6 +64,8 @@ class _StageCell:
         "handled",
         "mailbox",
         "name",
+        "recovered",
+        "recovered_types",
         "stage",
         "stop_started",
         "task",
@@ -77,6 +84,10 @@ class _StageCell:
         self.buckets = [0] * (len(HANDLE_SECONDS_BUCKETS) + 1)
         self.busy = False
         self.dropped = 0
+        #: messages whose handler failed and the stage recovered from (see Stage.recover),
+        #: and the exception types met so far (each is logged with its traceback once)
+        self.recovered = 0
+        self.recovered_types: set[type[BaseException]] = set()
         #: the stage whose full mailbox this stage's handler waits to send into
         self.waiting_on: _StageCell | None = None
         self.stop_started = False
@@ -251,14 +262,50 @@ class Host:
                 self._fail(self._cancelled_error(cell.name, exc, "its handler"), exc)
                 return
             except Exception as exc:
-                self._fail(self._stage_error(cell.name, exc), exc)
-                return
+                if not await self._recover(cell, message, port, exc):
+                    self._fail(self._stage_error(cell.name, exc), exc)
+                    return
             finally:
                 elapsed = clock() - started
                 cell.handle_seconds += elapsed
                 buckets[bisect.bisect_left(bounds, elapsed)] += 1
                 cell.handled += 1
                 cell.busy = False
+
+    async def _recover(self, cell: _StageCell, message: Any, port: str, error: Exception) -> bool:
+        """Whether ``cell``'s stage contained its handler's ``error`` on ``message`` (see
+        :meth:`Stage.recover`); logs what it contained."""
+        if not recoverable(error):
+            return False
+        try:
+            recovered = await cell.stage.recover(message, port, error)
+        except Exception as failure:
+            logger.error(
+                "host %s: stage %s could not recover from %s: %s",
+                self.name,
+                cell.name,
+                type(error).__qualname__,
+                failure,
+                exc_info=failure,
+            )
+            return False
+        if recovered is not True:
+            return False
+        cell.recovered += 1
+        first = type(error) not in cell.recovered_types
+        cell.recovered_types.add(type(error))
+        # NOTE: a traceback for the first failure of each kind (a bug to find), one line
+        # for the ones after it, so that a request repeated at will cannot flood the log.
+        logger.error(
+            "host %s: stage %s recovered from %s on a %s: %s",
+            self.name,
+            cell.name,
+            type(error).__qualname__,
+            type(message).__qualname__,
+            error,
+            exc_info=error if first else None,
+        )
+        return True
 
     async def _send_when_room(self, target: _StageCell, item: tuple[str, Any]) -> None:
         """Send ``item`` into ``target``'s full mailbox, waiting for room.
@@ -325,7 +372,10 @@ class Host:
             return
         except PeerLostError as exc:
             if not self._stopped:
-                self._fail(PeerLostError(f"link {link.link_id} into {link.endpoint}: {exc}"), exc)
+                lost = PeerLostError(
+                    f"link {link.link_id} into {link.endpoint}: {exc}", silent_for=exc.silent_for
+                )
+                self._fail(lost, exc)
 
     def _stage_error(self, stage: str, exc: BaseException) -> StageFailedError:
         error = StageFailedError(
@@ -353,11 +403,22 @@ class Host:
         error.__cause__ = exc
         return error
 
+    def pipeline_failed(self) -> None:
+        """The pipeline failed (whichever host reported it): what fails here from now on
+        (a stage sending into an exit that holds the failure, a link whose peer is gone) is
+        its consequence, neither reported nor logged again."""
+        self._failed = True
+
     def _fail(self, error: PipelineError | PeerLostError, cause: BaseException | None) -> None:
         if self._failed or self._stopped:
             return
         self._failed = True
-        logger.error("host %s: %s", self.name, error, exc_info=cause)
+        if isinstance(error, PeerLostError) or isinstance(cause, PeerLostError):
+            # NOTE: a lost link is the symptom of a peer host that died or froze; the
+            # controller says which once it knows (one line, at ERROR), so no traceback here.
+            logger.info("host %s: %s", self.name, error)
+        else:
+            logger.error("host %s: %s", self.name, error, exc_info=cause)
         self._on_failure(error)
 
     # -- introspection --------------------------------------------------------------------------
@@ -373,6 +434,7 @@ class Host:
                 idle=cell.stage.idle(),
                 dropped=cell.dropped,
                 handle_buckets=tuple(cell.buckets),
+                recovered=cell.recovered,
             )
             for cell in self._cells.values()
         )

@@ -123,6 +123,10 @@ def _failure_message(call_id: int, host: str, error: BaseException) -> HostFailu
             error.remote_message,
             error.remote_traceback,
         )
+    if isinstance(error, PeerLostError):
+        return HostFailure(
+            call_id, host, "", "PeerLostError", str(error), silent_for=error.silent_for
+        )
     return HostFailure(call_id, host, "", type(error).__qualname__, str(error))
 
 
@@ -130,7 +134,9 @@ def _error_from_failure(failure: HostFailure) -> BaseException:
     if failure.error_type == "DeadlockError" and failure.cycle:
         return DeadlockError(failure.host, failure.cycle, failure.capacities)
     if failure.error_type == "PeerLostError" and not failure.stage:
-        return PeerLostError(f"host {failure.host!r}: {failure.message}")
+        return PeerLostError(
+            f"host {failure.host!r}: {failure.message}", silent_for=failure.silent_for
+        )
     return StageFailedError(
         failure.stage or "(host)",
         failure.host,

@@ -60,7 +60,9 @@ class HostPlan:
 class StageStatistics:
     """One stage: its mailbox, messages handled, time spent handling, whether it is busy
     (handling now) and idle (no hidden work). ``handle_buckets``: how many messages took at
-    most each of :data:`HANDLE_SECONDS_BUCKETS` (and, last, more), not cumulative."""
+    most each of :data:`HANDLE_SECONDS_BUCKETS` (and, last, more), not cumulative.
+    ``recovered``: messages whose handler failed and the stage recovered from (its
+    ``recover`` answered them)."""
 
     name: str
     mailbox: LinkStatistics
@@ -70,6 +72,7 @@ class StageStatistics:
     idle: bool
     dropped: int = 0
     handle_buckets: tuple[int, ...] = ()
+    recovered: int = 0
 
 
 #: upper bounds (seconds) of the buckets of a stage's handling times, from 10 µs to 3 s
@@ -144,7 +147,8 @@ class Ack:
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostFailure:
     """A stage (or the host) failed; ``call_id`` is the command it answers, 0 for an event.
-    A deadlock names its ``cycle`` of stages and their mailbox ``capacities``."""
+    A deadlock names its ``cycle`` of stages and their mailbox ``capacities``; a lost link
+    that fell silent, how long (``silent_for``)."""
 
     call_id: int
     host: str
@@ -154,3 +158,4 @@ class HostFailure:
     traceback: str = ""
     cycle: tuple[str, ...] = ()
     capacities: tuple[int, ...] = ()
+    silent_for: float | None = None

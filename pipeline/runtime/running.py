@@ -310,7 +310,10 @@ class RunningPipeline:
                 if silent == "(unknown)":
                     suspects = sorted(self._inbound_sources.get(host, set()) & set(self._processes))
                 self._blame_exited_host(
-                    suspects, lambda: self._host_unresponsive(silent, str(error), error)
+                    suspects,
+                    lambda: self._host_unresponsive(
+                        silent, str(error), error, seconds=error.silent_for
+                    ),
                 )
             elif isinstance(error, StageFailedError) and error.remote_type == "PeerLostError":
                 # a stage's send found its link broken: the receiving host may have died
@@ -349,11 +352,14 @@ class RunningPipeline:
         sources = self._inbound_sources.get(reporter, set())
         return next(iter(sources)) if len(sources) == 1 else "(unknown)"
 
-    def _host_unresponsive(self, host: str, detail: str, cause: BaseException | None) -> None:
+    def _host_unresponsive(
+        self, host: str, detail: str, cause: BaseException | None, *, seconds: float | None
+    ) -> None:
+        """Fail the pipeline: ``host`` does not answer (silent for ``seconds``, if known)."""
         if self.failure is not None or self._closing:
             return
         self._unresponsive.add(host)
-        error = HostUnresponsiveError(host, detail)
+        error = HostUnresponsiveError(host, detail, seconds=seconds)
         error.__cause__ = cause
         self._fail(error)
 
@@ -370,7 +376,7 @@ class RunningPipeline:
                     await asyncio.wait_for(host.statistics(), timeout)
                 except asyncio.TimeoutError:  # (TimeoutError itself only from 3.11)
                     detail = f"it did not answer a probe within {timeout} s"
-                    self._host_unresponsive(host.name, detail, None)
+                    self._host_unresponsive(host.name, detail, None, seconds=timeout)
                     return
                 except Exception:  # it died: its process sentinel fails the pipeline
                     return
@@ -382,6 +388,8 @@ class RunningPipeline:
             return
         self.failure = error
         logger.error("pipeline %r failed: %s", self.pipeline.name, error)
+        if self._main is not None:
+            self._main.pipeline_failed()
         self._interrupt_senders()
         for channel in self._exits.values():
             channel.fail(error)

@@ -13,8 +13,11 @@ message's type, declared with :func:`handles`::
             await self.emit("out", Number(message.value ** 2))
 
 A handler that raises fails the pipeline (supervision): every pending call gets a
-:class:`~pipeline.runtime.errors.StageFailedError`. Bad input from callers should be answered with a
-typed error message instead; a raise means the stage itself is broken.
+:class:`~pipeline.runtime.errors.StageFailedError`, unless the stage's :meth:`Stage.recover`
+contains the failure: a stage whose messages belong to independent units of work (one request
+each) answers the unit whose message failed and goes on (docs/architecture.md, "Failure: one
+request or the pipeline"). Bad input from callers should be answered with a typed error
+message in the first place; a raise that nothing contains means the stage itself is broken.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from pipeline.runtime.errors import UnhandledMessageError
+from pipeline.runtime.errors import PipelineError, UnhandledMessageError
+from transports.errors import EndOfStream, LinkClosedError, PeerLostError
 
 if TYPE_CHECKING:
     from pipeline.runtime.host import Host
 
-__all__ = ["Handler", "Stage", "handles"]
+__all__ = ["Handler", "Stage", "handles", "recoverable"]
 
 T = TypeVar("T")
 Handler = Callable[[Any], Awaitable[None]]
@@ -53,6 +57,20 @@ def handles(*message_types: type, port: str | None = None) -> Callable[[T], T]:
         return function
 
     return mark
+
+
+#: what a handler may raise that no stage can recover from: the runtime's and the links' own
+#: failures (an EncodeError, one message a link cannot carry, is the message's, not the
+#: link's) and broken invariants
+_NEVER_RECOVERED = (PipelineError, EndOfStream, LinkClosedError, PeerLostError, AssertionError)
+
+
+def recoverable(error: BaseException) -> bool:
+    """Whether a stage may recover from ``error`` raised by one of its handlers (see
+    :meth:`Stage.recover`): any Exception but the runtime's and the links' own failures
+    (a lost or closed link, a deadlock, an unknown port or message type) and an
+    AssertionError (a broken invariant)."""
+    return isinstance(error, Exception) and not isinstance(error, _NEVER_RECOVERED)
 
 
 def _check_async_method(function: object, what: str, parameters: tuple[str, ...]) -> None:
@@ -126,6 +144,19 @@ class Stage:
         """False while the stage holds work not visible in its mailbox (e.g. queued requests);
         a graceful shutdown waits for every stage to be idle."""
         return True
+
+    async def recover(self, message: Any, port: str, error: Exception) -> bool:
+        """A handler raised ``error`` on ``message`` (arrived on ``port``). Return True once
+        the failure is contained: whatever ``message`` belongs to (one request, say) was
+        answered, and the stage's own state is as if the message had not come, so the stage
+        goes on with its next message. Return False (the default) when it cannot be: the
+        stage is broken, and the pipeline fails.
+
+        Never called for the runtime's own errors (a lost or closed link, a deadlock, an
+        unknown port or message type) nor for an AssertionError (a broken invariant): those
+        always fail the pipeline. If this raises, the pipeline fails with ``error``.
+        """
+        return False
 
     # -- messages -----------------------------------------------------------------------------
 

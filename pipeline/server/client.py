@@ -31,7 +31,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline.engine.loop_thread import LoopThread
-from pipeline.engine.prompts import Prompt
+from pipeline.engine.prompts import Prompt, checked_request
 from pipeline.server import generation_pb2 as pb
 from pipeline.server import generation_pb2_grpc as pb_grpc
 from pipeline.server.auth import AUTHORIZATION_KEY, AuthenticationError
@@ -43,7 +43,7 @@ from pipeline.server.status import (
 )
 from stages.errors import RequestError
 from stages.messages import Logprobs
-from stages.params import SamplingParams, validate_sampling
+from stages.params import SamplingParams
 
 __all__ = [
     "AsyncClient",
@@ -216,8 +216,12 @@ class AsyncClient:
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         try:
-            if params is not None:
-                validate_sampling(params)
+            # the validation core of every front end (docs/architecture.md, "Failure: one
+            # request or the pipeline"): what the proto or the engine could not carry (a
+            # lone surrogate, 2**70) is refused here, by field, before anything is sent
+            checked_request(
+                "client" if request_id is None else request_id, prompt, params, "", chat_template
+            )
             request = request_to_proto(
                 prompt, params, request_id=request_id, chat_template=chat_template
             )

@@ -74,6 +74,13 @@ def gguf_path() -> Path:
         (["generate", "hi", "--num-blocks", "0"], "num_blocks must be a positive integer"),
         (["generate", "hi", "--kv-cache-memory", "-5"], "kv_cache_memory must be a positive"),
         (["generate", "hi", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
+        # what no stage or link could carry (issue 16): one line and status 2, no traceback
+        (["generate", "hi", "--max-tokens", str(2**64)], "max_tokens must be in [1, 2**63 - 1]"),
+        (["generate", "hi", "--seed", str(2**63)], "seed must be in [0, 2**63 - 1]"),
+        (["generate", "hi", f"--top-k={-(2**70)}"], "top_k must be >= -1, got a negative integer"),
+        (["generate", "a\udcffb"], "prompt is not valid Unicode text: U+DCFF at index 1"),
+        (["generate", "hi", "--stop", "\udcfe"], "stop[0] is not valid Unicode text"),
+        (["generate", "hi", "--temperature", "nan"], "temperature must be a finite number"),
         # argument errors argparse finds: one line too, not the usage block
         ([], "the following arguments are required: COMMAND"),
         (["generate"], "the following arguments are required: prompt"),

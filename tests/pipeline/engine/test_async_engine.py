@@ -5,6 +5,7 @@ serving, and a dead engine fails every pending request."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -443,6 +444,68 @@ def test_killed_engine_fails_pending_requests(tiny_model_dir: Path) -> None:
             assert all(isinstance(r, EngineDeadError) for r in results), results
             with pytest.raises(EngineDeadError):
                 await complete(engine, "after", SamplingParams(max_tokens=2))
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def _engine_failure_log(records: list[logging.LogRecord]) -> list[str]:
+    """The ERROR lines of the frontend's log; none may carry a traceback."""
+    assert not [r.getMessage() for r in records if r.exc_info is not None]
+    return [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_a_killed_engine_is_one_error_line(
+    transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Over grpc the frontend first sees the link from the killed engine break: that is the
+    symptom, not news; the log says once what happened, without a traceback."""
+
+    async def body() -> None:
+        with caplog.at_level(logging.INFO, logger="actorline"):
+            async with AsyncEngine(null_model=True, transport=transport) as engine:
+                params = SamplingParams(max_tokens=None, ignore_eos=True)
+                pending = asyncio.ensure_future(complete(engine, "forever", params))
+                await asyncio.sleep(0.5)
+                os.kill(engine.running.pids["engine"], signal.SIGKILL)
+                with pytest.raises(EngineDeadError, match=r"died \(killed by signal 9\)"):
+                    await pending
+        assert _engine_failure_log(caplog.records) == [
+            "pipeline 'llm' failed: host 'engine' died (killed by signal 9)"
+        ]
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
+@pytest.mark.slow
+def test_a_frozen_engine_is_unresponsive_not_dead(caplog: pytest.LogCaptureFixture) -> None:
+    """SIGSTOP: the process lives, so the error says how long it did not answer (the
+    heartbeat timeout, 10 s) instead of "died (unknown exit)"; it keeps its type."""
+
+    async def body() -> None:
+        with caplog.at_level(logging.INFO, logger="actorline"):
+            async with AsyncEngine(null_model=True) as engine:
+                params = SamplingParams(max_tokens=None, ignore_eos=True)
+                pending = asyncio.ensure_future(complete(engine, "forever", params))
+                await asyncio.sleep(0.5)
+                pid = engine.running.pids["engine"]
+                assert pid is not None
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    with pytest.raises(EngineDeadError) as caught:
+                        await asyncio.wait_for(pending, 40)
+                finally:
+                    os.kill(pid, signal.SIGCONT)  # (the teardown resumes it too)
+        error = caught.value
+        assert str(error) == (
+            "host 'engine' has been unresponsive for 10 s: the engine was shut down"
+        )
+        assert error.unresponsive and error.unresponsive_for == 10.0
+        (line,) = _engine_failure_log(caplog.records)
+        assert line.startswith(
+            "pipeline 'llm' failed: host 'engine' has been unresponsive for 10 s"
+        )
 
     asyncio.run(asyncio.wait_for(body(), 120))
 

@@ -345,6 +345,10 @@ def test_a_frozen_host_fails_pending_calls_and_is_ended_at_stop() -> None:
             assert all(isinstance(r, HostUnresponsiveError) for r in results), results
             error = results[0]
             assert isinstance(error, HostUnresponsiveError) and error.host == "worker"
+            # it says how long the host did not answer, not that it died
+            timeout = FAST_HEARTBEATS.heartbeat_timeout
+            assert error.seconds == timeout
+            assert str(error).startswith(f"host 'worker' has been unresponsive for {timeout:g} s")
             assert elapsed < FAST_HEARTBEATS.heartbeat_timeout + PROMPTLY
             with pytest.raises(HostUnresponsiveError):
                 await running.send("jobs", Job("late", (3,)))
@@ -377,6 +381,8 @@ def test_a_frozen_host_that_sends_nothing_is_noticed_by_probes() -> None:
         with frozen(pid):
             error = await asyncio.wait_for(failed, FAST_HEARTBEATS.heartbeat_timeout + PROMPTLY)
             assert isinstance(error, HostUnresponsiveError) and error.host == "worker"
+            assert error.seconds == FAST_HEARTBEATS.heartbeat_timeout
+            assert "did not answer a probe" in str(error)
             await asyncio.wait_for(running.stop(), PROMPTLY)
             assert pid not in child_processes()
 

@@ -1,11 +1,14 @@
 """Supervision edge cases with real processes: a handler that raises CancelledError nobody
 asked for fails its stage (in the calling process and in a spawned host); a SIGKILLed host is
 reported dead with its signal whichever the controller notices first, its exit or its broken
-link (over zmq and grpc); statistics of a stopped pipeline say it is closed."""
+link (over zmq and grpc); statistics of a stopped pipeline say it is closed; a stage that
+recovers from a failure on one message answers it and goes on, and what it does not recover
+from fails the pipeline."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 
@@ -239,5 +242,93 @@ def test_statistics_after_a_failure_give_the_failure() -> None:
         await running.stop()
         with pytest.raises(HostDiedError, match="killed by signal 9"):
             await running.statistics()
+
+    run(body)
+
+
+# -- a stage that recovers from a failure on one message ----------------------------------------
+
+
+class Guarded(Stage):
+    """Forwards jobs to the next stage, over a link that may refuse one (an integer msgpack
+    cannot carry). A job it fails on is answered on ``failed`` (steps [-1]), except one named
+    "unrecoverable", and one named "assert" raises an AssertionError (a broken invariant)."""
+
+    outputs = ("out", "failed")
+
+    @handles(Job)
+    async def on_job(self, job: Job) -> None:
+        if job.job_id == "assert":
+            raise AssertionError("a broken invariant")
+        if job.job_id in ("unrecoverable", "recover raises"):
+            raise ValueError(f"cannot take {job.job_id}")
+        await self.emit("out", job)
+
+    async def recover(self, message: object, port: str, error: Exception) -> bool:
+        assert isinstance(message, Job) and port == "in"
+        if message.job_id == "unrecoverable":
+            return False
+        if message.job_id == "recover raises":
+            raise RuntimeError("recovering failed too")
+        await self.emit("failed", JobResult(message.job_id, np.array([-1], dtype=np.int64)))
+        return True
+
+
+class Answers(Stage):
+    @handles(Job)
+    async def on_job(self, job: Job) -> None:
+        await self.emit("out", _answer(job))
+
+
+def _guarded_pipeline() -> Pipeline:
+    pipeline = Pipeline("guarded").add("guard", Guarded).add("answer", Answers, host="worker")
+    pipeline.connect("guard.out", "answer")
+    pipeline.entry("jobs", "guard")
+    return pipeline.exit("results", "answer.out", "guard.failed")
+
+
+def test_a_stage_that_recovers_answers_the_failed_message_and_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The zmq link cannot carry 2**70 (EncodeError in the guard's handler): the guard answers
+    that job itself and every other job still runs; the host logs the failure, with its
+    traceback the first time only, and counts it."""
+
+    async def body() -> None:
+        async with await _guarded_pipeline().start() as running:
+            caller = Caller(running, "jobs", "results", key=lambda m: m.job_id)
+            with caplog.at_level(logging.ERROR, logger="actorline.host"):
+                for index in range(2):
+                    failed = await asyncio.wait_for(
+                        caller.call(Job(f"huge-{index}", (1, 2**70))), PROMPTLY
+                    )
+                    assert failed.steps.tolist() == [-1]
+                    good = await asyncio.wait_for(caller.call(Job(f"ok-{index}", (3,))), PROMPTLY)
+                    assert good.steps.tolist() == [3]
+            assert running.failure is None
+            (main,) = [host for host in await running.statistics() if host.host == "main"]
+            assert {s.name: s.recovered for s in main.stages} == {"guard": 2}
+            records = [r for r in caplog.records if "recovered from EncodeError" in r.message]
+            assert len(records) == 2 and "outside msgpack's range" in records[0].message
+            assert records[0].exc_info is not None and records[1].exc_info is None
+            await caller.aclose()
+
+    run(body)
+
+
+@pytest.mark.parametrize("job_id", ["unrecoverable", "assert", "recover raises"])
+def test_what_a_stage_does_not_recover_from_fails_the_pipeline(job_id: str) -> None:
+    """recover returning False, raising, or never asked (an AssertionError is a broken
+    invariant): the pipeline fails with the handler's error, as without recover."""
+
+    async def body() -> None:
+        async with await _guarded_pipeline().start() as running:
+            caller = Caller(running, "jobs", "results", key=lambda m: m.job_id)
+            with pytest.raises(StageFailedError) as failure:
+                await asyncio.wait_for(caller.call(Job(job_id, (1,))), PROMPTLY)
+            assert failure.value.stage == "guard"
+            expected = "AssertionError" if job_id == "assert" else "ValueError"
+            assert failure.value.remote_type == expected
+            await caller.aclose()
 
     run(body)

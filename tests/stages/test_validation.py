@@ -1,0 +1,122 @@
+"""Tests of stages/validation.py, the validation core: every vector of the hostile review is
+refused by name, and whatever it accepts every transport can carry (a property test)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.engine.prompts import make_request
+from stages.errors import InvalidRequestError
+from stages.messages import ChatMessage, EngineRequest, GenerateRequest
+from stages.params import SamplingParams
+from stages.validation import MAX_REQUEST_ID_LENGTH, check_request_id, validate_generate_request
+from tests.hostile import JUNK, PROMPTS, SAMPLING, TEXT, sampling_params
+from transports.codec import Codec
+
+VOCAB = 49_152
+
+
+def request(**fields: Any) -> GenerateRequest:
+    values: dict[str, Any] = {"request_id": "r", "params": SamplingParams(), "prompt": "hi"}
+    values.update(fields)
+    return GenerateRequest(**values)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        # integers outside what msgpack (and int64 tensors) carry
+        ({"params": SamplingParams(max_tokens=2**70)}, "max_tokens", "71 bits"),
+        ({"params": SamplingParams(priority=2**64)}, "priority", "65 bits"),
+        ({"params": SamplingParams(priority=-(2**63) - 1)}, "priority", "must be in"),
+        ({"params": SamplingParams(top_k=2**70)}, "top_k", "must be in"),
+        ({"params": SamplingParams(seed=2**63)}, "seed", "must be in"),
+        ({"params": SamplingParams(stop_token_ids=(2**70,))}, "stop_token_ids", r"\[0\]"),
+        ({"prompt": None, "prompt_token_ids": (1, 2**70)}, "prompt_token_ids", r"\[1\]"),
+        # lone surrogates: no UTF-8 form
+        ({"prompt": "a\ud800"}, "prompt", "lone surrogate U\\+D800 at index 1"),
+        (
+            {"prompt": None, "messages": (ChatMessage("user", "\udfff"),)},
+            "messages",
+            r"messages\[0\]\.content",
+        ),
+        (
+            {"prompt": None, "messages": (ChatMessage("\ud800", "x"),)},
+            "messages",
+            r"messages\[0\]\.role",
+        ),
+        ({"params": SamplingParams(stop=("ok", "\ud800"))}, "stop", r"stop\[1\]"),
+        ({"request_id": "\ud800"}, "request_id", "lone surrogate"),
+        ({"tenant": "\ud800"}, "tenant", "lone surrogate"),
+        # types: a bool is not an int, a str is not a number
+        ({"params": SamplingParams(max_tokens=True)}, "max_tokens", "must be an integer"),
+        ({"params": SamplingParams(temperature="0.5")}, "temperature", "finite number"),  # type: ignore[arg-type]
+        ({"params": SamplingParams(top_p=float("nan"))}, "top_p", "finite number"),
+        ({"params": SamplingParams(ignore_eos=1)}, "ignore_eos", "boolean"),  # type: ignore[arg-type]
+        ({"prompt": None, "messages": (ChatMessage(5, "x"),)}, "messages", "must be a string"),  # type: ignore[arg-type]
+        ({"chat_template": "yes"}, "chat_template", "boolean"),
+        ({"tenant": None}, "tenant", "must be a string"),
+        ({"params": None}, "params", "SamplingParams"),
+        # shapes
+        ({"prompt": None}, "prompt", "exactly one of"),
+        ({"prompt_token_ids": (1,)}, "prompt", "exactly one of"),
+        ({"prompt": None, "messages": ()}, "messages", "non-empty"),
+        ({"prompt": None, "prompt_token_ids": ()}, "prompt_token_ids", "must not be empty"),
+        ({"prompt": None, "prompt_token_ids": (VOCAB,)}, "prompt_token_ids", "vocabulary"),
+        ({"request_id": "x" * (MAX_REQUEST_ID_LENGTH + 40)}, "request_id", "at most"),
+    ],
+)
+def test_every_vector_is_refused_naming_its_field(
+    fields: dict[str, Any], field: str, message: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=message) as caught:
+        validate_generate_request(request(**fields), vocab_size=VOCAB)
+    assert caught.value.field == field and caught.value.request_id in ("r", None)
+
+
+def test_a_callers_request_id() -> None:
+    assert check_request_id("abc") == "abc"
+    for bad in ("", None, 7, "x" * (MAX_REQUEST_ID_LENGTH + 1), "\udc80"):
+        with pytest.raises(InvalidRequestError) as caught:
+            check_request_id(bad)
+        assert caught.value.field == "request_id"
+
+
+def test_valid_requests_of_every_form_pass() -> None:
+    for fields in (
+        {"prompt": "\U0001f600 \x00 tab\t"},
+        {"prompt": None, "messages": (ChatMessage("user", ""),)},
+        {"prompt": None, "prompt_token_ids": (0, VOCAB - 1)},
+        {"params": SamplingParams(max_tokens=None, seed=2**63 - 1, priority=-(2**63))},
+    ):
+        validate_generate_request(request(**fields), vocab_size=VOCAB)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt=PROMPTS,
+    fields=SAMPLING,
+    request_id=st.one_of(TEXT, JUNK),
+    tenant=st.one_of(TEXT, JUNK),
+    chat_template=st.one_of(st.booleans(), JUNK),
+)
+def test_what_the_core_accepts_every_link_carries(
+    prompt: Any, fields: dict[str, Any], request_id: Any, tenant: Any, chat_template: Any
+) -> None:
+    """Any value in any field: the core refuses it with an InvalidRequestError, or the request
+    and its tokenized form encode on the wire (where 2**70 and "\\ud800" used to fail)."""
+    try:
+        made = make_request(request_id, prompt, sampling_params(fields), tenant, chat_template)
+        validate_generate_request(made, vocab_size=VOCAB)
+    except InvalidRequestError as error:
+        assert isinstance(error.field, str) and error.field
+        assert str(error)
+        return
+    codec = Codec()
+    codec.encode(made)
+    ids = made.prompt_token_ids or (1,)
+    codec.encode(EngineRequest(made.request_id, ids, made.params, made.tenant, 0.0, made.prompt))
