@@ -38,6 +38,9 @@ PURE_MODULES = (
     "stages.messages",
     "stages.early_aborts",
     "stages.execute.model_length",
+    "stages.checks",
+    "stages.validation",
+    "stages.failures",
 )
 FORBIDDEN = ("asyncio", "anyio", "zmq", "grpc", "torch")
 

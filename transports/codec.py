@@ -239,8 +239,7 @@ class Codec:
             return list(obj)
         if isinstance(obj, int):  # msgpack hands over only the ints it cannot carry
             raise EncodeError(
-                f"an integer of {obj.bit_length()} bits is outside msgpack's range "
-                "[-2**63, 2**64)"
+                f"an integer of {obj.bit_length()} bits is outside msgpack's range [-2**63, 2**64)"
             )
         raise EncodeError(f"cannot encode a value of type {type(obj).__qualname__}")
 

@@ -59,7 +59,7 @@ def test_a_lone_surrogate_has_no_utf8_form(text: str, index: int) -> None:
 def test_a_byte_python_escaped_is_named() -> None:
     """A command line's byte that is not UTF-8 reaches Python as U+DC80..U+DCFF."""
     text = b"a\xffb".decode("utf-8", "surrogateescape")
-    with pytest.raises(InvalidRequestError, match="U\\+DCFF at index 1, .* the byte 0xFF"):
+    with pytest.raises(InvalidRequestError, match=r"U\+DCFF at index 1, .* the byte 0xFF"):
         check_text("prompt", text)
 
 
