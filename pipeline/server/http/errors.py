@@ -53,6 +53,8 @@ logger = logging.getLogger("actorline.server.http")
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+#: the body field of an engine request's field, where their names differ
+_BODY_PARAMS = {"prompt_token_ids": "prompt"}
 
 
 def error_body(
@@ -105,9 +107,9 @@ class ApiError(HTTPException):
         if isinstance(error, AuthenticationError):
             return cls(401, str(error), code="invalid_api_key")
         if isinstance(error, PromptTooLongError):
-            return cls(400, str(error), param=error.field, code="context_length_exceeded")
+            return cls(400, str(error), param=_param(error.field), code="context_length_exceeded")
         if isinstance(error, InvalidRequestError):
-            return cls(400, str(error), param=error.field, code="invalid_value")
+            return cls(400, str(error), param=_param(error.field), code="invalid_value")
         if isinstance(error, RateLimitedError):
             seconds = max(1, math.ceil(error.retry_after or 1))
             return cls(
@@ -127,6 +129,10 @@ class ApiError(HTTPException):
                 code="engine_unavailable",
             )
         return cls(500, f"{type(error).__name__}: {error}", error_type=SERVER_ERROR)
+
+
+def _param(field: str | None) -> str | None:
+    return _BODY_PARAMS.get(field, field) if field is not None else None
 
 
 def _validation_error(error: RequestValidationError) -> ApiError:

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from starlette.types import Receive
 
 from pipeline.engine.async_engine import AsyncEngine
-from pipeline.engine.prompts import Prompt
+from pipeline.engine.prompts import Prompt, checked_request
 from pipeline.server.http.choices import Choices, RunningRequests
 from pipeline.server.http.errors import SERVER_ERROR, ApiError
 from pipeline.server.http.logprobs import TokenTexts
+from stages.errors import RequestError
 from stages.messages import RequestOutput
 from stages.params import SamplingParams
 
@@ -82,6 +83,22 @@ class HttpService:
         problem = self.problem()
         if problem is not None:
             raise problem
+        info = self.engine.info
+        for prompt, params in choices:
+            # NOTE: every choice through the validation core before any starts
+            # (docs/architecture.md §7.1): a value no stage or link could carry is a 400
+            # naming its field, and no choice is started only to be aborted again.
+            try:
+                checked_request(
+                    request_id,
+                    prompt,
+                    params,
+                    tenant,
+                    False,
+                    vocab_size=info.vocab_size if info is not None else None,
+                )
+            except RequestError as exc:
+                raise ApiError.from_error(exc) from None
         started = Choices(self.engine, request_id, choices, tenant, self.running)
         try:
             await started.start(receive)
