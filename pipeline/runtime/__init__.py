@@ -19,6 +19,7 @@ from pipeline.runtime.errors import (
     UnhandledMessageError,
 )
 from pipeline.runtime.graph import Pipeline
+from pipeline.runtime.replicas import ReplicaLost, ReplicaSet, ReplicaStatus
 from pipeline.runtime.running import RunningPipeline, StartOptions
 from pipeline.runtime.spec import BOUNDARY, MAIN_HOST, Endpoint, Link, StageSpec
 from pipeline.runtime.stage import Stage, handles
@@ -38,6 +39,9 @@ __all__ = [
     "Pipeline",
     "PipelineClosedError",
     "PipelineError",
+    "ReplicaLost",
+    "ReplicaSet",
+    "ReplicaStatus",
     "RunningPipeline",
     "Stage",
     "StageFailedError",

@@ -20,9 +20,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.runtime.errors import GraphError
+from pipeline.runtime.replicas import ReplicaSet
 from pipeline.runtime.running import RunningPipeline, StartOptions
 from pipeline.runtime.spec import BOUNDARY, MAIN_HOST, Endpoint, Link, StageSpec
 from pipeline.runtime.stage import Stage
@@ -43,6 +45,7 @@ class Pipeline:
         self._links: list[Link] = []
         self._entries: list[str] = []
         self._exits: list[str] = []
+        self._replica_sets: dict[str, ReplicaSet] = {}
 
     # -- building -------------------------------------------------------------------------------
 
@@ -120,6 +123,36 @@ class Pipeline:
         spawned process shared by the stages placed there."""
         spec = self._spec(stage)
         self._stages[stage] = dataclasses.replace(spec, host=_host(host))
+        return self
+
+    def replica_set(self, name: str, replicas: Mapping[str, Sequence[str]]) -> Pipeline:
+        """Declare ``replicas`` (each replica's name → the hosts it consists of) one replica
+        set: a failure on a replica's hosts is contained, the pipeline fails only once every
+        replica has failed (see :mod:`pipeline.runtime.replicas`). Declaring a set again
+        replaces it. The hosts are checked when the pipeline starts (:meth:`validate`).
+
+        Raises:
+            GraphError: an invalid name, no replica, a replica with no host or an invalid
+                host name, or a host named twice.
+        """
+        _check_name(name, "replica set")
+        if not replicas:
+            raise GraphError(f"replica set {name!r} has no replica")
+        entries: list[tuple[str, tuple[str, ...]]] = []
+        seen: set[str] = set()
+        for replica, hosts in replicas.items():
+            _check_name(replica, "replica")
+            if isinstance(hosts, str) or not hosts:
+                raise GraphError(
+                    f"replica {replica!r} of set {name!r} needs a sequence of host names"
+                )
+            for host in hosts:
+                _host(host)
+                if host in seen:
+                    raise GraphError(f"host {host!r} is named twice in replica set {name!r}")
+                seen.add(host)
+            entries.append((replica, tuple(hosts)))
+        self._replica_sets[name] = ReplicaSet(name, tuple(entries))
         return self
 
     # -- editing --------------------------------------------------------------------------------
@@ -234,6 +267,7 @@ class Pipeline:
         twin._links = list(self._links)
         twin._entries = list(self._entries)
         twin._exits = list(self._exits)
+        twin._replica_sets = dict(self._replica_sets)
         return twin
 
     # -- inspection -----------------------------------------------------------------------------
@@ -255,6 +289,10 @@ class Pipeline:
         return list(self._exits)
 
     @property
+    def replica_sets(self) -> dict[str, ReplicaSet]:
+        return dict(self._replica_sets)
+
+    @property
     def hosts(self) -> list[str]:
         """Hosts in use, the main host first."""
         names = {spec.host for spec in self._stages.values()}
@@ -274,6 +312,11 @@ class Pipeline:
         for link in self._links:
             via = f" via {link.transport}" if link.transport else ""
             lines.append(f"  {_show(link.source)} -> {_show(link.target)}{via}")
+        for replica_set in self._replica_sets.values():
+            replicas = ", ".join(
+                f"{name}: {'+'.join(hosts)}" for name, hosts in replica_set.replicas
+            )
+            lines.append(f"  replica set {replica_set.name} ({replicas})")
         return "\n".join(lines)
 
     def validate(self) -> None:
@@ -283,7 +326,8 @@ class Pipeline:
             GraphError: a link names a missing stage or port, an entry is linked to nothing,
                 nothing is linked to an exit (its receivers would wait forever), or a stage's
                 output is linked to nothing (its messages would be lost) and the stage does
-                not declare it in ``optional_outputs``.
+                not declare it in ``optional_outputs``, or a replica set names the main host,
+                a host no stage is placed on, or a host another set names too.
         """
         for link in self._links:
             for endpoint, side in ((link.source, "outputs"), (link.target, "inputs")):
@@ -312,6 +356,27 @@ class Pipeline:
                         f"lost (link it, list it in {spec.factory.__qualname__}.optional_outputs, "
                         "or declare outputs = () for a stage that never emits)"
                     )
+        placed = {spec.host for spec in self._stages.values()}
+        claimed: dict[str, str] = {}
+        for replica_set in self._replica_sets.values():
+            for _, hosts in replica_set.replicas:
+                for host in hosts:
+                    if host == MAIN_HOST:
+                        raise GraphError(
+                            f"replica set {replica_set.name!r} names the main host: the calling "
+                            "process cannot be a replica"
+                        )
+                    if host not in placed:
+                        raise GraphError(
+                            f"replica set {replica_set.name!r} names host {host!r}, on which no "
+                            "stage is placed"
+                        )
+                    if host in claimed:
+                        raise GraphError(
+                            f"host {host!r} is in replica sets {claimed[host]!r} and "
+                            f"{replica_set.name!r}"
+                        )
+                    claimed[host] = replica_set.name
 
     # -- running --------------------------------------------------------------------------------
 

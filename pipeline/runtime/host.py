@@ -5,6 +5,13 @@ Links between stages of the same host deliver straight into the target's mailbox
 host listens for its inbound links (a pump task moves each received message into the target
 mailbox) and connects senders for its outbound ones. A stage that raises, or a link whose peer
 is lost, is reported through ``on_failure``; the controller then fails the whole pipeline.
+A link to or from a replica this host is not part of is *contained*
+(:mod:`pipeline.runtime.replicas`): its loss is reported through ``on_link_lost`` instead,
+what is sent on it once it is lost is dropped, and :meth:`Host.cut_replica` closes it and
+tells the stages linked to the replica.
+
+A stage may send to one target of an output port only (``emit(port, message, to=stage)``),
+as a router or partitioner does; by default a message goes to every link of the port.
 
 A handler that raises on a message is first offered to its stage's
 :meth:`~pipeline.runtime.stage.Stage.recover`: a failure the stage contains (it answered the one
@@ -39,18 +46,24 @@ from pipeline.runtime.protocol import (
     RemoteLink,
     StageStatistics,
 )
+from pipeline.runtime.replicas import ReplicaLost
 from pipeline.runtime.spec import BOUNDARY, Endpoint
 from pipeline.runtime.stage import Stage, recoverable
 from transports.base import Receiver, Sender, Transport
 from transports.errors import EndOfStream, LinkClosedError, PeerLostError
 from transports.memory import MemoryChannel, WouldBlock
 
-__all__ = ["Host"]
+__all__ = ["RUNTIME_PORT", "Host"]
 
 logger = logging.getLogger("actorline.host")
 
 FailureCallback = Callable[[BaseException], None]
+#: ``on_link_lost(link_id, detail)``: a contained link broke or fell silent
+LinkLostCallback = Callable[[str, str], None]
 _Deliver = Callable[[Any], Awaitable[None]]
+#: the mailbox port of the runtime's own messages to a stage (``ReplicaLost``): no stage
+#: port can have this name (it is the boundary's)
+RUNTIME_PORT = BOUNDARY
 
 
 class _StageCell:
@@ -102,13 +115,27 @@ class Host:
         on_failure: FailureCallback,
         *,
         exits: dict[str, MemoryChannel[Any]] | None = None,
+        on_link_lost: LinkLostCallback | None = None,
     ) -> None:
         self.plan = plan
         self.name = plan.name
         self._on_failure = on_failure
+        self._on_link_lost = on_link_lost
         self._exits = exits or {}
         self._cells: dict[str, _StageCell] = {}
         self._routes: dict[tuple[str, str], tuple[_Deliver, ...]] = {}
+        # (stage, port, target stage) -> the routes of that port into that stage
+        self._targeted: dict[tuple[str, str, str], tuple[_Deliver, ...]] = {}
+        # contained link id -> the replica key of its peer; links cut (their replica lost),
+        # and those whose loss was reported already
+        self._contained = {
+            link.link_id: link.contained
+            for link in (*plan.inbound, *plan.outbound)
+            if link.contained
+        }
+        self._cut: set[str] = set()
+        self._lost_links: set[str] = set()
+        self._pump_of: dict[str, asyncio.Task[None]] = {}
         self._transports: dict[str, Transport] = {}
         self._receivers: dict[str, Receiver] = {}
         self._senders: dict[str, Sender] = {}
@@ -127,7 +154,7 @@ class Host:
             stage._bind(self, spec.name)
             self._cells[spec.name] = _StageCell(spec.name, stage)
         for source, target in self.plan.local_links:
-            self._add_route(source, self._local_deliver(target))
+            self._add_route(source, self._local_deliver(target), target.stage)
 
     def _local_deliver(self, target: Endpoint) -> _Deliver:
         if target.stage == BOUNDARY:
@@ -147,9 +174,11 @@ class Host:
 
         return deliver
 
-    def _add_route(self, source: Endpoint, deliver: _Deliver) -> None:
+    def _add_route(self, source: Endpoint, deliver: _Deliver, target: str) -> None:
         key = (source.stage, source.port)
         self._routes[key] = (*self._routes.get(key, ()), deliver)
+        targeted = (source.stage, source.port, target)
+        self._targeted[targeted] = (*self._targeted.get(targeted, ()), deliver)
 
     def _transport(self, name: str) -> Transport:
         transport = self._transports.get(name)
@@ -167,9 +196,9 @@ class Host:
             receiver = await self._transport(link.transport).listen()
             self._receivers[link.link_id] = receiver
             addresses[link.link_id] = receiver.address
-            self._pumps.append(
-                asyncio.create_task(self._pump(link, receiver), name=f"pump:{link.link_id}")
-            )
+            pump = asyncio.create_task(self._pump(link, receiver), name=f"pump:{link.link_id}")
+            self._pumps.append(pump)
+            self._pump_of[link.link_id] = pump
         return addresses
 
     async def connect_links(self, addresses: dict[str, str]) -> None:
@@ -180,7 +209,24 @@ class Host:
                 address, name=f"{self.name}/{link.endpoint}#{link.link_id}"
             )
             self._senders[link.link_id] = sender
-            self._add_route(link.endpoint, sender.send)
+            deliver = self._contained_deliver(link, sender) if link.contained else sender.send
+            self._add_route(link.endpoint, deliver, link.peer.stage if link.peer else "")
+
+    def _contained_deliver(self, link: RemoteLink, sender: Sender) -> _Deliver:
+        """Send on a contained link: once the link is lost or cut, drop (a dead replica's
+        share of the traffic goes nowhere, and the sending stage goes on)."""
+        link_id, cut, lost = link.link_id, self._cut, self._lost_links
+
+        async def deliver(message: Any) -> None:
+            if link_id in cut or link_id in lost:
+                return
+            try:
+                await sender.send(message)
+            except (LinkClosedError, PeerLostError) as exc:
+                if link_id not in cut and not self._stopped:
+                    self._link_lost(link_id, f"sending on it failed: {exc}")
+
+        return deliver
 
     async def start_stages(self) -> None:
         """Run every stage's ``start`` (concurrently), then start handling messages.
@@ -209,8 +255,24 @@ class Host:
 
     # -- running --------------------------------------------------------------------------------
 
-    async def emit(self, stage: str, port: str, message: Any) -> None:
-        routes = self._routes.get((stage, port))
+    async def emit(self, stage: str, port: str, message: Any, to: str | None = None) -> None:
+        """Deliver ``message`` from ``stage``'s ``port`` to every link of the port, or with
+        ``to`` only to the links into the stage ``to``.
+
+        Raises:
+            GraphError: ``port`` is not an output of ``stage``, or ``to`` names a stage the
+                port is not linked to.
+        """
+        if to is None:
+            routes = self._routes.get((stage, port))
+        else:
+            routes = self._targeted.get((stage, port, to))
+            if routes is None and (stage, port) in self._routes:
+                linked = sorted(t for s, p, t in self._targeted if (s, p) == (stage, port))
+                raise GraphError(
+                    f"stage {stage!r} emitted on {port!r} to {to!r}, which that port is not "
+                    f"linked to (it is linked to {linked})"
+                )
         if routes is None:
             self._unrouted(stage, port)
             return
@@ -250,7 +312,10 @@ class Host:
             cell.busy = True
             started = clock()
             try:
-                await handle(message, port)
+                if port == RUNTIME_PORT:
+                    await cell.stage.on_replica_lost(message)
+                else:
+                    await handle(message, port)
             except asyncio.CancelledError as exc:
                 # NOTE: only this host cancels a stage's task, and it sets _stopped first. A
                 # CancelledError that nobody aimed at the task (the handler awaited a future
@@ -262,7 +327,7 @@ class Host:
                 self._fail(self._cancelled_error(cell.name, exc, "its handler"), exc)
                 return
             except Exception as exc:
-                if not await self._recover(cell, message, port, exc):
+                if port == RUNTIME_PORT or not await self._recover(cell, message, port, exc):
                     self._fail(self._stage_error(cell.name, exc), exc)
                     return
             finally:
@@ -371,11 +436,55 @@ class Host:
         except (EndOfStream, LinkClosedError):
             return
         except PeerLostError as exc:
-            if not self._stopped:
-                lost = PeerLostError(
-                    f"link {link.link_id} into {link.endpoint}: {exc}", silent_for=exc.silent_for
-                )
-                self._fail(lost, exc)
+            if self._stopped or link.link_id in self._cut:
+                return
+            if link.contained:
+                self._link_lost(link.link_id, str(exc))
+                return
+            lost = PeerLostError(
+                f"link {link.link_id} into {link.endpoint}: {exc}", silent_for=exc.silent_for
+            )
+            self._fail(lost, exc)
+
+    def _link_lost(self, link_id: str, detail: str) -> None:
+        """Report the loss of contained link ``link_id`` (once)."""
+        if link_id in self._lost_links:
+            return
+        self._lost_links.add(link_id)
+        logger.warning("host %s: link %s to replica %s lost: %s",
+                       self.name, link_id, self._contained[link_id], detail)  # fmt: skip
+        if self._on_link_lost is not None:
+            self._on_link_lost(link_id, detail)
+
+    async def cut_replica(self, lost: ReplicaLost, timeout: float = 1.0) -> None:
+        """Close this host's links to and from the replica ``lost`` names (messages still
+        sent to it are dropped), then deliver ``lost`` to each stage of this host that was
+        linked to it, behind what its mailbox holds already. Idempotent."""
+        key = f"{lost.replica_set}/{lost.replica}"
+        links = [
+            link
+            for link in (*self.plan.inbound, *self.plan.outbound)
+            if self._contained.get(link.link_id) == key and link.link_id not in self._cut
+        ]
+        self._cut.update(link.link_id for link in links)
+        for link in links:
+            pump = self._pump_of.pop(link.link_id, None)
+            if pump is not None:
+                pump.cancel()
+            sender = self._senders.pop(link.link_id, None)
+            receiver = self._receivers.pop(link.link_id, None)
+            for end in (sender, receiver):
+                if end is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(end.aclose(), timeout)
+        told: set[str] = set()
+        for link in links:
+            cell = self._cells.get(link.endpoint.stage)
+            if cell is None or cell.name in told or self._stopped:
+                continue
+            told.add(cell.name)
+            with contextlib.suppress(LinkClosedError):  # the stage is stopping
+                await cell.mailbox.send((RUNTIME_PORT, lost))
 
     def _stage_error(self, stage: str, exc: BaseException) -> StageFailedError:
         error = StageFailedError(

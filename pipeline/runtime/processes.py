@@ -47,19 +47,22 @@ from pipeline.runtime.errors import (
     StageFailedError,
 )
 from pipeline.runtime.gc_policy import freeze_startup_heap
-from pipeline.runtime.host import FailureCallback, Host
+from pipeline.runtime.host import FailureCallback, Host, LinkLostCallback
 from pipeline.runtime.protocol import (
     Ack,
     BindLinks,
     ConnectLinks,
+    CutReplica,
     HostFailure,
     HostPlan,
     HostStatistics,
+    LinkLost,
     LinksBound,
     QueryStatistics,
     StartStages,
     StopHost,
 )
+from pipeline.runtime.replicas import ReplicaLost
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
 from transports.zmq import IPC_DIR_PREFIX, made_ipc_directory
@@ -229,7 +232,11 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
         with contextlib.suppress(Exception):
             control.send(_failure_message(0, plan.name, error))
 
-    host = Host(plan, report)
+    def report_link_lost(link_id: str, detail: str) -> None:
+        with contextlib.suppress(Exception):
+            control.send(LinkLost(0, plan.name, link_id, detail))
+
+    host = Host(plan, report, on_link_lost=report_link_lost)
 
     async def run_command(command: Any) -> bool:
         """Run one command; True once the host should exit."""
@@ -256,6 +263,9 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
                 control.send(Ack(call_id))
             elif isinstance(command, QueryStatistics):
                 control.send(Ack(call_id, host.statistics()))
+            elif isinstance(command, CutReplica):
+                await host.cut_replica(command.lost)
+                control.send(Ack(call_id))
             elif isinstance(command, StopHost):
                 if command.phase == 1:
                     await host.quiesce(command.timeout, abort=command.abort)
@@ -301,10 +311,16 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
 class ProcessHost:
     """The controller's handle on a host running in a spawned process."""
 
-    def __init__(self, plan: HostPlan, on_failure: FailureCallback) -> None:
+    def __init__(
+        self,
+        plan: HostPlan,
+        on_failure: FailureCallback,
+        on_link_lost: LinkLostCallback | None = None,
+    ) -> None:
         self.plan = plan
         self.name = plan.name
         self._on_failure = on_failure
+        self._on_link_lost = on_link_lost
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
         self._control: _ControlChannel | None = None
@@ -366,6 +382,12 @@ class ProcessHost:
                     future.set_result(message)
             elif isinstance(message, HostFailure) and not self._stopping:
                 self._on_failure(_error_from_failure(message))
+            elif (
+                isinstance(message, LinkLost)
+                and not self._stopping
+                and self._on_link_lost is not None
+            ):
+                self._on_link_lost(message.link_id, message.detail)
 
     def _on_exit(self) -> None:
         if self._gone:
@@ -419,6 +441,17 @@ class ProcessHost:
 
     async def start_stages(self) -> None:
         await self._call(StartStages)
+
+    def links_to(self, replica: str) -> bool:
+        """Whether this host has a contained link to or from replica ``replica``
+        (``"set/replica"``)."""
+        return any(link.contained == replica for link in (*self.plan.inbound, *self.plan.outbound))
+
+    async def cut_replica(self, lost: ReplicaLost, timeout: float = 5.0) -> None:
+        """Have the host cut its links to the lost replica (:meth:`Host.cut_replica`).
+        Never raises (a host that cannot answer is failing on its own)."""
+        with contextlib.suppress(Exception):
+            await self._call(CutReplica, lost, timeout=timeout)
 
     async def statistics(self) -> HostStatistics:
         reply = await self._call(QueryStatistics, timeout=10.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pipeline.runtime.replicas import ReplicaLost
 from pipeline.runtime.spec import Endpoint, StageSpec
 from transports.base import LinkOptions, LinkStatistics
 from transports.codec import DEFAULT_REGISTRY, message
@@ -15,9 +16,11 @@ __all__ = [
     "Ack",
     "BindLinks",
     "ConnectLinks",
+    "CutReplica",
     "HostFailure",
     "HostPlan",
     "HostStatistics",
+    "LinkLost",
     "LinksBound",
     "QueryStatistics",
     "RemoteLink",
@@ -32,11 +35,15 @@ DEFAULT_REGISTRY.register(LinkStatistics, 10)
 @dataclasses.dataclass(frozen=True, slots=True)
 class RemoteLink:
     """A link crossing hosts: ``endpoint`` is the local end (a target for inbound links, a
-    source for outbound ones)."""
+    source for outbound ones), ``peer`` the other end. ``contained``: the key
+    (``"set/replica"``) of the replica the peer host belongs to when this host is outside it:
+    the link's loss is then contained (see :mod:`pipeline.runtime.replicas`); "" otherwise."""
 
     link_id: str
     endpoint: Endpoint
     transport: str
+    peer: Endpoint | None = None
+    contained: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -159,3 +166,25 @@ class HostFailure:
     cycle: tuple[str, ...] = ()
     capacities: tuple[int, ...] = ()
     silent_for: float | None = None
+
+
+@message(39)
+@dataclasses.dataclass(frozen=True, slots=True)
+class CutReplica:
+    """Cut this host's links to the lost replica ``lost`` describes and tell the stages
+    linked to it (see :mod:`pipeline.runtime.replicas`)."""
+
+    call_id: int
+    lost: ReplicaLost
+
+
+@message(40)
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinkLost:
+    """An event (``call_id`` 0): this host's contained link ``link_id`` broke or fell
+    silent (``detail`` says how); the controller decides which replica to contain."""
+
+    call_id: int
+    host: str
+    link_id: str
+    detail: str

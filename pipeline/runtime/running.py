@@ -15,6 +15,11 @@ pipeline is stopping. A link that breaks or falls silent is blamed on its sendin
 that host's process has exited (or exits within :data:`_EXIT_GRACE`) the failure is a
 :class:`~pipeline.runtime.errors.HostDiedError` with its exit status, else the host is unresponsive.
 
+Hosts of a replica set (:mod:`pipeline.runtime.replicas`) are the exception: once the
+pipeline has started, a failure attributed to one of them (by the same rules) is contained
+to its replica, which is killed and cut off; the pipeline fails only when every replica of
+the set is lost.
+
 Shutdown runs once, in a task of its own that every stop waits for: first gracefully (every
 host stops its stages and closes its links), then, whatever that left (all of it when a stop
 is cancelled or times out), forced: host processes are killed and links aborted, so a stop cut
@@ -36,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.runtime import settings
 from pipeline.runtime.errors import (
+    HostDiedError,
     HostUnresponsiveError,
     PipelineClosedError,
     PipelineError,
@@ -45,6 +51,7 @@ from pipeline.runtime.gc_policy import raise_young_threshold, restore_threshold
 from pipeline.runtime.host import Host
 from pipeline.runtime.processes import ProcessHost
 from pipeline.runtime.protocol import HostPlan, HostStatistics, RemoteLink
+from pipeline.runtime.replicas import ReplicaLost, ReplicaSet, ReplicaStatus
 from pipeline.runtime.spec import BOUNDARY, MAIN_HOST, Endpoint
 from pipeline.runtime.stage import Stage
 from transports.base import LinkOptions
@@ -110,6 +117,12 @@ def plan_hosts(pipeline: Pipeline, options: StartOptions) -> dict[str, HostPlan]
     pipeline.validate()
     host_of = {name: spec.host for name, spec in pipeline.stages.items()}
     host_of[BOUNDARY] = MAIN_HOST
+    replica_of = {
+        host: f"{replica_set.name}/{replica}"
+        for replica_set in pipeline.replica_sets.values()
+        for replica, hosts in replica_set.replicas
+        for host in hosts
+    }
     link_options = options.link_options()
     local: dict[str, list[tuple[Endpoint, Endpoint]]] = {h: [] for h in pipeline.hosts}
     inbound: dict[str, list[RemoteLink]] = {h: [] for h in pipeline.hosts}
@@ -122,8 +135,19 @@ def plan_hosts(pipeline: Pipeline, options: StartOptions) -> dict[str, HostPlan]
             continue
         link_id = f"L{next(ids)}"
         transport = link.transport or options.transport
-        outbound[source_host].append(RemoteLink(link_id, link.source, transport))
-        inbound[target_host].append(RemoteLink(link_id, link.target, transport))
+        source_replica = replica_of.get(source_host, "")
+        target_replica = replica_of.get(target_host, "")
+        contained = source_replica != target_replica  # one end is outside the other's replica
+        outbound[source_host].append(
+            RemoteLink(
+                link_id, link.source, transport, link.target, target_replica if contained else ""
+            )
+        )
+        inbound[target_host].append(
+            RemoteLink(
+                link_id, link.target, transport, link.source, source_replica if contained else ""
+            )
+        )
     settings_items = tuple(
         (name, dict(value)) for name, value in options.transport_settings.items()
     )
@@ -159,6 +183,19 @@ class RunningPipeline:
         self._torn_down = False  # the teardown finished (forced or not)
         self._gc_tuned = False  # this pipeline raised the young GC threshold
         self._link_sources: dict[str, str] = {}  # cross-host link id -> its sending host
+        self._link_targets: dict[str, str] = {}  # cross-host link id -> its receiving host
+        self._replica_sets: dict[str, ReplicaSet] = dict(pipeline.replica_sets)
+        self._replica_of: dict[str, tuple[str, str]] = {
+            host: (replica_set.name, replica)
+            for replica_set in self._replica_sets.values()
+            for replica, hosts in replica_set.replicas
+            for host in hosts
+        }
+        self._lost: dict[tuple[str, str], BaseException] = {}  # (set, replica) -> its failure
+        self._lost_hosts: set[str] = set()
+        self._replica_callbacks: list[Callable[[ReplicaLost], None]] = []
+        self._containments: set[asyncio.Task[None]] = set()
+        self._started = False  # start-up finished: from now on replica failures are contained
         self._inbound_sources: dict[str, set[str]] = {}  # host -> hosts that send to it
         self._unresponsive: set[str] = set()
         self._sending: set[asyncio.Task[Any]] = set()  # callers inside send()
@@ -198,12 +235,21 @@ class RunningPipeline:
         for name, plan in plans.items():
             for link in plan.outbound:
                 self._link_sources[link.link_id] = name
+            for link in plan.inbound:
+                self._link_targets[link.link_id] = name
         for name, plan in plans.items():
             self._inbound_sources[name] = {self._link_sources[k.link_id] for k in plan.inbound}
-        self._main = Host(plans[MAIN_HOST], self._failure_reporter(MAIN_HOST), exits=self._exits)
+        self._main = Host(
+            plans[MAIN_HOST],
+            self._failure_reporter(MAIN_HOST),
+            exits=self._exits,
+            on_link_lost=self._link_lost_reporter(MAIN_HOST),
+        )
         for name, plan in plans.items():
             if name != MAIN_HOST:
-                self._processes[name] = ProcessHost(plan, self._failure_reporter(name))
+                self._processes[name] = ProcessHost(
+                    plan, self._failure_reporter(name), self._link_lost_reporter(name)
+                )
         await asyncio.gather(*(process.spawn() for process in self._processes.values()))
         self._main.build()
         hosts: list[Host | ProcessHost] = [self._main, *self._processes.values()]
@@ -221,6 +267,7 @@ class RunningPipeline:
         if self.options.tune_gc:  # _start runs once per RunningPipeline
             self._gc_tuned = True
             raise_young_threshold()
+        self._started = True
 
     # -- messages -------------------------------------------------------------------------------
 
@@ -317,11 +364,108 @@ class RunningPipeline:
                 )
             elif isinstance(error, StageFailedError) and error.remote_type == "PeerLostError":
                 # a stage's send found its link broken: the receiving host may have died
-                self._blame_exited_host(sorted(self._processes), lambda: self._fail(error))
+                self._blame_exited_host(
+                    sorted(self._processes), lambda: self._fail_host(host, error)
+                )
             else:
-                self._fail(error)
+                self._fail_host(host, error)
 
         return report
+
+    def _link_lost_reporter(self, host: str) -> Callable[[str, str], None]:
+        """The callback through which host ``host`` reports a contained link it lost."""
+
+        def report(link_id: str, detail: str) -> None:
+            if self.failure is not None or self._closing:
+                return
+            source, target = self._link_sources[link_id], self._link_targets[link_id]
+            other = target if source == host else source
+            if other in self._lost_hosts:
+                return
+            suspects = [other] if other in self._processes else []
+            self._blame_exited_host(
+                suspects,
+                lambda: self._host_unresponsive(
+                    other,
+                    f"its link {link_id} to host {host!r} broke: {detail}",
+                    None,
+                    seconds=None,
+                ),
+            )
+
+        return report
+
+    def _fail_host(self, host: str, error: BaseException) -> None:
+        """``error`` is ``host``'s failure: contain it if the host is a replica's (once
+        started), else fail the pipeline."""
+        replica = self._replica_of.get(host)
+        if replica is None or not self._started:
+            self._fail(error)
+        else:
+            self._contain(replica, error)
+
+    def _contain(self, replica: tuple[str, str], error: BaseException) -> None:
+        """Replica ``replica`` failed with ``error``: kill its hosts, cut it off, tell the
+        stages linked to it; or fail the pipeline if it was its set's last live replica."""
+        if self.failure is not None or self._closing or replica in self._lost:
+            return
+        set_name, name = replica
+        replica_set = self._replica_sets[set_name]
+        hosts = replica_set.hosts(name)
+        self._lost[replica] = error
+        self._lost_hosts.update(hosts)
+        if all((set_name, other) in self._lost for other in replica_set.names):
+            logger.error("pipeline %r: the last replica of %r failed", self.pipeline.name, set_name)
+            self._fail(error)
+            return
+        logger.error("pipeline %r: replica %s of %r failed and was cut off: %s",
+                     self.pipeline.name, name, set_name, error)  # fmt: skip
+        for host in hosts:
+            self._processes[host].kill_now()
+        lost = ReplicaLost(
+            set_name,
+            name,
+            hosts,
+            type(error).__qualname__,
+            str(error),
+            error.exitcode if isinstance(error, HostDiedError) else None,
+        )
+        task = asyncio.get_running_loop().create_task(
+            self._cut_off(lost), name=f"contain:{set_name}/{name}"
+        )
+        self._containments.add(task)
+        task.add_done_callback(self._containments.discard)
+
+    async def _cut_off(self, lost: ReplicaLost) -> None:
+        """Reap the lost replica's hosts, have every other host cut its links to it (the
+        stages linked to it get ``lost``), then call the replica callbacks."""
+        await asyncio.gather(*(self._processes[host].kill() for host in lost.hosts))
+        key = f"{lost.replica_set}/{lost.replica}"
+        cuts = [
+            process.cut_replica(lost)
+            for process in self._processes.values()
+            if process.name not in self._lost_hosts and process.links_to(key)
+        ]
+        if self._main is not None:
+            cuts.append(self._main.cut_replica(lost))
+        await asyncio.gather(*cuts, return_exceptions=True)
+        for callback in self._replica_callbacks:
+            try:
+                callback(lost)
+            except Exception:
+                logger.exception("replica callback raised")
+
+    def add_replica_callback(self, callback: Callable[[ReplicaLost], None]) -> None:
+        """Call ``callback(lost)`` for every replica lost from now on (once it is cut off)."""
+        self._replica_callbacks.append(callback)
+
+    def replicas(self) -> list[ReplicaStatus]:
+        """Every replica of the pipeline's replica sets, with its failure if it was lost."""
+        return [
+            ReplicaStatus(replica_set.name, name, hosts, self._lost.get((replica_set.name, name)))
+            for replica_set in self._replica_sets.values()
+            for name, hosts in replica_set.replicas
+        ]
 
     def _blame_exited_host(self, suspects: list[str], otherwise: Callable[[], None]) -> None:
         """A link broke or fell silent, maybe because one of the ``suspects`` (spawned hosts)
@@ -330,7 +474,7 @@ class RunningPipeline:
         does, call ``otherwise``."""
         if self.failure is not None or self._closing:
             return
-        hosts = [self._processes[name] for name in suspects]
+        hosts = [self._processes[name] for name in suspects if name not in self._lost_hosts]
         if not hosts:
             otherwise()
             return
@@ -355,13 +499,14 @@ class RunningPipeline:
     def _host_unresponsive(
         self, host: str, detail: str, cause: BaseException | None, *, seconds: float | None
     ) -> None:
-        """Fail the pipeline: ``host`` does not answer (silent for ``seconds``, if known)."""
-        if self.failure is not None or self._closing:
+        """Fail the pipeline, or contain the replica: ``host`` does not answer (silent for
+        ``seconds``, if known)."""
+        if self.failure is not None or self._closing or host in self._lost_hosts:
             return
         self._unresponsive.add(host)
         error = HostUnresponsiveError(host, detail, seconds=seconds)
         error.__cause__ = cause
-        self._fail(error)
+        self._fail_host(host, error)
 
     async def _probe_hosts(self, hosts: list[ProcessHost]) -> None:
         """Ask ``hosts`` (spawned hosts that send over no link, so no link heartbeat tells
@@ -450,12 +595,17 @@ class RunningPipeline:
         """
         if self._torn_down or self._main is None:
             raise self._closed_error()
-        try:
-            remote = await asyncio.gather(*(p.statistics() for p in self._processes.values()))
-        except Exception as exc:
-            if self._closing or self.failure is not None:
-                raise self._closed_error() from exc
-            raise
+        # NOTE: a replica's host may be dying (or lost): its share is left out, not an error
+        processes = [p for p in self._processes.values() if p.name not in self._lost_hosts]
+        answers = await asyncio.gather(*(p.statistics() for p in processes), return_exceptions=True)
+        remote: list[HostStatistics] = []
+        for process, answer in zip(processes, answers):
+            if isinstance(answer, HostStatistics):
+                remote.append(answer)
+            elif self._closing or self.failure is not None:
+                raise self._closed_error() from answer
+            elif process.name not in self._replica_of:
+                raise answer
         return [self._main.statistics(), *remote]
 
     async def wait_idle(self, timeout: float | None = None, *, poll: float = 0.02) -> bool:
@@ -551,9 +701,11 @@ class RunningPipeline:
             await asyncio.wait([self._probe_task])
         timeout = self.options.stop_timeout
         processes = list(self._processes.values())
+        if abort:
+            await self._find_silent_hosts(processes)
         timeouts = {p.name: timeout for p in processes}
         for process in processes:
-            if process.name in self._unresponsive:
+            if process.name in self._unresponsive and process.name not in self._lost_hosts:
                 self._resume(process)
                 timeouts[process.name] = min(timeout, _UNRESPONSIVE_GRACE)
         phase_one = [p.quiesce(timeouts[p.name], abort=abort) for p in processes]
@@ -567,13 +719,40 @@ class RunningPipeline:
         for channel in self._exits.values():
             channel.close_sending()
 
+    async def _find_silent_hosts(self, processes: list[ProcessHost]) -> None:
+        """After a failure, count a host that does not answer a probe within
+        :data:`_UNRESPONSIVE_GRACE` as unresponsive (one frozen, or whose event loop is stuck,
+        while another host's failure came first), so that the teardown resumes it and waits
+        for it only briefly."""
+
+        async def silent(process: ProcessHost) -> bool:
+            try:
+                await asyncio.wait_for(process.statistics(), _UNRESPONSIVE_GRACE)
+            except asyncio.TimeoutError:
+                return True
+            except Exception:  # gone: nothing to wait for
+                return False
+            return False
+
+        candidates = [
+            process
+            for process in processes
+            if process.name not in self._unresponsive and process.name not in self._lost_hosts
+        ]
+        for process, quiet in zip(
+            candidates, await asyncio.gather(*(silent(process) for process in candidates))
+        ):
+            if quiet:
+                logger.warning("host %s does not answer; ending it", process.name)
+                self._unresponsive.add(process.name)
+
     async def _force_teardown(self) -> None:
         """Kill and close whatever the graceful part left (nothing after a full graceful
         teardown). Idempotent."""
         if self._gc_tuned:
             self._gc_tuned = False
             restore_threshold()
-        for task in (self._probe_task, *self._exit_checks):
+        for task in (self._probe_task, *self._exit_checks, *self._containments):
             if task is not None:
                 task.cancel()
         processes = list(self._processes.values())

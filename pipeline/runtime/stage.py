@@ -35,6 +35,7 @@ from transports.errors import EndOfStream, LinkClosedError, PeerLostError
 
 if TYPE_CHECKING:
     from pipeline.runtime.host import Host
+    from pipeline.runtime.replicas import ReplicaLost
 
 __all__ = ["Handler", "Stage", "handles", "recoverable"]
 
@@ -158,6 +159,12 @@ class Stage:
         """
         return False
 
+    async def on_replica_lost(self, lost: ReplicaLost) -> None:
+        """A replica this stage is linked to failed and was cut off (see
+        :mod:`pipeline.runtime.replicas`): nothing more arrives from it, what is sent to it
+        is dropped. Called in turn with the handlers, after every message the replica had
+        sent this stage. The default does nothing."""
+
     # -- messages -----------------------------------------------------------------------------
 
     async def handle(self, message: Any, port: str) -> None:
@@ -181,15 +188,17 @@ class Stage:
                 )
         await handler(message)
 
-    async def emit(self, port: str, message: object) -> None:
-        """Send ``message`` to every link of output ``port`` (waits while a link is full).
+    async def emit(self, port: str, message: object, *, to: str | None = None) -> None:
+        """Send ``message`` to every link of output ``port`` (waits while a link is full), or
+        with ``to`` only to the links of ``port`` into the stage named ``to``.
 
         Raises:
-            GraphError: ``port`` is not one of this stage's outputs.
+            GraphError: ``port`` is not one of this stage's outputs, or ``to`` names a stage
+                that ``port`` is not linked to.
         """
         if self._host is None:
             raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
-        await self._host.emit(self._name, port, message)
+        await self._host.emit(self._name, port, message, to)
 
     # -- helpers ------------------------------------------------------------------------------
 
