@@ -1,6 +1,6 @@
 """The one registry of named components, discovered through entry-point groups.
 
-Three groups, whose names are the constants below. Each built-in component is registered
+Four groups, whose names are the constants below. Each built-in component is registered
 through actorline's own ``pyproject.toml`` entry points, exactly like a third-party plugin::
 
     [project.entry-points."actorline.schedulers"]
@@ -27,6 +27,7 @@ from typing import Any
 
 __all__ = [
     "GROUPS",
+    "ROUTERS",
     "SCHEDULERS",
     "STAGES",
     "TRANSPORTS",
@@ -45,6 +46,7 @@ __all__ = [
 
 logger = logging.getLogger("actorline.plugins")
 
+ROUTERS = "actorline.routers"
 SCHEDULERS = "actorline.schedulers"
 STAGES = "actorline.stages"
 TRANSPORTS = "actorline.transports"
@@ -68,6 +70,13 @@ class GroupSpec:
 
 
 GROUPS: dict[str, GroupSpec] = {
+    ROUTERS: GroupSpec(
+        ROUTERS,
+        "routing policies: which engine replica serves a request (data parallelism)",
+        api_version=1,
+        methods=("choose", "forget_replica"),
+        attributes=("name",),
+    ),
     SCHEDULERS: GroupSpec(
         SCHEDULERS,
         "scheduling policies: which waiting request goes next, which running one is preempted",

@@ -7,6 +7,7 @@ A rejected request is answered with a :class:`~stages.messages.RequestRejected` 
 from __future__ import annotations
 
 __all__ = [
+    "ENGINE_DEAD",
     "ERROR_KINDS",
     "InvalidRequestError",
     "OverloadedError",
@@ -71,6 +72,11 @@ class RequestFailedError(RequestError):
 
     kind = "failed"
 
+
+#: the ``kind`` of a :class:`~stages.messages.RequestRejected` that ends a request because the
+#: engine replica holding it died (data parallelism: the other replicas go on). It is no
+#: RequestError: the API raises ``pipeline.engine.errors.EngineDeadError`` for it.
+ENGINE_DEAD = "engine_dead"
 
 ERROR_KINDS: dict[str, type[RequestError]] = {
     cls.kind: cls

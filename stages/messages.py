@@ -181,7 +181,9 @@ class StepResult:
     ``preempted``: requests execute had to drop for lack of blocks (not computed this step).
     ``shared_blocks``: for each request holding blocks that other requests hold too (shared
     prefixes), how many; freeing it frees only its other blocks. Prefix-cache counters are
-    cumulative, in tokens.
+    cumulative, in tokens. ``communication_seconds``: time rank 0 spent in tensor-parallel
+    collectives this step (waiting for the slowest rank included; 0 without tensor
+    parallelism).
     """
 
     step_id: int
@@ -199,12 +201,15 @@ class StepResult:
     prefix_cache_hits: int = 0
     num_computed_tokens: int = 0
     forward_seconds: float = 0.0
+    communication_seconds: float = 0.0
 
 
 @message(111)
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineStats:
-    """Scheduler and KV gauges after a step (cumulative counters are totals since start)."""
+    """Scheduler and KV gauges after a step (cumulative counters are totals since start).
+    ``step_seconds`` and ``forward_seconds`` are the last step's; ``communication_seconds``
+    is the total time rank 0 spent in tensor-parallel collectives since start. ``replica``: the engine replica these are of, with data parallelism ("" with one)."""
 
     num_running: int
     num_waiting: int
@@ -216,6 +221,8 @@ class EngineStats:
     num_steps: int = 0
     step_seconds: float = 0.0
     forward_seconds: float = 0.0
+    communication_seconds: float = 0.0
+    replica: str = ""
 
 
 @message(112)

@@ -75,7 +75,8 @@ class SchedulerConfig:
     ``max_num_seqs``: requests running at once. ``max_num_batched_tokens``: tokens computed
     in one step (decode tokens + prefill chunks). ``long_prefill_chunk``: the most prompt
     tokens of one request in one step (None: up to the whole budget), which lets several
-    prompts share a step and keeps decode latency steady.
+    prompts share a step and keeps decode latency steady. ``replica``: the name of the engine
+    replica this scheduler serves, reported in its stats ("" without data parallelism).
 
     Raises:
         ValueError: a limit is not a positive integer.
@@ -84,6 +85,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int | None = None
+    replica: str = ""
 
     def __post_init__(self) -> None:
         for field in ("max_num_seqs", "max_num_batched_tokens"):
@@ -215,6 +217,7 @@ class Scheduler:
         self._prefix_cache_hits = 0
         self._last_step_seconds = 0.0
         self._last_forward_seconds = 0.0
+        self._communication_seconds = 0.0
 
     # ------------------------------------------------------------------ inputs
 
@@ -297,7 +300,8 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         """Gauges and counters now; ``step_seconds`` and ``forward_seconds`` are the last
-        step's (schedule → update wall time, and execute's forward time)."""
+        step's (schedule → update wall time, and execute's forward time),
+        ``communication_seconds`` the total of every step's tensor-parallel collectives."""
         return EngineStats(
             num_running=len(self._running),
             num_waiting=len(self._waiting),
@@ -309,6 +313,8 @@ class Scheduler:
             num_steps=self._num_steps,
             step_seconds=self._last_step_seconds,
             forward_seconds=self._last_forward_seconds,
+            communication_seconds=self._communication_seconds,
+            replica=self.config.replica,
         )
 
     # ------------------------------------------------------------------ planning
@@ -567,6 +573,7 @@ class Scheduler:
         self._prefix_cache_hits = result.prefix_cache_hits
         self._last_step_seconds = max(self._clock() - in_flight.started, 0.0)
         self._last_forward_seconds = result.forward_seconds
+        self._communication_seconds += result.communication_seconds
 
         preempted = set(result.preempted)
         for request_id in result.preempted:

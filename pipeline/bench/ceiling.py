@@ -6,6 +6,9 @@ detokenize, stop-check, the links between them and the API's dispatch. Target: 5
 tokens/s with 256 streaming requests over the zmq topology.
 
     actorline bench ceiling [--profile] [--transport memory] [--json]
+    actorline bench ceiling --data-parallel-size 2     # N replicas against one, same run
+
+(the data-parallel comparison is :mod:`pipeline.bench.parallel`'s)
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "CeilingResult",
     "CeilingRun",
     "add_arguments",
+    "ceiling_prompts",
     "format_ceiling",
     "main",
     "measure_ceiling",
@@ -113,11 +117,8 @@ class CeilingResult:
     profile: Profile | None = None
 
 
-async def measure_ceiling(config: CeilingConfig) -> CeilingResult:
-    """Run the ceiling benchmark on the running event loop (see the module docstring)."""
-    from pipeline.engine.async_engine import AsyncEngine
-    from stages.params import SamplingParams
-
+def ceiling_prompts(config: CeilingConfig) -> list[str]:
+    """The benchmark's prompts: short ones, drawn from ``config.seed``."""
     spec = WorkloadSpec(
         num_requests=config.num_requests,
         min_filler=_PROMPT_FILLER[0],
@@ -125,7 +126,15 @@ async def measure_ceiling(config: CeilingConfig) -> CeilingResult:
         max_tokens_choices=(config.max_tokens,),
         seed=config.seed,
     )
-    prompts = [request.prompt for request in make_workload(spec)]
+    return [request.prompt for request in make_workload(spec)]
+
+
+async def measure_ceiling(config: CeilingConfig) -> CeilingResult:
+    """Run the ceiling benchmark on the running event loop (see the module docstring)."""
+    from pipeline.engine.async_engine import AsyncEngine
+    from stages.params import SamplingParams
+
+    prompts = ceiling_prompts(config)
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     # Prompts are a few dozen tokens; give every request room for all of its tokens.
     blocks_per_request = -(-(config.max_tokens + 64) // 16) + _SPARE_BLOCKS_PER_REQUEST
@@ -225,6 +234,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="leave the garbage collector at CPython's defaults (see docs/performance.md §5)",
     )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="also run N engine replicas and compare them with one, in alternation",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> CeilingConfig:
@@ -249,6 +264,12 @@ def config_from_args(args: argparse.Namespace) -> CeilingConfig:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed options and print the result; the exit status."""
+    if args.data_parallel_size > 1:
+        from pipeline.bench.parallel import format_data_parallel, run_data_parallel
+
+        compared = run_data_parallel(config_from_args(args), args.data_parallel_size)
+        print_result(compared, format_data_parallel(compared), args.json)
+        return 0
     result = run_ceiling(config_from_args(args))
     print_result(result, format_ceiling(result), args.json)
     return 0

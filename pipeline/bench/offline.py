@@ -19,6 +19,10 @@ workload with the engine's default KV budget (``ExecuteConfig.kv_cache_memory``)
 configuration the target is about (``--skip rss-default`` leaves that run out).
 
     actorline bench offline [--quick] [--json] [--profile]
+    actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
+
+The second form runs the workload on N tensor-parallel ranks against one rank instead
+(:mod:`pipeline.bench.parallel`).
 """
 
 from __future__ import annotations
@@ -497,6 +501,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("sdpa", "paged|eager"),
         help="attention of HF continuous batching (both page the KV cache on the CPU)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="run the workload on N ranks against one rank (and nothing else)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of each rank count (--tensor-parallel-size)"
+    )
 
 
 _SKIP_NAMES = {
@@ -528,6 +541,26 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed options and print the result; the exit status."""
+    if args.tensor_parallel_size > 1:
+        from pipeline.bench.parallel import (
+            TensorParallelConfig,
+            format_tensor_parallel,
+            run_tensor_parallel,
+        )
+
+        offline = config_from_args(args)
+        compared = run_tensor_parallel(
+            TensorParallelConfig(
+                model=offline.model,
+                workload=offline.workload,
+                size=args.tensor_parallel_size,
+                repeats=args.repeats,
+                dtype=offline.dtype,
+                max_num_batched_tokens=offline.max_num_batched_tokens,
+            )
+        )
+        print_result(compared, format_tensor_parallel(compared), args.json)
+        return 0
     result = run_offline(config_from_args(args))
     print_result(result, format_offline(result), args.json)
     return 0

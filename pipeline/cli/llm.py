@@ -49,6 +49,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     group.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
     group.add_argument("--no-prefix-caching", action="store_true")
+    parallel = parser.add_argument_group("parallelism (docs/parallelism.md)")
+    parallel.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many ranks, each a process (default 1)",
+    )
+    parallel.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="run this many engine replicas behind a router stage (default 1)",
+    )
+    parallel.add_argument(
+        "--router",
+        default="least-loaded",
+        help="routing policy plugin of the replicas (default least-loaded)",
+    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +99,9 @@ def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
         "num_blocks": args.num_blocks,
         "kv_cache_memory": args.kv_cache_memory,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "router": args.router,
     }
 
 
@@ -115,7 +136,7 @@ def preflight(args: argparse.Namespace, **extra_options: Any) -> tuple[EngineOpt
     """
     import plugins
     from pipeline.engine.options import EngineOptions
-    from pipeline.engine.presets import llm_pipeline
+    from pipeline.engine.presets import check_parallelism, llm_pipeline
     from stages.errors import InvalidRequestError
     from stages.models import ModelError, resolve_model
     from stages.params import validate_sampling
@@ -132,6 +153,7 @@ def preflight(args: argparse.Namespace, **extra_options: Any) -> tuple[EngineOpt
             validate_sampling(params)
         load_policy(args.scheduler)  # imported and constructed, as the engine will
         resolved = resolve_model(args.model)
+        check_parallelism(options)
     except (ModelError, InvalidRequestError, ValueError, TypeError, plugins.PluginError) as exc:
         raise CliError(_config_message(exc), 2) from exc
     return options, params, resolved

@@ -26,7 +26,13 @@ from typing import Any
 
 from pipeline.engine.errors import EngineDeadError
 from pipeline.engine.options import EngineOptions
-from pipeline.engine.presets import ENGINE_HOST, llm_pipeline, options_of, start_options
+from pipeline.engine.presets import (
+    ENGINE_HOST,
+    check_parallelism,
+    llm_pipeline,
+    options_of,
+    start_options,
+)
 from pipeline.engine.prompts import Prompt, checked_request
 from pipeline.runtime.errors import (
     GraphError,
@@ -37,8 +43,9 @@ from pipeline.runtime.errors import (
     StageFailedError,
 )
 from pipeline.runtime.graph import Pipeline
+from pipeline.runtime.replicas import ReplicaLost, ReplicaStatus
 from pipeline.runtime.running import RunningPipeline
-from stages.errors import InvalidRequestError, RequestError, error_from_kind
+from stages.errors import ENGINE_DEAD, InvalidRequestError, RequestError, error_from_kind
 from stages.messages import (
     AbortRequests,
     EngineInfo,
@@ -227,7 +234,10 @@ class AsyncEngine:
         self.pipeline = pipeline if pipeline is not None else llm_pipeline(self.options)
         _check_engine_boundary(self.pipeline)
         self.info: EngineInfo | None = None
+        #: the engine's latest stats (with replicas: summed over the live ones)
         self.stats: EngineStats | None = None
+        #: with data parallelism, each live replica's latest stats, by replica name
+        self.replica_stats: dict[str, EngineStats] = {}
         self._running: RunningPipeline | None = None
         # NOTE: keyed by the id the request has inside the pipeline. A caller's id becomes
         # "<id>#<n>" there, so an abort of a finished request that arrives late (it can:
@@ -271,6 +281,7 @@ class AsyncEngine:
             await asyncio.to_thread(_preflight, self.options)
             self._running = await self.pipeline.start(start_options(self.options))
             self._running.add_failure_callback(self._on_failure)
+            self._running.add_replica_callback(self._on_replica_lost)
             info = await self._running.receive("engine_info")
             if not isinstance(info, EngineInfo):
                 raise GraphError(
@@ -315,6 +326,12 @@ class AsyncEngine:
     def failure(self) -> BaseException | None:
         """Why the engine stopped working (an EngineDeadError, ...); None while it works."""
         return self._failure
+
+    @property
+    def replicas(self) -> list[ReplicaStatus]:
+        """The engine replicas (data parallelism), each with its failure once it is lost;
+        empty with one engine. The engine serves while one replica lives."""
+        return self._running.replicas() if self._running is not None else []
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -504,7 +521,7 @@ class AsyncEngine:
                 if not isinstance(batch, RequestOutputs):
                     continue
                 if batch.stats is not None:
-                    self.stats = batch.stats
+                    self._record_stats(batch.stats)
                 if self._observers:
                     self._notify_batch(batch)
                 for output in batch.outputs:
@@ -518,6 +535,9 @@ class AsyncEngine:
                     collector = collectors.pop(rejected.request_id, None)
                     if collector is not None:
                         self._forget(collector.request_id, rejected.request_id)
+                        if rejected.kind == ENGINE_DEAD:  # its replica died; others serve
+                            collector.fail(EngineDeadError.replica_lost(rejected.message))
+                            continue
                         collector.fail(
                             error_from_kind(
                                 rejected.kind,
@@ -527,6 +547,25 @@ class AsyncEngine:
                                 retry_after=rejected.retry_after,
                             )
                         )
+
+    def _record_stats(self, stats: EngineStats) -> None:
+        if not stats.replica:
+            self.stats = stats
+            return
+        self.replica_stats[stats.replica] = stats
+        self.stats = _summed(tuple(self.replica_stats.values()), stats)
+
+    def _on_replica_lost(self, lost: ReplicaLost) -> None:
+        logger.error(
+            "engine replica %s failed (%s: %s); the others serve on",
+            lost.replica,
+            lost.error_type,
+            lost.message,
+        )
+        self.replica_stats.pop(lost.replica, None)
+        if self.replica_stats:
+            latest = next(reversed(self.replica_stats.values()))
+            self.stats = _summed(tuple(self.replica_stats.values()), latest)
 
     def _forget(self, request_id: str, engine_id: str) -> None:
         """Drop the caller's ``request_id`` if it still names ``engine_id``."""
@@ -591,10 +630,30 @@ def _check_engine_boundary(pipeline: Pipeline) -> None:
         )
 
 
+def _summed(replicas: tuple[EngineStats, ...], latest: EngineStats) -> EngineStats:
+    """The engine's stats over its live replicas: gauges and counters summed, the step
+    timings of the replica that reported ``latest``."""
+    return dataclasses.replace(
+        latest,
+        num_running=sum(s.num_running for s in replicas),
+        num_waiting=sum(s.num_waiting for s in replicas),
+        kv_blocks_total=sum(s.kv_blocks_total for s in replicas),
+        kv_blocks_free=sum(s.kv_blocks_free for s in replicas),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in replicas),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in replicas),
+        num_preemptions=sum(s.num_preemptions for s in replicas),
+        num_steps=sum(s.num_steps for s in replicas),
+        communication_seconds=sum(s.communication_seconds for s in replicas),
+        replica="",
+    )
+
+
 def _preflight(options: EngineOptions) -> None:
-    """Resolve the model and construct the scheduling policy, raising their typed errors."""
+    """Resolve the model, check it splits over ``tensor_parallel_size`` ranks, construct the
+    scheduling and routing policies, raising their typed errors."""
     from stages.models import resolve_model
     from stages.policies import load_policy
 
     resolve_model(options.model)
     load_policy(options.scheduler)
+    check_parallelism(options)

@@ -39,3 +39,11 @@ class EngineDeadError(HostDiedError):
                 else f"host {host!r} has been unresponsive for {unresponsive_for:g} s"
             )
             self.args = (f"{text}: {detail}" if detail else text,)
+
+    @classmethod
+    def replica_lost(cls, detail: str, host: str = "engine") -> EngineDeadError:
+        """The error of one request whose engine replica died (data parallelism), while the
+        other replicas go on serving; ``detail`` says which replica and why."""
+        error = cls(host, None, detail)
+        error.args = (detail,)
+        return error

@@ -267,6 +267,7 @@ class _SnapshotCollector(Collector):
             "Tokens generated per second over the last statistics poll interval.",
             self._metrics.tokens_per_second,
         )
+        yield from self._replica_metrics(name)
         depth = GaugeMetricFamily(
             name + "stage_queue_depth", "Messages waiting in a stage's mailbox.", labels=["stage"]
         )
@@ -283,6 +284,39 @@ class _SnapshotCollector(Collector):
             handled.add_metric([stage], sample.handled)
             seconds.add_metric([stage], _cumulative(sample.handle_buckets), sample.handle_seconds)
         yield from (depth, handled, seconds)
+
+    def _replica_metrics(self, name: str) -> Iterator[Metric]:
+        """With data parallelism: each engine replica's state and latest stats."""
+        engine = self._metrics.engine
+        replicas = engine.replicas
+        if not replicas:
+            return
+        labels = ["replica"]
+        up = GaugeMetricFamily(
+            name + "replica_up", "1 while an engine replica lives, 0 once it died.", labels=labels
+        )
+        running = GaugeMetricFamily(
+            name + "replica_requests_running", "Requests an engine replica computes.", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            name + "replica_requests_waiting", "Requests queued in a replica.", labels=labels
+        )
+        free = GaugeMetricFamily(
+            name + "replica_kv_blocks_free", "KV cache blocks free in a replica.", labels=labels
+        )
+        steps = CounterMetricFamily(
+            name + "replica_engine_steps", "Engine steps a replica ran.", labels=labels
+        )
+        for status in replicas:
+            up.add_metric([status.replica], 1.0 if status.alive else 0.0)
+            stats = engine.replica_stats.get(status.replica)
+            if stats is None or not status.alive:
+                continue
+            running.add_metric([status.replica], stats.num_running)
+            waiting.add_metric([status.replica], stats.num_waiting)
+            free.add_metric([status.replica], stats.kv_blocks_free)
+            steps.add_metric([status.replica], stats.num_steps)
+        yield from (up, running, waiting, free, steps)
 
 
 def _cumulative(buckets: tuple[int, ...]) -> list[tuple[str, float]]:

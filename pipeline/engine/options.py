@@ -37,6 +37,10 @@ class EngineOptions:
     real KV bookkeeping) to measure the framework alone. Process: ``tune_gc`` (default on)
     raises the garbage collector's young-generation threshold while the engine runs and
     freezes the engine process's start-up heap (see :mod:`pipeline.runtime.gc_policy`).
+    Parallelism (``docs/parallelism.md``): ``tensor_parallel_size`` splits the model over that
+    many ranks, each a process (``tensor_parallel_timeout``: seconds a collective waits for a
+    rank that hangs); ``data_parallel_size`` runs that many engine replicas behind a router
+    stage (``router``: a policy name in ``actorline.routers``).
     """
 
     model: str = "smollm2-135m"
@@ -66,6 +70,10 @@ class EngineOptions:
     log_level: str | None = None
     null_model: bool = False
     tune_gc: bool = True
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 30.0
+    data_parallel_size: int = 1
+    router: str = "least-loaded"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -74,7 +82,14 @@ class EngineOptions:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queued_requests",
+            "tensor_parallel_size",
+            "data_parallel_size",
+        ):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -83,6 +98,26 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.scheduler, str) or not self.scheduler:
             raise ValueError(f"scheduler must be a policy name, got {self.scheduler!r}")
+        if not isinstance(self.router, str) or not self.router:
+            raise ValueError(f"router must be a routing policy name, got {self.router!r}")
+        timeout = self.tensor_parallel_timeout
+        if type(timeout) not in (int, float) or not 0 < timeout < math.inf:
+            raise ValueError(
+                f"tensor_parallel_timeout must be a number of seconds > 0, got {timeout!r}"
+            )
+        if self.null_model and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "null_model runs no model, so there is nothing to split: tensor_parallel_size "
+                "must be 1 with it"
+            )
+        if not self.split_processes and (
+            self.tensor_parallel_size > 1 or self.data_parallel_size > 1
+        ):
+            raise ValueError(
+                "tensor_parallel_size and data_parallel_size > 1 run the engine in processes "
+                "of its own; transport 'memory' keeps every stage in the calling process "
+                "(use 'zmq' or 'grpc')"
+            )
         burst = self.rate_limit_burst
         if type(burst) not in (int, float) or not 0 < burst < math.inf:
             raise ValueError(f"rate_limit_burst must be a number of seconds > 0, got {burst!r}")

@@ -21,17 +21,33 @@ the scheduler stage, re-place a stage on another host.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from typing import TYPE_CHECKING
 
 from pipeline.engine.options import EngineOptions
 from pipeline.runtime.graph import Pipeline
 from pipeline.runtime.running import StartOptions
 from pipeline.runtime.spec import MAIN_HOST
 
-__all__ = ["ENGINE_HOST", "llm_pipeline", "options_of", "start_options"]
+if TYPE_CHECKING:
+    from stages.execute.config import ExecuteConfig
+
+__all__ = [
+    "ENGINE_HOST",
+    "REPLICA_SET",
+    "check_parallelism",
+    "llm_pipeline",
+    "options_of",
+    "replica_suffix",
+    "start_options",
+    "tensor_parallel_host",
+]
 
 #: the host of admit, schedule and execute when the engine runs in its own process
 ENGINE_HOST = "engine"
+#: the replica set of the engine replicas, with data parallelism
+REPLICA_SET = "engines"
 
 #: the options each pipeline llm_pipeline built was built from (edits keep the object)
 _BUILT_FROM: weakref.WeakKeyDictionary[Pipeline, EngineOptions] = weakref.WeakKeyDictionary()
@@ -85,43 +101,149 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
         enable_prefix_caching=options.enable_prefix_caching,
         seed=options.seed,
         use_cuda_graphs=options.use_cuda_graphs,
+        tensor_parallel_size=options.tensor_parallel_size,
+        tensor_parallel_timeout=options.tensor_parallel_timeout,
     )
     pipeline = Pipeline("llm")
     pipeline.add("tokenize", TokenizeStage, TokenizeConfig(options.model))
-    pipeline.add("admit", AdmitStage, admit, host=engine)
-    pipeline.add("schedule", ScheduleStage, schedule, host=engine)
-    if options.null_model:
-        from stages.execute.null import NullExecuteStage
+    replicas = options.data_parallel_size
+    for index in range(replicas):
+        suffix = replica_suffix(index)
+        replica_schedule = schedule
+        if replicas > 1:
+            replica_schedule = dataclasses.replace(
+                schedule, scheduler=dataclasses.replace(schedule.scheduler, replica=str(index))
+            )
+        host = engine + suffix
+        pipeline.add(f"admit{suffix}", AdmitStage, admit, host=host)
+        pipeline.add(f"schedule{suffix}", ScheduleStage, replica_schedule, host=host)
+        if options.null_model:
+            from stages.execute.null import NullExecuteStage
 
-        pipeline.add("execute", NullExecuteStage, execute, host=engine)
-    else:
-        pipeline.add("execute", ExecuteStage, execute, host=engine)
+            pipeline.add(f"execute{suffix}", NullExecuteStage, execute, host=host)
+        else:
+            pipeline.add(f"execute{suffix}", ExecuteStage, execute, host=host)
+            _add_ranks(pipeline, f"execute{suffix}", execute, host)
     pipeline.add("detokenize", DetokenizeStage, DetokenizeConfig(options.model))
     pipeline.add("stop_check", StopCheckStage)
 
-    pipeline.connect("tokenize.out", "admit.in")
+    if replicas == 1:
+        pipeline.connect("tokenize.out", "admit.in")
+    else:
+        _add_router(pipeline, options)
     pipeline.connect("tokenize.track", "detokenize")
     pipeline.connect("tokenize.rejected", "detokenize")
-    pipeline.connect("admit.out", "schedule.in")
-    pipeline.connect("admit.rejected", "detokenize")
-    pipeline.connect("schedule.rejected", "detokenize")
-    pipeline.connect("schedule.execute", "execute")
-    pipeline.connect("execute.out", "schedule.result")
-    pipeline.connect("execute.info", "schedule.result")
-    pipeline.connect("execute.info", "admit.info")
-    pipeline.connect("schedule.stats", "admit.stats")
-    pipeline.connect("schedule.out", "detokenize")
+    # with replicas, what the engines send the frontend passes through the router
+    front = "detokenize" if replicas == 1 else "router.outputs"
+    for index in range(replicas):
+        suffix = replica_suffix(index)
+        admit_stage, schedule_stage = f"admit{suffix}", f"schedule{suffix}"
+        execute_stage = f"execute{suffix}"
+        pipeline.connect(f"{admit_stage}.out", f"{schedule_stage}.in")
+        pipeline.connect(f"{admit_stage}.rejected", front)
+        pipeline.connect(f"{schedule_stage}.rejected", front)
+        pipeline.connect(f"{schedule_stage}.execute", execute_stage)
+        pipeline.connect(f"{execute_stage}.out", f"{schedule_stage}.result")
+        pipeline.connect(f"{execute_stage}.info", f"{schedule_stage}.result")
+        pipeline.connect(f"{execute_stage}.info", f"{admit_stage}.info")
+        pipeline.connect(f"{schedule_stage}.stats", f"{admit_stage}.stats")
+        pipeline.connect(f"{schedule_stage}.out", front)
     pipeline.connect("detokenize", "stop_check")
-    pipeline.connect("stop_check.abort", "schedule.abort")
     # the engine sends nothing more for an aborted request, so detokenize must hear of it too
+    aborts = "schedule.abort" if replicas == 1 else "router.abort"
+    pipeline.connect("stop_check.abort", aborts)
     pipeline.connect("stop_check.abort", "detokenize")
 
     pipeline.entry("requests", "tokenize")
-    pipeline.entry("aborts", "schedule.abort", "detokenize")
+    pipeline.entry("aborts", aborts, "detokenize")
     pipeline.exit("outputs", "stop_check.out")
-    pipeline.exit("engine_info", "execute.info")
+    pipeline.exit("engine_info", "execute.info" if replicas == 1 else "router.info")
+    if replicas > 1:
+        pipeline.replica_set(
+            REPLICA_SET,
+            {
+                str(index): _replica_hosts(engine + replica_suffix(index), options)
+                for index in range(replicas)
+            },
+        )
     _BUILT_FROM[pipeline] = options
     return pipeline
+
+
+def replica_suffix(index: int) -> str:
+    """What the names of engine replica ``index``'s stages and host end with: replica 0 is
+    the engine of one replica (``admit``, ``schedule``, ``execute`` on ``engine``), replica
+    ``k`` has ``admit_k`` ... on ``engine_k``."""
+    return "" if index == 0 else f"_{index}"
+
+
+def _replica_hosts(host: str, options: EngineOptions) -> tuple[str, ...]:
+    """The hosts of the engine replica on ``host``: its own and its ranks'."""
+    ranks = 1 if options.null_model else options.tensor_parallel_size
+    return (host, *(tensor_parallel_host(host, rank) for rank in range(1, ranks)))
+
+
+def _add_router(pipeline: Pipeline, options: EngineOptions) -> None:
+    """The router stage in front of the replicas (``docs/architecture.md`` §6)."""
+    from stages.router import ReplicaRoute, RouterConfig, RouterStage
+
+    suffixes = [replica_suffix(index) for index in range(options.data_parallel_size)]
+    routes = tuple(
+        ReplicaRoute(str(index), f"admit{suffix}", f"schedule{suffix}")
+        for index, suffix in enumerate(suffixes)
+    )
+    config = RouterConfig(
+        routes, policy=options.router, replica_set=REPLICA_SET, block_size=options.block_size
+    )
+    pipeline.add("router", RouterStage, config)
+    pipeline.connect("tokenize.out", "router.in")
+    pipeline.connect("router.out", "detokenize")
+    for route, suffix in zip(routes, suffixes):
+        pipeline.connect("router.requests", f"{route.admit}.in")
+        pipeline.connect("router.aborts", f"{route.schedule}.abort")
+        pipeline.connect(f"execute{suffix}.info", "router.info")
+
+
+def tensor_parallel_host(engine_host: str, rank: int) -> str:
+    """The host of tensor-parallel rank ``rank`` (>= 1) of the engine on ``engine_host``."""
+    return f"{engine_host}_tp{rank}"
+
+
+def _add_ranks(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_host: str) -> None:
+    """The other tensor-parallel ranks of the execute stage ``execute``, each on its own host,
+    fed by its ``ranks`` port (``docs/architecture.md`` §6)."""
+    from stages.execute.rank import RankConfig, TensorParallelRankStage
+
+    for rank in range(1, config.tensor_parallel_size):
+        name = f"{execute}_tp{rank}"
+        host = tensor_parallel_host(engine_host, rank)
+        pipeline.add(name, TensorParallelRankStage, RankConfig(config, rank), host=host)
+        pipeline.connect(f"{execute}.ranks", name)
+
+
+def check_parallelism(options: EngineOptions) -> None:
+    """Check, without loading the model, what data and tensor parallelism need of it: the
+    routing policy constructs, the model's heads divide by ``tensor_parallel_size`` (read
+    from its config).
+
+    Raises:
+        stages.models.ModelError: the model cannot be found or read.
+        plugins.PluginError: the routing policy is missing, broken or invalid.
+        ExecuteConfigError: the model cannot be split into that many ranks.
+    """
+    if options.data_parallel_size > 1:
+        from stages.routing import load_router
+
+        load_router(options.router)
+    if options.tensor_parallel_size > 1:
+        from transformers import AutoConfig
+
+        from stages.execute.tensor_parallel import check_tensor_parallel
+        from stages.models import resolve_model
+
+        resolved = resolve_model(options.model)
+        config = AutoConfig.from_pretrained(resolved.path)
+        check_tensor_parallel(config, options.tensor_parallel_size, resolved.name)
 
 
 def start_options(options: EngineOptions) -> StartOptions:

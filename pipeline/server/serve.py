@@ -4,6 +4,8 @@ one engine, with optional TLS (and mutual TLS); and :func:`serve`, the body of
 
 Health (``grpc.health.v1.Health``) reports SERVING for ``""`` and ``actorline.v1.Generation``
 while the engine runs, and NOT_SERVING once the engine died or the server is shutting down.
+With data parallelism the engine runs while one of its replicas lives: a replica that dies is
+logged (its requests fail alone) and the health stays SERVING.
 Health and reflection need no API key (probes and tools like ``grpcurl`` use them).
 """
 
@@ -24,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.options import EngineOptions
+from pipeline.runtime.replicas import ReplicaLost
 from pipeline.server import generation_pb2 as pb
 from pipeline.server.auth import ApiKeys
 from pipeline.server.listen import DEFAULT_HOST, format_address
@@ -116,6 +119,7 @@ class GenerationServer:
         if not bound:
             raise OSError(f"cannot listen on {requested}")
         self.engine.running.add_failure_callback(self._on_engine_failure)
+        self.engine.running.add_replica_callback(self._on_replica_lost)
         for name in _HEALTH_NAMES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
@@ -141,6 +145,16 @@ class GenerationServer:
         """Wait until the server has stopped."""
         if self._server is not None:
             await self._server.wait_for_termination()
+
+    def _on_replica_lost(self, lost: ReplicaLost) -> None:
+        live = sum(status.alive for status in self.engine.replicas)
+        logger.error(
+            "engine replica %s died (%s); %d of %d replicas serve on, health stays SERVING",
+            lost.replica,
+            lost.message,
+            live,
+            len(self.engine.replicas),
+        )
 
     def _on_engine_failure(self, error: BaseException) -> None:
         logger.error("the engine died; reporting NOT_SERVING: %s", error)

@@ -53,6 +53,9 @@ class ExecuteConfig:
       multiple of 16 runs on the packed-weight GEMM of :mod:`stages.execute.native` instead,
       where the kernel builds. ``tune_allocator``: on CPU, raise glibc's mmap/trim thresholds
       for the process (default on).
+    - ``tensor_parallel_size``: ranks the model is split over (see
+      :mod:`stages.execute.tensor_parallel`); ``tensor_parallel_timeout``: seconds a
+      collective may wait for the other ranks before the engine fails (a rank that hangs).
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -73,6 +76,8 @@ class ExecuteConfig:
     cpu_linears: bool = True
     native_linears: bool = True
     tune_allocator: bool = True
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -91,6 +96,12 @@ class ExecuteConfig:
         if self.max_model_len is not None:
             self._check_positive("max_model_len", self.max_model_len)
         self._check_positive("cuda_graph_max_batch_size", self.cuda_graph_max_batch_size)
+        self._check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        timeout = self.tensor_parallel_timeout
+        if type(timeout) not in (int, float) or not 0 < timeout < float("inf"):
+            raise ExecuteConfigError(
+                "tensor_parallel_timeout", f"must be a number of seconds > 0, got {timeout!r}"
+            )
         for flag in (
             "enable_prefix_caching",
             "use_cuda_graphs",

@@ -9,6 +9,14 @@ reaches the end of the known tokens, samples the next token. A chunk starting at
 resumed request) first looks its tokens up in the prefix cache. Step flow after vLLM v1
 (``vllm/v1/worker/gpu_model_runner.py``: ``_update_states``, ``_prepare_inputs``,
 ``execute_model``) and nano-vllm (``nanovllm/engine/model_runner.py``).
+
+With tensor parallelism (``tensor_parallel_size`` > 1, :mod:`stages.execute.tensor_parallel`)
+every rank runs a runner over its shard of the model. Rank 0's runner does everything above;
+a step is :meth:`ModelRunner.prepare` (bookkeeping and the packed batch, whose
+:class:`~stages.execute.tensor_parallel.ShardStep` the execute stage sends the other ranks),
+then :meth:`ModelRunner.run` (the forward pass and sampling). The other ranks run
+:meth:`ModelRunner.run_shard` on each ShardStep: the same forward pass over their shard,
+without LM head or sampling.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
+import numpy as np
 import torch
 
-from stages.execute.allocator import BlockAllocator
+from stages.execute.allocator import RESERVED_BLOCK_ID, BlockAllocator
 from stages.execute.attention import (
     DecodeAttentionMode,
     KVCache,
@@ -49,6 +58,15 @@ from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_line
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import PagedDecodeKernel, paged_decode_kernel
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
+from stages.execute.tensor_parallel import (
+    Rendezvous,
+    ShardStep,
+    TensorParallelGroup,
+    check_tensor_parallel,
+    install_all_reduces,
+    rank_device,
+    shard_model,
+)
 from stages.messages import (
     EngineInfo,
     EngineRequest,
@@ -58,7 +76,7 @@ from stages.messages import (
 )
 from stages.models import resolve_model
 
-__all__ = ["ModelRunner", "StepError"]
+__all__ = ["ModelRunner", "PreparedStep", "StepError"]
 
 logger = logging.getLogger("actorline.execute")
 
@@ -104,6 +122,31 @@ class _Work:
     packed_end: int = 0  # one past its last row in the packed batch
 
 
+@dataclasses.dataclass(slots=True)
+class _Packed:
+    """A step's packed batch: decode rows first (ascending context), then prefill chunks."""
+
+    order: list[_Work]
+    token_ids: list[int]
+    query_starts: list[int]
+    query_lens: list[int]
+    num_decode: int
+    block_tables: list[list[int]]
+
+
+@dataclasses.dataclass(slots=True)
+class PreparedStep:
+    """A step after :meth:`ModelRunner.prepare`: its blocks are allocated, its batch packed.
+    ``shard``: what the other tensor-parallel ranks need to run it (None without tensor
+    parallelism, or when nothing is computed)."""
+
+    step: SchedulerStep
+    works: list[_Work]
+    report: PlanReport
+    packed: _Packed | None
+    shard: ShardStep | None = None
+
+
 class ModelRunner:
     """Runs the model for the execute stage (see the module docstring).
 
@@ -111,10 +154,29 @@ class ModelRunner:
         config: what to load and how.
         force_static_decode: run decode-only steps through the static padded path of
             :mod:`stages.execute.cuda_graphs` even on CPU (uncaptured there). For tests.
+        rank: this runner's tensor-parallel rank (0 drives; see the module docstring).
+        rendezvous: where the ranks meet, with ``config.tensor_parallel_size`` > 1.
+        store: rank 0's ``TCPStore`` behind ``rendezvous`` (rank 0 only).
     """
 
-    def __init__(self, config: ExecuteConfig, *, force_static_decode: bool = False) -> None:
+    def __init__(
+        self,
+        config: ExecuteConfig,
+        *,
+        force_static_decode: bool = False,
+        rank: int = 0,
+        rendezvous: Rendezvous | None = None,
+        store: Any = None,
+    ) -> None:
+        if config.tensor_parallel_size > 1 and rendezvous is None:
+            raise ValueError("a tensor-parallel runner needs the ranks' rendezvous")
+        if not 0 <= rank < config.tensor_parallel_size:
+            raise ValueError(f"rank {rank} is outside [0, {config.tensor_parallel_size})")
         self.config = config
+        self.rank = rank
+        self._rendezvous = rendezvous
+        self._store = store
+        self.group: TensorParallelGroup | None = None
         self._force_static_decode = force_static_decode
         self.model: Any = None
         self.kv_cache: KVCache | None = None
@@ -146,13 +208,15 @@ class ModelRunner:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = self.config
+        parallel = config.tensor_parallel_size
         resolved = resolve_model(config.model)
-        self.device = _resolve_device(config.device)
+        self.device = rank_device(_resolve_device(config.device), self.rank)
         on_cpu = self.device.type == "cpu"
         if on_cpu and config.tune_allocator:
             tune_allocator()
         hf_config = AutoConfig.from_pretrained(resolved.path)
         check_model_config(hf_config, config.max_model_len)
+        check_tensor_parallel(hf_config, parallel, resolved.name)
         self.dtype = _resolve_dtype(config.dtype, hf_config)
         # NOTE: the model gets its own deep copy of the config: switching the attention
         # implementation mutates it, and models built from one config object share it.
@@ -165,9 +229,18 @@ class ModelRunner:
         if config.seed is not None:
             torch.manual_seed(config.seed)
 
+        row_parallel = shard_model(model, self.rank, parallel) if parallel > 1 else []
         if on_cpu and config.cpu_linears:
             # NOTE: before the KV cache exists: repacking holds one weight twice for a moment.
             use_cpu_linears(model, native=config.native_linears)
+        if parallel > 1:
+            # NOTE: every rank has loaded its shard before the group forms, so the first
+            # collective never waits on a slow load (the group's timeout is for steps).
+            assert self._rendezvous is not None
+            self.group = TensorParallelGroup.join(
+                self._rendezvous, self.rank, self.device, store=self._store
+            )
+            install_all_reduces(model, row_parallel, self.group)
         text_config = model.config.get_text_config()
         vocab_size = int(text_config.vocab_size)
         probe_ids = torch.tensor(
@@ -303,6 +376,8 @@ class ModelRunner:
             allocator.free(_PROBE_REQUEST)
 
     def _make_decode_graphs(self) -> Any:
+        if self.config.tensor_parallel_size > 1:
+            return None  # NOTE: captured graphs would need the collectives captured too
         on_cuda = self.device.type == "cuda" and self.config.use_cuda_graphs
         if not (on_cuda or self._force_static_decode):
             return None
@@ -322,7 +397,8 @@ class ModelRunner:
     # ----------------------------------------------------------------- stepping
     def execute(self, step: SchedulerStep) -> StepResult:
         """Run one scheduler step (see :class:`~stages.messages.SchedulerStep` for the order:
-        free finished and preempted, register new requests, compute chunks, sample).
+        free finished and preempted, register new requests, compute chunks, sample):
+        :meth:`prepare`, then :meth:`run`.
 
         Returns:
             The sampled tokens, cache state and counters; requests that did not get blocks
@@ -333,9 +409,21 @@ class ModelRunner:
             StepError: the step does not match the runner's state.
             RuntimeError: :meth:`load` was not called.
         """
+        return self.run(self.prepare(step))
+
+    def prepare(self, step: SchedulerStep) -> PreparedStep:
+        """The bookkeeping half of :meth:`execute`: check the step, free, register, allocate
+        each chunk's blocks and pack the batch (and its ShardStep, with tensor parallelism).
+
+        Raises:
+            StepError: the step does not match the runner's state (nothing changed then).
+            RuntimeError: :meth:`load` was not called, or this is not rank 0.
+        """
         allocator = self.allocator
         if allocator is None or self._sampler is None:
             raise RuntimeError("ModelRunner.load() must be called before execute()")
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} runs ShardSteps (run_shard), not steps")
         validate_step(step, self._requests, self.max_model_len)
         release(allocator, self._requests, step)
         for new_request in step.new_requests:
@@ -345,18 +433,30 @@ class ModelRunner:
         works: list[_Work] = []
         for request, start, end in plan_chunks(allocator, self._requests, step.chunks, report):
             works.append(_Work(request, start, end, samples=end == request.num_tokens))
+        packed = self._pack(works) if works else None
+        prepared = PreparedStep(step, works, report, packed)
+        if packed is not None and self.group is not None:
+            prepared.shard = _shard_step(step.step_id, packed)
+        return prepared
 
+    def run(self, prepared: PreparedStep) -> StepResult:
+        """The compute half of :meth:`execute`: the forward pass over the packed batch (with
+        tensor parallelism, together with the other ranks running ``prepared.shard``),
+        sampling, and the chunks' commit to the prefix cache."""
+        allocator, sampler = self.allocator, self._sampler
+        assert allocator is not None and sampler is not None
+        works = prepared.works
         request_ids: list[str] = []
         token_ids: list[int] = []
         logprob_ids: list[str] = []
         logprobs: list[Logprobs] = []
         forward_seconds = 0.0
         num_computed = sum(work.end - work.start for work in works)
-        if works:
+        if prepared.packed is not None:
             began = time.perf_counter()
             sampling = [work for work in works if work.samples]
-            logits = self._forward(works, sampling)  # [len(sampling), V]
-            result = self._sampler.sample(logits, [work.request.sampling for work in sampling])
+            logits = self._forward(prepared.packed, sampling)  # [len(sampling), V]
+            result = sampler.sample(logits, [work.request.sampling for work in sampling])
             forward_seconds = time.perf_counter() - began
             for work, token_id, token_logprobs in zip(
                 sampling, result.token_ids, result.logprobs, strict=True
@@ -371,17 +471,53 @@ class ModelRunner:
                 commit_chunk(allocator, work.request, work.end)
         release_behind_windows(allocator, self._requests, step, report, self._window)
 
-        return step_result(
-            step,
+        result_message = step_result(
+            prepared.step,
             allocator,
             request_ids=request_ids,
             token_ids=token_ids,
             logprob_request_ids=logprob_ids,
             logprobs=logprobs,
-            report=report,
+            report=prepared.report,
             num_computed_tokens=num_computed,
             forward_seconds=forward_seconds,
         )
+        if self.group is not None:
+            seconds = self.group.take_seconds()
+            result_message = dataclasses.replace(result_message, communication_seconds=seconds)
+        return result_message
+
+    def run_shard(self, shard: ShardStep) -> None:
+        """Run rank 0's step ``shard`` on this rank's shard of the model (a rank other than
+        0): the decoder's forward pass, whose all-reduces pair with rank 0's; K/V of this
+        rank's heads go to its cache. No LM head, no sampling.
+
+        Raises:
+            TensorParallelError: a collective failed or timed out.
+            RuntimeError: :meth:`load` was not called, or this is rank 0.
+        """
+        if self.kv_cache is None or self.group is None or self.rank == 0:
+            raise RuntimeError("run_shard runs on a loaded tensor-parallel rank other than 0")
+        tables = shard.block_tables.tolist()
+        metadata, positions = build_step_metadata(
+            kv_cache=self.kv_cache,
+            block_tables=tables,
+            query_starts=shard.query_starts.tolist(),
+            query_lens=shard.query_lens.tolist(),
+            num_decode=shard.num_decode,
+            decode_mode=self._decode_mode,
+            max_model_len=self.max_model_len,
+            device=self.device,
+        )
+        input_ids = torch.tensor(shard.token_ids, dtype=torch.long).to(self.device)  # [T]
+        decoder = self.model.get_decoder()
+        with torch.inference_mode(), forward_context(metadata):
+            decoder(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+            )
+        self.group.take_seconds()
 
     def _register(self, request: EngineRequest) -> None:
         sampling = new_sampling_state(
@@ -389,26 +525,43 @@ class ModelRunner:
         )
         self._requests[request.request_id] = _Request(request.request_id, sampling)
 
-    def _forward(self, works: list[_Work], sampling: list[_Work]) -> torch.Tensor:
+    def _pack(self, works: list[_Work]) -> _Packed:
+        """Pack the step's chunks: decode rows first, by ascending context length (attention
+        groups them), then prefill chunks in scheduled order."""
+        decode = sorted((w for w in works if w.end - w.start == 1), key=lambda w: w.end)
+        prefill = [w for w in works if w.end - w.start > 1]
+        order = decode + prefill
+        tokens: list[int] = []
+        for work in order:
+            tokens.extend(work.request.tokens(work.start, work.end))
+            work.packed_end = len(tokens)
+        assert self.allocator is not None
+        return _Packed(
+            order,
+            tokens,
+            [w.start for w in order],
+            [w.end - w.start for w in order],
+            len(decode),
+            [self.allocator.block_table(w.request.request_id) for w in order],
+        )
+
+    def _forward(self, packed: _Packed, sampling: list[_Work]) -> torch.Tensor:
         """Run the model over the packed batch; logits of the sampling rows, in their order.
 
         Returns:
             ``[len(sampling), V]`` logits.
         """
         assert self.allocator is not None and self.kv_cache is not None
-        # Decode rows first, by ascending context length (attention groups them), then
-        # prefill chunks in scheduled order.
-        decode = sorted((w for w in works if w.end - w.start == 1), key=lambda w: w.end)
-        prefill = [w for w in works if w.end - w.start > 1]
-        packed_order = decode + prefill
-        tokens: list[int] = []
-        for work in packed_order:
-            tokens.extend(work.request.tokens(work.start, work.end))
-            work.packed_end = len(tokens)
-        block_tables = [self.allocator.block_table(w.request.request_id) for w in packed_order]
+        order, tokens, num_decode = packed.order, packed.token_ids, packed.num_decode
+        block_tables = packed.block_tables
+        decode = order[:num_decode]
 
         graphs = self._decode_graphs
-        if not prefill and graphs is not None and graphs.can_run(len(decode), decode[-1].end):
+        if (
+            num_decode == len(order)
+            and graphs is not None
+            and graphs.can_run(len(decode), decode[-1].end)
+        ):
             logits = graphs.run(
                 token_ids=tokens,
                 positions=[w.start for w in decode],
@@ -422,9 +575,9 @@ class ModelRunner:
         metadata, positions = build_step_metadata(
             kv_cache=self.kv_cache,
             block_tables=block_tables,
-            query_starts=[w.start for w in packed_order],
-            query_lens=[w.end - w.start for w in packed_order],
-            num_decode=len(decode),
+            query_starts=packed.query_starts,
+            query_lens=packed.query_lens,
+            num_decode=num_decode,
             decode_mode=self._decode_mode,
             max_model_len=self.max_model_len,
             device=self.device,
@@ -482,6 +635,22 @@ def _layer_shape(layers: dict[int, LayerShape], text_config: Any) -> LayerShape:
             first.num_kv_heads,
         )
     return first
+
+
+def _shard_step(step_id: int, packed: _Packed) -> ShardStep:
+    """The other ranks' copy of ``packed`` (block tables padded to one width)."""
+    width = max(len(table) for table in packed.block_tables)
+    tables = np.full((len(packed.block_tables), width), RESERVED_BLOCK_ID, dtype=np.int64)
+    for row, table in enumerate(packed.block_tables):
+        tables[row, : len(table)] = table
+    return ShardStep(
+        step_id=step_id,
+        token_ids=np.asarray(packed.token_ids, dtype=np.int64),
+        query_starts=np.asarray(packed.query_starts, dtype=np.int64),
+        query_lens=np.asarray(packed.query_lens, dtype=np.int64),
+        num_decode=packed.num_decode,
+        block_tables=tables,
+    )
 
 
 def _resolve_device(device: str) -> torch.device:

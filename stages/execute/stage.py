@@ -1,32 +1,58 @@
 """The execute stage: runs the model runner's steps on the stage's worker thread.
 
 Ports: ``in`` (SchedulerStep); ``out`` (StepResult), ``info`` (EngineInfo, once, when the model
-and KV cache are ready — linked to schedule and admit).
+and KV cache are ready — linked to schedule and admit), ``ranks`` (with tensor parallelism:
+the :class:`~stages.execute.tensor_parallel.Rendezvous`, then one
+:class:`~stages.execute.tensor_parallel.ShardStep` per step, to every other rank's
+:class:`~stages.execute.rank.TensorParallelRankStage`; linked to nothing otherwise).
+
+With ``tensor_parallel_size`` N > 1 this stage is rank 0 (``docs/architecture.md`` §6): it
+hosts the ranks' rendezvous, loads its shard while they load theirs, and for each step first
+does the bookkeeping (:meth:`ModelRunner.prepare`), sends the packed batch to the other ranks,
+then runs its forward pass and samples (:meth:`ModelRunner.run`). Each rank gets
+``threads_per_rank(N)`` torch threads, so N ranks do not oversubscribe the cores.
 """
 
 from __future__ import annotations
 
+import torch
+
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
 from stages.execute.runner import ModelRunner
+from stages.execute.tensor_parallel import host_rendezvous, threads_per_rank
 from stages.messages import EngineInfo, SchedulerStep
 from stages.models import loading
 
-__all__ = ["ExecuteStage"]
+__all__ = ["RENDEZVOUS_HOST", "ExecuteStage"]
+
+#: where rank 0 hosts the ranks' rendezvous: the ranks of one engine share a machine
+RENDEZVOUS_HOST = "127.0.0.1"
 
 
 class ExecuteStage(Stage):
     inputs = ("in",)
-    outputs = ("out", "info")
+    outputs = ("out", "info", "ranks")
+    optional_outputs = ("ranks",)
 
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)
         self.runner: ModelRunner | None = None
+        self._store: object = None  # rank 0's TCPStore, alive as long as the group
 
     async def start(self) -> None:
-        self.runner = runner = ModelRunner(self.config)
+        size = self.config.tensor_parallel_size
+        rendezvous = None
+        if size > 1:
+            self._store, rendezvous = host_rendezvous(
+                RENDEZVOUS_HOST, size, self.config.tensor_parallel_timeout
+            )
+            await self.emit("ranks", rendezvous)
+        self.runner = runner = ModelRunner(self.config, rendezvous=rendezvous, store=self._store)
 
         def load() -> EngineInfo:
+            if size > 1:
+                torch.set_num_threads(threads_per_rank(size))
             with loading():
                 return runner.load()
 
@@ -35,6 +61,13 @@ class ExecuteStage(Stage):
 
     @handles(SchedulerStep)
     async def on_step(self, step: SchedulerStep) -> None:
-        assert self.runner is not None
-        result = await self.run_in_thread(self.runner.execute, step)
+        runner = self.runner
+        assert runner is not None
+        if runner.group is None:
+            result = await self.run_in_thread(runner.execute, step)
+        else:
+            prepared = await self.run_in_thread(runner.prepare, step)
+            if prepared.shard is not None:
+                await self.emit("ranks", prepared.shard)
+            result = await self.run_in_thread(runner.run, prepared)
         await self.emit("out", result)

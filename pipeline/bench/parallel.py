@@ -1,0 +1,349 @@
+"""Parallelism against its peer in the same run (``docs/parallelism.md``):
+
+- **tensor parallelism** (``actorline bench offline --tensor-parallel-size N``): the offline
+  workload of :mod:`pipeline.bench.offline` on the engine with N ranks against one rank, each
+  run in a fresh process, alternating; generated tokens/s, their ratio, whether the greedy
+  outputs are identical, and rank 0's communication: seconds in all-reduces per engine step (the
+  wait for the slowest rank included) and their share of the run's wall time. On a 2-core CPU
+  N ranks share the two cores, so TP is not expected to be faster there: the figure says what it
+  costs.
+- **data parallelism** (``actorline bench ceiling --data-parallel-size N``): the null-model
+  ceiling of :mod:`pipeline.bench.ceiling` on N engine replicas behind the router against one
+  engine, both started once and measured in alternation; tokens/s delivered to the callers and
+  the ratio. With ``--profile``, where the replicated pipeline's time goes (per stage and per
+  host: a frontend host near 100% CPU is what caps it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
+from pipeline.bench.report import format_rate, format_table
+from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload
+
+if TYPE_CHECKING:
+    from pipeline.bench.ceiling import CeilingConfig
+    from pipeline.engine.async_engine import AsyncEngine
+    from stages.params import SamplingParams
+
+__all__ = [
+    "DataParallelResult",
+    "ParallelRun",
+    "TensorParallelConfig",
+    "TensorParallelResult",
+    "format_data_parallel",
+    "format_tensor_parallel",
+    "run_data_parallel",
+    "run_tensor_parallel",
+]
+
+_WARMUP_TOKENS = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorParallelConfig:
+    """The offline workload on ``size`` ranks against one, ``repeats`` times each.
+
+    Raises:
+        ValueError: ``size`` below 2 or ``repeats`` below 1.
+    """
+
+    model: str = "smollm2-135m"
+    workload: WorkloadSpec = dataclasses.field(default_factory=WorkloadSpec)
+    size: int = 2
+    repeats: int = 1
+    dtype: str = "float32"
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.size < 2:
+            raise ValueError(f"size must be >= 2 (compared with 1 rank), got {self.size}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParallelRun:
+    """One measured run of one configuration (``size`` ranks or replicas)."""
+
+    size: int
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    engine_steps: int
+    communication_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorParallelResult:
+    """Every run of both configurations; the best of each, their ratio, rank 0's
+    communication per step and share of wall time (best TP run), and how many requests
+    gave the same greedy tokens at N ranks as at one."""
+
+    model: str
+    size: int
+    num_requests: int
+    runs: tuple[ParallelRun, ...]
+    best_single: float
+    best_parallel: float
+    ratio: float
+    communication_ms_per_step: float
+    communication_share: float
+    identical_outputs: int
+    load_average: tuple[float, float, float]
+    cpu_count: int
+
+
+def run_tensor_parallel(config: TensorParallelConfig) -> TensorParallelResult:
+    """Run the comparison (see the module docstring)."""
+    from pipeline.bench.offline import prompt_ids
+    from stages.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    workload = make_workload(config.workload)
+    prompts = [prompt_ids(tokenizer, request.prompt) for request in workload]
+    max_tokens = [request.max_tokens for request in workload]
+    load_average = os.getloadavg()
+    runs: list[ParallelRun] = []
+    outputs: dict[int, tuple[tuple[int, ...], ...]] = {}
+    for _ in range(config.repeats):
+        for size in (1, config.size):
+            run, tokens = _fresh(config, size, prompts, max_tokens)
+            runs.append(run)
+            outputs[size] = tokens
+    single = max((r for r in runs if r.size == 1), key=lambda r: r.tokens_per_second)
+    parallel = max((r for r in runs if r.size > 1), key=lambda r: r.tokens_per_second)
+    steps = max(parallel.engine_steps, 1)
+    identical = sum(a == b for a, b in zip(outputs[1], outputs[config.size]))
+    return TensorParallelResult(
+        model=config.model,
+        size=config.size,
+        num_requests=len(prompts),
+        runs=tuple(runs),
+        best_single=single.tokens_per_second,
+        best_parallel=parallel.tokens_per_second,
+        ratio=parallel.tokens_per_second / single.tokens_per_second,
+        communication_ms_per_step=parallel.communication_seconds / steps * 1e3,
+        communication_share=parallel.communication_seconds / parallel.seconds,
+        identical_outputs=identical,
+        load_average=load_average,
+        cpu_count=os.cpu_count() or 0,
+    )
+
+
+def _fresh(
+    config: TensorParallelConfig, size: int, prompts: list[list[int]], max_tokens: list[int]
+) -> tuple[ParallelRun, tuple[tuple[int, ...], ...]]:
+    """:func:`_offline_run` in a freshly spawned process (no run inherits another's
+    process state; results come back pickled between the benchmark's own processes)."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_offline_run, config, size, prompts, max_tokens).result()
+
+
+def _offline_run(
+    config: TensorParallelConfig, size: int, prompts: list[list[int]], max_tokens: list[int]
+) -> tuple[ParallelRun, tuple[tuple[int, ...], ...]]:
+    from pipeline.engine.llm import LLM
+    from stages.params import SamplingParams
+
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    with LLM(
+        config.model,
+        dtype=config.dtype,
+        tensor_parallel_size=size,
+        num_blocks=blocks_to_hold(prompts, max_tokens, 16) + 1,
+        max_num_seqs=max(len(prompts), 1),
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    ) as llm:
+        warmup = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+        llm.generate([prompts[0]], warmup, use_tqdm=False)
+        before = llm.engine.stats
+        began = time.perf_counter()
+        results = llm.generate(list(prompts), params, use_tqdm=False)
+        seconds = time.perf_counter() - began
+        after = llm.engine.stats
+    outputs = tuple(tuple(result.token_ids) for result in results)
+    tokens = sum(len(output) for output in outputs)
+    steps = (after.num_steps if after else 0) - (before.num_steps if before else 0)
+    communication = (after.communication_seconds if after else 0.0) - (
+        before.communication_seconds if before else 0.0
+    )
+    run = ParallelRun(size, tokens, seconds, tokens / seconds, steps, communication)
+    return run, outputs
+
+
+def format_tensor_parallel(result: TensorParallelResult) -> str:
+    """The readable report."""
+    rows = [
+        [
+            f"TP={run.size}",
+            run.tokens,
+            run.seconds,
+            run.tokens_per_second,
+            run.engine_steps,
+            run.communication_seconds / max(run.engine_steps, 1) * 1e3,
+        ]
+        for run in result.runs
+    ]
+    return "\n".join(
+        [
+            format_table(
+                ["ranks", "tokens", "seconds", "tokens/s", "engine steps", "comm ms/step"],
+                rows,
+                title=f"tensor parallelism: {result.model}, {result.num_requests} requests "
+                f"(the offline workload, greedy); {result.cpu_count} CPUs, load average "
+                f"{result.load_average[0]:.2f} at start",
+            ),
+            f"best TP={result.size} {format_rate(result.best_parallel)} against TP=1 "
+            f"{format_rate(result.best_single)}: {result.ratio:.2f}x",
+            f"rank 0 in all-reduces (the slowest rank's wait included): "
+            f"{result.communication_ms_per_step:.2f} ms per engine step, "
+            f"{result.communication_share:.0%} of the run's wall time",
+            f"greedy outputs identical to TP=1: {result.identical_outputs}/{result.num_requests}",
+        ]
+    )
+
+
+# -- data parallelism -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DataParallelResult:
+    """Every repeat of both engines; best and median of each, the ratio of the bests, the
+    requests each replica took, and (``--profile``) the replicated engine's best repeat."""
+
+    model: str
+    size: int
+    num_requests: int
+    max_tokens: int
+    runs: tuple[ParallelRun, ...]
+    best_single: float
+    best_parallel: float
+    median_single: float
+    median_parallel: float
+    ratio: float
+    routed: dict[str, int]
+    load_average: tuple[float, float, float]
+    cpu_count: int
+    profile: Profile | None = None
+
+
+async def measure_data_parallel(config: CeilingConfig, size: int) -> DataParallelResult:
+    """Run the comparison on the running event loop (see the module docstring)."""
+    from pipeline.bench.ceiling import ceiling_prompts
+    from pipeline.engine.async_engine import AsyncEngine
+    from stages.params import SamplingParams
+    from stages.router import RouterStage
+
+    if size < 2:
+        raise ValueError(f"size must be >= 2 (compared with one engine), got {size}")
+    prompts = ceiling_prompts(config)
+    params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
+    blocks_per_request = -(-(config.max_tokens + 64) // 16) + 2
+
+    def engine(replicas: int) -> AsyncEngine:
+        return AsyncEngine(
+            config.model,
+            null_model=True,
+            transport=config.transport,
+            max_num_seqs=config.num_requests,
+            num_blocks=blocks_per_request * config.num_requests,
+            tune_gc=config.tune_gc,
+            data_parallel_size=replicas,
+        )
+
+    load_average = os.getloadavg()
+    runs: list[ParallelRun] = []
+    profiles: list[Profile | None] = []
+    single, replicated = engine(1), engine(size)
+    async with single, replicated:
+        warmup = SamplingParams(max_tokens=_WARMUP_TOKENS, ignore_eos=True)
+        for each in (single, replicated):
+            await _stream_all(each, prompts[:16], warmup)
+        for _ in range(config.repeats):
+            for replicas, each in ((1, single), (size, replicated)):
+                profiled = config.profile and replicas > 1
+                before = await take_snapshot(each.running) if profiled else None
+                steps = each.stats.num_steps if each.stats else 0
+                began = time.perf_counter()
+                tokens = await _stream_all(each, prompts, params)
+                seconds = time.perf_counter() - began
+                steps = (each.stats.num_steps if each.stats else 0) - steps
+                runs.append(ParallelRun(replicas, tokens, seconds, tokens / seconds, steps))
+                if before is not None:
+                    after = await take_snapshot(each.running)
+                    profiles.append(build_profile(before, after, seconds, tokens))
+                elif replicas > 1:
+                    profiles.append(None)
+        router = replicated.running.stage("router")
+        routed = dict(router.routed) if isinstance(router, RouterStage) else {}
+    rates = {n: [r.tokens_per_second for r in runs if r.size == n] for n in (1, size)}
+    best = max(range(len(rates[size])), key=lambda index: rates[size][index])
+    return DataParallelResult(
+        model=config.model,
+        size=size,
+        num_requests=config.num_requests,
+        max_tokens=config.max_tokens,
+        runs=tuple(runs),
+        best_single=max(rates[1]),
+        best_parallel=max(rates[size]),
+        median_single=statistics.median(rates[1]),
+        median_parallel=statistics.median(rates[size]),
+        ratio=max(rates[size]) / max(rates[1]),
+        routed=routed,
+        load_average=load_average,
+        cpu_count=os.cpu_count() or 0,
+        profile=profiles[best],
+    )
+
+
+async def _stream_all(engine: AsyncEngine, prompts: Sequence[str], params: SamplingParams) -> int:
+    """Stream every prompt concurrently; the number of tokens that reached the callers."""
+
+    async def consume(prompt: str) -> int:
+        received = 0
+        async for output in engine.generate(prompt, params):
+            received = len(output.token_ids)
+        return received
+
+    return sum(await asyncio.gather(*(consume(prompt) for prompt in prompts)))
+
+
+def run_data_parallel(config: CeilingConfig, size: int) -> DataParallelResult:
+    """Run the comparison in a fresh event loop."""
+    return asyncio.run(measure_data_parallel(config, size))
+
+
+def format_data_parallel(result: DataParallelResult) -> str:
+    """The readable report."""
+    rows: list[list[Any]] = [
+        [f"DP={run.size}", run.tokens, run.seconds, run.tokens_per_second, run.engine_steps]
+        for run in result.runs
+    ]
+    routed = ", ".join(f"replica {name}: {count}" for name, count in sorted(result.routed.items()))
+    text = [
+        format_table(
+            ["replicas", "tokens", "seconds", "tokens/s", "engine steps"],
+            rows,
+            title=f"data parallelism: null model, {result.num_requests} streaming requests x "
+            f"{result.max_tokens} tokens, DP={result.size} against one engine, alternating; "
+            f"{result.cpu_count} CPUs, load average {result.load_average[0]:.2f} at start",
+        ),
+        f"best DP={result.size} {format_rate(result.best_parallel)} against DP=1 "
+        f"{format_rate(result.best_single)}: {result.ratio:.2f}x (medians "
+        f"{format_rate(result.median_parallel)} / {format_rate(result.median_single)})",
+        f"requests routed, warm-up included: {routed}",
+    ]
+    if result.profile is not None:
+        text += ["", format_profile(result.profile, title=f"DP={result.size}, best repeat")]
+    return "\n".join(text)

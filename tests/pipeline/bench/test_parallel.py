@@ -1,0 +1,47 @@
+"""The parallelism comparisons in their --quick form on the tiny model, via the CLI: they run
+both sides in one run and report well-formed, positive figures (never a timing threshold)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.pipeline.bench.test_bench import bench_parser
+
+pytestmark = pytest.mark.slow
+
+
+def test_data_parallel_ceiling_quick(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    command = ["bench", "ceiling", "--quick", "--json", "--profile", "--model", str(tiny_model_dir)]
+    args = bench_parser().parse_args([*command, "--data-parallel-size", "2"])
+    assert args.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["size"] == 2 and result["num_requests"] == 32
+    assert [run["size"] for run in result["runs"]] == [1, 2]  # one repeat each, alternating
+    assert all(run["tokens"] == 32 * 32 and run["tokens_per_second"] > 0 for run in result["runs"])
+    assert result["ratio"] == result["best_parallel"] / result["best_single"]
+    assert set(result["routed"]) == {"0", "1"}  # both replicas took work
+    assert sum(result["routed"].values()) == 32 + 16  # the measured requests and the warm-up
+    stages = {row["stage"] for row in result["profile"]["stages"]}
+    assert {"router", "execute", "execute_1", "detokenize"} <= stages
+    assert {row["host"] for row in result["profile"]["hosts"]} == {"main", "engine", "engine_1"}
+
+
+def test_tensor_parallel_offline_quick(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    command = ["bench", "offline", "--quick", "--json", "--model", str(tiny_model_dir)]
+    args = bench_parser().parse_args([*command, "--tensor-parallel-size", "2"])
+    assert args.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["size"] == 2 and result["num_requests"] == 8
+    single, parallel = result["runs"]
+    assert (single["size"], parallel["size"]) == (1, 2)
+    assert single["tokens"] == parallel["tokens"] > 0
+    assert single["communication_seconds"] == 0 < parallel["communication_seconds"]
+    assert result["communication_ms_per_step"] > 0 and 0 < result["communication_share"] < 1
+    assert result["identical_outputs"] == 8

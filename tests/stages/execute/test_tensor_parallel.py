@@ -1,0 +1,234 @@
+"""Tensor parallelism with real ranks: spawned processes joined by torch.distributed (gloo).
+
+- a model whose heads do not divide is refused before loading, naming the numbers;
+- the tiny Llama (4 query / 2 KV heads) at TP=2 and the default model at TP=3 give greedy
+  tokens identical to TP=1, with prefix caching and preemption at work;
+- a killed rank, and a rank that hangs, fail every pending request with EngineDeadError in
+  bounded time and leave no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+from pipeline import AsyncEngine, EngineDeadError, SamplingParams
+from pipeline.engine.options import EngineOptions
+from stages.execute.config import ExecuteConfigError
+from stages.execute.tensor_parallel import (
+    check_tensor_parallel,
+    shard_model,
+    valid_tensor_parallel_sizes,
+)
+from tests.conftest import TINY_LLAMA
+from tests.processes import process_alive
+
+T = TypeVar("T")
+
+#: prompts sharing a 40-token prefix (two full KV blocks), then each its own words
+PREFIX = " ".join(["alpha beta gamma delta"] * 10)
+PROMPTS = [f"{PREFIX} request {index} asks about {topic}" for index, topic in enumerate(
+    ["rivers", "mountains", "the sea", "old towns", "trains", "bridges"]
+)] + ["short one", "The quick brown fox jumps over the lazy dog"]  # fmt: skip
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+#: bound for "promptly" on a loaded 2-core machine: tells failing fast from hanging
+PROMPTLY = 60.0
+
+
+def run(coroutine: Coroutine[Any, Any, T], timeout: float = 600) -> T:
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+async def generate_all(
+    engine: AsyncEngine, prompts: list[str], params: SamplingParams = GREEDY
+) -> list[tuple[int, ...]]:
+    async def one(prompt: str) -> tuple[int, ...]:
+        last = None
+        async for output in engine.generate(prompt, params):
+            last = output
+        assert last is not None and last.finish_reason == "length"
+        return last.token_ids
+
+    return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
+
+
+async def outputs_of(model: str, **options: Any) -> tuple[list[tuple[int, ...]], Any]:
+    """Greedy outputs of PROMPTS (the first alone first, so the rest hit its prefix)."""
+    async with AsyncEngine(model, **options) as engine:
+        first = await generate_all(engine, PROMPTS[:1])
+        rest = await generate_all(engine, PROMPTS[1:])
+        return first + rest, engine.stats
+
+
+# -- refusals before loading ------------------------------------------------------------------
+
+
+def test_head_counts_that_do_not_divide_are_refused_naming_the_numbers(
+    default_model_dir: Path,
+) -> None:
+    config = AutoConfig.from_pretrained(default_model_dir)
+    assert valid_tensor_parallel_sizes(config) == [1, 3]
+    check_tensor_parallel(config, 3, "smollm2-135m")
+    with pytest.raises(ExecuteConfigError) as refused:
+        check_tensor_parallel(config, 2, "smollm2-135m")
+    assert refused.value.field == "tensor_parallel_size"
+    message = str(refused.value)
+    assert "2 does not divide smollm2-135m's 9 query heads and 3 KV heads" in message
+    assert "sizes that work: 1, 3" in message
+    tiny = LlamaConfig(**TINY_LLAMA)
+    assert valid_tensor_parallel_sizes(tiny) == [1, 2]
+    with pytest.raises(ExecuteConfigError, match="4 query heads and 2 KV heads"):
+        check_tensor_parallel(tiny, 4)
+
+
+def test_the_engine_refuses_before_spawning_anything(default_model_dir: Path) -> None:
+    engine = AsyncEngine("smollm2-135m", tensor_parallel_size=2)
+    began = time.monotonic()
+    with pytest.raises(ExecuteConfigError, match="9 query heads and 3 KV heads"):
+        run(engine.start())
+    assert time.monotonic() - began < PROMPTLY
+    with pytest.raises(ValueError, match="transport 'memory'"):
+        EngineOptions(tensor_parallel_size=2, transport="memory")
+    with pytest.raises(ValueError, match="nothing to split"):
+        EngineOptions(tensor_parallel_size=2, null_model=True)
+
+
+def test_shards_are_the_megatron_split() -> None:
+    torch.manual_seed(0)
+    whole = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    shard = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    shard.load_state_dict(whole.state_dict())
+    rowwise = shard_model(shard, rank=1, size=2)
+    assert rowwise == [
+        f"model.layers.{layer}.{name}"
+        for layer in range(2)
+        for name in ("self_attn.o_proj", "mlp.down_proj")
+    ]
+    full, part = whole.model.layers[0], shard.model.layers[0]
+    # rank 1 of 2: the second half of q's heads and k/v's heads, of gate/up's columns ...
+    assert torch.equal(part.self_attn.q_proj.weight, full.self_attn.q_proj.weight[32:])
+    assert torch.equal(part.self_attn.k_proj.weight, full.self_attn.k_proj.weight[16:])
+    assert torch.equal(part.mlp.up_proj.weight, full.mlp.up_proj.weight[64:])
+    # ... and the matching inputs of o/down, whose outputs the ranks sum
+    assert torch.equal(part.self_attn.o_proj.weight, full.self_attn.o_proj.weight[:, 32:])
+    assert torch.equal(part.mlp.down_proj.weight, full.mlp.down_proj.weight[:, 64:])
+    assert part.self_attn.q_proj.out_features == 32
+    assert torch.equal(shard.lm_head.weight, whole.lm_head.weight)  # whole on every rank
+
+
+# -- exactness --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tiny_model_at_tp2_gives_the_greedy_tokens_of_tp1(tiny_model_dir: Path) -> None:
+    model = str(tiny_model_dir)
+    expected, _ = run(outputs_of(model, num_blocks=512))
+    # a cache too small for all of them at once: requests are preempted and recomputed
+    got, stats = run(outputs_of(model, tensor_parallel_size=2, num_blocks=24))
+    assert got == expected
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    assert stats.communication_seconds > 0
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_default_model_at_tp3_gives_the_greedy_tokens_of_tp1() -> None:
+    prompts = PROMPTS[:3]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    async def outputs(**options: Any) -> list[tuple[int, ...]]:
+        async with AsyncEngine("smollm2-135m", num_blocks=256, **options) as engine:
+            return await generate_all(engine, prompts, params)
+
+    assert run(outputs(tensor_parallel_size=3)) == run(outputs())
+
+
+# -- a rank that dies or hangs ----------------------------------------------------------------
+
+
+async def _fails_every_request(engine: AsyncEngine, hurt: Any) -> float:
+    """Start streams, ``hurt`` a rank mid-stream; every stream must end in EngineDeadError.
+    Returns how long after the hurt the last one ended."""
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    started = asyncio.Event()
+
+    async def stream(prompt: str) -> BaseException | None:
+        try:
+            async for _ in engine.generate(prompt, params):
+                started.set()
+        except EngineDeadError as error:
+            return error
+        return None
+
+    tasks = [asyncio.create_task(stream(prompt)) for prompt in PROMPTS[:4]]
+    await asyncio.wait_for(started.wait(), PROMPTLY)
+    hurt()
+    hurt_at = time.monotonic()
+    errors = await asyncio.wait_for(asyncio.gather(*tasks), PROMPTLY)
+    assert all(isinstance(error, EngineDeadError) for error in errors), errors
+    return time.monotonic() - hurt_at
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_every_pending_request(tiny_model_dir: Path) -> None:
+    async def body() -> None:
+        engine = AsyncEngine(str(tiny_model_dir), tensor_parallel_size=2, num_blocks=512)
+        await engine.start()
+        pids = dict(engine.running.pids)
+        try:
+            rank = pids["engine_tp1"]
+            assert rank is not None
+            await _fails_every_request(engine, lambda: os.kill(rank, signal.SIGKILL))
+            assert isinstance(engine.failure, EngineDeadError)
+        finally:
+            await engine.close()
+        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
+
+    run(body())
+
+
+@pytest.mark.slow
+def test_a_hung_rank_fails_every_pending_request_after_the_timeout(tiny_model_dir: Path) -> None:
+    async def body() -> None:
+        engine = AsyncEngine(
+            str(tiny_model_dir), tensor_parallel_size=2, tensor_parallel_timeout=2.0
+        )
+        await engine.start()
+        pids = dict(engine.running.pids)
+        try:
+            rank = pids["engine_tp1"]
+            assert rank is not None
+            await _fails_every_request(engine, lambda: os.kill(rank, signal.SIGSTOP))
+            assert "tensor-parallel all-reduce failed" in str(engine.failure)
+            closing = time.monotonic()
+        finally:
+            await engine.close()
+        assert time.monotonic() - closing < PROMPTLY
+        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
+
+    run(body())
+
+
+# -- CUDA -------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_tp2_on_two_gpus_over_nccl_gives_the_greedy_tokens_of_tp1(tiny_model_dir: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    model = str(tiny_model_dir)
+    expected, _ = run(outputs_of(model, device="cuda", num_blocks=512))
+    got, stats = run(outputs_of(model, device="cuda", tensor_parallel_size=2, num_blocks=512))
+    assert got == expected
+    assert stats.communication_seconds > 0

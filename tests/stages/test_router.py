@@ -1,0 +1,175 @@
+"""Data parallelism on the tiny Llama: two engine replicas, each a real process, behind the
+router stage. The same greedy outputs as one engine, both replicas take work, requests that
+share their first KV blocks go to the same replica (prefix caching holds across replicas), an
+abort reaches the replica holding the request, and a SIGKILLed replica fails only its own
+requests while the other serves on (the engine stays up, and reports the lost replica)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from pipeline import AsyncEngine, EngineDeadError, SamplingParams
+from pipeline.engine.metrics import EngineMetrics
+from stages.router import RouterStage
+from tests.processes import process_alive
+
+pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+#: two families of prompts, each sharing its first three KV blocks (48 tokens)
+FAMILIES = {
+    "a": " ".join(["alpha beta gamma delta"] * 12),
+    "b": " ".join(["one two three four"] * 12),
+}
+PROMPTS = {
+    f"{family}{index}": f"{prefix} question {index}: {topic}?"
+    for family, prefix in FAMILIES.items()
+    for index, topic in enumerate(["rivers", "trains", "bridges"])
+}
+PROMPTLY = 60.0
+
+
+def run(coroutine: Coroutine[Any, Any, T], timeout: float = 600) -> T:
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+async def complete(engine: AsyncEngine, request_id: str, prompt: str) -> tuple[int, ...]:
+    last = None
+    async for output in engine.generate(prompt, GREEDY, request_id=request_id):
+        last = output
+    assert last is not None and last.finish_reason == "length"
+    return last.token_ids
+
+
+async def outputs_of(engine: AsyncEngine) -> dict[str, tuple[int, ...]]:
+    """Each family's first prompt alone (so the family has an owner), then the rest at once."""
+    names = sorted(PROMPTS)
+    firsts = [name for name in names if name.endswith("0")]
+    rest = [name for name in names if name not in firsts]
+    done: dict[str, tuple[int, ...]] = {}
+    for batch in (firsts, rest):
+        tokens = await asyncio.gather(*(complete(engine, name, PROMPTS[name]) for name in batch))
+        done.update(zip(batch, tokens))
+    return done
+
+
+def test_two_replicas_serve_like_one(tiny_model_dir: Path) -> None:
+    model = str(tiny_model_dir)
+
+    async def single() -> dict[str, tuple[int, ...]]:
+        async with AsyncEngine(model, num_blocks=256) as engine:
+            return await outputs_of(engine)
+
+    async def replicated() -> None:
+        async with AsyncEngine(model, num_blocks=256, data_parallel_size=2) as engine:
+            assert set(engine.running.pids) == {"engine", "engine_1"}
+            assert engine.info is not None and engine.info.num_blocks == 256
+            assert await outputs_of(engine) == expected
+            router = engine.running.stage("router")
+            assert isinstance(router, RouterStage)
+            placed = {
+                request_id.partition("#")[0]: replica for request_id, replica in router.recent
+            }
+            # both take work; each family stays on one replica, the two families on two
+            assert set(router.routed) == {"0", "1"}
+            owners = {family: {placed[name] for name in PROMPTS if name[0] == family}
+                      for family in FAMILIES}  # fmt: skip
+            assert all(len(replicas) == 1 for replicas in owners.values()), owners
+            assert owners["a"] != owners["b"]
+            # so each replica's prefix cache served its family's later prompts
+            assert all(stats.prefix_cache_hits > 0 for stats in engine.replica_stats.values())
+            assert engine.stats is not None
+            assert engine.stats.num_steps == sum(
+                stats.num_steps for stats in engine.replica_stats.values()
+            )
+            # an abort reaches the replica that holds the request, which frees its blocks
+            long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+            stream = engine.generate(PROMPTS["a1"], long, request_id="long")
+            async for _ in stream:
+                break
+            await stream.aclose()  # leaving the stream aborts the request
+            holder = placed_of(router, "long")
+            # a request of the same family runs there after it: once it is done, nothing runs
+            await complete(engine, "probe", PROMPTS["a2"])
+            assert placed_of(router, "probe") == holder
+            assert engine.replica_stats[holder].num_running == 0
+            assert router.load(holder).num_requests == 0
+
+    expected = run(single())
+    run(replicated())
+
+
+def placed_of(router: RouterStage, request_id: str) -> str:
+    return next(replica for rid, replica in router.recent if rid.partition("#")[0] == request_id)
+
+
+def test_a_killed_replica_fails_only_its_own_requests(tiny_model_dir: Path) -> None:
+    async def body() -> None:
+        engine = AsyncEngine(str(tiny_model_dir), num_blocks=256, data_parallel_size=2)
+        await engine.start()
+        metrics = EngineMetrics(engine)
+        pids = dict(engine.running.pids)
+        try:
+            router = engine.running.stage("router")
+            assert isinstance(router, RouterStage)
+            params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+            progress: dict[str, int] = {}
+
+            async def stream(name: str) -> BaseException | int:
+                try:
+                    async for output in engine.generate(PROMPTS[name], params, request_id=name):
+                        progress[name] = len(output.token_ids)
+                except EngineDeadError as error:
+                    return error
+                return len(output.token_ids)
+
+            tasks = {name: asyncio.create_task(stream(name)) for name in PROMPTS}
+            deadline = time.monotonic() + PROMPTLY
+            while len(progress) < len(PROMPTS):  # every stream is running
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            placed = {name: placed_of(router, name) for name in PROMPTS}
+            victims = {name for name, replica in placed.items() if replica == "1"}
+            assert victims and len(victims) < len(PROMPTS)
+            victim_pid = pids["engine_1"]
+            assert victim_pid is not None
+            os.kill(victim_pid, signal.SIGKILL)
+            ended = dict(zip(tasks, await asyncio.wait_for(asyncio.gather(*tasks.values()), 300)))
+            for name, result in ended.items():
+                if name in victims:
+                    assert isinstance(result, EngineDeadError), (name, result)
+                    assert "engine replica 1 failed" in str(result)
+                    assert "killed by signal 9" in str(result)
+                else:
+                    assert result == params.max_tokens, (name, result)
+            assert engine.failure is None
+            assert [(s.replica, s.alive) for s in engine.replicas] == [("0", True), ("1", False)]
+            assert router.live_replicas == ("0",)
+            assert not process_alive(victim_pid)
+            # new requests go to the replica that lives
+            assert len(await complete(engine, "after", PROMPTS["b2"])) == GREEDY.max_tokens
+            assert placed_of(router, "after") == "0"
+            scraped = _scrape(metrics)
+            assert 'actorline_replica_up{replica="0"} 1.0' in scraped
+            assert 'actorline_replica_up{replica="1"} 0.0' in scraped
+        finally:
+            await metrics.aclose()
+            await engine.close()
+        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
+
+    run(body())
+
+
+def _scrape(metrics: EngineMetrics) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(metrics.registry).decode()
