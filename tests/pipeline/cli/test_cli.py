@@ -81,6 +81,17 @@ def gguf_path() -> Path:
         (["generate", "a\udcffb"], "prompt is not valid Unicode text: U+DCFF at index 1"),
         (["generate", "hi", "--stop", "\udcfe"], "stop[0] is not valid Unicode text"),
         (["generate", "hi", "--temperature", "nan"], "temperature must be a finite number"),
+        # parallelism: sizes the model cannot be split by, and topologies that cannot hold it
+        (
+            ["generate", "hi", "--tensor-parallel-size", "2"],
+            "2 does not divide smollm2-135m's 9 query heads and 3 KV heads",
+        ),
+        (["serve", "--data-parallel-size", "0"], "data_parallel_size must be an integer >= 1"),
+        (["generate", "hi", "--data-parallel-size", "2", "--transport", "memory"], "'memory'"),
+        (
+            ["serve", "--data-parallel-size", "2", "--router", "nope"],
+            "no actorline.routers plugin named 'nope'",
+        ),
         # argument errors argparse finds: one line too, not the usage block
         ([], "the following arguments are required: COMMAND"),
         (["generate"], "the following arguments are required: prompt"),
