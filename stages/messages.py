@@ -209,7 +209,8 @@ class StepResult:
 class EngineStats:
     """Scheduler and KV gauges after a step (cumulative counters are totals since start).
     ``step_seconds`` and ``forward_seconds`` are the last step's; ``communication_seconds``
-    is the total time rank 0 spent in tensor-parallel collectives since start. ``replica``: the engine replica these are of, with data parallelism ("" with one)."""
+    is the total time rank 0 spent in tensor-parallel collectives since start. ``replica``:
+    the engine replica these are of, with data parallelism ("" with one)."""
 
     num_running: int
     num_waiting: int
