@@ -267,7 +267,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         from pipeline.bench.parallel import format_data_parallel, run_data_parallel
 
-        compared = run_data_parallel(config_from_args(args), args.data_parallel_size)
+        config = config_from_args(args)
+        compared = run_data_parallel(config, args.data_parallel_size, ceiling_prompts(config))
         print_result(compared, format_data_parallel(compared), args.json)
         return 0
     result = run_ceiling(config_from_args(args))

@@ -547,17 +547,21 @@ def run_from_args(args: argparse.Namespace) -> int:
             format_tensor_parallel,
             run_tensor_parallel,
         )
+        from stages.tokenize import load_tokenizer
 
         offline = config_from_args(args)
+        tokenizer = load_tokenizer(offline.model)
+        workload = make_workload(offline.workload)
         compared = run_tensor_parallel(
             TensorParallelConfig(
                 model=offline.model,
-                workload=offline.workload,
                 size=args.tensor_parallel_size,
                 repeats=args.repeats,
                 dtype=offline.dtype,
                 max_num_batched_tokens=offline.max_num_batched_tokens,
-            )
+            ),
+            [prompt_ids(tokenizer, request.prompt) for request in workload],
+            [request.max_tokens for request in workload],
         )
         print_result(compared, format_tensor_parallel(compared), args.json)
         return 0

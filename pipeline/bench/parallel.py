@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import format_rate, format_table
-from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload
+from pipeline.bench.workload import blocks_to_hold
 
 if TYPE_CHECKING:
     from pipeline.bench.ceiling import CeilingConfig
@@ -51,14 +51,13 @@ _WARMUP_TOKENS = 4
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TensorParallelConfig:
-    """The offline workload on ``size`` ranks against one, ``repeats`` times each.
+    """A workload on ``size`` ranks against one, ``repeats`` times each.
 
     Raises:
         ValueError: ``size`` below 2 or ``repeats`` below 1.
     """
 
     model: str = "smollm2-135m"
-    workload: WorkloadSpec = dataclasses.field(default_factory=WorkloadSpec)
     size: int = 2
     repeats: int = 1
     dtype: str = "float32"
@@ -103,15 +102,11 @@ class TensorParallelResult:
     cpu_count: int
 
 
-def run_tensor_parallel(config: TensorParallelConfig) -> TensorParallelResult:
-    """Run the comparison (see the module docstring)."""
-    from pipeline.bench.offline import prompt_ids
-    from stages.tokenize import load_tokenizer
-
-    tokenizer = load_tokenizer(config.model)
-    workload = make_workload(config.workload)
-    prompts = [prompt_ids(tokenizer, request.prompt) for request in workload]
-    max_tokens = [request.max_tokens for request in workload]
+def run_tensor_parallel(
+    config: TensorParallelConfig, prompts: list[list[int]], max_tokens: list[int]
+) -> TensorParallelResult:
+    """Run the comparison on ``prompts`` (token ids), each generating exactly its
+    ``max_tokens`` (see the module docstring)."""
     load_average = os.getloadavg()
     runs: list[ParallelRun] = []
     outputs: dict[int, tuple[tuple[int, ...], ...]] = {}
@@ -238,16 +233,17 @@ class DataParallelResult:
     profile: Profile | None = None
 
 
-async def measure_data_parallel(config: CeilingConfig, size: int) -> DataParallelResult:
-    """Run the comparison on the running event loop (see the module docstring)."""
-    from pipeline.bench.ceiling import ceiling_prompts
+async def measure_data_parallel(
+    config: CeilingConfig, size: int, prompts: Sequence[str]
+) -> DataParallelResult:
+    """Run the comparison on ``prompts`` on the running event loop (see the module
+    docstring)."""
     from pipeline.engine.async_engine import AsyncEngine
     from stages.params import SamplingParams
     from stages.router import RouterStage
 
     if size < 2:
         raise ValueError(f"size must be >= 2 (compared with one engine), got {size}")
-    prompts = ceiling_prompts(config)
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     blocks_per_request = -(-(config.max_tokens + 64) // 16) + 2
 
@@ -319,9 +315,11 @@ async def _stream_all(engine: AsyncEngine, prompts: Sequence[str], params: Sampl
     return sum(await asyncio.gather(*(consume(prompt) for prompt in prompts)))
 
 
-def run_data_parallel(config: CeilingConfig, size: int) -> DataParallelResult:
+def run_data_parallel(
+    config: CeilingConfig, size: int, prompts: Sequence[str]
+) -> DataParallelResult:
     """Run the comparison in a fresh event loop."""
-    return asyncio.run(measure_data_parallel(config, size))
+    return asyncio.run(measure_data_parallel(config, size, prompts))
 
 
 def format_data_parallel(result: DataParallelResult) -> str:
