@@ -469,7 +469,9 @@ class ModelRunner:
                     logprobs.append(token_logprobs)
             for work in works:
                 commit_chunk(allocator, work.request, work.end)
-        release_behind_windows(allocator, self._requests, step, report, self._window)
+        release_behind_windows(
+            allocator, self._requests, prepared.step, prepared.report, self._window
+        )
 
         result_message = step_result(
             prepared.step,
