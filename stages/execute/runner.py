@@ -324,6 +324,8 @@ class ModelRunner:
         )
         if on_cpu and config.tune_allocator:
             release_free_memory()
+        if self.group is not None:
+            self.group.steady()
         logger.info("execute: loaded %s (%s)", resolved.name, self.info)
         return self.info
 

@@ -24,7 +24,9 @@ other ranks a :class:`ShardStep` (the packed batch's tokens, positions and block
 per step, not per layer. The group is made without the process-global default group (so
 several engines can live in one process); it is joined through a ``TCPStore`` that rank 0
 hosts (:class:`Rendezvous`). A collective that fails (a rank died) or waits past
-``timeout`` (a rank hangs) raises :class:`TensorParallelError`.
+``timeout`` (a rank hangs) raises :class:`TensorParallelError`; while the ranks load (their
+probes run collectives between uneven amounts of work, such as sizing the KV cache) a
+collective may wait :data:`JOIN_TIMEOUT` instead.
 """
 
 from __future__ import annotations
@@ -269,12 +271,25 @@ def host_rendezvous(host: str, world_size: int, timeout: float) -> tuple[Any, Re
 class TensorParallelGroup:
     """One engine's ranks: all-reduce, timed. Made by :meth:`join` on every rank."""
 
-    def __init__(self, group: Any, rank: int, size: int, device: torch.device, store: Any) -> None:
+    def __init__(
+        self,
+        group: Any,
+        rank: int,
+        size: int,
+        device: torch.device,
+        store: Any,
+        timeout: float = JOIN_TIMEOUT,
+    ) -> None:
+        import torch.distributed as dist
+
         self.rank = rank
         self.size = size
         self.device = device
         self._group = group
         self._store = store  # the group reads through it; keep it alive
+        self._options = dist.AllreduceOptions()  # a sum (the default reduceOp)
+        self._step_timeout = timeout
+        self._options.timeout = datetime.timedelta(seconds=JOIN_TIMEOUT)
         #: seconds spent in collectives since the last :meth:`take_seconds`
         self.seconds = 0.0
         self.collectives = 0
@@ -322,7 +337,11 @@ class TensorParallelGroup:
         else:
             group = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
         logger.info("execute: tensor-parallel rank %d of %d joined (%s)", rank, size, device)
-        return cls(group, rank, size, device, store)
+        return cls(group, rank, size, device, store, rendezvous.timeout)
+
+    def steady(self) -> None:
+        """Loading is over: from now on a collective waits at most the rendezvous' timeout."""
+        self._options.timeout = datetime.timedelta(seconds=self._step_timeout)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place where it is contiguous.
@@ -337,7 +356,7 @@ class TensorParallelGroup:
             tensor = tensor.contiguous()
         began = time.perf_counter()
         try:
-            self._group.allreduce([tensor]).wait()
+            self._group.allreduce([tensor], self._options).wait()
         except RuntimeError as exc:
             raise TensorParallelError(
                 f"tensor-parallel all-reduce failed on rank {self.rank} of {self.size}: {exc}"
