@@ -8,7 +8,7 @@ detokenize, which is how it knows what each replica holds; an abort goes only to
 replica holding the request (its schedule stage). The replicas' EngineInfo is passed on once,
 when every replica has loaded.
 
-A replica that fails is cut off by the runtime (``docs/architecture.md`` §7, and
+A replica that fails is cut off by the runtime (``docs/architecture.md`` §8, and
 :mod:`pipeline.runtime.replicas`), which then tells this stage
 (:meth:`RouterStage.on_replica_lost`): its requests end with a ``RequestRejected`` of kind
 :data:`~stages.errors.ENGINE_DEAD` (the API raises ``EngineDeadError`` for them), and it takes

@@ -184,7 +184,7 @@ def _replica_hosts(host: str, options: EngineOptions) -> tuple[str, ...]:
 
 
 def _add_router(pipeline: Pipeline, options: EngineOptions) -> None:
-    """The router stage in front of the replicas (``docs/architecture.md`` §7)."""
+    """The router stage in front of the replicas (``docs/architecture.md`` §8)."""
     from stages.router import ReplicaRoute, RouterConfig, RouterStage
 
     suffixes = [replica_suffix(index) for index in range(options.data_parallel_size)]
@@ -211,7 +211,7 @@ def tensor_parallel_host(engine_host: str, rank: int) -> str:
 
 def _add_ranks(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_host: str) -> None:
     """The other tensor-parallel ranks of the execute stage ``execute``, each on its own host,
-    fed by its ``ranks`` port (``docs/architecture.md`` §7)."""
+    fed by its ``ranks`` port (``docs/architecture.md`` §8)."""
     from stages.execute.rank import RankConfig, TensorParallelRankStage
 
     for rank in range(1, config.tensor_parallel_size):

@@ -2,7 +2,7 @@
 
 A pipeline fails as a whole when any of its hosts fails (``docs/architecture.md`` §4). A
 *replica set* relaxes that for hosts that are interchangeable copies of one another, such as
-the engine replicas of data parallelism (``docs/architecture.md`` §7)::
+the engine replicas of data parallelism (``docs/architecture.md`` §8)::
 
     pipeline.replica_set("engines", {"0": ("engine",), "1": ("engine_1", "engine_1_tp1")})
 

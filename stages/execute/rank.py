@@ -1,4 +1,4 @@
-"""The stage of a tensor-parallel rank other than 0 (``docs/architecture.md`` §7).
+"""The stage of a tensor-parallel rank other than 0 (``docs/architecture.md`` §8).
 
 Each such rank is a stage on a host of its own (a process; a Ray actor), fed by rank 0's
 :class:`~stages.execute.stage.ExecuteStage` over an ordinary link: first the

@@ -6,7 +6,7 @@ the :class:`~stages.execute.tensor_parallel.Rendezvous`, then one
 :class:`~stages.execute.tensor_parallel.ShardStep` per step, to every other rank's
 :class:`~stages.execute.rank.TensorParallelRankStage`; linked to nothing otherwise).
 
-With ``tensor_parallel_size`` N > 1 this stage is rank 0 (``docs/architecture.md`` §7): it
+With ``tensor_parallel_size`` N > 1 this stage is rank 0 (``docs/architecture.md`` §8): it
 hosts the ranks' rendezvous, loads its shard while they load theirs, and for each step first
 does the bookkeeping (:meth:`ModelRunner.prepare`), sends the packed batch to the other ranks,
 then runs its forward pass and samples (:meth:`ModelRunner.run`). Each rank gets

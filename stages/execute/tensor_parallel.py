@@ -1,7 +1,7 @@
 """Tensor parallelism for the model runner: a transformers model split over N ranks joined by
 ``torch.distributed`` (gloo on CPU, NCCL on CUDA), Megatron-style.
 
-What each rank holds (``docs/architecture.md`` §7):
+What each rank holds (``docs/architecture.md`` §8):
 
 - **column-parallel** linears (q/k/v, gate/up: "colwise" in the model's
   ``base_model_tp_plan``) keep rows ``[r * n / N, (r + 1) * n / N)`` of their weight, so rank
