@@ -72,6 +72,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     return out
 
 
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[object]:
+    """One local Ray cluster for the session (2 CPUs, the dashboard for ``ray.util.state``),
+    shut down at its end. Tests that place hosts on Ray use it."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=True, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
 def _host_processes() -> set[str]:
     """Spawned pipeline hosts that are children of this process, as "pid: command line"."""
     return {

@@ -235,6 +235,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="leave the garbage collector at CPython's defaults (see docs/performance.md §5)",
     )
     parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="also run the engine's hosts on Ray and compare with local processes",
+    )
+    parser.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,
@@ -264,6 +272,30 @@ def config_from_args(args: argparse.Namespace) -> CeilingConfig:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed options and print the result; the exit status."""
+    if args.ray is not None:
+        from pipeline.bench.parallel import format_ray, run_ray
+        from stages.params import SamplingParams
+
+        config = config_from_args(args)
+        blocks = (-(-(config.max_tokens + 64) // 16) + 2) * config.num_requests
+        options = {
+            "null_model": True,
+            "max_num_seqs": config.num_requests,
+            "num_blocks": blocks,
+            "tune_gc": config.tune_gc,
+        }
+        params = [SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)]
+        ray_result = run_ray(
+            "ceiling",
+            config.model,
+            options,
+            ceiling_prompts(config),
+            params,
+            repeats=config.repeats,
+            ray_address=args.ray or None,
+        )
+        print_result(ray_result, format_ray(ray_result), args.json)
+        return 0
     if args.data_parallel_size > 1:
         from pipeline.bench.parallel import format_data_parallel, run_data_parallel
 

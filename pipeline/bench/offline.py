@@ -508,7 +508,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the workload on N ranks against one rank (and nothing else)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=1, help="runs of each rank count (--tensor-parallel-size)"
+        "--repeats", type=int, default=1, help="runs of each (--tensor-parallel-size, --ray)"
+    )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run the workload with the engine's hosts on Ray against local processes",
     )
 
 
@@ -541,6 +549,33 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed options and print the result; the exit status."""
+    if args.ray is not None:
+        from pipeline.bench.parallel import format_ray, run_ray
+        from stages.params import SamplingParams
+        from stages.tokenize import load_tokenizer
+
+        offline = config_from_args(args)
+        workload = make_workload(offline.workload)
+        tokenizer = load_tokenizer(offline.model)
+        prompts = [prompt_ids(tokenizer, request.prompt) for request in workload]
+        limits = [request.max_tokens for request in workload]
+        options = {
+            "num_blocks": blocks_to_hold(prompts, limits, 16) + 1,
+            "max_num_seqs": max(len(prompts), 1),
+            "max_num_batched_tokens": offline.max_num_batched_tokens,
+        }
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in limits]
+        ray_result = run_ray(
+            "offline",
+            offline.model,
+            options,
+            prompts,
+            params,
+            repeats=args.repeats,
+            ray_address=args.ray or None,
+        )
+        print_result(ray_result, format_ray(ray_result), args.json)
+        return 0
     if args.tensor_parallel_size > 1:
         from pipeline.bench.parallel import (
             TensorParallelConfig,

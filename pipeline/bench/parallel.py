@@ -12,6 +12,10 @@
   engine, both started once and measured in alternation; tokens/s delivered to the callers and
   the ratio. With ``--profile``, where the replicated pipeline's time goes (per stage and per
   host: a frontend host near 100% CPU is what caps it).
+- **Ray** (``actorline bench ceiling --ray`` / ``offline --ray``): the same workload with the
+  engine's hosts as Ray actors (a local cluster, or ``--ray ADDRESS``) against local processes,
+  both engines started once and measured in alternation: what Ray costs per token (the data
+  path is the same transports).
 """
 
 from __future__ import annotations
@@ -38,11 +42,16 @@ if TYPE_CHECKING:
 __all__ = [
     "DataParallelResult",
     "ParallelRun",
+    "PlacementRun",
+    "RayResult",
     "TensorParallelConfig",
     "TensorParallelResult",
     "format_data_parallel",
+    "format_ray",
     "format_tensor_parallel",
+    "measure_ray",
     "run_data_parallel",
+    "run_ray",
     "run_tensor_parallel",
 ]
 
@@ -345,3 +354,124 @@ def format_data_parallel(result: DataParallelResult) -> str:
     if result.profile is not None:
         text += ["", format_profile(result.profile, title=f"DP={result.size}, best repeat")]
     return "\n".join(text)
+
+
+# -- Ray against local processes --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlacementRun:
+    """One measured run with the engine on ``placement`` ("local" processes or "ray")."""
+
+    placement: str
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RayResult:
+    """``benchmark``'s workload with the engine's hosts on Ray against local processes, both
+    engines started once and measured in alternation: every run, the best of each, their
+    ratio, and whether both gave the same outputs (greedy workloads)."""
+
+    benchmark: str
+    model: str
+    num_requests: int
+    runs: tuple[PlacementRun, ...]
+    best_local: float
+    best_ray: float
+    ratio: float
+    identical_outputs: int
+    load_average: tuple[float, float, float]
+    cpu_count: int
+
+
+async def measure_ray(
+    benchmark: str,
+    model: str,
+    options: dict[str, Any],
+    prompts: Sequence[Any],
+    params: Sequence[SamplingParams],
+    *,
+    repeats: int = 2,
+    ray_address: str | None = None,
+) -> RayResult:
+    """Run ``prompts`` (strings or token ids, each with its ``params``) on an engine with
+    ``options`` on local processes and on one whose hosts are Ray actors, alternating,
+    ``repeats`` times each (see the module docstring)."""
+    from pipeline.engine.async_engine import AsyncEngine
+
+    load_average = os.getloadavg()
+    local = AsyncEngine(model, **options)
+    on_ray = AsyncEngine(model, **options, ray=True, ray_address=ray_address)
+    runs: list[PlacementRun] = []
+    outputs: dict[str, list[tuple[int, ...]]] = {}
+    async with local, on_ray:
+        warmup = [params[0]]
+        for engine in (local, on_ray):
+            await _generate_all(engine, prompts[:1], warmup)
+        for _ in range(repeats):
+            for placement, engine in (("local", local), ("ray", on_ray)):
+                began = time.perf_counter()
+                results = await _generate_all(engine, prompts, params)
+                seconds = time.perf_counter() - began
+                tokens = sum(len(tokens) for tokens in results)
+                runs.append(PlacementRun(placement, tokens, seconds, tokens / seconds))
+                outputs[placement] = results
+    best = {p: max(r.tokens_per_second for r in runs if r.placement == p) for p in ("local", "ray")}
+    identical = sum(a == b for a, b in zip(outputs["local"], outputs["ray"]))
+    return RayResult(
+        benchmark=benchmark,
+        model=model,
+        num_requests=len(prompts),
+        runs=tuple(runs),
+        best_local=best["local"],
+        best_ray=best["ray"],
+        ratio=best["ray"] / best["local"],
+        identical_outputs=identical,
+        load_average=load_average,
+        cpu_count=os.cpu_count() or 0,
+    )
+
+
+async def _generate_all(
+    engine: AsyncEngine, prompts: Sequence[Any], params: Sequence[SamplingParams]
+) -> list[tuple[int, ...]]:
+    """Stream every prompt concurrently; each one's generated token ids."""
+
+    async def one(prompt: Any, sampling: SamplingParams) -> tuple[int, ...]:
+        tokens: tuple[int, ...] = ()
+        async for output in engine.generate(prompt, sampling):
+            tokens = output.token_ids
+        return tokens
+
+    return list(
+        await asyncio.gather(
+            *(one(prompt, params[index % len(params)]) for index, prompt in enumerate(prompts))
+        )
+    )
+
+
+def run_ray(*args: Any, **kwargs: Any) -> RayResult:
+    """:func:`measure_ray` in a fresh event loop."""
+    return asyncio.run(measure_ray(*args, **kwargs))
+
+
+def format_ray(result: RayResult) -> str:
+    """The readable report."""
+    rows = [[run.placement, run.tokens, run.seconds, run.tokens_per_second] for run in result.runs]
+    return "\n".join(
+        [
+            format_table(
+                ["engine hosts", "tokens", "seconds", "tokens/s"],
+                rows,
+                title=f"{result.benchmark} on Ray against local processes: {result.model}, "
+                f"{result.num_requests} requests, alternating; {result.cpu_count} CPUs, load "
+                f"average {result.load_average[0]:.2f} at start",
+            ),
+            f"best on Ray {format_rate(result.best_ray)} against local "
+            f"{format_rate(result.best_local)}: {result.ratio:.2f}x",
+            f"outputs identical: {result.identical_outputs}/{result.num_requests}",
+        ]
+    )

@@ -67,6 +67,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="least-loaded",
         help="routing policy plugin of the replicas (default least-loaded)",
     )
+    parallel.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run the engine's hosts as Ray actors, on the cluster at ADDRESS ('auto': the one "
+        "running here; none: RAY_ADDRESS, else a new local cluster); needs actorline[ray]",
+    )
+    parallel.add_argument(
+        "--ray-num-cpus", type=float, default=1.0, help="CPUs each engine host takes on Ray"
+    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +114,9 @@ def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
         "router": args.router,
+        "ray": args.ray is not None,
+        "ray_address": args.ray or None,
+        "ray_num_cpus": args.ray_num_cpus,
     }
 
 

@@ -40,7 +40,11 @@ class EngineOptions:
     Parallelism (``docs/parallelism.md``): ``tensor_parallel_size`` splits the model over that
     many ranks, each a process (``tensor_parallel_timeout``: seconds a collective waits for a
     rank that hangs); ``data_parallel_size`` runs that many engine replicas behind a router
-    stage (``router``: a policy name in ``actorline.routers``).
+    stage (``router``: a policy name in ``actorline.routers``). Ray: ``ray`` runs every engine
+    host (each replica's, each rank's) as a Ray actor, one placement group per replica
+    (``STRICT_PACK``: a replica's ranks share a node), ``ray_num_cpus`` CPUs per host, on the
+    cluster at ``ray_address`` (which implies ``ray``; None: ``RAY_ADDRESS``, else a new local
+    cluster).
     """
 
     model: str = "smollm2-135m"
@@ -74,6 +78,9 @@ class EngineOptions:
     tensor_parallel_timeout: float = 30.0
     data_parallel_size: int = 1
     router: str = "least-loaded"
+    ray: bool = False
+    ray_address: str | None = None
+    ray_num_cpus: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -93,7 +100,7 @@ class EngineOptions:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("null_model", "tune_gc"):
+        for name in ("null_model", "tune_gc", "ray"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.scheduler, str) or not self.scheduler:
@@ -104,6 +111,18 @@ class EngineOptions:
         if type(timeout) not in (int, float) or not 0 < timeout < math.inf:
             raise ValueError(
                 f"tensor_parallel_timeout must be a number of seconds > 0, got {timeout!r}"
+            )
+        if self.ray_address is not None and (
+            not isinstance(self.ray_address, str) or not self.ray_address
+        ):
+            raise ValueError(f"ray_address must be a non-empty string, got {self.ray_address!r}")
+        cpus = self.ray_num_cpus
+        if type(cpus) not in (int, float) or not 0 <= cpus < math.inf:
+            raise ValueError(f"ray_num_cpus must be a number >= 0, got {cpus!r}")
+        if self.on_ray and not self.split_processes:
+            raise ValueError(
+                "ray places the engine's hosts on Ray; transport 'memory' keeps every stage in "
+                "the calling process (use 'zmq' or 'grpc')"
             )
         if self.null_model and self.tensor_parallel_size > 1:
             raise ValueError(
@@ -149,6 +168,11 @@ class EngineOptions:
         if model is not None:
             options["model"] = model
         return cls(**options)
+
+    @property
+    def on_ray(self) -> bool:
+        """Whether the engine's hosts run on Ray."""
+        return self.ray or self.ray_address is not None
 
     @property
     def split_processes(self) -> bool:

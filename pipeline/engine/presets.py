@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.engine.options import EngineOptions
 from pipeline.runtime.graph import Pipeline
+from pipeline.runtime.ray_hosts import RayHost, RayPlacementGroup, require_ray
 from pipeline.runtime.running import StartOptions
 from pipeline.runtime.spec import MAIN_HOST
 
@@ -230,7 +231,10 @@ def check_parallelism(options: EngineOptions) -> None:
         stages.models.ModelError: the model cannot be found or read.
         plugins.PluginError: the routing policy is missing, broken or invalid.
         ExecuteConfigError: the model cannot be split into that many ranks.
+        RayUnavailableError: the engine is to run on Ray, which is not installed.
     """
+    if options.on_ray:
+        require_ray()
     if options.data_parallel_size > 1:
         from stages.routing import load_router
 
@@ -247,12 +251,28 @@ def check_parallelism(options: EngineOptions) -> None:
 
 
 def start_options(options: EngineOptions) -> StartOptions:
-    """How to start the LLM pipeline for ``options``."""
+    """How to start the LLM pipeline for ``options`` (with ``options.on_ray``: every engine
+    host a Ray actor, each replica's hosts in one ``STRICT_PACK`` placement group, host k of
+    the replica in bundle k)."""
     transport = options.transport if options.split_processes else "zmq"
+    hosts: dict[str, RayHost] = {}
+    groups: dict[str, RayPlacementGroup] = {}
+    if options.on_ray:
+        engine = ENGINE_HOST
+        cpus = options.ray_num_cpus
+        for index in range(options.data_parallel_size):
+            replica = _replica_hosts(engine + replica_suffix(index), options)
+            group = f"replica{index}"
+            groups[group] = RayPlacementGroup(tuple({"CPU": cpus} for _ in replica))
+            for bundle, host in enumerate(replica):
+                hosts[host] = RayHost(num_cpus=cpus, placement_group=group, bundle_index=bundle)
     return StartOptions(
         transport=transport,
         compression=options.compression,
         start_timeout=options.start_timeout,
         log_level=options.log_level.upper() if options.log_level else None,
         tune_gc=options.tune_gc,
+        hosts=hosts,
+        placement_groups=groups,
+        ray_address=options.ray_address,
     )

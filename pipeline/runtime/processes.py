@@ -67,7 +67,7 @@ from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
 from transports.zmq import IPC_DIR_PREFIX, made_ipc_directory
 
-__all__ = ["ProcessHost", "serve_host"]
+__all__ = ["ProcessHost", "error_from_failure", "failure_message", "serve_host"]
 
 logger = logging.getLogger("actorline.process")
 
@@ -106,7 +106,8 @@ async def _parent_gone(parent: int, grace: float) -> bool:
     return True
 
 
-def _failure_message(call_id: int, host: str, error: BaseException) -> HostFailure:
+def failure_message(call_id: int, host: str, error: BaseException) -> HostFailure:
+    """``error`` (a host's or its stage's failure) as the control message that carries it."""
     if isinstance(error, DeadlockError):
         return HostFailure(
             call_id,
@@ -133,7 +134,8 @@ def _failure_message(call_id: int, host: str, error: BaseException) -> HostFailu
     return HostFailure(call_id, host, "", type(error).__qualname__, str(error))
 
 
-def _error_from_failure(failure: HostFailure) -> BaseException:
+def error_from_failure(failure: HostFailure) -> BaseException:
+    """The error a :class:`HostFailure` carries, rebuilt on the controller's side."""
     if failure.error_type == "DeadlockError" and failure.cycle:
         return DeadlockError(failure.host, failure.cycle, failure.capacities)
     if failure.error_type == "PeerLostError" and not failure.stage:
@@ -230,7 +232,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
 
     def report(error: BaseException) -> None:
         with contextlib.suppress(Exception):
-            control.send(_failure_message(0, plan.name, error))
+            control.send(failure_message(0, plan.name, error))
 
     def report_link_lost(link_id: str, detail: str) -> None:
         with contextlib.suppress(Exception):
@@ -275,7 +277,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
                 return command.phase != 1
         except Exception as exc:
             with contextlib.suppress(Exception):
-                control.send(_failure_message(call_id, plan.name, exc))
+                control.send(failure_message(call_id, plan.name, exc))
         return False
 
     tasks: set[asyncio.Task[bool]] = set()
@@ -381,7 +383,7 @@ class ProcessHost:
                 if not future.done():
                     future.set_result(message)
             elif isinstance(message, HostFailure) and not self._stopping:
-                self._on_failure(_error_from_failure(message))
+                self._on_failure(error_from_failure(message))
             elif (
                 isinstance(message, LinkLost)
                 and not self._stopping
@@ -428,7 +430,7 @@ class ProcessHost:
         finally:
             self._calls.pop(call_id, None)
         if isinstance(reply, HostFailure):
-            raise _error_from_failure(reply)
+            raise error_from_failure(reply)
         return reply
 
     async def bind_links(self) -> dict[str, str]:

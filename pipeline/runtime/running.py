@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.runtime import settings
 from pipeline.runtime.errors import (
+    GraphError,
     HostDiedError,
     HostUnresponsiveError,
     PipelineClosedError,
@@ -51,6 +52,17 @@ from pipeline.runtime.gc_policy import raise_young_threshold, restore_threshold
 from pipeline.runtime.host import Host
 from pipeline.runtime.processes import ProcessHost
 from pipeline.runtime.protocol import HostPlan, HostStatistics, RemoteLink
+from pipeline.runtime.ray_hosts import (
+    RayActorHost,
+    RayHost,
+    RayPlacementGroup,
+    connect_ray,
+    create_placement_group,
+    node_ip,
+    reachable_plan,
+    remove_placement_groups,
+    shutdown_ray,
+)
 from pipeline.runtime.replicas import ReplicaLost, ReplicaSet, ReplicaStatus
 from pipeline.runtime.spec import BOUNDARY, MAIN_HOST, Endpoint
 from pipeline.runtime.stage import Stage
@@ -89,6 +101,11 @@ class StartOptions:
     ``tune_gc``: once the stages have started, raise the garbage collector's young-generation
     threshold while the pipeline runs (in this process too) and freeze the start-up heap of
     each spawned host process (see :mod:`pipeline.runtime.gc_policy`).
+    ``hosts``: hosts to run as Ray actors (host name → :class:`RayHost`), the others are
+    spawned processes; ``placement_groups``: Ray placement groups to create for them (name →
+    :class:`RayPlacementGroup`); ``ray_address``: the cluster to connect to ("auto": the one
+    running here; None: ``RAY_ADDRESS``, else a new local one) unless this process is
+    connected already (see :mod:`pipeline.runtime.ray_hosts`).
     """
 
     transport: str = "zmq"
@@ -102,6 +119,9 @@ class StartOptions:
     log_level: str | None = None
     transport_settings: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     tune_gc: bool = True
+    hosts: Mapping[str, RayHost] = dataclasses.field(default_factory=dict)
+    placement_groups: Mapping[str, RayPlacementGroup] = dataclasses.field(default_factory=dict)
+    ray_address: str | None = None
 
     def link_options(self) -> LinkOptions:
         return LinkOptions(
@@ -175,7 +195,9 @@ class RunningPipeline:
         self.options = options
         self.failure: BaseException | None = None
         self._main: Host | None = None
-        self._processes: dict[str, ProcessHost] = {}
+        self._processes: dict[str, ProcessHost | RayActorHost] = {}
+        self._placement_groups: list[Any] = []
+        self._ray_owned = False  # this pipeline connected this process to Ray
         self._exits: dict[str, MemoryChannel[Any]] = {}
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
         self._closing = False
@@ -239,6 +261,13 @@ class RunningPipeline:
                 self._link_targets[link.link_id] = name
         for name, plan in plans.items():
             self._inbound_sources[name] = {self._link_sources[k.link_id] for k in plan.inbound}
+        groups = await self._connect_ray(plans)
+        if self.options.hosts:
+            ip = await asyncio.to_thread(node_ip)
+            plans = {
+                name: plan if name in self.options.hosts else reachable_plan(plan, ip)
+                for name, plan in plans.items()
+            }
         self._main = Host(
             plans[MAIN_HOST],
             self._failure_reporter(MAIN_HOST),
@@ -246,13 +275,26 @@ class RunningPipeline:
             on_link_lost=self._link_lost_reporter(MAIN_HOST),
         )
         for name, plan in plans.items():
-            if name != MAIN_HOST:
+            if name == MAIN_HOST:
+                continue
+            placement = self.options.hosts.get(name)
+            if placement is None:
                 self._processes[name] = ProcessHost(
                     plan, self._failure_reporter(name), self._link_lost_reporter(name)
                 )
+            else:
+                group = groups.get(placement.placement_group or "")
+                self._processes[name] = RayActorHost(
+                    plan,
+                    placement,
+                    self._failure_reporter(name),
+                    self._link_lost_reporter(name),
+                    pipeline=self.pipeline.name,
+                    placement_group=group,
+                )
         await asyncio.gather(*(process.spawn() for process in self._processes.values()))
         self._main.build()
-        hosts: list[Host | ProcessHost] = [self._main, *self._processes.values()]
+        hosts: list[Host | ProcessHost | RayActorHost] = [self._main, *self._processes.values()]
         addresses: dict[str, str] = {}
         for bound in await asyncio.gather(*(host.bind_links() for host in hosts)):
             addresses.update(bound)
@@ -268,6 +310,52 @@ class RunningPipeline:
             self._gc_tuned = True
             raise_young_threshold()
         self._started = True
+
+    async def _connect_ray(self, plans: dict[str, HostPlan]) -> dict[str, Any]:
+        """With hosts on Ray: check their placements, connect to the cluster and create the
+        placement groups. Returns the groups by name.
+
+        Raises:
+            GraphError: a Ray placement names the main host, an unknown host or an unknown
+                placement group (or Ray is not installed: RayUnavailableError).
+        """
+        options = self.options
+        if not options.hosts:
+            if options.placement_groups:
+                raise GraphError("placement_groups are for hosts on Ray; no host is (hosts=)")
+            return {}
+        for name, placement in options.hosts.items():
+            if name == MAIN_HOST or name not in plans:
+                raise GraphError(
+                    f"hosts= places {name!r} on Ray, which is not a spawned host of pipeline "
+                    f"{self.pipeline.name!r}; its hosts are {sorted(set(plans) - {MAIN_HOST})}"
+                )
+            wanted = placement.placement_group
+            if wanted is not None and wanted not in options.placement_groups:
+                raise GraphError(
+                    f"host {name!r} is placed in placement group {wanted!r}, which "
+                    f"placement_groups does not define"
+                )
+        self._ray_owned = await asyncio.to_thread(connect_ray, options.ray_address)
+        groups: dict[str, Any] = {}
+        for name, group in options.placement_groups.items():
+            created = await create_placement_group(
+                f"actorline:{self.pipeline.name}:{name}", group, options.start_timeout
+            )
+            self._placement_groups.append(created)
+            groups[name] = created
+        return groups
+
+    def ray_actor(self, host: str) -> Any:
+        """The Ray actor handle of host ``host`` (placed on Ray with ``hosts=``).
+
+        Raises:
+            KeyError: ``host`` is not on Ray.
+        """
+        process = self._processes.get(host)
+        if not isinstance(process, RayActorHost):
+            raise KeyError(f"host {host!r} does not run on Ray")
+        return process.actor
 
     # -- messages -------------------------------------------------------------------------------
 
@@ -508,13 +596,13 @@ class RunningPipeline:
         error.__cause__ = cause
         self._fail_host(host, error)
 
-    async def _probe_hosts(self, hosts: list[ProcessHost]) -> None:
+    async def _probe_hosts(self, hosts: list[ProcessHost | RayActorHost]) -> None:
         """Ask ``hosts`` (spawned hosts that send over no link, so no link heartbeat tells
         whether they are alive) for statistics every heartbeat interval; one that does not
         answer within the heartbeat timeout fails the pipeline as unresponsive."""
         interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
 
-        async def probe(host: ProcessHost) -> None:
+        async def probe(host: ProcessHost | RayActorHost) -> None:
             while True:
                 await asyncio.sleep(interval)
                 try:
@@ -719,13 +807,13 @@ class RunningPipeline:
         for channel in self._exits.values():
             channel.close_sending()
 
-    async def _find_silent_hosts(self, processes: list[ProcessHost]) -> None:
+    async def _find_silent_hosts(self, processes: list[ProcessHost | RayActorHost]) -> None:
         """After a failure, count a host that does not answer a probe within
         :data:`_UNRESPONSIVE_GRACE` as unresponsive (one frozen, or whose event loop is stuck,
         while another host's failure came first), so that the teardown resumes it and waits
         for it only briefly."""
 
-        async def silent(process: ProcessHost) -> bool:
+        async def silent(process: ProcessHost | RayActorHost) -> bool:
             try:
                 await asyncio.wait_for(process.statistics(), _UNRESPONSIVE_GRACE)
             except asyncio.TimeoutError:
@@ -761,6 +849,11 @@ class RunningPipeline:
         for process in processes:
             process.kill_now()
         await asyncio.gather(*(process.kill() for process in processes))
+        groups, self._placement_groups = self._placement_groups, []
+        remove_placement_groups(groups)
+        if self._ray_owned:
+            self._ray_owned = False
+            shutdown_ray()
         if self._main is not None:
             await self._main.abort(_FORCED_STEP_TIMEOUT)
         for channel in self._exits.values():
@@ -768,11 +861,11 @@ class RunningPipeline:
         self._torn_down = True
 
     @staticmethod
-    def _resume(process: ProcessHost) -> None:
+    def _resume(process: ProcessHost | RayActorHost) -> None:
         """SIGCONT an unresponsive host, so that one frozen by SIGSTOP can still shut down
         cleanly (its links and ipc files); one whose event loop is stuck is waited for only
         briefly (``_UNRESPONSIVE_GRACE``), then terminated, then killed, by ProcessHost.stop."""
-        if process.pid is not None:
+        if isinstance(process, ProcessHost) and process.pid is not None:
             # NOTE: the child stays unreaped (so its pid is not reused) until the
             # ProcessHost notices its exit; a signal to a process that exited is harmless.
             with contextlib.suppress(OSError):

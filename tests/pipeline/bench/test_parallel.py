@@ -45,3 +45,16 @@ def test_tensor_parallel_offline_quick(
     assert single["communication_seconds"] == 0 < parallel["communication_seconds"]
     assert result["communication_ms_per_step"] > 0 and 0 < result["communication_share"] < 1
     assert result["identical_outputs"] == 8
+
+
+def test_ray_ceiling_quick(
+    tiny_model_dir: Path, ray_cluster: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    command = ["bench", "ceiling", "--quick", "--json", "--model", str(tiny_model_dir), "--ray"]
+    args = bench_parser().parse_args(command)
+    assert args.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["benchmark"] == "ceiling" and result["num_requests"] == 32
+    assert [run["placement"] for run in result["runs"]] == ["local", "ray"]
+    assert all(run["tokens"] == 32 * 32 and run["tokens_per_second"] > 0 for run in result["runs"])
+    assert result["ratio"] == result["best_ray"] / result["best_local"]
