@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.actorline-installed-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
 
-.PHONY: setup run test lint typecheck bench clean
+.PHONY: setup browser run test lint typecheck bench clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,22 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/actorline models prepare smollm2-135m
 	touch $(STAMP)
 
+# The browser test (tests/examples/test_browser_chat.py) drives Debian's Chromium through its
+# chromedriver; nothing is downloaded at run time. Installed here when missing, as root (CI runs
+# as root on a fresh Debian machine); elsewhere the test is skipped, saying how to install them.
+CHROMIUM := /usr/bin/chromium
+CHROMEDRIVER := /usr/bin/chromedriver
+
+browser:
+	@if [ -x $(CHROMIUM) ] && [ -x $(CHROMEDRIVER) ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			--no-install-recommends chromium chromium-driver; \
+	else \
+		echo "note: $(CHROMIUM) or $(CHROMEDRIVER) is missing, so the browser test is skipped;"; \
+		echo "      install Debian's chromium and chromium-driver as root to run it"; \
+	fi
+
 run: setup
 	$(BIN)/actorline generate "$(PROMPT)"
 
@@ -39,7 +55,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-test: lint typecheck
+test: lint typecheck browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup
