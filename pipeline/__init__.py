@@ -42,6 +42,7 @@ _LAZY = {
     "EngineOptions": "pipeline.engine",
     "EngineDeadError": "pipeline.engine",
     "SamplingParams": "stages.params",
+    "StructuredOutputsParams": "stages.structured_outputs",
     "ChatMessage": "stages.messages",
     "Logprobs": "stages.messages",
     "RequestError": "stages.errors",

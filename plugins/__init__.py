@@ -1,6 +1,6 @@
 """The one registry of named components, discovered through entry-point groups.
 
-Four groups, whose names are the constants below. Each built-in component is registered
+Five groups, whose names are the constants below. Each built-in component is registered
 through actorline's own ``pyproject.toml`` entry points, exactly like a third-party plugin::
 
     [project.entry-points."actorline.schedulers"]
@@ -26,6 +26,7 @@ import logging
 from typing import Any
 
 __all__ = [
+    "GRAMMARS",
     "GROUPS",
     "ROUTERS",
     "SCHEDULERS",
@@ -46,6 +47,7 @@ __all__ = [
 
 logger = logging.getLogger("actorline.plugins")
 
+GRAMMARS = "actorline.grammars"
 ROUTERS = "actorline.routers"
 SCHEDULERS = "actorline.schedulers"
 STAGES = "actorline.stages"
@@ -70,6 +72,13 @@ class GroupSpec:
 
 
 GROUPS: dict[str, GroupSpec] = {
+    GRAMMARS: GroupSpec(
+        GRAMMARS,
+        "grammar engines for structured outputs: compile a constraint, mask the tokens it forbids",
+        api_version=1,
+        methods=("compile", "fill_bitmask"),
+        attributes=("name",),
+    ),
     ROUTERS: GroupSpec(
         ROUTERS,
         "routing policies: which engine replica serves a request (data parallelism)",

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from stages.errors import RequestError
 from stages.params import SamplingParams
 from transports.codec import message
@@ -146,13 +148,20 @@ class ScheduledChunk:
 class SchedulerStep:
     """One batch for execute. Execute first frees the blocks of ``finished`` (done or aborted:
     request state dropped) and ``preempted`` (state kept, recomputed later), then registers
-    ``new_requests``, then runs ``chunks``. An empty ``chunks`` is a free-only step."""
+    ``new_requests``, then runs ``chunks``. An empty ``chunks`` is a free-only step.
+
+    Structured outputs: ``grammar_request_ids[i]`` samples this step under row ``i`` of
+    ``grammar_bitmask`` (``int32``, the tokens its grammar allows next; the layout of
+    :mod:`stages.grammar`), which the sampler applies (:mod:`stages.execute.grammar_mask`).
+    """
 
     step_id: int
     new_requests: tuple[EngineRequest, ...] = ()
     chunks: tuple[ScheduledChunk, ...] = ()
     finished: tuple[str, ...] = ()
     preempted: tuple[str, ...] = ()
+    grammar_request_ids: tuple[str, ...] = ()
+    grammar_bitmask: np.ndarray | None = None
 
 
 @message(109)

@@ -12,6 +12,7 @@ import dataclasses
 
 from stages.checks import check_bool, check_int, check_number, check_text, check_token_ids, describe
 from stages.errors import InvalidRequestError
+from stages.structured_outputs import StructuredOutputsParams, validate_structured_outputs
 from transports.codec import message
 
 __all__ = [
@@ -34,6 +35,8 @@ class SamplingParams:
     top alternatives (0 = only the sampled token's). ``seed`` gives the request its own random
     generator, kept across preemption, so a seeded request samples the same tokens every run.
     ``priority``: smaller runs first under the ``priority`` scheduler (as in vLLM).
+    ``structured_outputs``: a constraint the output must match (a JSON schema, a regex, a
+    choice, a grammar; see :mod:`stages.structured_outputs`), as vLLM's field of that name.
     ``max_tokens`` None: generate until the model's length (what is left of it after the
     prompt), as vLLM's ``max_tokens=None``; admit replaces it with that number.
     ``stop`` takes a list of strings or one string, ``stop_token_ids`` a list of ids; None
@@ -57,6 +60,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept what vLLM's SamplingParams accepts (vllm/sampling_params.py: ``stop: str |
@@ -158,6 +162,7 @@ def validate_sampling(
     if params.logprobs is not None:
         check_int("logprobs", params.logprobs, minimum=0, maximum=MAX_LOGPROBS, request_id=rid)
     check_int("priority", params.priority, request_id=rid)
+    validate_structured_outputs(params.structured_outputs, request_id=rid)
     for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         check_bool(flag, getattr(params, flag), request_id=rid)
 

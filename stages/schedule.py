@@ -9,21 +9,35 @@ An abort can overtake its request (the API sends aborts straight here while the 
 passes tokenize and admit); such ids are remembered, in a bounded set, and the request is
 dropped when it arrives.
 
+Structured outputs (``docs/architecture.md``, "Structured outputs"): a request with
+``params.structured_outputs`` reaches the scheduler only once its grammar is compiled. A
+cache hit is immediate; otherwise the grammar compiles on this stage's grammar thread, in the
+background, while steps go on; a grammar that does not compile answers that request alone on
+``rejected``. Each step then carries the token bitmask of the constrained requests that
+sample in it (filled here, applied by execute's sampler), and each result advances their
+matchers (:class:`~stages.grammar_manager.GrammarManager`).
+
 NOTE: exactly one step is in flight. When a result arrives the next step is sent to execute
 *before* the outputs go to the frontend, so the model never waits on the frontend.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 
 from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.early_aborts import EarlyAborts
-from stages.errors import RequestError
+from stages.errors import InvalidRequestError, RequestError
 from stages.failures import rejection
+from stages.grammar import CompiledGrammar, load_grammar_backend
+from stages.grammar_manager import GrammarConfig, GrammarManager
 from stages.messages import (
     AbortRequests,
     EngineInfo,
+    EngineOutputs,
     EngineRequest,
     RequestRejected,
     StepResult,
@@ -36,10 +50,13 @@ __all__ = ["ScheduleConfig", "ScheduleStage"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScheduleConfig:
-    """``policy``: a name in the ``actorline.schedulers`` plugin group."""
+    """``policy``: a name in the ``actorline.schedulers`` plugin group. ``grammar``: the
+    structured-outputs backend and the model whose tokenizer it uses (None: requests with
+    ``structured_outputs`` are refused)."""
 
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     policy: str = "fcfs"
+    grammar: GrammarConfig | None = None
 
 
 class ScheduleStage(Stage):
@@ -49,17 +66,34 @@ class ScheduleStage(Stage):
     def __init__(self, config: ScheduleConfig | None = None) -> None:
         super().__init__(config or ScheduleConfig())
         self.scheduler: Scheduler | None = None
+        self.grammars: GrammarManager | None = None
         self._early_aborts = EarlyAborts()
+        # requests whose grammar compiles in the background, and their compile thread
+        self._compiling: dict[str, EngineRequest] = {}
+        self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._info_known = asyncio.Event()
 
     async def start(self) -> None:
-        # NOTE: a policy plugin that is missing, broken or invalid fails start-up loudly.
+        # NOTE: a policy or grammar plugin that is missing, broken or invalid fails start-up
+        # loudly (the grammar backend's tokenizer is loaded on the first compile).
         policy = load_policy(self.config.policy)
         self.scheduler = Scheduler(self.config.scheduler, policy)
+        if self.config.grammar is not None:
+            load_grammar_backend(self.config.grammar.backend)
+            self.grammars = GrammarManager(self.config.grammar)
+
+    async def stop(self) -> None:
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            self._compile_pool = None
 
     @handles(EngineInfo)
     async def on_engine_info(self, info: EngineInfo) -> None:
         assert self.scheduler is not None
         self.scheduler.set_engine_info(info)
+        if self.grammars is not None:
+            self.grammars.set_engine_info(info.vocab_size, info.eos_token_ids)
+        self._info_known.set()
         await self._dispatch_step()
 
     @handles(EngineRequest)
@@ -67,14 +101,47 @@ class ScheduleStage(Stage):
         assert self.scheduler is not None
         if self._early_aborts.take(request.request_id):
             return  # aborted before it arrived
+        if request.params.structured_outputs is not None:
+            await self._on_constrained(request)
+            return
+        if await self._admit(request):
+            await self._dispatch_step()
+
+    @handles(AbortRequests)
+    async def on_abort(self, abort: AbortRequests) -> None:
+        assert self.scheduler is not None
+        for request_id in abort.request_ids:
+            if self._compiling.pop(request_id, None) is not None:
+                continue  # its compile finishes unheeded
+            if not self.scheduler.has_request(request_id):
+                self._early_aborts.add(request_id)
+            if self.grammars is not None:
+                self.grammars.finish(request_id)
+        self.scheduler.abort(abort.request_ids)
+        await self._dispatch_step()
+
+    @handles(StepResult)
+    async def on_result(self, result: StepResult) -> None:
+        assert self.scheduler is not None
+        outputs = self.scheduler.update(result)
+        if self.grammars is not None and len(self.grammars):
+            self._advance_grammars(outputs)
+        await self._dispatch_step()
+        await self.emit("out", outputs)
+        if outputs.stats is not None:
+            await self.emit("stats", outputs.stats)
+
+    async def _admit(self, request: EngineRequest, compiled: CompiledGrammar | None = None) -> bool:
+        """Hand ``request`` to the scheduler (with its grammar's matcher), or reject it."""
+        assert self.scheduler is not None
         try:
             self.scheduler.add_request(request)
+            if compiled is not None:
+                assert self.grammars is not None
+                self.grammars.start(request.request_id, compiled)
         except RequestError as error:
-            await self.emit(
-                "rejected",
-                RequestRejected.of(request.request_id, error),
-            )
-            return
+            await self.emit("rejected", RequestRejected.of(request.request_id, error))
+            return False
         except Exception as error:
             # NOTE: a failure taking in one request is that request's (docs/architecture.md,
             # "Failure: one request or the pipeline"): whatever the scheduler took of it is
@@ -83,36 +150,118 @@ class ScheduleStage(Stage):
             if not recoverable(error):
                 raise
             self.scheduler.abort((request.request_id,))
+            if self.grammars is not None:
+                self.grammars.finish(request.request_id)
             self.logger.error(
                 "failed to take in request %r: %s", request.request_id, error, exc_info=error
             )
             await self.emit("rejected", rejection(self.name, request.request_id, error))
+            return False
+        return True
+
+    async def _on_constrained(self, request: EngineRequest) -> None:
+        request_id = request.request_id
+        params = request.params.structured_outputs
+        assert params is not None and self.scheduler is not None
+        error: RequestError | None = None
+        if self.grammars is None:
+            error = InvalidRequestError(
+                "structured outputs are not enabled in this pipeline (its schedule stage has "
+                "no grammar backend)",
+                field="structured_outputs",
+                request_id=request_id,
+            )
+        elif request_id in self._compiling:
+            error = InvalidRequestError(
+                f"request id {request_id!r} is already scheduled",
+                field="request_id",
+                request_id=request_id,
+            )
+        if error is not None:
+            await self.emit("rejected", RequestRejected.of(request_id, error))
             return
-        await self._dispatch_step()
+        assert self.grammars is not None
+        compiled = self.grammars.cached(params) if self._info_known.is_set() else None
+        if compiled is not None:
+            if await self._admit(request, compiled):
+                await self._dispatch_step()
+            return
+        self._compiling[request_id] = request
+        self.spawn(self._compile(request))
 
-    @handles(AbortRequests)
-    async def on_abort(self, abort: AbortRequests) -> None:
-        assert self.scheduler is not None
-        for request_id in abort.request_ids:
-            if not self.scheduler.has_request(request_id):
-                self._early_aborts.add(request_id)
-        self.scheduler.abort(abort.request_ids)
-        await self._dispatch_step()
+    async def _compile(self, request: EngineRequest) -> None:
+        """Compile ``request``'s grammar on the grammar thread, then admit or reject it
+        (unless it was aborted meanwhile)."""
+        assert self.grammars is not None and request.params.structured_outputs is not None
+        await self._info_known.wait()
+        if self._compile_pool is None:
+            self._compile_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"actorline-{self.name}-grammar"
+            )
+        compile_one = functools.partial(
+            self.grammars.compile,
+            request.params.structured_outputs,
+            request_id=request.request_id,
+        )
+        compiled: CompiledGrammar | None = None
+        error: RequestError | None = None
+        try:
+            compiled = await asyncio.get_running_loop().run_in_executor(
+                self._compile_pool, compile_one
+            )
+        except RequestError as exc:
+            error = exc
+        except Exception as exc:  # the backend or its tokenizer failed (to load)
+            if not recoverable(exc):
+                raise
+            self.logger.exception("the grammar backend failed on request %s", request.request_id)
+            error = RequestError(
+                f"structured outputs are unavailable: {type(exc).__name__}: {exc}",
+                field="structured_outputs",
+                request_id=request.request_id,
+            )
+        if self._compiling.get(request.request_id) is not request:
+            return  # aborted while it compiled
+        del self._compiling[request.request_id]
+        if error is not None:
+            await self.emit("rejected", RequestRejected.of(request.request_id, error))
+            return
+        if await self._admit(request, compiled):
+            await self._dispatch_step()
 
-    @handles(StepResult)
-    async def on_result(self, result: StepResult) -> None:
-        assert self.scheduler is not None
-        outputs = self.scheduler.update(result)
-        await self._dispatch_step()
-        await self.emit("out", outputs)
-        if outputs.stats is not None:
-            await self.emit("stats", outputs.stats)
+    def _advance_grammars(self, outputs: EngineOutputs) -> None:
+        """Feed each constrained request's new tokens to its matcher; drop finished ones."""
+        grammars = self.grammars
+        assert grammars is not None
+        for request_id, tokens, finish in zip(
+            outputs.request_ids, outputs.new_token_ids, outputs.finish_reasons, strict=True
+        ):
+            if request_id not in grammars:
+                continue
+            if finish is not None:
+                grammars.finish(request_id)
+            else:
+                grammars.accept(request_id, tokens)
 
     async def _dispatch_step(self) -> None:
         assert self.scheduler is not None
         step = self.scheduler.schedule()
-        if step is not None:
-            await self.emit("execute", step)
+        if step is None:
+            return
+        grammars = self.grammars
+        if grammars is not None and len(grammars):
+            constrained = [r for r in self.scheduler.sampling_request_ids() if r in grammars]
+            if constrained:
+                for request_id in constrained:
+                    grammars.sync(request_id, self.scheduler.num_output_tokens(request_id))
+                step = dataclasses.replace(
+                    step,
+                    grammar_request_ids=tuple(constrained),
+                    grammar_bitmask=grammars.bitmask(constrained),
+                )
+        await self.emit("execute", step)
 
     def idle(self) -> bool:
+        if self._compiling:
+            return False
         return self.scheduler is None or not (self.scheduler.has_work() or self.scheduler.in_flight)

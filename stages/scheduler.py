@@ -290,6 +290,25 @@ class Scheduler:
             return False
         return bool(self._waiting or self._running or self._pending_finish or self._unrunnable)
 
+    def sampling_request_ids(self) -> list[str]:
+        """The requests whose chunk in the step in flight samples a token (it reaches the end
+        of their known tokens), in the step's chunk order; empty when no step is in flight."""
+        in_flight = self._in_flight
+        if in_flight is None:
+            return []
+        return [c.request_id for c in in_flight.step.chunks if c.request_id in in_flight.sampling]
+
+    def num_output_tokens(self, request_id: str) -> int:
+        """The tokens ``request_id`` (waiting or running) has generated so far.
+
+        Raises:
+            KeyError: no such waiting or running request.
+        """
+        state = self._running.get(request_id) or self._waiting.get(request_id)
+        if state is None:
+            raise KeyError(request_id)
+        return state.num_output_tokens
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)

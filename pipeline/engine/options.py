@@ -26,7 +26,8 @@ class EngineOptions:
     "auto"), ``device`` ("cpu", "cuda", "auto"). KV cache: ``block_size``, ``num_blocks`` (an
     exact count) or ``kv_cache_memory`` (bytes), ``enable_prefix_caching``, ``max_model_len``.
     Batching: ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_chunk``,
-    ``scheduler`` (a policy name in ``actorline.schedulers``). Topology: ``transport``
+    ``scheduler`` (a policy name in ``actorline.schedulers``). Structured outputs:
+    ``grammar_backend`` (a name in ``actorline.grammars``; "llguidance" built in). Topology: ``transport``
     ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None). Admission:
     ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
     per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)), ``rate_limit_burst``
@@ -59,6 +60,7 @@ class EngineOptions:
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int | None = None
     scheduler: str = "fcfs"
+    grammar_backend: str = "llguidance"
     transport: str = "zmq"
     compression: str | None = None
     max_queued_requests: int = 4096
@@ -105,6 +107,10 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.scheduler, str) or not self.scheduler:
             raise ValueError(f"scheduler must be a policy name, got {self.scheduler!r}")
+        if not isinstance(self.grammar_backend, str) or not self.grammar_backend:
+            raise ValueError(
+                f"grammar_backend must be a grammar backend name, got {self.grammar_backend!r}"
+            )
         if not isinstance(self.router, str) or not self.router:
             raise ValueError(f"router must be a routing policy name, got {self.router!r}")
         timeout = self.tensor_parallel_timeout

@@ -66,6 +66,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     from stages.detokenize import DetokenizeConfig, DetokenizeStage
     from stages.execute.config import ExecuteConfig
     from stages.execute.stage import ExecuteStage
+    from stages.grammar_manager import GrammarConfig
     from stages.schedule import ScheduleConfig, ScheduleStage
     from stages.scheduler import SchedulerConfig
     from stages.stop_check import StopCheckStage
@@ -90,6 +91,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
             long_prefill_chunk=options.long_prefill_chunk,
         ),
         policy=options.scheduler,
+        grammar=GrammarConfig(options.model, backend=options.grammar_backend),
     )
     execute = ExecuteConfig(
         model=options.model,

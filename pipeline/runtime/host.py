@@ -30,11 +30,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import logging
 import os
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import plugins
@@ -140,6 +141,7 @@ class Host:
         self._receivers: dict[str, Receiver] = {}
         self._senders: dict[str, Sender] = {}
         self._pumps: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self._cell_of_task: dict[asyncio.Task[Any], _StageCell] = {}
         self._failed = False
         self._stopped = False
@@ -278,6 +280,27 @@ class Host:
             return
         for deliver in routes:
             await deliver(message)
+
+    def spawn(self, stage: str, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run a background ``coroutine`` of ``stage`` (see :meth:`Stage.spawn`): if it
+        raises, the stage fails as if its handler had; stopping cancels it."""
+        if self._stopped:
+            coroutine.close()
+            return
+        task = asyncio.create_task(coroutine, name=f"stage:{stage}:background")
+        self._background.add(task)
+        task.add_done_callback(functools.partial(self._background_done, stage))
+
+    def _background_done(self, stage: str, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if task.cancelled():
+            if not self._stopped:
+                error = asyncio.CancelledError("nothing cancelled the stage")
+                self._fail(self._cancelled_error(stage, error, "a background task"), error)
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._fail(self._stage_error(stage, exc), exc)
 
     async def send_entry(self, entry: str, message: Any) -> None:
         """Deliver a message sent by the caller to an entry (main host only)."""
@@ -607,9 +630,10 @@ class Host:
         await self.release(timeout, abort=True)
 
     async def _cancel_tasks(self, timeout: float) -> None:
-        """Cancel the stages' tasks and the pumps; wait for them up to ``timeout``."""
+        """Cancel the stages' tasks (background ones too) and the pumps; wait for them up to
+        ``timeout``."""
         tasks = [cell.task for cell in self._cells.values() if cell.task is not None]
-        tasks = [task for task in (*tasks, *self._pumps) if not task.done()]
+        tasks = [task for task in (*tasks, *self._pumps, *self._background) if not task.done()]
         for task in tasks:
             task.cancel()
         if tasks:

@@ -27,7 +27,7 @@ import concurrent.futures
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pipeline.runtime.errors import PipelineError, UnhandledMessageError
@@ -199,6 +199,22 @@ class Stage:
         if self._host is None:
             raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
         await self._host.emit(self._name, port, message, to)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run ``coroutine`` on the stage's event loop beside its handlers: background work
+        that awaits something slow (a job on a worker thread), then acts, without holding up
+        the messages behind it. It runs between the handlers' awaits, never inside one
+        handler's synchronous code. If it raises, the stage fails as if a handler had; when
+        the host stops, what still runs is cancelled. (A stage with background work should
+        say so in :meth:`idle`.)
+
+        Raises:
+            RuntimeError: the stage is not running in a pipeline.
+        """
+        if self._host is None:
+            coroutine.close()
+            raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
+        self._host.spawn(self._name, coroutine)
 
     # -- helpers ------------------------------------------------------------------------------
 

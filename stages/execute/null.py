@@ -4,12 +4,14 @@
 SchedulerStep; ``out``: StepResult; ``info``: EngineInfo once at start) and answers every step
 at once: each chunk that samples gets a random token, drawn by a seeded numpy generator
 uniformly over the model tokenizer's vocabulary minus its special tokens (so detokenization
-downstream does real work and EOS never ends a request by chance). Everything else is real:
-the KV bookkeeping goes through the same :class:`~stages.execute.allocator.BlockAllocator` as
-the model runner (allocation, prefix-cache lookups and commits, frees, preemption when blocks
-run out), sized from the same :class:`~stages.execute.config.ExecuteConfig`, and the
-:class:`~stages.messages.EngineInfo` carries the model's real vocabulary size, length limit
-and EOS ids. No KV tensors are allocated (``kv_cache_bytes`` is 0) and torch is never used.
+downstream does real work and EOS never ends a request by chance), or, for a request with
+structured outputs, uniformly over the tokens its grammar allows (the step's bitmask).
+Everything else is real: the KV bookkeeping goes through the same
+:class:`~stages.execute.allocator.BlockAllocator` as the model runner (allocation, prefix-cache
+lookups and commits, frees, preemption when blocks run out), sized from the same
+:class:`~stages.execute.config.ExecuteConfig`, and the :class:`~stages.messages.EngineInfo`
+carries the model's real vocabulary size, length limit and EOS ids. No KV tensors are allocated
+(``kv_cache_bytes`` is 0) and torch is never used.
 
 Select it with ``AsyncEngine(model, null_model=True)`` (or ``LLM``), which swaps it in for the
 execute stage in :func:`pipeline.engine.presets.llm_pipeline`.
@@ -237,6 +239,7 @@ class NullRunner:
         if sampling:
             drawn = self._token_ids[self._rng.integers(0, self._token_ids.size, len(sampling))]
             token_ids = drawn.tolist()
+            self._constrain(step, sampling, token_ids)
             for request, token_id in zip(sampling, token_ids):
                 request.output_token_ids.append(token_id)
                 request_ids.append(request.request_id)
@@ -255,6 +258,25 @@ class NullRunner:
             num_computed_tokens=sum(end - start for _, start, end in planned),
             forward_seconds=time.perf_counter() - began,
         )
+
+    def _constrain(
+        self, step: SchedulerStep, sampling: Sequence[_Request], token_ids: list[int]
+    ) -> None:
+        """Redraw the tokens of constrained rows uniformly among those their grammar allows
+        (special tokens included: a complete grammar allows only the end of sequence)."""
+        if step.grammar_bitmask is None or not step.grammar_request_ids:
+            return
+        row_of = {request_id: row for row, request_id in enumerate(step.grammar_request_ids)}
+        vocab = self.info.vocab_size if self.info is not None else 0
+        for index, request in enumerate(sampling):
+            row = row_of.get(request.request_id)
+            if row is None:
+                continue
+            words = np.ascontiguousarray(step.grammar_bitmask[row], dtype="<i4")
+            allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+            allowed = allowed[allowed < vocab]
+            if allowed.size:
+                token_ids[index] = int(allowed[self._rng.integers(0, allowed.size)])
 
     def _register(self, request: EngineRequest) -> None:
         self._requests[request.request_id] = _Request(

@@ -55,6 +55,7 @@ from stages.execute.bookkeeping import (
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
+from stages.execute.grammar_mask import forbidden_tokens
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import PagedDecodeKernel, paged_decode_kernel
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
@@ -458,7 +459,13 @@ class ModelRunner:
             began = time.perf_counter()
             sampling = [work for work in works if work.samples]
             logits = self._forward(prepared.packed, sampling)  # [len(sampling), V]
-            result = sampler.sample(logits, [work.request.sampling for work in sampling])
+            forbidden = forbidden_tokens(
+                prepared.step,
+                [work.request.request_id for work in sampling],
+                sampler.vocab_size,
+                self.device,
+            )
+            result = sampler.sample(logits, [work.request.sampling for work in sampling], forbidden)
             forward_seconds = time.perf_counter() - began
             for work, token_id, token_logprobs in zip(
                 sampling, result.token_ids, result.logprobs, strict=True
