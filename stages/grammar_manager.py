@@ -165,7 +165,7 @@ class GrammarManager:
         compiled = self.cached(params)
         if compiled is not None:
             return compiled
-        backend = self._load_backend()
+        backend = self.backend()
         began = time.perf_counter()
         try:
             compiled = backend.compile(params)
@@ -192,7 +192,13 @@ class GrammarManager:
         logger.debug("compiled a %s grammar in %.1f ms", params.kind, elapsed * 1e3)
         return compiled
 
-    def _load_backend(self) -> GrammarBackend:
+    def backend(self) -> GrammarBackend:
+        """The grammar backend, loaded (with the model's tokenizer) on the first call.
+
+        Raises:
+            RuntimeError: :meth:`set_engine_info` was not called.
+            plugins.PluginError: the backend cannot be loaded.
+        """
         with self._lock:
             if self._backend is not None:
                 return self._backend

@@ -1,6 +1,5 @@
 """The ``actorline bench`` subcommand (offline, online, ceiling, split, ablation, transports,
-http-body);
-each runs the benchmark of the same name in :mod:`pipeline.bench`."""
+http-body, grammars); each runs the benchmark of the same name in :mod:`pipeline.bench`."""
 
 from __future__ import annotations
 
@@ -11,7 +10,16 @@ __all__ = ["add_commands"]
 
 def add_commands(commands: Any) -> None:
     """Add ``bench`` with one subcommand per benchmark to the CLI's subparsers."""
-    from pipeline.bench import ablation, ceiling, http_body, offline, online, split, transports
+    from pipeline.bench import (
+        ablation,
+        ceiling,
+        grammars,
+        http_body,
+        offline,
+        online,
+        split,
+        transports,
+    )
 
     benchmarks = (
         ("offline", offline, "throughput against HF generate and HF continuous batching"),
@@ -21,6 +29,7 @@ def add_commands(commands: Any) -> None:
         ("ablation", ablation, "each execute-stage optimization switched off in turn"),
         ("transports", transports, "links against raw pyzmq and raw grpc.aio, same bytes"),
         ("http-body", http_body, "hostile request bodies, with and without the HTTP body cap"),
+        ("grammars", grammars, "structured-output grammar engines: llguidance against xgrammar"),
     )
     bench = commands.add_parser(
         "bench", help="run a benchmark (figures and how to read them: docs/performance.md)"

@@ -27,8 +27,9 @@ class EngineOptions:
     exact count) or ``kv_cache_memory`` (bytes), ``enable_prefix_caching``, ``max_model_len``.
     Batching: ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_chunk``,
     ``scheduler`` (a policy name in ``actorline.schedulers``). Structured outputs:
-    ``grammar_backend`` (a name in ``actorline.grammars``; "llguidance" built in). Topology: ``transport``
-    ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None). Admission:
+    ``grammar_backend`` (a name in ``actorline.grammars``; "llguidance" built in).
+    Topology: ``transport`` ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None).
+    Admission:
     ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
     per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)), ``rate_limit_burst``
     (seconds of its rate each tenant's buckets hold: the largest burst a tenant may send at

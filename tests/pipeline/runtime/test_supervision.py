@@ -332,3 +332,73 @@ def test_what_a_stage_does_not_recover_from_fails_the_pipeline(job_id: str) -> N
             await caller.aclose()
 
     run(body)
+
+
+# -- background work of a stage (Stage.spawn) --------------------------------------------------
+
+
+class Deferred(Stage):
+    """Answers each job from a background task that first waits on a worker thread, so the
+    handler returns at once; a job named "broken" makes the background task raise, and one
+    named "held" keeps its task waiting for a minute."""
+
+    @handles(Job)
+    async def on_job(self, job: Job) -> None:
+        self.spawn(self._answer_later(job))
+
+    async def _answer_later(self, job: Job) -> None:
+        if job.job_id == "held":
+            await asyncio.sleep(60)
+        await asyncio.get_running_loop().run_in_executor(None, sum, job.values)
+        if job.job_id == "broken":
+            raise ValueError("the background work broke")
+        await self.emit("out", _answer(job))
+
+
+@pytest.mark.parametrize("host", ["main", "worker"])
+def test_background_work_answers_and_a_raise_in_it_fails_the_stage(host: str) -> None:
+    async def body() -> None:
+        async with await _two_stage(Deferred, host).start() as running:
+            caller = Caller(running, "jobs", "results", key=lambda m: m.job_id)
+            # a held job's task does not hold up the jobs behind it
+            held = asyncio.ensure_future(caller.call(Job("held", (9,))))
+            results = await asyncio.wait_for(
+                asyncio.gather(*(caller.call(Job(f"j{i}", (i,))) for i in range(5))), PROMPTLY
+            )
+            assert sorted(r.job_id for r in results) == [f"j{i}" for i in range(5)]
+            assert not held.done()
+            with pytest.raises(StageFailedError) as failure:
+                await asyncio.wait_for(caller.call(Job("broken", (1,))), PROMPTLY)
+            assert failure.value.stage == "second" and failure.value.remote_type == "ValueError"
+            assert "the background work broke" in str(failure.value)
+            with pytest.raises(StageFailedError):
+                await asyncio.wait_for(held, PROMPTLY)
+            await caller.aclose()
+
+    run(body)
+
+
+def test_background_work_still_running_at_stop_is_cancelled_without_failure() -> None:
+    async def body() -> None:
+        running = await _two_stage(Deferred, "main").start()
+        caller = Caller(running, "jobs", "results", key=lambda m: m.job_id)
+        call = asyncio.ensure_future(caller.call(Job("held", (1,))))
+        await asyncio.sleep(0.2)
+        await asyncio.wait_for(running.stop(graceful=False), PROMPTLY)
+        assert running.failure is None
+        with pytest.raises(PipelineClosedError):
+            await asyncio.wait_for(call, PROMPTLY)
+        await caller.aclose()
+
+    run(body)
+
+
+def test_spawn_outside_a_pipeline_is_refused() -> None:
+    stage = Deferred()
+
+    async def body() -> None:
+        coroutine = stage._answer_later(Job("x", (1,)))
+        with pytest.raises(RuntimeError, match="not running in a pipeline"):
+            stage.spawn(coroutine)
+
+    run(body)
