@@ -12,7 +12,7 @@ matcher by the tokens the step produced (:meth:`GrammarManager.accept`).
 A preempted request keeps its output tokens (recompute re-runs prompt plus outputs), so its
 matcher, which has accepted exactly those tokens, stays where it is; a matcher that is ahead
 of the request's outputs (a step's token dropped) is rolled back to them by
-:meth:`GrammarManager.sync`. See ``docs/architecture.md``, "Structured outputs".
+:meth:`GrammarManager.sync`. See ``docs/architecture.md`` §11, "Structured outputs".
 Pure logic: no asyncio, no torch.
 """
 

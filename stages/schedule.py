@@ -9,7 +9,7 @@ An abort can overtake its request (the API sends aborts straight here while the 
 passes tokenize and admit); such ids are remembered, in a bounded set, and the request is
 dropped when it arrives.
 
-Structured outputs (``docs/architecture.md``, "Structured outputs"): a request with
+Structured outputs (``docs/architecture.md`` §11, "Structured outputs"): a request with
 ``params.structured_outputs`` reaches the scheduler only once its grammar is compiled. A
 cache hit is immediate; otherwise the grammar compiles on this stage's grammar thread, in the
 background, while steps go on; a grammar that does not compile answers that request alone on

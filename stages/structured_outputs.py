@@ -8,7 +8,7 @@ normalizes (a schema given as a dict or bool is stored as its JSON text, a list 
 as a tuple), :func:`validate_structured_outputs` checks the shape and names the field. Whether
 the grammar itself compiles (an unsupported schema keyword, a regex with look-ahead) is the
 grammar backend's answer, given when the schedule stage compiles it (see
-``docs/architecture.md``, "Structured outputs").
+``docs/architecture.md`` §11, "Structured outputs").
 """
 
 from __future__ import annotations

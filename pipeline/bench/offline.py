@@ -18,10 +18,16 @@ zmq run (its KV cache sized to the workload, as HF's) and in one more zmq run of
 workload with the engine's default KV budget (``ExecuteConfig.kv_cache_memory``), the
 configuration the target is about (``--skip rss-default`` leaves that run out).
 
-    actorline bench offline [--quick] [--json] [--profile]
+With ``--structured`` it measures structured outputs instead: the zmq topology on the same
+workload twice, unconstrained and with every other request constrained to a JSON schema (the
+order schema of :mod:`pipeline.bench.grammars`, which needs more tokens than any request
+may generate, so its mask applies at every step), and prints the ratio (the target is at
+least 0.9x) and the grammar's compile time, cold and cached.
+
+    actorline bench offline [--quick] [--json] [--profile] [--structured]
     actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
 
-The second form runs the workload on N tensor-parallel ranks against one rank instead
+The last form runs the workload on N tensor-parallel ranks against one rank instead
 (:mod:`pipeline.bench.parallel`).
 """
 
@@ -31,21 +37,26 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import json
 import multiprocessing
 import os
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipeline.bench.process import peak_rss_bytes, rss_bytes
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
 from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload
 
+if TYPE_CHECKING:
+    from stages.params import SamplingParams
+
 __all__ = [
     "RSS_TARGET_BYTES",
     "VLLM_REFERENCE_RATIO",
     "DefaultBudgetRun",
+    "GrammarCompileTimes",
     "GreedyCheck",
     "OfflineConfig",
     "OfflineResult",
@@ -66,6 +77,9 @@ RSS_TARGET_BYTES = 1_500_000_000
 VLLM_REFERENCE_RATIO = 2.8
 ACTORLINE_ZMQ = "actorline (zmq)"
 ACTORLINE_MEMORY = "actorline (memory)"
+ACTORLINE_STRUCTURED = "actorline (zmq), half the requests JSON-constrained"
+#: structured outputs against unconstrained, in the same run (the issue's target)
+STRUCTURED_TARGET_RATIO = 0.9
 HF_STATIC = "HF generate (static batches)"
 HF_CONTINUOUS = "HF continuous batching"
 _WARMUP_TOKENS = 4
@@ -96,7 +110,7 @@ class OfflineConfig:
             raise ValueError(f"hf_batch_size must be >= 1, got {self.hf_batch_size}")
         if self.check_requests < 0:
             raise ValueError(f"check_requests must be >= 0, got {self.check_requests}")
-        known = (ACTORLINE_ZMQ, ACTORLINE_MEMORY, HF_STATIC, HF_CONTINUOUS)
+        known = (ACTORLINE_ZMQ, ACTORLINE_MEMORY, ACTORLINE_STRUCTURED, HF_STATIC, HF_CONTINUOUS)
         if not self.systems or any(system not in known for system in self.systems):
             raise ValueError(f"systems must be a non-empty subset of {known}")
 
@@ -171,6 +185,18 @@ class OfflineResult:
     load_average: tuple[float, float, float]
     load_average_end: tuple[float, float, float]
     cpu_count: int
+    grammar_compile: GrammarCompileTimes | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GrammarCompileTimes:
+    """The structured run's schema through the engine's own grammar code, in this process:
+    loading the backend (wrapping the tokenizer, once per engine), the first compile (cold)
+    and a second one of the same schema (cached), in milliseconds."""
+
+    backend_load_ms: float
+    cold_ms: float
+    cached_ms: float
 
 
 def run_offline(config: OfflineConfig) -> OfflineResult:
@@ -209,6 +235,11 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     # tunes its process's C allocator, stages.execute.cpu), and the HF baselines run in this
     # process as HF users have it: no system inherits another's process state.
     zmq_run = run_topology(ACTORLINE_ZMQ, "zmq")
+    grammar_compile: GrammarCompileTimes | None = None
+    if ACTORLINE_STRUCTURED in config.systems:
+        run = _run_actorline_fresh(config, "zmq", prompts, max_tokens, structured=True)
+        systems.append(_system(ACTORLINE_STRUCTURED, run.seconds, run.generated_tokens))
+        grammar_compile = _grammar_compile_times(config.model)
     if zmq_run is not None:
         peak_rss, final_rss = zmq_run.engine_peak_rss, zmq_run.engine_final_rss
     default_budget: DefaultBudgetRun | None = None
@@ -287,7 +318,42 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
         load_average=load_average,
         load_average_end=os.getloadavg(),
         cpu_count=os.cpu_count() or 0,
+        grammar_compile=grammar_compile,
     )
+
+
+def structured_params(index: int, params: SamplingParams) -> SamplingParams:
+    """The structured run's params of request ``index``: every other one constrained to the
+    order schema."""
+    from pipeline.bench.grammars import ORDER_SCHEMA
+    from stages.structured_outputs import StructuredOutputsParams
+
+    if index % 2:
+        return params
+    constraint = StructuredOutputsParams(json=json.dumps(ORDER_SCHEMA))
+    return params.replace(structured_outputs=constraint)
+
+
+def _grammar_compile_times(model: str) -> GrammarCompileTimes:
+    import time
+
+    from pipeline.bench.grammars import ORDER_SCHEMA
+    from stages.grammar_manager import GrammarConfig, GrammarManager
+    from stages.structured_outputs import StructuredOutputsParams
+    from stages.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    manager = GrammarManager(GrammarConfig(model), tokenizer_loader=lambda name: tokenizer)
+    manager.set_engine_info(len(tokenizer), [tokenizer.eos_token_id or 0])
+    began = time.perf_counter()
+    manager.backend()
+    loaded = time.perf_counter()
+    schema = StructuredOutputsParams(json=json.dumps(ORDER_SCHEMA))
+    manager.compile(schema)
+    cold = time.perf_counter()
+    manager.compile(schema).matcher()
+    cached = time.perf_counter()
+    return GrammarCompileTimes((loaded - began) * 1e3, (cold - loaded) * 1e3, (cached - cold) * 1e3)
 
 
 def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
@@ -307,6 +373,10 @@ def _system(name: str, seconds: float, tokens: int) -> SystemResult:
 def _ratios(systems: Sequence[SystemResult]) -> dict[str, float]:
     rate = {system.name: system.tokens_per_second for system in systems}
     ratios: dict[str, float] = {}
+    if rate.get(ACTORLINE_STRUCTURED) and rate.get(ACTORLINE_ZMQ):
+        ratios["structured / unconstrained (zmq)"] = (
+            rate[ACTORLINE_STRUCTURED] / rate[ACTORLINE_ZMQ]
+        )
     for ours in (ACTORLINE_ZMQ, ACTORLINE_MEMORY):
         for theirs in (HF_CONTINUOUS, HF_STATIC):
             if rate.get(ours) and rate.get(theirs):
@@ -348,13 +418,20 @@ def _run_actorline_fresh(
     max_tokens: list[int],
     *,
     size_cache: bool = True,
+    structured: bool = False,
 ) -> _ActorlineRun:
     """:func:`_run_actorline` in a freshly spawned process (results come back pickled
     between this benchmark's own processes)."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         run = pool.submit(
-            _run_actorline, config, transport, prompts, max_tokens, size_cache=size_cache
+            _run_actorline,
+            config,
+            transport,
+            prompts,
+            max_tokens,
+            size_cache=size_cache,
+            structured=structured,
         )
         return run.result()
 
@@ -366,6 +443,7 @@ def _run_actorline(
     max_tokens: list[int],
     *,
     size_cache: bool = True,
+    structured: bool = False,
 ) -> _ActorlineRun:
     import time
 
@@ -380,6 +458,8 @@ def _run_actorline(
     if size_cache:
         num_blocks = blocks_to_hold(prompts, max_tokens, 16) + 1
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    if structured:
+        params = [structured_params(index, p) for index, p in enumerate(params)]
     with LLM(
         config.model,
         transport=transport,
@@ -389,6 +469,8 @@ def _run_actorline(
         max_num_batched_tokens=config.max_num_batched_tokens,
     ) as llm:
         warmup = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
+        if structured:  # the grammar backend loads and the schema compiles before the timing
+            warmup = structured_params(0, warmup)
         llm.generate([prompts[0]], warmup, use_tqdm=False)
         running = llm.engine.running
         before = _on_engine_loop(llm, take_snapshot(running)) if config.profile else None
@@ -433,8 +515,16 @@ def format_offline(result: OfflineResult) -> str:
         )
     ]
     for name, ratio in result.ratios.items():
-        lines.append(f"ratio {name}: {ratio:.2f}x")
-    if result.ratios:
+        target = f" (target >= {STRUCTURED_TARGET_RATIO}x)" if name.startswith("structured") else ""
+        lines.append(f"ratio {name}: {ratio:.2f}x{target}")
+    if result.grammar_compile is not None:
+        times = result.grammar_compile
+        lines.append(
+            f"grammar compile (order schema, llguidance): cold {times.cold_ms:.1f} ms, cached "
+            f"{times.cached_ms:.3f} ms; backend load (tokenizer wrap, once) "
+            f"{times.backend_load_ms:.0f} ms"
+        )
+    if any(not name.startswith("structured") for name in result.ratios):
         lines.append(
             f"(reference: vLLM's CPU build reaches about {VLLM_REFERENCE_RATIO}x HF continuous "
             f"batching on such a workload; load average at the end "
@@ -496,6 +586,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="leave a system (or the default-budget RSS run) out (repeatable)",
     )
     parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="structured outputs: unconstrained against half the requests JSON-constrained "
+        "(zmq topology only)",
+    )
+    parser.add_argument(
         "--cb-attention",
         default="sdpa",
         choices=("sdpa", "paged|eager"),
@@ -535,15 +631,20 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
     if args.requests is not None:
         workload = dataclasses.replace(workload, num_requests=args.requests)
     skipped = {_SKIP_NAMES[name] for name in args.skip if name in _SKIP_NAMES}
+    systems = base.systems
+    if args.structured:
+        systems = (ACTORLINE_ZMQ, ACTORLINE_STRUCTURED)
     return dataclasses.replace(
         base,
         model=args.model,
         workload=workload,
-        systems=tuple(system for system in base.systems if system not in skipped),
-        check_requests=base.check_requests if args.check_requests is None else args.check_requests,
+        systems=tuple(system for system in systems if system not in skipped),
         cb_attention=args.cb_attention,
         profile=args.profile,
-        measure_default_budget="rss-default" not in args.skip,
+        measure_default_budget="rss-default" not in args.skip and not args.structured,
+        check_requests=0
+        if args.structured
+        else (base.check_requests if args.check_requests is None else args.check_requests),
     )
 
 

@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from pipeline.cli.errors import CliError
@@ -25,6 +26,7 @@ __all__ = [
     "add_engine_arguments",
     "engine_options_from",
     "sampling_from",
+    "structured_outputs_from",
 ]
 
 #: the largest TCP port number
@@ -95,6 +97,31 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--min-tokens", type=int, default=0)
     group.add_argument("--ignore-eos", action="store_true")
+    group = parser.add_argument_group(
+        "structured outputs (one of them; see docs/structured-outputs.md)"
+    )
+    group.add_argument(
+        "--disable-any-whitespace",
+        action="store_true",
+        help="JSON without whitespace between tokens",
+    )
+    structured = group.add_mutually_exclusive_group()
+    structured.add_argument(
+        "--json-schema", metavar="FILE", default=None, help="the answer is JSON valid under it"
+    )
+    structured.add_argument(
+        "--json-object", action="store_true", help="the answer is a JSON object"
+    )
+    structured.add_argument("--regex", default=None, help="the answer matches this regex")
+    structured.add_argument(
+        "--choice", action="append", default=None, help="the answer is one of these (repeatable)"
+    )
+    structured.add_argument(
+        "--grammar",
+        metavar="FILE",
+        default=None,
+        help="the answer is a sentence of this Lark or GBNF grammar",
+    )
 
 
 def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,6 +147,39 @@ def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def structured_outputs_from(args: argparse.Namespace) -> Any:
+    """The StructuredOutputsParams the options ask for (None: no constraint).
+
+    Raises:
+        InvalidRequestError: a schema or grammar file that cannot be read, naming the option.
+    """
+    from stages.errors import InvalidRequestError
+    from stages.structured_outputs import StructuredOutputsParams
+
+    def read(option: str, path: str) -> str:
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(
+                f"{option} {path}: cannot be read ({exc})", field=option
+            ) from None
+
+    compact = bool(getattr(args, "disable_any_whitespace", False))
+    if getattr(args, "json_schema", None) is not None:
+        return StructuredOutputsParams(
+            json=read("--json-schema", args.json_schema), disable_any_whitespace=compact
+        )
+    if getattr(args, "grammar", None) is not None:
+        return StructuredOutputsParams(grammar=read("--grammar", args.grammar))
+    if getattr(args, "regex", None) is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if getattr(args, "choice", None):
+        return StructuredOutputsParams(choice=tuple(args.choice))
+    if getattr(args, "json_object", False):
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=compact)
+    return None
+
+
 def sampling_from(args: argparse.Namespace) -> Any:
     from stages.params import SamplingParams
 
@@ -136,6 +196,7 @@ def sampling_from(args: argparse.Namespace) -> Any:
         stop=tuple(args.stop),
         min_tokens=args.min_tokens,
         ignore_eos=args.ignore_eos,
+        structured_outputs=structured_outputs_from(args),
     )
 
 

@@ -12,6 +12,7 @@ from pipeline.server import generation_pb2 as pb
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage, EngineInfo, Logprobs, RequestOutput
 from stages.params import SamplingParams
+from stages.structured_outputs import StructuredOutputsParams, validate_structured_outputs
 
 __all__ = [
     "FINISH_REASONS",
@@ -23,6 +24,8 @@ __all__ = [
     "response_from_output",
     "sampling_from_proto",
     "sampling_to_proto",
+    "structured_outputs_from_proto",
+    "structured_outputs_to_proto",
 ]
 
 #: SamplingParams field → its default, in declaration order
@@ -30,6 +33,7 @@ SAMPLING_FIELDS: dict[str, object] = {
     field.name: field.default for field in dataclasses.fields(SamplingParams)
 }
 _REPEATED_FIELDS = ("stop", "stop_token_ids")
+_MESSAGE_FIELDS = ("structured_outputs",)
 
 #: engine finish reason → proto enum value
 FINISH_REASONS: dict[str, int] = {
@@ -60,7 +64,10 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     for name, default in SAMPLING_FIELDS.items():
         value = getattr(params, name)
         try:
-            if name in _REPEATED_FIELDS:
+            if name in _MESSAGE_FIELDS:
+                if value is not None:
+                    message.structured_outputs.CopyFrom(structured_outputs_to_proto(value))
+            elif name in _REPEATED_FIELDS:
                 getattr(message, name).extend(value)
             elif value is not None and value != default:
                 setattr(message, name, value)
@@ -80,7 +87,10 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """
     values: dict[str, object] = {}
     for name in SAMPLING_FIELDS:
-        if name in _REPEATED_FIELDS:
+        if name in _MESSAGE_FIELDS:
+            if message.HasField(name):
+                values[name] = structured_outputs_from_proto(message.structured_outputs)
+        elif name in _REPEATED_FIELDS:
             values[name] = tuple(getattr(message, name))
         elif message.HasField(name):
             values[name] = getattr(message, name)
@@ -91,6 +101,37 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
             )
         values["max_tokens"] = None
     return SamplingParams(**values)  # type: ignore[arg-type]
+
+
+def structured_outputs_to_proto(params: StructuredOutputsParams) -> pb.StructuredOutputs:
+    """The proto form of a constraint (its oneof carries the one constraint set).
+
+    Raises:
+        InvalidRequestError: the constraint is malformed (none or two set, ...), naming the
+            field.
+    """
+    validate_structured_outputs(params)
+    message = pb.StructuredOutputs(disable_any_whitespace=params.disable_any_whitespace)
+    kind = params.kind
+    if kind == "choice":
+        message.choice.choices.extend(params.choice or ())
+    elif kind == "json_object":
+        message.json_object = True
+    else:
+        setattr(message, kind, getattr(params, kind))
+    return message
+
+
+def structured_outputs_from_proto(message: pb.StructuredOutputs) -> StructuredOutputsParams:
+    """The constraint a request asks for (not validated here: the engine does; an empty
+    oneof gives a constraint with none set, which validation names)."""
+    kind = message.WhichOneof("constraint")
+    values: dict[str, object] = {"disable_any_whitespace": message.disable_any_whitespace}
+    if kind == "choice":
+        values["choice"] = tuple(message.choice.choices)
+    elif kind is not None:
+        values[kind] = getattr(message, kind)
+    return StructuredOutputsParams(**values)  # type: ignore[arg-type]
 
 
 # -- requests -------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from pipeline.server.convert import (
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage, EngineInfo, Logprobs, RequestOutput
 from stages.params import SamplingParams
+from stages.structured_outputs import StructuredOutputsParams
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 FLOATS = st.floats(allow_nan=False, allow_infinity=False)
@@ -43,6 +44,34 @@ def test_unset_fields_are_the_vllm_defaults() -> None:
     # an explicit value equal to the default is still that value
     explicit = pb.SamplingParams(temperature=1.0, max_tokens=16)
     assert sampling_from_proto(explicit) == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutputsParams(json='{"type": "object"}', disable_any_whitespace=True),
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(regex="[0-9]+"),
+        StructuredOutputsParams(choice=("yes", "no", "")),
+        StructuredOutputsParams(grammar='start: "a"'),
+    ],
+)
+def test_structured_outputs_travel_in_a_oneof(constraint: StructuredOutputsParams) -> None:
+    params = SamplingParams(structured_outputs=constraint)
+    message = sampling_to_proto(params)
+    assert message.structured_outputs.WhichOneof("constraint") == constraint.kind
+    assert sampling_from_proto(pb.SamplingParams.FromString(message.SerializeToString())) == params
+
+
+def test_a_constraint_the_oneof_cannot_carry_is_refused_naming_the_field() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        sampling_to_proto(
+            SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", grammar="b"))
+        )
+    assert caught.value.field == "structured_outputs"
+    # an empty oneof arrives as a constraint with none set: the engine names it
+    empty = sampling_from_proto(pb.SamplingParams(structured_outputs=pb.StructuredOutputs()))
+    assert empty.structured_outputs == StructuredOutputsParams()
 
 
 def test_max_tokens_none_travels_as_until_model_len() -> None:

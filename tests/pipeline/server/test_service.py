@@ -29,6 +29,7 @@ from pipeline.server.serve import SERVICE_NAME, GenerationServer, ServerTLS
 from pipeline.server.status import ERROR_FIELD_KEY, ERROR_KIND_KEY
 from stages.messages import RequestOutput
 from stages.params import SamplingParams
+from stages.structured_outputs import StructuredOutputsParams
 from tests.pipeline.server.serving import (
     GOOD_KEY,
     OTHER_KEY,
@@ -147,6 +148,11 @@ SAMPLING_CASES: dict[str, SamplingParams] = {
     "stop token": SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(40405,)),
     "stop string": SamplingParams(max_tokens=12, temperature=0.0, stop=(" Tucker",)),
     "min tokens": SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0),
+    "structured outputs": SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(regex="[a-z]{3}-[0-9]{2}"),
+    ),
 }
 
 
@@ -593,6 +599,25 @@ INVALID: dict[str, tuple[pb.GenerateRequest, str, str]] = {
     "long request id": (
         pb.GenerateRequest(text=TEXT, request_id="x" * 300),
         "request_id",
+        "invalid",
+    ),
+    "no constraint": (
+        pb.GenerateRequest(
+            text=TEXT, sampling_params=pb.SamplingParams(structured_outputs=pb.StructuredOutputs())
+        ),
+        "structured_outputs",
+        "invalid",
+    ),
+    "unsupported schema keyword": (
+        pb.GenerateRequest(
+            text=TEXT,
+            sampling_params=pb.SamplingParams(
+                structured_outputs=pb.StructuredOutputs(
+                    json='{"type": "array", "uniqueItems": true}'
+                )
+            ),
+        ),
+        "structured_outputs.json",
         "invalid",
     ),
 }
