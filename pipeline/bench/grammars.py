@@ -12,8 +12,10 @@ whitespace, as vLLM's default) and each engine installed:
   ``GrammarCompiler`` cache;
 - per-token mask time at batch 32: 32 matchers walk 32 different valid documents token by
   token; each step fills all 32 rows of the bitmask (each engine's batched fill: llguidance's
-  ``LLExecutor``, xgrammar's ``BatchGrammarMatcher``, both on every core) and advances every
-  matcher by its document's token. Mean and 99th percentile per step.
+  ``LLExecutor`` through the engine's own :class:`~stages.grammar_manager.GrammarManager`,
+  xgrammar's ``BatchGrammarMatcher``, both on up to 4 threads) and advances every matcher by
+  its document's token; the engines alternate step by step. Mean, median and 99th percentile
+  of the fill per step.
 
 xgrammar is not a dependency of actorline (it needs triton, about 1 GB, on x86-64 Linux):
 ``pip install xgrammar`` to include it; without it only llguidance is measured.
@@ -200,22 +202,22 @@ class _Llguidance:
         compiled.matcher()
         return (time.perf_counter() - began) * 1e3
 
-    def walk(self, schema: str, documents: Sequence[Sequence[int]]) -> list[float]:
+    def start(self, schema: str, documents: Sequence[Sequence[int]]) -> None:
         compiled = self._manager.compile(_params(schema))
-        ids = [f"r{i}" for i in range(len(documents))]
-        for request_id in ids:
+        self._documents = documents
+        self._ids = [f"r{i}" for i in range(len(documents))]
+        for request_id in self._ids:
             self._manager.start(request_id, compiled)
-        times: list[float] = []
-        for step in range(min(len(d) for d in documents)):
-            began = time.perf_counter()
-            self._manager.bitmask(ids)
-            times.append((time.perf_counter() - began) * 1e3)
-            for request_id, document in zip(ids, documents, strict=True):
-                if not self._manager.accept(request_id, [document[step]]):
-                    raise RuntimeError(f"llguidance refused token {step} of a valid document")
-        for request_id in ids:
-            self._manager.finish(request_id)
-        return times
+
+    def step(self, index: int) -> float:
+        """Fill every row's mask (timed, ms), then advance each matcher by its token."""
+        began = time.perf_counter()
+        self._manager.bitmask(self._ids)
+        elapsed = (time.perf_counter() - began) * 1e3
+        for request_id, document in zip(self._ids, self._documents, strict=True):
+            if not self._manager.accept(request_id, [document[index]]):
+                raise RuntimeError(f"llguidance refused token {index} of a valid document")
+        return elapsed
 
 
 class _Xgrammar:
@@ -251,21 +253,23 @@ class _Xgrammar:
         self._xgr.GrammarMatcher(compiled)
         return (time.perf_counter() - began) * 1e3
 
-    def walk(self, schema: str, documents: Sequence[Sequence[int]]) -> list[float]:
+    def start(self, schema: str, documents: Sequence[Sequence[int]]) -> None:
         xgr = self._xgr
         compiled = self._compiler.compile_json_schema(schema, any_whitespace=True)
-        matchers = [xgr.GrammarMatcher(compiled) for _ in documents]
-        batch = xgr.BatchGrammarMatcher(max_threads=_threads())
-        bitmask = np.empty((len(documents), (self._vocab + 31) // 32), dtype=np.int32)
-        times: list[float] = []
-        for step in range(min(len(d) for d in documents)):
-            began = time.perf_counter()
-            batch.batch_fill_next_token_bitmask(matchers, bitmask)
-            times.append((time.perf_counter() - began) * 1e3)
-            for matcher, document in zip(matchers, documents, strict=True):
-                if not matcher.accept_token(document[step]):
-                    raise RuntimeError(f"xgrammar refused token {step} of a valid document")
-        return times
+        self._documents = documents
+        self._matchers = [xgr.GrammarMatcher(compiled) for _ in documents]
+        self._batch = xgr.BatchGrammarMatcher(max_threads=_threads())
+        self._bitmask = np.empty((len(documents), (self._vocab + 31) // 32), dtype=np.int32)
+
+    def step(self, index: int) -> float:
+        """Fill every row's mask (timed, ms), then advance each matcher by its token."""
+        began = time.perf_counter()
+        self._batch.batch_fill_next_token_bitmask(self._matchers, self._bitmask)
+        elapsed = (time.perf_counter() - began) * 1e3
+        for matcher, document in zip(self._matchers, self._documents, strict=True):
+            if not matcher.accept_token(document[index]):
+                raise RuntimeError(f"xgrammar refused token {index} of a valid document")
+        return elapsed
 
 
 def _params(schema: str) -> Any:
@@ -312,10 +316,16 @@ def run_grammars(config: GrammarBenchConfig) -> GrammarBenchResult:
     for _ in range(config.repeats):  # interleaved: both engines see the same load
         for engine in engines:
             cold[engine.name].append(engine.compile_cold(schema))
+    masks: dict[str, list[float]] = {engine.name: [] for engine in engines}
+    for engine in engines:
+        engine.start(schema, documents)
+    for index in range(min(len(d) for d in documents)):  # interleaved, step by step
+        for engine in engines:
+            masks[engine.name].append(engine.step(index))
     results: list[EngineResult] = []
     for engine in engines:
         cached = engine.compile_cached(schema)
-        masks = sorted(engine.walk(schema, documents))
+        times = sorted(masks[engine.name])
         results.append(
             EngineResult(
                 engine=engine.name,
@@ -324,10 +334,10 @@ def run_grammars(config: GrammarBenchConfig) -> GrammarBenchResult:
                 compile_cold_ms=tuple(cold[engine.name]),
                 compile_cold_median_ms=statistics.median(cold[engine.name]),
                 compile_cached_ms=cached,
-                steps=len(masks),
-                mask_mean_ms=statistics.fmean(masks),
-                mask_p50_ms=masks[len(masks) // 2],
-                mask_p99_ms=masks[min(len(masks) - 1, int(len(masks) * 0.99))],
+                steps=len(times),
+                mask_mean_ms=statistics.fmean(times),
+                mask_p50_ms=times[len(times) // 2],
+                mask_p99_ms=times[min(len(times) - 1, int(len(times) * 0.99))],
             )
         )
     by_name = {result.engine: result for result in results}

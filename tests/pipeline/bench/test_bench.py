@@ -64,7 +64,7 @@ def test_poisson_arrivals_and_percentiles() -> None:
 
 def test_cli_lists_every_benchmark() -> None:
     parser = bench_parser()
-    for name in ("offline", "online", "ceiling", "split", "ablation", "http-body"):
+    for name in ("offline", "online", "ceiling", "split", "ablation", "http-body", "grammars"):
         args = parser.parse_args(["bench", name, "--quick", "--json"])
         assert args.benchmark == name and args.quick and args.json and callable(args.run)
     args = parser.parse_args(["bench", "ceiling", "--profile", "--requests", "8"])
@@ -134,6 +134,45 @@ def test_offline_quick(tiny_model_dir: Path) -> None:
     assert set(result.profiles) == {"actorline (zmq)", "actorline (memory)"}
     text = format_offline(result)
     assert "HF continuous batching" in text and "peak RSS" in text and "greedy check" in text
+
+
+@pytest.mark.slow
+def test_offline_structured_quick_via_the_cli(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Unconstrained against half the requests JSON-constrained, same workload, one run."""
+    args = bench_parser().parse_args(
+        ["bench", "offline", "--quick", "--json", "--structured", "--model", str(tiny_model_dir)]
+    )
+    assert args.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    names = [system["name"] for system in result["systems"]]
+    assert names == ["actorline (zmq)", "actorline (zmq), half the requests JSON-constrained"]
+    for system in result["systems"]:
+        assert system["generated_tokens"] == result["requested_tokens"] > 0
+    assert set(result["ratios"]) == {"structured / unconstrained (zmq)"}
+    assert result["ratios"]["structured / unconstrained (zmq)"] > 0
+    compile_times = result["grammar_compile"]
+    assert compile_times["cold_ms"] > 0 and compile_times["cached_ms"] > 0
+    assert result["greedy_checks"] == [] and result["default_budget"] is None
+
+
+def test_grammars_quick_via_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """The grammar engines' measurement runs; xgrammar is measured only where installed."""
+    import importlib.util
+
+    args = bench_parser().parse_args(["bench", "grammars", "--quick", "--json"])
+    assert args.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    engines = {engine["engine"]: engine for engine in result["engines"]}
+    assert "llguidance" in engines and result["vocab_size"] == 49152 and result["batch"] == 4
+    ll = engines["llguidance"]
+    assert len(ll["compile_cold_ms"]) == 2 and ll["compile_cached_ms"] > 0
+    assert ll["steps"] > 100 and 0 < ll["mask_p50_ms"] <= ll["mask_p99_ms"]
+    if importlib.util.find_spec("xgrammar") is None:
+        assert result["missing"] == ["xgrammar"] and result["ratios"] == {}
+    else:
+        assert set(engines) == {"llguidance", "xgrammar"} and len(result["ratios"]) == 2
 
 
 @pytest.mark.slow
