@@ -472,6 +472,10 @@ def format_ray(result: RayResult) -> str:
             ),
             f"best on Ray {format_rate(result.best_ray)} against local "
             f"{format_rate(result.best_local)}: {result.ratio:.2f}x",
-            f"outputs identical: {result.identical_outputs}/{result.num_requests}",
         ]
+        + (  # the null model's tokens are random: only a real model's can agree
+            [f"greedy outputs identical: {result.identical_outputs}/{result.num_requests}"]
+            if result.benchmark == "offline"
+            else []
+        )
     )
