@@ -3,7 +3,8 @@
 Field names and meanings follow OpenAI's API and vLLM's server
 (``vllm/entrypoints/openai/protocol.py``): OpenAI's sampling fields, plus vLLM's sampling
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``). Unknown fields are ignored, as vLLM does. Types are strict: a bool is
+``stop_token_ids``), and structured outputs (``response_format``, vLLM's
+``structured_outputs``). Unknown fields are ignored, as vLLM does. Types are strict: a bool is
 not an int, a string is not a number (an int is a float, as in JSON).
 
 NOTE: every list stops at its first bad item (``fail_fast``). Without it, pydantic checks a
@@ -82,6 +83,9 @@ class GenerationBody(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: FailFast[int] | None = None
+    # structured outputs (pipeline.server.http.structured): OpenAI's and vLLM's extra
+    response_format: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(GenerationBody):
@@ -123,7 +127,6 @@ class ChatCompletionRequest(GenerationBody):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: FailFast[Any] | None = None
-    response_format: Any = None
 
 
 #: every field name of the request bodies (a validation error's location also holds the

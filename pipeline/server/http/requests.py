@@ -31,6 +31,7 @@ from pipeline.server.http.protocol import (
     CompletionRequest,
     GenerationBody,
 )
+from pipeline.server.http.structured import structured_outputs_from
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage
 from stages.params import MAX_LOGPROBS, SamplingParams, validate_sampling
@@ -47,7 +48,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda value: value not in (None, 1),
     "suffix": bool,
     "tools": bool,
-    "response_format": lambda value: value not in (None, {"type": "text"}),
 }
 #: body fields that are SamplingParams fields of the same name
 _SAMPLING_FIELDS = (
@@ -144,6 +144,9 @@ def _sampling(body: GenerationBody, max_tokens: int | None, logprobs: int | None
         values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     if body.stop_token_ids is not None:
         values["stop_token_ids"] = tuple(body.stop_token_ids)
+    constraint = structured_outputs_from(body.response_format, body.structured_outputs)
+    if constraint is not None:
+        values["structured_outputs"] = constraint
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
         validate_sampling(params)

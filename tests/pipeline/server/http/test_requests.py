@@ -123,7 +123,7 @@ def test_usage_chunk_only_with_stream_options() -> None:
         (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content"),
         (chat, {"tools": [{"type": "function"}]}, "tools"),
-        (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+        (chat, {"response_format": {"type": "yaml"}}, "response_format.type"),
     ],
 )  # fmt: skip
 def test_a_refusal_names_its_field(make: Any, fields: dict[str, Any], param: str) -> None:

@@ -1,0 +1,103 @@
+"""Structured outputs over the OpenAI-compatible API: ``response_format`` and vLLM's
+``structured_outputs`` extra → :class:`~stages.structured_outputs.StructuredOutputsParams`.
+
+As vLLM's server reads them (``vllm/entrypoints/openai/protocol.py``):
+
+- ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}``
+  (any JSON object), ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...},
+  "strict": ...}}`` (JSON valid under ``schema``; ``name``, ``description`` and ``strict``
+  are accepted and change nothing: the schema always binds);
+- ``structured_outputs``: an object with exactly one of ``json`` (a schema, object or JSON
+  text), ``json_object``, ``regex``, ``choice`` (a list of strings), ``grammar`` (Lark or
+  GBNF), and optionally ``disable_any_whitespace``.
+
+Both on one request, an unknown key, or a value of the wrong shape is a 400 naming the field
+(``response_format`` or ``structured_outputs``, and the key); what the grammar engine refuses
+(an unsupported schema keyword, a regex with look-ahead) is the engine's 400, naming
+``structured_outputs.<kind>``. See ``docs/structured-outputs.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline.server.http.errors import ApiError
+from stages.structured_outputs import StructuredOutputsParams
+
+__all__ = ["structured_outputs_from"]
+
+#: the keys of vLLM's ``structured_outputs`` object that are served
+_KEYS = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
+#: keys of a ``json_schema`` response format beside ``schema`` that change nothing here
+_SCHEMA_NOTES = ("name", "description", "strict")
+
+
+def _refuse(param: str, problem: str) -> ApiError:
+    return ApiError(400, f"{param}: {problem}", param=param, code="invalid_value")
+
+
+def _from_response_format(value: Any) -> StructuredOutputsParams | None:
+    if not isinstance(value, Mapping):
+        raise _refuse("response_format", f"must be an object, got {type(value).__name__}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise _refuse(
+            "response_format.type",
+            f"must be 'text', 'json_object' or 'json_schema', got {kind!r:.60}",
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise _refuse("response_format.json_schema", "must be an object with a 'schema'")
+    unknown = sorted(set(spec) - {"schema", *_SCHEMA_NOTES})
+    if unknown:
+        raise _refuse("response_format.json_schema", f"unknown key(s) {', '.join(unknown)}")
+    schema = spec.get("schema")
+    if not isinstance(schema, (Mapping, bool)):
+        raise _refuse(
+            "response_format.json_schema.schema",
+            f"must be a JSON schema (an object), got {type(schema).__name__}",
+        )
+    return StructuredOutputsParams(json=dict(schema) if isinstance(schema, Mapping) else schema)  # type: ignore[arg-type]
+
+
+def _from_extra(value: Any) -> StructuredOutputsParams:
+    if not isinstance(value, Mapping):
+        raise _refuse("structured_outputs", f"must be an object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(_KEYS))
+    if unknown:
+        raise _refuse(
+            "structured_outputs",
+            f"unknown or unsupported key(s) {', '.join(map(str, unknown))}; served: "
+            f"{', '.join(_KEYS)}",
+        )
+    values = {key: value[key] for key in _KEYS if value.get(key) is not None}
+    if isinstance(values.get("json"), Mapping):
+        values["json"] = dict(values["json"])
+    if isinstance(values.get("choice"), list):
+        values["choice"] = tuple(values["choice"])
+    if values.get("json_object") is False:
+        del values["json_object"]
+    if values.get("disable_any_whitespace") is None:
+        values.pop("disable_any_whitespace", None)
+    return StructuredOutputsParams(**values)
+
+
+def structured_outputs_from(
+    response_format: Any, structured_outputs: Any
+) -> StructuredOutputsParams | None:
+    """The constraint a body asks for with ``response_format`` or ``structured_outputs``
+    (None: none). Its shape is checked later, with the other sampling parameters.
+
+    Raises:
+        ApiError: 400 naming the field: both given, an unknown key, a malformed value.
+    """
+    from_format = None if response_format is None else _from_response_format(response_format)
+    from_extra = None if structured_outputs is None else _from_extra(structured_outputs)
+    if from_format is not None and from_extra is not None:
+        raise _refuse("structured_outputs", "give response_format or structured_outputs, not both")
+    return from_format if from_format is not None else from_extra

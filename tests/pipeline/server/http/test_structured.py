@@ -1,0 +1,108 @@
+"""``response_format`` and vLLM's ``structured_outputs`` extra → the request's constraint
+(pure: no engine), and the 400s that name their field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pipeline.server.http.errors import ApiError
+from pipeline.server.http.protocol import ChatCompletionRequest, CompletionRequest
+from pipeline.server.http.requests import plan_chat, plan_completion
+from stages.structured_outputs import StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}, "required": ["b"]}
+
+
+def chat_constraint(**fields: Any) -> StructuredOutputsParams | None:
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields}
+    )
+    ((_, params),) = plan_chat(body).choices
+    return params.structured_outputs
+
+
+def refusal(**fields: Any) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        chat_constraint(**fields)
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_response_format_forms() -> None:
+    assert chat_constraint(response_format={"type": "text"}) is None
+    assert chat_constraint(response_format={"type": "json_object"}) == StructuredOutputsParams(
+        json_object=True
+    )
+    constraint = chat_constraint(
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "thing", "strict": True, "schema": SCHEMA},
+        }
+    )
+    assert constraint is not None and json.loads(constraint.json or "") == SCHEMA
+    assert list(json.loads(constraint.json or "")["properties"]) == ["b", "a"]  # order kept
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"json": SCHEMA}, StructuredOutputsParams(json=json.dumps(SCHEMA))),
+        ({"json": '{"type": "string"}'}, StructuredOutputsParams(json='{"type": "string"}')),
+        ({"regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
+        ({"choice": ["a", "b"]}, StructuredOutputsParams(choice=("a", "b"))),
+        ({"grammar": 'start: "x"'}, StructuredOutputsParams(grammar='start: "x"')),
+        (
+            {"json_object": True, "disable_any_whitespace": True},
+            StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+        ),
+    ],
+)
+def test_the_structured_outputs_extra(extra: dict[str, Any], expected: Any) -> None:
+    assert chat_constraint(structured_outputs=extra) == expected
+    body = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "Hi", "structured_outputs": extra}
+    )
+    ((_, params),) = plan_completion(body).choices
+    assert params.structured_outputs == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"response_format": "json"}, "response_format", "must be an object"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "yaml"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+            "response_format.json_schema.schema",
+            "JSON schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
+            "response_format.json_schema",
+            "unknown key",
+        ),
+        ({"structured_outputs": ["regex"]}, "structured_outputs", "must be an object"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+            "exactly one",
+        ),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least one"),
+        ({"structured_outputs": {"json": "{oops"}}, "structured_outputs.json", "not valid JSON"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+            "not both",
+        ),
+    ],
+)
+def test_malformed_constraints_are_400s_naming_the_field(
+    fields: dict[str, Any], param: str, words: str
+) -> None:
+    error = refusal(**fields)
+    assert error.param == param and words in str(error)
