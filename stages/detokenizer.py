@@ -262,13 +262,16 @@ class IncrementalDetokenizer:
         # Window method: decode(_ids[_window_start:_pending_start]) is _window_prefix_text.
         self._window_start = max(0, self._num_prime - CONTEXT_TOKENS)
         self._window_prefix_text = ""
-        self._push_tokens: Callable[[Sequence[int]], str]
+        # NOTE: the method's plain function, not a bound method: a bound method of self held
+        # by self is a reference cycle, which would leave every request's detokenizer to the
+        # cycle collector instead of freeing it when the request ends.
+        self._push_tokens: Callable[[IncrementalDetokenizer, Sequence[int]], str]
         if factory.method == "byte_level":
-            self._push_tokens = self._push_byte_level
+            self._push_tokens = IncrementalDetokenizer._push_byte_level
         elif factory.method == "decode_stream":
-            self._push_tokens = self._push_decode_stream
+            self._push_tokens = IncrementalDetokenizer._push_decode_stream
         else:
-            self._push_tokens = self._push_window
+            self._push_tokens = IncrementalDetokenizer._push_window
             self._window_prefix_text = self._decode(
                 prime[self._window_start :], skip_special_tokens=skip_special_tokens
             )
@@ -330,7 +333,7 @@ class IncrementalDetokenizer:
         """
         if self._closed:
             raise DetokenizerClosedError("push() after flush(): the request already finished")
-        new_text = self._push_tokens(token_ids)
+        new_text = self._push_tokens(self, token_ids)
         if new_text:
             self._parts.append(new_text)
             self._text = None

@@ -1,5 +1,5 @@
 """The ``actorline bench`` subcommand (offline, online, ceiling, split, ablation, transports,
-http-body, grammars); each runs the benchmark of the same name in :mod:`pipeline.bench`."""
+http-body, grammars, soak); each runs the benchmark of the same name in :mod:`pipeline.bench`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def add_commands(commands: Any) -> None:
         http_body,
         offline,
         online,
+        soak,
         split,
         transports,
     )
@@ -30,6 +31,7 @@ def add_commands(commands: Any) -> None:
         ("transports", transports, "links against raw pyzmq and raw grpc.aio, same bytes"),
         ("http-body", http_body, "hostile request bodies, with and without the HTTP body cap"),
         ("grammars", grammars, "structured-output grammar engines: llguidance against xgrammar"),
+        ("soak", soak, "many requests: the frontend's memory, and what the cycle collector finds"),
     )
     bench = commands.add_parser(
         "bench", help="run a benchmark (figures and how to read them: docs/performance.md)"

@@ -419,10 +419,25 @@ class AsyncEngine:
         finally:
             self._collectors.pop(engine_id, None)
             self._forget(request_id, engine_id)
-            if not finished and not self._closed and collector.error is None:
-                self._abort_queue.put_nowait(engine_id)
-            if self._observers:
-                self._notify(lambda observer: observer.request_ended(engine_id, collector.error))
+            self._stream_ended(engine_id, collector, finished)
+
+    def _stream_ended(self, engine_id: str, collector: _Collector, finished: bool) -> None:
+        """The caller's stream of ``engine_id`` ended: abort the request unless it finished
+        or failed, tell the observers.
+
+        NOTE: a refused request's error is on its way to the caller, with a traceback through
+        ``generate``'s frame and the collector's: the collector lets go of it here (and no
+        local of ``generate`` holds it), or every refused request would be a reference cycle
+        (error, traceback, frame, collector, error) that only the cycle collector frees.
+        """
+        error, collector.error = collector.error, None
+        if not finished and not self._closed and error is None:
+            self._abort_queue.put_nowait(engine_id)
+        for observer in self._observers:
+            try:
+                observer.request_ended(engine_id, error)
+            except Exception:
+                logger.exception("engine observer %r failed", observer)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request: its stream ends with ``finish_reason="abort"`` and its KV

@@ -4,6 +4,7 @@ pure-Python ByT5 tokenizer)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,25 @@ def test_tokens_pushed_several_at_a_time(
     deltas.append(detokenizer.flush())
     assert all(REPLACEMENT not in delta for delta in deltas)
     assert "".join(deltas) == text
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_detokenizer_is_freed_by_reference_counting(
+    tokenizer: Any, factories: dict[str, DetokenizerFactory], chat_prompt: list[int], method: str
+) -> None:
+    """A request's detokenizer is no reference cycle: it is freed when its request ends,
+    not left to the cycle collector (which a raised GC threshold runs rarely)."""
+    token_ids = tokenizer.encode(MULTILINGUAL_TEXTS[0], add_special_tokens=False)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            detokenizer = factories[method].create(chat_prompt)
+            stream(detokenizer, token_ids)
+            del detokenizer
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
 
 
 def test_requests_are_independent_and_unaffected_by_pauses(

@@ -64,7 +64,8 @@ def test_poisson_arrivals_and_percentiles() -> None:
 
 def test_cli_lists_every_benchmark() -> None:
     parser = bench_parser()
-    for name in ("offline", "online", "ceiling", "split", "ablation", "http-body", "grammars"):
+    names = ("offline", "online", "ceiling", "split", "ablation", "http-body", "grammars", "soak")
+    for name in names:
         args = parser.parse_args(["bench", name, "--quick", "--json"])
         assert args.benchmark == name and args.quick and args.json and callable(args.run)
     args = parser.parse_args(["bench", "ceiling", "--profile", "--requests", "8"])
@@ -217,6 +218,15 @@ def test_http_body_quick(tiny_model_dir: Path) -> None:
     for run in (peer, capped):
         assert run.peak_growth_mib >= 0 and run.answer_seconds > 0
     assert "peer / capped" in format_http_body(result)
+
+
+def test_soak_quick() -> None:
+    """Requests leave nothing for the cycle collector (the frontend's threshold is raised)."""
+    from pipeline.bench.soak import SoakConfig, format_soak, run_soak
+
+    result = run_soak(SoakConfig(requests=300, concurrency=32, warmup=20))
+    assert result.gc_found == 0 and result.seconds > 0
+    assert result.rss_after_mib >= 0 and "gc.collect()" in format_soak(result)
 
 
 @pytest.mark.slow

@@ -5,11 +5,14 @@ serving, and a dead engine fails every pending request."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import gc
 import logging
 import os
 import signal
 import threading
 import time
+import types
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -423,6 +426,61 @@ def test_the_rate_limit_burst_bounds_a_tenants_burst_and_largest_request(
             assert len(ran.token_ids) == 37
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+
+def test_no_request_leaves_a_reference_cycle() -> None:
+    """Requests that finish, are aborted by their caller (with and without stop strings) or
+    are refused by admit: afterwards the cycle collector finds nothing of any of them. (With
+    the frontend's raised GC threshold, per-request cycles were freed only after tens of
+    thousands of requests: a 20,000-request soak grew the frontend by 100 MB.) Every stage
+    runs in this process here (memory topology), so all of their objects are counted."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def one(engine: AsyncEngine, index: int) -> None:
+        kind = index % 4
+        try:
+            if kind == 0:
+                async for _ in engine.generate(f"request {index}", params):
+                    pass
+            elif kind == 1:
+                async for _ in engine.generate(f"request {index}", params):
+                    break
+            elif kind == 2:
+                async for _ in engine.generate(f"request {index}", params.replace(stop=["zz"])):
+                    break
+            else:
+                async for _ in engine.generate([5] * 9000, params):
+                    pass
+        except PromptTooLongError:
+            assert kind == 3
+
+    async def body() -> list[Any]:
+        async with AsyncEngine(null_model=True, transport="memory") as engine:
+            await asyncio.gather(*(one(engine, index) for index in range(40)))  # warm up
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)  # what any collection finds is kept, not freed
+            try:
+                await asyncio.gather(*(one(engine, index) for index in range(200)))
+                for index in range(40):
+                    await one(engine, index)
+                await asyncio.sleep(0.1)  # the aborts reach the engine
+                gc.collect()
+            finally:
+                gc.set_debug(0)
+            found, gc.garbage[:] = list(gc.garbage), []
+            return found
+
+    found = asyncio.run(asyncio.wait_for(body(), 120))
+    ours = collections.Counter(
+        type(o).__qualname__
+        for o in found
+        if type(o).__module__.split(".")[0] in ("pipeline", "stages", "transports")
+        or isinstance(o, types.TracebackType)
+    )
+    assert not ours, f"reference cycles of requests: {ours.most_common(10)}"
 
 
 # -- engine death ----------------------------------------------------------------------------------
