@@ -158,6 +158,10 @@ def bad_frames(max_message_bytes: int) -> list[tuple[str, list[Buffer], type[Dec
     unknown_tag = msgpack.packb(msgpack.ExtType(1, msgpack.packb([987_654, 1])))
     unknown_ext = msgpack.packb(msgpack.ExtType(42, b"?"))
     bomb = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(max_message_bytes + 1))
+    # what a streaming compressor writes: no content size in the header
+    unsized_bomb = zstandard.ZstdCompressor(write_content_size=False).compress(
+        bytes(max_message_bytes + 1)
+    )
     wrong_nested = framer.encode(KitEnvelope("x", KitPing(1), ()))[0]  # type: ignore[arg-type]
     nested = msgpack.packb([900, 1])
     for _ in range(MAX_NESTING * 10):  # a few KB that would recurse once per level
@@ -204,5 +208,10 @@ def bad_frames(max_message_bytes: int) -> list[tuple[str, list[Buffer], type[Dec
             DecompressionError,
         ),
         ("zstd bomb", [data_frame(bomb, flags=FLAG_ZSTD)], FrameTooLargeError),
+        (
+            "zstd bomb without a declared size",
+            [data_frame(unsized_bomb, flags=FLAG_ZSTD)],
+            FrameTooLargeError,
+        ),
         ("oversized payload", [data_frame(bytes(max_message_bytes + 1))], FrameTooLargeError),
     ]

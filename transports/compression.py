@@ -1,4 +1,11 @@
-"""Optional zstd compression of frames, applied above a size threshold."""
+"""Optional zstd compression of frames, applied above a size threshold.
+
+Decompression is bounded by the link's size limit before any output exists beyond it: a
+frame that declares its content size (as this module's compressor writes it) is refused when
+the size is over the limit and decompressed in one call otherwise (zstd refuses a frame that
+holds more than it declares); a frame without one (a streaming compressor's) is decompressed
+chunk by chunk and refused as soon as its output passes the limit (docs/architecture.md §5.5).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,9 @@ import zstandard
 from transports.errors import DecompressionError, FrameTooLargeError
 
 __all__ = ["Compression", "ZstdFrames"]
+
+#: output read at a time from a frame that does not declare its size
+_CHUNK = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,18 +76,49 @@ class ZstdFrames:
         return self._contexts()[0].compress(data)
 
     def decompress(self, data: bytes | bytearray | memoryview) -> bytes:
-        """Raises DecompressionError or FrameTooLargeError; never returns partial output."""
+        """The frame's content, never more than ``max_frame_bytes`` of it held at once.
+
+        Raises:
+            DecompressionError: not a zstd frame, or one that does not decompress.
+            FrameTooLargeError: it declares, or decompresses to, more than the limit.
+        """
         try:
             size = zstandard.frame_content_size(data)
         except zstandard.ZstdError as exc:
             raise DecompressionError(f"not a zstd frame: {exc}") from None
-        if size < 0:
-            raise DecompressionError("zstd frame does not declare its content size")
         if size > self.max_frame_bytes:
             raise FrameTooLargeError(
                 f"zstd frame expands to {size} bytes, over the limit of {self.max_frame_bytes}"
             )
+        decompressor = self._contexts()[1]
         try:
-            return self._contexts()[1].decompress(data, max_output_size=max(size, 1))
+            if size >= 0:  # (-1: not declared)
+                # NOTE: the output buffer is the declared size, and zstd refuses a frame that
+                # holds more than it declares
+                return decompressor.decompress(data, max_output_size=max(size, 1))
+            return self._decompress_capped(decompressor, data)
         except zstandard.ZstdError as exc:
             raise DecompressionError(f"zstd frame does not decompress: {exc}") from None
+
+    def _decompress_capped(
+        self, decompressor: zstandard.ZstdDecompressor, data: bytes | bytearray | memoryview
+    ) -> bytes:
+        """A frame that does not declare its size: first measured, a chunk of output at a
+        time (each dropped once counted), and refused as soon as it passes the limit; then,
+        its size known, decompressed in one call, which also refuses a truncated frame (the
+        streaming read ends quietly where the input does).
+
+        Raises:
+            FrameTooLargeError: it decompresses past the limit.
+            zstandard.ZstdError: it does not decompress, or is truncated.
+        """
+        limit = self.max_frame_bytes
+        size = 0
+        with decompressor.stream_reader(data) as reader:
+            while chunk := reader.read(min(limit + 1 - size, _CHUNK)):
+                size += len(chunk)
+                if size > limit:
+                    raise FrameTooLargeError(
+                        f"zstd frame (no declared size) expands past the limit of {limit} bytes"
+                    )
+        return decompressor.decompress(data, max_output_size=max(size, 1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -109,6 +110,43 @@ def valid_payload() -> bytes:
     return bytes(FrameCodec().encode(KitPayload(1, b"payload"))[0])[HEADER.size :]
 
 
+#: a compressor that writes no content size, as streaming compressors do
+UNSIZED = zstandard.ZstdCompressor(write_content_size=False)
+
+
+def understated() -> bytes:
+    """A zstd frame of 1000 bytes whose header says 256."""
+    frame = bytearray(zstandard.ZstdCompressor(write_content_size=True).compress(b"a" * 1000))
+    assert frame[4] == 0x60 and frame[5:7] == (1000 - 256).to_bytes(2, "little")  # 2-byte size
+    frame[5:7] = (0).to_bytes(2, "little")
+    assert zstandard.frame_content_size(bytes(frame)) == 256
+    return bytes(frame)
+
+
+def test_a_frame_without_a_declared_size_decodes() -> None:
+    """A peer's streaming compressor writes no content size: the frame is measured a chunk at
+    a time under the limit, then decoded."""
+    payload = bytes(FrameCodec().encode(KitPayload(3, COMPRESSIBLE))[0])[HEADER.size :]
+    frame = data_frame(UNSIZED.compress(payload), flags=ZSTD)
+    assert FrameCodec().decode([frame]) == (FrameKind.DATA, KitPayload(3, COMPRESSIBLE))
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["declared size", "no declared size"])
+def test_a_zstd_bomb_is_refused_before_it_expands(sized: bool) -> None:
+    """1 GiB of zeros in 32 KB: refused within the 1 MiB limit's worth of memory, whether its
+    header says how big it is or not."""
+    compressor = zstandard.ZstdCompressor(write_content_size=sized)
+    frame = data_frame(compressor.compress(bytes(1 << 30)), flags=ZSTD)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FrameTooLargeError, match="limit of 1048576"):
+            FrameCodec(max_frame_bytes=1 << 20).decode([frame])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20
+
+
 BAD_FRAMES: list[tuple[str, list[Buffer], type[DecodeError]]] = [
     ("no frames", [], TruncatedFrameError),
     ("short header", [b"\xac\x01\x00"], TruncatedFrameError),
@@ -125,12 +163,18 @@ BAD_FRAMES: list[tuple[str, list[Buffer], type[DecodeError]]] = [
     ("extra frame", [data_frame(valid_payload()), b"extra"], TruncatedFrameError),
     ("not zstd", [data_frame(valid_payload(), flags=ZSTD)], DecompressionError),
     (
-        "zstd without content size",
-        [
-            data_frame(
-                zstandard.ZstdCompressor(write_content_size=False).compress(b"x" * 10), flags=ZSTD
-            )
-        ],
+        "zstd without content size, past the limit",
+        [data_frame(UNSIZED.compress(bytes(2048)), flags=ZSTD)],
+        FrameTooLargeError,
+    ),
+    (
+        "zstd without content size, truncated",
+        [data_frame(UNSIZED.compress(valid_payload())[:-3], flags=ZSTD)],
+        DecompressionError,
+    ),
+    (
+        "zstd declaring less than it holds",
+        [data_frame(understated(), flags=ZSTD)],
         DecompressionError,
     ),
     (
