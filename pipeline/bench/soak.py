@@ -71,17 +71,23 @@ async def _soak(config: SoakConfig) -> SoakResult:
 
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     async with AsyncEngine(config.model, null_model=True) as engine:
-        slots = asyncio.Semaphore(config.concurrency)
 
-        async def one(index: int) -> None:
-            async with slots:
-                async for _ in engine.generate(f"soak request {index}", params):
-                    pass
+        async def send(count: int) -> None:
+            # NOTE: ``concurrency`` workers, each sending one request after another: a task
+            # per request would hold every request not sent yet, which measures that pile.
+            numbers = iter(range(count))
 
-        await asyncio.gather(*(one(index) for index in range(config.warmup)))
+            async def worker() -> None:
+                for index in numbers:
+                    async for _ in engine.generate(f"soak request {index}", params):
+                        pass
+
+            await asyncio.gather(*(worker() for _ in range(config.concurrency)))
+
+        await send(config.warmup)
         before = _rss_mib()
         started = time.perf_counter()
-        await asyncio.gather(*(one(index) for index in range(config.requests)))
+        await send(config.requests)
         seconds = time.perf_counter() - started
         after = _rss_mib()
         found = gc.collect()

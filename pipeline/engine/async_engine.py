@@ -167,7 +167,9 @@ class _Collector:
     async def get(self) -> RequestOutput:
         while self.pending is None:
             if self.error is not None:
-                raise self.error
+                # NOTE: an engine failure is one error for every request: raised afresh, its
+                # traceback does not grow by each request's frames (and hold them all)
+                raise self.error.with_traceback(None)
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
@@ -490,7 +492,7 @@ class AsyncEngine:
 
     def _check_usable(self) -> RunningPipeline:
         if self._failure is not None:
-            raise self._failure
+            raise self._failure.with_traceback(None)
         if self._running is None or self._closed:
             raise PipelineClosedError("the engine is not running; use 'async with' or start()")
         return self._running
