@@ -17,6 +17,7 @@ import dataclasses
 import json as _json
 from typing import Any
 
+from stages.checks import check_text
 from stages.errors import InvalidRequestError
 from transports.codec import message
 
@@ -143,6 +144,13 @@ def validate_structured_outputs(
             fail("choice", f"may list at most {MAX_CHOICES} strings, got {len(choices)}")
         if sum(len(c) for c in choices) > MAX_SPEC_CHARS:
             fail("choice", f"may hold at most {MAX_SPEC_CHARS} characters in all")
+        for index, text in enumerate(choices):  # text every link carries (a UTF-8 form)
+            check_text(
+                "structured_outputs.choice",
+                text,
+                request_id=request_id,
+                where=f"structured_outputs.choice[{index}]",
+            )
         return
     text = getattr(params, kind)
     if not isinstance(text, str):
@@ -158,6 +166,7 @@ def validate_structured_outputs(
         fail(kind, f"may be at most {MAX_SPEC_CHARS} characters, got {len(text)}")
     if "\x00" in text:
         fail(kind, "must not contain a NUL character")
+    check_text(f"structured_outputs.{kind}", text, request_id=request_id)  # a UTF-8 form
     if kind == "json":
         try:
             schema = _json.loads(text)

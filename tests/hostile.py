@@ -12,6 +12,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from stages.params import SamplingParams
+from stages.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "FIELD_VALUES",
@@ -20,6 +21,7 @@ __all__ = [
     "JUNK",
     "PROMPTS",
     "SAMPLING",
+    "STRUCTURED",
     "TEXT",
     "sampling_params",
 ]
@@ -37,8 +39,18 @@ FLOATS = st.one_of(
     st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 5e-324, 1e-300, 1e308]),
     st.floats(),
 )
-#: any character at all: lone surrogates (no UTF-8 form), controls, NUL, private use
-TEXT = st.text(st.characters(exclude_categories=()), max_size=24)
+#: any character at all: lone surrogates (no UTF-8 form), controls, NUL, private use; one
+#: text in three holds a lone surrogate for sure
+TEXT = st.one_of(
+    st.text(st.characters(exclude_categories=()), max_size=24),
+    st.text(st.characters(exclude_categories=()), max_size=24),
+    st.builds(
+        lambda before, surrogate, after: before + surrogate + after,
+        st.text(max_size=8),
+        st.characters(categories=["Cs"]),
+        st.text(max_size=8),
+    ),
+)
 #: values of the wrong type for almost any field
 JUNK = st.one_of(
     st.none(),
@@ -51,6 +63,32 @@ JUNK = st.one_of(
     st.dictionaries(TEXT, INTS, max_size=2),
 )
 _HUGE_LIST = st.integers(5_000, 20_000).map(lambda n: [1] * n)
+
+#: a structured-output constraint: one kind or several, plausible, hostile or junk
+STRUCTURED = st.one_of(
+    st.none(),
+    st.builds(
+        StructuredOutputsParams,
+        choice=st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=3),
+    ),
+    st.builds(StructuredOutputsParams, regex=st.sampled_from(["[a-z]+", "(yes|no)", "[0-9]{1,3}"])),
+    st.builds(StructuredOutputsParams, json_object=st.just(True)),
+    # one kind, with any text (a lone surrogate has no UTF-8 form)
+    st.builds(StructuredOutputsParams, regex=TEXT),
+    st.builds(StructuredOutputsParams, grammar=TEXT),
+    st.builds(StructuredOutputsParams, json=st.dictionaries(TEXT, st.integers(), max_size=2)),
+    st.builds(StructuredOutputsParams, choice=st.lists(TEXT, min_size=1, max_size=3)),
+    st.builds(
+        StructuredOutputsParams,
+        json=st.one_of(st.just({"type": "object"}), st.just({"type": "integer"}), TEXT, JUNK),
+        regex=st.one_of(st.none(), TEXT),
+        choice=st.one_of(st.none(), st.lists(st.one_of(TEXT, JUNK), max_size=3), JUNK),
+        grammar=st.one_of(st.none(), TEXT),
+        json_object=st.one_of(st.booleans(), JUNK),
+        disable_any_whitespace=st.one_of(st.booleans(), JUNK),
+    ),
+    JUNK,
+)
 
 #: per SamplingParams field: plausible values, edge values and junk
 FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
@@ -73,6 +111,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "include_stop_str_in_output": st.one_of(st.booleans(), JUNK),
     "skip_special_tokens": st.one_of(st.booleans(), JUNK),
     "priority": st.one_of(st.integers(-5, 5), INTS, JUNK),
+    "structured_outputs": STRUCTURED,
 }
 assert set(FIELD_VALUES) == {field.name for field in dataclasses.fields(SamplingParams)}, (
     "every SamplingParams field is fuzzed"

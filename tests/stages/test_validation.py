@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from pipeline.engine.prompts import make_request
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage, EngineRequest, GenerateRequest
-from stages.params import SamplingParams
+from stages.params import SamplingParams, validate_sampling
+from stages.structured_outputs import StructuredOutputsParams
 from stages.validation import MAX_REQUEST_ID_LENGTH, check_request_id, validate_generate_request
-from tests.hostile import JUNK, PROMPTS, SAMPLING, TEXT, sampling_params
+from tests.hostile import FIELD_VALUES, JUNK, PROMPTS, SAMPLING, TEXT, sampling_params
 from transports.codec import Codec
 
 VOCAB = 49_152
@@ -51,6 +52,29 @@ def request(**fields: Any) -> GenerateRequest:
         ),
         ({"params": SamplingParams(stop=("ok", "\ud800"))}, "stop", r"stop\[1\]"),
         ({"request_id": "\ud800"}, "request_id", "lone surrogate"),
+        (
+            {"params": SamplingParams(structured_outputs=StructuredOutputsParams(regex="a\ud800"))},
+            "structured_outputs.regex",
+            "lone surrogate U\\+D800 at index 1",
+        ),
+        (
+            {
+                "params": SamplingParams(
+                    structured_outputs=StructuredOutputsParams(choice=("x", "\udfff"))
+                )
+            },
+            "structured_outputs.choice",
+            r"structured_outputs\.choice\[1\] is not valid Unicode",
+        ),
+        (
+            {
+                "params": SamplingParams(
+                    structured_outputs=StructuredOutputsParams(json={"\ud800": 1})
+                )
+            },
+            "structured_outputs.json",
+            "lone surrogate",
+        ),
         ({"tenant": "\ud800"}, "tenant", "lone surrogate"),
         # types: a bool is not an int, a str is not a number
         ({"params": SamplingParams(max_tokens=True)}, "max_tokens", "must be an integer"),
@@ -120,3 +144,22 @@ def test_what_the_core_accepts_every_link_carries(
     codec.encode(made)
     ids = made.prompt_token_ids or (1,)
     codec.encode(EngineRequest(made.request_id, ids, made.params, made.tenant, 0.0, made.prompt))
+
+
+@pytest.mark.parametrize("field", sorted(FIELD_VALUES))
+def test_what_validate_sampling_accepts_every_link_carries_field_by_field(field: str) -> None:
+    """Each SamplingParams field alone, with any of its hostile values: refused by name or
+    carried by the codec."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(value=FIELD_VALUES[field])
+    def check(value: Any) -> None:
+        params = sampling_params({field: value})
+        try:
+            validate_sampling(params, vocab_size=VOCAB)
+        except InvalidRequestError as error:
+            assert error.field is not None and error.field.split(".")[0] == field
+            return
+        Codec().encode(EngineRequest("r", (1,), params))
+
+    check()
