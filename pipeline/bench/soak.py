@@ -85,6 +85,7 @@ async def _soak(config: SoakConfig) -> SoakResult:
             await asyncio.gather(*(worker() for _ in range(config.concurrency)))
 
         await send(config.warmup)
+        gc.collect()  # whatever was there before: only what the soak leaves is counted
         before = _rss_mib()
         started = time.perf_counter()
         await send(config.requests)
