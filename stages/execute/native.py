@@ -251,11 +251,14 @@ class PagedDecodeKernel:
 
 class PackedGemmKernel:
     """``y = x @ W^T + b`` in fp32 on CPU over a weight packed once into panels of 16 output
-    columns (``[N / 16, K, 16]``); see ``kernels/packed_gemm.c``."""
+    columns (``[N / 16, K, 16]``); see ``kernels/packed_gemm.c``. ``lanes`` and ``tile_rows``:
+    the vector width (floats) and rows per register tile this build picked for the CPU."""
 
     def __init__(self, library: Path) -> None:
         self.path = library
         lib = ctypes.CDLL(str(library))
+        self.lanes = int(lib.actorline_gemm_lanes())
+        self.tile_rows = int(lib.actorline_gemm_rows())
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
         self._pack = lib.actorline_pack_weight_f32
         self._pack.argtypes = [pointer, pointer, i64, i64]

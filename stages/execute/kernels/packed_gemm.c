@@ -2,23 +2,48 @@
  * Built and loaded by stages/execute/native.py; used by stages/execute/cpu.py's PackedLinear.
  *
  * The weight is packed once, at load, into panels of NR = 16 output columns, each panel
- * [K][16] contiguous, so the inner loop streams one panel with two 8-float vector loads per k.
- * The micro-kernel keeps an MR x 16 block of y in registers (MR = 6: 12 accumulators, two
- * weight vectors and one broadcast, 15 of AVX2's 16 registers) and does MR broadcast FMAs per
- * weight vector: the register blocking of BLIS's Haswell sgemm kernel (6x16), written with
- * GCC vector extensions so it compiles for any vector unit. A panel (K * 64 bytes) stays in
- * L2 while every row block of x goes past it, so each weight is read from memory once per
- * call at decode's few rows, and rows are blocked by MB for long prefills. Threads split the
- * panels. Measured on 2 AVX2 cores against MKL (F.linear / W @ x^T): 1.4-1.7x at 16-64 rows,
- * 2-3x at 4-8 rows, 1.1-1.3x at 128-2048 rows (tests/stages/execute/test_native.py checks
- * it against F.linear). */
+ * [K][16] contiguous, so the inner loop streams one panel row (16 floats, one cache line) per k.
+ * The micro-kernel keeps an MR x 16 block of y in registers and does one broadcast FMA per row
+ * and vector of the panel row: the register blocking of BLIS's sgemm micro-kernels, written
+ * with GCC vector extensions and sized at compile time for the widest vector unit the compiler
+ * targets (the library is built with -march=native where the compiler takes it):
+ *
+ *   AVX-512 (32 zmm):  one 16-float vector per panel row, MR = 14 (14 accumulators);
+ *   AVX2/AVX (16 ymm): two 8-float vectors,  MR = 6 (12 accumulators, BLIS's Haswell 6x16);
+ *   NEON (32 q):       four 4-float vectors, MR = 6 (24 accumulators);
+ *   other (SSE2, 16):  four 4-float vectors, MR = 2 (8 accumulators).
+ *
+ * A panel (K * 64 bytes) stays in L1/L2 while every row block of x goes past it, so each weight
+ * is read from memory once per call at decode's few rows; long inputs are cut into row blocks
+ * whose x fits in L2 (see row_block), each block once past every panel. Threads split the
+ * panels. With fewer than 4 rows the k loop runs two accumulator sets (even and odd k), so the
+ * FMA latency does not bound the few chains there are. tests/stages/execute/test_native.py
+ * checks it against F.linear; `actorline bench roof` measures it against MKL at the model's
+ * shapes (docs/performance.md, "Toward the roof"). */
 #include <stdint.h>
 
 #define NR 16
-#define MR 6
-#define MB 768
 
-typedef float vf __attribute__((vector_size(8 * sizeof(float)), aligned(4)));
+#if defined(__AVX512F__)
+#define LANES 16
+#define MR 14
+#elif defined(__AVX__)
+#define LANES 8
+#define MR 6
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+#define LANES 4
+#define MR 6
+#else
+#define LANES 4
+#define MR 2
+#endif
+#define VPR (NR / LANES) /* vectors per panel row */
+
+typedef float vf __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+
+/* The vector width and rows per micro-tile this build chose (for the benchmarks' reports). */
+int actorline_gemm_lanes(void) { return LANES; }
+int actorline_gemm_rows(void) { return MR; }
 
 /* packed[(p * K + k) * NR + j] = w[(p * NR + j) * K + k]; N must be a multiple of NR. */
 void actorline_pack_weight_f32(const float *w, float *packed, int64_t n, int64_t k) {
@@ -31,40 +56,64 @@ void actorline_pack_weight_f32(const float *w, float *packed, int64_t n, int64_t
 static inline __attribute__((always_inline)) void
 micro(const float *restrict x, int64_t ldx, const float *restrict panel, int64_t k,
       const float *restrict bias, float *restrict y, int64_t ldy, const int mr) {
-    vf acc0[MR], acc1[MR];
-    const vf b0 = bias ? *(const vf *)bias : (vf){0};
-    const vf b1 = bias ? *(const vf *)(bias + 8) : (vf){0};
-    for (int i = 0; i < mr; ++i) {
-        acc0[i] = b0;
-        acc1[i] = b1;
+    vf acc[MR][VPR];
+    vf bias_v[VPR];
+    for (int v = 0; v < VPR; ++v) bias_v[v] = bias ? *(const vf *)(bias + v * LANES) : (vf){0};
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < VPR; ++v) acc[i][v] = bias_v[v];
+    int64_t kk = 0;
+    if (mr < 4) {
+        /* Few rows: a second accumulator set for odd k doubles the independent FMA chains. */
+        vf odd[MR][VPR];
+        for (int i = 0; i < mr; ++i)
+            for (int v = 0; v < VPR; ++v) odd[i][v] = (vf){0};
+        for (; kk + 2 <= k; kk += 2) {
+            const float *row = panel + kk * NR;
+            for (int v = 0; v < VPR; ++v) {
+                const vf w0 = *(const vf *)(row + v * LANES);
+                const vf w1 = *(const vf *)(row + NR + v * LANES);
+                for (int i = 0; i < mr; ++i) {
+                    acc[i][v] += x[i * ldx + kk] * w0;
+                    odd[i][v] += x[i * ldx + kk + 1] * w1;
+                }
+            }
+        }
+        for (int i = 0; i < mr; ++i)
+            for (int v = 0; v < VPR; ++v) acc[i][v] += odd[i][v];
     }
-    for (int64_t kk = 0; kk < k; ++kk) {
-        const vf w0 = *(const vf *)(panel + kk * NR);
-        const vf w1 = *(const vf *)(panel + kk * NR + 8);
+    for (; kk < k; ++kk) {
+        vf w[VPR];
+        for (int v = 0; v < VPR; ++v) w[v] = *(const vf *)(panel + kk * NR + v * LANES);
         for (int i = 0; i < mr; ++i) {
             const float xv = x[i * ldx + kk];
-            acc0[i] += xv * w0;
-            acc1[i] += xv * w1;
+            for (int v = 0; v < VPR; ++v) acc[i][v] += xv * w[v];
         }
     }
-    for (int i = 0; i < mr; ++i) {
-        *(vf *)(y + i * ldy) = acc0[i];
-        *(vf *)(y + i * ldy + 8) = acc1[i];
-    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < VPR; ++v) *(vf *)(y + i * ldy + v * LANES) = acc[i][v];
 }
+
+/* One micro-kernel call per case: each gets mr as a constant and its own register allocation. */
+#define TAIL(r)                                                                                \
+    case r: micro(x + i * k, k, panel, k, bias, y + i * n, n, (r) < MR ? (r) : 1); break;
 
 static void panel_rows(const float *x, int64_t rows, int64_t k, const float *panel,
                        const float *bias, float *y, int64_t n) {
     int64_t i = 0;
     for (; i + MR <= rows; i += MR) micro(x + i * k, k, panel, k, bias, y + i * n, n, MR);
     switch ((int)(rows - i)) {
-    case 1: micro(x + i * k, k, panel, k, bias, y + i * n, n, 1); break;
-    case 2: micro(x + i * k, k, panel, k, bias, y + i * n, n, 2); break;
-    case 3: micro(x + i * k, k, panel, k, bias, y + i * n, n, 3); break;
-    case 4: micro(x + i * k, k, panel, k, bias, y + i * n, n, 4); break;
-    case 5: micro(x + i * k, k, panel, k, bias, y + i * n, n, 5); break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7)
+        TAIL(8) TAIL(9) TAIL(10) TAIL(11) TAIL(12) TAIL(13) TAIL(14)
     default: break;
     }
+}
+
+/* Rows per block so that a block of x (rows * k floats) stays in L2 while the panels pass. */
+static int64_t row_block(int64_t k) {
+    const int64_t budget = 384 * 1024 / (int64_t)sizeof(float);
+    int64_t rows = budget / k / MR * MR;
+    if (rows < 4 * MR) rows = 4 * MR;
+    return rows;
 }
 
 /* x: [M, K] contiguous; packed: from actorline_pack_weight_f32; bias: [N] or NULL;
@@ -73,11 +122,13 @@ int actorline_packed_gemm_f32(const float *x, int64_t m, int64_t k, const float 
                               const float *bias, int64_t n, float *y, int num_threads) {
     if (n % NR != 0 || k < 1) return 2;
     const int64_t panels = n / NR;
+    const int64_t mb = row_block(k);
     if (num_threads < 1) num_threads = 1;
+    if (num_threads > panels) num_threads = (int)panels;
 #pragma omp parallel num_threads(num_threads)
-    for (int64_t m0 = 0; m0 < m; m0 += MB) {
-        const int64_t rows = m - m0 < MB ? m - m0 : MB;
-#pragma omp for schedule(static)
+    for (int64_t m0 = 0; m0 < m; m0 += mb) {
+        const int64_t rows = m - m0 < mb ? m - m0 : mb;
+#pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; ++p)
             panel_rows(x + m0 * k, rows, k, packed + p * k * NR, bias ? bias + p * NR : 0,
                        y + m0 * n + p * NR, n);

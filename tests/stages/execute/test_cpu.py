@@ -78,7 +78,7 @@ def without_native_gemm(no_c_compiler: None) -> None:
     assert packed_gemm_kernel() is None
 
 
-@pytest.mark.parametrize("rows", [*ROWS, 700, 1600])  # past the kernel's 768-row blocks
+@pytest.mark.parametrize("rows", [*ROWS, 700, 1600])  # past the kernel's 1024-row blocks at K 96
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear_at_every_row_count(rows: int, bias: bool) -> None:
     kernel = packed_gemm_kernel()
@@ -91,6 +91,30 @@ def test_packed_linear_matches_f_linear_at_every_row_count(rows: int, bias: bool
         expected = F.linear(inputs, module.weight, module.bias)
     assert got.shape == expected.shape == (1, rows, 160)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k", [1, 7, 97, 1536])
+def test_packed_gemm_matches_f_linear_on_every_tile_tail(k: int, threads: int) -> None:
+    """Every row count up to two register tiles and one (each tail has its own micro-kernel),
+    odd K (the two-accumulator k loop of few rows has a remainder), and K 1536, whose row
+    blocks are a few tiles high, so long inputs cross block edges."""
+    kernel = packed_gemm_kernel()
+    assert kernel is not None
+    assert kernel.lanes in (4, 8, 16) and kernel.tile_rows >= 2
+    weight, bias = torch.randn(48, k), torch.randn(48)
+    packed = kernel.pack(weight)
+    counts = [*range(1, 2 * kernel.tile_rows + 2), 257]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in counts:
+            x = torch.randn(rows, k)
+            torch.testing.assert_close(
+                kernel(x, packed, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4
+            )
+    finally:
+        torch.set_num_threads(previous)
 
 
 class _TiedModel(torch.nn.Module):
