@@ -39,12 +39,17 @@ VARIANTS: Mapping[str, Mapping[str, object]] = {
     ALL_ON: {},
     "native_linears=False (MKL row-count dispatch)": {"native_linears": False},
     "cpu_linears=False (MKL F.linear everywhere)": {"cpu_linears": False},
+    "fused_ops=False (torch's RMSNorm and SiLU * mul)": {"fused_ops": False},
     "tune_allocator=False (glibc defaults)": {"tune_allocator": False},
     "decode_attention=grouped (gather + SDPA)": {"decode_attention": "grouped"},
     "decode_attention=per_sequence": {"decode_attention": "per_sequence"},
     "decode_attention=padded": {"decode_attention": "padded"},
     "enable_prefix_caching=False": {"enable_prefix_caching": False},
-    "no C compiler (both fallbacks)": {"native_linears": False, "decode_attention": "grouped"},
+    "no C compiler (every fallback)": {
+        "native_linears": False,
+        "fused_ops": False,
+        "decode_attention": "grouped",
+    },
 }
 """Variant name -> the ExecuteConfig fields it changes from the defaults."""
 
@@ -130,7 +135,7 @@ def run_ablation(config: AblationConfig) -> AblationResult:
 
 def _drive_variant(config: AblationConfig, name: str) -> VariantResult:
     """In the variant's process: load the runner, warm up, run the workload to completion."""
-    from pipeline.bench.offline import prompt_ids
+    from pipeline.bench.workload import prompt_ids
     from stages.execute.config import ExecuteConfig
     from stages.execute.runner import ModelRunner
     from stages.messages import EngineRequest

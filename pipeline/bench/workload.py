@@ -11,16 +11,20 @@ import dataclasses
 import math
 import random
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "FILLER_WORDS",
     "TOPICS",
     "BenchRequest",
     "WorkloadSpec",
+    "WorkloadWork",
     "blocks_to_hold",
     "make_workload",
     "percentile",
     "poisson_arrivals",
+    "prompt_ids",
+    "workload_work",
 ]
 
 TOPICS = (
@@ -213,4 +217,83 @@ def blocks_to_hold(
     at once: how the offline benchmarks size each system's cache so that none preempts."""
     return sum(
         -(-(len(prompt) + limit) // block_size) for prompt, limit in zip(prompts, max_tokens)
+    )
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The token ids every system gets for ``prompt``: the chat template applied (with the
+    generation prompt) when ``tokenizer`` has one, else the plain encoding."""
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return list(tokenizer.encode(prompt))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkloadWork:
+    """What any engine must compute for a workload, the same for every system: the decoder
+    layers run over ``layer_tokens`` tokens (the prompts less ``cached_prompt_tokens`` that
+    block-level prefix caching serves, plus every generated token but each request's last,
+    which is never fed back) and the LM head over ``head_rows`` rows (one per generated
+    token). Memory: at least ``forward_passes`` forward passes (each request needs one per
+    token it generates), each reading every weight, and decode rows reading
+    ``decode_context_tokens`` tokens of keys and values in all (each fed-back token attends
+    its whole context)."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    layer_tokens: int
+    head_rows: int
+    forward_passes: int = 0
+    decode_context_tokens: int = 0
+
+
+def workload_work(
+    prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], block_size: int = 16
+) -> WorkloadWork:
+    """The work of ``prompts`` generating exactly ``max_tokens`` each (EOS ignored).
+
+    A prompt's leading full blocks of ``block_size`` tokens that an earlier prompt of the
+    workload began with count as cached (vLLM's and actorline's block-level prefix caching),
+    never its last token (its logits must be computed).
+
+    Raises:
+        ValueError: the lengths differ, a prompt is empty, a limit is below 1, or
+            ``block_size`` is below 1.
+    """
+    if len(prompts) != len(max_tokens):
+        raise ValueError(f"{len(prompts)} prompts but {len(max_tokens)} max_tokens")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    seen: set[tuple[int, ...]] = set()
+    cached = 0
+    for prompt, limit in zip(prompts, max_tokens):
+        if not prompt or limit < 1:
+            raise ValueError("every prompt needs a token and every max_tokens must be >= 1")
+        hit = True
+        for end in range(block_size, len(prompt) + 1, block_size):
+            prefix = tuple(prompt[:end])
+            if hit and prefix in seen and end < len(prompt):
+                cached = cached + block_size
+            else:
+                hit = False
+            seen.add(prefix)
+    prompt_tokens = sum(len(prompt) for prompt in prompts)
+    generated = sum(max_tokens)
+    # Fed-back token t (1 .. limit - 1) of a request attends its prompt and t outputs.
+    contexts = sum(
+        (limit - 1) * len(prompt) + (limit - 1) * limit // 2
+        for prompt, limit in zip(prompts, max_tokens)
+    )
+    return WorkloadWork(
+        prompt_tokens=prompt_tokens,
+        cached_prompt_tokens=cached,
+        generated_tokens=generated,
+        layer_tokens=prompt_tokens - cached + generated - len(prompts),
+        head_rows=generated,
+        forward_passes=max(max_tokens, default=0),
+        decode_context_tokens=contexts,
     )

@@ -1,5 +1,6 @@
-"""The ``actorline bench`` subcommand (offline, online, ceiling, split, ablation, transports,
-http-body, grammars, soak); each runs the benchmark of the same name in :mod:`pipeline.bench`."""
+"""The ``actorline bench`` subcommand (offline, online, ceiling, split, ablation, roof,
+transports, http-body, grammars, soak); each runs the benchmark of the same name in
+:mod:`pipeline.bench`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def add_commands(commands: Any) -> None:
         http_body,
         offline,
         online,
+        roof,
         soak,
         split,
         transports,
@@ -28,6 +30,7 @@ def add_commands(commands: Any) -> None:
         ("ceiling", ceiling, "framework overhead: null model, 256 streaming requests"),
         ("split", split, "single process against the zmq process split"),
         ("ablation", ablation, "each execute-stage optimization switched off in turn"),
+        ("roof", roof, "the GEMM roof: FMA peak, GEMM rates at the model's shapes, workload FLOPs"),
         ("transports", transports, "links against raw pyzmq and raw grpc.aio, same bytes"),
         ("http-body", http_body, "hostile request bodies, with and without the HTTP body cap"),
         ("grammars", grammars, "structured-output grammar engines: llguidance against xgrammar"),

@@ -1,0 +1,39 @@
+/* The CPU's fp32 FMA peak, for `actorline bench roof`: each thread runs independent chains of
+ * vector FMAs on registers only (no memory traffic), so the rate is what the vector units can
+ * do, the ceiling any GEMM kernel on this machine works under. The vector is the widest the
+ * compiler targets here (AVX-512: 16 floats, AVX2: 8, NEON/SSE: 4), picked at compile time;
+ * built by stages/execute/native.py's build_library like the engine's kernels. */
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#define CHAINS 12 /* more independent FMAs in flight than latency x units on current cores */
+
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+
+int actorline_fma_lanes(void) { return LANES; }
+
+/* Runs `iterations` rounds of CHAINS vector FMAs on each of `num_threads` threads; returns the
+ * FLOPs done (2 per lane per FMA), or -1 for bad arguments. `sink` receives a value so the
+ * work cannot be optimised away (a float recurrence over a run-time count has no closed form). */
+double actorline_fma_run(int64_t iterations, int num_threads, float *sink) {
+    if (iterations < 1 || num_threads < 1) return -1.0;
+    float total = 0.0f;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        vf acc[CHAINS];
+        vf scale = (vf){0} + 0.999999f, shift = (vf){0} + 1e-7f;
+        for (int i = 0; i < CHAINS; ++i) acc[i] = (vf){0} + (float)i;
+        for (int64_t r = 0; r < iterations; ++r) {
+            for (int i = 0; i < CHAINS; ++i) acc[i] = acc[i] * scale + shift;
+        }
+        for (int i = 0; i < CHAINS; ++i) total += acc[i][0];
+    }
+    *sink = total;
+    return 2.0 * LANES * CHAINS * (double)iterations * num_threads;
+}
