@@ -1,22 +1,32 @@
-"""Offline throughput: actorline against HF transformers on one fixed mixed workload.
+"""Offline throughput: actorline against vLLM-CPU and HF transformers on one fixed mixed
+workload, next to the machine's GEMM roof.
 
 Workload: 64 requests, ``"Write about <topic>."`` plus 5-120 filler words, ``max_tokens`` from
 {16, 32, 64, 128}, all drawn from a fixed seed; greedy; EOS ignored, so every request
 generates exactly its ``max_tokens``. Every system gets the same token ids (the chat template
 applied once, when the tokenizer has one). In one run:
 
+- the roof (:mod:`pipeline.bench.roof`, in a fresh process first): the workload's linear FLOPs
+  at this machine's best GEMM rate at the model's shapes; every system's time is printed as a
+  share of it ("% roof");
 - actorline, zmq topology (engine in its own process) and memory topology (one process), via
   ``LLM.generate`` (engine start-up and one short warm-up request excluded from the timing);
+- with ``--peer vllm``, vLLM-CPU (:mod:`pipeline.bench.vllm_peer`: its own virtual
+  environment, made on first use) on the same converted model directory, in each of its
+  variants (its default, and every core for the model), engine start-up and one short warm-up
+  request excluded as for actorline;
 - HF ``generate`` in static batches of 16 (left padding, each batch to its longest request;
   only each request's own ``max_tokens`` count as generated);
 - HF continuous batching (a ``ContinuousBatchingManager`` with per-request ``max_new_tokens``).
 
-It prints generated tokens/s for each and actorline's ratios to both HF baselines, checks that
-actorline's greedy outputs equal HF ``generate`` token for token on a few requests (a sanity
-line, not a gate), and prints the engine process's peak RSS against the 1.5 GB target: in the
-zmq run (its KV cache sized to the workload, as HF's) and in one more zmq run of the same
-workload with the engine's default KV budget (``ExecuteConfig.kv_cache_memory``), the
-configuration the target is about (``--skip rss-default`` leaves that run out).
+``--repeats N`` runs actorline and the peers round-robin N times (each a fresh process) and
+keeps each system's best run; HF runs once. It prints generated tokens/s for each, actorline's
+ratios to every other system, checks that actorline's (and vLLM's) greedy outputs equal HF
+``generate`` token for token on a few requests (a sanity line, not a gate), and prints the
+engine process's peak RSS against the 1.5 GB target: in the zmq run (its KV cache sized to the
+workload, as HF's and vLLM's) and in one more zmq run of the same workload with the engine's
+default KV budget (``ExecuteConfig.kv_cache_memory``), the configuration the target is about
+(``--skip rss-default`` leaves that run out).
 
 With ``--structured`` it measures structured outputs instead: the zmq topology on the same
 workload twice, unconstrained and with every other request constrained to a JSON schema (the
@@ -24,7 +34,8 @@ order schema of :mod:`pipeline.bench.grammars`, which needs more tokens than any
 may generate, so its mask applies at every step), and prints the ratio (the target is at
 least 0.9x) and the grammar's compile time, cold and cached.
 
-    actorline bench offline [--quick] [--json] [--profile] [--structured]
+    actorline bench offline [--peer vllm] [--repeats N] [--quick] [--json] [--profile]
+    actorline bench offline --structured [--quick] [--json]
     actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
 
 The last form runs the workload on N tensor-parallel ranks against one rank instead
@@ -47,14 +58,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pipeline.bench.process import peak_rss_bytes, rss_bytes
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
-from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload
+from pipeline.bench.roof import Roof, RoofConfig, format_share, kv_bytes_per_token, run_roof
+from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload, prompt_ids
 
 if TYPE_CHECKING:
     from stages.params import SamplingParams
 
 __all__ = [
+    "PEERS",
     "RSS_TARGET_BYTES",
-    "VLLM_REFERENCE_RATIO",
     "DefaultBudgetRun",
     "GrammarCompileTimes",
     "GreedyCheck",
@@ -72,9 +84,8 @@ T = TypeVar("T")
 
 #: the peak resident memory target of the engine process (1.5 GB)
 RSS_TARGET_BYTES = 1_500_000_000
-#: vLLM's CPU build against HF continuous batching on such a workload, 2 cores
-#: (docs/performance.md §1)
-VLLM_REFERENCE_RATIO = 2.8
+#: the peers ``--peer`` accepts
+PEERS = ("vllm",)
 ACTORLINE_ZMQ = "actorline (zmq)"
 ACTORLINE_MEMORY = "actorline (memory)"
 ACTORLINE_STRUCTURED = "actorline (zmq), half the requests JSON-constrained"
@@ -87,11 +98,14 @@ _WARMUP_TOKENS = 4
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OfflineConfig:
-    """The offline run: the workload, which systems, the HF batch size and how many requests
-    the greedy check compares against HF ``generate`` one by one.
+    """The offline run: the workload, which systems, the vLLM variants to run as peers
+    (:data:`pipeline.bench.vllm_peer.VARIANTS` names; none by default), whether to measure the
+    roof, how many round-robin repeats of actorline and the peers, the HF batch size and how
+    many requests the greedy check compares against HF ``generate`` one by one.
 
     Raises:
-        ValueError: a size is not positive, or no system is selected.
+        ValueError: a size is not positive, no system is selected, or a vLLM variant is
+            unknown.
     """
 
     model: str = "smollm2-135m"
@@ -100,19 +114,32 @@ class OfflineConfig:
     hf_batch_size: int = 16
     check_requests: int = 4
     systems: tuple[str, ...] = (ACTORLINE_ZMQ, ACTORLINE_MEMORY, HF_STATIC, HF_CONTINUOUS)
+    vllm_variants: tuple[str, ...] = ()
+    roof: bool = True
+    roof_rounds: int = 5
+    repeats: int = 1
     max_num_batched_tokens: int = 2048
     cb_attention: str = "sdpa"
     profile: bool = False
     measure_default_budget: bool = True
 
     def __post_init__(self) -> None:
+        from pipeline.bench.vllm_peer import VARIANTS
+
         if self.hf_batch_size < 1:
             raise ValueError(f"hf_batch_size must be >= 1, got {self.hf_batch_size}")
         if self.check_requests < 0:
             raise ValueError(f"check_requests must be >= 0, got {self.check_requests}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         known = (ACTORLINE_ZMQ, ACTORLINE_MEMORY, ACTORLINE_STRUCTURED, HF_STATIC, HF_CONTINUOUS)
-        if not self.systems or any(system not in known for system in self.systems):
-            raise ValueError(f"systems must be a non-empty subset of {known}")
+        if any(system not in known for system in self.systems):
+            raise ValueError(f"systems must be a subset of {known}")
+        if not self.systems and not self.vllm_variants:
+            raise ValueError("select at least one system")
+        unknown = [name for name in self.vllm_variants if name not in VARIANTS]
+        if unknown:
+            raise ValueError(f"unknown vLLM variants {unknown}; known: {list(VARIANTS)}")
 
     @classmethod
     def quick(cls, **overrides: Any) -> OfflineConfig:
@@ -123,6 +150,7 @@ class OfflineConfig:
             ),
             "hf_batch_size": 4,
             "check_requests": 2,
+            "roof_rounds": 1,
         }
         values.update(overrides)
         return cls(**values)
@@ -130,17 +158,20 @@ class OfflineConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SystemResult:
-    """One system on the workload: generated tokens in ``seconds``."""
+    """One system on the workload (its best run of ``runs``): generated tokens in
+    ``seconds``; ``roof_share`` the roof's seconds over ``seconds`` (None without a roof)."""
 
     name: str
     seconds: float
     generated_tokens: int
     tokens_per_second: float
+    roof_share: float | None = None
+    runs: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GreedyCheck:
-    """actorline's greedy outputs against HF ``generate`` run request by request.
+    """A system's greedy outputs against HF ``generate`` run request by request.
 
     ``identical``: requests whose tokens are equal; ``first_mismatch`` per differing request:
     (index in the workload, first differing position).
@@ -167,8 +198,9 @@ class DefaultBudgetRun:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OfflineResult:
-    """The systems' throughputs, actorline's ratios to each HF baseline, the greedy check,
-    the engine process's peak RSS and, with ``--profile``, where actorline's time went."""
+    """The systems' throughputs, actorline's ratios to every other system, the roof, the
+    greedy checks, the engine process's peak RSS and, with ``--profile``, where actorline's
+    time went."""
 
     model: str
     num_requests: int
@@ -185,6 +217,9 @@ class OfflineResult:
     load_average: tuple[float, float, float]
     load_average_end: tuple[float, float, float]
     cpu_count: int
+    roof: Roof | None = None
+    repeats: int = 1
+    peer_versions: dict[str, str] = dataclasses.field(default_factory=dict)
     grammar_compile: GrammarCompileTimes | None = None
 
 
@@ -200,7 +235,11 @@ class GrammarCompileTimes:
 
 
 def run_offline(config: OfflineConfig) -> OfflineResult:
-    """Run every selected system on the workload (see the module docstring)."""
+    """Run every selected system on the workload (see the module docstring).
+
+    Raises:
+        pipeline.bench.vllm_peer.PeerError: a peer could not be set up or run.
+    """
     from stages.models import resolve_model
     from stages.tokenize import load_tokenizer
 
@@ -213,35 +252,52 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     if pad_token_id is None:
         pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     load_average = os.getloadavg()
+    roof_config = RoofConfig(
+        model=config.model, workload=config.workload, rounds=config.roof_rounds
+    )
+    roof = run_roof(roof_config).roof if config.roof else None
+    peer = _Peers(config, resolved.path, prompts, max_tokens)
 
-    systems: list[SystemResult] = []
+    runs: dict[str, list[float]] = {}
+    best: dict[str, SystemResult] = {}
     outputs: dict[str, tuple[tuple[int, ...], ...]] = {}
     profiles: dict[str, Profile] = {}
     peak_rss: int | None = None
     final_rss: int | None = None
 
+    def record(name: str, seconds: float, tokens: int, output: Any) -> None:
+        result = _system(name, seconds, tokens)
+        runs.setdefault(name, []).append(result.tokens_per_second)
+        if name not in best or result.tokens_per_second > best[name].tokens_per_second:
+            best[name] = result
+            outputs[name] = tuple(tuple(o) for o in output)
+
     def run_topology(name: str, transport: str) -> _ActorlineRun | None:
         if name not in config.systems:
             return None
         run = _run_actorline_fresh(config, transport, prompts, max_tokens)
-        systems.append(_system(name, run.seconds, run.generated_tokens))
-        outputs[name] = run.outputs
+        record(name, run.seconds, run.generated_tokens, run.outputs)
         if run.profile is not None:
             profiles[name] = run.profile
         gc.collect()
         return run
 
     # NOTE: every actorline run has a fresh process of its own (the memory topology's engine
-    # tunes its process's C allocator, stages.execute.cpu), and the HF baselines run in this
-    # process as HF users have it: no system inherits another's process state.
-    zmq_run = run_topology(ACTORLINE_ZMQ, "zmq")
+    # tunes its process's C allocator, stages.execute.cpu), each peer run is a process of the
+    # peer's own, and the HF baselines run in this process as HF users have it: no system
+    # inherits another's process state. Actorline and the peers alternate, round-robin.
+    for _ in range(config.repeats):
+        zmq_run = run_topology(ACTORLINE_ZMQ, "zmq")
+        if zmq_run is not None and peak_rss is None:
+            peak_rss, final_rss = zmq_run.engine_peak_rss, zmq_run.engine_final_rss
+        for run in peer.run_all():
+            record(run.name, run.seconds, run.generated_tokens, run.outputs)
+        run_topology(ACTORLINE_MEMORY, "memory")
     grammar_compile: GrammarCompileTimes | None = None
     if ACTORLINE_STRUCTURED in config.systems:
         run = _run_actorline_fresh(config, "zmq", prompts, max_tokens, structured=True)
-        systems.append(_system(ACTORLINE_STRUCTURED, run.seconds, run.generated_tokens))
+        record(ACTORLINE_STRUCTURED, run.seconds, run.generated_tokens, run.outputs)
         grammar_compile = _grammar_compile_times(config.model)
-    if zmq_run is not None:
-        peak_rss, final_rss = zmq_run.engine_peak_rss, zmq_run.engine_final_rss
     default_budget: DefaultBudgetRun | None = None
     if config.measure_default_budget and ACTORLINE_ZMQ in config.systems:
         run = _run_actorline_fresh(config, "zmq", prompts, max_tokens, size_cache=False)
@@ -254,11 +310,12 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
         )
         gc.collect()
 
-    checks: list[GreedyCheck] = []
     references: list[tuple[int, ...]] = []
     hf_wanted = {HF_STATIC, HF_CONTINUOUS} & set(config.systems)
-    actorline_names = [name for name in (ACTORLINE_ZMQ, ACTORLINE_MEMORY) if name in config.systems]
-    if hf_wanted or (actorline_names and config.check_requests):
+    checked = [
+        name for name in outputs if name not in (HF_STATIC, HF_CONTINUOUS, ACTORLINE_STRUCTURED)
+    ]
+    if hf_wanted or (checked and config.check_requests):
         from pipeline.bench import hf
 
         model = hf.load_hf_model(resolved.path, config.dtype)
@@ -270,7 +327,7 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
                 batch_size=config.hf_batch_size,
                 pad_token_id=pad_token_id,
             )
-            systems.append(_system(HF_STATIC, static.seconds, static.generated_tokens))
+            record(HF_STATIC, static.seconds, static.generated_tokens, static.outputs)
         if HF_CONTINUOUS in hf_wanted:
             if config.cb_attention != "sdpa":
                 model.set_attn_implementation(config.cb_attention)
@@ -282,25 +339,29 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
                 max_requests_per_batch=len(prompts),
                 pad_token_id=pad_token_id,
             )
-            systems.append(_system(HF_CONTINUOUS, continuous.seconds, continuous.generated_tokens))
+            record(
+                HF_CONTINUOUS, continuous.seconds, continuous.generated_tokens, continuous.outputs
+            )
             if config.cb_attention != "sdpa":
                 model.set_attn_implementation("sdpa")
-        count = min(config.check_requests, len(prompts)) if actorline_names else 0
+        count = min(config.check_requests, len(prompts)) if checked else 0
         references = [
             hf.hf_greedy_reference(model, prompts[i], max_tokens[i], pad_token_id)
             for i in range(count)
         ]
         del model
         gc.collect()
-    run_topology(ACTORLINE_MEMORY, "memory")
-    order = {name: index for index, name in enumerate(config.systems)}
-    systems.sort(key=lambda system: order[system.name])
-    if references:
-        checks = [
-            _check(name, outputs[name], references)
-            for name in (ACTORLINE_ZMQ, ACTORLINE_MEMORY)
-            if name in outputs
-        ]
+    order = [*config.systems[:1], *peer.names, *config.systems[1:]]
+    systems = [
+        dataclasses.replace(
+            best[name],
+            roof_share=roof.seconds / best[name].seconds if roof is not None else None,
+            runs=tuple(runs[name]),
+        )
+        for name in order
+        if name in best
+    ]
+    checks = [_check(name, outputs[name], references) for name in checked] if references else []
 
     return OfflineResult(
         model=config.model,
@@ -318,6 +379,9 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
         load_average=load_average,
         load_average_end=os.getloadavg(),
         cpu_count=os.cpu_count() or 0,
+        roof=roof,
+        repeats=config.repeats,
+        peer_versions=peer.versions,
         grammar_compile=grammar_compile,
     )
 
@@ -356,14 +420,51 @@ def _grammar_compile_times(model: str) -> GrammarCompileTimes:
     return GrammarCompileTimes((loaded - began) * 1e3, (cold - loaded) * 1e3, (cached - cold) * 1e3)
 
 
-def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """The token ids every system gets: the chat template applied when there is one."""
-    if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
-    return list(tokenizer.encode(prompt))
+class _Peers:
+    """The configured vLLM variants: their environment is set up on the first run."""
+
+    def __init__(
+        self,
+        config: OfflineConfig,
+        model_dir: Any,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+    ) -> None:
+        from pipeline.bench.vllm_peer import VARIANTS
+
+        self._config = config
+        self._model_dir = model_dir
+        self._prompts = prompts
+        self._max_tokens = max_tokens
+        self._variants = [VARIANTS[name] for name in config.vllm_variants]
+        self.names = [variant.name for variant in self._variants]
+        self.versions: dict[str, str] = {}
+
+    def run_all(self) -> list[Any]:
+        if not self._variants:
+            return []
+        from pipeline.bench import vllm_peer
+
+        python = vllm_peer.ensure_vllm()
+        tokens = blocks_to_hold(self._prompts, self._max_tokens, 16) * 16
+        per_token = kv_bytes_per_token(self._model_dir, self._config.dtype)
+        kv_gib = vllm_peer.kv_cache_gib(tokens, per_token)
+        results = []
+        for variant in self._variants:
+            run = vllm_peer.run_vllm_offline(
+                python,
+                variant,
+                model_dir=self._model_dir,
+                dtype=self._config.dtype,
+                prompts=self._prompts,
+                max_tokens=self._max_tokens,
+                max_num_seqs=max(len(self._prompts), 1),
+                max_num_batched_tokens=self._config.max_num_batched_tokens,
+                kv_gib=kv_gib,
+            )
+            self.versions[run.name] = run.version
+            results.append(run)
+        return results
 
 
 def _system(name: str, seconds: float, tokens: int) -> SystemResult:
@@ -371,16 +472,22 @@ def _system(name: str, seconds: float, tokens: int) -> SystemResult:
 
 
 def _ratios(systems: Sequence[SystemResult]) -> dict[str, float]:
+    """Each actorline topology's throughput over every other system's."""
+    ours = [s for s in systems if s.name in (ACTORLINE_ZMQ, ACTORLINE_MEMORY)]
+    theirs = [
+        s for s in systems if s.name not in (ACTORLINE_ZMQ, ACTORLINE_MEMORY, ACTORLINE_STRUCTURED)
+    ]
+    ratios = {
+        f"{a.name} / {b.name}": a.tokens_per_second / b.tokens_per_second
+        for a in ours
+        for b in theirs
+        if a.tokens_per_second > 0 and b.tokens_per_second > 0
+    }
     rate = {system.name: system.tokens_per_second for system in systems}
-    ratios: dict[str, float] = {}
     if rate.get(ACTORLINE_STRUCTURED) and rate.get(ACTORLINE_ZMQ):
         ratios["structured / unconstrained (zmq)"] = (
             rate[ACTORLINE_STRUCTURED] / rate[ACTORLINE_ZMQ]
         )
-    for ours in (ACTORLINE_ZMQ, ACTORLINE_MEMORY):
-        for theirs in (HF_CONTINUOUS, HF_STATIC):
-            if rate.get(ours) and rate.get(theirs):
-                ratios[f"{ours} / {theirs}"] = rate[ours] / rate[theirs]
     return ratios
 
 
@@ -501,19 +608,36 @@ def _on_engine_loop(llm: Any, coroutine: Coroutine[Any, Any, T]) -> T:
 def format_offline(result: OfflineResult) -> str:
     """The readable report."""
     rows = [
-        [system.name, system.generated_tokens, system.seconds, system.tokens_per_second]
+        [
+            system.name,
+            system.generated_tokens,
+            system.seconds,
+            system.tokens_per_second,
+            format_share(result.roof, system.seconds),
+            " ".join(f"{rate:.1f}" for rate in system.runs) if len(system.runs) > 1 else "",
+        ]
         for system in result.systems
     ]
+    best_of = f", best of {result.repeats} runs" if result.repeats > 1 else ""
     lines = [
         format_table(
-            ["system", "generated tokens", "seconds", "tokens/s"],
+            ["system", "generated tokens", "seconds", "tokens/s", "% roof", "all runs"],
             rows,
             title=f"offline throughput: {result.model}, {result.num_requests} requests, "
             f"{result.prompt_tokens:,} prompt tokens, {result.requested_tokens:,} tokens "
-            f"requested (greedy, ignore_eos); {result.cpu_count} CPUs, load average "
-            f"{result.load_average[0]:.2f} at start",
+            f"requested (greedy, ignore_eos{best_of}); {result.cpu_count} CPUs, load average "
+            f"{result.load_average[0]:.2f} at start, {result.load_average_end[0]:.2f} at the end",
         )
     ]
+    if result.roof is not None:
+        roof = result.roof
+        lines.append(
+            f"roof: {roof.flops / 1e12:.3f} TFLOP of linears in {roof.seconds:.2f} s at this "
+            f"machine's best GEMM rate per shape ({roof.mkl_seconds:.2f} s at MKL's); "
+            "`actorline bench roof` shows the rates"
+        )
+    for name, version in result.peer_versions.items():
+        lines.append(f"{name}: vllm {version}")
     for name, ratio in result.ratios.items():
         target = f" (target >= {STRUCTURED_TARGET_RATIO}x)" if name.startswith("structured") else ""
         lines.append(f"ratio {name}: {ratio:.2f}x{target}")
@@ -523,12 +647,6 @@ def format_offline(result: OfflineResult) -> str:
             f"grammar compile (order schema, llguidance): cold {times.cold_ms:.1f} ms, cached "
             f"{times.cached_ms:.3f} ms; backend load (tokenizer wrap, once) "
             f"{times.backend_load_ms:.0f} ms"
-        )
-    if any(not name.startswith("structured") for name in result.ratios):
-        lines.append(
-            f"(reference: vLLM's CPU build reaches about {VLLM_REFERENCE_RATIO}x HF continuous "
-            f"batching on such a workload; load average at the end "
-            f"{result.load_average_end[0]:.2f})"
         )
     for check in result.greedy_checks:
         detail = ", ".join(
@@ -582,14 +700,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip",
         action="append",
         default=[],
-        choices=("zmq", "memory", "hf-static", "hf-cb", "rss-default"),
-        help="leave a system (or the default-budget RSS run) out (repeatable)",
+        choices=("zmq", "memory", "hf-static", "hf-cb", "rss-default", "roof"),
+        help="leave a system (or the default-budget RSS run, or the roof) out (repeatable)",
     )
     parser.add_argument(
-        "--structured",
-        action="store_true",
-        help="structured outputs: unconstrained against half the requests JSON-constrained "
-        "(zmq topology only)",
+        "--peer",
+        action="append",
+        default=[],
+        choices=PEERS,
+        help="also run this peer on the workload (repeatable; vllm: vLLM-CPU in a virtual "
+        "environment made on first use under the cache directory)",
+    )
+    parser.add_argument(
+        "--vllm-variant",
+        action="append",
+        default=[],
+        choices=("default", "all-cores"),
+        help="how --peer vllm runs vLLM (repeatable; default: both): its default (one core "
+        "kept for its scheduler process) or every core for the model",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="round-robin runs of actorline and the peers, best kept (1); runs of each with "
+        "--tensor-parallel-size or --ray",
     )
     parser.add_argument(
         "--cb-attention",
@@ -598,13 +733,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="attention of HF continuous batching (both page the KV cache on the CPU)",
     )
     parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="structured outputs: unconstrained against half the requests JSON-constrained "
+        "(zmq topology only)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
         help="run the workload on N ranks against one rank (and nothing else)",
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=1, help="runs of each (--tensor-parallel-size, --ray)"
     )
     parser.add_argument(
         "--ray",
@@ -645,6 +783,11 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
         check_requests=0
         if args.structured
         else (base.check_requests if args.check_requests is None else args.check_requests),
+        roof="roof" not in args.skip and not args.structured,
+        vllm_variants=(tuple(args.vllm_variant) or ("default", "all-cores"))
+        if "vllm" in args.peer and not args.structured
+        else (),
+        repeats=args.repeats,
     )
 
 

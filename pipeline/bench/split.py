@@ -95,6 +95,7 @@ def run_split(config: SplitConfig) -> SplitResult:
             workload=config.offline,
             systems=(ACTORLINE_MEMORY, ACTORLINE_ZMQ),
             check_requests=0,
+            roof=False,
         )
     )
     rate = {system.name: system.tokens_per_second for system in offline.systems}

@@ -3,6 +3,9 @@
 - ``ACTORLINE_CACHE_DIR``: where converted models are cached (default
   ``$XDG_CACHE_HOME/actorline`` or ``~/.cache/actorline``).
 - ``ACTORLINE_LOG_LEVEL``: log level of the ``actorline`` loggers (default ``WARNING``).
+
+:func:`child_environment` is the environment a program this process starts gets (the
+benchmarks' peers): this process's, with some variables set or removed.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "log_level"]
+__all__ = ["cache_dir", "child_environment", "log_level"]
 
 
 def cache_dir() -> Path:
@@ -24,3 +27,15 @@ def cache_dir() -> Path:
 
 def log_level() -> str:
     return os.environ.get("ACTORLINE_LOG_LEVEL", "WARNING").upper()
+
+
+def child_environment(overrides: dict[str, str | None]) -> dict[str, str]:
+    """A copy of this process's environment with ``overrides`` applied: a string sets the
+    variable, ``None`` removes it."""
+    environment = dict(os.environ)
+    for name, value in overrides.items():
+        if value is None:
+            environment.pop(name, None)
+        else:
+            environment[name] = value
+    return environment

@@ -64,10 +64,20 @@ def test_poisson_arrivals_and_percentiles() -> None:
 
 def test_cli_lists_every_benchmark() -> None:
     parser = bench_parser()
-    names = ("offline", "online", "ceiling", "split", "ablation", "http-body", "grammars", "soak")
+    names = ("offline", "online", "ceiling", "split", "ablation", "roof", "http-body", "grammars")
+    names += ("soak",)
     for name in names:
         args = parser.parse_args(["bench", name, "--quick", "--json"])
         assert args.benchmark == name and args.quick and args.json and callable(args.run)
+    args = parser.parse_args(["bench", "offline", "--peer", "vllm", "--repeats", "2"])
+    assert args.peer == ["vllm"] and args.repeats == 2
+    from pipeline.bench.offline import config_from_args
+
+    config = config_from_args(args)
+    assert config.vllm_variants == ("default", "all-cores") and config.repeats == 2
+    args = parser.parse_args(["bench", "offline", "--peer", "vllm", "--vllm-variant", "default"])
+    assert config_from_args(args).vllm_variants == ("default",)
+    assert config_from_args(parser.parse_args(["bench", "offline"])).vllm_variants == ()
     args = parser.parse_args(["bench", "ceiling", "--profile", "--requests", "8"])
     assert args.profile and args.requests == 8 and args.tune_gc
     assert not parser.parse_args(["bench", "ceiling", "--no-tune-gc"]).tune_gc
@@ -122,10 +132,13 @@ def test_offline_quick(tiny_model_dir: Path) -> None:
         "HF generate (static batches)",
         "HF continuous batching",
     ]
+    assert result.roof is not None and result.roof.seconds > 0
     for system in result.systems:
         # ignore_eos everywhere: every system generates exactly the requested tokens
         assert system.generated_tokens == result.requested_tokens > 0
         assert system.seconds > 0 and system.tokens_per_second > 0
+        assert system.roof_share == pytest.approx(result.roof.seconds / system.seconds)
+        assert system.runs == (system.tokens_per_second,)
     assert set(result.ratios) == {
         f"{ours} / {theirs}" for ours in names[:2] for theirs in names[2:]
     }
@@ -135,6 +148,7 @@ def test_offline_quick(tiny_model_dir: Path) -> None:
     assert set(result.profiles) == {"actorline (zmq)", "actorline (memory)"}
     text = format_offline(result)
     assert "HF continuous batching" in text and "peak RSS" in text and "greedy check" in text
+    assert "% roof" in text and "roof:" in text
 
 
 @pytest.mark.slow
