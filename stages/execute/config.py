@@ -51,8 +51,11 @@ class ExecuteConfig:
       row-count GEMM dispatch and oneDNN LM head (default on; checked against ``F.linear`` at
       load); with ``native_linears`` (default on) every linear whose output size is a
       multiple of 16 runs on the packed-weight GEMM of :mod:`stages.execute.native` instead,
-      where the kernel builds. ``tune_allocator``: on CPU, raise glibc's mmap/trim thresholds
-      for the process (default on).
+      where the kernel builds. ``fused_ops``: on CPU in fp32, run each RMSNorm in one pass and
+      each gated MLP's gate and up projections as one packed GEMM plus one SiLU-and-mul pass
+      (:mod:`stages.execute.fused`; default on, where the kernels build; checked against the
+      modules' own forwards at load). ``tune_allocator``: on CPU, raise glibc's mmap/trim
+      thresholds for the process (default on).
     - ``tensor_parallel_size``: ranks the model is split over (see
       :mod:`stages.execute.tensor_parallel`); ``tensor_parallel_timeout``: seconds a
       collective may wait for the other ranks before the engine fails (a rank that hangs).
@@ -75,6 +78,7 @@ class ExecuteConfig:
     decode_attention: str = "auto"
     cpu_linears: bool = True
     native_linears: bool = True
+    fused_ops: bool = True
     tune_allocator: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 30.0
@@ -107,6 +111,7 @@ class ExecuteConfig:
             "use_cuda_graphs",
             "cpu_linears",
             "native_linears",
+            "fused_ops",
             "tune_allocator",
         ):
             if type(getattr(self, flag)) is not bool:

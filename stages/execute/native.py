@@ -1,6 +1,7 @@
 """Native CPU kernels, compiled on first use for the machine they run on and loaded with
-ctypes: paged decode attention (``kernels/paged_decode.c``) and the packed-weight GEMM of
-the linears (``kernels/packed_gemm.c``).
+ctypes: paged decode attention (``kernels/paged_decode.c``), the packed-weight GEMM of
+the linears (``kernels/packed_gemm.c``) and the fused RMSNorm and SiLU-and-mul of the decoder
+layers (``kernels/fused_cpu.c``).
 
 The C source ships in the package; the first process that needs it compiles it with the
 system C compiler (``$CC``, else ``cc``) into ``<cache_dir>/kernels/`` under a name keyed by
@@ -13,9 +14,10 @@ pybind11 build: the kernel is plain C over raw pointers, so it builds in well un
 ``-fopenmp`` links ``libgomp.so.1``, which resolves to the copy torch already loaded, so the
 kernel's threads are torch's threads and nothing oversubscribes the cores.
 
-When no compiler works, :func:`paged_decode_kernel` and :func:`packed_gemm_kernel` return
-``None`` with the reason logged once, and the execute stage attends with gather + SDPA and
-runs its linears on MKL instead (slower, same results up to rounding).
+When no compiler works, :func:`paged_decode_kernel`, :func:`packed_gemm_kernel` and
+:func:`fused_ops_kernel` return ``None`` with the reason logged once, and the execute stage
+attends with gather + SDPA, runs its linears on MKL and its norms and activations on torch's
+ops instead (slower, same results up to rounding).
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ import torch
 from pipeline.runtime import settings
 
 __all__ = [
+    "FUSED_SOURCE",
     "GEMM_PANEL",
     "GEMM_SOURCE",
     "KERNEL_SOURCE",
+    "FusedOpsKernel",
     "NativeKernelError",
     "PackedGemmKernel",
     "PagedDecodeKernel",
     "build_library",
+    "fused_ops_kernel",
     "packed_gemm_kernel",
     "paged_decode_kernel",
 ]
@@ -54,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 KERNEL_SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
 GEMM_SOURCE = Path(__file__).with_name("kernels") / "packed_gemm.c"
+FUSED_SOURCE = Path(__file__).with_name("kernels") / "fused_cpu.c"
 GEMM_PANEL = 16
 """Output columns per packed weight panel: a packable weight has a multiple of this many rows."""
 _FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
@@ -64,7 +70,7 @@ _MAX_HEAD_DIM = 256
 _COMPILE_TIMEOUT_S = 120  # each kernel builds in well under a second
 
 
-_Kernel = TypeVar("_Kernel", "PagedDecodeKernel", "PackedGemmKernel")
+_Kernel = TypeVar("_Kernel", "PagedDecodeKernel", "PackedGemmKernel", "FusedOpsKernel")
 
 
 class NativeKernelError(RuntimeError):
@@ -308,6 +314,68 @@ class PackedGemmKernel:
         return out
 
 
+class FusedOpsKernel:
+    """fp32 CPU RMSNorm and SiLU-and-mul in one pass each (see ``kernels/fused_cpu.c``)."""
+
+    def __init__(self, library: Path) -> None:
+        self.path = library
+        lib = ctypes.CDLL(str(library))
+        pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._rms_norm = lib.actorline_rms_norm_f32
+        self._rms_norm.argtypes = [pointer, i64, pointer, pointer, i64, i64, ctypes.c_float, i32]
+        self._rms_norm.restype = None
+        self._silu_mul = lib.actorline_silu_mul_f32
+        self._silu_mul.argtypes = [pointer, i64, i64, pointer, i32]
+        self._silu_mul.restype = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` over the last axis of fp32 ``x``
+        (its rows any stride apart, the last axis contiguous); a new contiguous tensor.
+
+        Raises:
+            NativeKernelError: ``x`` or ``weight`` is not fp32 on CPU, or their shapes differ.
+        """
+        dim = x.shape[-1]
+        if (
+            x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or x.device.type != "cpu"
+            or weight.shape != (dim,)
+            or not weight.is_contiguous()
+        ):
+            raise NativeKernelError("fused RMSNorm: needs fp32 CPU tensors with a [dim] weight")
+        flat = x.reshape(-1, dim)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        out = torch.empty(flat.shape, dtype=torch.float32)
+        self._rms_norm(
+            flat.data_ptr(), flat.stride(0), weight.data_ptr(), out.data_ptr(),
+            flat.shape[0], dim, eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out.view(x.shape)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` where ``gate_up [..., 2 * I]`` holds gate then up (fp32,
+        contiguous): ``[..., I]``.
+
+        Raises:
+            NativeKernelError: not a contiguous fp32 CPU tensor of even width.
+        """
+        width = gate_up.shape[-1]
+        if (
+            gate_up.dtype != torch.float32
+            or gate_up.device.type != "cpu"
+            or width % 2 != 0
+            or not gate_up.is_contiguous()
+        ):
+            raise NativeKernelError("fused SiLU-and-mul: needs a contiguous fp32 CPU [.., 2I]")
+        out = torch.empty(*gate_up.shape[:-1], width // 2)
+        rows = gate_up.numel() // width if width else 0
+        threads = torch.get_num_threads()
+        self._silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr(), threads)
+        return out
+
+
 def _load(kind: type[_Kernel], source: Path, fallback: str) -> _Kernel | None:
     try:
         return kind(build_library(source))
@@ -328,3 +396,10 @@ def packed_gemm_kernel() -> PackedGemmKernel | None:
     """The packed GEMM kernel, built or loaded once per process; ``None`` (reason logged
     once) when it cannot be built here."""
     return _load(PackedGemmKernel, GEMM_SOURCE, "MKL")
+
+
+@functools.cache
+def fused_ops_kernel() -> FusedOpsKernel | None:
+    """The fused RMSNorm / SiLU-and-mul kernel, built or loaded once per process; ``None``
+    (reason logged once) when it cannot be built here."""
+    return _load(FusedOpsKernel, FUSED_SOURCE, "torch's ops")

@@ -55,9 +55,15 @@ from stages.execute.bookkeeping import (
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
+from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import forbidden_tokens
 from stages.execute.model_length import resolve_model_length
-from stages.execute.native import PagedDecodeKernel, paged_decode_kernel
+from stages.execute.native import (
+    PagedDecodeKernel,
+    fused_ops_kernel,
+    packed_gemm_kernel,
+    paged_decode_kernel,
+)
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.execute.tensor_parallel import (
     Rendezvous,
@@ -234,6 +240,13 @@ class ModelRunner:
         if on_cpu and config.cpu_linears:
             # NOTE: before the KV cache exists: repacking holds one weight twice for a moment.
             use_cpu_linears(model, native=config.native_linears)
+        if on_cpu and config.fused_ops and self.dtype == torch.float32:
+            fused = fused_ops_kernel()
+            if fused is not None:
+                # NOTE: before the all-reduces: a fused MLP keeps its down_proj module, so
+                # the hook installed on it by name still sums the row-parallel output.
+                native = config.cpu_linears and config.native_linears
+                use_fused_ops(model, packed_gemm_kernel() if native else None, fused)
         if parallel > 1:
             # NOTE: every rank has loaded its shard before the group forms, so the first
             # collective never waits on a slow load (the group's timeout is for steps).

@@ -1,0 +1,98 @@
+/* Fused fp32 CPU ops of the decoder layers, one pass over memory each where torch makes several:
+ *
+ * - RMSNorm: out = w * (x * rsqrt(mean(x^2) + eps)) per row, as HF's LlamaRMSNorm computes it
+ *   in fp32 (torch: pow, mean, add, rsqrt, mul, mul: six passes and five temporaries);
+ * - SiLU-and-mul of a gated MLP over the fused gate/up projection's output
+ *   [rows, 2 * inter]: out = silu(gate) * up = gate / (1 + exp(-gate)) * up, as torch's silu
+ *   (vLLM's silu_and_mul, csrc/activation_kernels.cu; torch: silu, then mul: two passes).
+ *
+ * Rows are split over OpenMP threads (torch's runtime, as for the other kernels) once a call has
+ * enough of them to pay for waking the threads. exp is a vector polynomial (Cephes expf's, within
+ * 2 ulp of expf), so results agree with torch's to rounding. Built and loaded by
+ * stages/execute/native.py; used by stages/execute/fused.py. */
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#define PARALLEL_ELEMENTS 32768 /* fewer elements run on the calling thread */
+
+typedef float vf __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t)), aligned(4)));
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; ++i) s += v[i];
+    return s;
+}
+
+/* exp(x): x = n ln2 + r, |r| <= ln2 / 2; exp(r) by Cephes expf's degree-6 polynomial; 2^n in the
+ * exponent bits. Clamped to [-87.3, 88.7]: 0 below (a denormal at most), finite above. */
+static inline vf vexp(vf x) {
+    const vf lo = (vf){0} - 87.33654f, hi = (vf){0} + 88.72283f;
+    const vi below = x < lo, above = x > hi;
+    x = (vf)(((vi)x & ~below) | ((vi)lo & below));
+    x = (vf)(((vi)x & ~above) | ((vi)hi & above));
+    /* n = round(x / ln2): adding and subtracting 1.5 * 2^23 rounds to the nearest integer */
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
+}
+
+int actorline_fused_lanes(void) { return LANES; }
+
+static inline int threads_for(int64_t elements, int threads) {
+    return elements < PARALLEL_ELEMENTS || threads < 1 ? 1 : threads;
+}
+
+/* x: rows of dim floats, x_stride apart; out: rows of dim floats, contiguous. */
+void actorline_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out,
+                            int64_t rows, int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads_for(rows * dim, threads)) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * x_stride;
+        float *y = out + r * dim;
+        vf squares = (vf){0};
+        int64_t j = 0;
+        for (; j + LANES <= dim; j += LANES) {
+            const vf v = *(const vf *)(row + j);
+            squares += v * v;
+        }
+        float sum = hsum(squares);
+        for (; j < dim; ++j) sum += row[j] * row[j];
+        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (j = 0; j + LANES <= dim; j += LANES)
+            *(vf *)(y + j) = *(const vf *)(weight + j) * (*(const vf *)(row + j) * scale);
+        for (; j < dim; ++j) y[j] = weight[j] * (row[j] * scale);
+    }
+}
+
+/* gate_up: rows of 2 * inter floats (gate, then up), contiguous; out: rows of inter floats. */
+void actorline_silu_mul_f32(const float *gate_up, int64_t rows, int64_t inter, float *out,
+                            int threads) {
+#pragma omp parallel for num_threads(threads_for(rows * inter, threads)) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        float *y = out + r * inter;
+        int64_t j = 0;
+        for (; j + LANES <= inter; j += LANES) {
+            const vf g = *(const vf *)(gate + j);
+            *(vf *)(y + j) = g / (1.0f + vexp(-g)) * *(const vf *)(up + j);
+        }
+        for (; j < inter; ++j) y[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    }
+}

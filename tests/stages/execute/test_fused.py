@@ -1,0 +1,117 @@
+"""The fused CPU ops: the kernel against torch's ops (tails, strides, threads), and the module
+swap on a tiny Llama (norms and gated MLPs replaced, the logits unchanged up to rounding, a
+variant norm that computes something else left alone)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages.execute.cpu import PackedLinear, use_cpu_linears
+from stages.execute.fused import FusedGatedMLP, FusedRMSNorm, use_fused_ops
+from stages.execute.native import (
+    FusedOpsKernel,
+    NativeKernelError,
+    fused_ops_kernel,
+    packed_gemm_kernel,
+)
+
+
+def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF's LlamaRMSNorm in fp32
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.fixture(scope="module")
+def kernel() -> FusedOpsKernel:
+    found = fused_ops_kernel()
+    assert found is not None, "the C compiler on this machine should build the kernel"
+    return found
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dim", [37, 64, 576])
+def test_rms_norm_matches_torch(kernel: FusedOpsKernel, dim: int, threads: int) -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        weight = torch.randn(dim)
+        for rows in (1, 7, 300):  # 300 x 576 is past the kernel's threading threshold
+            x = torch.randn(rows, dim) * 3.0
+            got = kernel.rms_norm(x, weight, 1e-5)
+            torch.testing.assert_close(got, _reference_rms_norm(x, weight, 1e-5))
+        # rows any stride apart (a slice of a wider tensor), leading axes kept
+        wide = torch.randn(2, 5, dim + 9)
+        view = wide[..., :dim]
+        got = kernel.rms_norm(view, weight, 1e-6)
+        assert got.shape == (2, 5, dim)
+        torch.testing.assert_close(got, _reference_rms_norm(view, weight, 1e-6))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("inter", [5, 48, 1536])
+def test_silu_mul_matches_torch(kernel: FusedOpsKernel, inter: int) -> None:
+    for rows in (1, 3, 64):
+        gate_up = torch.randn(1, rows, 2 * inter) * 6.0  # exp's tails: large |gate|
+        gate_up[0, 0, 0], gate_up[0, 0, 1] = 100.0, -100.0
+        got = kernel.silu_mul(gate_up)
+        expected = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+        assert got.shape == (1, rows, inter)
+        torch.testing.assert_close(got, expected)
+
+
+def test_kernel_refuses_what_it_cannot_serve(kernel: FusedOpsKernel) -> None:
+    with pytest.raises(NativeKernelError, match="RMSNorm"):
+        kernel.rms_norm(torch.randn(3, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+    with pytest.raises(NativeKernelError, match="RMSNorm"):
+        kernel.rms_norm(torch.randn(3, 8), torch.ones(7), 1e-5)
+    with pytest.raises(NativeKernelError, match="SiLU"):
+        kernel.silu_mul(torch.randn(4, 7))
+    with pytest.raises(NativeKernelError, match="SiLU"):
+        kernel.silu_mul(torch.randn(8, 4).t())
+
+
+class _OnePlusRMSNorm(torch.nn.Module):
+    """Gemma's variant: scales by ``1 + weight``; the fused form must not replace it."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (1.0 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_tiny_llama_gets_fused_norms_and_mlps_with_the_same_logits(
+    kernel: FusedOpsKernel, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokens = torch.tensor([[5, 17, 300, 2, 9, 41, 1000]])
+    with torch.inference_mode():
+        expected = model(input_ids=tokens).logits
+    gemm = packed_gemm_kernel()
+    use_cpu_linears(model)
+    layers = model.config.num_hidden_layers
+    # two norms and the MLP per layer, and the final norm
+    assert use_fused_ops(model, gemm, kernel) == 3 * layers + 1
+    for layer in model.model.layers:
+        assert type(layer.input_layernorm) is FusedRMSNorm
+        assert type(layer.post_attention_layernorm) is FusedRMSNorm
+        assert type(layer.mlp) is FusedGatedMLP
+        assert type(layer.mlp.gate_up) is PackedLinear
+        assert not hasattr(layer.mlp, "gate_proj")  # one packed copy of gate and up
+    with torch.inference_mode():
+        got = model(input_ids=tokens).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+    other = torch.nn.Sequential(_OnePlusRMSNorm(16))
+    assert use_fused_ops(other, gemm, kernel) == 0
+    assert type(other[0]) is _OnePlusRMSNorm
