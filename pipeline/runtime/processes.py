@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import io
 import itertools
 import logging
 import multiprocessing.spawn
@@ -343,10 +344,12 @@ class ProcessHost:
         """Start the host process and hand it its plan."""
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            preparation = multiprocessing.spawn.get_preparation_data(f"actorline-{self.name}")
-            preparation.pop("authkey", None)  # the host uses no multiprocessing connections
+            preparation = _preparation(f"actorline-{self.name}")
+            main_importable = "init_main_from_path" in preparation or (
+                "init_main_from_name" in preparation
+            )
             plan, self._ipc_dir = _with_ipc_dir(self.plan)
-            bootstrap = pickle.dumps((preparation, _pickled_plan(plan)))
+            bootstrap = pickle.dumps((preparation, _pickled_plan(plan, main_importable)))
             self._process = subprocess.Popen(  # noqa: ASYNC220 - returns at once
                 [sys.executable, "-m", "pipeline.runtime.host_main", str(child_end.fileno())],
                 pass_fds=(child_end.fileno(),),
@@ -575,13 +578,65 @@ class ProcessHost:
             self._control.close()
 
 
-def _pickled_plan(plan: HostPlan) -> bytes:
-    """``plan`` pickled for its spawned host.
+def _preparation(name: str) -> dict[str, Any]:
+    """multiprocessing's preparation data for a spawned host named ``name``.
+
+    NOTE: for a script read from stdin (``python - <<EOF``) the main module's file is
+    ``"<stdin>"``, which the host cannot import; it then runs as under Python's interactive
+    mode, whose main module has no file either: the host does not import the main module
+    (and :func:`_pickled_plan` refuses a stage that needs it).
+    """
+    preparation = multiprocessing.spawn.get_preparation_data(name)
+    preparation.pop("authkey", None)  # the host uses no multiprocessing connections
+    main_path = preparation.get("init_main_from_path")
+    if main_path is not None and not os.path.isfile(main_path):
+        del preparation["init_main_from_path"]
+    return preparation
+
+
+class _MainChecker(pickle.Pickler):
+    """A pickler that refuses what only the calling process's main module defines."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if getattr(obj, "__module__", None) == "__main__" and (
+            isinstance(obj, type) or callable(obj)
+        ):
+            raise _FromMain(getattr(obj, "__qualname__", repr(obj)))
+        return NotImplemented
+
+
+class _FromMain(Exception):
+    """Raised by :class:`_MainChecker`: ``args[0]`` names what the main module defines."""
+
+
+def _check_main_free(plan: HostPlan) -> None:
+    """Raise GraphError, naming the stage, if a stage's class or config needs the calling
+    process's main module, which a spawned host cannot import here."""
+    for spec in plan.stages:
+        try:
+            _MainChecker(io.BytesIO()).dump((spec.factory, spec.config))
+        except _FromMain as found:
+            raise GraphError(
+                f"stage {spec.name!r} cannot run on host {plan.name!r}: {found.args[0]} is "
+                "defined in the main script, which a spawned host cannot import (it was read "
+                "from stdin, or typed at the interactive prompt); define it in a module, or "
+                "run the stage on the main host"
+            ) from None
+        except (pickle.PicklingError, AttributeError, TypeError):
+            continue  # not picklable at all: _pickled_plan names why
+
+
+def _pickled_plan(plan: HostPlan, main_importable: bool = True) -> bytes:
+    """``plan`` pickled for its spawned host; ``main_importable``: whether the host can import
+    the calling process's main module (a script file or module, not stdin or the prompt).
 
     Raises:
         GraphError: a stage's class or config cannot be pickled (a class defined inside a
-            function, a lambda or an open file in the config, ...), naming the stage.
+            function, a lambda or an open file in the config, ...), or needs a main module
+            the host cannot import, naming the stage.
     """
+    if not main_importable:
+        _check_main_free(plan)
     try:
         return pickle.dumps(plan)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
