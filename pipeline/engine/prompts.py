@@ -12,10 +12,10 @@ from typing import Any
 
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage, GenerateRequest
-from stages.params import SamplingParams, validate_sampling
+from stages.params import SamplingParams
 from stages.validation import validate_generate_request
 
-__all__ = ["Prompt", "checked_params", "checked_request", "is_prompt_dict", "make_request"]
+__all__ = ["Prompt", "checked_request", "is_prompt_dict", "make_request"]
 
 #: what ``generate`` accepts: text, chat messages (dicts with role/content or ChatMessage), or
 #: token ids, or vLLM's prompt dicts ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
@@ -28,19 +28,6 @@ _PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 def is_prompt_dict(item: object) -> bool:
     """Whether ``item`` is a vLLM-style prompt dict (not a chat message)."""
     return isinstance(item, Mapping) and any(key in item for key in _PROMPT_DICT_KEYS)
-
-
-def checked_params(params: SamplingParams | None) -> SamplingParams:
-    """``params`` (None: the defaults), validated.
-
-    Raises:
-        InvalidRequestError: not a SamplingParams, or a field out of range (named).
-    """
-    params = params if params is not None else SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise InvalidRequestError("params must be a SamplingParams", field="params")
-    validate_sampling(params)
-    return params
 
 
 def _from_prompt_dict(prompt: Mapping[str, Any], request_id: str) -> Any:
