@@ -130,6 +130,10 @@ class EngineInfo:
     # The window every layer attends within (None: some layer sees the whole context): the
     # blocks behind it are freed as a request advances (docs/architecture.md §6.2).
     sliding_window: int | None = None
+    # Weight-only quantization in use ("gguf", "int8"; None: fp32 weights) and the bytes of
+    # the model's weights as loaded (docs/architecture.md §6.3).
+    quantization: str | None = None
+    weight_bytes: int = 0
 
 
 @message(107)

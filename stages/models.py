@@ -90,10 +90,13 @@ ALIASES: dict[str, ModelAlias] = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResolvedModel:
-    """A model ready to load: ``path`` is an HF directory (config.json, weights, tokenizer)."""
+    """A model ready to load: ``path`` is an HF directory (config.json, weights, tokenizer);
+    ``gguf`` the GGUF file it was converted from, if any (its quantized weights can be run as
+    they are: ``ExecuteConfig.quantization="gguf"``)."""
 
     name: str
     path: Path
+    gguf: Path | None = None
 
 
 def resolve_model(spec: str | os.PathLike[str], *, cache: Path | None = None) -> ResolvedModel:
@@ -109,7 +112,7 @@ def resolve_model(spec: str | os.PathLike[str], *, cache: Path | None = None) ->
     alias = ALIASES.get(text.lower())
     if alias is not None:
         gguf = alias_file(alias)
-        return ResolvedModel(alias.name, _converted_gguf(gguf, cache))
+        return ResolvedModel(alias.name, _converted_gguf(gguf, cache), gguf)
     path = Path(text).expanduser()
     if not path.exists():
         if os.sep in text or text.endswith(".gguf") or text.startswith("."):
@@ -122,7 +125,7 @@ def resolve_model(spec: str | os.PathLike[str], *, cache: Path | None = None) ->
             raise ModelFormatError(f"model directory {text!r} has no config.json")
         return ResolvedModel(path.name, path)
     if path.suffix.lower() == ".gguf":
-        return ResolvedModel(path.stem, _converted_gguf(path, cache))
+        return ResolvedModel(path.stem, _converted_gguf(path, cache), path)
     raise ModelFormatError(f"{text!r} is neither a model directory nor a .gguf file")
 
 

@@ -34,8 +34,13 @@ order schema of :mod:`pipeline.bench.grammars`, which needs more tokens than any
 may generate, so its mask applies at every step), and prints the ratio (the target is at
 least 0.9x) and the grammar's compile time, cold and cached.
 
+With ``--quantization gguf|int8`` actorline runs 4/8-bit weights (docs/models.md); the HF
+baselines and the greedy check keep the fp32 checkpoint (for ``gguf`` that is the same weights,
+dequantized; for ``int8`` the check then measures the quantization itself).
+
     actorline bench offline [--peer vllm] [--repeats N] [--quick] [--json] [--profile]
     actorline bench offline --structured [--quick] [--json]
+    actorline bench offline --quantization gguf|int8 [--quick] [--json] [--profile]
     actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
 
 The last form runs the workload on N tensor-parallel ranks against one rank instead
@@ -122,10 +127,15 @@ class OfflineConfig:
     cb_attention: str = "sdpa"
     profile: bool = False
     measure_default_budget: bool = True
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         from pipeline.bench.vllm_peer import VARIANTS
 
+        if self.quantization not in (None, "gguf", "int8"):
+            raise ValueError(
+                f"quantization must be None, 'gguf' or 'int8', got {self.quantization!r}"
+            )
         if self.hf_batch_size < 1:
             raise ValueError(f"hf_batch_size must be >= 1, got {self.hf_batch_size}")
         if self.check_requests < 0:
@@ -220,6 +230,9 @@ class OfflineResult:
     roof: Roof | None = None
     repeats: int = 1
     peer_versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    quantization: str | None = None
+    # the engine's model weights as loaded (EngineInfo.weight_bytes), from the zmq run
+    weight_bytes: int | None = None
     grammar_compile: GrammarCompileTimes | None = None
 
 
@@ -286,10 +299,12 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     # tunes its process's C allocator, stages.execute.cpu), each peer run is a process of the
     # peer's own, and the HF baselines run in this process as HF users have it: no system
     # inherits another's process state. Actorline and the peers alternate, round-robin.
+    weights: int | None = None
     for _ in range(config.repeats):
         zmq_run = run_topology(ACTORLINE_ZMQ, "zmq")
         if zmq_run is not None and peak_rss is None:
             peak_rss, final_rss = zmq_run.engine_peak_rss, zmq_run.engine_final_rss
+            weights = zmq_run.weight_bytes
         for run in peer.run_all():
             record(run.name, run.seconds, run.generated_tokens, run.outputs)
         run_topology(ACTORLINE_MEMORY, "memory")
@@ -383,6 +398,8 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
         repeats=config.repeats,
         peer_versions=peer.versions,
         grammar_compile=grammar_compile,
+        quantization=config.quantization,
+        weight_bytes=weights,
     )
 
 
@@ -516,6 +533,7 @@ class _ActorlineRun:
     profile: Profile | None
     num_blocks: int
     preemptions: int
+    weight_bytes: int
 
 
 def _run_actorline_fresh(
@@ -571,6 +589,7 @@ def _run_actorline(
         config.model,
         transport=transport,
         dtype=config.dtype,
+        quantization=config.quantization,
         num_blocks=num_blocks,
         max_num_seqs=max(len(prompts), 1),
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -595,8 +614,11 @@ def _run_actorline(
         final = rss_bytes(pid) if pid is not None else None
         info, stats = llm.engine.info, llm.engine.stats
         blocks = info.num_blocks if info is not None else 0
+        weights = info.weight_bytes if info is not None else 0
         preemptions = stats.num_preemptions if stats is not None else 0
-    return _ActorlineRun(seconds, generated, outputs, peak, final, profile, blocks, preemptions)
+    return _ActorlineRun(
+        seconds, generated, outputs, peak, final, profile, blocks, preemptions, weights
+    )
 
 
 def _on_engine_loop(llm: Any, coroutine: Coroutine[Any, Any, T]) -> T:
@@ -623,7 +645,9 @@ def format_offline(result: OfflineResult) -> str:
         format_table(
             ["system", "generated tokens", "seconds", "tokens/s", "% roof", "all runs"],
             rows,
-            title=f"offline throughput: {result.model}, {result.num_requests} requests, "
+            title=f"offline throughput: {result.model}"
+            + (f" ({result.quantization} weights)" if result.quantization else "")
+            + f", {result.num_requests} requests, "
             f"{result.prompt_tokens:,} prompt tokens, {result.requested_tokens:,} tokens "
             f"requested (greedy, ignore_eos{best_of}); {result.cpu_count} CPUs, load average "
             f"{result.load_average[0]:.2f} at start, {result.load_average_end[0]:.2f} at the end",
@@ -648,6 +672,8 @@ def format_offline(result: OfflineResult) -> str:
             f"{times.cached_ms:.3f} ms; backend load (tokenizer wrap, once) "
             f"{times.backend_load_ms:.0f} ms"
         )
+    if result.weight_bytes:
+        lines.append(f"engine model weights: {result.weight_bytes / 1e6:.1f} MB")
     for check in result.greedy_checks:
         detail = ", ".join(
             f"request {index} differs from token {position}"
@@ -727,6 +753,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size or --ray",
     )
     parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=("gguf", "int8"),
+        help="actorline runs 4/8-bit weights (the HF baselines keep the fp32 checkpoint)",
+    )
+    parser.add_argument(
         "--cb-attention",
         default="sdpa",
         choices=("sdpa", "paged|eager"),
@@ -778,6 +810,7 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
         workload=workload,
         systems=tuple(system for system in systems if system not in skipped),
         cb_attention=args.cb_attention,
+        quantization=args.quantization,
         profile=args.profile,
         measure_default_budget="rss-default" not in args.skip and not args.structured,
         check_requests=0

@@ -1,6 +1,6 @@
 """The ``actorline bench`` subcommand (offline, online, ceiling, split, ablation, roof,
-transports, http-body, grammars, soak); each runs the benchmark of the same name in
-:mod:`pipeline.bench`."""
+transports, http-body, grammars, soak, quantization); each runs the benchmark of the same
+name in :mod:`pipeline.bench`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def add_commands(commands: Any) -> None:
         http_body,
         offline,
         online,
+        quantization,
         roof,
         soak,
         split,
@@ -35,6 +36,7 @@ def add_commands(commands: Any) -> None:
         ("http-body", http_body, "hostile request bodies, with and without the HTTP body cap"),
         ("grammars", grammars, "structured-output grammar engines: llguidance against xgrammar"),
         ("soak", soak, "many requests: the frontend's memory, and what the cycle collector finds"),
+        ("quantization", quantization, "4/8-bit weights against fp32: memory, speed, accuracy"),
     )
     bench = commands.add_parser(
         "bench", help="run a benchmark (figures and how to read them: docs/performance.md)"

@@ -45,6 +45,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--scheduler", default="fcfs", help="scheduling policy plugin name")
     group.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
     group.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    group.add_argument(
+        "--quantization",
+        default=None,
+        choices=("gguf", "int8"),
+        help="weight-only 4/8-bit weights on CPU: a GGUF model's own (gguf) or int8 at load",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -132,6 +138,7 @@ def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
         "scheduler": args.scheduler,
         "dtype": args.dtype,
         "device": args.device,
+        "quantization": args.quantization,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -230,6 +237,11 @@ def preflight(args: argparse.Namespace, **extra_options: Any) -> tuple[EngineOpt
         load_policy(args.scheduler)  # imported and constructed, as the engine will
         resolved = resolve_model(args.model)
         check_parallelism(options)
+        if options.quantization == "gguf" and resolved.gguf is None:
+            raise ValueError(
+                "quantization 'gguf' runs a GGUF file's own weights, and "
+                f"{args.model!r} is an HF checkpoint; use a .gguf model or --quantization int8"
+            )
     except (ModelError, InvalidRequestError, ValueError, TypeError, plugins.PluginError) as exc:
         raise CliError(_config_message(exc), 2) from exc
     return options, params, resolved

@@ -23,8 +23,11 @@ class EngineOptions:
     """Everything ``AsyncEngine(model, **options)`` and ``LLM(model, **options)`` accept.
 
     Model: ``model`` (alias, HF directory or .gguf), ``dtype`` ("float32", "bfloat16",
-    "auto"), ``device`` ("cpu", "cuda", "auto"). KV cache: ``block_size``, ``num_blocks`` (an
-    exact count) or ``kv_cache_memory`` (bytes), ``enable_prefix_caching``, ``max_model_len``.
+    "auto"), ``device`` ("cpu", "cuda", "auto"), ``quantization`` (None; "gguf": a GGUF
+    model's own 4/8-bit weights as they are; "int8": any checkpoint's linears quantized at
+    load; weight-only with fp32 activations, on CPU: docs/models.md). KV cache:
+    ``block_size``, ``num_blocks`` (an exact count) or ``kv_cache_memory`` (bytes),
+    ``enable_prefix_caching``, ``max_model_len``.
     Batching: ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_chunk``,
     ``scheduler`` (a policy name in ``actorline.schedulers``). Structured outputs:
     ``grammar_backend`` (a name in ``actorline.grammars``; "llguidance" built in).
@@ -52,6 +55,7 @@ class EngineOptions:
     model: str = "smollm2-135m"
     dtype: str = "float32"
     device: str = "cpu"
+    quantization: str | None = None
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None

@@ -97,6 +97,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
         model=options.model,
         dtype=options.dtype,
         device=options.device,
+        quantization=options.quantization,
         block_size=options.block_size,
         num_blocks=options.num_blocks,
         kv_cache_memory=options.kv_cache_memory,

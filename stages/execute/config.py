@@ -7,6 +7,7 @@ import dataclasses
 __all__ = [
     "DEFAULT_KV_CACHE_MEMORY",
     "DTYPES",
+    "QUANTIZATIONS",
     "ExecuteConfig",
     "ExecuteConfigError",
 ]
@@ -15,6 +16,7 @@ DEFAULT_KV_CACHE_MEMORY = 384 * 1024 * 1024
 """KV cache size in bytes when neither ``num_blocks`` nor ``kv_cache_memory`` is given."""
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+QUANTIZATIONS = ("gguf", "int8")
 _DECODE_ATTENTION_MODES = ("auto", "native", "grouped", "padded", "per_sequence")
 
 
@@ -59,6 +61,10 @@ class ExecuteConfig:
     - ``tensor_parallel_size``: ranks the model is split over (see
       :mod:`stages.execute.tensor_parallel`); ``tensor_parallel_timeout``: seconds a
       collective may wait for the other ranks before the engine fails (a rank that hangs).
+    - ``quantization``: ``None`` (default: fp32 weights), ``"gguf"`` (run a GGUF model's own
+      Q8_0/Q4_0/Q4_1/Q4_K weights as they are) or ``"int8"`` (quantize any checkpoint's
+      linears to int8 at load); weight-only, fp32 activations and KV, CPU fp32 only
+      (:mod:`stages.execute.quantization`).
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -82,6 +88,7 @@ class ExecuteConfig:
     tune_allocator: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 30.0
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -118,6 +125,17 @@ class ExecuteConfig:
                 raise ExecuteConfigError(flag, "must be a boolean")
         if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
             raise ExecuteConfigError("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ExecuteConfigError(
+                "quantization",
+                f"must be None or one of {QUANTIZATIONS}, got {self.quantization!r}",
+            )
+        if self.quantization is not None and self.tensor_parallel_size != 1:
+            raise ExecuteConfigError(
+                "quantization",
+                f"({self.quantization!r}) does not shard: it runs with tensor_parallel_size 1, "
+                f"got {self.tensor_parallel_size}",
+            )
         if self.decode_attention not in _DECODE_ATTENTION_MODES:
             raise ExecuteConfigError(
                 "decode_attention",

@@ -64,6 +64,7 @@ from stages.execute.native import (
     packed_gemm_kernel,
     paged_decode_kernel,
 )
+from stages.execute.quantization import quantize_model, weight_bytes
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.execute.tensor_parallel import (
     Rendezvous,
@@ -236,6 +237,14 @@ class ModelRunner:
         if config.seed is not None:
             torch.manual_seed(config.seed)
 
+        if config.quantization is not None:
+            if not on_cpu or self.dtype != torch.float32:
+                raise ExecuteConfigError(
+                    "quantization",
+                    f"({config.quantization!r}) serves fp32 models on CPU (weight-only, fp32 "
+                    f"activations); got {self.dtype} on {self.device}",
+                )
+            quantize_model(model, config.quantization, resolved.gguf)
         row_parallel = shard_model(model, self.rank, parallel) if parallel > 1 else []
         if on_cpu and config.cpu_linears:
             # NOTE: before the KV cache exists: repacking holds one weight twice for a moment.
@@ -335,6 +344,8 @@ class ModelRunner:
             kv_cache_bytes=self.kv_cache.nbytes,
             enable_prefix_caching=config.enable_prefix_caching,
             sliding_window=self._window,
+            quantization=config.quantization,
+            weight_bytes=weight_bytes(model),
         )
         if on_cpu and config.tune_allocator:
             release_free_memory()

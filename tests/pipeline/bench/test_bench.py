@@ -65,7 +65,7 @@ def test_poisson_arrivals_and_percentiles() -> None:
 def test_cli_lists_every_benchmark() -> None:
     parser = bench_parser()
     names = ("offline", "online", "ceiling", "split", "ablation", "roof", "http-body", "grammars")
-    names += ("soak",)
+    names += ("soak", "quantization")
     for name in names:
         args = parser.parse_args(["bench", name, "--quick", "--json"])
         assert args.benchmark == name and args.quick and args.json and callable(args.run)
@@ -188,6 +188,32 @@ def test_grammars_quick_via_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
         assert result["missing"] == ["xgrammar"] and result["ratios"] == {}
     else:
         assert set(engines) == {"llguidance", "xgrammar"} and len(result["ratios"]) == 2
+
+
+def test_quantization_quick(tiny_model_dir: Path) -> None:
+    from pipeline.bench.quantization import (
+        QuantizationBenchConfig,
+        format_quantization,
+        run_quantization,
+    )
+
+    # The tiny model is an HF checkpoint: fp32 and int8 (gguf needs a GGUF model).
+    result = run_quantization(QuantizationBenchConfig.quick(model=str(tiny_model_dir)))
+    assert [summary.system for summary in result.systems] == ["fp32", "int8"]
+    fp32, int8 = result.systems
+    assert int8.weight_bytes < fp32.weight_bytes / 2
+    for summary in result.systems:
+        (decode,) = summary.decode_tokens_per_second
+        (offline,) = summary.offline_tokens_per_second
+        assert decode > 0 and offline > 0
+        assert summary.decode_peak_rss_bytes and summary.engine_peak_rss_bytes
+    assert set(result.ratios["int8"]) == {"weight memory", "batch-1 decode", "offline throughput"}
+    (accuracy,) = result.accuracy
+    # the same dequantized weights: the runner's greedy tokens are HF's
+    assert accuracy.identical_deq == accuracy.prompts == 2
+    assert accuracy.mean_logit_diff_deq < 1e-3
+    text = format_quantization(result)
+    assert "int8 / fp32" in text and "accuracy int8" in text
 
 
 @pytest.mark.slow

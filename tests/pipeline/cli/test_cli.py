@@ -124,6 +124,7 @@ def gguf_path() -> Path:
             ["serve", "--data-parallel-size", "2", "--router", "nope"],
             "no actorline.routers plugin named 'nope'",
         ),
+        (["generate", "hi", "--quantization", "int4"], "argument --quantization: invalid choice"),
         # argument errors argparse finds: one line too, not the usage block
         ([], "the following arguments are required: COMMAND"),
         (["generate"], "the following arguments are required: prompt"),
@@ -143,6 +144,14 @@ def test_bad_input_fails_with_one_clear_line(args: list[str], message: str) -> N
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(r"actorline( \w+)?: error: ", lines[0]), result.stderr
     assert message in lines[0]
+
+
+def test_gguf_quantization_of_an_hf_checkpoint_fails_with_one_line(tiny_model_dir: Path) -> None:
+    result = actorline("generate", "hi", "--model", str(tiny_model_dir), "--quantization", "gguf")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "quantization 'gguf' runs a GGUF file's own weights" in line
+    assert "--quantization int8" in line
 
 
 def test_corrupt_and_truncated_gguf_fail_cleanly(tmp_path: Path) -> None:
