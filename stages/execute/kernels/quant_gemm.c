@@ -13,8 +13,8 @@
  * one 16-byte load feeds 16 columns; Q4F holds Q4_K's sub-blocks, whose scales (d * sc, a
  * product of an fp16 and a 6-bit integer) need more than fp16.
  *
- * Few rows (decode, M <= DIRECT_ROWS): each row block of up to 4 rows streams the panel's
- * blocks once, widening the quants to float in registers and accumulating per group
+ * Few rows (decode, M <= DIRECT_ROWS): each row block of up to ROWS rows (8 with AVX-512's 32
+ * vector registers, else 4) streams the panel's blocks once, widening the quants to float in registers and accumulating per group
  * sum_k x[k] q[k]; a group then adds d * that + m * sum_k x[k] (the row sums per group are
  * computed once per call). Weights are read once per call at 5 or 8.5 bits instead of 32, which
  * is what decode, bound by memory bandwidth, gains. More rows (prefill, big batches): each thread
