@@ -161,7 +161,10 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     pipeline.entry("requests", "tokenize")
     pipeline.entry("aborts", aborts, "detokenize")
     pipeline.exit("outputs", "stop_check.out")
-    pipeline.exit("engine_info", "execute.info" if replicas == 1 else "router.info")
+    engine_info = "execute.info" if replicas == 1 else "router.info"
+    pipeline.exit("engine_info", engine_info)
+    # tokenize refuses text too long for the model's length before tokenizing it
+    pipeline.connect(engine_info, "tokenize")
     if replicas > 1:
         pipeline.replica_set(
             REPLICA_SET,

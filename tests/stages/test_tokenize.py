@@ -12,7 +12,13 @@ import pytest
 from stages.errors import InvalidRequestError
 from stages.messages import GenerateRequest
 from stages.params import SamplingParams
-from stages.tokenize import LARGE_INPUT, TokenizeConfig, TokenizeStage, load_tokenizer
+from stages.tokenize import (
+    LARGE_INPUT,
+    TokenizeConfig,
+    TokenizeStage,
+    load_tokenizer,
+    longest_token_chars,
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +98,59 @@ def test_large_inputs_are_tokenized_off_the_event_loop(tiny_model_dir: Path) -> 
     assert len(threads) == 2
     assert threads[0] != main and threads[0].startswith("actorline-tokenize")
     assert threads[1] == main
+
+
+def test_the_vocabulary_bounds_the_characters_of_a_token(stage: TokenizeStage) -> None:
+    # SmolLM2's byte-level BPE: no normalizer, so its longest entry is the bound, and no
+    # text of that many characters plus one fits in one token.
+    chars = longest_token_chars(stage.tokenizer)
+    assert chars is not None and chars == max(map(len, stage.tokenizer.get_vocab()))
+    longest = max(stage.tokenizer.get_vocab(), key=len)
+    text = stage.tokenizer.convert_tokens_to_string([longest])
+    assert len(text) <= chars
+    assert len(stage.tokenizer.encode(text + "x", add_special_tokens=False)) >= 2
+
+
+def test_text_longer_than_the_model_can_hold_is_refused_without_tokenizing(
+    tiny_model_dir: Path,
+) -> None:
+    """Once the engine reports its length, text with more characters than max_model_len
+    tokens can cover is refused as too long (naming the field) before the tokenizer sees it;
+    text within the bound is tokenized as before (and refused by admit if its tokens do not
+    fit). Other requests are served meanwhile."""
+    from pipeline import AsyncEngine, PromptTooLongError
+
+    async def body() -> None:
+        async with AsyncEngine(str(tiny_model_dir), transport="memory") as engine:
+            stage = engine.running.stage("tokenize")
+            assert isinstance(stage, TokenizeStage)
+            assert engine.info is not None
+            token_chars = longest_token_chars(stage.tokenizer)
+            assert token_chars is not None
+            for _ in range(100):  # the info reaches tokenize right after the caller's exit
+                if stage.max_prompt_chars is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert stage.max_prompt_chars == engine.info.max_model_len * token_chars
+            recorder = _ThreadRecorder(stage.tokenizer)
+            stage.tokenizer = recorder
+            params = SamplingParams(max_tokens=2, temperature=0.0)
+
+            async def last(prompt: Any) -> Any:
+                return [output async for output in engine.generate(prompt, params)][-1]
+
+            over = "a" * (stage.max_prompt_chars + 1)
+            chat = [{"role": "user", "content": over}]
+            within = "a" * stage.max_prompt_chars
+            results = await asyncio.gather(
+                last(over), last(chat), last(within), last("Hello"), return_exceptions=True
+            )
+            for refused, field in zip(results[:2], ("prompt", "messages")):
+                assert isinstance(refused, PromptTooLongError), refused
+                assert refused.field == field and "characters" in str(refused)
+            assert isinstance(results[2], PromptTooLongError)  # its tokens, counted by admit
+            assert results[3].finished
+            # only the text within the bound and "Hello" met the tokenizer
+            assert len(recorder.threads) == 2
+
+    asyncio.run(asyncio.wait_for(body(), 120))
