@@ -10,7 +10,10 @@ whose input is unusable with a :class:`~stages.messages.RequestRejected`.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import threading
 from typing import Any
 
 from pipeline.runtime.stage import Stage, handles
@@ -19,7 +22,13 @@ from stages.failures import rejection, request_id_of
 from stages.messages import EngineInfo, EngineRequest, GenerateRequest, RequestRejected
 from stages.validation import validate_generate_request
 
-__all__ = ["TokenizeConfig", "TokenizeStage", "load_tokenizer", "longest_token_chars"]
+__all__ = [
+    "TokenizeConfig",
+    "TokenizeStage",
+    "load_tokenizer",
+    "longest_token_chars",
+    "prefetch_tokenizer",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -29,14 +38,55 @@ class TokenizeConfig:
     model: str
 
 
-def load_tokenizer(model: str) -> Any:
-    """The HF tokenizer of ``model`` (resolved like the execute stage resolves it)."""
+#: tokenizers being loaded ahead by prefetch_tokenizer, by model: the next load takes one
+_PREFETCHED: dict[str, concurrent.futures.Future[Any]] = {}
+
+
+def _load(model: str) -> Any:
     from stages.models import loading, resolve_model
 
     with loading():
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(resolve_model(model).path)
+
+
+def load_tokenizer(model: str) -> Any:
+    """The HF tokenizer of ``model`` (resolved like the execute stage resolves it): the one
+    :func:`prefetch_tokenizer` started loading, if any (each prefetched object goes to one
+    caller), else a fresh load."""
+    prefetched = _PREFETCHED.pop(model, None)
+    if prefetched is not None:
+        with contextlib.suppress(Exception):  # loaded again below, raising for the caller
+            return prefetched.result()
+    return _load(model)
+
+
+def prefetch_tokenizer(model: str) -> None:
+    """Start loading ``model``'s tokenizer on a thread of its own, for the next
+    :func:`load_tokenizer` of this process: a command that will start a pipeline calls this
+    first, so that importing transformers and reading the tokenizer (and compiling its chat
+    template) overlap the command's own start-up instead of following it (docs/performance.md
+    §3)."""
+    if model in _PREFETCHED:
+        return
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            tokenizer = _load(model)
+            if getattr(tokenizer, "chat_template", None):
+                # NOTE: transformers caches the compiled template by its text, process-wide
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+                )
+        except BaseException as error:
+            future.set_exception(error)
+        else:
+            future.set_result(tokenizer)
+
+    _PREFETCHED[model] = future
+    threading.Thread(target=run, name="actorline-tokenizer-prefetch", daemon=True).start()
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:

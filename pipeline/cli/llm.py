@@ -268,7 +268,24 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
+def _prespawn_engine(args: argparse.Namespace) -> None:
+    """Start the engine process now, importing torch and transformers while this one imports
+    and checks its own side (pipeline.runtime.prespawn); the engine takes it when it starts.
+    Also start loading the tokenizer here, on a thread (stages.tokenize.prefetch_tokenizer),
+    instead of after the engine process is up."""
+    if getattr(args, "transport", "zmq") != "memory":  # one process: no engine host
+        from pipeline.engine.presets import ENGINE_PRELOAD
+        from pipeline.runtime.prespawn import prespawn_host
+
+        with contextlib.suppress(OSError):  # the engine then starts its host as usual
+            prespawn_host(ENGINE_PRELOAD)
+    from stages.tokenize import prefetch_tokenizer
+
+    prefetch_tokenizer(args.model)
+
+
 def _generate(args: argparse.Namespace) -> int:
+    _prespawn_engine(args)
     from pipeline.engine.async_engine import AsyncEngine
     from pipeline.engine.prompts import checked_request
     from pipeline.runtime.errors import PipelineError
@@ -344,6 +361,7 @@ def _front_end_ports(args: argparse.Namespace) -> tuple[int | None, int | None]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _prespawn_engine(args)
     import logging
 
     from pipeline.runtime import settings

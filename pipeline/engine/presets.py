@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENGINE_HOST",
+    "ENGINE_PRELOAD",
     "REPLICA_SET",
     "check_parallelism",
     "llm_pipeline",
@@ -49,6 +50,20 @@ __all__ = [
 ENGINE_HOST = "engine"
 #: the replica set of the engine replicas, with data parallelism
 REPLICA_SET = "engines"
+#: what the engine host imports before anything else when it is prespawned
+#: (pipeline.runtime.prespawn): its stages, torch, and the parts of transformers that loading
+#: a causal LM imports lazily
+ENGINE_PRELOAD = (
+    "stages.execute.stage",
+    "stages.execute.runner",
+    "stages.schedule",
+    "stages.admit",
+    "transformers:AutoModelForCausalLM",
+    "transformers:AutoConfig",
+    "transformers.modeling_utils",
+    "transformers.activations",
+    "transformers.generation.utils",
+)
 
 #: the options each pipeline llm_pipeline built was built from (edits keep the object)
 _BUILT_FROM: weakref.WeakKeyDictionary[Pipeline, EngineOptions] = weakref.WeakKeyDictionary()

@@ -1,5 +1,5 @@
-"""``python -m pipeline.runtime.host_main FD`` runs a spawned host (see
-:mod:`pipeline.runtime.processes`)."""
+"""``python -m pipeline.runtime.host_main FD [--preload MODULES]`` runs a spawned host (see
+:mod:`pipeline.runtime.processes`; ``--preload``: :mod:`pipeline.runtime.prespawn`)."""
 
 import ctypes
 import os
@@ -27,6 +27,10 @@ def _limit_malloc_arenas() -> None:
 
 if __name__ == "__main__":
     _limit_malloc_arenas()
+    from pipeline.runtime.prespawn import PRELOAD_FLAG
     from pipeline.runtime.processes import serve_host
 
-    serve_host(int(sys.argv[1]))
+    preload: list[str] = []
+    if len(sys.argv) == 4 and sys.argv[2] == PRELOAD_FLAG:
+        preload = [name for name in sys.argv[3].split(",") if name]
+    serve_host(int(sys.argv[1]), preload)

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pipeline.runtime.errors import (
@@ -49,6 +50,7 @@ from pipeline.runtime.errors import (
 )
 from pipeline.runtime.gc_policy import freeze_startup_heap
 from pipeline.runtime.host import FailureCallback, Host, LinkLostCallback
+from pipeline.runtime.prespawn import host_command, preload_modules, take_prespawned
 from pipeline.runtime.protocol import (
     Ack,
     BindLinks,
@@ -188,12 +190,14 @@ class _ControlChannel:
 # -- the child side ------------------------------------------------------------------------------
 
 
-def serve_host(control_fd: int) -> None:
-    """Entry point of a host process (``python -m pipeline.runtime.host_main FD``)."""
+def serve_host(control_fd: int, preload: Sequence[str] = ()) -> None:
+    """Entry point of a host process (``python -m pipeline.runtime.host_main FD``); a
+    prespawned one imports ``preload`` before it reads its bootstrap."""
     # NOTE: Ctrl-C reaches the whole process group; the controller decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=control_fd)
     sock.setblocking(True)
+    preload_modules(preload)
     preparation, plan = _receive_bootstrap(sock)
     multiprocessing.spawn.prepare(preparation)
     plan = pickle.loads(plan)
@@ -204,6 +208,13 @@ def serve_host(control_fd: int) -> None:
         stream=sys.stderr,
     )
     asyncio.run(_serve(plan, sock))
+
+
+def _bootstrap(name: str, plan: HostPlan) -> bytes:
+    """What a host reads first: multiprocessing's preparation data and its pickled plan."""
+    preparation = _preparation(f"actorline-{name}")
+    main_importable = "init_main_from_path" in preparation or "init_main_from_name" in preparation
+    return pickle.dumps((preparation, _pickled_plan(plan, main_importable)))
 
 
 def _receive_bootstrap(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
@@ -342,24 +353,37 @@ class ProcessHost:
 
     async def spawn(self) -> None:
         """Start the host process and hand it its plan."""
-        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            preparation = _preparation(f"actorline-{self.name}")
-            main_importable = "init_main_from_path" in preparation or (
-                "init_main_from_name" in preparation
-            )
-            plan, self._ipc_dir = _with_ipc_dir(self.plan)
-            bootstrap = pickle.dumps((preparation, _pickled_plan(plan, main_importable)))
-            self._process = subprocess.Popen(  # noqa: ASYNC220 - returns at once
-                [sys.executable, "-m", "pipeline.runtime.host_main", str(child_end.fileno())],
-                pass_fds=(child_end.fileno(),),
-                stdin=subprocess.DEVNULL,
-            )
-        except BaseException:
-            self._remove_ipc_dir()
-            raise
-        finally:
-            child_end.close()
+        prespawned = take_prespawned()
+        if prespawned is not None:
+            # started ahead by prespawn_host: its imports have been running meanwhile
+            parent_end = prespawned.control
+            try:
+                plan, self._ipc_dir = _with_ipc_dir(self.plan)
+                bootstrap = _bootstrap(self.name, plan)
+            except BaseException:
+                self._remove_ipc_dir()
+                parent_end.close()
+                prespawned.process.kill()
+                prespawned.process.wait()
+                raise
+            self._process = prespawned.process
+        else:
+            parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                plan, self._ipc_dir = _with_ipc_dir(self.plan)
+                bootstrap = _bootstrap(self.name, plan)
+                self._process = subprocess.Popen(  # noqa: ASYNC220 - returns at once
+                    host_command(child_end.fileno()),
+                    pass_fds=(child_end.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                )
+            except BaseException:
+                self._remove_ipc_dir()
+                raise
+            finally:
+                child_end.close()
+        # NOTE: a prespawned child reads this once its preload is done; until then the socket
+        # buffers it (the bootstrap is a few KB; sendall waits only past the buffer's size).
         parent_end.sendall(_LENGTH.pack(len(bootstrap)) + bootstrap)
         loop = self._loop = asyncio.get_running_loop()
         reader, writer = await asyncio.open_unix_connection(sock=parent_end)

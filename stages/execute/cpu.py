@@ -282,11 +282,12 @@ def tied_embedding_agrees(original: torch.nn.Module, candidate: torch.nn.Module)
     return bool(got.shape == expected.shape and torch.equal(got, expected))
 
 
-def use_cpu_linears(model: Any, *, native: bool = True) -> int:
+def use_cpu_linears(model: Any, *, native: bool = True, verify: bool = True) -> int:
     """Put ``model``'s plain fp32 CPU ``nn.Linear`` modules on the fastest kernels here
     (see the module docstring), after checking each distinct weight shape's kernel against
-    ``F.linear`` on random rows: :class:`PackedLinear` where the native GEMM builds (and
-    ``native``), else a class swap to :class:`CPULinear` (the output embeddings to
+    ``F.linear`` on random rows (``verify``; off for a load whose checks passed before, see
+    :mod:`stages.execute.probe_cache`): :class:`PackedLinear` where the native GEMM builds
+    (and ``native``), else a class swap to :class:`CPULinear` (the output embeddings to
     :class:`CPULMHead`, where oneDNN is available).
 
     Returns:
@@ -302,14 +303,16 @@ def use_cpu_linears(model: Any, *, native: bool = True) -> int:
         and module.weight.dtype == torch.float32
     ]
     kernel = packed_gemm_kernel() if native else None
-    packed = _use_packed_linears(model, linears, head, kernel) if kernel is not None else set()
+    packed = (
+        _use_packed_linears(model, linears, head, kernel, verify) if kernel is not None else set()
+    )
     swaps: list[tuple[torch.nn.Linear, type[CPULinear]]] = []
     for name, module in linears:
         if name not in packed:
             is_head = module is head and onednn_linear_available()
             swaps.append((module, CPULMHead if is_head else CPULinear))
     checked: set[tuple[type[CPULinear], tuple[int, ...]]] = set()
-    for module, kind in swaps:
+    for module, kind in swaps if verify else ():
         key = (kind, tuple(module.weight.shape))
         if key not in checked:
             if not _agrees(module, kind):
@@ -327,6 +330,7 @@ def _use_packed_linears(
     linears: list[tuple[str, torch.nn.Linear]],
     head: Any,
     kernel: PackedGemmKernel,
+    verify: bool = True,
 ) -> set[str]:
     """Replace each packable linear by a :class:`PackedLinear` (and tied input embeddings by
     a :class:`PackedEmbedding`), one at a time so only one extra weight is ever resident.
@@ -337,7 +341,7 @@ def _use_packed_linears(
     """
     packable = [(name, m) for name, m in linears if m.out_features % GEMM_PANEL == 0]
     checked: set[tuple[int, int, bool]] = set()
-    for _, module in packable:
+    for _, module in packable if verify else ():
         key = (module.out_features, module.in_features, module.bias is not None)
         if key in checked:
             continue

@@ -11,13 +11,17 @@ at 2,048). The fused forms follow vLLM's ``RMSNorm`` and ``SiluAndMul`` custom o
 (``vllm/model_executor/layers/layernorm.py``, ``activation.py``) and its merged gate/up
 projection (``MergedColumnParallelLinear``).
 
-:func:`use_fused_ops` swaps them in module by module: an RMSNorm (a module whose class name ends
-in ``RMSNorm`` with a 1-D ``weight`` and a ``variance_epsilon``) becomes :class:`FusedRMSNorm`;
-a gated MLP (``gate_proj`` and ``up_proj`` already :class:`~stages.execute.cpu.PackedLinear`
-without bias, a ``down_proj``, a SiLU ``act_fn``) becomes :class:`FusedGatedMLP`, whose one
-packed weight is the two panels concatenated (no second copy). Every kind of module is checked
-against its own forward on random inputs first, once per class and shape, so a variant that
-computes something else (Gemma's ``1 + weight``, say) is left alone.
+:func:`use_fused_ops` swaps them in module by module, before the linears are packed: an RMSNorm
+(a module whose class name ends in ``RMSNorm`` with a 1-D ``weight`` and a
+``variance_epsilon``) becomes :class:`FusedRMSNorm`; a gated MLP (``gate_proj`` and ``up_proj``
+plain fp32 ``nn.Linear`` without bias, a ``down_proj``, a SiLU ``act_fn``) becomes
+:class:`FusedGatedMLP`, whose gate/up projection is one :class:`~stages.execute.cpu.PackedLinear`
+packed straight from the two weights (no concatenated copy; where the packed GEMM does not
+build, one ``nn.Linear`` over the concatenated weights, which :func:`~stages.execute.cpu.
+use_cpu_linears` then puts on the MKL dispatch). Every kind of module is checked against its own
+forward on random inputs first, once per class and shape (unless ``verify`` is off: a load whose
+checks passed before, see :mod:`stages.execute.probe_cache`), so a variant that computes
+something else (Gemma's ``1 + weight``, say) is left alone.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from typing import Any
 
 import torch
 
-from stages.execute.cpu import PackedLinear
-from stages.execute.native import FusedOpsKernel, PackedGemmKernel
+from stages.execute.cpu import PackedLinear, file_backed_ranges, release_file_pages
+from stages.execute.native import GEMM_PANEL, FusedOpsKernel, PackedGemmKernel
 
 __all__ = ["FusedGatedMLP", "FusedRMSNorm", "use_fused_ops"]
 
@@ -61,7 +65,7 @@ class FusedGatedMLP(torch.nn.Module):
     GEMM (``gate_up``: gate's columns, then up's) and the activation in one pass."""
 
     def __init__(
-        self, gate_up: PackedLinear, down_proj: torch.nn.Module, kernel: FusedOpsKernel
+        self, gate_up: torch.nn.Module, down_proj: torch.nn.Module, kernel: FusedOpsKernel
     ) -> None:
         super().__init__()
         self.gate_up = gate_up
@@ -72,66 +76,96 @@ class FusedGatedMLP(torch.nn.Module):
         return self.down_proj(self._kernel.silu_mul(self.gate_up(x)))
 
 
-def use_fused_ops(model: Any, gemm: PackedGemmKernel | None, kernel: FusedOpsKernel) -> int:
+def use_fused_ops(
+    model: Any, gemm: PackedGemmKernel | None, kernel: FusedOpsKernel, *, verify: bool = True
+) -> int:
     """Swap ``model``'s fp32 CPU RMSNorms and gated MLPs for their fused forms (see the module
-    docstring); gated MLPs only where ``gemm`` packed their projections.
+    docstring), gate/up projections packed with ``gemm`` where given; ``verify``: check each
+    kind against its own forward first.
 
     Returns:
         How many modules were replaced.
     """
-    replacements: list[tuple[str, torch.nn.Module, torch.nn.Module]] = []
+    replacements: list[tuple[str, torch.nn.Module]] = []
     checked: dict[tuple[type, tuple[int, ...]], bool] = {}
-    for name, module in model.named_modules():
-        fused = _fused_form(module, gemm, kernel)
-        if fused is None:
+    file_ranges = file_backed_ranges()
+    for name, module in list(model.named_modules()):
+        if not _fusable(module):
             continue
-        key = (type(module), tuple(_width(module)))
+        key = (type(module), _width(module))
         if key not in checked:
-            checked[key] = _agrees(module, fused)
+            checked[key] = not verify or _agrees(module, _fused_form(module, gemm, kernel))
         if checked[key]:
-            replacements.append((name, module, fused))
-    for name, _, fused in replacements:
+            replacements.append((name, module))
+    for name, module in replacements:
+        fused = _fused_form(module, gemm, kernel)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, fused)
+        if isinstance(fused, FusedGatedMLP):
+            # NOTE: as for packed linears (stages.execute.cpu): the replaced weights' pages of
+            # an mmap'd checkpoint would stay resident beside the fused copy.
+            for part in (module.gate_proj, module.up_proj):
+                assert isinstance(part, torch.nn.Linear)
+                release_file_pages(part.weight, file_ranges)
     return len(replacements)
+
+
+def _is_plain_linear(module: object) -> bool:
+    return (
+        type(module) is torch.nn.Linear
+        and module.bias is None
+        and module.weight.dtype == torch.float32
+        and module.weight.device.type == "cpu"
+    )
+
+
+def _fusable(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    if type(module).__name__.endswith("RMSNorm"):
+        return (
+            isinstance(weight, torch.nn.Parameter)
+            and weight.dim() == 1
+            and weight.dtype == torch.float32
+            and weight.device.type == "cpu"
+            and isinstance(getattr(module, "variance_epsilon", None), float)
+        )
+    gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+    return (
+        _is_plain_linear(gate)
+        and _is_plain_linear(up)
+        and isinstance(getattr(module, "down_proj", None), torch.nn.Module)
+        and type(getattr(module, "act_fn", None)).__name__ in _SILU_NAMES
+        and gate.in_features == up.in_features  # type: ignore[union-attr]
+        and gate.out_features == up.out_features  # type: ignore[union-attr]
+    )
 
 
 def _fused_form(
     module: torch.nn.Module, gemm: PackedGemmKernel | None, kernel: FusedOpsKernel
-) -> torch.nn.Module | None:
-    weight = getattr(module, "weight", None)
-    if (
-        type(module).__name__.endswith("RMSNorm")
-        and isinstance(weight, torch.nn.Parameter)
-        and weight.dim() == 1
-        and weight.dtype == torch.float32
-        and weight.device.type == "cpu"
-        and isinstance(getattr(module, "variance_epsilon", None), float)
-    ):
-        return FusedRMSNorm(weight, module.variance_epsilon, kernel)  # type: ignore[arg-type]
-    gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-    down, act = getattr(module, "down_proj", None), getattr(module, "act_fn", None)
-    if (
-        gemm is not None
-        and isinstance(gate, PackedLinear)
-        and isinstance(up, PackedLinear)
-        and isinstance(down, torch.nn.Module)
-        and type(act).__name__ in _SILU_NAMES
-        and gate.bias is None
-        and up.bias is None
-        and gate.in_features == up.in_features
-        and gate.out_features == up.out_features
-    ):
-        # NOTE: panels are [N / 16, K, 16]: concatenating two packed weights along the panel
-        # axis is packing their concatenated rows. The originals are freed with the module.
-        packed = torch.cat([gate.packed.detach(), up.packed.detach()])
-        return FusedGatedMLP(PackedLinear(packed, None, gemm), down, kernel)
-    return None
+) -> torch.nn.Module:
+    """The fused replacement of a module :func:`_fusable` accepted."""
+    if type(module).__name__.endswith("RMSNorm"):
+        return FusedRMSNorm(module.weight, module.variance_epsilon, kernel)  # type: ignore[arg-type]
+    gate, up = module.gate_proj, module.up_proj
+    assert isinstance(gate, torch.nn.Linear) and isinstance(up, torch.nn.Linear)
+    gate_up: torch.nn.Module
+    if gemm is not None and gate.out_features % GEMM_PANEL == 0:
+        gate_up = PackedLinear(gemm.pack(gate.weight, up.weight), None, gemm)
+    else:
+        gate_up = torch.nn.Linear(
+            gate.in_features, 2 * gate.out_features, bias=False, device="meta"
+        )
+        gate_up.weight = torch.nn.Parameter(
+            torch.cat([gate.weight.detach(), up.weight.detach()]), requires_grad=False
+        )
+    down = module.down_proj
+    assert isinstance(down, torch.nn.Module)
+    return FusedGatedMLP(gate_up, down, kernel)
 
 
 def _width(module: torch.nn.Module) -> tuple[int, ...]:
     gate = getattr(module, "gate_proj", None)
-    if isinstance(gate, PackedLinear):
+    if isinstance(gate, torch.nn.Linear):
         return (gate.in_features, gate.out_features)
     weight = module.weight
     assert isinstance(weight, torch.Tensor)

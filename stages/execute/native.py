@@ -273,26 +273,38 @@ class PackedGemmKernel:
         self._gemm.argtypes = [pointer, i64, i64, pointer, pointer, i64, pointer, ctypes.c_int]
         self._gemm.restype = ctypes.c_int
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [N, K]`` (fp32, CPU, N a multiple of 16) as panels ``[N / 16, K, 16]``.
+    def pack(self, *weights: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` (fp32, CPU, N a multiple of 16) as panels ``[N / 16, K, 16]``;
+        several weights of one K are packed one after another into one tensor, as their rows
+        concatenated would be (a fused gate/up projection, without the concatenated copy).
 
         Raises:
-            NativeKernelError: the weight cannot be packed.
+            NativeKernelError: a weight cannot be packed, or the weights' K differ.
         """
-        if (
-            weight.dim() != 2
-            or weight.dtype != torch.float32
-            or weight.device.type != "cpu"
-            or weight.shape[0] % GEMM_PANEL != 0
-        ):
-            raise NativeKernelError(
-                f"cannot pack a {weight.dtype} {weight.device.type} weight of shape "
-                f"{tuple(weight.shape)}: needs fp32 on CPU with rows a multiple of {GEMM_PANEL}"
-            )
-        n, k = weight.shape
-        source = weight.detach().contiguous()
-        packed = torch.empty(n // GEMM_PANEL, k, GEMM_PANEL)
-        self._pack(source.data_ptr(), packed.data_ptr(), n, k)
+        for weight in weights:
+            if (
+                weight.dim() != 2
+                or weight.dtype != torch.float32
+                or weight.device.type != "cpu"
+                or weight.shape[0] % GEMM_PANEL != 0
+                or weight.shape[1] != weights[0].shape[1]
+            ):
+                raise NativeKernelError(
+                    f"cannot pack a {weight.dtype} {weight.device.type} weight of shape "
+                    f"{tuple(weight.shape)}: needs fp32 on CPU with rows a multiple of "
+                    f"{GEMM_PANEL} (and one K for all)"
+                )
+        if not weights:
+            raise NativeKernelError("no weight to pack")
+        k = weights[0].shape[1]
+        total = sum(weight.shape[0] for weight in weights)
+        packed = torch.empty(total // GEMM_PANEL, k, GEMM_PANEL)
+        panel = 0
+        for weight in weights:
+            n = weight.shape[0]
+            source = weight.detach().contiguous()
+            self._pack(source.data_ptr(), packed[panel : panel + n // GEMM_PANEL].data_ptr(), n, k)
+            panel += n // GEMM_PANEL
         return packed
 
     def __call__(

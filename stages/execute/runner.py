@@ -24,13 +24,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
 
+from pipeline.runtime import settings
 from stages.execute.allocator import RESERVED_BLOCK_ID, BlockAllocator
 from stages.execute.attention import (
     DecodeAttentionMode,
@@ -64,6 +67,7 @@ from stages.execute.native import (
     packed_gemm_kernel,
     paged_decode_kernel,
 )
+from stages.execute.probe_cache import checks_passed, probe_key, record_passed
 from stages.execute.quantization import quantize_model, weight_bytes
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.execute.tensor_parallel import (
@@ -246,16 +250,19 @@ class ModelRunner:
                 )
             quantize_model(model, config.quantization, resolved.gguf)
         row_parallel = shard_model(model, self.rank, parallel) if parallel > 1 else []
-        if on_cpu and config.cpu_linears:
-            # NOTE: before the KV cache exists: repacking holds one weight twice for a moment.
-            use_cpu_linears(model, native=config.native_linears)
+        key = self._probe_key(resolved.path)
+        verify = not checks_passed(settings.cache_dir(), key)
         if on_cpu and config.fused_ops and self.dtype == torch.float32:
             fused = fused_ops_kernel()
             if fused is not None:
-                # NOTE: before the all-reduces: a fused MLP keeps its down_proj module, so
-                # the hook installed on it by name still sums the row-parallel output.
+                # NOTE: before the linears are packed (the fused gate/up projection is packed
+                # straight from both weights) and before the all-reduces: a fused MLP keeps its
+                # down_proj module, so the hook installed on it by name still sums its output.
                 native = config.cpu_linears and config.native_linears
-                use_fused_ops(model, packed_gemm_kernel() if native else None, fused)
+                use_fused_ops(model, packed_gemm_kernel() if native else None, fused, verify=verify)
+        if on_cpu and config.cpu_linears:
+            # NOTE: before the KV cache exists: repacking holds one weight twice for a moment.
+            use_cpu_linears(model, native=config.native_linears, verify=verify)
         if parallel > 1:
             # NOTE: every rank has loaded its shard before the group forms, so the first
             # collective never waits on a slow load (the group's timeout is for steps).
@@ -270,9 +277,11 @@ class ModelRunner:
             [[(17 * index + 3) % vocab_size for index in range(_PROBE_TOKENS)]],
             device=self.device,
         )
-        with torch.inference_mode():
-            # The model's own attention, before paged attention replaces it.
-            expected = model(input_ids=probe_ids, use_cache=False).logits[0].float()  # [8, V]
+        expected: torch.Tensor | None = None
+        if verify:
+            with torch.inference_mode():
+                # The model's own attention, before paged attention replaces it.
+                expected = model(input_ids=probe_ids, use_cache=False).logits[0].float()  # [8, V]
         enable_paged_attention(model)
         layers = survey_layers(model, probe_ids, config.max_model_len or (1 << 62))
         shape = _layer_shape(layers, text_config)
@@ -328,7 +337,9 @@ class ModelRunner:
                 head_dim=head_dim,
             ),
         )
-        self._probe(probe_ids, expected, num_layers)
+        if expected is not None:
+            self._probe(probe_ids, expected, num_layers)
+            record_passed(settings.cache_dir(), key, resolved.path)
         self._sampler = Sampler(vocab_size, self.device)
         self._eos_token_ids = _eos_token_ids(model)
         self._decode_graphs = self._make_decode_graphs()
@@ -353,6 +364,41 @@ class ModelRunner:
             self.group.steady()
         logger.info("execute: loaded %s (%s)", resolved.name, self.info)
         return self.info
+
+    def _probe_key(self, model_dir: Path) -> str:
+        """The key under which this load's checks are remembered (stages.execute.probe_cache)."""
+        import transformers
+
+        config = self.config
+        libraries: list[Path] = []
+        if self.device.type == "cpu":
+            wanted = (
+                (packed_gemm_kernel, config.cpu_linears and config.native_linears),
+                (fused_ops_kernel, config.fused_ops),
+                (paged_decode_kernel, config.decode_attention in ("auto", "native")),
+            )
+            for build, used in wanted:
+                kernel = build() if used else None
+                if kernel is not None:
+                    libraries.append(kernel.path)
+        fields = (
+            "cpu_linears",
+            "native_linears",
+            "fused_ops",
+            "decode_attention",
+            "block_size",
+            "max_model_len",
+            "tensor_parallel_size",
+            "quantization",
+        )
+        versions = {
+            "python": sys.version,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+        settings_used: dict[str, object] = {name: getattr(config, name) for name in fields}
+        settings_used.update(dtype=str(self.dtype), device=str(self.device), rank=self.rank)
+        return probe_key(model_dir, versions, libraries, settings_used)
 
     def _probe(self, input_ids: torch.Tensor, expected: torch.Tensor, num_layers: int) -> None:
         """Check paged attention (the model is switched to it) against the model's own

@@ -242,3 +242,31 @@ def test_an_abort_that_overtakes_its_request_leaves_no_state(default_model_dir: 
             assert len(detokenize._early_aborts) == 0
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_a_prefetched_tokenizer_goes_to_the_next_load(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    from stages.tokenize import load_tokenizer, prefetch_tokenizer
+
+    loads: list[str] = []
+    real = AutoTokenizer.from_pretrained
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        loads.append(str(args[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counting)
+    model = str(tiny_model_dir)
+    prefetch_tokenizer(model)
+    prefetch_tokenizer(model)  # one at a time per model
+    first = load_tokenizer(model)  # waits for the prefetch and takes it
+    assert len(loads) == 1
+    second = load_tokenizer(model)  # taken: a load of its own
+    assert len(loads) == 2 and second is not first
+    assert second.encode("Hi") == first.encode("Hi")
+    prefetch_tokenizer(str(tiny_model_dir / "missing"))
+    with pytest.raises(Exception, match="missing"):
+        load_tokenizer(str(tiny_model_dir / "missing"))  # the error of a plain load

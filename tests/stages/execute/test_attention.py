@@ -364,3 +364,17 @@ def test_supported_configs_pass() -> None:
     check_model_config(config_of(sliding_window=128))
     check_model_config(config_of(attn_logit_softcapping=50.0))
     check_model_config(config_of(layer_types=["full_attention", "sliding_attention"]))
+
+
+def test_a_cpu_cache_is_zeros_in_one_lazily_mapped_buffer() -> None:
+    """Every layer's keys and values are contiguous, disjoint views of one zeroed buffer."""
+    cache = KVCache.allocate(
+        num_layers=3, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    tensors = [*cache.key, *cache.value]
+    assert all(t.shape == (20, 2, 8) and t.is_contiguous() for t in tensors)
+    assert all(float(t.abs().sum()) == 0.0 for t in tensors)
+    cache.key[1].fill_(1.0)
+    assert float(cache.key[0].abs().sum()) == 0.0 and float(cache.value[1].abs().sum()) == 0.0
+    assert cache.nbytes == 2 * 3 * 20 * 2 * 8 * 4

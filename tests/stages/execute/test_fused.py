@@ -18,6 +18,7 @@ from stages.execute.native import (
     fused_ops_kernel,
     packed_gemm_kernel,
 )
+from tests.conftest import TINY_LLAMA
 
 
 def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,10 +98,10 @@ def test_tiny_llama_gets_fused_norms_and_mlps_with_the_same_logits(
     with torch.inference_mode():
         expected = model(input_ids=tokens).logits
     gemm = packed_gemm_kernel()
-    use_cpu_linears(model)
     layers = model.config.num_hidden_layers
-    # two norms and the MLP per layer, and the final norm
+    # two norms and the MLP per layer, and the final norm; before the linears are packed
     assert use_fused_ops(model, gemm, kernel) == 3 * layers + 1
+    use_cpu_linears(model)
     for layer in model.model.layers:
         assert type(layer.input_layernorm) is FusedRMSNorm
         assert type(layer.post_attention_layernorm) is FusedRMSNorm
@@ -111,6 +112,17 @@ def test_tiny_llama_gets_fused_norms_and_mlps_with_the_same_logits(
         got = model(input_ids=tokens).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+    # without the packed GEMM the gate/up projection is one linear over both weights
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert use_fused_ops(plain, None, kernel, verify=False) == 3 * layers + 1
+    gate_up = plain.model.layers[0].mlp.gate_up
+    assert (
+        type(gate_up) is torch.nn.Linear
+        and gate_up.out_features == 2 * TINY_LLAMA["intermediate_size"]
+    )
+    with torch.inference_mode():
+        torch.testing.assert_close(plain(input_ids=tokens).logits, expected, rtol=1e-4, atol=1e-4)
 
     other = torch.nn.Sequential(_OnePlusRMSNorm(16))
     assert use_fused_ops(other, gemm, kernel) == 0
