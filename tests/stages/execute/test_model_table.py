@@ -206,3 +206,22 @@ def test_static_decode_path_serves_the_variants(family: str, tmp_path: Path) -> 
     report = drive(runner, [EngineRequest(f"r{i}", tuple(p), params) for i, p in enumerate(batch)])
     reference = HFReference(directory)
     assert report.outputs == {f"r{i}": reference.greedy(p, MAX_TOKENS) for i, p in enumerate(batch)}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["gemma2", "mistral (sliding window)", "gpt_oss"])
+def test_cuda_serves_the_variants(family: str, tmp_path: Path) -> None:
+    """On a GPU: eager prefill and CUDA-graph decode with windows, capped logits and sinks,
+    against HF ``generate``."""
+    model_type, fields = SERVED[family]
+    directory = build(model_type, fields, tmp_path)
+    runner = ModelRunner(
+        ExecuteConfig(model=str(directory), device="cuda", num_blocks=64, block_size=4)
+    )
+    runner.load()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    batch = prompts()[:4]
+    report = drive(runner, [EngineRequest(f"r{i}", tuple(p), params) for i, p in enumerate(batch)])
+    # HF on CPU is the reference: it refuses near-ties, so the devices cannot disagree by noise
+    reference = HFReference(directory)
+    assert report.outputs == {f"r{i}": reference.greedy(p, MAX_TOKENS) for i, p in enumerate(batch)}
