@@ -1,4 +1,4 @@
-"""Quantized weights against fp32 on one model, in one run (docs/performance.md §9).
+"""Quantized weights against fp32 on one model, in one run (docs/performance.md §12).
 
 Every system runs in a fresh process of its own, and the systems take turns (fp32, gguf, int8,
 then again for ``--repeats`` rounds), so the machine's load falls on all of them alike:

@@ -19,7 +19,7 @@
  * panels. With fewer than 4 rows the k loop runs two accumulator sets (even and odd k), so the
  * FMA latency does not bound the few chains there are. tests/stages/execute/test_native.py
  * checks it against F.linear; `actorline bench roof` measures it against MKL at the model's
- * shapes (docs/performance.md, "Toward the roof"). */
+ * shapes (docs/performance.md §2). */
 #include <stdint.h>
 
 #define NR 16
