@@ -29,10 +29,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pipeline.bench.online_http import HttpOnlineConfig, format_http_online, run_http_online
+from pipeline.bench.online_http import (
+    HttpOnlineConfig,
+    RateLatency,
+    format_http_online,
+    latency_percentiles,
+    run_http_online,
+)
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
-from pipeline.bench.workload import WorkloadSpec, make_workload, percentile, poisson_arrivals
+from pipeline.bench.workload import WorkloadSpec, make_workload, poisson_arrivals
 
 if TYPE_CHECKING:
     from pipeline.engine.async_engine import AsyncEngine
@@ -89,18 +95,9 @@ class OnlineConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RateResult:
+class RateResult(RateLatency):
     """Latencies at one arrival rate (milliseconds) and what the engine delivered."""
 
-    rate: float
-    requests: int
-    seconds: float
-    output_tokens: int
-    tokens_per_second: float
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    itl_p50_ms: float
-    itl_p99_ms: float
     mean_latency_ms: float
     profile: Profile | None = None
 
@@ -177,10 +174,7 @@ async def _measure_rate(
         seconds=seconds,
         output_tokens=tokens,
         tokens_per_second=tokens / seconds,
-        ttft_p50_ms=percentile(ttfts, 50) * _MILLI,
-        ttft_p99_ms=percentile(ttfts, 99) * _MILLI,
-        itl_p50_ms=percentile(itls, 50) * _MILLI,
-        itl_p99_ms=percentile(itls, 99) * _MILLI,
+        **latency_percentiles(ttfts, itls),
         mean_latency_ms=statistics.fmean(t.finished - t.sent for t in traces) * _MILLI,
         profile=profile,
     )

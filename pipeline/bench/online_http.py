@@ -40,10 +40,11 @@ __all__ = [
     "TARGET_RATIO",
     "HttpOnlineConfig",
     "HttpOnlineResult",
-    "HttpRate",
+    "RateLatency",
     "ServerResult",
     "actorline_server_command",
     "format_http_online",
+    "latency_percentiles",
     "run_http_online",
     "vllm_server_command",
 ]
@@ -91,8 +92,9 @@ class HttpOnlineConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class HttpRate:
-    """One server at one rate (milliseconds)."""
+class RateLatency:
+    """Latencies at one arrival rate (milliseconds) and the tokens delivered: one server at
+    one rate here, one engine at one rate in :mod:`pipeline.bench.online`."""
 
     rate: float
     requests: int
@@ -105,13 +107,23 @@ class HttpRate:
     itl_p99_ms: float
 
 
+def latency_percentiles(ttfts: Sequence[float], itls: Sequence[float]) -> dict[str, float]:
+    """The p50 and p99 of TTFT and ITL (seconds in) as :class:`RateLatency`'s fields (ms)."""
+    return {
+        "ttft_p50_ms": percentile(ttfts, 50) * _MILLI,
+        "ttft_p99_ms": percentile(ttfts, 99) * _MILLI,
+        "itl_p50_ms": percentile(itls, 50) * _MILLI,
+        "itl_p99_ms": percentile(itls, 99) * _MILLI,
+    }
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerResult:
-    """One server: its start-up seconds and a :class:`HttpRate` per rate."""
+    """One server: its start-up seconds and a :class:`RateLatency` per rate."""
 
     name: str
     start_seconds: float
-    rates: tuple[HttpRate, ...]
+    rates: tuple[RateLatency, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -234,7 +246,7 @@ def _payload(prompt: list[int], max_tokens: int) -> dict[str, object]:
     }
 
 
-async def _measure(port: int, config: HttpOnlineConfig, tokenizer: object) -> list[HttpRate]:
+async def _measure(port: int, config: HttpOnlineConfig, tokenizer: object) -> list[RateLatency]:
     await stream_completion("127.0.0.1", port, _payload([1, 2, 3, 4], _WARMUP_TOKENS))
     results = []
     for index, rate in enumerate(config.rates):
@@ -253,16 +265,13 @@ async def _measure(port: int, config: HttpOnlineConfig, tokenizer: object) -> li
         itls = [b - a for t in traces for a, b in zip(t.token_times, t.token_times[1:])]
         tokens = sum(t.usage_tokens or len(t.token_times) for t in traces)
         results.append(
-            HttpRate(
+            RateLatency(
                 rate=rate,
                 requests=len(traces),
                 seconds=seconds,
                 output_tokens=tokens,
                 tokens_per_second=tokens / seconds,
-                ttft_p50_ms=percentile(ttfts, 50) * _MILLI,
-                ttft_p99_ms=percentile(ttfts, 99) * _MILLI,
-                itl_p50_ms=percentile(itls, 50) * _MILLI,
-                itl_p99_ms=percentile(itls, 99) * _MILLI,
+                **latency_percentiles(ttfts, itls),
             )
         )
     return results
