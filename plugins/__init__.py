@@ -124,6 +124,9 @@ class PluginNotFoundError(PluginError, LookupError):
         self.name = name
         self.available = available_names
 
+    def __reduce__(self) -> tuple[object, ...]:  # its __init__ is not (message,)
+        return (type(self), (self.group, self.name, self.available))
+
 
 class PluginLoadError(PluginError, ImportError):
     """The plugin's entry point failed to import."""

@@ -7,6 +7,8 @@ a bounded time; nothing hangs.
 
 from __future__ import annotations
 
+from typing import Any
+
 from transports.errors import PeerLostError
 
 __all__ = [
@@ -23,8 +25,23 @@ __all__ = [
 ]
 
 
+def _restore(cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]) -> Any:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class PipelineError(Exception):
-    """Base class of runtime errors."""
+    """Base class of runtime errors.
+
+    NOTE: they pickle whatever their ``__init__`` takes (an error raised in a benchmark's
+    worker process reaches its parent through pickle, which by default calls
+    ``cls(*self.args)``): the message and attributes are restored without calling it.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, (type(self), self.args, self.__dict__))
 
 
 class GraphError(PipelineError, ValueError):

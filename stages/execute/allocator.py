@@ -71,6 +71,9 @@ class OutOfBlocksError(AllocatorError):
         self.needed = needed
         self.free = free
 
+    def __reduce__(self) -> tuple[object, ...]:  # its __init__ is not (message,)
+        return (type(self), (self.request_id, self.needed, self.free))
+
 
 def hash_block_tokens(
     parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes = b""

@@ -26,6 +26,10 @@ class ExecuteConfigError(ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"ExecuteConfig.{field} {problem}")
         self.field = field
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[object, ...]:  # its __init__ is not (message,)
+        return (type(self), (self.field, self.problem))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
