@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in the test's main thread, as in a terminal.
+
+    NOTE: a shell without job control starts background commands with SIGINT ignored, and
+    Python then installs no handler of its own, so a suite launched that way (``make test &``)
+    would never see the KeyboardInterrupt these tests send."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,7 @@ def test_outputs_in_order_with_per_prompt_params(tiny_model_dir: Path) -> None:
         assert len(llm.generate(["again"], SamplingParams(max_tokens=2))[0].token_ids) <= 2
 
 
+@pytest.mark.usefixtures("default_sigint")
 def test_ctrl_c_during_generate_aborts_the_batch(tiny_model_dir: Path) -> None:
     """SIGINT while generate() waits: KeyboardInterrupt reaches the caller, every request of
     the batch is aborted (all KV blocks free again) and the LLM keeps working."""

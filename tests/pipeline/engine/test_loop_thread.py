@@ -76,6 +76,7 @@ def test_interrupt_during_the_hand_off_cancels_the_queued_coroutine(
     assert tasks == []
 
 
+@pytest.mark.usefixtures("default_sigint")
 def test_ctrl_c_while_waiting_unwinds_the_coroutine(loop_thread: LoopThread) -> None:
     main = threading.main_thread().ident
     assert main is not None and threading.get_ident() == main

@@ -147,6 +147,7 @@ def test_leaving_a_sync_stream_early_aborts_the_request(served: ServedEngine) ->
         served.run(served.wait_kv_free())
 
 
+@pytest.mark.usefixtures("default_sigint")
 def test_ctrl_c_in_a_sync_stream_aborts_the_request(served: ServedEngine) -> None:
     """SIGINT while the caller waits for the next output: KeyboardInterrupt reaches the
     caller (not an error about the generator) and the server aborts the request."""
