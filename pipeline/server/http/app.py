@@ -15,6 +15,7 @@ page from one).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -93,14 +94,20 @@ def create_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", response_model=None)
-    async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        service.check_model(body.model)
-        plan = plan_completion(body)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+    async def answer(
+        request: Request,
+        plan: Any,
+        request_id: str,
+        object_name: str,
+        stream: bool,
+        respond: Callable[[Answer, Any], dict[str, Any]],
+        events: Callable[[Answer, Any], Any],
+    ) -> Response:
+        """Start ``plan``'s choices and answer them whole (``respond``) or streamed
+        (``events``): the part both endpoints share."""
         answer = Answer.create(
             request_id,
-            completions.OBJECT,
+            object_name,
             service.model_name,
             service.token_texts(plan.logprobs),
             plan.include_usage,
@@ -109,30 +116,34 @@ def create_app(
         started = await service.start(
             request_id, plan.choices, tenant_of(request.scope), request.receive
         )
-        if not body.stream:
-            outputs = await service.collect(started)
-            return JSONResponse(completions.completion_response(answer, outputs))
-        return EventStream(started, completions.completion_events(answer, started))
+        if not stream:
+            return JSONResponse(respond(answer, await service.collect(started)))
+        return EventStream(started, events(answer, started))
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        service.check_model(body.model)
+        return await answer(
+            request,
+            plan_completion(body),
+            f"cmpl-{uuid.uuid4().hex}",
+            completions.OBJECT,
+            body.stream,
+            completions.completion_response,
+            completions.completion_events,
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         service.check_model(body.model)
-        plan = plan_chat(body)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        answer = Answer.create(
-            request_id,
+        return await answer(
+            request,
+            plan_chat(body),
+            f"chatcmpl-{uuid.uuid4().hex}",
             chat.CHUNK_OBJECT if body.stream else chat.OBJECT,
-            service.model_name,
-            service.token_texts(plan.logprobs),
-            plan.include_usage,
-            plan.per_prompt,
+            body.stream,
+            chat.chat_response,
+            chat.chat_events,
         )
-        started = await service.start(
-            request_id, plan.choices, tenant_of(request.scope), request.receive
-        )
-        if not body.stream:
-            outputs = await service.collect(started)
-            return JSONResponse(chat.chat_response(answer, outputs))
-        return EventStream(started, chat.chat_events(answer, started))
 
     return app
