@@ -202,33 +202,10 @@ def run_online(config: OnlineConfig) -> OnlineResult:
 
 def format_online(result: OnlineResult) -> str:
     """The readable report."""
-    rows = [
-        [
-            f"{rate.rate:g}",
-            rate.requests,
-            rate.output_tokens,
-            rate.tokens_per_second,
-            rate.ttft_p50_ms,
-            rate.ttft_p99_ms,
-            rate.itl_p50_ms,
-            rate.itl_p99_ms,
-            rate.mean_latency_ms,
-        ]
-        for rate in result.rates
-    ]
+    rows = [[*rate.cells(), rate.mean_latency_ms] for rate in result.rates]
     lines = [
         format_table(
-            [
-                "req/s",
-                "requests",
-                "tokens",
-                "tokens/s",
-                "TTFT p50 ms",
-                "TTFT p99 ms",
-                "ITL p50 ms",
-                "ITL p99 ms",
-                "mean latency ms",
-            ],
+            [*RateLatency.COLUMNS, "mean latency ms"],
             rows,
             title=f"online latency: {result.model}, {result.transport} topology, Poisson "
             "arrivals, streaming (greedy, ignore_eos)",

@@ -106,6 +106,31 @@ class RateLatency:
     itl_p50_ms: float
     itl_p99_ms: float
 
+    #: the report's column headers of :meth:`cells`
+    COLUMNS = (
+        "req/s",
+        "requests",
+        "tokens",
+        "tokens/s",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+    )
+
+    def cells(self) -> list[object]:
+        """This rate's row of the report, one cell per :attr:`COLUMNS`."""
+        return [
+            f"{self.rate:g}",
+            self.requests,
+            self.output_tokens,
+            self.tokens_per_second,
+            self.ttft_p50_ms,
+            self.ttft_p99_ms,
+            self.itl_p50_ms,
+            self.itl_p99_ms,
+        ]
+
 
 def latency_percentiles(ttfts: Sequence[float], itls: Sequence[float]) -> dict[str, float]:
     """The p50 and p99 of TTFT and ITL (seconds in) as :class:`RateLatency`'s fields (ms)."""
@@ -322,34 +347,10 @@ def run_http_online(config: HttpOnlineConfig) -> HttpOnlineResult:
 
 def format_http_online(result: HttpOnlineResult) -> str:
     """The readable report: every server's rates, then actorline's ratios."""
-    rows = [
-        [
-            server.name,
-            f"{rate.rate:g}",
-            rate.requests,
-            rate.output_tokens,
-            rate.tokens_per_second,
-            rate.ttft_p50_ms,
-            rate.ttft_p99_ms,
-            rate.itl_p50_ms,
-            rate.itl_p99_ms,
-        ]
-        for server in result.servers
-        for rate in server.rates
-    ]
+    rows = [[server.name, *rate.cells()] for server in result.servers for rate in server.rates]
     lines = [
         format_table(
-            [
-                "server",
-                "req/s",
-                "requests",
-                "tokens",
-                "tokens/s",
-                "TTFT p50 ms",
-                "TTFT p99 ms",
-                "ITL p50 ms",
-                "ITL p99 ms",
-            ],
+            ["server", *RateLatency.COLUMNS],
             rows,
             title=f"online latency over HTTP: {result.model}, Poisson arrivals, streamed "
             f"/v1/completions (greedy, ignore_eos); load average "
