@@ -43,6 +43,7 @@ __all__ = [
     "conflicts",
     "describe",
     "load",
+    "load_instance",
 ]
 
 logger = logging.getLogger("actorline.plugins")
@@ -292,6 +293,30 @@ def load(group: str, name: str) -> Any:
         ) from exc
     check(group, name, component, spec)
     return component
+
+
+def load_instance(group: str, name: str, error: type[Exception]) -> Any:
+    """:func:`load` the component ``name`` of ``group`` and construct it with no arguments: a
+    policy instance (schedulers, routers), whose ``name`` must be a string.
+
+    Raises:
+        what :func:`load` raises, and ``error`` (a ``PluginError`` of the caller's kind) when
+        the constructor raised or the instance's ``name`` is not a string.
+    """
+    component = load(group, name)
+    where = f"{component.__module__}.{component.__qualname__}"
+    try:
+        instance = component()
+    except Exception as exc:
+        raise error(
+            f"{group} plugin {name!r} ({where}) failed to construct: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(getattr(instance, "name", None), str):
+        raise error(
+            f"{group} plugin {name!r} ({where}) has a non-string name "
+            f"{getattr(instance, 'name', None)!r}"
+        )
+    return instance
 
 
 def check(group: str, name: str, component: Any, spec: GroupSpec | None = None) -> None:

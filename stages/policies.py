@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
-from plugins import SCHEDULERS, PluginError, load
+from plugins import SCHEDULERS, PluginError, load_instance
 
 __all__ = [
     "API_VERSION",
@@ -264,18 +264,5 @@ def load_policy(name: str) -> SchedulingPolicy:
         PolicyConstructionError: its constructor raised, or the instance's ``name`` is not a
             string.
     """
-    policy_class = load(SCHEDULERS, name)
-    where = f"{policy_class.__module__}.{policy_class.__qualname__}"
-    try:
-        policy = policy_class()
-    except Exception as exc:
-        raise PolicyConstructionError(
-            f"{SCHEDULERS} plugin {name!r} ({where}) failed to construct: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    if not isinstance(getattr(policy, "name", None), str):
-        raise PolicyConstructionError(
-            f"{SCHEDULERS} plugin {name!r} ({where}) has a non-string name "
-            f"{getattr(policy, 'name', None)!r}"
-        )
+    policy: SchedulingPolicy = load_instance(SCHEDULERS, name, PolicyConstructionError)
     return policy

@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
-from plugins import ROUTERS, PluginError, load
+from plugins import ROUTERS, PluginError, load_instance
 
 __all__ = [
     "AFFINITY_ENTRIES",
@@ -192,17 +192,5 @@ def load_router(name: str) -> RoutingPolicy:
         plugins.PluginProtocolError: it lacks a method or attribute of the protocol.
         RouterConstructionError: its constructor raised, or its ``name`` is not a string.
     """
-    policy_class = load(ROUTERS, name)
-    where = f"{policy_class.__module__}.{policy_class.__qualname__}"
-    try:
-        policy = policy_class()
-    except Exception as exc:
-        raise RouterConstructionError(
-            f"{ROUTERS} plugin {name!r} ({where}) failed to construct: {type(exc).__name__}: {exc}"
-        ) from exc
-    if not isinstance(getattr(policy, "name", None), str):
-        raise RouterConstructionError(
-            f"{ROUTERS} plugin {name!r} ({where}) has a non-string name "
-            f"{getattr(policy, 'name', None)!r}"
-        )
+    policy: RoutingPolicy = load_instance(ROUTERS, name, RouterConstructionError)
     return policy
