@@ -28,7 +28,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.loop_thread import LoopThread
 from pipeline.server.auth import ApiKey, ApiKeys
+from pipeline.server.client import Client, StreamedOutput
 from pipeline.server.serve import SERVICE_NAME, GenerationServer, ServerTLS
+from stages.params import SamplingParams
 from tests.processes import child_processes, process_alive
 
 __all__ = [
@@ -157,6 +159,41 @@ class ServedEngine:
                 self.run(stop())
         finally:
             self._loop_thread.stop()
+
+
+@dataclasses.dataclass
+class BackgroundStream:
+    """A gRPC ``Generate`` stream read on a thread of its own: what it received, the error that
+    ended it (if any), and ``started``, set at the first output or at the end."""
+
+    outputs: list[StreamedOutput]
+    errors: list[BaseException]
+    started: threading.Event
+    thread: threading.Thread
+
+
+def stream_in_background(
+    address: str, prompt: str, params: SamplingParams, **client_options: Any
+) -> BackgroundStream:
+    """Start reading ``prompt``'s stream from the server at ``address`` (``client_options``
+    go to :class:`~pipeline.server.client.Client`)."""
+    outputs: list[StreamedOutput] = []
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def read() -> None:
+        with Client(address, **client_options) as client:
+            try:
+                for output in client.generate(prompt, params):
+                    outputs.append(output)
+                    started.set()
+            except BaseException as error:
+                errors.append(error)
+        started.set()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    return BackgroundStream(outputs, errors, started, thread)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,6 @@ from pipeline.server.client import (
     AuthenticationError,
     Client,
     ServiceUnavailableError,
-    StreamedOutput,
 )
 from pipeline.server.status import ERROR_KIND_KEY
 from stages.params import SamplingParams
@@ -44,6 +42,7 @@ from tests.pipeline.server.serving import (
     read_until_end,
     rpc_error,
     serve_arguments,
+    stream_in_background,
     trailer,
 )
 
@@ -92,29 +91,15 @@ def test_actorline_serve_serves_until_a_stop_signal(
             client.model_info()
 
         # a stream in flight when the signal arrives ends with UNAVAILABLE, after its outputs
-        received: list[StreamedOutput] = []
-        ended: list[BaseException] = []
-        first_output = threading.Event()
-
-        def stream() -> None:
-            with Client(serve.address, api_key="cli-key") as client:
-                try:
-                    for output in client.generate("Hello", LONG):
-                        received.append(output)
-                        first_output.set()
-                except BaseException as error:
-                    ended.append(error)
-                first_output.set()
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert first_output.wait(60)
+        stream = stream_in_background(serve.address, "Hello", LONG, api_key="cli-key")
+        assert stream.started.wait(60)
         serve.process.send_signal(stop_signal)
         assert serve.process.wait(EXIT_TIMEOUT) == 0, serve.stderr[-3000:]
-        reader.join(EXIT_TIMEOUT)
-        assert received and not any(output.finished for output in received)
-        assert len(ended) == 1 and isinstance(ended[0], ServiceUnavailableError), ended
-        assert "shutting down" in str(ended[0])
+        stream.thread.join(EXIT_TIMEOUT)
+        assert stream.outputs and not any(output.finished for output in stream.outputs)
+        assert len(stream.errors) == 1, stream.errors
+        assert isinstance(stream.errors[0], ServiceUnavailableError), stream.errors
+        assert "shutting down" in str(stream.errors[0])
         assert not any(process_alive(pid) for pid in engine_processes)
         assert serve.lines.get(timeout=5) is None  # the ready line was the only output
     finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from pipeline.server.client import Client, ServiceUnavailableError, StreamedOutput
+from pipeline.server.client import ServiceUnavailableError
 from stages.params import SamplingParams
 from tests.pipeline.server.http.conftest import (
     ABORT_WAIT,
@@ -37,6 +37,7 @@ from tests.pipeline.server.serving import (
     child_pids,
     engine_host_pids,
     process_alive,
+    stream_in_background,
 )
 
 pytestmark = pytest.mark.slow
@@ -126,25 +127,9 @@ def test_a_stop_signal_aborts_the_streams_of_both_front_ends_and_exits_cleanly(
     try:
         children = child_pids(serve.process.pid)
         assert serve.address is not None and serve.http_url is not None
-        grpc_outputs: list[StreamedOutput] = []
-        grpc_ended: list[BaseException] = []
-        grpc_started = threading.Event()
-
-        def grpc_stream() -> None:
-            assert serve.address is not None
-            params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
-            with Client(serve.address, timeout=60) as grpc_client:
-                try:
-                    for output in grpc_client.generate("Hello", params):
-                        grpc_outputs.append(output)
-                        grpc_started.set()
-                except BaseException as error:
-                    grpc_ended.append(error)
-            grpc_started.set()
-
-        reader = threading.Thread(target=grpc_stream)
-        reader.start()
-        assert grpc_started.wait(60)
+        params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+        grpc = stream_in_background(serve.address, "Hello", params, timeout=60)
+        assert grpc.started.wait(60)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on forever"}],
                 "max_tokens": 900, "temperature": 0.0, "n": n, "stream": True,
                 **IGNORE_EOS}  # fmt: skip
@@ -164,7 +149,7 @@ def test_a_stop_signal_aborts_the_streams_of_both_front_ends_and_exits_cleanly(
                 if len(events) == 2 + n:  # both streams run: stop the server
                     serve.process.send_signal(signal.SIGTERM)
         assert serve.process.wait(timeout=EXIT_TIMEOUT) == 0, serve.stderr[-3000:]
-        reader.join(EXIT_TIMEOUT)
+        grpc.thread.join(EXIT_TIMEOUT)
 
         assert events[-1] == "[DONE]"
         choices = [json.loads(event)["choices"][0] for event in events[:-1]]
@@ -174,9 +159,9 @@ def test_a_stop_signal_aborts_the_streams_of_both_front_ends_and_exits_cleanly(
             assert finish_reasons[-1] == "abort" and not any(finish_reasons[:-1])
             completion_tokens = sum(bool(choice["delta"].get("content")) for choice in own)
             assert completion_tokens < 900  # ended by the abort, not by max_tokens
-        assert grpc_outputs and not any(output.finished for output in grpc_outputs)
-        assert len(grpc_ended) == 1 and isinstance(grpc_ended[0], ServiceUnavailableError)
-        assert "shutting down" in str(grpc_ended[0])
+        assert grpc.outputs and not any(output.finished for output in grpc.outputs)
+        assert len(grpc.errors) == 1 and isinstance(grpc.errors[0], ServiceUnavailableError)
+        assert "shutting down" in str(grpc.errors[0])
         stderr = serve.stderr
         assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr[-3000:]
         assert not [pid for pid in children if process_alive(pid)]
