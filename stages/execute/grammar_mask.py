@@ -1,35 +1,77 @@
-"""The sampler's structured-outputs hook: a step's token bitmask → one mask for the batch.
+"""The sampler's structured-outputs hook: a step's token bitmask → the constrained rows' masks.
 
 The schedule stage sends, with each :class:`~stages.messages.SchedulerStep`, the bitmask of
 the constrained requests that sample in it (``grammar_request_ids[i]`` has row ``i``; the
 layout of :mod:`stages.grammar`: bit ``t % 32`` of ``int32`` word ``t // 32`` set when token
-``t`` is allowed). :func:`forbidden_tokens` turns it into one ``[rows, vocab]`` boolean tensor
-for the sampling rows of the step, True where a token is forbidden (free rows all False), and
-the sampler applies it with a single ``masked_fill`` before anything else (as vLLM applies
-the grammar bitmask to the logits before sampling, ``vllm/v1/worker/gpu_model_runner.py``).
-On the CPU the bits are unpacked by numpy; on a GPU by torch on the device.
+``t`` is allowed). :func:`grammar_rows` picks the step's sampling rows that are constrained
+and unpacks their bits into a ``[constrained rows, vocab]`` boolean mask, True where a token
+is forbidden; the sampler sets those tokens to -inf before anything else (as vLLM applies the
+grammar bitmask to the logits before sampling, ``vllm/v1/worker/gpu_model_runner.py``).
+
+Only the constrained rows are touched: a batch of 64 rows with 32 constrained spends
+≈1.5 ms per step here where one ``masked_fill`` over the whole ``[64, 49152]`` batch spent
+≈4 ms (docs/performance.md §7). On the CPU the bits are unpacked by numpy; on a GPU by torch
+on the device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from stages.messages import SchedulerStep
 
-__all__ = ["forbidden_tokens"]
+__all__ = ["GrammarRows", "grammar_rows"]
 
 
-def forbidden_tokens(
+@dataclass(frozen=True)
+class GrammarRows:
+    """The constrained rows of a step's sampling batch and what their grammars forbid.
+
+    Attributes:
+        rows: the constrained rows, as indices into the batch, ascending.
+        forbidden: ``[len(rows), vocab]`` booleans, True for the tokens row ``rows[i]``'s
+            grammar forbids.
+    """
+
+    rows: tuple[int, ...]
+    forbidden: torch.Tensor
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of ``logits`` (``[batch, vocab]``) with the forbidden tokens of the
+        constrained rows set to -inf; ``logits`` itself is not modified."""
+        masked = logits.clone()
+        forbidden = self.forbidden.to(logits.device)
+        if masked.device.type == "cpu":
+            # NOTE: one in-place fill per row beats a gather, a fill and a scatter on the
+            # CPU, where each launch costs microseconds.
+            for index, row in enumerate(self.rows):
+                masked[row].masked_fill_(forbidden[index], float("-inf"))
+        else:
+            rows = torch.tensor(self.rows, dtype=torch.long, device=logits.device)
+            masked[rows] = masked[rows].masked_fill(forbidden, float("-inf"))
+        return masked
+
+    def dense(self, num_rows: int) -> torch.Tensor:
+        """The same mask over the whole batch: ``[num_rows, vocab]``, free rows all False."""
+        mask = torch.zeros(
+            (num_rows, self.forbidden.shape[1]), dtype=torch.bool, device=self.forbidden.device
+        )
+        mask[list(self.rows)] = self.forbidden
+        return mask
+
+
+def grammar_rows(
     step: SchedulerStep,
     sampling_request_ids: Sequence[str],
     vocab_size: int,
     device: torch.device,
-) -> torch.Tensor | None:
-    """The ``[len(sampling_request_ids), vocab_size]`` mask of tokens the step's grammars
-    forbid each sampling row (True: forbidden), or None when no sampling row is constrained.
+) -> GrammarRows | None:
+    """The rows of ``sampling_request_ids`` that the step's grammars constrain and the tokens
+    each forbids, or None when no sampling row is constrained.
 
     Raises:
         ValueError: the step's bitmask does not have one row per ``grammar_request_ids``.
@@ -53,24 +95,18 @@ def forbidden_tokens(
     if not rows:
         return None
     chosen = np.ascontiguousarray(bitmask[sources], dtype="<i4")  # [R, W], little-endian
-    num_rows = len(sampling_request_ids)
+    # NOTE: tokens past the bitmask's width (a backend narrower than the model) stay
+    # forbidden: nothing allowed them.
     if device.type == "cpu":
         allowed = np.unpackbits(chosen.view(np.uint8), axis=1, bitorder="little")  # [R, W*32]
         width = min(vocab_size, allowed.shape[1])
-        # NOTE: tokens past the bitmask's width (a backend narrower than the model) stay
-        # forbidden: nothing allowed them.
-        constrained = np.ones((len(rows), vocab_size), dtype=np.bool_)
-        constrained[:, :width] = allowed[:, :width] == 0
-        forbidden = np.zeros((num_rows, vocab_size), dtype=np.bool_)
-        forbidden[rows] = constrained
-        return torch.from_numpy(forbidden)
+        forbidden = np.ones((len(rows), vocab_size), dtype=np.bool_)
+        forbidden[:, :width] = allowed[:, :width] == 0
+        return GrammarRows(tuple(rows), torch.from_numpy(forbidden))
     words = torch.from_numpy(chosen).to(device, non_blocking=True)  # [R, W]
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     allowed_bits = ((words.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), -1)  # [R, W*32]
     width = min(vocab_size, allowed_bits.shape[1])
-    mask = torch.zeros((num_rows, vocab_size), dtype=torch.bool, device=device)
-    index = torch.tensor(rows, dtype=torch.long, device=device)
     on_device = torch.ones((len(rows), vocab_size), dtype=torch.bool, device=device)
     on_device[:, :width] = allowed_bits[:, :width] == 0
-    mask[index] = on_device
-    return mask
+    return GrammarRows(tuple(rows), on_device)

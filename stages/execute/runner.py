@@ -59,7 +59,7 @@ from stages.execute.bookkeeping import (
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
 from stages.execute.fused import use_fused_ops
-from stages.execute.grammar_mask import forbidden_tokens
+from stages.execute.grammar_mask import grammar_rows
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import (
     PagedDecodeKernel,
@@ -529,13 +529,13 @@ class ModelRunner:
             began = time.perf_counter()
             sampling = [work for work in works if work.samples]
             logits = self._forward(prepared.packed, sampling)  # [len(sampling), V]
-            forbidden = forbidden_tokens(
+            grammar = grammar_rows(
                 prepared.step,
                 [work.request.request_id for work in sampling],
                 sampler.vocab_size,
                 self.device,
             )
-            result = sampler.sample(logits, [work.request.sampling for work in sampling], forbidden)
+            result = sampler.sample(logits, [work.request.sampling for work in sampling], grammar)
             forward_seconds = time.perf_counter() - began
             for work, token_id, token_logprobs in zip(
                 sampling, result.token_ids, result.logprobs, strict=True

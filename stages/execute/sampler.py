@@ -5,8 +5,8 @@ sampling trick, per-request generators), ``vllm/model_executor/layers/utils.py``
 (``apply_penalties``), ``vllm/v1/sample/ops/topk_topp_sampler.py`` (``apply_top_k_top_p``,
 ``random_sample``) and vLLM's min-p logits processor. The order, per step:
 
-0. structured outputs: tokens the rows' grammars forbid are set to -inf, one ``masked_fill``
-   for the batch (:mod:`stages.execute.grammar_mask`), before anything else as in vLLM;
+0. structured outputs: tokens the constrained rows' grammars forbid are set to -inf
+   (:mod:`stages.execute.grammar_mask`), before anything else as in vLLM;
 1. raw logprobs, if any row asked (log-softmax of the unmodified logits, fp32);
 2. logits to fp32;
 3. min_tokens: EOS and stop ids masked while a request has fewer than ``min_tokens`` outputs;
@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from stages.execute.grammar_mask import GrammarRows
 from stages.messages import Logprobs
 from stages.params import SamplingParams
 
@@ -122,12 +123,12 @@ class Sampler:
         self,
         logits: torch.Tensor,
         states: Sequence[SamplingState],
-        forbidden: torch.Tensor | None = None,
+        grammar: GrammarRows | None = None,
     ) -> SampleResult:
         """Sample the next token of every row of ``logits`` (``[num_rows, vocab]``, any float
         dtype, one row per state, only each sequence's last position). ``logits`` is not
-        modified. ``forbidden``: ``[num_rows, vocab_size]`` booleans, True for the tokens a
-        row's grammar forbids (:func:`stages.execute.grammar_mask.forbidden_tokens`).
+        modified. ``grammar``: the rows a grammar constrains and the tokens each forbids
+        (:func:`stages.execute.grammar_mask.grammar_rows`).
 
         Returns:
             The tokens (one per row) and, for rows with ``params.logprobs`` set, their
@@ -146,8 +147,8 @@ class Sampler:
         if not states:
             return SampleResult([], [])
         logits = logits[:, : self.vocab_size]  # [num_rows, V]
-        if forbidden is not None:
-            logits = logits.masked_fill(forbidden.to(logits.device), float("-inf"))
+        if grammar is not None:
+            logits = grammar.apply(logits)
         params = [state.params for state in states]
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]

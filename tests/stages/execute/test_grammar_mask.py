@@ -1,5 +1,6 @@
 """Tests of stages/execute/grammar_mask.py and the sampler's use of it: the step's bitmask
-becomes one forbidden-token mask for the sampling rows, and no row picks a forbidden token."""
+becomes the forbidden-token masks of the constrained sampling rows, and no row picks a
+forbidden token."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages.execute.grammar_mask import forbidden_tokens
+from stages.execute.grammar_mask import grammar_rows
 from stages.execute.sampler import Sampler, new_sampling_state
 from stages.messages import SchedulerStep
 from stages.params import SamplingParams
@@ -27,32 +28,41 @@ def test_the_bitmask_becomes_the_mask_of_the_constrained_sampling_rows() -> None
     step = SchedulerStep(
         0, grammar_request_ids=("b", "d"), grammar_bitmask=bitmask_of([[3, 99], [0, 31, 32]])
     )
-    mask = forbidden_tokens(step, ["a", "b", "c", "d"], VOCAB, torch.device("cpu"))
-    assert mask is not None and mask.shape == (4, VOCAB) and mask.dtype == torch.bool
+    grammar = grammar_rows(step, ["a", "b", "c", "d"], VOCAB, torch.device("cpu"))
+    assert grammar is not None and grammar.rows == (1, 3)
+    assert grammar.forbidden.shape == (2, VOCAB) and grammar.forbidden.dtype == torch.bool
+    mask = grammar.dense(4)
     assert not mask[0].any() and not mask[2].any()  # free rows
     assert (~mask[1]).nonzero().flatten().tolist() == [3, 99]
     assert (~mask[3]).nonzero().flatten().tolist() == [0, 31, 32]
     # a constrained request that does not sample here (preempted): no mask at all
-    assert forbidden_tokens(step, ["a", "c"], VOCAB, torch.device("cpu")) is None
-    assert forbidden_tokens(SchedulerStep(1), ["a"], VOCAB, torch.device("cpu")) is None
+    assert grammar_rows(step, ["a", "c"], VOCAB, torch.device("cpu")) is None
+    assert grammar_rows(SchedulerStep(1), ["a"], VOCAB, torch.device("cpu")) is None
+    # applying it: a copy with the constrained rows' forbidden tokens at -inf, free rows equal
+    logits = torch.randn(4, VOCAB)
+    masked = grammar.apply(logits)
+    assert torch.equal(masked, logits.masked_fill(mask, float("-inf")))
+    assert torch.isfinite(logits).all()  # the input is not modified
 
 
 def test_tokens_past_a_narrow_bitmask_are_forbidden_and_bad_shapes_are_refused() -> None:
     step = SchedulerStep(0, grammar_request_ids=("a",), grammar_bitmask=bitmask_of([[1]], 32))
-    mask = forbidden_tokens(step, ["a"], VOCAB, torch.device("cpu"))
-    assert mask is not None and (~mask[0]).nonzero().flatten().tolist() == [1]
+    grammar = grammar_rows(step, ["a"], VOCAB, torch.device("cpu"))
+    assert grammar is not None and (~grammar.forbidden[0]).nonzero().flatten().tolist() == [1]
     bad = SchedulerStep(0, grammar_request_ids=("a", "b"), grammar_bitmask=bitmask_of([[1]]))
     with pytest.raises(ValueError, match="one row"):
-        forbidden_tokens(bad, ["a"], VOCAB, torch.device("cpu"))
+        grammar_rows(bad, ["a"], VOCAB, torch.device("cpu"))
 
 
 @pytest.mark.cuda
 def test_the_mask_is_built_on_the_gpu_the_same_way() -> None:
     step = SchedulerStep(0, grammar_request_ids=("b",), grammar_bitmask=bitmask_of([[5, 64]]))
-    cpu = forbidden_tokens(step, ["a", "b"], VOCAB, torch.device("cpu"))
-    gpu = forbidden_tokens(step, ["a", "b"], VOCAB, torch.device("cuda"))
-    assert cpu is not None and gpu is not None and gpu.is_cuda
-    assert torch.equal(cpu, gpu.cpu())
+    cpu = grammar_rows(step, ["a", "b"], VOCAB, torch.device("cpu"))
+    gpu = grammar_rows(step, ["a", "b"], VOCAB, torch.device("cuda"))
+    assert cpu is not None and gpu is not None and gpu.forbidden.is_cuda
+    assert cpu.rows == gpu.rows and torch.equal(cpu.forbidden, gpu.forbidden.cpu())
+    logits = torch.randn(2, VOCAB)
+    assert torch.equal(cpu.apply(logits), gpu.apply(logits.cuda()).cpu())
 
 
 def test_the_sampler_never_picks_a_forbidden_token() -> None:
@@ -71,7 +81,7 @@ def test_the_sampler_never_picks_a_forbidden_token() -> None:
     step = SchedulerStep(
         0, grammar_request_ids=("r0", "r1", "r2"), grammar_bitmask=bitmask_of(allowed)
     )
-    mask = forbidden_tokens(step, ["r0", "r1", "r2", "free"], VOCAB, torch.device("cpu"))
+    mask = grammar_rows(step, ["r0", "r1", "r2", "free"], VOCAB, torch.device("cpu"))
     before = logits.clone()
     for _ in range(20):
         result = sampler.sample(logits, states, mask)
