@@ -2,8 +2,9 @@
 :class:`~pipeline.server.http.service.HttpService`.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``"stream": true``: server-sent events), ``GET /health`` (200 while the engine serves, 503
-once it died or the server is shutting down) and ``GET /metrics`` (Prometheus text, when a
+(``"stream": true``: server-sent events), ``GET /health`` (200 while the engine serves, with
+data parallelism each replica's state beside it; 503 once it died or the server is shutting
+down) and ``GET /metrics`` (Prometheus text, when a
 registry is given). ``/v1/`` needs the API key when the server has keys
 (:mod:`~pipeline.server.http.gate`); ``/openapi.json`` describes the API (the interactive
 docs pages are off: they load scripts from a CDN).
@@ -70,7 +71,15 @@ def create_app(
         problem = service.problem()
         if problem is not None:
             return problem.response()
-        return JSONResponse({"status": "ok"})
+        body: dict[str, Any] = {"status": "ok"}
+        replicas = service.engine.replicas
+        if replicas:  # data parallelism: 200 while one replica lives, each one's state
+            body["replicas"] = [
+                {"replica": status.replica, "alive": status.alive}
+                | ({} if status.error is None else {"error": str(status.error)})
+                for status in replicas
+            ]
+        return JSONResponse(body)
 
     if registry is not None:
 

@@ -1,0 +1,111 @@
+"""``actorline serve --data-parallel-size 2`` (gRPC and HTTP from one command) when one engine
+replica's host process is SIGKILLed: the service serves on from the other replica (gRPC health
+stays SERVING, HTTP ``/health`` stays 200 and names the dead replica, new requests on both
+front ends complete), ``/metrics`` reports each replica, the log says what died, and SIGTERM
+still stops the command with exit 0 and no process left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.server.client import Client
+from stages.params import SamplingParams
+from tests.pipeline.server.http.conftest import (
+    API_KEY,
+    EXIT_TIMEOUT,
+    MODEL,
+    metrics,
+    openai_serve_arguments,
+    poll_until,
+)
+from tests.pipeline.server.serving import (
+    ServeProcess,
+    child_pids,
+    engine_host_pids,
+    process_alive,
+)
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def health(serve: ServeProcess) -> dict[str, Any]:
+    with urllib.request.urlopen(serve.base_url + "/health", timeout=60) as response:
+        assert response.status == 200
+        body: dict[str, Any] = json.loads(response.read())
+        return body
+
+
+def complete(serve: ServeProcess, prompt: str) -> dict[str, Any]:
+    request = urllib.request.Request(
+        serve.base_url + "/v1/completions",
+        data=json.dumps(
+            {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+        ).encode(),
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+        return answer
+
+
+def test_a_dead_replica_leaves_actorline_serve_serving(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    serve = ServeProcess(
+        openai_serve_arguments(
+            tiny_model_dir, "--num-blocks", "64", "--data-parallel-size", "2",
+            "--api-key", API_KEY,
+        ),
+        tmp_path / "stderr.txt",
+    )  # fmt: skip
+    try:
+        assert serve.address is not None
+        children = child_pids(serve.process.pid)
+        hosts = engine_host_pids(serve.process.pid)
+        assert len(hosts) == 2, hosts  # one host process per replica
+        assert health(serve) == {
+            "status": "ok",
+            "replicas": [{"replica": "0", "alive": True}, {"replica": "1", "alive": True}],
+        }
+        before = complete(serve, "Hello there")["choices"][0]["text"]
+
+        victim = min(hosts)
+        os.kill(victim, signal.SIGKILL)
+        poll_until(
+            lambda: not all(replica["alive"] for replica in health(serve)["replicas"]),
+            "/health to report the dead replica",
+        )
+        replicas = health(serve)["replicas"]
+        dead = [replica for replica in replicas if not replica["alive"]]
+        assert len(dead) == 1 and "killed by signal 9" in dead[0]["error"], replicas
+        (alive,) = [replica["replica"] for replica in replicas if replica["alive"]]
+
+        # both front ends serve on, from the replica that lives
+        with Client(serve.address, api_key=API_KEY) as client:
+            assert client.health() == "SERVING"
+            streamed = list(client.generate("Hello there", GREEDY))
+            assert sum(len(output.token_ids) for output in streamed) == GREEDY.max_tokens
+        assert complete(serve, "Hello there")["choices"][0]["text"] == before
+        samples = metrics(serve)
+        up = {
+            dict(labels)["replica"]: value
+            for (name, labels), value in samples.items()
+            if name == "actorline_replica_up"
+        }
+        assert up == {alive: 1.0, dead[0]["replica"]: 0.0}
+        assert f"engine replica {dead[0]['replica']} died" in serve.stderr
+
+        serve.process.send_signal(signal.SIGTERM)
+        assert serve.process.wait(EXIT_TIMEOUT) == 0, serve.stderr[-3000:]
+        assert not any(process_alive(pid) for pid in children)
+    finally:
+        serve.kill()
