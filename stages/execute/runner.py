@@ -271,6 +271,12 @@ class ModelRunner:
                 self._rendezvous, self.rank, self.device, store=self._store
             )
             install_all_reduces(model, row_parallel, self.group)
+            # NOTE: the load-time probe below runs the model, so all-reduces: the ranks must
+            # agree whether to run it. Each read the probe cache on its own, and another
+            # engine loading the same model at once (data-parallel replicas) can record its
+            # pass between two ranks' reads; one rank probing alone would pair its
+            # collectives with the other's first step.
+            verify = self.group.any(verify)
         text_config = model.config.get_text_config()
         vocab_size = int(text_config.vocab_size)
         probe_ids = torch.tensor(

@@ -366,6 +366,11 @@ class TensorParallelGroup:
             self.collectives += 1
         return tensor
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (a collective: every rank calls it)."""
+        votes = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        return bool(self.all_reduce(votes).item() > 0)
+
     def take_seconds(self) -> float:
         """Seconds spent in collectives since the last call (then zero again)."""
         seconds, self.seconds = self.seconds, 0.0

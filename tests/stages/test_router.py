@@ -2,7 +2,8 @@
 router stage. The same greedy outputs as one engine, both replicas take work, requests that
 share their first KV blocks go to the same replica (prefix caching holds across replicas), an
 abort reaches the replica holding the request, and a SIGKILLed replica fails only its own
-requests while the other serves on (the engine stays up, and reports the lost replica)."""
+requests while the other serves on (the engine stays up, and reports the lost replica); and
+replicas of two tensor-parallel ranks each serve like one engine."""
 
 from __future__ import annotations
 
@@ -103,6 +104,34 @@ def test_two_replicas_serve_like_one(tiny_model_dir: Path) -> None:
             assert placed_of(router, "probe") == holder
             assert engine.replica_stats[holder].num_running == 0
             assert router.load(holder).num_requests == 0
+
+    expected = run(single())
+    run(replicated())
+
+
+def test_replicas_of_tensor_parallel_ranks_serve_like_one(tiny_model_dir: Path) -> None:
+    """DP=2 x TP=2: two replicas, each an engine host driving two ranks joined by gloo (the
+    tiny Llama's 4 query / 2 KV heads split in two), give one engine's greedy tokens, and
+    every host and rank process is gone after close."""
+    model = str(tiny_model_dir)
+
+    async def single() -> dict[str, tuple[int, ...]]:
+        async with AsyncEngine(model, num_blocks=256) as engine:
+            return await outputs_of(engine)
+
+    async def replicated() -> None:
+        engine = AsyncEngine(model, num_blocks=256, data_parallel_size=2, tensor_parallel_size=2)
+        await engine.start()
+        pids = dict(engine.running.pids)
+        try:
+            assert set(pids) == {"engine", "engine_tp1", "engine_1", "engine_1_tp1"}, pids
+            assert await outputs_of(engine) == expected
+            router = engine.running.stage("router")
+            assert isinstance(router, RouterStage)
+            assert set(router.routed) == {"0", "1"}
+        finally:
+            await engine.close()
+        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
     expected = run(single())
     run(replicated())

@@ -3,6 +3,7 @@
 - a model whose heads do not divide is refused before loading, naming the numbers;
 - the tiny Llama (4 query / 2 KV heads) at TP=2 and the default model at TP=3 give greedy
   tokens identical to TP=1, with prefix caching and preemption at work;
+- ranks whose probe caches disagree still agree whether to run the load-time probe;
 - a killed rank, and a rank that hangs, fail every pending request with EngineDeadError in
   bounded time and leave no process behind.
 """
@@ -217,6 +218,68 @@ def test_a_hung_rank_fails_every_pending_request_after_the_timeout(tiny_model_di
         assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
     run(body())
+
+
+def test_ranks_agree_whether_to_probe_when_their_probe_caches_disagree(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load-time probe runs the model (all-reduces included), so its ranks must run it
+    together. Each reads the probe cache by itself, and an engine loading the same model at
+    once (data-parallel replicas) can record a pass between two ranks' reads: here rank 0
+    finds no pass and rank 1 finds one. Both still load, each probing (before the ranks
+    agreed, rank 0 probed alone and its collectives waited for a partner that never came)."""
+    import threading
+
+    from stages.execute import runner as runner_module
+    from stages.execute.config import ExecuteConfig
+    from stages.execute.runner import ModelRunner
+    from stages.execute.tensor_parallel import host_rendezvous
+
+    config = ExecuteConfig(model=str(tiny_model_dir), num_blocks=32, tensor_parallel_size=2)
+    store, rendezvous = host_rendezvous("127.0.0.1", 2, timeout=60.0)
+    runners = [
+        ModelRunner(config, rendezvous=rendezvous, store=store),
+        ModelRunner(config, rank=1, rendezvous=rendezvous),
+    ]
+    ranks: dict[int, bool] = {}
+    probed: list[int] = []
+    monkeypatch.setattr(runner_module, "checks_passed", lambda *_: ranks[threading.get_ident()])
+    original_probe = ModelRunner._probe
+
+    def probe(self: ModelRunner, *args: Any) -> None:
+        probed.append(self.rank)
+        original_probe(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "_probe", probe)
+    # NOTE: the two ranks share this process, and transformers' loading is not thread-safe
+    # (its meta-device context is global): one from_pretrained at a time.
+    from transformers import AutoModelForCausalLM
+
+    original_load = AutoModelForCausalLM.from_pretrained
+    one_at_a_time = threading.Lock()
+
+    def from_pretrained(*args: Any, **kwargs: Any) -> Any:
+        with one_at_a_time:
+            return original_load(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    errors: list[BaseException] = []
+
+    def load(runner: ModelRunner) -> None:
+        ranks[threading.get_ident()] = runner.rank == 1  # rank 1 "finds a pass"
+        try:
+            runner.load()
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=load, args=(runner,)) for runner in runners]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(PROMPTLY)
+    assert not any(thread.is_alive() for thread in threads), "a rank's load hung"
+    assert not errors, errors
+    assert sorted(probed) == [0, 1]
 
 
 # -- CUDA -------------------------------------------------------------------------------------
