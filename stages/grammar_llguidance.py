@@ -2,7 +2,8 @@
 
 Follows vLLM's ``vllm/v1/structured_output/backend_guidance.py``: the tokenizer is wrapped
 once (``llguidance.hf.from_tokenizer``, about a second), each constraint becomes an llguidance
-grammar (JSON schemas with flexible whitespace unless ``disable_any_whitespace``, regexes,
+grammar (JSON schemas with flexible whitespace unless ``disable_any_whitespace``, their objects
+closed to other keys with ``disable_additional_properties``, regexes,
 choices as a Lark alternation, grammars as Lark or GBNF), and compiling it builds an
 ``LLMatcher`` that stays in the cache as a template: a request's matcher is a deep copy of it
 (microseconds). Masks of a batch are filled in parallel by an ``LLExecutor``.
@@ -22,7 +23,7 @@ from typing import Any, ClassVar, cast
 import numpy as np
 
 from stages.grammar import API_VERSION, GrammarCompileError, GrammarMatcher
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured_outputs import StructuredOutputsParams, closed_objects
 
 __all__ = ["LLGuidanceBackend"]
 
@@ -96,7 +97,10 @@ class LLGuidanceBackend:
         options: Any = {"whitespace_flexible": not params.disable_any_whitespace}
         kind = params.kind
         if kind == "json":
-            return str(matcher.grammar_from_json_schema(params.json or "", defaults=options))
+            schema = params.json or ""
+            if params.disable_additional_properties:
+                schema = closed_objects(schema)
+            return str(matcher.grammar_from_json_schema(schema, defaults=options))
         if kind == "json_object":
             return str(matcher.grammar_from_json_schema('{"type": "object"}', defaults=options))
         if kind == "regex":

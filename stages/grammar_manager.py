@@ -122,7 +122,7 @@ class GrammarManager:
         self._eos_token_ids: tuple[int, ...] = ()
         self._backend: GrammarBackend | None = None
         self._lock = threading.Lock()  # the backend's loading and the cache
-        self._cache: collections.OrderedDict[tuple[str, str, bool], CompiledGrammar] = (
+        self._cache: collections.OrderedDict[tuple[str, str, bool, bool], CompiledGrammar] = (
             collections.OrderedDict()
         )
         self._running: dict[str, _Running] = {}

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_CHOICES",
     "MAX_SPEC_CHARS",
     "StructuredOutputsParams",
+    "closed_objects",
     "validate_structured_outputs",
 ]
 
@@ -49,7 +50,10 @@ class StructuredOutputsParams:
     matches it. ``choice``: the output is one of these strings. ``grammar``: a Lark grammar
     (llguidance's dialect) or a GBNF one (``root ::= ...``). ``disable_any_whitespace``: JSON
     without whitespace between tokens (vLLM's option of the same name; by default any
-    whitespace is allowed, as in vLLM).
+    whitespace is allowed, as in vLLM). ``disable_additional_properties``: a schema's objects
+    that list ``properties`` but say nothing of ``additionalProperties`` allow no other keys
+    (vLLM's option of the same name; by default JSON Schema's rule holds, any other key is
+    allowed, which lets a small model add keys without end).
     """
 
     json: str | None = None
@@ -58,6 +62,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         schema: Any = self.json
@@ -76,9 +81,9 @@ class StructuredOutputsParams:
         return chosen[0] if len(chosen) == 1 else ""
 
     @property
-    def key(self) -> tuple[str, str, bool]:
+    def key(self) -> tuple[str, str, bool, bool]:
         """What identifies the compiled grammar (the compile cache's key): the kind, its
-        text (choices joined as JSON) and the whitespace option."""
+        text (choices joined as JSON) and the two options."""
         kind = self.kind
         if kind == "json_object":
             text = ""
@@ -86,7 +91,60 @@ class StructuredOutputsParams:
             text = _json.dumps(list(self.choice or ()), ensure_ascii=False)
         else:
             text = str(getattr(self, kind, "") or "")
-        return (kind, text, self.disable_any_whitespace)
+        return (kind, text, self.disable_any_whitespace, self.disable_additional_properties)
+
+
+#: keywords whose value is a map of subschemas, a subschema, or a list of subschemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+_SCHEMA_LISTS = ("items", "prefixItems", "anyOf", "allOf", "oneOf")
+
+
+def closed_objects(schema: str) -> str:
+    """``schema`` (JSON text) with ``"additionalProperties": false`` added to every object
+    schema in it that has ``properties`` or ``patternProperties`` and no
+    ``additionalProperties`` of its own, at any depth (what ``disable_additional_properties``
+    asks of a backend). vLLM's ``process_for_additional_properties``
+    (``vllm/v1/structured_output/backend_guidance.py``) closes the same objects; this walk
+    follows the subschema keywords only, so a property *named* ``properties`` is not taken
+    for a schema.
+
+    Raises:
+        ValueError: ``schema`` is not JSON.
+    """
+
+    def close(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        closed = dict(node)
+        for keyword in _SCHEMA_MAPS:
+            if isinstance(closed.get(keyword), dict):
+                closed[keyword] = {name: close(sub) for name, sub in closed[keyword].items()}
+        for keyword in _SCHEMA_ONE:
+            if isinstance(closed.get(keyword), dict):
+                closed[keyword] = close(closed[keyword])
+        for keyword in _SCHEMA_LISTS:
+            if isinstance(closed.get(keyword), list):
+                closed[keyword] = [close(sub) for sub in closed[keyword]]
+        if "additionalProperties" not in closed and (
+            "properties" in closed or "patternProperties" in closed
+        ):
+            closed["additionalProperties"] = False
+        return closed
+
+    return _json.dumps(close(_json.loads(schema)), ensure_ascii=False)
 
 
 def _chosen(params: StructuredOutputsParams) -> list[str]:
@@ -123,7 +181,7 @@ def validate_structured_outputs(
 
     if not isinstance(params, StructuredOutputsParams):
         fail("", f"must be a StructuredOutputsParams, got {type(params).__name__}")
-    for flag in ("json_object", "disable_any_whitespace"):
+    for flag in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
         if type(getattr(params, flag)) is not bool:
             fail(flag, "must be a boolean")
     chosen = _chosen(params)

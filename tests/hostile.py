@@ -86,6 +86,7 @@ STRUCTURED = st.one_of(
         grammar=st.one_of(st.none(), TEXT),
         json_object=st.one_of(st.booleans(), JUNK),
         disable_any_whitespace=st.one_of(st.booleans(), JUNK),
+        disable_additional_properties=st.one_of(st.booleans(), JUNK),
     ),
     JUNK,
 )

@@ -111,6 +111,11 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="JSON without whitespace between tokens",
     )
+    group.add_argument(
+        "--disable-additional-properties",
+        action="store_true",
+        help="a schema's objects with properties but no additionalProperties allow no other keys",
+    )
     structured = group.add_mutually_exclusive_group()
     structured.add_argument(
         "--json-schema", metavar="FILE", default=None, help="the answer is JSON valid under it"
@@ -174,7 +179,11 @@ def structured_outputs_from(args: argparse.Namespace) -> Any:
     compact = bool(getattr(args, "disable_any_whitespace", False))
     if getattr(args, "json_schema", None) is not None:
         return StructuredOutputsParams(
-            json=read("--json-schema", args.json_schema), disable_any_whitespace=compact
+            json=read("--json-schema", args.json_schema),
+            disable_any_whitespace=compact,
+            disable_additional_properties=bool(
+                getattr(args, "disable_additional_properties", False)
+            ),
         )
     if getattr(args, "grammar", None) is not None:
         return StructuredOutputsParams(grammar=read("--grammar", args.grammar))

@@ -111,7 +111,10 @@ def structured_outputs_to_proto(params: StructuredOutputsParams) -> pb.Structure
             field.
     """
     validate_structured_outputs(params)
-    message = pb.StructuredOutputs(disable_any_whitespace=params.disable_any_whitespace)
+    message = pb.StructuredOutputs(
+        disable_any_whitespace=params.disable_any_whitespace,
+        disable_additional_properties=params.disable_additional_properties,
+    )
     kind = params.kind
     if kind == "choice":
         message.choice.choices.extend(params.choice or ())
@@ -126,7 +129,10 @@ def structured_outputs_from_proto(message: pb.StructuredOutputs) -> StructuredOu
     """The constraint a request asks for (not validated here: the engine does; an empty
     oneof gives a constraint with none set, which validation names)."""
     kind = message.WhichOneof("constraint")
-    values: dict[str, object] = {"disable_any_whitespace": message.disable_any_whitespace}
+    values: dict[str, object] = {
+        "disable_any_whitespace": message.disable_any_whitespace,
+        "disable_additional_properties": message.disable_additional_properties,
+    }
     if kind == "choice":
         values["choice"] = tuple(message.choice.choices)
     elif kind is not None:

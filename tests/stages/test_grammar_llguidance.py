@@ -97,6 +97,19 @@ def test_what_llguidance_does_not_implement_is_refused_with_its_reason(
         llguidance_backend.compile(params)
 
 
+def test_disable_additional_properties_allows_no_other_key(
+    llguidance_backend: LLGuidanceBackend, tokenizer: Any
+) -> None:
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}})
+    comma = tokenizer.encode(",", add_special_tokens=False)
+    assert len(comma) == 1
+    for closed, comma_allowed in ((False, True), (True, False)):
+        params = StructuredOutputsParams(json=schema, disable_additional_properties=closed)
+        matcher = llguidance_backend.compile(params).matcher()
+        feed(matcher, tokenizer, '{"n": 3')
+        assert (comma[0] in allowed(llguidance_backend, matcher)) is comma_allowed, closed
+
+
 def test_the_mask_follows_the_grammar_and_rollback_undoes_tokens(
     llguidance_backend: LLGuidanceBackend, tokenizer: Any
 ) -> None:

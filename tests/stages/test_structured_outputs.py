@@ -13,6 +13,7 @@ from stages.structured_outputs import (
     MAX_CHOICES,
     MAX_SPEC_CHARS,
     StructuredOutputsParams,
+    closed_objects,
     validate_structured_outputs,
 )
 from transports.codec import Codec
@@ -28,17 +29,45 @@ def test_a_schema_given_as_a_dict_is_kept_as_its_json_text_in_order() -> None:
     validate_structured_outputs(params)
 
 
+def test_closed_objects_closes_every_object_schema_that_lists_properties() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "string"},  # a property named so is not a schema keyword
+            "inner": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "list": {"type": "array", "items": {"properties": {"y": {}}}},
+        },
+        "anyOf": [{"properties": {"z": {}}}, {"type": "object"}],
+        "$defs": {"d": {"patternProperties": {"^a": {}}}},
+    }
+    closed = json.loads(closed_objects(json.dumps(schema)))
+    assert closed["additionalProperties"] is False
+    inner = closed["properties"]
+    assert "additionalProperties" not in inner["properties"]
+    assert inner["inner"]["additionalProperties"] is False
+    assert inner["open"]["additionalProperties"] is True  # its own word is kept
+    assert inner["list"]["items"]["additionalProperties"] is False
+    assert closed["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["anyOf"][1]  # no properties listed
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert closed_objects("true") == "true"
+    with pytest.raises(ValueError):
+        closed_objects("{not json")
+
+
 def test_keys_tell_constraints_apart() -> None:
     keys = {
         StructuredOutputsParams(json='{"type": "string"}').key,
         StructuredOutputsParams(json='{"type": "string"}', disable_any_whitespace=True).key,
+        StructuredOutputsParams(json='{"type": "string"}', disable_additional_properties=True).key,
         StructuredOutputsParams(regex='{"type": "string"}').key,
         StructuredOutputsParams(grammar='{"type": "string"}').key,
         StructuredOutputsParams(choice=("a,b",)).key,
         StructuredOutputsParams(choice=("a", "b")).key,
         StructuredOutputsParams(json_object=True).key,
     }
-    assert len(keys) == 7
+    assert len(keys) == 8
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ As vLLM's server reads them (``vllm/entrypoints/openai/protocol.py``):
   are accepted and change nothing: the schema always binds);
 - ``structured_outputs``: an object with exactly one of ``json`` (a schema, object or JSON
   text), ``json_object``, ``regex``, ``choice`` (a list of strings), ``grammar`` (Lark or
-  GBNF), and optionally ``disable_any_whitespace``.
+  GBNF), and optionally ``disable_any_whitespace`` and ``disable_additional_properties``.
 
 Both on one request, an unknown key, or a value of the wrong shape is a 400 naming the field
 (``response_format`` or ``structured_outputs``, and the key); what the grammar engine refuses
@@ -28,7 +28,8 @@ from stages.structured_outputs import StructuredOutputsParams
 __all__ = ["structured_outputs_from"]
 
 #: the keys of vLLM's ``structured_outputs`` object that are served
-_KEYS = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
+_KEYS = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace",
+         "disable_additional_properties")  # fmt: skip
 #: keys of a ``json_schema`` response format beside ``schema`` that change nothing here
 _SCHEMA_NOTES = ("name", "description", "strict")
 
@@ -82,8 +83,6 @@ def _from_extra(value: Any) -> StructuredOutputsParams:
         values["choice"] = tuple(values["choice"])
     if values.get("json_object") is False:
         del values["json_object"]
-    if values.get("disable_any_whitespace") is None:
-        values.pop("disable_any_whitespace", None)
     return StructuredOutputsParams(**values)
 
 

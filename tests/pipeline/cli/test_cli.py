@@ -71,6 +71,15 @@ def test_generate_follows_a_json_schema_file_a_regex_and_choices(
     result = actorline(*base, "--max-tokens", "40", *compact)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["ok"] in (True, False)
+    # the same schema left open (JSON Schema allows other keys), closed by the flag
+    open_schema = tmp_path / "open.json"
+    open_schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                       "required": ["ok"]}))  # fmt: skip
+    closed = ["--json-schema", str(open_schema), "--disable-any-whitespace",
+              "--disable-additional-properties"]  # fmt: skip
+    result = actorline(*base, "--max-tokens", "40", *closed)
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)) == {"ok"}, result.stdout
     result = actorline(*base, "--max-tokens", "12", "--regex", "[0-9]{3}-[0-9]{2}")
     assert re.fullmatch(r"[0-9]{3}-[0-9]{2}\n", result.stdout), result.stdout
     result = actorline(*base, "--max-tokens", "12", "--choice", "left", "--choice", "right")

@@ -181,6 +181,28 @@ def test_json_schemas_validate_at_temperature_0_and_0_8(llm: LLM) -> None:
     assert stats is not None and stats.num_preemptions > 0
 
 
+def test_disable_additional_properties_closes_an_open_schema(llm: LLM) -> None:
+    """A schema that says nothing of additionalProperties lets this model add keys until
+    max_tokens (JSON Schema allows them); closed, the same request ends with the schema's
+    keys alone."""
+    open_schema = {key: value for key, value in PERSON.items() if key != "additionalProperties"}
+    prompt = ask("Give me a person as JSON.")
+
+    def params(closed: bool) -> SamplingParams:
+        constraint = StructuredOutputsParams(
+            json=open_schema,  # type: ignore[arg-type]
+            disable_additional_properties=closed,
+        )
+        return SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=constraint)
+
+    free, closed = llm.generate([prompt, prompt], [params(False), params(True)], use_tqdm=False)
+    assert free.finish_reason == "length", free.text  # keys without end
+    assert closed.finish_reason == "stop", closed.text
+    answer = json.loads(closed.text)
+    jsonschema.validate(answer, PERSON)  # PERSON itself is closed
+    assert set(answer) == {"name", "age"}
+
+
 def test_regex_choice_json_object_and_grammar_match(llm: LLM) -> None:
     cases = [
         (

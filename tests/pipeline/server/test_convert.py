@@ -50,6 +50,7 @@ def test_unset_fields_are_the_vllm_defaults() -> None:
     "constraint",
     [
         StructuredOutputsParams(json='{"type": "object"}', disable_any_whitespace=True),
+        StructuredOutputsParams(json='{"type": "object"}', disable_additional_properties=True),
         StructuredOutputsParams(json_object=True),
         StructuredOutputsParams(regex="[0-9]+"),
         StructuredOutputsParams(choice=("yes", "no", "")),

@@ -58,6 +58,10 @@ def test_response_format_forms() -> None:
             {"json_object": True, "disable_any_whitespace": True},
             StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
         ),
+        (
+            {"json": '{"type": "object"}', "disable_additional_properties": True},
+            StructuredOutputsParams(json='{"type": "object"}', disable_additional_properties=True),
+        ),
     ],
 )
 def test_the_structured_outputs_extra(extra: dict[str, Any], expected: Any) -> None:
