@@ -15,7 +15,11 @@
 - **Ray** (``actorline bench ceiling --ray`` / ``offline --ray``): the same workload with the
   engine's hosts as Ray actors (a local cluster, or ``--ray ADDRESS``) against local processes,
   both engines started once and measured in alternation: what Ray costs per token (the data
-  path is the same transports).
+  path is the same transports). Ray gives an actor as many OpenMP threads as CPUs it reserves
+  (``OMP_NUM_THREADS``), so each engine host on Ray reserves the CPUs the local engine computes
+  on (``os.cpu_count()``, at most a node's CPUs, unless ``ray_num_cpus`` is given): with Ray's
+  default of one CPU the model would run on one thread and the comparison would measure that
+  instead.
 """
 
 from __future__ import annotations
@@ -385,6 +389,7 @@ class RayResult:
     identical_outputs: int
     load_average: tuple[float, float, float]
     cpu_count: int
+    ray_num_cpus: float
 
 
 async def measure_ray(
@@ -403,8 +408,9 @@ async def measure_ray(
     from pipeline.engine.async_engine import AsyncEngine
 
     load_average = os.getloadavg()
-    local = AsyncEngine(model, **options)
-    on_ray = AsyncEngine(model, **options, ray=True, ray_address=ray_address)
+    ray_options = {"ray_num_cpus": _local_cpus_on_ray(), **options}
+    local = AsyncEngine(model, **{k: v for k, v in options.items() if k != "ray_num_cpus"})
+    on_ray = AsyncEngine(model, **ray_options, ray=True, ray_address=ray_address)
     runs: list[PlacementRun] = []
     outputs: dict[str, list[tuple[int, ...]]] = {}
     async with local, on_ray:
@@ -432,7 +438,23 @@ async def measure_ray(
         identical_outputs=identical,
         load_average=load_average,
         cpu_count=os.cpu_count() or 0,
+        ray_num_cpus=float(ray_options["ray_num_cpus"]),
     )
+
+
+def _local_cpus_on_ray() -> float:
+    """The CPUs a local engine computes on (``os.cpu_count()``), or fewer where this process
+    is connected to a Ray cluster none of whose nodes has that many (a test's small cluster)."""
+    cpus = float(os.cpu_count() or 1)
+    try:
+        import ray
+    except ImportError:
+        return cpus
+    if ray.is_initialized():
+        nodes = [node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]]
+        if nodes:
+            cpus = min(cpus, max(nodes))
+    return cpus
 
 
 async def _generate_all(
@@ -467,8 +489,9 @@ def format_ray(result: RayResult) -> str:
                 ["engine hosts", "tokens", "seconds", "tokens/s"],
                 rows,
                 title=f"{result.benchmark} on Ray against local processes: {result.model}, "
-                f"{result.num_requests} requests, alternating; {result.cpu_count} CPUs, load "
-                f"average {result.load_average[0]:.2f} at start",
+                f"{result.num_requests} requests, alternating; {result.cpu_count} CPUs "
+                f"(each Ray host reserves {result.ray_num_cpus:g}), load average "
+                f"{result.load_average[0]:.2f} at start",
             ),
             f"best on Ray {format_rate(result.best_ray)} against local "
             f"{format_rate(result.best_local)}: {result.ratio:.2f}x",
