@@ -293,6 +293,8 @@ class AsyncEngine:
             await self.close()
             raise
         self.info = info
+        if self.options.on_ray:
+            _warn_of_few_threads_on_ray(self.options)
         self._dispatcher = asyncio.create_task(self._dispatch(), name="engine:dispatch")
         self._abort_sender = asyncio.create_task(self._send_aborts(), name="engine:aborts")
         return self
@@ -644,6 +646,30 @@ def _check_engine_boundary(pipeline: Pipeline) -> None:
             f"pipeline {pipeline.name!r} lacks {', '.join(missing)}: an AsyncEngine needs the "
             f"entries {list(_ENGINE_ENTRIES)} and exits {list(_ENGINE_EXITS)} of the default "
             f"LLM pipeline (it has entries {pipeline.entries}, exits {pipeline.exits})"
+        )
+
+
+def _warn_of_few_threads_on_ray(options: EngineOptions) -> None:
+    """Say so when the engine hosts on Ray reserve too few CPUs to compute on more than one
+    thread while the cluster's nodes have more: Ray sets an actor's ``OMP_NUM_THREADS`` to the
+    CPUs it reserves (one for ``ray_num_cpus`` under 2), and on 2 cores one thread ran the
+    default model at 0.67x a local engine (docs/performance.md §10). Tensor-parallel ranks set
+    their own threads and are left out."""
+    from pipeline.runtime.ray_hosts import largest_node_cpus
+
+    threads = max(1, int(options.ray_num_cpus))
+    if options.tensor_parallel_size > 1 or options.null_model or threads > 1:
+        return
+    cpus = largest_node_cpus()
+    if cpus > threads:
+        logger.warning(
+            "each engine host on Ray reserves %g CPU (ray_num_cpus), and Ray gives an actor as "
+            "many OpenMP threads as CPUs it reserves: the model computes on %d thread while "
+            "the cluster's nodes have up to %g CPUs; reserve more with ray_num_cpus / "
+            "--ray-num-cpus",
+            options.ray_num_cpus,
+            threads,
+            cpus,
         )
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "RayUnavailableError",
     "connect_ray",
     "create_placement_group",
+    "largest_node_cpus",
     "node_ip",
     "reachable_plan",
     "remove_placement_groups",
@@ -165,6 +166,12 @@ def connect_ray(address: str | None) -> bool:
         return False
     ray.init(address=address, log_to_driver=False)
     return True
+
+
+def largest_node_cpus() -> float:
+    """The most CPUs any live node of the connected Ray cluster has (0 when none says)."""
+    nodes = _ray().nodes()
+    return max((node["Resources"].get("CPU", 0.0) for node in nodes if node["Alive"]), default=0.0)
 
 
 def node_ip() -> str:

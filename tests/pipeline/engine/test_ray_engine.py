@@ -50,7 +50,7 @@ def test_start_options_place_each_replica_in_a_placement_group() -> None:
 
 
 def test_replicas_on_ray_serve_like_local_processes_and_die_typed(
-    tiny_model_dir: Path, ray_cluster: object
+    tiny_model_dir: Path, ray_cluster: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = str(tiny_model_dir)
 
@@ -74,6 +74,10 @@ def test_replicas_on_ray_serve_like_local_processes_and_die_typed(
         )
         await engine.start()
         try:
+            # half a CPU each on a 2-CPU cluster: the engine says its model gets one thread
+            assert "the model computes on 1 thread while the cluster's nodes have up to 2" in (
+                caplog.text
+            )
             assert await outputs(engine) == expected
             actors, groups = pipeline_state(ray_cluster, "llm")
             assert len(actors) == 2 and sorted(groups) == ["actorline:llm:replica0",
