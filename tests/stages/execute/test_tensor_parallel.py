@@ -272,7 +272,7 @@ def test_ranks_agree_whether_to_probe_when_their_probe_caches_disagree(
         except BaseException as error:
             errors.append(error)
 
-    threads = [threading.Thread(target=load, args=(runner,)) for runner in runners]
+    threads = [threading.Thread(target=load, args=(runner,), daemon=True) for runner in runners]
     for thread in threads:
         thread.start()
     for thread in threads:
