@@ -10,9 +10,10 @@ when every replica has loaded.
 
 A replica that fails is cut off by the runtime (``docs/architecture.md`` §8, and
 :mod:`pipeline.runtime.replicas`), which then tells this stage
-(:meth:`RouterStage.on_replica_lost`): its requests end with a ``RequestRejected`` of kind
-:data:`~stages.errors.ENGINE_DEAD` (the API raises ``EngineDeadError`` for them), and it takes
-no more requests. The others go on.
+(:meth:`RouterStage.on_replica_lost`): its requests that had streamed output end with a
+``RequestRejected`` of kind :data:`~stages.errors.ENGINE_DEAD` (the API raises
+``EngineDeadError`` for them), those that had none yet go to the replicas that remain, as if
+they had just arrived, and it takes no more requests. The others go on.
 
 Ports: ``in`` (EngineRequest), ``abort`` (AbortRequests, from the API and stop-check),
 ``outputs`` (EngineOutputs and RequestRejected from the replicas), ``info`` (EngineInfo from
@@ -96,11 +97,13 @@ class RouterConfig:
 @dataclasses.dataclass(slots=True)
 class _Routed:
     """A request the router sent to ``replica``: ``left`` tokens to go (its prompt until
-    its first token arrives, plus what it may still generate)."""
+    its first token arrives, plus what it may still generate); ``request`` itself until its
+    first output, so a replica lost before that can be replaced by another."""
 
     replica: str
     left: int
     prompt: int
+    request: EngineRequest | None
     started: bool = False
 
 
@@ -120,6 +123,8 @@ class RouterStage(Stage):
         self._max_model_len: int | None = None
         #: requests sent to each replica since the start
         self.routed: collections.Counter[str] = collections.Counter()
+        #: requests sent again, to another replica, because theirs was lost before they started
+        self.rerouted = 0
         #: the latest routing decisions, (request id, replica), oldest first
         self.recent: collections.deque[tuple[str, str]] = collections.deque(maxlen=RECENT_ROUTES)
 
@@ -149,6 +154,12 @@ class RouterStage(Stage):
         request_id = request.request_id
         if self._early_aborts.take(request_id):
             return  # aborted before it got here
+        await self._route(request)
+
+    async def _route(self, request: EngineRequest) -> None:
+        """Send ``request`` to the live replica the policy picks, and count it there."""
+        assert self.policy is not None
+        request_id = request.request_id
         if not self._live:
             await self.emit(
                 "out", RequestRejected(request_id, ENGINE_DEAD, "no engine replica is alive")
@@ -172,7 +183,7 @@ class RouterStage(Stage):
         if max_tokens is None:
             room = (self._max_model_len or 0) - len(prompt)
             max_tokens = room if room > 0 else DEFAULT_MAX_TOKENS
-        routed = _Routed(name, len(prompt) + max_tokens, len(prompt))
+        routed = _Routed(name, len(prompt) + max_tokens, len(prompt), request)
         self._routed[request_id] = routed
         self._outstanding[name] += routed.left
         self._held[name] += 1
@@ -193,6 +204,7 @@ class RouterStage(Stage):
             spent = len(outputs.new_token_ids[index])
             if not routed.started:
                 routed.started = True
+                routed.request = None
                 spent += routed.prompt
             spent = min(spent, routed.left)
             routed.left -= spent
@@ -224,14 +236,28 @@ class RouterStage(Stage):
         del self._live[lost.replica]
         self.policy.forget_replica(lost.replica)
         stranded = [rid for rid, routed in self._routed.items() if routed.replica == lost.replica]
+        # NOTE: a request that had no output yet lost nothing the caller saw: it goes to
+        # another replica (the lost one is cut off, so it can answer nothing more). One that
+        # had streamed tokens fails: its output so far came from the replica that died.
+        unstarted = [self._routed[rid].request for rid in stranded]
+        moved = [request for request in unstarted if request is not None] if self._live else []
         logger.error(
-            "engine replica %s failed (%s); %d of its requests fail, %d replicas remain",
+            "engine replica %s failed (%s); %d of its requests fail, %d that had not started "
+            "go to the %d replicas that remain",
             lost.replica,
             lost.message,
-            len(stranded),
+            len(stranded) - len(moved),
+            len(moved),
             len(self._live),
         )
+        moved_ids = {request.request_id for request in moved}
+        for request in moved:
+            self._forget(request.request_id)
+            self.rerouted += 1
+            await self._route(request)
         for request_id in stranded:
+            if request_id in moved_ids:
+                continue
             self._forget(request_id)
             await self.emit(
                 "out",

@@ -2,8 +2,9 @@
 router stage. The same greedy outputs as one engine, both replicas take work, requests that
 share their first KV blocks go to the same replica (prefix caching holds across replicas), an
 abort reaches the replica holding the request, and a SIGKILLed replica fails only its own
-requests while the other serves on (the engine stays up, and reports the lost replica); and
-replicas of two tensor-parallel ranks each serve like one engine."""
+requests while the other serves on (the engine stays up, and reports the lost replica), the
+requests it had not started go to the other; and replicas of two tensor-parallel ranks each
+serve like one engine."""
 
 from __future__ import annotations
 
@@ -192,6 +193,46 @@ def test_a_killed_replica_fails_only_its_own_requests(tiny_model_dir: Path) -> N
             assert 'actorline_replica_up{replica="1"} 0.0' in scraped
         finally:
             await metrics.aclose()
+            await engine.close()
+        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
+
+    run(body())
+
+
+def test_requests_a_lost_replica_had_not_started_go_to_another(tiny_model_dir: Path) -> None:
+    """Replica 1 is frozen (SIGSTOP), so the request routed to it does not start; then it is
+    killed. That request, which had streamed nothing, finishes on replica 0 with the tokens it
+    gets there, and no caller sees an error."""
+    prompts = {"x": "rivers and lakes of the north", "y": "seven old bridges over a canal"}
+
+    async def body() -> None:
+        engine = AsyncEngine(str(tiny_model_dir), num_blocks=256, data_parallel_size=2)
+        await engine.start()
+        pids = dict(engine.running.pids)
+        try:
+            router = engine.running.stage("router")
+            assert isinstance(router, RouterStage)
+            frozen = pids["engine_1"]
+            assert frozen is not None
+            os.kill(frozen, signal.SIGSTOP)
+            try:
+                tasks = {}
+                for name, prompt in prompts.items():  # least-loaded: one on each replica
+                    tasks[name] = asyncio.create_task(complete(engine, name, prompt))
+                    deadline = time.monotonic() + PROMPTLY
+                    while not any(rid.partition("#")[0] == name for rid, _ in router.recent):
+                        assert time.monotonic() < deadline, router.recent
+                        await asyncio.sleep(0.01)
+                assert {placed_of(router, name) for name in prompts} == {"0", "1"}
+            finally:
+                os.kill(frozen, signal.SIGKILL)
+            done = dict(zip(tasks, await asyncio.wait_for(asyncio.gather(*tasks.values()), 300)))
+            assert router.rerouted == 1 and router.live_replicas == ("0",)
+            last = {rid.partition("#")[0]: replica for rid, replica in router.recent}
+            assert all(last[name] == "0" for name in prompts)  # the moved one, routed again
+            for name, prompt in prompts.items():  # greedy: what replica 0 gives it again
+                assert done[name] == await complete(engine, f"again-{name}", prompt)
+        finally:
             await engine.close()
         assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
