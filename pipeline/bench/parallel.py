@@ -17,9 +17,8 @@
   both engines started once and measured in alternation: what Ray costs per token (the data
   path is the same transports). Ray gives an actor as many OpenMP threads as CPUs it reserves
   (``OMP_NUM_THREADS``), so each engine host on Ray reserves the CPUs the local engine computes
-  on (``os.cpu_count()``, at most a node's CPUs, unless ``ray_num_cpus`` is given): with Ray's
-  default of one CPU the model would run on one thread and the comparison would measure that
-  instead.
+  on (``os.cpu_count()``, at most a node's CPUs): with Ray's default of one CPU the model
+  would run on one thread and the comparison would measure that instead.
 """
 
 from __future__ import annotations
@@ -408,9 +407,11 @@ async def measure_ray(
     from pipeline.engine.async_engine import AsyncEngine
 
     load_average = os.getloadavg()
-    ray_options = {"ray_num_cpus": _local_cpus_on_ray(), **options}
-    local = AsyncEngine(model, **{k: v for k, v in options.items() if k != "ray_num_cpus"})
-    on_ray = AsyncEngine(model, **ray_options, ray=True, ray_address=ray_address)
+    ray_num_cpus = _local_cpus_on_ray()
+    local = AsyncEngine(model, **options)
+    on_ray = AsyncEngine(
+        model, **options, ray=True, ray_address=ray_address, ray_num_cpus=ray_num_cpus
+    )
     runs: list[PlacementRun] = []
     outputs: dict[str, list[tuple[int, ...]]] = {}
     async with local, on_ray:
@@ -438,7 +439,7 @@ async def measure_ray(
         identical_outputs=identical,
         load_average=load_average,
         cpu_count=os.cpu_count() or 0,
-        ray_num_cpus=float(ray_options["ray_num_cpus"]),
+        ray_num_cpus=ray_num_cpus,
     )
 
 
@@ -451,9 +452,9 @@ def _local_cpus_on_ray() -> float:
     except ImportError:
         return cpus
     if ray.is_initialized():
-        nodes = [node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]]
-        if nodes:
-            cpus = min(cpus, max(nodes))
+        from pipeline.runtime.ray_hosts import largest_node_cpus
+
+        cpus = min(cpus, largest_node_cpus() or cpus)
     return cpus
 
 
