@@ -55,14 +55,6 @@ class GrammarRows:
             masked[rows] = masked[rows].masked_fill(forbidden, float("-inf"))
         return masked
 
-    def dense(self, num_rows: int) -> torch.Tensor:
-        """The same mask over the whole batch: ``[num_rows, vocab]``, free rows all False."""
-        mask = torch.zeros(
-            (num_rows, self.forbidden.shape[1]), dtype=torch.bool, device=self.forbidden.device
-        )
-        mask[list(self.rows)] = self.forbidden
-        return mask
-
 
 def grammar_rows(
     step: SchedulerStep,

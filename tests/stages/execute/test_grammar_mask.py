@@ -31,7 +31,8 @@ def test_the_bitmask_becomes_the_mask_of_the_constrained_sampling_rows() -> None
     grammar = grammar_rows(step, ["a", "b", "c", "d"], VOCAB, torch.device("cpu"))
     assert grammar is not None and grammar.rows == (1, 3)
     assert grammar.forbidden.shape == (2, VOCAB) and grammar.forbidden.dtype == torch.bool
-    mask = grammar.dense(4)
+    mask = torch.zeros((4, VOCAB), dtype=torch.bool)  # the same mask over the whole batch
+    mask[list(grammar.rows)] = grammar.forbidden
     assert not mask[0].any() and not mask[2].any()  # free rows
     assert (~mask[1]).nonzero().flatten().tolist() == [3, 99]
     assert (~mask[3]).nonzero().flatten().tolist() == [0, 31, 32]
