@@ -64,12 +64,14 @@ async def outputs_of(engine: AsyncEngine) -> dict[str, tuple[int, ...]]:
     return done
 
 
+async def one_engine_outputs(model: str) -> dict[str, tuple[int, ...]]:
+    """:func:`outputs_of` one engine, no replicas: what the replicated ones must give."""
+    async with AsyncEngine(model, num_blocks=256) as engine:
+        return await outputs_of(engine)
+
+
 def test_two_replicas_serve_like_one(tiny_model_dir: Path) -> None:
     model = str(tiny_model_dir)
-
-    async def single() -> dict[str, tuple[int, ...]]:
-        async with AsyncEngine(model, num_blocks=256) as engine:
-            return await outputs_of(engine)
 
     async def replicated() -> None:
         async with AsyncEngine(model, num_blocks=256, data_parallel_size=2) as engine:
@@ -106,7 +108,7 @@ def test_two_replicas_serve_like_one(tiny_model_dir: Path) -> None:
             assert engine.replica_stats[holder].num_running == 0
             assert router.load(holder).num_requests == 0
 
-    expected = run(single())
+    expected = run(one_engine_outputs(model))
     run(replicated())
 
 
@@ -115,10 +117,6 @@ def test_replicas_of_tensor_parallel_ranks_serve_like_one(tiny_model_dir: Path) 
     tiny Llama's 4 query / 2 KV heads split in two), give one engine's greedy tokens, and
     every host and rank process is gone after close."""
     model = str(tiny_model_dir)
-
-    async def single() -> dict[str, tuple[int, ...]]:
-        async with AsyncEngine(model, num_blocks=256) as engine:
-            return await outputs_of(engine)
 
     async def replicated() -> None:
         engine = AsyncEngine(model, num_blocks=256, data_parallel_size=2, tensor_parallel_size=2)
@@ -134,7 +132,7 @@ def test_replicas_of_tensor_parallel_ranks_serve_like_one(tiny_model_dir: Path) 
             await engine.close()
         assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
-    expected = run(single())
+    expected = run(one_engine_outputs(model))
     run(replicated())
 
 
