@@ -33,6 +33,7 @@ __all__ = [
     "ResolvedModel",
     "has_chat_template",
     "loading",
+    "quiet_transformers",
     "resolve_model",
 ]
 
@@ -46,13 +47,18 @@ _LOADING = threading.Lock()
 
 @contextlib.contextmanager
 def loading() -> Iterator[None]:
-    """Hold the process-wide lock for loading models and tokenizers (and keep transformers'
-    progress bars off the terminal)."""
+    """Hold the process-wide lock for loading models and tokenizers. Whatever imports
+    transformers in it calls :func:`quiet_transformers` (a model actorline's own classes
+    serve never imports transformers: stages.execute.llama)."""
     with _LOADING:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
         yield
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' progress bars (``Loading weights``) off the terminal."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
 
 
 class ModelError(Exception):
@@ -188,6 +194,7 @@ def _convert(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_transformers()
     _check_gguf_header(gguf)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import threading
+from pathlib import Path
 from typing import Any
 
 from pipeline.runtime.stage import Stage, handles
@@ -42,13 +44,41 @@ class TokenizeConfig:
 _PREFETCHED: dict[str, concurrent.futures.Future[Any]] = {}
 
 
-def _load(model: str) -> Any:
-    from stages.models import loading, resolve_model
+#: tokenizer classes that are transformers' plain tokenizers-backed class, loaded directly
+_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def _load(model: str) -> Any:
+    from stages.models import loading, quiet_transformers, resolve_model
+
+    path = resolve_model(model).path
     with loading():
+        quiet_transformers()
+        if _plain_tokenizer(path):
+            # NOTE: the class AutoTokenizer would pick, without AutoTokenizer's import: it
+            # pulls in torch and the model registry (3.3-4 s here, against 0.9 s; the
+            # frontend's start-up runs beside the engine's, docs/performance.md §3).
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(path)
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(resolve_model(model).path)
+        return AutoTokenizer.from_pretrained(path)
+
+
+def _plain_tokenizer(path: Path) -> bool:
+    """Whether ``path``'s tokenizer is transformers' plain tokenizers-backed class (its
+    ``tokenizer.json`` holds everything; no model-specific Python class)."""
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(config, dict)
+        and config.get("tokenizer_class") in _PLAIN_CLASSES
+        and not config.get("auto_map")
+        and (path / "tokenizer.json").is_file()
+    )
 
 
 def load_tokenizer(model: str) -> Any:

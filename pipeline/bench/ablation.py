@@ -45,6 +45,7 @@ VARIANTS: Mapping[str, Mapping[str, object]] = {
     "decode_attention=per_sequence": {"decode_attention": "per_sequence"},
     "decode_attention=padded": {"decode_attention": "padded"},
     "enable_prefix_caching=False": {"enable_prefix_caching": False},
+    "model_impl=transformers (transformers' LlamaForCausalLM)": {"model_impl": "transformers"},
     "no C compiler (every fallback)": {
         "native_linears": False,
         "fused_ops": False,

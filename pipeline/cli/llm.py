@@ -51,6 +51,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("gguf", "int8"),
         help="weight-only 4/8-bit weights on CPU: a GGUF model's own (gguf) or int8 at load",
     )
+    group.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=("auto", "native", "transformers"),
+        help="actorline's own model class (native; auto: where it serves the model) or "
+        "transformers' (docs/models.md)",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -144,6 +151,7 @@ def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "device": args.device,
         "quantization": args.quantization,
+        "model_impl": args.model_impl,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -283,11 +291,12 @@ def _prespawn_engine(args: argparse.Namespace) -> None:
     Also start loading the tokenizer here, on a thread (stages.tokenize.prefetch_tokenizer),
     instead of after the engine process is up."""
     if getattr(args, "transport", "zmq") != "memory":  # one process: no engine host
-        from pipeline.engine.presets import ENGINE_PRELOAD
+        from pipeline.engine.presets import engine_preload
         from pipeline.runtime.prespawn import prespawn_host
 
+        preload = engine_preload(args.model, getattr(args, "model_impl", "auto"))
         with contextlib.suppress(OSError):  # the engine then starts its host as usual
-            prespawn_host(ENGINE_PRELOAD)
+            prespawn_host(preload)
     from stages.tokenize import prefetch_tokenizer
 
     prefetch_tokenizer(args.model)

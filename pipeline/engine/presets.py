@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.engine.options import EngineOptions
 from pipeline.runtime.graph import Pipeline
@@ -38,7 +38,9 @@ __all__ = [
     "ENGINE_HOST",
     "ENGINE_PRELOAD",
     "REPLICA_SET",
+    "TRANSFORMERS_PRELOAD",
     "check_parallelism",
+    "engine_preload",
     "llm_pipeline",
     "options_of",
     "replica_suffix",
@@ -58,12 +60,32 @@ ENGINE_PRELOAD = (
     "stages.execute.runner",
     "stages.schedule",
     "stages.admit",
+)
+#: what it imports besides when transformers' model classes will load the model (a model
+#: actorline's own classes serve, stages.execute.llama, never imports them)
+TRANSFORMERS_PRELOAD = (
     "transformers:AutoModelForCausalLM",
     "transformers:AutoConfig",
     "transformers.modeling_utils",
     "transformers.activations",
     "transformers.generation.utils",
 )
+
+
+def engine_preload(model: str, model_impl: str = "auto") -> tuple[str, ...]:
+    """What a prespawned engine host of ``model`` imports first: transformers' modeling stack
+    only where the model will load through it (docs/performance.md §3)."""
+    from stages.execute.model_impl import native_config
+    from stages.models import ModelError, resolve_model
+
+    native = False
+    if model_impl != "transformers":
+        try:
+            native = native_config(resolve_model(model).path) is not None
+        except ModelError:
+            pass  # the engine reports it when it loads
+    return ENGINE_PRELOAD if native else ENGINE_PRELOAD + TRANSFORMERS_PRELOAD
+
 
 #: the options each pipeline llm_pipeline built was built from (edits keep the object)
 _BUILT_FROM: weakref.WeakKeyDictionary[Pipeline, EngineOptions] = weakref.WeakKeyDictionary()
@@ -113,6 +135,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
         dtype=options.dtype,
         device=options.device,
         quantization=options.quantization,
+        model_impl=options.model_impl,
         block_size=options.block_size,
         num_blocks=options.num_blocks,
         kv_cache_memory=options.kv_cache_memory,
@@ -234,6 +257,8 @@ def tensor_parallel_host(engine_host: str, rank: int) -> str:
 def _add_ranks(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_host: str) -> None:
     """The other tensor-parallel ranks of the execute stage ``execute``, each on its own host,
     fed by its ``ranks`` port (``docs/architecture.md`` §8)."""
+    if config.tensor_parallel_size == 1:
+        return  # NOTE: before the import: the rank stage's module imports torch
     from stages.execute.rank import RankConfig, TensorParallelRankStage
 
     for rank in range(1, config.tensor_parallel_size):
@@ -261,13 +286,18 @@ def check_parallelism(options: EngineOptions) -> None:
 
         load_router(options.router)
     if options.tensor_parallel_size > 1:
-        from transformers import AutoConfig
-
+        from stages.execute.model_impl import native_config
         from stages.execute.tensor_parallel import check_tensor_parallel
         from stages.models import resolve_model
 
         resolved = resolve_model(options.model)
-        config = AutoConfig.from_pretrained(resolved.path)
+        # NOTE: the head counts are the config's either way; transformers' config classes
+        # (and their import) only where actorline's own model class does not read it.
+        config: Any = native_config(resolved.path)
+        if config is None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(resolved.path)
         check_tensor_parallel(config, options.tensor_parallel_size, resolved.name)
 
 

@@ -667,6 +667,10 @@ def enable_paged_attention(model: Any) -> None:
         UnsupportedModelError: the model class does not dispatch through the attention
             interface.
     """
+    set_function = getattr(model, "set_attention_function", None)
+    if callable(set_function):  # actorline's own model classes (stages.execute.llama)
+        set_function(ATTENTION_NAME, paged_attention_forward)
+        return
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

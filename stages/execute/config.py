@@ -7,6 +7,7 @@ import dataclasses
 __all__ = [
     "DEFAULT_KV_CACHE_MEMORY",
     "DTYPES",
+    "MODEL_IMPLS",
     "QUANTIZATIONS",
     "ExecuteConfig",
     "ExecuteConfigError",
@@ -17,6 +18,7 @@ DEFAULT_KV_CACHE_MEMORY = 384 * 1024 * 1024
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 QUANTIZATIONS = ("gguf", "int8")
+MODEL_IMPLS = ("auto", "native", "transformers")
 _DECODE_ATTENTION_MODES = ("auto", "native", "grouped", "padded", "per_sequence")
 
 
@@ -69,6 +71,10 @@ class ExecuteConfig:
       Q8_0/Q4_0/Q4_1/Q4_K weights as they are) or ``"int8"`` (quantize any checkpoint's
       linears to int8 at load); weight-only, fp32 activations and KV, CPU fp32 only
       (:mod:`stages.execute.quantization`).
+    - ``model_impl``: ``auto`` (default: actorline's own model class where it serves the
+      checkpoint, :mod:`stages.execute.llama`, else transformers'), ``native`` (actorline's own,
+      refused where it does not serve the checkpoint) or ``transformers`` (always
+      transformers' class), as vLLM's ``--model-impl``.
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -93,6 +99,7 @@ class ExecuteConfig:
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 30.0
     quantization: str | None = None
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -129,6 +136,10 @@ class ExecuteConfig:
                 raise ExecuteConfigError(flag, "must be a boolean")
         if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
             raise ExecuteConfigError("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ExecuteConfigError(
+                "model_impl", f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ExecuteConfigError(
                 "quantization",

@@ -12,14 +12,15 @@ that hangs makes rank 0's next collective time out (``tensor_parallel_timeout``)
 from __future__ import annotations
 
 import dataclasses
-
-import torch
+from typing import TYPE_CHECKING
 
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
-from stages.execute.runner import ModelRunner
-from stages.execute.tensor_parallel import Rendezvous, ShardStep, threads_per_rank
+from stages.execute.rank_messages import Rendezvous, ShardStep
 from stages.models import loading
+
+if TYPE_CHECKING:
+    from stages.execute.runner import ModelRunner
 
 __all__ = ["RankConfig", "TensorParallelRankStage"]
 
@@ -53,6 +54,13 @@ class TensorParallelRankStage(Stage):
     async def on_rendezvous(self, rendezvous: Rendezvous) -> None:
         if self.runner is not None:
             raise RuntimeError(f"rank {self.config.rank} got a second rendezvous")
+        # NOTE: imported here, not with the module: the frontend imports this class to build
+        # the graph, and torch has no business on its side of the start-up.
+        import torch
+
+        from stages.execute.runner import ModelRunner
+        from stages.execute.tensor_parallel import threads_per_rank
+
         runner = ModelRunner(self.config.execute, rank=self.config.rank, rendezvous=rendezvous)
 
         def load() -> None:

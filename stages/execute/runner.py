@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.metadata
 import logging
 import sys
 import time
@@ -60,6 +61,8 @@ from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
 from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import grammar_rows
+from stages.execute.llama import load_native_llama
+from stages.execute.model_impl import native_config
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import (
     PagedDecodeKernel,
@@ -86,7 +89,7 @@ from stages.messages import (
     SchedulerStep,
     StepResult,
 )
-from stages.models import resolve_model
+from stages.models import quiet_transformers, resolve_model
 
 __all__ = ["ModelRunner", "PreparedStep", "StepError"]
 
@@ -217,8 +220,6 @@ class ModelRunner:
             ExecuteConfigError: the config does not fit the model or the machine (no CUDA,
                 max_model_len too long, cache too small).
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         config = self.config
         parallel = config.tensor_parallel_size
         resolved = resolve_model(config.model)
@@ -226,17 +227,30 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         if on_cpu and config.tune_allocator:
             tune_allocator()
-        hf_config = AutoConfig.from_pretrained(resolved.path)
+        own = native_config(resolved.path) if config.model_impl != "transformers" else None
+        if own is None and config.model_impl == "native":
+            raise UnsupportedModelError(
+                f"model_impl 'native': actorline's own model classes do not serve "
+                f"{resolved.name} (see stages.execute.llama); use 'auto' or 'transformers'"
+            )
+        hf_config: Any = own if own is not None else _transformers_config(resolved.path)
         check_model_config(hf_config, config.max_model_len)
         check_tensor_parallel(hf_config, parallel, resolved.name)
         self.dtype = _resolve_dtype(config.dtype, hf_config)
-        # NOTE: the model gets its own deep copy of the config: switching the attention
-        # implementation mutates it, and models built from one config object share it.
-        model = AutoModelForCausalLM.from_pretrained(
-            resolved.path, config=copy.deepcopy(hf_config), dtype=self.dtype
-        )
+        model: Any
+        if own is not None:
+            model = load_native_llama(resolved.path, own, self.dtype)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            quiet_transformers()
+            # NOTE: the model gets its own deep copy of the config: switching the attention
+            # implementation mutates it, and models built from one config object share it.
+            model = AutoModelForCausalLM.from_pretrained(
+                resolved.path, config=copy.deepcopy(hf_config), dtype=self.dtype
+            )
         model.eval()
-        model.to(self.device)  # type: ignore[arg-type]
+        model.to(self.device)
         self.model = model
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -373,8 +387,6 @@ class ModelRunner:
 
     def _probe_key(self, model_dir: Path) -> str:
         """The key under which this load's checks are remembered (stages.execute.probe_cache)."""
-        import transformers
-
         config = self.config
         libraries: list[Path] = []
         if self.device.type == "cpu":
@@ -396,11 +408,12 @@ class ModelRunner:
             "max_model_len",
             "tensor_parallel_size",
             "quantization",
+            "model_impl",
         )
         versions = {
             "python": sys.version,
             "torch": torch.__version__,
-            "transformers": transformers.__version__,
+            "transformers": _library_version("transformers"),
         }
         settings_used: dict[str, object] = {name: getattr(config, name) for name in fields}
         settings_used.update(dtype=str(self.dtype), device=str(self.device), rank=self.rank)
@@ -784,6 +797,21 @@ def _decode_mode(requested: str, device: torch.device, native_fits: bool) -> Dec
         # NOTE: on a GPU one padded call is best; CPU caches favour length groups.
         return "padded" if device.type == "cuda" else "grouped"
     return cast(DecodeAttentionMode, requested)
+
+
+def _transformers_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def _library_version(name: str) -> str:
+    """An installed distribution's version, read without importing it (transformers' import
+    takes seconds, and an engine serving a native model never needs it)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
 
 
 def _eos_token_ids(model: Any) -> tuple[int, ...]:

@@ -11,18 +11,23 @@ hosts the ranks' rendezvous, loads its shard while they load theirs, and for eac
 does the bookkeeping (:meth:`ModelRunner.prepare`), sends the packed batch to the other ranks,
 then runs its forward pass and samples (:meth:`ModelRunner.run`). Each rank gets
 ``threads_per_rank(N)`` torch threads, so N ranks do not oversubscribe the cores.
+
+NOTE: torch and the runner are imported when the stage starts, not with this module: the
+frontend imports every stage class to build and check the pipeline graph, and torch's import
+(1.4 s here) has no business on its side of the start-up (docs/performance.md §3).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
-from stages.execute.runner import ModelRunner
-from stages.execute.tensor_parallel import host_rendezvous, threads_per_rank
 from stages.messages import EngineInfo, SchedulerStep
 from stages.models import loading
+
+if TYPE_CHECKING:
+    from stages.execute.runner import ModelRunner
 
 __all__ = ["RENDEZVOUS_HOST", "ExecuteStage"]
 
@@ -41,6 +46,11 @@ class ExecuteStage(Stage):
         self._store: object = None  # rank 0's TCPStore, alive as long as the group
 
     async def start(self) -> None:
+        import torch
+
+        from stages.execute.runner import ModelRunner
+        from stages.execute.tensor_parallel import host_rendezvous, threads_per_rank
+
         size = self.config.tensor_parallel_size
         rendezvous = None
         if size > 1:

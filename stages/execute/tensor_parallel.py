@@ -31,7 +31,6 @@ collective may wait :data:`JOIN_TIMEOUT` instead.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import math
@@ -40,11 +39,10 @@ import re
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from stages.execute.config import ExecuteConfigError
-from transports.codec import message
+from stages.execute.rank_messages import Rendezvous, ShardStep
 
 __all__ = [
     "JOIN_TIMEOUT",
@@ -74,33 +72,6 @@ _STORE_PREFIX = "actorline-tp"
 class TensorParallelError(RuntimeError):
     """A tensor-parallel collective failed: another rank died (its connection closed) or did
     not take part within the group's timeout (it hangs)."""
-
-
-@message(140)
-@dataclasses.dataclass(frozen=True, slots=True)
-class Rendezvous:
-    """Where the ranks of one engine meet: rank 0's ``TCPStore`` at ``host:port``.
-    ``timeout``: seconds a collective may wait for the other ranks."""
-
-    host: str
-    port: int
-    world_size: int
-    timeout: float
-
-
-@message(141)
-@dataclasses.dataclass(frozen=True, slots=True)
-class ShardStep:
-    """One step's packed batch, from rank 0 to every other rank (see
-    :func:`stages.execute.attention.build_step_metadata` for the meaning of each column).
-    ``block_tables`` is ``[rows, width]``, each row padded with the reserved block."""
-
-    step_id: int
-    token_ids: np.ndarray  # [T] int64
-    query_starts: np.ndarray  # [R] int64
-    query_lens: np.ndarray  # [R] int64
-    num_decode: int
-    block_tables: np.ndarray  # [R, W] int64
 
 
 def valid_tensor_parallel_sizes(hf_config: Any) -> list[int]:

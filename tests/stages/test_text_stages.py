@@ -247,18 +247,19 @@ def test_an_abort_that_overtakes_its_request_leaves_no_state(default_model_dir: 
 def test_a_prefetched_tokenizer_goes_to_the_next_load(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformers import AutoTokenizer
+    from transformers import TokenizersBackend
 
     from stages.tokenize import load_tokenizer, prefetch_tokenizer
 
     loads: list[str] = []
-    real = AutoTokenizer.from_pretrained
+    real = TokenizersBackend.from_pretrained
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         loads.append(str(args[0]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counting)
+    # NOTE: the tiny model's tokenizer is the plain class, which loads without AutoTokenizer
+    monkeypatch.setattr(TokenizersBackend, "from_pretrained", counting)
     model = str(tiny_model_dir)
     prefetch_tokenizer(model)
     prefetch_tokenizer(model)  # one at a time per model

@@ -21,6 +21,43 @@ from stages.tokenize import (
 )
 
 
+def test_a_plain_tokenizer_loads_as_autotokenizer_would_without_importing_torch(
+    tiny_model_dir: Path,
+) -> None:
+    """A tokenizer saved as transformers' plain tokenizers-backed class loads as that class
+    directly (AutoTokenizer's import pulls in torch: docs/performance.md §3), and is the
+    tokenizer AutoTokenizer gives: the same class, ids, text and chat template."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    ours, theirs = (
+        load_tokenizer(str(tiny_model_dir)),
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
+    assert type(ours) is type(theirs)
+    texts = ["Hello, world!", "  leading spaces\n\ttabs", "émoji 🙂 ünïcode", "<|im_start|>x"]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(
+        chat, tokenize=False
+    )
+    assert ours.eos_token_id == theirs.eos_token_id
+    assert ours.all_special_ids == theirs.all_special_ids
+    script = (
+        "import sys\nfrom stages.tokenize import load_tokenizer\n"
+        f"load_tokenizer({str(tiny_model_dir)!r})\nprint('torch' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
 @pytest.fixture(scope="module")
 def stage(tiny_model_dir: Path) -> TokenizeStage:
     stage = TokenizeStage(TokenizeConfig(str(tiny_model_dir)))

@@ -1,0 +1,344 @@
+"""actorline's own Llama: the decoder of ``LlamaForCausalLM`` checkpoints, built and loaded from
+``config.json`` and safetensors without importing transformers' modeling stack.
+
+Why: importing ``transformers`` with its modeling code (``modeling_utils``, the Llama module,
+``generation``) takes 2.5-3 s on this machine kind on top of torch's own import, and it sat on
+the engine's critical path to its first token (docs/performance.md §3). An engine serving a
+Llama checkpoint now imports torch and actorline alone; every other architecture still loads
+through transformers. ``ExecuteConfig.model_impl``: ``auto`` picks this class where
+:func:`stages.execute.model_impl.native_config` accepts the checkpoint (``model_type``
+``llama`` with ``LlamaForCausalLM`` as its architecture, SiLU MLPs, the default RoPE without
+scaling, ``pretraining_tp`` 1, unquantized safetensors weights in one file or shards), and
+``transformers`` always takes transformers' own class.
+
+The module tree, its names and its arithmetic are transformers' (``transformers/models/llama/
+modeling_llama.py``: ``LlamaRMSNorm``, ``LlamaRotaryEmbedding`` with the default RoPE,
+``LlamaAttention``, ``LlamaMLP``, ``LlamaDecoderLayer``), so everything the execute stage does
+to a loaded model works on it unchanged: the fused RMSNorm and gate/up projection
+(:mod:`stages.execute.fused`, which matches modules by name and checks them against their own
+forwards), the packed linears (:mod:`stages.execute.cpu`), the tensor-parallel plan (the same
+``base_model_tp_plan``), weight-only quantization, and paged attention, which each attention
+module calls exactly as transformers' ``AttentionInterface`` would (``module, query, key,
+value, attention_mask, scaling=``). Logits are checked identical to transformers' class
+(tests/stages/execute/test_llama.py). What transformers does per forward and the engine never
+needs is left out: the causal-mask construction (paged attention masks itself), caches,
+output records, gradient checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from stages.execute.model_impl import INDEX_FILE, WEIGHTS_FILE, NativeConfig
+
+__all__ = ["NativeLlamaForCausalLM", "load_native_llama"]
+
+logger = logging.getLogger("actorline.execute")
+
+#: an attention function in transformers' ``AttentionInterface`` shape
+AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
+
+
+class LlamaRMSNorm(nn.Module):
+    """transformers' ``LlamaRMSNorm``: ``weight * (x * rsqrt(mean(x^2) + eps))`` in fp32."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class LlamaRotaryEmbedding(nn.Module):
+    """The default RoPE: ``cos``/``sin`` of ``position * theta^(-2i/d)``, halves repeated."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        # NOTE: an explicit device: the model is built under torch.device("meta") (no weight
+        # init), and this buffer is computed, not loaded.
+        steps = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu")
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", 1.0 / (theta ** (steps / head_dim)), persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [1, T] -> 2 x [1, T, D]
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device, torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _causal_sdpa(
+    module: nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The model's own attention (before paged attention replaces it; the load-time probe
+    compares the two): causal SDPA over the whole input, KV heads repeated per group."""
+    del module, attention_mask, dropout, kwargs
+    group = query.shape[1] // key.shape[1]
+    if group > 1:
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling
+    )
+    return output.transpose(1, 2).contiguous(), None  # [1, T, Hq, D]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: NativeConfig, layer_idx: int, attention: list[AttentionFn]) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        hidden, heads, kv_heads = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+        )
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        self._attention = attention  # shared with the model: one slot for every layer
+
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:  # [1, T, H] -> [1, T, H]
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [1, Hq, T, D]
+        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [1, Hkv, T, D]
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        output, _ = self._attention[0](
+            self, query, key, value, None, dropout=0.0, scaling=self.scaling
+        )
+        return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1).contiguous())
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: NativeConfig) -> None:
+        super().__init__()
+        hidden, width, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, width, bias=bias)
+        self.up_proj = nn.Linear(hidden, width, bias=bias)
+        self.down_proj = nn.Linear(width, hidden, bias=bias)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: NativeConfig, layer_idx: int, attention: list[AttentionFn]) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, attention)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), cos, sin
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: NativeConfig, attention: list[AttentionFn]) -> None:
+        super().__init__()
+        # NOTE: given its (empty) weight, Embedding skips its normal_ init, which on the meta
+        # device goes through torch._refs and imports torch._dynamo (1.3 s).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, index, attention) for index in range(config.num_hidden_layers)
+        )
+        self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = False
+    ) -> torch.Tensor:  # [1, T] -> [1, T, H]
+        del use_cache
+        hidden_states = self.embed_tokens(input_ids)  # [1, T, H]
+        cos, sin = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin)
+        return self.norm(hidden_states)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CausalLMOutput:
+    logits: torch.Tensor  # [1, S, V]
+
+
+class NativeLlamaForCausalLM(nn.Module):
+    """``LlamaForCausalLM``'s forward as the execute stage calls it: ``input_ids [1, T]``,
+    ``position_ids [1, T]``, ``logits_to_keep`` (an int: the last n rows; a tensor: those rows)
+    → ``.logits [1, S, V]``."""
+
+    base_model_prefix = "model"
+
+    def __init__(self, config: NativeConfig, generation_config: Any = None) -> None:
+        super().__init__()
+        self.config = config
+        self.generation_config = generation_config
+        self._attention: list[AttentionFn] = [_causal_sdpa]
+        self.model = LlamaModel(config, self._attention)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def get_decoder(self) -> LlamaModel:
+        return self.model
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, module: nn.Module) -> None:
+        self.model.embed_tokens = module  # type: ignore[assignment]
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def set_attention_function(self, name: str, function: AttentionFn) -> None:
+        """Route every layer's attention to ``function`` (paged attention:
+        :func:`stages.execute.attention.enable_paged_attention`), recorded as
+        ``config._attn_implementation = name`` as transformers records it."""
+        self._attention[0] = function
+        self.config._attn_implementation = name
+
+    def set_attn_implementation(self, name: str) -> None:
+        """transformers' method, for the names that mean the model's own causal attention
+        (``sdpa``, ``eager``).
+
+        Raises:
+            ValueError: another name.
+        """
+        if name not in ("sdpa", "eager"):
+            raise ValueError(
+                f"attention implementation {name!r}: this model's own attention is 'sdpa' "
+                "(or 'eager'); others are set with set_attention_function"
+            )
+        self.set_attention_function(name, _causal_sdpa)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool = False,
+        logits_to_keep: int | torch.Tensor = 0,
+    ) -> CausalLMOutput:
+        del use_cache  # the paged KV cache lives outside the model
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        hidden_states = self.model(input_ids, position_ids)
+        if isinstance(logits_to_keep, int):
+            hidden_states = hidden_states[:, -logits_to_keep:, :]
+        else:
+            hidden_states = hidden_states[:, logits_to_keep, :]
+        return CausalLMOutput(self.lm_head(hidden_states))
+
+
+def load_native_llama(
+    model_dir: Path, config: NativeConfig, dtype: torch.dtype
+) -> NativeLlamaForCausalLM:
+    """Build the model without initializing weights and take every tensor from the checkpoint's
+    safetensors (in ``dtype``); the LM head shares the embeddings when the config ties them.
+
+    Raises:
+        ValueError: the checkpoint lacks a tensor the model needs, or holds one it does not
+            know, or a tensor's shape differs from the config's.
+    """
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = NativeLlamaForCausalLM(config, _generation_config(model_dir))
+    expected = dict(model.named_parameters())
+    loaded: dict[str, torch.Tensor] = {}
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name not in expected:
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue  # older checkpoints saved the computed buffer
+                    raise ValueError(f"{model_dir}: tensor {name!r} is not part of a Llama model")
+                tensor = handle.get_tensor(name)
+                if tuple(tensor.shape) != tuple(expected[name].shape):
+                    raise ValueError(
+                        f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, the "
+                        f"config makes it {tuple(expected[name].shape)}"
+                    )
+                loaded[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} tensors: {missing[:4]}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _weight_files(model_dir: Path) -> Iterable[Path]:
+    if (model_dir / WEIGHTS_FILE).is_file():
+        return [model_dir / WEIGHTS_FILE]
+    index = json.loads((model_dir / INDEX_FILE).read_text())
+    return [model_dir / name for name in dict.fromkeys(index["weight_map"].values())]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _GenerationConfig:
+    eos_token_id: int | list[int] | None
+
+
+def _generation_config(model_dir: Path) -> _GenerationConfig | None:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError:
+        logger.warning("ignoring unreadable %s", path)
+        return None
+    return _GenerationConfig(raw.get("eos_token_id")) if isinstance(raw, dict) else None

@@ -1,0 +1,118 @@
+"""Which model class serves a checkpoint: actorline's own (:mod:`stages.execute.llama`) or
+transformers', read from ``config.json`` alone. No torch and no transformers here: the CLI asks
+before it starts the engine process, to decide whether that process preloads transformers
+(docs/performance.md §3)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+__all__ = ["INDEX_FILE", "LLAMA_TP_PLAN", "WEIGHTS_FILE", "NativeConfig", "native_config"]
+
+logger = logging.getLogger("actorline.execute")
+
+#: which linears tensor parallelism splits, as transformers' ``LlamaConfig.base_model_tp_plan``
+LLAMA_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class NativeConfig:
+    """A model's ``config.json`` as attributes, with Llama's defaults filled in: what the
+    execute stage reads of an HF config (``get_text_config()``, ``to_dict()``, the head counts,
+    ``base_model_tp_plan``, ``_attn_implementation``), without transformers' config classes."""
+
+    base_model_tp_plan = LLAMA_TP_PLAN
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self._raw = dict(raw)
+        self.__dict__.update(raw)
+        self.vocab_size = int(raw["vocab_size"])
+        self.hidden_size = int(raw["hidden_size"])
+        self.intermediate_size = int(raw["intermediate_size"])
+        self.num_hidden_layers = int(raw["num_hidden_layers"])
+        self.num_attention_heads = heads = int(raw["num_attention_heads"])
+        self.num_key_value_heads = int(raw.get("num_key_value_heads") or heads)
+        self.head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
+        self.rms_norm_eps = float(raw.get("rms_norm_eps", 1e-6))
+        self.attention_bias = bool(raw.get("attention_bias", False))
+        self.mlp_bias = bool(raw.get("mlp_bias", False))
+        self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
+        self.max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
+        self.rope_theta = float(_rope_parameters(raw).get("rope_theta", 10000.0))
+        self._attn_implementation = "sdpa"
+
+    def get_text_config(self) -> NativeConfig:
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._raw)
+
+
+def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """RoPE as transformers 5 states it (``rope_parameters``) or 4 (``rope_theta`` beside
+    ``rope_scaling``)."""
+    parameters = raw.get("rope_parameters")
+    if isinstance(parameters, dict):
+        return parameters
+    merged: dict[str, Any] = dict(raw.get("rope_scaling") or {})
+    if "rope_theta" in raw:
+        merged["rope_theta"] = raw["rope_theta"]
+    return merged
+
+
+def native_config(model_dir: Path) -> NativeConfig | None:
+    """The checkpoint's config when actorline's own Llama serves it (see the module
+    docstring), else None (the reason logged at debug): it then loads through transformers."""
+
+    def decline(reason: str) -> None:
+        logger.debug("execute: %s loads through transformers: %s", model_dir, reason)
+
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        decline(f"config.json unreadable ({error})")
+        return None
+    if not isinstance(raw, dict):
+        decline("config.json is not an object")
+        return None
+    rope = _rope_parameters(raw)
+    checks = (
+        (raw.get("model_type") == "llama", f"model_type {raw.get('model_type')!r}"),
+        (
+            raw.get("architectures") in (None, ["LlamaForCausalLM"]),
+            f"architectures {raw.get('architectures')!r}",
+        ),
+        (raw.get("hidden_act", "silu") == "silu", f"hidden_act {raw.get('hidden_act')!r}"),
+        (
+            rope.get("rope_type", rope.get("type", "default")) == "default",
+            f"RoPE type {rope.get('rope_type', rope.get('type'))!r}",
+        ),
+        (raw.get("pretraining_tp", 1) in (1, None), "pretraining_tp > 1"),
+        ("quantization_config" not in raw, "a quantization_config"),
+        (
+            (model_dir / WEIGHTS_FILE).is_file() or (model_dir / INDEX_FILE).is_file(),
+            "no safetensors weights",
+        ),
+    )
+    for accepted, reason in checks:
+        if not accepted:
+            decline(reason)
+            return None
+    try:
+        return NativeConfig(raw)
+    except (KeyError, TypeError, ValueError) as error:
+        decline(f"config incomplete ({type(error).__name__}: {error})")
+        return None

@@ -1,0 +1,42 @@
+"""What rank 0 of a tensor-parallel engine sends its other ranks (stages.execute.tensor_parallel,
+``docs/architecture.md`` §8): the rendezvous, then one packed batch per step. Apart from the
+rest of tensor_parallel so that the rank stage's module, which the frontend imports to build
+the pipeline graph, needs no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from transports.codec import message
+
+__all__ = ["Rendezvous", "ShardStep"]
+
+
+@message(140)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where the ranks of one engine meet: rank 0's ``TCPStore`` at ``host:port``.
+    ``timeout``: seconds a collective may wait for the other ranks."""
+
+    host: str
+    port: int
+    world_size: int
+    timeout: float
+
+
+@message(141)
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardStep:
+    """One step's packed batch, from rank 0 to every other rank (see
+    :func:`stages.execute.attention.build_step_metadata` for the meaning of each column).
+    ``block_tables`` is ``[rows, width]``, each row padded with the reserved block."""
+
+    step_id: int
+    token_ids: np.ndarray  # [T] int64
+    query_starts: np.ndarray  # [R] int64
+    query_lens: np.ndarray  # [R] int64
+    num_decode: int
+    block_tables: np.ndarray  # [R, W] int64
