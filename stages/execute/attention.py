@@ -40,10 +40,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import mmap
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -95,9 +95,6 @@ DECODE_ATTENTION_MODES: tuple[str, ...] = ("native", "grouped", "padded", "per_s
 AUTO_GROUP_MAX_KEYS = 4096  # padded keys (rows x longest context) per group
 AUTO_GROUP_MAX_PADDING = 1.5  # max length / min length within a group
 
-# CPU cache dtypes numpy can calloc (KVCache.allocate)
-_CALLOC_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
-
 
 @dataclasses.dataclass(slots=True)
 class KVCache:
@@ -123,16 +120,26 @@ class KVCache:
     ) -> KVCache:
         """Zero-filled cache of ``num_blocks`` blocks (including block 0) per layer.
 
-        On CPU (fp32, fp16) every layer's keys and values are views of one zeroed buffer from
-        ``calloc``: the allocator maps it fresh from the OS, whose pages read as zeros until
-        first written, so start-up touches none of it (``torch.zeros`` writes every byte: ~0.5 s
-        for the default 384 MiB here) and only the blocks requests use ever become resident.
+        On CPU every layer's keys and values are views of one anonymous ``mmap``: the OS maps
+        its pages on first write, zeroed, so start-up touches none of it (``torch.zeros``
+        writes every byte: ~0.5 s for the default 384 MiB here) and only the blocks requests
+        use ever become resident.
+
+        NOTE: in 4 KiB pages, not transparent huge pages. numpy's ``zeros`` (which this used)
+        ``madvise``s large buffers ``MADV_HUGEPAGE``, and then each first write to a 2 MiB
+        region faults in a huge page the kernel must find and zero: 4-5 ms a fault on this
+        machine kind, so a model's first token paid one per layer's keys and values (60 for
+        SmolLM2-135M: 0.24-0.32 s), and every ~2,700 tokens of one layer's cache another. In
+        4 KiB pages the first token's writes cost 0.4 ms and 800 KiB more of each of the 60
+        tensors 13 ms, against 2 ms plus the faults; reading them back costs the same
+        (docs/performance.md §3).
         """
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        if device.type == "cpu" and dtype in _CALLOC_DTYPES:
-            buffer = torch.from_numpy(
-                np.zeros((2, num_layers, *shape), dtype=_CALLOC_DTYPES[dtype])
-            )
+        if device.type == "cpu":
+            element = torch.empty((), dtype=dtype).element_size()
+            size = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * element
+            pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buffer = torch.frombuffer(pages, dtype=dtype).view(2, num_layers, *shape)
             return cls(key=list(buffer[0]), value=list(buffer[1]), block_size=block_size)
         key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

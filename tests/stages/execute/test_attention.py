@@ -6,6 +6,7 @@ attention sinks (gpt-oss)."""
 from __future__ import annotations
 
 import copy
+import gc
 import types
 from typing import Any
 
@@ -366,15 +367,19 @@ def test_supported_configs_pass() -> None:
     check_model_config(config_of(layer_types=["full_attention", "sliding_attention"]))
 
 
-def test_a_cpu_cache_is_zeros_in_one_lazily_mapped_buffer() -> None:
-    """Every layer's keys and values are contiguous, disjoint views of one zeroed buffer."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_cache_is_zeros_in_one_lazily_mapped_buffer(dtype: torch.dtype) -> None:
+    """Every layer's keys and values are contiguous, disjoint views of one zeroed buffer
+    (an anonymous mapping, which outlives the function that made it)."""
     cache = KVCache.allocate(
         num_layers=3, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8,
-        dtype=torch.float32, device=torch.device("cpu"),
+        dtype=dtype, device=torch.device("cpu"),
     )  # fmt: skip
+    gc.collect()
     tensors = [*cache.key, *cache.value]
     assert all(t.shape == (20, 2, 8) and t.is_contiguous() for t in tensors)
     assert all(float(t.abs().sum()) == 0.0 for t in tensors)
     cache.key[1].fill_(1.0)
     assert float(cache.key[0].abs().sum()) == 0.0 and float(cache.value[1].abs().sum()) == 0.0
-    assert cache.nbytes == 2 * 3 * 20 * 2 * 8 * 4
+    assert cache.nbytes == 2 * 3 * 20 * 2 * 8 * cache.key[0].element_size()
+    assert all(t.dtype == dtype for t in tensors)
