@@ -7,9 +7,9 @@ the engine's critical path to its first token (docs/performance.md §3). An engi
 Llama checkpoint now imports torch and actorline alone; every other architecture still loads
 through transformers. ``ExecuteConfig.model_impl``: ``auto`` picks this class where
 :func:`stages.execute.model_impl.native_config` accepts the checkpoint (``model_type``
-``llama`` with ``LlamaForCausalLM`` as its architecture, SiLU MLPs, the default RoPE without
-scaling, ``pretraining_tp`` 1, unquantized safetensors weights in one file or shards), and
-``transformers`` always takes transformers' own class.
+``llama`` with ``LlamaForCausalLM`` as its architecture, SiLU MLPs, the default RoPE or Llama
+3.1's ``llama3`` bands, ``pretraining_tp`` 1, unquantized safetensors weights in one file or
+shards), and ``transformers`` always takes transformers' own class.
 
 The module tree, its names and its arithmetic are transformers' (``transformers/models/llama/
 modeling_llama.py``: ``LlamaRMSNorm``, ``LlamaRotaryEmbedding`` with the default RoPE,
@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -69,13 +70,18 @@ class LlamaRMSNorm(nn.Module):
 class LlamaRotaryEmbedding(nn.Module):
     """The default RoPE: ``cos``/``sin`` of ``position * theta^(-2i/d)``, halves repeated."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, llama3: tuple[float, float, float, float] | None = None
+    ) -> None:
         super().__init__()
         # NOTE: an explicit device: the model is built under torch.device("meta") (no weight
         # init), and this buffer is computed, not loaded.
         steps = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu")
+        inv_freq = 1.0 / (theta ** (steps / head_dim))
+        if llama3 is not None:
+            inv_freq = _llama3_frequencies(inv_freq, *llama3)
         self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", 1.0 / (theta ** (steps / head_dim)), persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor
@@ -83,6 +89,20 @@ class LlamaRotaryEmbedding(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device, torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def _llama3_frequencies(
+    inv_freq: torch.Tensor, factor: float, low: float, high: float, original: float
+) -> torch.Tensor:
+    """Llama 3.1's RoPE bands (transformers' ``modeling_rope_utils._compute_llama3_parameters``):
+    wavelengths longer than ``original / low`` are stretched by ``factor``, shorter than
+    ``original / high`` kept, and those between interpolated smoothly."""
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +213,9 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, index, attention) for index in range(config.num_hidden_layers)
         )
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary_emb = LlamaRotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_llama3
+        )
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = False

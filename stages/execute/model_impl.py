@@ -51,7 +51,24 @@ class NativeConfig:
         self.mlp_bias = bool(raw.get("mlp_bias", False))
         self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
         self.max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
-        self.rope_theta = float(_rope_parameters(raw).get("rope_theta", 10000.0))
+        rope = _rope_parameters(raw)
+        self.rope_theta = float(rope.get("rope_theta", 10000.0))
+        #: RoPE's type (``default`` or ``llama3``) and, for ``llama3``, its frequency bands:
+        #: ``(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)``
+        self.rope_type = str(rope.get("rope_type", rope.get("type", "default")))
+        self.rope_llama3: tuple[float, float, float, float] | None = None
+        if self.rope_type == "llama3":
+            # NOTE: as transformers' standardize_rope_params: a top-level
+            # original_max_position_embeddings wins, else max_position_embeddings.
+            original = raw.get("original_max_position_embeddings") or rope.get(
+                "original_max_position_embeddings", self.max_position_embeddings
+            )
+            self.rope_llama3 = (
+                float(rope["factor"]),
+                float(rope["low_freq_factor"]),
+                float(rope["high_freq_factor"]),
+                float(original),
+            )
         self._attn_implementation = "sdpa"
 
     def get_text_config(self) -> NativeConfig:
@@ -97,7 +114,7 @@ def native_config(model_dir: Path) -> NativeConfig | None:
         ),
         (raw.get("hidden_act", "silu") == "silu", f"hidden_act {raw.get('hidden_act')!r}"),
         (
-            rope.get("rope_type", rope.get("type", "default")) == "default",
+            rope.get("rope_type", rope.get("type", "default")) in ("default", "llama3"),
             f"RoPE type {rope.get('rope_type', rope.get('type'))!r}",
         ),
         (raw.get("pretraining_tp", 1) in (1, None), "pretraining_tp > 1"),

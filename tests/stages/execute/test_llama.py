@@ -80,6 +80,25 @@ def test_untied_head_with_biases_and_shards(tmp_path: Path) -> None:
     assert torch.equal(_native_logits(tmp_path, IDS), _hf_logits(tmp_path, IDS))
 
 
+def test_llama3_rope_bands_are_transformers(tmp_path: Path) -> None:
+    """Llama 3.1's RoPE scaling (the ``llama3`` type): long wavelengths stretched, short kept,
+    those between interpolated, with positions past the original context."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    model_dir = _save_tiny(tmp_path, rope_parameters=rope)
+    config = native_config(model_dir)
+    assert config is not None and config.rope_llama3 == (8.0, 1.0, 4.0, 64.0)
+    ids = torch.randint(3, 49152, (1, 200), generator=torch.Generator().manual_seed(3))
+    ours, theirs = _native_logits(model_dir, ids), _hf_logits(model_dir, ids)
+    assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+
+
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
