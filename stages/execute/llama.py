@@ -1,4 +1,4 @@
-"""actorline's own Llama: the decoder of ``LlamaForCausalLM`` checkpoints, built and loaded from
+"""actorline's own Llama: the decoder of ``LlamaForCausalLM`` (and Qwen2) checkpoints, built from
 ``config.json`` and safetensors without importing transformers' modeling stack.
 
 Why: importing ``transformers`` with its modeling code (``modeling_utils``, the Llama module,
@@ -7,7 +7,8 @@ the engine's critical path to its first token (docs/performance.md §3). An engi
 Llama checkpoint now imports torch and actorline alone; every other architecture still loads
 through transformers. ``ExecuteConfig.model_impl``: ``auto`` picks this class where
 :func:`stages.execute.model_impl.native_config` accepts the checkpoint (``model_type``
-``llama`` with ``LlamaForCausalLM`` as its architecture, SiLU MLPs, the default RoPE or Llama
+``llama`` with ``LlamaForCausalLM``, or ``qwen2`` with ``Qwen2ForCausalLM`` and no sliding
+windows: Llama with biased query/key/value projections; SiLU MLPs, the default RoPE or Llama
 3.1's ``llama3`` bands, ``pretraining_tp`` 1, unquantized safetensors weights in one file or
 shards), and ``transformers`` always takes transformers' own class.
 
@@ -146,11 +147,11 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
         )
-        bias = config.attention_bias
+        bias = config.qkv_bias
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=config.o_bias)
         self._attention = attention  # shared with the model: one slot for every layer
 
     def forward(

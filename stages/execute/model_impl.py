@@ -25,6 +25,9 @@ LLAMA_TP_PLAN = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 
+#: the model types actorline's own class serves, and their architecture name
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -48,6 +51,10 @@ class NativeConfig:
         self.head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
         self.rms_norm_eps = float(raw.get("rms_norm_eps", 1e-6))
         self.attention_bias = bool(raw.get("attention_bias", False))
+        # Qwen2 is Llama with biases on the query, key and value projections (not the output)
+        qwen2 = raw.get("model_type") == "qwen2"
+        self.qkv_bias = qwen2 or self.attention_bias
+        self.o_bias = not qwen2 and self.attention_bias
         self.mlp_bias = bool(raw.get("mlp_bias", False))
         self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
         self.max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
@@ -106,11 +113,18 @@ def native_config(model_dir: Path) -> NativeConfig | None:
         decline("config.json is not an object")
         return None
     rope = _rope_parameters(raw)
+    model_type = raw.get("model_type")
+    layer_types = raw.get("layer_types") or ()
     checks = (
-        (raw.get("model_type") == "llama", f"model_type {raw.get('model_type')!r}"),
+        (model_type in _ARCHITECTURES, f"model_type {model_type!r}"),
         (
-            raw.get("architectures") in (None, ["LlamaForCausalLM"]),
+            raw.get("architectures") in (None, [_ARCHITECTURES.get(str(model_type))]),
             f"architectures {raw.get('architectures')!r}",
+        ),
+        (
+            not raw.get("use_sliding_window")
+            and all(kind == "full_attention" for kind in layer_types),
+            "sliding-window layers",
         ),
         (raw.get("hidden_act", "silu") == "silu", f"hidden_act {raw.get('hidden_act')!r}"),
         (

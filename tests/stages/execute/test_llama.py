@@ -80,6 +80,20 @@ def test_untied_head_with_biases_and_shards(tmp_path: Path) -> None:
     assert torch.equal(_native_logits(tmp_path, IDS), _hf_logits(tmp_path, IDS))
 
 
+def test_qwen2_is_served_with_its_query_key_value_biases(tmp_path: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(4)
+    fields = {k: v for k, v in TINY_LLAMA.items() if k != "head_dim"}
+    Qwen2ForCausalLM(Qwen2Config(**fields)).save_pretrained(tmp_path / "full")
+    config = native_config(tmp_path / "full")
+    assert config is not None and config.qkv_bias and not config.o_bias
+    assert torch.equal(_native_logits(tmp_path / "full", IDS), _hf_logits(tmp_path / "full", IDS))
+    windowed = Qwen2Config(**fields, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    Qwen2ForCausalLM(windowed).save_pretrained(tmp_path / "windowed")
+    assert native_config(tmp_path / "windowed") is None  # transformers' class serves windows
+
+
 def test_llama3_rope_bands_are_transformers(tmp_path: Path) -> None:
     """Llama 3.1's RoPE scaling (the ``llama3`` type): long wavelengths stretched, short kept,
     those between interpolated, with positions past the original context."""
@@ -123,13 +137,13 @@ def test_other_architectures_and_missing_weights_are_declined(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     raw = json.loads((tiny_model_dir / "config.json").read_text())
-    qwen = tmp_path / "qwen"
-    qwen.mkdir()
-    (qwen / "config.json").write_text(
-        json.dumps({**raw, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(
+        json.dumps({**raw, "model_type": "mistral", "architectures": ["MistralForCausalLM"]})
     )
-    shutil.copy(tiny_model_dir / "model.safetensors", qwen / "model.safetensors")
-    assert native_config(qwen) is None
+    shutil.copy(tiny_model_dir / "model.safetensors", other / "model.safetensors")
+    assert native_config(other) is None
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(tiny_model_dir / "config.json", bare / "config.json")
