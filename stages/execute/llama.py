@@ -1,5 +1,5 @@
-"""actorline's own Llama: the decoder of ``LlamaForCausalLM`` (and Qwen2) checkpoints, built from
-``config.json`` and safetensors without importing transformers' modeling stack.
+"""actorline's own Llama: the decoder of ``LlamaForCausalLM`` (and Qwen2) checkpoints, built
+and loaded from ``config.json`` and safetensors without importing transformers' modeling stack.
 
 Why: importing ``transformers`` with its modeling code (``modeling_utils``, the Llama module,
 ``generation``) takes 2.5-3 s on this machine kind on top of torch's own import, and it sat on
