@@ -134,6 +134,7 @@ def gguf_path() -> Path:
             "no actorline.routers plugin named 'nope'",
         ),
         (["generate", "hi", "--quantization", "int4"], "argument --quantization: invalid choice"),
+        (["generate", "hi", "--model-impl", "vllm"], "argument --model-impl: invalid choice"),
         # argument errors argparse finds: one line too, not the usage block
         ([], "the following arguments are required: COMMAND"),
         (["generate"], "the following arguments are required: prompt"),
@@ -153,6 +154,20 @@ def test_bad_input_fails_with_one_clear_line(args: list[str], message: str) -> N
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(r"actorline( \w+)?: error: ", lines[0]), result.stderr
     assert message in lines[0]
+
+
+def test_both_model_classes_generate_the_same_text(tiny_model_dir: Path) -> None:
+    """``--model-impl``: actorline's own Llama class and transformers' give the same greedy
+    text through the whole CLI."""
+    texts = []
+    for impl in ("native", "transformers"):
+        result = actorline(
+            "generate", "Hello", "--model", str(tiny_model_dir), "--model-impl", impl,
+            "--max-tokens", "6", "--temperature", "0", "--ignore-eos",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        texts.append(result.stdout)
+    assert texts[0] == texts[1] and texts[0].strip()
 
 
 def test_gguf_quantization_of_an_hf_checkpoint_fails_with_one_line(tiny_model_dir: Path) -> None:

@@ -63,6 +63,22 @@ def test_logits_are_transformers_logits(
     )
 
 
+def test_a_bfloat16_checkpoint_keeps_its_dtype_and_transformers_logits(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(torch.bfloat16).save_pretrained(tmp_path)
+    config = native_config(tmp_path)
+    assert config is not None
+    ours = load_native_llama(tmp_path, config, torch.bfloat16).eval()
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        assert torch.equal(
+            ours(input_ids=IDS).logits, theirs(input_ids=IDS, use_cache=False).logits
+        )
+
+
 def test_untied_head_with_biases_and_shards(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
