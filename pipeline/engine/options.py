@@ -22,36 +22,36 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 class EngineOptions:
     """Everything ``AsyncEngine(model, **options)`` and ``LLM(model, **options)`` accept.
 
-        Model: ``model`` (alias, HF directory or .gguf), ``dtype`` ("float32", "bfloat16",
-        "auto"), ``device`` ("cpu", "cuda", "auto"), ``quantization`` (None; "gguf": a GGUF
-        model's own 4/8-bit weights as they are; "int8": any checkpoint's linears quantized at
-        load; weight-only with fp32 activations, on CPU: docs/models.md), ``model_impl`` ("auto":
+    Model: ``model`` (alias, HF directory or .gguf), ``dtype`` ("float32", "bfloat16",
+    "auto"), ``device`` ("cpu", "cuda", "auto"), ``quantization`` (None; "gguf": a GGUF
+    model's own 4/8-bit weights as they are; "int8": any checkpoint's linears quantized at
+    load; weight-only with fp32 activations, on CPU: docs/models.md), ``model_impl`` ("auto":
     actorline's own model class where it serves the checkpoint, else transformers'; "native";
     "transformers"; as vLLM's ``--model-impl``, docs/models.md). KV cache:
-        ``block_size``, ``num_blocks`` (an exact count) or ``kv_cache_memory`` (bytes),
-        ``enable_prefix_caching``, ``max_model_len``.
-        Batching: ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_chunk``,
-        ``scheduler`` (a policy name in ``actorline.schedulers``). Structured outputs:
-        ``grammar_backend`` (a name in ``actorline.grammars``; "llguidance" built in).
-        Topology: ``transport`` ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None).
-        Admission:
-        ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
-        per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)), ``rate_limit_burst``
-        (seconds of its rate each tenant's buckets hold: the largest burst a tenant may send at
-        once, and so also the largest request, prompt plus ``max_tokens``, under a tokens/s
-        limit). Benchmarking:
-        ``null_model`` replaces the model with :mod:`stages.execute.null` (random tokens at once,
-        real KV bookkeeping) to measure the framework alone. Process: ``tune_gc`` (default on)
-        raises the garbage collector's young-generation threshold while the engine runs and
-        freezes the engine process's start-up heap (see :mod:`pipeline.runtime.gc_policy`).
-        Parallelism (``docs/parallelism.md``): ``tensor_parallel_size`` splits the model over that
-        many ranks, each a process (``tensor_parallel_timeout``: seconds a collective waits for a
-        rank that hangs); ``data_parallel_size`` runs that many engine replicas behind a router
-        stage (``router``: a policy name in ``actorline.routers``). Ray: ``ray`` runs every engine
-        host (each replica's, each rank's) as a Ray actor, one placement group per replica
-        (``STRICT_PACK``: a replica's ranks share a node), ``ray_num_cpus`` CPUs per host, on the
-        cluster at ``ray_address`` (which implies ``ray``; None: ``RAY_ADDRESS``, else a new local
-        cluster).
+    ``block_size``, ``num_blocks`` (an exact count) or ``kv_cache_memory`` (bytes),
+    ``enable_prefix_caching``, ``max_model_len``.
+    Batching: ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_chunk``,
+    ``scheduler`` (a policy name in ``actorline.schedulers``). Structured outputs:
+    ``grammar_backend`` (a name in ``actorline.grammars``; "llguidance" built in).
+    Topology: ``transport`` ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None).
+    Admission:
+    ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
+    per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)), ``rate_limit_burst``
+    (seconds of its rate each tenant's buckets hold: the largest burst a tenant may send at
+    once, and so also the largest request, prompt plus ``max_tokens``, under a tokens/s
+    limit). Benchmarking:
+    ``null_model`` replaces the model with :mod:`stages.execute.null` (random tokens at once,
+    real KV bookkeeping) to measure the framework alone. Process: ``tune_gc`` (default on)
+    raises the garbage collector's young-generation threshold while the engine runs and
+    freezes the engine process's start-up heap (see :mod:`pipeline.runtime.gc_policy`).
+    Parallelism (``docs/parallelism.md``): ``tensor_parallel_size`` splits the model over that
+    many ranks, each a process (``tensor_parallel_timeout``: seconds a collective waits for a
+    rank that hangs); ``data_parallel_size`` runs that many engine replicas behind a router
+    stage (``router``: a policy name in ``actorline.routers``). Ray: ``ray`` runs every engine
+    host (each replica's, each rank's) as a Ray actor, one placement group per replica
+    (``STRICT_PACK``: a replica's ranks share a node), ``ray_num_cpus`` CPUs per host, on the
+    cluster at ``ray_address`` (which implies ``ray``; None: ``RAY_ADDRESS``, else a new local
+    cluster).
     """
 
     model: str = "smollm2-135m"
