@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeline.engine.options import EngineOptions
 from pipeline.runtime.graph import Pipeline
@@ -286,18 +286,12 @@ def check_parallelism(options: EngineOptions) -> None:
 
         load_router(options.router)
     if options.tensor_parallel_size > 1:
-        from stages.execute.model_impl import native_config
+        from stages.execute.model_impl import model_config
         from stages.execute.tensor_parallel import check_tensor_parallel
         from stages.models import resolve_model
 
         resolved = resolve_model(options.model)
-        # NOTE: the head counts are the config's either way; transformers' config classes
-        # (and their import) only where actorline's own model class does not read it.
-        config: Any = native_config(resolved.path)
-        if config is None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(resolved.path)
+        config = model_config(resolved.path, options.model_impl)  # as the engine will read it
         check_tensor_parallel(config, options.tensor_parallel_size, resolved.name)
 
 

@@ -10,7 +10,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INDEX_FILE", "LLAMA_TP_PLAN", "WEIGHTS_FILE", "NativeConfig", "native_config"]
+__all__ = [
+    "INDEX_FILE",
+    "LLAMA_TP_PLAN",
+    "WEIGHTS_FILE",
+    "NativeConfig",
+    "model_config",
+    "native_config",
+]
 
 logger = logging.getLogger("actorline.execute")
 
@@ -147,3 +154,16 @@ def native_config(model_dir: Path) -> NativeConfig | None:
     except (KeyError, TypeError, ValueError) as error:
         decline(f"config incomplete ({type(error).__name__}: {error})")
         return None
+
+
+def model_config(model_dir: Path, model_impl: str = "auto") -> Any:
+    """The config the engine loads ``model_dir`` with: actorline's own (a
+    :class:`NativeConfig`) where it serves the checkpoint and ``model_impl`` is not
+    ``transformers``, else transformers' ``AutoConfig`` (imported only then)."""
+    if model_impl != "transformers":
+        own = native_config(model_dir)
+        if own is not None:
+            return own
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)

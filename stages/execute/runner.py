@@ -62,7 +62,7 @@ from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_line
 from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import grammar_rows
 from stages.execute.llama import load_native_llama
-from stages.execute.model_impl import native_config
+from stages.execute.model_impl import NativeConfig, model_config
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import (
     PagedDecodeKernel,
@@ -227,19 +227,18 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         if on_cpu and config.tune_allocator:
             tune_allocator()
-        own = native_config(resolved.path) if config.model_impl != "transformers" else None
-        if own is None and config.model_impl == "native":
+        hf_config = model_config(resolved.path, config.model_impl)
+        if config.model_impl == "native" and not isinstance(hf_config, NativeConfig):
             raise UnsupportedModelError(
                 f"model_impl 'native': actorline's own model classes do not serve "
                 f"{resolved.name} (see stages.execute.llama); use 'auto' or 'transformers'"
             )
-        hf_config: Any = own if own is not None else _transformers_config(resolved.path)
         check_model_config(hf_config, config.max_model_len)
         check_tensor_parallel(hf_config, parallel, resolved.name)
         self.dtype = _resolve_dtype(config.dtype, hf_config)
         model: Any
-        if own is not None:
-            model = load_native_llama(resolved.path, own, self.dtype)
+        if isinstance(hf_config, NativeConfig):
+            model = load_native_llama(resolved.path, hf_config, self.dtype)
         else:
             from transformers import AutoModelForCausalLM
 
@@ -797,12 +796,6 @@ def _decode_mode(requested: str, device: torch.device, native_fits: bool) -> Dec
         # NOTE: on a GPU one padded call is best; CPU caches favour length groups.
         return "padded" if device.type == "cuda" else "grouped"
     return cast(DecodeAttentionMode, requested)
-
-
-def _transformers_config(model_dir: Path) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir)
 
 
 def _library_version(name: str) -> str:
