@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,21 @@ def default_model_dir() -> Path:
     from stages.models import resolve_model
 
     return resolve_model("smollm2-135m").path
+
+
+def imported_after(script: str, packages: Sequence[str], timeout: float = 300) -> list[str]:
+    """Which of ``packages`` (top-level names) a fresh interpreter has imported once it has
+    run ``script`` (which must succeed): for start-up paths that must not import them."""
+    wanted = list(packages)
+    report = f"\nimport sys, json\nprint(json.dumps([p for p in {wanted!r} if p in sys.modules]))\n"
+    result = subprocess.run(
+        [sys.executable, "-c", script + report],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+    return list(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
 TINY_LLAMA = dict(

@@ -19,6 +19,7 @@ from stages.tokenize import (
     load_tokenizer,
     longest_token_chars,
 )
+from tests.conftest import imported_after
 
 
 def test_a_plain_tokenizer_loads_as_autotokenizer_would_without_importing_torch(
@@ -27,9 +28,6 @@ def test_a_plain_tokenizer_loads_as_autotokenizer_would_without_importing_torch(
     """A tokenizer saved as transformers' plain tokenizers-backed class loads as that class
     directly (AutoTokenizer's import pulls in torch: docs/performance.md §3), and is the
     tokenizer AutoTokenizer gives: the same class, ids, text and chat template."""
-    import subprocess
-    import sys
-
     from transformers import AutoTokenizer
 
     ours, theirs = (
@@ -48,14 +46,8 @@ def test_a_plain_tokenizer_loads_as_autotokenizer_would_without_importing_torch(
     )
     assert ours.eos_token_id == theirs.eos_token_id
     assert ours.all_special_ids == theirs.all_special_ids
-    script = (
-        "import sys\nfrom stages.tokenize import load_tokenizer\n"
-        f"load_tokenizer({str(tiny_model_dir)!r})\nprint('torch' in sys.modules)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert result.stdout.strip() == "False"
+    script = f"from stages.tokenize import load_tokenizer\nload_tokenizer({str(tiny_model_dir)!r})"
+    assert imported_after(script, ["torch"], timeout=120) == []
 
 
 @pytest.fixture(scope="module")
