@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -42,8 +41,6 @@ from torch import nn
 from stages.execute.model_impl import INDEX_FILE, WEIGHTS_FILE, NativeConfig
 
 __all__ = ["NativeLlamaForCausalLM", "load_native_llama"]
-
-logger = logging.getLogger("actorline.execute")
 
 #: an attention function in transformers' ``AttentionInterface`` shape
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
@@ -241,10 +238,9 @@ class NativeLlamaForCausalLM(nn.Module):
 
     base_model_prefix = "model"
 
-    def __init__(self, config: NativeConfig, generation_config: Any = None) -> None:
+    def __init__(self, config: NativeConfig) -> None:
         super().__init__()
         self.config = config
-        self.generation_config = generation_config
         self._attention: list[AttentionFn] = [_causal_sdpa]
         self.model = LlamaModel(config, self._attention)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -313,7 +309,7 @@ def load_native_llama(
     from safetensors import safe_open
 
     with torch.device("meta"):
-        model = NativeLlamaForCausalLM(config, _generation_config(model_dir))
+        model = NativeLlamaForCausalLM(config)
     expected = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     for path in _weight_files(model_dir):
@@ -348,20 +344,3 @@ def _weight_files(model_dir: Path) -> Iterable[Path]:
         return [model_dir / WEIGHTS_FILE]
     index = json.loads((model_dir / INDEX_FILE).read_text())
     return [model_dir / name for name in dict.fromkeys(index["weight_map"].values())]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _GenerationConfig:
-    eos_token_id: int | list[int] | None
-
-
-def _generation_config(model_dir: Path) -> _GenerationConfig | None:
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text())
-    except ValueError:
-        logger.warning("ignoring unreadable %s", path)
-        return None
-    return _GenerationConfig(raw.get("eos_token_id")) if isinstance(raw, dict) else None

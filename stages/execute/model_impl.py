@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ __all__ = [
     "LLAMA_TP_PLAN",
     "WEIGHTS_FILE",
     "NativeConfig",
+    "eos_token_ids",
     "model_config",
     "native_config",
 ]
@@ -167,3 +169,25 @@ def model_config(model_dir: Path, model_impl: str = "auto") -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: Path, config: dict[str, Any]) -> tuple[int, ...]:
+    """A checkpoint's EOS ids, read from its files as transformers finds them: the generation
+    config's (``generation_config.json``), else the model config's (``config``)."""
+    sources: list[dict[str, Any]] = []
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        try:
+            sources.append(json.loads(generation.read_text()))
+        except ValueError:
+            logger.warning("ignoring unreadable %s", generation)
+    sources.append(config)
+    for source in sources:
+        value = source.get("eos_token_id")
+        if value is None:
+            continue
+        ids: Sequence[Any] = value if isinstance(value, list) else [value]
+        found = tuple(dict.fromkeys(int(token_id) for token_id in ids))
+        if found:
+            return found
+    return ()

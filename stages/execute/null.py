@@ -49,6 +49,7 @@ from stages.execute.bookkeeping import (
     validate_step,
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
+from stages.execute.model_impl import eos_token_ids
 from stages.execute.model_length import resolve_model_length
 from stages.execute.windows import config_layer_windows
 from stages.messages import (
@@ -191,7 +192,7 @@ class NullRunner:
             model=resolved.name,
             vocab_size=int(text_config.get("vocab_size") or len(tokenizer)),
             max_model_len=self.max_model_len,
-            eos_token_ids=_eos_token_ids(resolved.path, text_config),
+            eos_token_ids=eos_token_ids(resolved.path, text_config),
             num_blocks=usable_blocks,
             block_size=config.block_size,
             dtype=dtype,
@@ -340,24 +341,3 @@ def _dtype_name(requested: str, text_config: dict[str, Any]) -> str:
         return requested
     declared = text_config.get("dtype") or text_config.get("torch_dtype")
     return _CONFIG_DTYPES.get(str(declared), "float32")
-
-
-def _eos_token_ids(model_dir: Path, text_config: dict[str, Any]) -> tuple[int, ...]:
-    """EOS ids as the runner finds them: the generation config's, else the model config's."""
-    sources: list[dict[str, Any]] = []
-    generation = model_dir / "generation_config.json"
-    if generation.is_file():
-        try:
-            sources.append(json.loads(generation.read_text()))
-        except ValueError:
-            logger.warning("ignoring unreadable %s", generation)
-    sources.append(text_config)
-    for source in sources:
-        value = source.get("eos_token_id")
-        if value is None:
-            continue
-        ids: Sequence[Any] = value if isinstance(value, list) else [value]
-        found = tuple(dict.fromkeys(int(token_id) for token_id in ids))
-        if found:
-            return found
-    return ()

@@ -27,7 +27,6 @@ import importlib.metadata
 import logging
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -62,7 +61,7 @@ from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_line
 from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import grammar_rows
 from stages.execute.llama import load_native_llama
-from stages.execute.model_impl import NativeConfig, model_config
+from stages.execute.model_impl import NativeConfig, eos_token_ids, model_config
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import (
     PagedDecodeKernel,
@@ -360,7 +359,9 @@ class ModelRunner:
             self._probe(probe_ids, expected, num_layers)
             record_passed(settings.cache_dir(), key, resolved.path)
         self._sampler = Sampler(vocab_size, self.device)
-        self._eos_token_ids = _eos_token_ids(model)
+        # NOTE: from the checkpoint's files, as transformers' generation config has them, for
+        # either model class (actorline's own has no generation config object)
+        self._eos_token_ids = eos_token_ids(resolved.path, hf_config.to_dict())
         self._decode_graphs = self._make_decode_graphs()
         self.info = EngineInfo(
             model=resolved.name,
@@ -805,18 +806,3 @@ def _library_version(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "absent"
-
-
-def _eos_token_ids(model: Any) -> tuple[int, ...]:
-    candidates: list[int] = []
-    sources = (getattr(model, "generation_config", None), model.config)
-    for source in sources:
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is None:
-            continue
-        for token_id in value if isinstance(value, Sequence) else [value]:
-            if int(token_id) not in candidates:
-                candidates.append(int(token_id))
-        if candidates:
-            break
-    return tuple(candidates)
