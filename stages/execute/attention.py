@@ -39,8 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import dataclasses
+import logging
 import mmap
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -57,6 +60,8 @@ from stages.execute.variants import (
     key_window_mask,
     layer_variant,
 )
+
+logger = logging.getLogger("actorline.execute")
 
 __all__ = [
     "ATTENTION_NAME",
@@ -96,6 +101,34 @@ AUTO_GROUP_MAX_KEYS = 4096  # padded keys (rows x longest context) per group
 AUTO_GROUP_MAX_PADDING = 1.5  # max length / min length within a group
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, as a first write would
+_PREFAULT_CHUNK = 8 * 1024 * 1024
+
+
+def _prefault(buffer: torch.Tensor) -> None:
+    """Fault in the pages of ``buffer`` (an anonymous mapping, page-aligned) on a daemon
+    thread, ``madvise(MADV_POPULATE_WRITE)`` 8 MiB at a time (the call releases the GIL). A
+    kernel without it, or a refusal (no memory), leaves the pages to fault on first write."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    start, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+
+    def run(keep: torch.Tensor) -> None:  # ``keep`` holds the mapping while this runs
+        for offset in range(0, size, _PREFAULT_CHUNK):
+            if madvise(start + offset, min(_PREFAULT_CHUNK, size - offset), _MADV_POPULATE_WRITE):
+                logger.debug(
+                    "execute: KV cache pages left to fault on first write (madvise: errno %d)",
+                    ctypes.get_errno(),
+                )
+                return
+
+    threading.Thread(target=run, args=(buffer,), name="actorline-kv-prefault", daemon=True).start()
+
+
 @dataclasses.dataclass(slots=True)
 class KVCache:
     """The paged KV cache: per layer, keys and values token-major ``[num_slots, Hkv, D]``
@@ -105,6 +138,8 @@ class KVCache:
     key: list[torch.Tensor]  # per layer [num_slots, Hkv, D]
     value: list[torch.Tensor]  # per layer [num_slots, Hkv, D]
     block_size: int
+    # The CPU cache's whole mapping until prefault() hands it to its thread.
+    unfaulted: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -121,9 +156,9 @@ class KVCache:
         """Zero-filled cache of ``num_blocks`` blocks (including block 0) per layer.
 
         On CPU every layer's keys and values are views of one anonymous ``mmap``: the OS maps
-        its pages on first write, zeroed, so start-up touches none of it (``torch.zeros``
-        writes every byte: ~0.5 s for the default 384 MiB here) and only the blocks requests
-        use ever become resident.
+        its pages on first write, zeroed, so start-up waits for none of it (``torch.zeros``
+        writes every byte: ~0.5 s for the default 384 MiB here); :meth:`prefault` later
+        faults the rest in off the steps' path.
 
         NOTE: in 4 KiB pages, not transparent huge pages. numpy's ``zeros`` (which this used)
         ``madvise``s large buffers ``MADV_HUGEPAGE``, and then each first write to a 2 MiB
@@ -139,8 +174,9 @@ class KVCache:
             element = torch.empty((), dtype=dtype).element_size()
             size = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * element
             pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            buffer = torch.frombuffer(pages, dtype=dtype).view(2, num_layers, *shape)
-            return cls(key=list(buffer[0]), value=list(buffer[1]), block_size=block_size)
+            flat = torch.frombuffer(pages, dtype=dtype)
+            buffer = flat.view(2, num_layers, *shape)
+            return cls(list(buffer[0]), list(buffer[1]), block_size, unfaulted=flat)
         key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return cls(key=key, value=value, block_size=block_size)
@@ -160,6 +196,17 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.key, *self.value))
+
+    def prefault(self) -> None:
+        """Fault the CPU cache's pages in on a daemon thread (once; nothing on CUDA). The
+        runner calls it after its first step, so that neither loading nor the first token
+        shares the CPU with it. Left to the steps, each 4 KiB page's first write (every ~5
+        tokens of a sequence, per layer's keys and values) stalls the step's
+        ``index_copy_``: 0.2-0.5 s of the offline benchmark's decode, 0.09 s with the pages
+        present (docs/performance.md §4). The whole cache is then resident, as vLLM's is."""
+        if self.unfaulted is not None:
+            _prefault(self.unfaulted)
+            self.unfaulted = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -567,6 +567,8 @@ class ModelRunner:
                     logprobs.append(token_logprobs)
             for work in works:
                 commit_chunk(allocator, work.request, work.end)
+            assert self.kv_cache is not None
+            self.kv_cache.prefault()
         release_behind_windows(
             allocator, self._requests, prepared.step, prepared.report, self._window
         )
@@ -617,6 +619,7 @@ class ModelRunner:
                 position_ids=positions.unsqueeze(0),
                 use_cache=False,
             )
+        self.kv_cache.prefault()
         self.group.take_seconds()
 
     def _register(self, request: EngineRequest) -> None:

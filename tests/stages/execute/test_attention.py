@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import platform
+import sys
+import threading
 import types
 from typing import Any
 
@@ -383,3 +386,37 @@ def test_a_cpu_cache_is_zeros_in_one_lazily_mapped_buffer(dtype: torch.dtype) ->
     assert float(cache.key[0].abs().sum()) == 0.0 and float(cache.value[1].abs().sum()) == 0.0
     assert cache.nbytes == 2 * 3 * 20 * 2 * 8 * cache.key[0].element_size()
     assert all(t.dtype == dtype for t in tensors)
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1])
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    release = platform.release().split("-")[0].split(".")
+    return sys.platform == "linux" and (int(release[0]), int(release[1])) >= (major, minor)
+
+
+@pytest.mark.skipif(not _kernel_at_least(5, 14), reason="MADV_POPULATE_WRITE is Linux 5.14+")
+def test_prefault_makes_the_cpu_cache_resident_and_keeps_what_was_written() -> None:
+    """Allocation maps nothing in; prefault() faults every page in on its thread, once, and
+    leaves the contents as they were (what the first step wrote stays, the rest reads 0)."""
+    cache = KVCache.allocate(
+        num_layers=4, num_blocks=1024, block_size=16, num_kv_heads=2, head_dim=64,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    size_kib = cache.nbytes // 1024  # 64 MiB
+    before = _resident_kib()
+    cache.key[2][5].fill_(3.0)
+    cache.prefault()
+    cache.prefault()  # a second call starts nothing
+    for thread in threading.enumerate():
+        if thread.name == "actorline-kv-prefault":
+            thread.join(timeout=60)
+    assert cache.unfaulted is None
+    assert _resident_kib() - before >= 0.9 * size_kib
+    assert float(cache.key[2][5].sum()) == 3.0 * 2 * 64
+    assert float(cache.key[2].abs().sum()) == 3.0 * 2 * 64
+    assert float(cache.value[3].abs().sum()) == 0.0
