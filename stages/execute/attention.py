@@ -39,11 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
 import dataclasses
-import logging
 import mmap
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -51,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.execute.allocator import RESERVED_BLOCK_ID
+from stages.execute.cpu import prefault_pages
 from stages.execute.native import PagedDecodeKernel, paged_decode_kernel
 from stages.execute.variants import (
     LayerVariant,
@@ -60,8 +58,6 @@ from stages.execute.variants import (
     key_window_mask,
     layer_variant,
 )
-
-logger = logging.getLogger("actorline.execute")
 
 __all__ = [
     "ATTENTION_NAME",
@@ -99,34 +95,6 @@ DECODE_ATTENTION_MODES: tuple[str, ...] = ("native", "grouped", "padded", "per_s
 # "grouped" splits the length-sorted batch into padded groups bounded by these two limits.
 AUTO_GROUP_MAX_KEYS = 4096  # padded keys (rows x longest context) per group
 AUTO_GROUP_MAX_PADDING = 1.5  # max length / min length within a group
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, as a first write would
-_PREFAULT_CHUNK = 8 * 1024 * 1024
-
-
-def _prefault(buffer: torch.Tensor) -> None:
-    """Fault in the pages of ``buffer`` (an anonymous mapping, page-aligned) on a daemon
-    thread, ``madvise(MADV_POPULATE_WRITE)`` 8 MiB at a time (the call releases the GIL). A
-    kernel without it, or a refusal (no memory), leaves the pages to fault on first write."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    start, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-
-    def run(keep: torch.Tensor) -> None:  # ``keep`` holds the mapping while this runs
-        for offset in range(0, size, _PREFAULT_CHUNK):
-            if madvise(start + offset, min(_PREFAULT_CHUNK, size - offset), _MADV_POPULATE_WRITE):
-                logger.debug(
-                    "execute: KV cache pages left to fault on first write (madvise: errno %d)",
-                    ctypes.get_errno(),
-                )
-                return
-
-    threading.Thread(target=run, args=(buffer,), name="actorline-kv-prefault", daemon=True).start()
 
 
 @dataclasses.dataclass(slots=True)
@@ -205,7 +173,7 @@ class KVCache:
         ``index_copy_``: 0.2-0.5 s of the offline benchmark's decode, 0.09 s with the pages
         present (docs/performance.md §4). The whole cache is then resident, as vLLM's is."""
         if self.unfaulted is not None:
-            _prefault(self.unfaulted)
+            prefault_pages(self.unfaulted)
             self.unfaulted = None
 
 

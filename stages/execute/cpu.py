@@ -32,6 +32,7 @@ import ctypes.util
 import functools
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ __all__ = [
     "PackedLinear",
     "file_backed_ranges",
     "onednn_linear_available",
+    "prefault_pages",
     "release_file_pages",
     "release_free_memory",
     "tied_embedding_agrees",
@@ -64,6 +66,8 @@ logger = logging.getLogger("actorline.execute")
 # (DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB): blocks up to it come from the heap.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, as a first write would
+_PREFAULT_CHUNK = 8 * 1024 * 1024
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
 # Free memory at the top of a heap is returned to the kernel only past this much: more than
 # one step's transient activations, so steps stop page-faulting them back in.
@@ -92,7 +96,7 @@ def _libc() -> Any | None:
     if name is None:
         return None
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(name, use_errno=True)
     except OSError:
         return None
     if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
@@ -167,6 +171,31 @@ def release_file_pages(tensor: torch.Tensor, file_ranges: list[tuple[int, int]])
     if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED):
         return 0
     return last - first
+
+
+def prefault_pages(tensor: torch.Tensor) -> None:
+    """Fault in the pages of ``tensor`` (a view of an anonymous mapping, page-aligned) on a
+    daemon thread, ``madvise(MADV_POPULATE_WRITE)`` 8 MiB at a time (ctypes releases the GIL
+    for each call). Where the call is missing (a kernel before 5.14, not glibc) or refused (no
+    memory), the pages are left to fault on first write."""
+    start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+    def run(keep: torch.Tensor) -> None:  # ``keep`` holds the mapping while this runs
+        libc = _libc()
+        if libc is None:
+            return
+        for offset in range(0, size, _PREFAULT_CHUNK):
+            length = min(_PREFAULT_CHUNK, size - offset)
+            if libc.madvise(
+                ctypes.c_void_p(start + offset), ctypes.c_size_t(length), _MADV_POPULATE_WRITE
+            ):
+                logger.debug(
+                    "execute: pages left to fault on first write (madvise: errno %d)",
+                    ctypes.get_errno(),
+                )
+                return
+
+    threading.Thread(target=run, args=(tensor,), name="actorline-prefault", daemon=True).start()
 
 
 def onednn_linear_available() -> bool:

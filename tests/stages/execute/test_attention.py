@@ -413,7 +413,7 @@ def test_prefault_makes_the_cpu_cache_resident_and_keeps_what_was_written() -> N
     cache.prefault()
     cache.prefault()  # a second call starts nothing
     for thread in threading.enumerate():
-        if thread.name == "actorline-kv-prefault":
+        if thread.name == "actorline-prefault":
             thread.join(timeout=60)
     assert cache.unfaulted is None
     assert _resident_kib() - before >= 0.9 * size_kib
