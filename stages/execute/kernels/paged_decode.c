@@ -16,7 +16,8 @@
  * together (dot8), the softmax's exponentials are a vector polynomial (vexp), and the next
  * block is prefetched while this one is worked on. Against the first version of this file
  * (per row all heads, scalar expf, one horizontal sum per score), cold over 30 layers at
- * 64 x 250 tokens: 1.58 -> 1.02 ms per layer, 11.8 -> 18.2 GB/s of K/V. The same plan as vLLM's CPU paged attention v1 (csrc/cpu/attention.cpp, reduce
+ * 64 x 250 tokens: 1.58 -> 1.02 ms per layer, 11.8 -> 18.2 GB/s of K/V. The same plan as
+ * vLLM's CPU paged attention v1 (csrc/cpu/attention.cpp, reduce
  * over the blocks of the block table), written with GCC vector extensions so that one
  * source compiles to AVX2, AVX-512 or NEON for the machine it runs on.
  *
@@ -162,7 +163,8 @@ attend(const float *restrict query, int64_t q_head_stride, const float *restrict
                        (int64_t)kv_heads * vectors * LANES);
         for (int h = 0; h < heads; ++h) {
             vf q[MAX_VECTORS];
-            for (int i = 0; i < vectors; ++i) q[i] = *(const vf *)(query + h * q_head_stride + i * LANES);
+            for (int i = 0; i < vectors; ++i)
+                q[i] = *(const vf *)(query + h * q_head_stride + i * LANES);
             const float *kh = k + (h / group) * vectors * LANES;
             float *s = scores + h * count + j - first;
             int64_t o = 0;
