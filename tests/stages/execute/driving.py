@@ -16,6 +16,11 @@ from stages.messages import EngineRequest, ScheduledChunk, SchedulerStep, StepRe
 # Greedy equality is only meaningful where the reference's top-2 logits are apart by more than
 # float noise between two correct attention implementations (measured < 1e-5 here).
 MIN_REFERENCE_MARGIN = 1e-4
+# The same holds for a mixture of experts' routing: where the last chosen expert's router logit
+# and the first left out are within float noise, the two sides may route a token differently,
+# and that changes the hidden state by far more than noise (a Mixtral of the model table had a
+# 6e-8 gap on a prompt token, which flipped a later greedy token of margin 6e-3 on one machine).
+MIN_ROUTER_MARGIN = 1e-4
 
 
 @dataclasses.dataclass
@@ -163,5 +168,23 @@ class HFReference:
                     f"reference near-tie at output {step} (margin {margin:.2e}): pick prompts "
                     "or a seed with separated logits rather than loosening the check"
                 )
+            self._check_routing([*prompt, *tokens[:-1]])
             self._memo[key] = tokens
         return self._memo[key]
+
+    def _check_routing(self, sequence: Sequence[int]) -> None:
+        """For a mixture of experts, every routing choice over ``sequence`` (the prompt and
+        the tokens fed back) must be apart from the next expert by more than float noise."""
+        chosen = getattr(self.model.config, "num_experts_per_tok", None)
+        if not chosen:
+            return
+        with torch.inference_mode():
+            routed = self.model(torch.tensor([list(sequence)]), output_router_logits=True)
+        for layer, logits in enumerate(routed.router_logits):
+            top = torch.topk(logits.float().reshape(len(sequence), -1), chosen + 1).values
+            gaps = top[:, chosen - 1] - top[:, chosen]
+            position = int(gaps.argmin())
+            assert gaps[position] > MIN_ROUTER_MARGIN, (
+                f"reference routing near-tie in layer {layer} at position {position} (gap "
+                f"{gaps[position].item():.2e}): pick prompts or a seed that route apart"
+            )
