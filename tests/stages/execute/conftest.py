@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from stages.execute.native import packed_gemm_kernel, paged_decode_kernel
+from stages.execute.native import fused_ops_kernel, packed_gemm_kernel, paged_decode_kernel
 from stages.execute.quant_kernel import quant_gemm_kernel
 
 
 def _forget_kernels() -> None:
     paged_decode_kernel.cache_clear()
     packed_gemm_kernel.cache_clear()
+    fused_ops_kernel.cache_clear()
     quant_gemm_kernel.cache_clear()
 
 
