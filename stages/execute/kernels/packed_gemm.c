@@ -8,7 +8,9 @@
  * with GCC vector extensions and sized at compile time for the widest vector unit the compiler
  * targets (the library is built with -march=native where the compiler takes it):
  *
- *   AVX-512 (32 zmm):  one 16-float vector per panel row, MR = 14 (14 accumulators);
+ *   AVX-512 (32 zmm):  two neighbouring panels at once, 12 rows x 2 vectors (24 accumulators,
+ *                      micro_pair); a last odd panel and tails under 4 rows one panel at a
+ *                      time, one 16-float vector per panel row, MR = 14 (14 accumulators);
  *   AVX2/AVX (16 ymm): two 8-float vectors,  MR = 6 (12 accumulators, BLIS's Haswell 6x16);
  *   NEON (32 q):       four 4-float vectors, MR = 6 (24 accumulators);
  *   other (SSE2, 16):  four 4-float vectors, MR = 2 (8 accumulators).
@@ -119,11 +121,77 @@ static void panel_rows(const float *x, int64_t rows, int64_t k, const float *pan
     }
 }
 
+#if LANES == 16
+/* AVX-512: two neighbouring panels at once, a PAIR_MR x 32 block of y in 24 accumulators
+ * (BLIS's Skylake-X sgemm tile is 32 x 12 the same way). Per k it loads two panel rows and
+ * PAIR_MR broadcasts for 2 * PAIR_MR FMAs, where one panel's 14 x 16 tile loads 15 for 14: the
+ * load ports, not the FMA units, bounded that tile at 65-72% of the FMA peak. Each y element
+ * sums its k in the same order as micro's rows of 4 or more. */
+#define PAIR_MR 12
+#define PAIRS 1
+
+static inline __attribute__((always_inline)) void
+micro_pair(const float *restrict x, int64_t ldx, const float *restrict p0,
+           const float *restrict p1, int64_t k, const float *restrict bias, float *restrict y,
+           int64_t ldy, const int mr) {
+    vf acc0[PAIR_MR], acc1[PAIR_MR];
+    const vf b0 = bias ? *(const vf *)bias : (vf){0};
+    const vf b1 = bias ? *(const vf *)(bias + NR) : (vf){0};
+    for (int i = 0; i < mr; ++i) {
+        acc0[i] = b0;
+        acc1[i] = b1;
+    }
+    for (int64_t kk = 0; kk < k; ++kk) {
+        __builtin_prefetch(p0 + (kk + PREFETCH_ROWS) * NR, 0, 2);
+        __builtin_prefetch(p1 + (kk + PREFETCH_ROWS) * NR, 0, 2);
+        const vf w0 = *(const vf *)(p0 + kk * NR);
+        const vf w1 = *(const vf *)(p1 + kk * NR);
+        for (int i = 0; i < mr; ++i) {
+            const float xv = x[i * ldx + kk];
+            acc0[i] += xv * w0;
+            acc1[i] += xv * w1;
+        }
+    }
+    for (int i = 0; i < mr; ++i) {
+        *(vf *)(y + i * ldy) = acc0[i];
+        *(vf *)(y + i * ldy + NR) = acc1[i];
+    }
+}
+
+#define PAIR_TAIL(r)                                                                           \
+    case r: micro_pair(x + i * k, k, p0, p1, k, bias, y + i * n, n, (r) < PAIR_MR ? (r) : 4); break;
+
+/* Panels p0 and p1 = p0 + K * 16 (y's columns j and j + 16) over the rows; tails under 4 rows
+ * go to micro panel by panel, whose two accumulator sets suit so few rows. */
+static void pair_rows(const float *x, int64_t rows, int64_t k, const float *p0, const float *bias,
+                      float *y, int64_t n) {
+    const float *p1 = p0 + k * NR;
+    int64_t i = 0;
+    for (; i + PAIR_MR <= rows; i += PAIR_MR)
+        micro_pair(x + i * k, k, p0, p1, k, bias, y + i * n, n, PAIR_MR);
+    const int tail = (int)(rows - i);
+    if (tail >= 4) {
+        switch (tail) {
+            PAIR_TAIL(4) PAIR_TAIL(5) PAIR_TAIL(6) PAIR_TAIL(7)
+            PAIR_TAIL(8) PAIR_TAIL(9) PAIR_TAIL(10) PAIR_TAIL(11)
+        default: break;
+        }
+    } else if (tail > 0) {
+        panel_rows(x + i * k, tail, k, p0, bias, y + i * n, n);
+        panel_rows(x + i * k, tail, k, p1, bias ? bias + NR : 0, y + i * n + NR, n);
+    }
+}
+#define ROW_UNIT PAIR_MR
+#else
+#define PAIRS 0
+#define ROW_UNIT MR
+#endif
+
 /* Rows per block so that a block of x (rows * k floats) stays in L2 while the panels pass. */
 static int64_t row_block(int64_t k) {
     const int64_t budget = 384 * 1024 / (int64_t)sizeof(float);
-    int64_t rows = budget / k / MR * MR;
-    if (rows < 4 * MR) rows = 4 * MR;
+    int64_t rows = budget / k / ROW_UNIT * ROW_UNIT;
+    if (rows < 4 * ROW_UNIT) rows = 4 * ROW_UNIT;
     return rows;
 }
 
@@ -133,16 +201,29 @@ int actorline_packed_gemm_f32(const float *x, int64_t m, int64_t k, const float 
                               const float *bias, int64_t n, float *y, int num_threads) {
     if (n % NR != 0 || k < 1) return 2;
     const int64_t panels = n / NR;
+    /* Work units: pairs of panels where the build pairs them (then a last odd panel alone). */
+    const int64_t pairs = PAIRS ? panels / 2 : 0;
+    const int64_t units = pairs + (panels - 2 * pairs);
     const int64_t mb = row_block(k);
     if (num_threads < 1) num_threads = 1;
-    if (num_threads > panels) num_threads = (int)panels;
+    if (num_threads > units) num_threads = (int)units;
 #pragma omp parallel num_threads(num_threads)
     for (int64_t m0 = 0; m0 < m; m0 += mb) {
         const int64_t rows = m - m0 < mb ? m - m0 : mb;
 #pragma omp for schedule(static) nowait
-        for (int64_t p = 0; p < panels; ++p)
-            panel_rows(x + m0 * k, rows, k, packed + p * k * NR, bias ? bias + p * NR : 0,
-                       y + m0 * n + p * NR, n);
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t p = u < pairs ? 2 * u : 2 * pairs + (u - pairs);
+            const float *xb = x + m0 * k, *panel = packed + p * k * NR;
+            const float *b = bias ? bias + p * NR : 0;
+            float *yb = y + m0 * n + p * NR;
+#if PAIRS
+            if (u < pairs) {
+                pair_rows(xb, rows, k, panel, b, yb, n);
+                continue;
+            }
+#endif
+            panel_rows(xb, rows, k, panel, b, yb, n);
+        }
     }
     return 0;
 }
