@@ -603,8 +603,15 @@ class RunningPipeline:
         interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
 
         async def probe(host: ProcessHost | RayActorHost) -> None:
-            while True:
+            # NOTE: the loop ends on ``_closing`` (set before the teardown cancels this task),
+            # not on the cancellation alone: before Python 3.12, ``asyncio.wait_for`` returns
+            # the result and drops a cancellation that arrives as the call it awaits completes
+            # (CPython bpo-42130), and this loop then probed forever while the teardown waited
+            # for it (seen under load: ``stop()`` hung after a stage failure).
+            while not self._closing:
                 await asyncio.sleep(interval)
+                if self._closing:
+                    return
                 try:
                     await asyncio.wait_for(host.statistics(), timeout)
                 except asyncio.TimeoutError:  # (TimeoutError itself only from 3.11)
