@@ -158,8 +158,7 @@ micro_pair(const float *restrict x, int64_t ldx, const float *restrict p0,
     }
 }
 
-#define PAIR_TAIL(r)                                                                           \
-    case r: micro_pair(x + i * k, k, p0, p1, k, bias, y + i * n, n, (r) < PAIR_MR ? (r) : 4); break;
+#define PAIR_TAIL(r) case r: micro_pair(x + i * k, k, p0, p1, k, bias, y + i * n, n, r); break;
 
 /* Panels p0 and p1 = p0 + K * 16 (y's columns j and j + 16) over the rows; tails under 4 rows
  * go to micro panel by panel, whose two accumulator sets suit so few rows. */

@@ -42,7 +42,7 @@
 #define DIRECT_ROWS (2 * ROWS) /* up to this many rows: direct path; more: dequantized panels */
 /* Block records prefetched ahead on the direct path, into L2 (as the fp32 packed GEMM prefetches
  * its panel rows: the out-of-order window alone keeps too few misses in flight). Over 30 cold
- * layers, Q8 at 1 / 8 rows 7.4 -> 4.8 / 11.0 -> 9.1 ms; Q4, bound by widening its nibbles,
+ * layers, Q8 at 1 / 8 rows 7.4 -> 5.0 / 11.0 -> 8.9 ms; Q4, bound by widening its nibbles,
  * level (docs/performance.md §4). */
 #define PREFETCH_BLOCKS 8
 #define MR 6
