@@ -608,7 +608,7 @@ class RunningPipeline:
             # the result and drops a cancellation that arrives as the call it awaits completes
             # (CPython bpo-42130), and this loop then probed forever while the teardown waited
             # for it (seen under load: ``stop()`` hung after a stage failure).
-            while not self._closing:
+            while True:
                 await asyncio.sleep(interval)
                 if self._closing:
                     return
