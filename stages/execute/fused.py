@@ -22,6 +22,11 @@ use_cpu_linears` then puts on the MKL dispatch). Every kind of module is checked
 forward on random inputs first, once per class and shape (unless ``verify`` is off: a load whose
 checks passed before, see :mod:`stages.execute.probe_cache`), so a variant that computes
 something else (Gemma's ``1 + weight``, say) is left alone.
+
+actorline's own Llama (:mod:`stages.execute.llama`) also takes the kernel's in-place rotary
+embeddings of its query and key projections (one pass where torch runs two slices, a negation,
+a cat, two muls and an add per tensor, the decode steps' ~14 dispatches a layer), checked
+against the model's own formula the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 
 from stages.execute.cpu import PackedLinear, file_backed_ranges, release_file_pages
+from stages.execute.llama import LlamaAttention, apply_rotary
 from stages.execute.native import GEMM_PANEL, FusedOpsKernel, PackedGemmKernel
 
 __all__ = ["FusedGatedMLP", "FusedRMSNorm", "use_fused_ops"]
@@ -84,7 +90,7 @@ def use_fused_ops(
     kind against its own forward first.
 
     Returns:
-        How many modules were replaced.
+        How many modules were replaced or given the fused rotary embeddings.
     """
     replacements: list[tuple[str, torch.nn.Module]] = []
     checked: dict[tuple[type, tuple[int, ...]], bool] = {}
@@ -107,7 +113,44 @@ def use_fused_ops(
             for part in (module.gate_proj, module.up_proj):
                 assert isinstance(part, torch.nn.Linear)
                 release_file_pages(part.weight, file_ranges)
-    return len(replacements)
+    return len(replacements) + _use_fused_rotary(model, kernel, verify=verify)
+
+
+def _use_fused_rotary(model: Any, kernel: FusedOpsKernel, *, verify: bool) -> int:
+    """Give every attention module of actorline's own Llama the kernel's rotary embeddings."""
+    modules = [module for module in model.modules() if type(module) is LlamaAttention]
+    if not modules:
+        return 0
+    heads = {module.head_dim for module in modules}
+    if verify and not all(_rotary_agrees(kernel, head_dim) for head_dim in heads):
+        return 0
+    for module in modules:
+        module.rotary = kernel.rotary_
+    return len(modules)
+
+
+def _rotary_agrees(kernel: FusedOpsKernel, head_dim: int) -> bool:
+    """Whether the kernel's rotary embeddings equal the model's own on random rows."""
+    generator = torch.Generator().manual_seed(0)
+    query, key = (torch.randn(1, 6, heads * head_dim, generator=generator) for heads in (3, 1))
+    cos, sin = (torch.randn(1, 6, head_dim, generator=generator) for _ in range(2))
+    shape = (1, 6, -1, head_dim)
+    expected = [
+        apply_rotary(x.view(shape).transpose(1, 2), cos, sin).transpose(1, 2).reshape(x.shape)
+        for x in (query, key)
+    ]
+    try:
+        kernel.rotary_(query, key, cos, sin)
+    except RuntimeError as error:
+        logger.info("execute: fused rotary embeddings unavailable (%s)", error)
+        return False
+    if not all(
+        (got - want).abs().max().item() <= _PROBE_TOLERANCE * max(want.abs().max().item(), 1.0)
+        for got, want in zip((query, key), expected, strict=True)
+    ):
+        logger.warning("execute: fused rotary embeddings disagree with the model's; not used")
+        return False
+    return True
 
 
 def _is_plain_linear(module: object) -> bool:

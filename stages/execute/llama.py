@@ -108,6 +108,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [1, H, T, D]`` rotated by ``cos``/``sin [1, T, D]``: HF's ``apply_rotary_pos_emb``."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
 def _causal_sdpa(
     module: nn.Module,
     query: torch.Tensor,  # [1, Hq, T, D]
@@ -150,17 +156,25 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=config.o_bias)
         self._attention = attention  # shared with the model: one slot for every layer
+        # In-place rotary embeddings of the projections' outputs (query, key [1, T, H * D],
+        # cos, sin [1, T, D]) in one pass, where the execute stage installs one
+        # (stages.execute.fused); else torch's ops below.
+        self.rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None
+        self.rotary = None
 
     def forward(
         self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:  # [1, T, H] -> [1, T, H]
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)  # [1, Hq, T, D]
-        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)  # [1, Hkv, T, D]
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
+        query, key = self.q_proj(hidden_states), self.k_proj(hidden_states)  # [1, T, H * D]
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)  # [1, Hkv, T, D]
+        if self.rotary is not None:
+            self.rotary(query, key, cos, sin)
+            query = query.view(shape).transpose(1, 2)  # [1, Hq, T, D]
+            key = key.view(shape).transpose(1, 2)  # [1, Hkv, T, D]
+        else:
+            query = apply_rotary(query.view(shape).transpose(1, 2), cos, sin)
+            key = apply_rotary(key.view(shape).transpose(1, 2), cos, sin)
         output, _ = self._attention[0](
             self, query, key, value, None, dropout=0.0, scaling=self.scaling
         )

@@ -327,7 +327,8 @@ class PackedGemmKernel:
 
 
 class FusedOpsKernel:
-    """fp32 CPU RMSNorm and SiLU-and-mul in one pass each (see ``kernels/fused_cpu.c``)."""
+    """fp32 CPU RMSNorm, SiLU-and-mul and rotary embeddings in one pass each, and a vector
+    argmax per row (see ``kernels/fused_cpu.c``)."""
 
     def __init__(self, library: Path) -> None:
         self.path = library
@@ -339,6 +340,65 @@ class FusedOpsKernel:
         self._silu_mul = lib.actorline_silu_mul_f32
         self._silu_mul.argtypes = [pointer, i64, i64, pointer, i32]
         self._silu_mul.restype = None
+        self._rope = lib.actorline_rope_f32
+        self._rope.argtypes = [
+            pointer, i64, i32, pointer, i64, i32, i64, i32, pointer, pointer, i32,
+        ]  # fmt: skip
+        self._rope.restype = None
+        self._argmax = lib.actorline_argmax_rows_f32
+        self._argmax.argtypes = [pointer, i64, i64, i64, pointer, i32]
+        self._argmax.restype = None
+
+    def rotary_(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """Apply rotary embeddings in place to ``query [1, T, Hq * D]`` and ``key [1, T, Hkv *
+        D]`` (fp32 CPU, each row contiguous) with ``cos``/``sin [1, T, D]`` (contiguous): each
+        head becomes ``x * cos + rotate_half(x) * sin``, as HF's ``apply_rotary_pos_emb``.
+
+        Raises:
+            NativeKernelError: a tensor is not fp32 on CPU, or the layouts or shapes differ.
+        """
+        tensors = (query, key, cos, sin)
+        rows, head_dim = cos.shape[-2], cos.shape[-1]
+        if (
+            any(t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3 for t in tensors)
+            or any(t.shape[:2] != (1, rows) or t.stride(2) != 1 for t in (query, key))
+            or sin.shape != cos.shape
+            or not cos.is_contiguous()
+            or not sin.is_contiguous()
+            or head_dim % 2 != 0
+            or query.shape[2] % head_dim != 0
+            or key.shape[2] % head_dim != 0
+        ):
+            raise NativeKernelError("fused rotary: needs fp32 CPU [1, T, H * D] rows and [1, T, D]")
+        self._rope(
+            query.data_ptr(), query.stride(1), query.shape[2] // head_dim,
+            key.data_ptr(), key.stride(1), key.shape[2] // head_dim,
+            rows, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(dim=-1)`` of fp32 CPU ``logits [rows, V]`` (rows any stride apart,
+        each contiguous): the first index of each row's maximum, NaN counting as the maximum.
+
+        Raises:
+            NativeKernelError: not a 2-D fp32 CPU tensor with contiguous rows.
+        """
+        if (
+            logits.dtype != torch.float32
+            or logits.device.type != "cpu"
+            or logits.dim() != 2
+            or logits.stride(1) != 1
+            or not 0 < logits.shape[1] < 2**31
+        ):
+            raise NativeKernelError("native argmax: needs fp32 CPU [rows, V] with contiguous rows")
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._argmax(
+            logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` over the last axis of fp32 ``x``

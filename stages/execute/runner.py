@@ -264,6 +264,7 @@ class ModelRunner:
         row_parallel = shard_model(model, self.rank, parallel) if parallel > 1 else []
         key = self._probe_key(resolved.path)
         verify = not checks_passed(settings.cache_dir(), key)
+        fused = None
         if on_cpu and config.fused_ops and self.dtype == torch.float32:
             fused = fused_ops_kernel()
             if fused is not None:
@@ -358,7 +359,9 @@ class ModelRunner:
         if expected is not None:
             self._probe(probe_ids, expected, num_layers)
             record_passed(settings.cache_dir(), key, resolved.path)
-        self._sampler = Sampler(vocab_size, self.device)
+        self._sampler = Sampler(
+            vocab_size, self.device, argmax=fused.argmax if fused is not None else None
+        )
         # NOTE: from the checkpoint's files, as transformers' generation config has them, for
         # either model class (actorline's own has no generation config object)
         self._eos_token_ids = eos_token_ids(resolved.path, hf_config.to_dict())

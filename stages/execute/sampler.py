@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -111,13 +111,21 @@ class Sampler:
     """Samples one token per row; see the module docstring for the order of operations.
 
     ``vocab_size``: the model's real vocabulary; wider logits (a padded LM head) are cut to it.
+    ``argmax``: a faster ``argmax(dim=-1)`` for fp32 CPU logits with contiguous rows (the
+    native kernel's, :meth:`stages.execute.native.FusedOpsKernel.argmax`; same answers).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = device
+        self._native_argmax = argmax
 
     def sample(
         self,
@@ -174,7 +182,7 @@ class Sampler:
 
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)  # [num_rows]
+            tokens = self._argmax(logits)  # [num_rows]
         else:
             tokens = self._sample_random(logits.float(), states, greedy)
 
@@ -185,6 +193,16 @@ class Sampler:
         return SampleResult(token_ids, logprobs)
 
     # ------------------------------------------------------------------ steps
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [num_rows, V] -> [num_rows]
+        if (
+            self._native_argmax is not None
+            and logits.dtype == torch.float32
+            and logits.device.type == "cpu"
+            and logits.stride(-1) == 1
+        ):
+            return self._native_argmax(logits)
+        return logits.argmax(dim=-1)
 
     @staticmethod
     def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -274,7 +292,7 @@ class Sampler:
         device = logits.device
         params = [state.params for state in states]
         any_greedy = any(greedy)
-        argmax_tokens = logits.argmax(dim=-1) if any_greedy else None  # [num_rows]
+        argmax_tokens = self._argmax(logits) if any_greedy else None  # [num_rows]
         # Greedy rows are divided by 1 (never by 0); their sample is discarded below.
         temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         if any(t != 1.0 for t in temperatures):
@@ -316,7 +334,7 @@ class Sampler:
         for row, generator in seeded:
             noise[row].uniform_(generator=generator)
         noise.log_().neg_()
-        sampled = probs.div_(noise).argmax(dim=-1)  # [num_rows]
+        sampled = self._argmax(probs.div_(noise))  # [num_rows]
         if argmax_tokens is None:
             return sampled
         greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=device)

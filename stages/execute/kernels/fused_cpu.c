@@ -4,7 +4,14 @@
  *   in fp32 (torch: pow, mean, add, rsqrt, mul, mul: six passes and five temporaries);
  * - SiLU-and-mul of a gated MLP over the fused gate/up projection's output
  *   [rows, 2 * inter]: out = silu(gate) * up = gate / (1 + exp(-gate)) * up, as torch's silu
- *   (vLLM's silu_and_mul, csrc/activation_kernels.cu; torch: silu, then mul: two passes).
+ *   (vLLM's silu_and_mul, csrc/activation_kernels.cu; torch: silu, then mul: two passes);
+ * - rotary embeddings of the query and key heads in place, out = x * cos + rotate_half(x) * sin
+ *   with rotate_half(x) = (-x2, x1) (the halves of each head), as HF's apply_rotary_pos_emb
+ *   computes it (torch: two slices, a negation, a cat, two muls and an add per tensor; vLLM's
+ *   rotary_embedding, csrc/cpu/pos_encoding.cpp, the neox style);
+ * - the first index of each row's maximum, torch.argmax's answer (NaN counts as the maximum),
+ *   for the sampler's greedy rows (torch's CPU argmax compares one element at a time: 36 us
+ *   for a 49,152-token row, where the vector scan here takes a few).
  *
  * Rows are split over OpenMP threads (torch's runtime, as for the other kernels) once a call has
  * enough of them to pay for waking the threads. exp is a vector polynomial (Cephes expf's, within
@@ -94,5 +101,77 @@ void actorline_silu_mul_f32(const float *gate_up, int64_t rows, int64_t inter, f
             *(vf *)(y + j) = g / (1.0f + vexp(-g)) * *(const vf *)(up + j);
         }
         for (; j < inter; ++j) y[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    }
+}
+
+/* In place over rows of the query (q_heads heads of head_dim floats, rows q_stride apart) and
+ * the key (likewise): each head's halves (x1, x2) become (x1 * c1 - x2 * s1, x2 * c2 + x1 * s2)
+ * with c, s the row's head_dim cosines and sines (contiguous rows). */
+static inline void rope_heads(float *restrict x, int heads, int head_dim, const float *restrict c,
+                              const float *restrict s) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < heads; ++h) {
+        float *restrict x1 = x + h * head_dim, *restrict x2 = x1 + half;
+        for (int j = 0; j < half; ++j) {
+            const float a = x1[j], b = x2[j];
+            x1[j] = a * c[j] - b * s[j];
+            x2[j] = b * c[j + half] + a * s[j + half];
+        }
+    }
+}
+
+void actorline_rope_f32(float *q, int64_t q_stride, int q_heads, float *k, int64_t k_stride,
+                        int k_heads, int64_t rows, int head_dim, const float *cos,
+                        const float *sin, int threads) {
+#pragma omp parallel for num_threads(threads_for(rows * (q_heads + k_heads) * head_dim, threads)) \
+    schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+        rope_heads(q + r * q_stride, q_heads, head_dim, c, s);
+        rope_heads(k + r * k_stride, k_heads, head_dim, c, s);
+    }
+}
+
+/* out[r] = the first index of row r's maximum (the first NaN where a row has one); rows of
+ * cols floats (cols < 2^31), stride apart. One pass: each lane keeps the first index of its
+ * own maximum (a strict >, so ties keep the earlier), then the first of the lanes that hold the
+ * row's maximum wins. */
+void actorline_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t stride,
+                               int64_t *out, int threads) {
+#pragma omp parallel for num_threads(threads_for(rows * cols, threads)) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * stride;
+        vf best = (vf){0} - INFINITY;
+        vi where = (vi){0}, lane, nan = (vi){0};
+        for (int i = 0; i < LANES; ++i) lane[i] = i;
+        int64_t j = 0;
+        for (; j + LANES <= cols; j += LANES) {
+            const vf v = *(const vf *)(row + j);
+            const vi above = v > best;
+            nan |= v != v;
+            best = (vf)(((vi)v & above) | ((vi)best & ~above));
+            where = ((lane + (int32_t)j) & above) | (where & ~above);
+        }
+        float peak = -INFINITY;
+        int64_t index = 0;
+        int has_nan = 0;
+        for (int i = 0; i < LANES; ++i) {
+            has_nan |= nan[i] != 0;
+            if (best[i] > peak || (best[i] == peak && where[i] < index)) {
+                peak = best[i];
+                index = where[i];
+            }
+        }
+        for (; j < cols; ++j) {
+            has_nan |= row[j] != row[j];
+            if (row[j] > peak) {
+                peak = row[j];
+                index = j;
+            }
+        }
+        if (has_nan)
+            for (index = 0; row[index] == row[index]; ++index) {
+            }
+        out[r] = index;
     }
 }

@@ -147,6 +147,33 @@ def test_seeded_sampling_repeats_and_ignores_the_batch(
     assert in_batch == alone
 
 
+def test_the_native_argmax_gives_the_same_tokens() -> None:
+    from stages.execute.native import fused_ops_kernel
+
+    kernel = fused_ops_kernel()
+    assert kernel is not None, "the C compiler on this machine should build the kernel"
+    torch.manual_seed(3)
+    vocab = 1000
+    logits = torch.randn(5, vocab + 24)  # a padded head: rows a stride apart after the cut
+    logits[1, 10] = logits[1, 700] = logits[1].max() + 1.0  # a tie: the first index wins
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, seed=11),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.5, seed=4, top_k=20),
+    ]
+
+    def tokens(sampler: Sampler, rows: list[int]) -> list[int]:
+        states = [make_state(params[row], device=CPU) for row in rows]
+        return sampler.sample(logits[rows], states).token_ids
+
+    plain, native = Sampler(vocab, CPU), Sampler(vocab, CPU, argmax=kernel.argmax)
+    for rows in ([0, 1], [0, 1, 2, 3, 4], [2, 4]):
+        assert tokens(native, rows) == tokens(plain, rows)
+    assert tokens(native, [1]) == [10]
+
+
 def test_different_seeds_give_different_tokens() -> None:
     torch.manual_seed(0)
     logits = torch.randn(1, 400)
