@@ -144,10 +144,7 @@ def _rotary_agrees(kernel: FusedOpsKernel, head_dim: int) -> bool:
     except RuntimeError as error:
         logger.info("execute: fused rotary embeddings unavailable (%s)", error)
         return False
-    if not all(
-        (got - want).abs().max().item() <= _PROBE_TOLERANCE * max(want.abs().max().item(), 1.0)
-        for got, want in zip((query, key), expected, strict=True)
-    ):
+    if not all(_close(got, want) for got, want in zip((query, key), expected, strict=True)):
         logger.warning("execute: fused rotary embeddings disagree with the model's; not used")
         return False
     return True
@@ -215,6 +212,14 @@ def _width(module: torch.nn.Module) -> tuple[int, ...]:
     return tuple(weight.shape)
 
 
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Same shape, and within the probes' tolerance of the largest output (at least 1)."""
+    scale = max(expected.abs().max().item(), 1.0)
+    return got.shape == expected.shape and (
+        (got - expected).abs().max().item() <= _PROBE_TOLERANCE * scale
+    )
+
+
 def _agrees(module: torch.nn.Module, fused: torch.nn.Module) -> bool:
     """Whether ``fused`` computes what ``module`` does on random rows (a few row counts)."""
     width = _width(module)[0]
@@ -228,10 +233,7 @@ def _agrees(module: torch.nn.Module, fused: torch.nn.Module) -> bool:
             except RuntimeError as error:
                 logger.info("execute: fused %s unavailable (%s)", type(module).__name__, error)
                 return False
-            scale = max(expected.abs().max().item(), 1.0)
-            if got.shape != expected.shape or not (
-                (got - expected).abs().max().item() <= _PROBE_TOLERANCE * scale
-            ):
+            if not _close(got, expected):
                 logger.warning(
                     "execute: fused form of %s disagrees with it; not used", type(module).__name__
                 )

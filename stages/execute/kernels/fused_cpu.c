@@ -10,8 +10,8 @@
  *   computes it (torch: two slices, a negation, a cat, two muls and an add per tensor; vLLM's
  *   rotary_embedding, csrc/cpu/pos_encoding.cpp, the neox style);
  * - the first index of each row's maximum, torch.argmax's answer (NaN counts as the maximum),
- *   for the sampler's greedy rows (torch's CPU argmax compares one element at a time: 36 us
- *   for a 49,152-token row, where the vector scan here takes a few).
+ *   for the sampler's greedy and sampled rows (torch's CPU argmax compares one element at a
+ *   time: 36 us for a 49,152-token row, where the vector scan here takes a few).
  *
  * Rows are split over OpenMP threads (torch's runtime, as for the other kernels) once a call has
  * enough of them to pay for waking the threads. exp is a vector polynomial (Cephes expf's, within
