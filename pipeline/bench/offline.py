@@ -660,6 +660,16 @@ def format_offline(result: OfflineResult) -> str:
             f"machine's best GEMM rate per shape ({roof.mkl_seconds:.2f} s at MKL's); "
             "`actorline bench roof` shows the rates"
         )
+        if roof.step_seconds is not None:
+            shares = ", ".join(
+                f"{system.name} {100.0 * roof.step_seconds / system.seconds:.0f}%"
+                for system in result.systems
+                if system.seconds > 0
+            )
+            lines.append(
+                f"step bound: {roof.step_seconds:.2f} s (each decode step at the longer of its "
+                f"FLOPs and its bytes at {roof.bandwidth_gbs:.1f} GB/s); share of it: {shares}"
+            )
     for name, version in result.peer_versions.items():
         lines.append(f"{name}: vllm {version}")
     for name, ratio in result.ratios.items():

@@ -24,6 +24,12 @@ keys and values every fed-back token attends to. Decode steps of a small model o
 bound by it rather than by the FMAs, so a run can be slower than the roof however good its
 kernels; both are lower bounds on the time, neither is reachable in full.
 
+The **step bound** joins the two step by step: the prompts' tokens at the roof's rates, then
+each decode step (every request in one batch from the start, the fewest passes) at the longer
+of its FLOPs at the roof's rates and its bytes (every weight once, plus the keys and values its
+rows attend) at the measured bandwidth. It is the tightest of the three lower bounds, still not
+reachable in full (it assumes each step overlaps its compute and its memory traffic perfectly).
+
     actorline bench roof [--quick] [--json] [--threads N]
 """
 
@@ -180,6 +186,7 @@ class Roof:
     weight_bytes: int = 0
     floor_bytes: float = 0.0
     bandwidth_gbs: float | None = None
+    step_seconds: float | None = None
 
     @property
     def floor_seconds(self) -> float | None:
@@ -284,6 +291,19 @@ def roof_seconds(
     )
     weights = linears.weight_bytes()
     floor = float(work.forward_passes * weights + work.decode_context_tokens * kv_bytes_per_token)
+    step_seconds = None
+    if bandwidth_gbs:
+        # Seconds per row at the roof's rates: one token through the layers, one head row.
+        both = (MKL, PACKED)
+        layer_row = sum(shape.flops_per_row / best(shape, both) for shape in linears.layers)
+        head_row = linears.head.flops_per_row / best(linears.head, both) if linears.head else 0.0
+        decoded = sum(work.decode_rows)
+        prompts = work.layer_tokens - decoded  # prompt tokens less the prefix-cache hits
+        step_seconds = prompts * layer_row + (work.head_rows - decoded) * head_row
+        for rows, context in zip(work.decode_rows, work.decode_step_contexts):
+            compute = rows * (layer_row + head_row)
+            memory = (weights + context * kv_bytes_per_token) / (bandwidth_gbs * 1e9)
+            step_seconds += max(compute, memory)
     return Roof(
         work,
         flops,
@@ -292,6 +312,7 @@ def roof_seconds(
         weight_bytes=weights,
         floor_bytes=floor,
         bandwidth_gbs=bandwidth_gbs,
+        step_seconds=step_seconds,
     )
 
 
@@ -509,6 +530,12 @@ def format_roof(result: RoofResult) -> str:
             f"bandwidth): at least {work.forward_passes} forward passes each reading "
             f"{roof.weight_bytes / 1e6:,.0f} MB of weights, plus {kv_bytes / 1e9:.1f} GB of "
             f"keys and values read by decode rows"
+        )
+    if roof.step_seconds is not None:
+        lines.append(
+            f"step bound: {roof.step_seconds:.2f} s (the prompts at the roof's rates, then each "
+            f"decode step at the longer of its FLOPs and its bytes); the roof is "
+            f"{100.0 * roof.seconds / roof.step_seconds:.0f}% of it"
         )
     return "\n".join(lines)
 

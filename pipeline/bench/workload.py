@@ -240,7 +240,11 @@ class WorkloadWork:
     token). Memory: at least ``forward_passes`` forward passes (each request needs one per
     token it generates), each reading every weight, and decode rows reading
     ``decode_context_tokens`` tokens of keys and values in all (each fed-back token attends
-    its whole context)."""
+    its whole context).
+
+    Step by step, with every request in one batch from the start (the fewest passes):
+    ``decode_rows[t - 1]`` requests feed back their ``t``-th token in decode step ``t`` and
+    together attend ``decode_step_contexts[t - 1]`` tokens of keys and values."""
 
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -249,6 +253,8 @@ class WorkloadWork:
     head_rows: int
     forward_passes: int = 0
     decode_context_tokens: int = 0
+    decode_rows: tuple[int, ...] = ()
+    decode_step_contexts: tuple[int, ...] = ()
 
 
 def workload_work(
@@ -288,6 +294,7 @@ def workload_work(
         (limit - 1) * len(prompt) + (limit - 1) * limit // 2
         for prompt, limit in zip(prompts, max_tokens)
     )
+    steps = range(1, max(max_tokens, default=1))
     return WorkloadWork(
         prompt_tokens=prompt_tokens,
         cached_prompt_tokens=cached,
@@ -296,4 +303,9 @@ def workload_work(
         head_rows=generated,
         forward_passes=max(max_tokens, default=0),
         decode_context_tokens=contexts,
+        decode_rows=tuple(sum(1 for limit in max_tokens if limit > t) for t in steps),
+        decode_step_contexts=tuple(
+            sum(len(prompt) + t for prompt, limit in zip(prompts, max_tokens) if limit > t)
+            for t in steps
+        ),
     )

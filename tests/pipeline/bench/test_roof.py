@@ -37,6 +37,10 @@ def test_work_counts_prefix_cache_hits_by_whole_blocks() -> None:
     assert work.forward_passes == 4  # the longest request's tokens, one pass each
     # fed-back tokens attend prompt + outputs so far: request 1's two see 36 and 37, ...
     assert work.decode_context_tokens == (36 + 37) + 35 + 0 + (33 + 34 + 35)
+    # step by step: step 1 feeds back requests 1, 2 and 4, step 2 requests 1 and 4, step 3 4
+    assert work.decode_rows == (3, 2, 1)
+    assert work.decode_step_contexts == (36 + 35 + 33, 37 + 34, 35)
+    assert sum(work.decode_step_contexts) == work.decode_context_tokens
     with pytest.raises(ValueError, match="max_tokens"):
         workload_work([[1]], [1, 2])
     with pytest.raises(ValueError, match=">= 1"):
@@ -74,8 +78,32 @@ def test_roof_is_each_shapes_flops_at_its_best_rate() -> None:
     assert floor.weight_bytes == weights
     assert floor.floor_seconds == pytest.approx((3 * weights + 70) / 2e9)
     assert format_share(None, 1.0) == "-"
+    assert roof.step_seconds is None  # no bandwidth measured
     with pytest.raises(ValueError, match="16 x 8"):
         roof_seconds(linears, rates[:3] + rates[5:], work)
+
+
+def test_step_bound_takes_each_decode_step_at_its_compute_or_its_bytes() -> None:
+    linears = ModelLinears(
+        layers=(LinearShape(8, 4, 1, ("q",)),), head=LinearShape(16, 4, 1, ("lm_head",))
+    )
+    rates = (GemmRate(8, 4, 64, "mkl", 1.0), GemmRate(16, 4, 16, "mkl", 2.0))
+    layer_row, head_row = 2 * 8 * 4 / 1e9, 2 * 16 * 4 / 2e9  # seconds per row
+    # two requests: prompts of 3 and 5 tokens (1 cached), 3 and 1 tokens generated
+    work = WorkloadWork(prompt_tokens=8, cached_prompt_tokens=1, generated_tokens=4,
+                        layer_tokens=8 - 1 + 2, head_rows=4, forward_passes=3,
+                        decode_context_tokens=4 + 5, decode_rows=(1, 1),
+                        decode_step_contexts=(4, 5))  # fmt: skip
+    weights = 4 * (8 * 4 + 16 * 4)
+    bandwidth = 1e-6  # GB/s: slow enough that a decode step of 8 tokens' KV is memory-bound
+    roof = roof_seconds(linears, rates, work, bandwidth_gbs=bandwidth, kv_bytes_per_token=8)
+    prefill = 7 * layer_row + 2 * head_row  # the prompts, and each request's first token
+    memory = [(weights + context * 8) / (bandwidth * 1e9) for context in (4, 5)]
+    assert roof.step_seconds == pytest.approx(prefill + sum(memory))
+    # with fast memory every step is compute-bound and the step bound is the roof
+    fast = roof_seconds(linears, rates, work, bandwidth_gbs=1e9, kv_bytes_per_token=8)
+    assert fast.step_seconds == pytest.approx(fast.seconds)
+    assert roof.step_seconds > roof.seconds
 
 
 def test_model_linears_reads_the_shapes_without_weights(tiny_model_dir: Path) -> None:
