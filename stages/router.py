@@ -20,6 +20,11 @@ Ports: ``in`` (EngineRequest), ``abort`` (AbortRequests, from the API and stop-c
 each replica's execute stage); ``requests`` (to every replica's admit stage, each request to
 one), ``aborts`` (to every replica's schedule stage, each abort to the one holding it),
 ``out`` (to detokenize), ``info`` (EngineInfo, once).
+
+A request the router fails on (the policy raised, or the link to the chosen replica cannot
+carry it: an ``EncodeError``) fails alone (``docs/architecture.md`` §7.2): what the router
+recorded of it is undone, as if it had never come, and a :class:`RequestRejected` goes on to
+detokenize; the other requests go on.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from typing import Any
 
 from pipeline.runtime.replicas import ReplicaLost
 from pipeline.runtime.stage import Stage, handles
 from stages.early_aborts import EarlyAborts
 from stages.errors import ENGINE_DEAD
+from stages.failures import rejection, request_id_of
 from stages.messages import (
     AbortRequests,
     EngineInfo,
@@ -190,6 +197,28 @@ class RouterStage(Stage):
         self.routed[name] += 1
         self.recent.append((request_id, name))
         await self.emit("requests", request, to=route.admit)
+
+    async def recover(self, message: Any, port: str, error: Exception) -> bool:
+        """A request this stage failed on (the policy raised, or its send to the chosen
+        replica failed: a value the link cannot carry) is answered with a typed error, and
+        what :meth:`_route` recorded of it is undone (its replica's load, the counts, the
+        latest decision), so the books are as if it had never come. It reached no replica,
+        so nothing is aborted. (A policy's own memory, prefix affinity say, is a hint, not
+        a count: it stays.) Failures on the other messages (outputs, rejections and aborts
+        passing through) are this stage's own."""
+        request_id = request_id_of(message)
+        if port != "in" or request_id is None:
+            return False
+        routed = self._routed.get(request_id)
+        if routed is not None and routed.request is message:
+            self._forget(request_id)
+            self.routed[routed.replica] -= 1
+            if not self.routed[routed.replica]:
+                del self.routed[routed.replica]
+            if self.recent and self.recent[-1] == (request_id, routed.replica):
+                self.recent.pop()
+        await self.emit("out", rejection(self.name, request_id, error))
+        return True
 
     @handles(EngineOutputs)
     async def on_outputs(self, outputs: EngineOutputs) -> None:

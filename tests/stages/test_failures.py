@@ -1,17 +1,21 @@
 """One bad message fails one request (stages/failures.py and each stage's recovery): a fault
 put into one stage for one request (a tokenizer, the admission checks, the scheduler's
-intake, a detokenizer, a stop checker that raise) ends that request with a typed error,
-aborts it in the engine if it was there, and leaves a bystander stream and every later
-request alone (docs/architecture.md, "Failure: one request or the pipeline").
+intake, a detokenizer, a stop checker that raise, a router whose send to a replica fails)
+ends that request with a typed error, aborts it in the engine if it was there, and leaves a
+bystander stream and every later request alone (docs/architecture.md, "Failure: one request
+or the pipeline"). A failure repeated at will logs its traceback once (§7.2).
 
 The faults are injected: once every request is validated at the boundary no real input
 makes these stages raise, which is the point; the stages must still contain what a bug would
-raise. The engine is the null model in the memory topology, so every stage is reachable.
+raise. The engine is the null model in the memory topology, so every stage is reachable;
+the router runs only with data parallelism, so its test has two replicas over zmq.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +28,8 @@ from stages.detokenizer import DetokenizerFactory, IncrementalDetokenizer
 from stages.errors import InvalidRequestError, RequestError
 from stages.failures import rejection, request_error, request_id_of
 from stages.messages import EngineRequest, GenerateRequest, StepResult
+from stages.router import RouterStage
+from stages.routing import ReplicaLoad
 from stages.schedule import ScheduleStage
 from stages.stop_checker import StopChecker, StopDecision
 from stages.tokenize import TokenizeStage
@@ -81,6 +87,67 @@ async def engine_holds_nothing(engine: AsyncEngine) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"the engine still holds requests: {engine.stats}")
+
+
+async def recovered(engine: AsyncEngine, stage: str) -> int:
+    """How many failures frontend stage ``stage`` has contained (StageStatistics)."""
+    (main,) = [host for host in await engine.running.statistics() if host.host == "main"]
+    (statistics,) = [s for s in main.stages if s.name == stage]
+    return statistics.recovered
+
+
+def break_detokenizer(
+    monkeypatch: pytest.MonkeyPatch,
+    engine: AsyncEngine,
+    fault: type[Exception],
+    *,
+    when: str = "decoding",
+) -> None:
+    """Make the detokenizer of every request with the prompt "poison" raise ``fault``:
+    ``when`` "registering" (creating it), or "decoding" (its fifth push, mid-stream, in a
+    batch with every other running request's row)."""
+    tokenize = engine.running.stage("tokenize")
+    assert isinstance(tokenize, TokenizeStage)
+    poison = tuple(tokenize.tokenizer.encode("poison", add_special_tokens=True))
+    real = DetokenizerFactory.create
+
+    class Breaks:
+        def __init__(self, inner: IncrementalDetokenizer) -> None:
+            self.inner = inner
+            self.pushes = 0
+
+        def push(self, token_ids: Any) -> str:
+            self.pushes += 1
+            if self.pushes == 5:
+                raise fault("a decoder state broke")
+            return self.inner.push(token_ids)
+
+        def flush(self) -> str:
+            return self.inner.flush()
+
+    def create(factory: DetokenizerFactory, prompt_token_ids: Any = (), **options: Any) -> Any:
+        detokenizer = real(factory, prompt_token_ids, **options)
+        if tuple(prompt_token_ids) != poison:
+            return detokenizer
+        if when == "registering":
+            raise fault("cannot build a decoder")
+        return Breaks(detokenizer)
+
+    monkeypatch.setattr(DetokenizerFactory, "create", create)
+
+
+def break_stop_checker(monkeypatch: pytest.MonkeyPatch, fault: type[Exception]) -> SamplingParams:
+    """Make every stop checker raise ``fault`` on its third push; the params of a request
+    that has one (the bystander has no stop strings, so no checker)."""
+
+    class Breaks(StopChecker):
+        def push(self, text: str, num_output_tokens: int) -> StopDecision:
+            if num_output_tokens == 3:
+                raise fault("a stop checker broke")
+            return super().push(text, num_output_tokens)
+
+    monkeypatch.setattr(stop_check, "StopChecker", Breaks)
+    return LONG.replace(stop=("never in random text \x00",))
 
 
 def test_a_tokenizer_that_raises_fails_that_request(
@@ -156,34 +223,7 @@ def test_a_detokenizer_that_raises_fails_that_request_and_frees_it(
     in a batch with the bystander's): the request ends with the error after the tokens it
     had, and is aborted in the engine, which frees it."""
     loop, engine = served
-    tokenize = engine.running.stage("tokenize")
-    assert isinstance(tokenize, TokenizeStage)
-    poison = tuple(tokenize.tokenizer.encode("poison", add_special_tokens=True))
-    real = DetokenizerFactory.create
-
-    class Breaks:
-        def __init__(self, inner: IncrementalDetokenizer) -> None:
-            self.inner = inner
-            self.pushes = 0
-
-        def push(self, token_ids: Any) -> str:
-            self.pushes += 1
-            if self.pushes == 5:
-                raise Injected("a decoder state broke")
-            return self.inner.push(token_ids)
-
-        def flush(self) -> str:
-            return self.inner.flush()
-
-    def create(factory: DetokenizerFactory, prompt_token_ids: Any = (), **options: Any) -> Any:
-        detokenizer = real(factory, prompt_token_ids, **options)
-        if tuple(prompt_token_ids) != poison:
-            return detokenizer
-        if when == "registering":
-            raise Injected("cannot build a decoder")
-        return Breaks(detokenizer)
-
-    monkeypatch.setattr(DetokenizerFactory, "create", create)
+    break_detokenizer(monkeypatch, engine, Injected, when=when)
     outputs, error = loop.run(with_bystander(engine, "poison"))
     assert type(error) is RequestFailedError
     assert "stage 'detokenize' failed on this request: Injected" in str(error)
@@ -196,15 +236,7 @@ def test_a_stop_checker_that_raises_fails_that_request_and_frees_it(
 ) -> None:
     """Its third push raises (the bystander has no stop strings, so no checker)."""
     loop, engine = served
-
-    class Breaks(StopChecker):
-        def push(self, text: str, num_output_tokens: int) -> StopDecision:
-            if num_output_tokens == 3:
-                raise Injected("a stop checker broke")
-            return super().push(text, num_output_tokens)
-
-    monkeypatch.setattr(stop_check, "StopChecker", Breaks)
-    params = LONG.replace(stop=("never in random text \x00",))
+    params = break_stop_checker(monkeypatch, Injected)
 
     async def body() -> Any:
         bystander = asyncio.ensure_future(outcome(engine, "a bystander", LONG))
@@ -218,6 +250,93 @@ def test_a_stop_checker_that_raises_fails_that_request_and_frees_it(
     assert "stage 'stop_check' failed on this request: Injected" in str(error)
     assert outputs and len(outputs[-1].token_ids) == 2
     loop.run(engine_holds_nothing(engine))
+
+
+@pytest.mark.parametrize(
+    ("stage", "batch"), [("detokenize", "EngineOutputs"), ("stop_check", "TextOutputs")]
+)
+def test_a_row_failure_repeated_at_will_logs_its_traceback_once(
+    served: tuple[LoopThread, AsyncEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    stage: str,
+    batch: str,
+) -> None:
+    """Three requests fail the same way, each on its row of a batch: each ends with the
+    error, the host counts all three as contained, and logs the first with its traceback and
+    the others in one line each (docs/architecture.md §7.2), as it logs what a stage's
+    recover contains."""
+    loop, engine = served
+
+    class Repeated(RuntimeError):
+        """A type the stage has not met (the host remembers types for the module's engine)."""
+
+        __qualname__ = "Repeated"
+
+    if stage == "detokenize":
+        break_detokenizer(monkeypatch, engine, Repeated)
+        params = LONG
+    else:
+        params = break_stop_checker(monkeypatch, Repeated)
+
+    async def body() -> tuple[int, int]:
+        before = await recovered(engine, stage)
+        for _ in range(3):
+            _, error = await outcome(engine, "poison", params)
+            assert type(error) is RequestFailedError
+            assert f"stage {stage!r} failed on this request: Repeated" in str(error)
+        return before, await recovered(engine, stage)
+
+    with caplog.at_level(logging.ERROR):
+        before, after = loop.run(body())
+    assert after - before == 3
+    records = [r for r in caplog.records if "Repeated" in r.getMessage()]
+    assert [r.name for r in records] == ["actorline.host"] * 3, records
+    for record in records:
+        assert record.levelno == logging.ERROR
+        assert f"stage {stage} recovered from Repeated on a {batch} (request '" in (
+            record.getMessage()
+        )
+    assert [record.exc_info is not None for record in records] == [True, False, False]
+    loop.run(engine_holds_nothing(engine))
+
+
+def test_a_router_whose_send_fails_fails_that_request_and_undoes_its_routing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With two replicas the router (on the frontend) sends each request over a zmq link to
+    its replica's admit. A value that link cannot carry (a lone surrogate in the tenant, put
+    into the request on the router's path, past the boundary checks of §7.1) makes the real
+    codec raise EncodeError in the router's send, after it recorded the route: the request
+    ends with InvalidRequestError, the router's books are as if it had never come, a
+    bystander stream and a later request run, and the engine lives."""
+
+    async def body() -> None:
+        async with AsyncEngine(null_model=True, data_parallel_size=2) as engine:
+            router = engine.running.stage("router")
+            assert isinstance(router, RouterStage)
+            real = router.emit
+
+            async def emit(port: str, message: object, *, to: str | None = None) -> None:
+                if isinstance(message, EngineRequest) and message.prompt == "poison":
+                    message = dataclasses.replace(message, tenant="\ud800")
+                await real(port, message, to=to)
+
+            monkeypatch.setattr(router, "emit", emit)
+            for _ in range(2):  # and again: nothing of the first failure is left
+                outputs, error = await with_bystander(engine, "poison")
+                assert not outputs and type(error) is InvalidRequestError
+                assert "cannot carry: EngineRequest.tenant:" in str(error)
+                assert "surrogates not allowed" in str(error)
+                assert error.request_id not in {request_id for request_id, _ in router.recent}
+            assert await recovered(engine, "router") == 2
+            # the bystanders and the later requests, 2 each: every one finished
+            assert sum(router.routed.values()) == 4
+            assert router.live_replicas == ("0", "1")
+            for name in router.live_replicas:
+                assert router.load(name) == ReplicaLoad(name, 0, 0)
+
+    asyncio.run(asyncio.wait_for(body(), 120))
 
 
 def test_request_errors_for_what_a_stage_raised() -> None:
