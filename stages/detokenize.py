@@ -90,9 +90,7 @@ class DetokenizeStage(Stage):
             except Exception as error:
                 if not recoverable(error):
                     raise
-                self.logger.error(
-                    "failed to decode request %r: %s", request_id, error, exc_info=error
-                )
+                self.contained(error, outputs, request_id)
                 self._forget(request_id)
                 failed.append(rejection(self.name, request_id, error, abort=True))
                 continue

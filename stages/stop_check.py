@@ -139,9 +139,7 @@ class StopCheckStage(Stage):
                 # engine; the batch's other requests go on.
                 if not recoverable(error):
                     raise
-                self.logger.error(
-                    "failed to check request %r: %s", request_id, error, exc_info=error
-                )
+                self.contained(error, batch, request_id)
                 del requests[request_id]
                 failed.append(rejection(self.name, request_id, error, abort=True))
                 continue

@@ -379,21 +379,34 @@ class Host:
             return False
         if recovered is not True:
             return False
+        self.contained(cell.name, error, message)
+        return True
+
+    def contained(
+        self, stage: str, error: Exception, message: Any, request_id: str | None = None
+    ) -> None:
+        """Log and count a failure stage ``stage`` contained (docs/architecture.md §7.2):
+        its :meth:`Stage.recover` answered ``message``, or (``request_id``) its handler
+        answered that one request of ``message``, a message of many, itself
+        (:meth:`Stage.contained`)."""
+        cell = self._cells[stage]
         cell.recovered += 1
         first = type(error) not in cell.recovered_types
         cell.recovered_types.add(type(error))
+        what = type(message).__qualname__
+        if request_id is not None:
+            what = f"{what} (request {request_id!r})"
         # NOTE: a traceback for the first failure of each kind (a bug to find), one line
         # for the ones after it, so that a request repeated at will cannot flood the log.
         logger.error(
             "host %s: stage %s recovered from %s on a %s: %s",
             self.name,
-            cell.name,
+            stage,
             type(error).__qualname__,
-            type(message).__qualname__,
+            what,
             error,
             exc_info=error if first else None,
         )
-        return True
 
     async def _send_when_room(self, target: _StageCell, item: tuple[str, Any]) -> None:
         """Send ``item`` into ``target``'s full mailbox, waiting for room.

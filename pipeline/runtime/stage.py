@@ -159,6 +159,22 @@ class Stage:
         """
         return False
 
+    def contained(self, error: Exception, message: object, request_id: str) -> None:
+        """Log and count a failure this stage's handler contained itself: request
+        ``request_id``'s part of ``message``, a message of many requests (one row of a
+        batch), raised ``error`` and the handler answered that request with a typed error
+        and went on with the rest. The host logs and counts it as it does what
+        :meth:`recover` contains (``StageStatistics.recovered``; docs/architecture.md §7.2):
+        the first failure of each exception type with its traceback, later ones in one line,
+        so that a request repeated at will cannot flood the log.
+
+        Raises:
+            RuntimeError: the stage is not running in a pipeline.
+        """
+        if self._host is None:
+            raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
+        self._host.contained(self._name, error, message, request_id)
+
     async def on_replica_lost(self, lost: ReplicaLost) -> None:
         """A replica this stage is linked to failed and was cut off (see
         :mod:`pipeline.runtime.replicas`): nothing more arrives from it, what is sent to it
