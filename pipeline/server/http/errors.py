@@ -60,8 +60,26 @@ _BODY_PARAMS = {"prompt_token_ids": "prompt"}
 def error_body(
     message: str, error_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    """``{"error": {"message", "type", "param", "code"}}``. A lone surrogate in the message
+    or param (a hostile body's key or value, named in the refusal) has no UTF-8 form, so no
+    answer could carry it: it is written as its escape, ``\\ud800``."""
+    return {
+        "error": {
+            "message": _utf8(message),
+            "type": error_type,
+            "param": None if param is None else _utf8(param),
+            "code": code,
+        }
+    }
+
+
+def _utf8(text: str) -> str:
+    """``text`` with each character that has no UTF-8 form (a lone surrogate) escaped."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 class ApiError(HTTPException):
