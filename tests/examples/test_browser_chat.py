@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html.parser
 import itertools
+import os
 import queue
 import signal
 import subprocess
@@ -25,6 +26,8 @@ from tests.examples.running import EXAMPLES, RUN_TIMEOUT, example_command, examp
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
+#: set to 1 (CI sets it) and a missing Chromium or chromedriver fails the test: it must run
+REQUIRE_BROWSER = "ACTORLINE_REQUIRE_BROWSER"
 #: what lets headless Chromium run here as root, with no network beyond the page's server
 CHROMIUM_FLAGS = (
     "--headless",
@@ -111,13 +114,45 @@ def chat_app(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
         stderr.close()
 
 
+def require_browser(chromium: Path, chromedriver: Path) -> None:
+    """Skip the test unless ``chromium`` and ``chromedriver`` are there; fail it instead
+    when the environment sets :data:`REQUIRE_BROWSER` to 1.
+
+    Raises:
+        pytest.skip.Exception: one is missing.
+        pytest.fail.Exception: one is missing, and the browser test is required.
+    """
+    missing = [str(path) for path in (chromium, chromedriver) if not path.exists()]
+    if not missing:
+        return
+    reason = (
+        f"needs Debian's chromium and chromium-driver ({', '.join(missing)} missing): "
+        "'make test' (its 'browser' target; 'make browser' alone) installs them when run as root"
+    )
+    if os.environ.get(REQUIRE_BROWSER) == "1":
+        pytest.fail(f"{reason}; {REQUIRE_BROWSER}=1 requires the browser test to run")
+    pytest.skip(reason)
+
+
+def test_a_missing_browser_skips_or_fails_as_the_environment_requires(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "chromedriver"
+    monkeypatch.delenv(REQUIRE_BROWSER, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="'make test'") as skipped:
+        require_browser(CHROMIUM if CHROMIUM.exists() else missing, missing)
+    assert f"{missing} missing" in str(skipped.value)
+    monkeypatch.setenv(REQUIRE_BROWSER, "1")
+    with pytest.raises(pytest.fail.Exception, match=f"{REQUIRE_BROWSER}=1 requires") as failed:
+        require_browser(missing, missing)
+    assert "'make browser'" in str(failed.value)
+    require_browser(tmp_path, tmp_path)  # both there: neither
+
+
 @pytest.fixture
 def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     """Headless Chromium under chromedriver, both Debian's (never selenium's downloads)."""
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.skip(
-            "needs Debian's chromium and chromium-driver: 'make setup' as root installs them"
-        )
+    require_browser(CHROMIUM, CHROMEDRIVER)
     from selenium import webdriver
 
     # NOTE: with both paths given selenium-manager has nothing to find; offline, it could not

@@ -37,6 +37,33 @@ def test_an_engine_runs_from_a_script_read_from_stdin() -> None:
     assert result.stdout.strip() == "length 3"
 
 
+def test_an_async_engine_runs_from_a_script_read_from_stdin() -> None:
+    """``AsyncEngine`` in the default (zmq) topology: its engine host is a spawned process,
+    which must not re-import the ``<stdin>`` main module; two requests run and the engine
+    closes cleanly, leaving no process."""
+    result = run_from_stdin(
+        """
+        import asyncio
+        from pipeline import AsyncEngine, SamplingParams
+        from tests.processes import child_processes
+
+        async def main():
+            async with AsyncEngine(null_model=True) as engine:
+                assert engine.running.pids, "the engine runs in a process of its own"
+                for prompt in ("hi", [1, 2, 3]):
+                    async for output in engine.generate(prompt, SamplingParams(max_tokens=3)):
+                        pass
+                    print(output.finish_reason, len(output.token_ids))
+            print("children:", len(child_processes()))
+
+        asyncio.run(main())
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines() == ["length 3", "length 3", "children: 0"]
+    assert "Traceback" not in result.stderr, result.stderr
+
+
 def test_a_stage_defined_in_a_script_from_stdin_is_refused_by_name() -> None:
     """Its host could not import it: not HostDiedError (exit code 1) from the host, but a
     GraphError naming the stage and why, and no process is left."""

@@ -170,7 +170,9 @@ def test_engine_death_ends_calls_with_unavailable_and_health_not_serving(
 def test_killing_the_engine_under_actorline_serve(tiny_model_dir: Path, tmp_path: Path) -> None:
     """SIGKILL the engine host process of ``actorline serve`` while streams run: they end with
     UNAVAILABLE (engine_dead) within the deadline, health turns NOT_SERVING, and the command
-    still stops cleanly (exit 0) on SIGTERM."""
+    still stops cleanly (exit 0) on SIGTERM. Its log says what happened in lines, without a
+    traceback (docs/architecture.md §7.3: the death is the pipeline's one ERROR line, what
+    fails because of it while the command shuts down is not logged again)."""
     serve = ServeProcess(serve_arguments(tiny_model_dir), tmp_path / "stderr.txt")
 
     async def body() -> float:
@@ -198,6 +200,9 @@ def test_killing_the_engine_under_actorline_serve(tiny_model_dir: Path, tmp_path
         assert serve.process.wait(EXIT_TIMEOUT) == 0, serve.stderr[-3000:]
         assert not any(process_alive(pid) for pid in children)
         assert serve.lines.get(timeout=5) is None  # the ready line was the only output
+        stderr = serve.stderr
+        assert "Traceback" not in stderr and "PeerLostError" not in stderr, stderr[-5000:]
+        assert "killed by signal 9" in stderr, stderr[-5000:]
     finally:
         serve.kill()
 
