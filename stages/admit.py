@@ -197,9 +197,7 @@ class AdmitStage(Stage):
             except Exception as error:  # as the runtime would for this request's own message
                 if not recoverable(error) or not await self.recover(request, "in", error):
                     raise
-                self.logger.error(
-                    "failed on held request %r: %s", request.request_id, error, exc_info=error
-                )
+                self.contained(error, info, request.request_id)
 
     @handles(EngineStats)
     async def on_stats(self, stats: EngineStats) -> None:
