@@ -554,7 +554,10 @@ class Scheduler:
         """Whether ``state`` is done after sampling ``token_id`` (vLLM ``check_stop``)."""
         assert self._info is not None
         params = state.request.params
-        if state.num_output_tokens >= params.min_tokens:
+        # NOTE: a constrained request samples EOS or a stop id before min_tokens only where its
+        # grammar allowed nothing else (execute's sampler lets the grammar win over
+        # min_tokens): the output is complete, so it stops (docs/structured-outputs.md).
+        if state.num_output_tokens >= params.min_tokens or params.structured_outputs is not None:
             if not params.ignore_eos and token_id in self._info.eos_token_ids:
                 return _FINISH_STOP, None  # vLLM: EOS is no stop_reason
             if token_id in params.stop_token_ids:

@@ -9,7 +9,12 @@ sampling trick, per-request generators), ``vllm/model_executor/layers/utils.py``
    (:mod:`stages.execute.grammar_mask`), before anything else as in vLLM;
 1. raw logprobs, if any row asked (log-softmax of the unmodified logits, fp32);
 2. logits to fp32;
-3. min_tokens: EOS and stop ids masked while a request has fewer than ``min_tokens`` outputs;
+3. min_tokens: EOS and stop ids masked while a request has fewer than ``min_tokens`` outputs,
+   except in a constrained row whose grammar allows nothing else (a complete JSON value, one of
+   the choices): there the grammar wins, the row keeps them, and the scheduler ends the
+   request (docs/structured-outputs.md, "min_tokens"), as vLLM's PR #54218 does
+   (``MinTokensLogitsProcessor``, ``vllm/v1/sample/logits_processor/builtin.py``); masking
+   them would leave every logit -inf (a NaN distribution, a token outside the grammar);
 4. penalties: repetition over prompt + output tokens, presence and frequency over outputs;
 5. greedy rows (temperature 0) take the argmax;
 6. temperature, then min-p, then top-k / top-p (sorted once, only rows that use them);
@@ -177,7 +182,7 @@ class Sampler:
             # NOTE: one fp32 copy that the in-place edits below may change; the caller's
             # logits stay untouched.
             logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-            self._apply_min_tokens_(logits, [states[i] for i in blocking], blocking)
+            self._apply_min_tokens_(logits, [states[i] for i in blocking], blocking, grammar)
             self._apply_penalties_(logits, [states[i] for i in penalized], penalized)
 
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
@@ -209,18 +214,39 @@ class Sampler:
         return torch.tensor(rows, dtype=torch.long, device=device)
 
     def _apply_min_tokens_(
-        self, logits: torch.Tensor, states: Sequence[SamplingState], rows: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        rows: Sequence[int],
+        grammar: GrammarRows | None,
     ) -> None:
-        """Mask, in place, the blocked ids of ``rows`` (requests short of ``min_tokens``)."""
+        """Mask, in place, the blocked ids of ``rows`` (requests short of ``min_tokens``),
+        except in the rows ``grammar`` constrains to nothing but blocked ids (step 3 of the
+        module docstring): those keep their logits."""
         row_ids: list[int] = []
         token_ids: list[int] = []
         for row, state in zip(rows, states, strict=True):
             blocked = [t for t in state.min_tokens_blocked if 0 <= t < self.vocab_size]
             row_ids.extend([row] * len(blocked))
             token_ids.extend(blocked)
-        if row_ids:
-            device = logits.device
-            logits[self._index(row_ids, device), self._index(token_ids, device)] = float("-inf")
+        if not row_ids:
+            return
+        device = logits.device
+        row_index, token_index = self._index(row_ids, device), self._index(token_ids, device)
+        before = logits[row_index, token_index]  # [B]
+        logits[row_index, token_index] = float("-inf")
+        # NOTE: only constrained rows can be left with nothing (a model's logits are finite),
+        # so only they are checked: one [C, V] comparison, and only while some constrained
+        # request is short of min_tokens.
+        constrained = sorted(set(rows).intersection(grammar.rows)) if grammar is not None else []
+        if not constrained:
+            return
+        checked = self._index(constrained, device)
+        emptied = ~(logits.index_select(0, checked) > float("-inf")).any(dim=-1)  # [C]
+        empty_rows = set(checked[emptied].tolist())
+        if empty_rows:
+            restore = self._index([i for i, r in enumerate(row_ids) if r in empty_rows], device)
+            logits[row_index[restore], token_index[restore]] = before[restore]
 
     def _apply_penalties_(
         self, logits: torch.Tensor, states: Sequence[SamplingState], rows: Sequence[int]
