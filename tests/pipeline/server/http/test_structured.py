@@ -1,17 +1,22 @@
 """``response_format`` and vLLM's ``structured_outputs`` extra → the request's constraint
-(pure: no engine), and the 400s that name their field."""
+(pure: no engine), the 400s that name their field, and ``response_format`` JSON schemas sent
+with the official ``openai`` client to the real HTTP front end (the shared server of
+:mod:`tests.pipeline.server.http.conftest`) answered with JSON that validates."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import jsonschema
+import openai
 import pytest
 
 from pipeline.server.http.errors import ApiError
 from pipeline.server.http.protocol import ChatCompletionRequest, CompletionRequest
 from pipeline.server.http.requests import plan_chat, plan_completion
 from stages.structured_outputs import StructuredOutputsParams
+from tests.pipeline.server.http.conftest import MODEL
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}, "required": ["b"]}
 
@@ -110,3 +115,54 @@ def test_malformed_constraints_are_400s_naming_the_field(
 ) -> None:
     error = refusal(**fields)
     assert error.param == param and words in str(error)
+
+
+#: schemas the tiny random model can finish within a few tokens: JSON's whitespace between an
+#: object's or array's tokens is allowed (no ``disable_any_whitespace`` in ``response_format``)
+#: and a random model takes it as often as anything else, so these are top-level values
+SERVED_SCHEMAS: dict[str, dict[str, Any]] = {
+    "a date string": {"type": "string", "format": "date"},
+    "a patterned string": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+    "an integer range or an enum": {
+        "anyOf": [{"type": "integer", "minimum": 10, "maximum": 99}, {"enum": ["north", None]}]
+    },
+}
+
+
+def valid(text: str, schema: dict[str, Any]) -> bool:
+    """Whether ``text`` is JSON valid under ``schema``, string formats checked."""
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    validator = jsonschema.Draft202012Validator(schema, format_checker=checker)
+    return validator.is_valid(json.loads(text))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SERVED_SCHEMAS))
+def test_a_json_schema_response_format_over_http_validates(
+    client: openai.OpenAI, name: str
+) -> None:
+    """``response_format={"type": "json_schema", ...}`` through the real server: the answer
+    parses and validates, sampled (temperature 1, two seeded choices, streamed and not)."""
+    schema = SERVED_SCHEMAS[name]
+    response_format: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": name.replace(" ", "_"), "strict": True, "schema": schema},
+    }
+    messages: Any = [{"role": "user", "content": "Answer in JSON."}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=1.0, n=2, seed=3,
+        response_format=response_format,
+    )  # fmt: skip
+    assert len(chat.choices) == 2
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop", choice
+        assert valid(choice.message.content or "", schema), choice.message.content
+    texts = ["", ""]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=1.0, n=2, seed=4,
+        response_format=response_format, stream=True,
+    )  # fmt: skip
+    for chunk in stream:
+        for streamed in chunk.choices:
+            texts[streamed.index] += streamed.delta.content or ""
+    assert all(valid(text, schema) for text in texts), texts
