@@ -178,6 +178,35 @@ def test_gguf_quantization_of_an_hf_checkpoint_fails_with_one_line(tiny_model_di
     assert "--quantization int8" in line
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int8", pytest.param("gguf", marks=pytest.mark.model)])
+def test_generate_with_quantization_prints_the_apis_text(
+    quantization: str, tiny_model_dir: Path
+) -> None:
+    """``--quantization``: the CLI's engine process serves the quantized weights (its load
+    line, logged at INFO, says so) and prints the greedy text the Python API gives with the
+    same option: int8 on the tiny model, the default model's own GGUF blocks (docs/models.md,
+    "Quantized weights")."""
+    import os
+
+    model = str(tiny_model_dir) if quantization == "int8" else "smollm2-135m"
+    prompt = "The capital of France is"
+    result = subprocess.run(
+        [*CLI, "generate", prompt, "--model", model, "--quantization", quantization,
+         "--num-blocks", "64", "--no-chat-template",
+         "--max-tokens", "8", "--temperature", "0", "--ignore-eos"],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "ACTORLINE_LOG_LEVEL": "INFO"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"quantization='{quantization}'" in result.stderr, result.stderr
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(model, transport="memory", num_blocks=64, quantization=quantization) as llm:
+        [expected] = llm.generate([prompt], params, use_tqdm=False)
+    assert len(expected.token_ids) == 8
+    assert result.stdout == expected.text + "\n"
+
+
 def test_corrupt_and_truncated_gguf_fail_cleanly(tmp_path: Path) -> None:
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(gguf_path().read_bytes()[: 2 << 20])

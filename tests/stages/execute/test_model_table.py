@@ -170,21 +170,52 @@ def prompts() -> list[list[int]]:
     return [own[0], shared + own[1][:7], own[1], own[2], own[3], shared + own[3]]
 
 
-@pytest.mark.parametrize("family", list(SERVED))
-def test_family_matches_hf_generate(family: str, tmp_path: Path) -> None:
+def check_against_hf(family: str, directory: Path, **options: Any) -> ModelRunner:
+    """Load ``family``'s tiny model (built in ``directory``) with ``ExecuteConfig`` fields
+    ``options`` and check greedy tokens equal HF ``generate``'s for every prompt: the first two
+    whole (r1's blocks go to the prefix cache), the rest in chunks of 8, where r5 hits r1's
+    first 16 tokens. Returns the runner."""
     model_type, fields = SERVED[family]
-    directory = build(model_type, fields, tmp_path)
-    runner = ModelRunner(ExecuteConfig(model=str(directory), num_blocks=64, block_size=4))
+    build(model_type, fields, directory)
+    runner = ModelRunner(
+        ExecuteConfig(model=str(directory), num_blocks=64, block_size=4, **options)
+    )
     runner.load()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     batch = prompts()
     requests = [EngineRequest(f"r{i}", tuple(p), params) for i, p in enumerate(batch)]
     first = drive(runner, requests[:2])  # whole prompts; r1's blocks go to the prefix cache
     rest = drive(runner, requests[2:], chunk_size=8)  # chunked; r5 hits r1's first 16 tokens
+    # HF on CPU is the reference: it refuses near-ties, so two devices cannot disagree by noise
     reference = HFReference(directory)
     expected = {f"r{i}": reference.greedy(p, MAX_TOKENS) for i, p in enumerate(batch)}
     assert {**first.outputs, **rest.outputs} == expected
     assert max(rest.cached_tokens.values()) >= 16, "the shared prefix was not served"
+    return runner
+
+
+@pytest.mark.parametrize("family", list(SERVED))
+def test_family_matches_hf_generate(family: str, tmp_path: Path) -> None:
+    check_against_hf(family, tmp_path)
+
+
+@pytest.mark.parametrize("decode_attention", ["grouped", "padded", "per_sequence"])
+def test_torch_decode_paths_serve_windows_and_capped_logits(
+    decode_attention: str, tmp_path: Path
+) -> None:
+    """Gemma 2's sliding and full layers and soft-capped logits through each torch decode path
+    (gather + masked attention; docs/models.md, "How the variants are served") instead of the
+    native kernel, with chunked prefill and a prefix hit as above."""
+    runner = check_against_hf("gemma2", tmp_path, decode_attention=decode_attention)
+    assert runner._decode_mode == decode_attention
+
+
+@pytest.mark.usefixtures("no_c_compiler")
+def test_without_a_c_compiler_windows_run_on_torch(tmp_path: Path) -> None:
+    """No native kernel builds (no linears, fused ops or decode kernel): windowed Mistral falls
+    back to torch throughout, decode on the grouped path, and still matches HF."""
+    runner = check_against_hf("mistral (sliding window)", tmp_path / "model")
+    assert runner._decode_mode == "grouped"
 
 
 @pytest.mark.parametrize("family", list(REFUSED))
@@ -216,17 +247,8 @@ def test_static_decode_path_serves_the_variants(family: str, tmp_path: Path) -> 
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", ["gemma2", "mistral (sliding window)", "gpt_oss"])
 def test_cuda_serves_the_variants(family: str, tmp_path: Path) -> None:
-    """On a GPU: eager prefill and CUDA-graph decode with windows, capped logits and sinks,
-    against HF ``generate``."""
-    model_type, fields = SERVED[family]
-    directory = build(model_type, fields, tmp_path)
-    runner = ModelRunner(
-        ExecuteConfig(model=str(directory), device="cuda", num_blocks=64, block_size=4)
-    )
-    runner.load()
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    batch = prompts()[:4]
-    report = drive(runner, [EngineRequest(f"r{i}", tuple(p), params) for i, p in enumerate(batch)])
-    # HF on CPU is the reference: it refuses near-ties, so the devices cannot disagree by noise
-    reference = HFReference(directory)
-    assert report.outputs == {f"r{i}": reference.greedy(p, MAX_TOKENS) for i, p in enumerate(batch)}
+    """On a GPU: eager prefill (whole and chunked), a prefix hit and CUDA-graph decode with
+    windows, capped logits and sinks, against HF ``generate`` on CPU: the prompts, chunk size
+    and prefix hit of the CPU table test."""
+    runner = check_against_hf(family, tmp_path, device="cuda")
+    assert runner.device.type == "cuda" and runner._decode_graphs is not None
