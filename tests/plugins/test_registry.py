@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
@@ -13,11 +14,12 @@ from pathlib import Path
 import pytest
 
 import plugins
-from pipeline import Pipeline, Stage
+from pipeline import AsyncEngine, Pipeline, SamplingParams, Stage
 from pipeline.runtime.errors import GraphError
 from stages.admit import AdmitStage
 from stages.detokenize import DetokenizeStage
 from stages.execute.null import NullExecuteStage
+from stages.router import RouterStage
 from stages.schedule import ScheduleStage
 from stages.stop_check import StopCheckStage
 from stages.tokenize import TokenizeConfig, TokenizeStage
@@ -282,3 +284,73 @@ def test_the_cli_lists_shadowed_and_ambiguous_plugins(conflicting: Path) -> None
         for line in lines
     ), result.stdout
     assert any(line.split() == ["fcfs", "stages.policies:FcfsPolicy"] for line in lines)
+
+
+# -- a third-party routing policy --------------------------------------------------------------
+
+ROUTER_SOURCE = """
+    class LastReplica:
+        '''Every request to the replica whose name sorts last.'''
+
+        api_version = 1
+        name = "last-replica"
+
+        def __init__(self):
+            self.chosen = []
+            self.forgotten = []
+
+        def choose(self, request, replicas):
+            name = max(replica.name for replica in replicas)
+            self.chosen.append((request.request_id, name))
+            return name
+
+        def forget_replica(self, name):
+            self.forgotten.append(name)
+"""
+
+
+@pytest.fixture
+def router_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An installed distribution ``routerplug`` registering the routing policy
+    ``last-replica`` in ``actorline.routers``."""
+    entry_points = "[actorline.routers]\nlast-replica = routerplug_pkg:LastReplica\n"
+    _fake_distribution(tmp_path, "routerplug", entry_points, ROUTER_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("routerplug_pkg", None)
+
+
+@pytest.mark.slow
+def test_a_third_party_router_is_chosen_by_name(router_plugin: Path, tiny_model_dir: Path) -> None:
+    """``router="last-replica"`` on a DP=2 engine (null model) loads the plugin from its entry
+    point (docs/parallelism.md, "Policies are plugins"), and the router stage routes by it:
+    every request to replica 1, none to replica 0."""
+    assert "last-replica" in plugins.available(plugins.ROUTERS)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = {f"r{index}": f"question {index} about rivers" for index in range(4)}
+
+    async def body() -> None:
+        async with AsyncEngine(
+            str(tiny_model_dir), null_model=True, data_parallel_size=2, router="last-replica"
+        ) as engine:
+
+            async def complete(name: str) -> int:
+                last = None
+                async for output in engine.generate(prompts[name], params, request_id=name):
+                    last = output
+                assert last is not None and last.finish_reason == "length"
+                return len(last.token_ids)
+
+            lengths = await asyncio.gather(*(complete(name) for name in prompts))
+            assert lengths == [params.max_tokens] * len(prompts)
+            router = engine.running.stage("router")
+            assert isinstance(router, RouterStage)
+            policy = router.policy
+            assert type(policy).__module__ == "routerplug_pkg"
+            chosen: list[tuple[str, str]] = vars(policy)["chosen"]  # the plugin's own record
+            assert sorted(rid.partition("#")[0] for rid, _ in chosen) == sorted(prompts)
+            assert {replica for _, replica in chosen} == {"1"}
+            assert router.routed == {"1": len(prompts)}
+            assert set(engine.replica_stats) == {"1"}  # replica 0 never sent an output
+
+    asyncio.run(asyncio.wait_for(body(), 300))

@@ -4,7 +4,8 @@ share their first KV blocks go to the same replica (prefix caching holds across 
 abort reaches the replica holding the request, and a SIGKILLed replica fails only its own
 requests while the other serves on (the engine stays up, and reports the lost replica), the
 requests it had not started go to the other; and replicas of two tensor-parallel ranks each
-serve like one engine."""
+serve like one engine. The router is a stage like any: a user's own replaces it, and the
+built-in round-robin policy, chosen by name, sends the replicas turns."""
 
 from __future__ import annotations
 
@@ -18,9 +19,21 @@ from typing import Any, TypeVar
 
 import pytest
 
-from pipeline import AsyncEngine, EngineDeadError, SamplingParams
+from pipeline import AsyncEngine, EngineDeadError, SamplingParams, Stage
 from pipeline.engine.metrics import EngineMetrics
+from pipeline.engine.options import EngineOptions
+from pipeline.engine.presets import llm_pipeline
+from pipeline.runtime.protocol import HostStatistics
+from pipeline.runtime.stage import handles
+from stages.messages import (
+    AbortRequests,
+    EngineInfo,
+    EngineOutputs,
+    EngineRequest,
+    RequestRejected,
+)
 from stages.router import RouterStage
+from stages.routing import RoundRobinPolicy
 from tests.processes import process_alive
 
 pytestmark = pytest.mark.slow
@@ -70,7 +83,21 @@ async def one_engine_outputs(model: str) -> dict[str, tuple[int, ...]]:
         return await outputs_of(engine)
 
 
-def test_two_replicas_serve_like_one(tiny_model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """What one engine (no replicas) gives for :func:`outputs_of`: what replicas must give."""
+    return run(one_engine_outputs(str(tiny_model_dir)))
+
+
+def steps_of(snapshots: list[HostStatistics]) -> dict[str, int]:
+    """Steps each replica's execute stage ran, from the runtime's statistics, by replica."""
+    counts = {s.name: s.handled for host in snapshots for s in host.stages}
+    return {"0": counts["execute"], "1": counts["execute_1"]}
+
+
+def test_two_replicas_serve_like_one(
+    tiny_model_dir: Path, expected: dict[str, tuple[int, ...]]
+) -> None:
     model = str(tiny_model_dir)
 
     async def replicated() -> None:
@@ -108,11 +135,12 @@ def test_two_replicas_serve_like_one(tiny_model_dir: Path) -> None:
             assert engine.replica_stats[holder].num_running == 0
             assert router.load(holder).num_requests == 0
 
-    expected = run(one_engine_outputs(model))
     run(replicated())
 
 
-def test_replicas_of_tensor_parallel_ranks_serve_like_one(tiny_model_dir: Path) -> None:
+def test_replicas_of_tensor_parallel_ranks_serve_like_one(
+    tiny_model_dir: Path, expected: dict[str, tuple[int, ...]]
+) -> None:
     """DP=2 x TP=2: two replicas, each an engine host driving two ranks joined by gloo (the
     tiny Llama's 4 query / 2 KV heads split in two), give one engine's greedy tokens, and
     every host and rank process is gone after close."""
@@ -132,8 +160,93 @@ def test_replicas_of_tensor_parallel_ranks_serve_like_one(tiny_model_dir: Path) 
             await engine.close()
         assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
-    expected = run(one_engine_outputs(model))
     run(replicated())
+
+
+class EverythingToReplicaOne(Stage):
+    """A user's own router stage, with the ports of :class:`RouterStage`: every request goes to
+    engine replica 1 (its admit stage ``admit_1``) and every abort to its schedule stage;
+    what the replicas send back passes on to detokenize, their EngineInfo once both loaded.
+    Its config is the number of replicas."""
+
+    inputs = ("in", "abort", "outputs", "info")
+    outputs = ("requests", "aborts", "out", "info")
+
+    def __init__(self, config: int) -> None:
+        super().__init__(config)
+        self._infos = 0
+        #: the ids of the requests it routed, in order
+        self.routed: list[str] = []
+
+    @handles(EngineInfo)
+    async def on_info(self, info: EngineInfo) -> None:
+        self._infos += 1
+        if self._infos == self.config:
+            await self.emit("info", info)
+
+    @handles(EngineRequest)
+    async def on_request(self, request: EngineRequest) -> None:
+        self.routed.append(request.request_id)
+        await self.emit("requests", request, to="admit_1")
+
+    @handles(EngineOutputs, RequestRejected)
+    async def on_output(self, message: EngineOutputs | RequestRejected) -> None:
+        await self.emit("out", message)
+
+    @handles(AbortRequests)
+    async def on_abort(self, abort: AbortRequests) -> None:
+        await self.emit("aborts", abort, to="schedule_1")
+
+
+def test_a_users_own_router_stage_replaces_the_router(
+    tiny_model_dir: Path, expected: dict[str, tuple[int, ...]]
+) -> None:
+    """``pipeline.replace("router", ...)`` on the DP=2 LLM pipeline (docs/parallelism.md,
+    "The router stage"): the user's stage does the routing, all to replica 1, so replica 0
+    runs no step at all, and the outputs are one engine's."""
+    options = EngineOptions(model=str(tiny_model_dir), num_blocks=256, data_parallel_size=2)
+    pipeline = llm_pipeline(options).replace("router", EverythingToReplicaOne, 2)
+
+    async def body() -> None:
+        async with AsyncEngine(pipeline=pipeline) as engine:
+            assert await outputs_of(engine) == expected
+            router = engine.running.stage("router")
+            assert isinstance(router, EverythingToReplicaOne)
+            assert sorted(rid.partition("#")[0] for rid in router.routed) == sorted(PROMPTS)
+            assert await engine.running.wait_idle(PROMPTLY)
+            steps = steps_of(await engine.running.statistics())
+            assert steps["0"] == 0 and steps["1"] > 0, steps
+            assert set(engine.replica_stats) == {"1"}  # replica 0 never sent an output
+
+    run(body())
+
+
+def test_round_robin_by_name_gives_both_replicas_turns(tiny_model_dir: Path) -> None:
+    """``router="round-robin"`` (a built-in of ``actorline.routers``) with DP=2, on the null
+    model: the requests alternate between the replicas, and both run steps."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    async def body() -> None:
+        async with AsyncEngine(
+            str(tiny_model_dir), null_model=True, data_parallel_size=2, router="round-robin"
+        ) as engine:
+            router = engine.running.stage("router")
+            assert isinstance(router, RouterStage)
+            assert isinstance(router.policy, RoundRobinPolicy)
+            for index, name in enumerate(sorted(PROMPTS)):  # one at a time: a known order
+                last = None
+                async for output in engine.generate(PROMPTS[name], params, request_id=name):
+                    last = output
+                assert last is not None and last.finish_reason == "length"
+                assert len(last.token_ids) == params.max_tokens
+                assert placed_of(router, name) == str(index % 2)
+            assert router.routed == {"0": len(PROMPTS) // 2, "1": len(PROMPTS) // 2}
+            assert await engine.running.wait_idle(PROMPTLY)
+            steps = steps_of(await engine.running.statistics())
+            assert steps["0"] > 0 and steps["1"] > 0, steps
+            assert set(engine.replica_stats) == {"0", "1"}
+
+    run(body())
 
 
 def placed_of(router: RouterStage, request_id: str) -> str:

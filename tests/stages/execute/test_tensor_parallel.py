@@ -3,6 +3,8 @@
 - a model whose heads do not divide is refused before loading, naming the numbers;
 - the tiny Llama (4 query / 2 KV heads) at TP=2 and the default model at TP=3 give greedy
   tokens identical to TP=1, with prefix caching and preemption at work;
+- rank 0 sends the other ranks one ShardStep per step that computes (the ranks' all-reduces,
+  two per layer, are theirs), and a rank other than 0 never allocates a KV block;
 - ranks whose probe caches disagree still agree whether to run the load-time probe;
 - a killed rank, and a rank that hangs, fail every pending request with EngineDeadError in
   bounded time and leave no process behind.
@@ -22,16 +24,19 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-from pipeline import AsyncEngine, EngineDeadError, SamplingParams
+from pipeline import MAIN_HOST, AsyncEngine, EngineDeadError, SamplingParams
 from pipeline.engine.options import EngineOptions
+from pipeline.engine.presets import llm_pipeline
+from pipeline.runtime.protocol import HostStatistics
 from stages.execute.config import ExecuteConfigError
+from stages.execute.rank import TensorParallelRankStage
 from stages.execute.tensor_parallel import (
     check_tensor_parallel,
     shard_model,
     valid_tensor_parallel_sizes,
 )
 from tests.conftest import TINY_LLAMA
-from tests.processes import process_alive
+from tests.processes import child_processes, process_alive
 
 T = TypeVar("T")
 
@@ -43,6 +48,13 @@ PROMPTS = [f"{PREFIX} request {index} asks about {topic}" for index, topic in en
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 #: bound for "promptly" on a loaded 2-core machine: tells failing fast from hanging
 PROMPTLY = 60.0
+#: how soon every request must fail once a rank is SIGKILLed (the runtime sees its process
+#: exit at once; the rest is the engine's teardown on a loaded machine)
+KILLED_RANK_SECONDS = 10.0
+#: tensor_parallel_timeout of the hung-rank test, and how long past it the requests may take
+#: to fail (the step in flight, then the teardown, on a loaded machine)
+HANG_TIMEOUT = 2.0
+HANG_MARGIN = 8.0
 
 
 def run(coroutine: Coroutine[Any, Any, T], timeout: float = 600) -> T:
@@ -93,10 +105,13 @@ def test_head_counts_that_do_not_divide_are_refused_naming_the_numbers(
 
 def test_the_engine_refuses_before_spawning_anything(default_model_dir: Path) -> None:
     engine = AsyncEngine("smollm2-135m", tensor_parallel_size=2)
+    children = child_processes()
     began = time.monotonic()
     with pytest.raises(ExecuteConfigError, match="9 query heads and 3 KV heads"):
         run(engine.start())
     assert time.monotonic() - began < PROMPTLY
+    # refused from the model's config alone: no engine host or rank process was left running
+    assert set(child_processes()) <= set(children), child_processes()
     with pytest.raises(ValueError, match="transport 'memory'"):
         EngineOptions(tensor_parallel_size=2, transport="memory")
     with pytest.raises(ValueError, match="nothing to split"):
@@ -154,6 +169,77 @@ def test_default_model_at_tp3_gives_the_greedy_tokens_of_tp1() -> None:
     assert run(outputs(tensor_parallel_size=3)) == run(outputs())
 
 
+# -- what rank 0 sends, what the other ranks hold ---------------------------------------------
+
+
+def _handled(snapshots: list[HostStatistics], stage: str) -> int:
+    """Messages the stage ``stage`` has handled, from the runtime's statistics."""
+    return next(s.handled for host in snapshots for s in host.stages if s.name == stage)
+
+
+@pytest.mark.slow
+def test_rank_0_sends_one_shard_step_per_step_and_only_it_allocates(tiny_model_dir: Path) -> None:
+    """A TP=2 engine whose rank 1 runs in this process (placed on the main host, so its
+    runner can be looked at; rank 0 stays in the engine process). The runtime's own counters
+    show what rank 0 sent: one ShardStep per step that computes, never one per layer (the
+    ranks' all-reduces, two per layer, are what runs per layer). Rank 1's allocator, used by
+    nothing but the load-time probe, is untouched by serving: no block handed out or freed,
+    nothing looked up or published in its prefix cache (docs/parallelism.md, "One
+    allocator")."""
+    options = EngineOptions(model=str(tiny_model_dir), tensor_parallel_size=2, num_blocks=64)
+    pipeline = llm_pipeline(options).place("execute_tp1", MAIN_HOST)
+    layers = TINY_LLAMA["num_hidden_layers"]
+    threads = torch.get_num_threads()  # the rank sets its own, in this process
+
+    async def body() -> None:
+        async with AsyncEngine(pipeline=pipeline) as engine:
+            rank = engine.running.stage("execute_tp1")
+            assert isinstance(rank, TensorParallelRankStage)
+            runner = rank.runner
+            assert runner is not None and runner.group is not None
+            allocator = runner.allocator
+            assert allocator is not None
+            free_order = allocator.free_block_ids()  # any allocation would reorder it
+            collectives = runner.group.collectives
+            before = await engine.running.statistics()
+            assert _handled(before, "execute_tp1") == 1  # the rendezvous
+            assert _handled(before, "execute") == 0
+
+            # one request: a prefill that samples, then a decode step per token, then a step
+            # that only frees it (it computes nothing, so it sends no ShardStep)
+            tokens = 0
+            async for output in engine.generate(PROMPTS[0], GREEDY):
+                tokens = len(output.token_ids)
+                assert allocator.num_free_blocks == allocator.num_usable_blocks
+            assert tokens == GREEDY.max_tokens
+            assert await engine.running.wait_idle(PROMPTLY)
+            after = await engine.running.statistics()
+            steps = _handled(after, "execute")
+            shards = _handled(after, "execute_tp1") - 1
+            assert shards == tokens, (shards, tokens)
+            assert steps == tokens + 1, (steps, tokens)
+            assert engine.stats is not None and engine.stats.num_steps == steps
+            assert runner.group.collectives - collectives == 2 * layers * shards
+
+            # several at once, sharing a prefix: still one ShardStep per step that computed
+            # (the last step only frees), and rank 0 alone holds and caches blocks
+            await generate_all(engine, PROMPTS[1:4])
+            assert await engine.running.wait_idle(PROMPTLY)
+            later = await engine.running.statistics()
+            more_steps = _handled(later, "execute") - steps
+            more_shards = _handled(later, "execute_tp1") - 1 - shards
+            assert GREEDY.max_tokens <= more_shards < more_steps, (more_shards, more_steps)
+            assert engine.stats.prefix_cache_hits > 0  # rank 0's cache served the prefix
+            assert allocator.free_block_ids() == free_order
+            assert allocator.num_cached_blocks == 0
+            assert allocator.stats.queries == 0 and allocator.stats.hits == 0
+
+    try:
+        run(body())
+    finally:
+        torch.set_num_threads(threads)
+
+
 # -- a rank that dies or hangs ----------------------------------------------------------------
 
 
@@ -189,8 +275,11 @@ def test_a_killed_rank_fails_every_pending_request(tiny_model_dir: Path) -> None
         try:
             rank = pids["engine_tp1"]
             assert rank is not None
-            await _fails_every_request(engine, lambda: os.kill(rank, signal.SIGKILL))
+            took = await _fails_every_request(engine, lambda: os.kill(rank, signal.SIGKILL))
             assert isinstance(engine.failure, EngineDeadError)
+            # the runtime sees the rank's process exit at once: far less than a collective's
+            # timeout (tensor_parallel_timeout, 30 s by default), docs/parallelism.md
+            assert took < KILLED_RANK_SECONDS, took
         finally:
             await engine.close()
         assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
@@ -202,15 +291,18 @@ def test_a_killed_rank_fails_every_pending_request(tiny_model_dir: Path) -> None
 def test_a_hung_rank_fails_every_pending_request_after_the_timeout(tiny_model_dir: Path) -> None:
     async def body() -> None:
         engine = AsyncEngine(
-            str(tiny_model_dir), tensor_parallel_size=2, tensor_parallel_timeout=2.0
+            str(tiny_model_dir), tensor_parallel_size=2, tensor_parallel_timeout=HANG_TIMEOUT
         )
         await engine.start()
         pids = dict(engine.running.pids)
         try:
             rank = pids["engine_tp1"]
             assert rank is not None
-            await _fails_every_request(engine, lambda: os.kill(rank, signal.SIGSTOP))
+            took = await _fails_every_request(engine, lambda: os.kill(rank, signal.SIGSTOP))
             assert "tensor-parallel all-reduce failed" in str(engine.failure)
+            # rank 0's next all-reduce gives up after tensor_parallel_timeout
+            # (docs/parallelism.md): the requests fail then, not at some later time
+            assert took <= HANG_TIMEOUT + HANG_MARGIN, took
             closing = time.monotonic()
         finally:
             await engine.close()
