@@ -94,6 +94,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument(
         "--ray-num-cpus", type=float, default=1.0, help="CPUs each engine host takes on Ray"
     )
+    parallel.add_argument(
+        "--ray-num-gpus",
+        type=float,
+        default=0.0,
+        help="GPUs each engine host takes on Ray (with --device cuda: each computes on the GPU "
+        "Ray assigned it; default 0)",
+    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +171,7 @@ def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
         "ray": args.ray is not None,
         "ray_address": args.ray or None,
         "ray_num_cpus": args.ray_num_cpus,
+        "ray_num_gpus": args.ray_num_gpus,
     }
 
 
@@ -289,8 +297,10 @@ def _prespawn_engine(args: argparse.Namespace) -> None:
     """Start the engine process now, importing torch and transformers while this one imports
     and checks its own side (pipeline.runtime.prespawn); the engine takes it when it starts.
     Also start loading the tokenizer here, on a thread (stages.tokenize.prefetch_tokenizer),
-    instead of after the engine process is up."""
-    if getattr(args, "transport", "zmq") != "memory":  # one process: no engine host
+    instead of after the engine process is up. Not with ``--ray``: the engine's hosts are
+    Ray actors then, and a local one would wait unused until exit."""
+    # memory: one process, no engine host
+    if getattr(args, "transport", "zmq") != "memory" and getattr(args, "ray", None) is None:
         from pipeline.engine.presets import engine_preload
         from pipeline.runtime.prespawn import prespawn_host
 

@@ -49,7 +49,8 @@ class EngineOptions:
     rank that hangs); ``data_parallel_size`` runs that many engine replicas behind a router
     stage (``router``: a policy name in ``actorline.routers``). Ray: ``ray`` runs every engine
     host (each replica's, each rank's) as a Ray actor, one placement group per replica
-    (``STRICT_PACK``: a replica's ranks share a node), ``ray_num_cpus`` CPUs per host, on the
+    (``STRICT_PACK``: a replica's ranks share a node), ``ray_num_cpus`` CPUs and
+    ``ray_num_gpus`` GPUs per host (each rank then computes on the GPU Ray assigned it), on the
     cluster at ``ray_address`` (which implies ``ray``; None: ``RAY_ADDRESS``, else a new local
     cluster).
     """
@@ -91,6 +92,7 @@ class EngineOptions:
     ray: bool = False
     ray_address: str | None = None
     ray_num_cpus: float = 1.0
+    ray_num_gpus: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -130,9 +132,15 @@ class EngineOptions:
             not isinstance(self.ray_address, str) or not self.ray_address
         ):
             raise ValueError(f"ray_address must be a non-empty string, got {self.ray_address!r}")
-        cpus = self.ray_num_cpus
-        if type(cpus) not in (int, float) or not 0 <= cpus < math.inf:
-            raise ValueError(f"ray_num_cpus must be a number >= 0, got {cpus!r}")
+        for name in ("ray_num_cpus", "ray_num_gpus"):
+            amount = getattr(self, name)
+            if type(amount) not in (int, float) or not 0 <= amount < math.inf:
+                raise ValueError(f"{name} must be a number >= 0, got {amount!r}")
+        if self.ray_num_gpus > 0 and self.device == "cpu":
+            raise ValueError(
+                f"ray_num_gpus {self.ray_num_gpus:g} reserves GPUs for the engine's hosts, but "
+                "device is 'cpu': give device 'cuda' (or 'auto') to compute on them"
+            )
         if self.on_ray and not self.split_processes:
             raise ValueError(
                 "ray places the engine's hosts on Ray; transport 'memory' keeps every stage in "

@@ -40,6 +40,7 @@ __all__ = [
     "REPLICA_SET",
     "TRANSFORMERS_PRELOAD",
     "check_parallelism",
+    "engine_bundle",
     "engine_preload",
     "llm_pipeline",
     "options_of",
@@ -295,22 +296,34 @@ def check_parallelism(options: EngineOptions) -> None:
         check_tensor_parallel(config, options.tensor_parallel_size, resolved.name)
 
 
+def engine_bundle(options: EngineOptions) -> dict[str, float]:
+    """The resources one engine host (a replica's engine, or one of its tensor-parallel
+    ranks) reserves in its replica's placement group: ``ray_num_cpus`` CPUs, and
+    ``ray_num_gpus`` GPUs when there are any (a Ray bundle names only what it reserves)."""
+    bundle = {"CPU": float(options.ray_num_cpus)}
+    if options.ray_num_gpus > 0:
+        bundle["GPU"] = float(options.ray_num_gpus)
+    return bundle
+
+
 def start_options(options: EngineOptions) -> StartOptions:
     """How to start the LLM pipeline for ``options`` (with ``options.on_ray``: every engine
     host a Ray actor, each replica's hosts in one ``STRICT_PACK`` placement group, host k of
-    the replica in bundle k)."""
+    the replica in bundle k, each bundle :func:`engine_bundle`)."""
     transport = options.transport if options.split_processes else "zmq"
     hosts: dict[str, RayHost] = {}
     groups: dict[str, RayPlacementGroup] = {}
     if options.on_ray:
         engine = ENGINE_HOST
-        cpus = options.ray_num_cpus
+        cpus, gpus = options.ray_num_cpus, options.ray_num_gpus
         for index in range(options.data_parallel_size):
             replica = _replica_hosts(engine + replica_suffix(index), options)
             group = f"replica{index}"
-            groups[group] = RayPlacementGroup(tuple({"CPU": cpus} for _ in replica))
+            groups[group] = RayPlacementGroup(tuple(engine_bundle(options) for _ in replica))
             for bundle, host in enumerate(replica):
-                hosts[host] = RayHost(num_cpus=cpus, placement_group=group, bundle_index=bundle)
+                hosts[host] = RayHost(
+                    num_cpus=cpus, num_gpus=gpus, placement_group=group, bundle_index=bundle
+                )
     return StartOptions(
         transport=transport,
         compression=options.compression,

@@ -14,6 +14,10 @@ cluster by changing start options only (``docs/architecture.md`` §9)::
 - **Links** stay the project's transports: with any host on Ray, every host's zmq links listen
   on tcp (gRPC links on its server address) on the node's IP as Ray reports it, so any node can
   reach them; nothing is configured by hand.
+- **What a stage learns of its Ray host.** A Ray host's process publishes, for its stages,
+  the node's IP (:func:`host_node_ip`: where a port the stage opens itself is reachable, e.g.
+  the tensor-parallel rendezvous) and the GPUs Ray assigned the actor (:func:`host_gpu_ids`:
+  Ray makes only those visible, so each computes on its own ``cuda:0``; docs/parallelism.md).
 - **Control** is Ray itself: the controller calls the actor's methods (bind, connect, start,
   statistics, stop, cut a replica) and keeps one call pending that returns the host's events
   (a stage failed, a contained link was lost). No other port is opened.
@@ -49,6 +53,8 @@ from pipeline.runtime.protocol import HostFailure, HostPlan, HostStatistics, Lin
 from pipeline.runtime.replicas import ReplicaLost
 
 __all__ = [
+    "GPU_IDS_ENV",
+    "NODE_IP_ENV",
     "PLACEMENT_STRATEGIES",
     "RayActorHost",
     "RayHost",
@@ -56,6 +62,8 @@ __all__ = [
     "RayUnavailableError",
     "connect_ray",
     "create_placement_group",
+    "host_gpu_ids",
+    "host_node_ip",
     "largest_node_cpus",
     "node_ip",
     "reachable_plan",
@@ -71,6 +79,10 @@ PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 _CALL_MARGIN = 10.0
 #: seconds to see a killed actor reported dead
 _DEATH_WAIT = 10.0
+#: set in a Ray host's process: the IP address other nodes reach it on (see host_node_ip)
+NODE_IP_ENV = "ACTORLINE_RAY_NODE_IP"
+#: set in a Ray host's process: the ids of the GPUs Ray assigned it, comma-separated
+GPU_IDS_ENV = "ACTORLINE_RAY_GPU_IDS"
 
 
 class RayUnavailableError(GraphError):
@@ -179,6 +191,22 @@ def node_ip() -> str:
     return str(_ray().util.get_node_ip_address())
 
 
+def host_node_ip() -> str | None:
+    """In a host that runs as a Ray actor: the IP address other nodes reach its node on (a
+    stage that opens a port of its own listens there, as the host's links do); None in any
+    other process. Needs no Ray import."""
+    return os.environ.get(NODE_IP_ENV) or None
+
+
+def host_gpu_ids() -> tuple[str, ...]:
+    """In a host that runs as a Ray actor holding GPUs (``RayHost.num_gpus`` > 0): the ids
+    of the GPUs Ray assigned it. Ray sets ``CUDA_VISIBLE_DEVICES`` to exactly these, so the
+    process sees them as ``cuda:0``, ``cuda:1``, ... in this order. Empty in any other
+    process (a local one, or an actor with no GPU: Ray then leaves the visible devices as the
+    node has them). Needs no Ray import."""
+    return tuple(gpu for gpu in os.environ.get(GPU_IDS_ENV, "").split(",") if gpu)
+
+
 def reachable_plan(plan: HostPlan, ip: str) -> HostPlan:
     """``plan`` with its links listening where other nodes can reach them: zmq on tcp at
     ``ip``, gRPC servers on ``ip`` (settings the plan names already are kept)."""
@@ -201,7 +229,11 @@ class _HostActor:
             level=plan.log_level,
             format=f"%(asctime)s %(levelname)s [{plan.name}:%(process)d] %(name)s: %(message)s",
         )
-        self._plan = reachable_plan(plan, node_ip())
+        ip = self._ip = node_ip()
+        # what the host's stages learn of where they run (host_node_ip, host_gpu_ids)
+        os.environ[NODE_IP_ENV] = ip
+        os.environ[GPU_IDS_ENV] = ",".join(str(gpu) for gpu in _ray().get_gpu_ids())
+        self._plan = reachable_plan(plan, ip)
         self._events: asyncio.Queue[HostFailure | LinkLost] | None = None
         self._built: asyncio.Event | None = None
         self._host: Host | None = None
@@ -269,8 +301,10 @@ class _HostActor:
         assert self._events is not None
         return await self._events.get()
 
-    async def pid(self) -> int:
-        return os.getpid()
+    async def where(self) -> tuple[int, str, tuple[str, ...]]:
+        """This actor's process id, its node's IP and the GPUs Ray assigned it (what its
+        stages see through :func:`host_node_ip` and :func:`host_gpu_ids`)."""
+        return os.getpid(), self._ip, host_gpu_ids()
 
 
 _ACTOR_CLASSES: dict[str, Any] = {}
@@ -310,6 +344,9 @@ class RayActorHost:
         self._stopping = False
         self._gone = asyncio.Event()
         self._pid: int | None = None
+        #: once spawned: the IP of the actor's node and the GPUs Ray assigned it
+        self.node_ip: str | None = None
+        self.gpu_ids: tuple[str, ...] = ()
 
     @property
     def pid(self) -> int | None:
@@ -344,7 +381,14 @@ class RayActorHost:
             )
         self.actor = _actor_class().options(**options).remote(self.plan, list(sys.path))
         del ray
-        self._pid = await self._call(self.actor.pid)
+        self._pid, self.node_ip, self.gpu_ids = await self._call(self.actor.where)
+        logger.info(
+            "host %r runs as Ray actor %s on node %s (GPUs: %s)",
+            self.name,
+            self.actor_name,
+            self.node_ip,
+            ", ".join(self.gpu_ids) or "none",
+        )
         self._watch = asyncio.get_running_loop().create_task(
             self._watch_events(), name=f"ray-watch:{self.name}"
         )

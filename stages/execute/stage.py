@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RENDEZVOUS_HOST", "ExecuteStage"]
 
-#: where rank 0 hosts the ranks' rendezvous: the ranks of one engine share a machine
+#: where rank 0 hosts the ranks' rendezvous in a local process (on a Ray host: its node's IP,
+#: stages.execute.tensor_parallel.rendezvous_host)
 RENDEZVOUS_HOST = "127.0.0.1"
 
 
@@ -49,13 +50,17 @@ class ExecuteStage(Stage):
         import torch
 
         from stages.execute.runner import ModelRunner
-        from stages.execute.tensor_parallel import host_rendezvous, threads_per_rank
+        from stages.execute.tensor_parallel import (
+            host_rendezvous,
+            rendezvous_host,
+            threads_per_rank,
+        )
 
         size = self.config.tensor_parallel_size
         rendezvous = None
         if size > 1:
             self._store, rendezvous = host_rendezvous(
-                RENDEZVOUS_HOST, size, self.config.tensor_parallel_timeout
+                rendezvous_host(RENDEZVOUS_HOST), size, self.config.tensor_parallel_timeout
             )
             await self.emit("ranks", rendezvous)
         self.runner = runner = ModelRunner(self.config, rendezvous=rendezvous, store=self._store)

@@ -37,6 +37,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ __all__ = [
     "host_rendezvous",
     "install_all_reduces",
     "rank_device",
+    "rendezvous_host",
     "shard_model",
     "threads_per_rank",
     "valid_tensor_parallel_sizes",
@@ -206,11 +208,53 @@ def _keep_columns(linear: torch.nn.Linear, rank: int, size: int) -> None:
     linear.in_features = linear.weight.shape[1]
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """The device of rank ``rank`` when rank 0 runs on ``device`` (CUDA: the next GPUs)."""
+def rank_device(
+    device: torch.device, rank: int, assigned_gpus: Sequence[str] | None = None
+) -> torch.device:
+    """The device of rank ``rank`` when the engine runs on ``device``.
+
+    ``assigned_gpus``: the GPUs Ray assigned this rank's host (None: as this process's
+    Ray host says, :func:`~pipeline.runtime.ray_hosts.host_gpu_ids`). Where there are
+    none (a local process, or a Ray actor that reserved no GPU, which sees the node's GPUs)
+    every rank sees the same GPUs and rank ``r`` takes the ``r``-th after ``device``'s. Where
+    there are (each rank's Ray actor reserved its own, ``ray_num_gpus``), Ray made only those
+    visible, numbered from 0, so every rank takes ``device``'s index among them (``cuda:0``
+    for ``cuda``), not ``cuda:<rank>``, which its process does not see (docs/parallelism.md).
+
+    Raises:
+        ExecuteConfigError: ``device`` names a GPU beyond those Ray assigned.
+    """
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    index = device.index or 0
+    if assigned_gpus is None:
+        from pipeline.runtime.ray_hosts import host_gpu_ids
+
+        assigned_gpus = host_gpu_ids()
+    if not assigned_gpus:
+        return torch.device("cuda", index + rank)
+    if index >= len(assigned_gpus):
+        raise ExecuteConfigError(
+            "device",
+            f"is {device}, but Ray assigned rank {rank}'s host {len(assigned_gpus)} GPU(s) "
+            f"({', '.join(assigned_gpus)}), visible as cuda:0..cuda:{len(assigned_gpus) - 1}",
+        )
+    return torch.device("cuda", index)
+
+
+def rendezvous_host(local: str = "127.0.0.1") -> str:
+    """Where rank 0's ``TCPStore`` tells the other ranks to meet it: on a Ray host, its
+    node's IP (:func:`~pipeline.runtime.ray_hosts.host_node_ip`); elsewhere ``local`` (the
+    loopback: the ranks are processes of this machine).
+
+    NOTE: the LLM presets STRICT_PACK a replica's ranks on one node, where the loopback would
+    do; the node's IP is what any rank can reach wherever a placement puts it, like the host's
+    own links (docs/parallelism.md), and exposes nothing more: the store listens on every
+    interface whatever address it is given, which only tells the ranks where to connect.
+    """
+    from pipeline.runtime.ray_hosts import host_node_ip
+
+    return host_node_ip() or local
 
 
 def threads_per_rank(size: int) -> int:

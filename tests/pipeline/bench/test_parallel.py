@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.pipeline.bench.test_bench import bench_parser
+from tests.pipeline.runtime.test_ray_hosts import wait_until_gone
+from tests.pipeline.runtime.test_running import run as run_async
 
 pytestmark = pytest.mark.slow
 
@@ -58,3 +60,20 @@ def test_ray_ceiling_quick(
     assert [run["placement"] for run in result["runs"]] == ["local", "ray"]
     assert all(run["tokens"] == 32 * 32 and run["tokens_per_second"] > 0 for run in result["runs"])
     assert result["ratio"] == result["best_ray"] / result["best_local"]
+
+
+def test_ray_offline_quick(
+    tiny_model_dir: Path, ray_cluster: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    command = ["bench", "offline", "--quick", "--json", "--model", str(tiny_model_dir), "--ray"]
+    args = bench_parser().parse_args(command)
+    assert args.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["benchmark"] == "offline" and result["num_requests"] > 0
+    assert [run["placement"] for run in result["runs"]] == ["local", "ray"]
+    tokens = {run["tokens"] for run in result["runs"]}
+    assert len(tokens) == 1 and tokens.pop() > 0
+    # greedy, same model: the engine on Ray writes what the local one does
+    assert result["identical_outputs"] == result["num_requests"]
+    assert result["ray_num_cpus"] == 2  # the session cluster's node, not this machine's cores
+    run_async(lambda: wait_until_gone(ray_cluster, "llm"))
