@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.cli.main import _parser
+from pipeline.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -41,7 +41,9 @@ def containerfile() -> list[tuple[str, str]]:
 def subcommand(name: str) -> argparse.ArgumentParser:
     """The real CLI's parser of ``actorline NAME``."""
     (commands,) = [
-        action for action in _parser()._actions if isinstance(action, argparse._SubParsersAction)
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
     ]
     parser = commands.choices[name]
     assert isinstance(parser, argparse.ArgumentParser)
@@ -57,7 +59,7 @@ def parse_actorline(command: list[str]) -> argparse.Namespace:
     for word in command[2:]:
         if word.startswith("-"):
             assert word.split("=", 1)[0] in flags, f"actorline {command[1]} has no flag {word}"
-    return _parser().parse_args(command[1:])
+    return build_parser().parse_args(command[1:])
 
 
 def head_pod() -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pipeline.cli import bench as bench_commands
 from pipeline.cli import llm as llm_commands
 from pipeline.cli.errors import CliError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -90,7 +90,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``actorline`` command line's parser, every command and its flags (what :func:`main`
+    parses; the deploy test checks the manifests' commands against it)."""
     parser = _Parser(
         prog="actorline", description="actorline: LLM inference as a pipeline of actors."
     )
@@ -120,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     run: Command = args.run
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,15 +50,25 @@ def test_tensor_parallel_offline_quick(
     assert result["identical_outputs"] == 8
 
 
+def run_on_ray_quick(
+    benchmark: str, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> dict[str, Any]:
+    """``actorline bench BENCHMARK --quick --ray`` through the CLI: its JSON result, checked to
+    have run locally, then on Ray."""
+    command = ["bench", benchmark, "--quick", "--json", "--model", str(model_dir), "--ray"]
+    args = bench_parser().parse_args(command)
+    assert args.run(args) == 0
+    result: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert result["benchmark"] == benchmark
+    assert [run["placement"] for run in result["runs"]] == ["local", "ray"]
+    return result
+
+
 def test_ray_ceiling_quick(
     tiny_model_dir: Path, ray_cluster: object, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    command = ["bench", "ceiling", "--quick", "--json", "--model", str(tiny_model_dir), "--ray"]
-    args = bench_parser().parse_args(command)
-    assert args.run(args) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["benchmark"] == "ceiling" and result["num_requests"] == 32
-    assert [run["placement"] for run in result["runs"]] == ["local", "ray"]
+    result = run_on_ray_quick("ceiling", tiny_model_dir, capsys)
+    assert result["num_requests"] == 32
     assert all(run["tokens"] == 32 * 32 and run["tokens_per_second"] > 0 for run in result["runs"])
     assert result["ratio"] == result["best_ray"] / result["best_local"]
 
@@ -65,12 +76,8 @@ def test_ray_ceiling_quick(
 def test_ray_offline_quick(
     tiny_model_dir: Path, ray_cluster: object, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    command = ["bench", "offline", "--quick", "--json", "--model", str(tiny_model_dir), "--ray"]
-    args = bench_parser().parse_args(command)
-    assert args.run(args) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["benchmark"] == "offline" and result["num_requests"] > 0
-    assert [run["placement"] for run in result["runs"]] == ["local", "ray"]
+    result = run_on_ray_quick("offline", tiny_model_dir, capsys)
+    assert result["num_requests"] > 0
     tokens = {run["tokens"] for run in result["runs"]}
     assert len(tokens) == 1 and tokens.pop() > 0
     # greedy, same model: the engine on Ray writes what the local one does

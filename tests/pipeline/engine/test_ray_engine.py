@@ -23,7 +23,7 @@ import torch
 
 from pipeline import AsyncEngine, EngineDeadError, SamplingParams
 from pipeline.cli.llm import engine_options_from
-from pipeline.cli.main import _parser
+from pipeline.cli.main import build_parser
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import check_parallelism, engine_bundle, start_options
 from pipeline.runtime.ray_hosts import GPU_IDS_ENV, NODE_IP_ENV, RayUnavailableError
@@ -121,11 +121,11 @@ def test_engine_hosts_reserve_their_gpus_in_their_bundles() -> None:
         assert group.strategy == "STRICT_PACK" and group.bundles == ({"CPU": 2.0, "GPU": 1.0},) * 2
     assert {(h.num_cpus, h.num_gpus) for h in options.hosts.values()} == {(2.0, 1.0)}
     # the CLI flag reaches the options
-    args = _parser().parse_args(
+    args = build_parser().parse_args(
         ["serve", "--ray", "--device", "cuda", "--ray-num-gpus", "0.5", "--ray-num-cpus", "1"]
     )
     assert EngineOptions.create(**engine_options_from(args)).ray_num_gpus == 0.5
-    assert _parser().parse_args(["serve", "--ray"]).ray_num_gpus == 0.0
+    assert build_parser().parse_args(["serve", "--ray"]).ray_num_gpus == 0.0
     with pytest.raises(ValueError, match="ray_num_gpus must be a number >= 0"):
         EngineOptions(ray=True, device="cuda", ray_num_gpus=-1)
     with pytest.raises(ValueError, match="device is 'cpu'"):
