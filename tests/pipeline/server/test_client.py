@@ -212,6 +212,14 @@ def test_missing_or_wrong_keys_raise_authentication_error(served: ServedEngine) 
         ("Hi", SamplingParams(stop_token_ids=(10**6,)), InvalidRequestError, "stop_token_ids"),
         ([1] * 1024, None, PromptTooLongError, "prompt"),
         ("", None, InvalidRequestError, "prompt"),
+        # what the wire cannot carry (issue 16's vectors): refused naming the field
+        ("Hi", SamplingParams(max_tokens=2**64), InvalidRequestError, "max_tokens"),
+        ("Hi", SamplingParams(top_k=-(2**70)), InvalidRequestError, "top_k"),
+        ([1, 2**70], None, InvalidRequestError, "prompt_token_ids"),
+        ("Hi \ud800", None, InvalidRequestError, "prompt"),
+        ("Hi", SamplingParams(stop=("\ud800",)), InvalidRequestError, "stop"),
+        ("Hi", SamplingParams(max_tokens=True), InvalidRequestError, "max_tokens"),
+        ("Hi", SamplingParams(temperature=float("nan")), InvalidRequestError, "temperature"),
     ],
 )
 def test_invalid_requests_raise_invalid_request_error_with_the_field(
