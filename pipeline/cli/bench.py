@@ -1,6 +1,6 @@
 """The ``actorline bench`` subcommand (offline, online, ceiling, split, ablation, coldstart,
-roof, transports, http-body, grammars, soak, quantization); each runs the benchmark of the same
-name in :mod:`pipeline.bench`."""
+roof, transports, http-body, grammars, soak, quantization, micro); each runs the benchmark of
+the same name in :mod:`pipeline.bench`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def add_commands(commands: Any) -> None:
         coldstart,
         grammars,
         http_body,
+        micro,
         offline,
         online,
         quantization,
@@ -39,6 +40,7 @@ def add_commands(commands: Any) -> None:
         ("grammars", grammars, "structured-output grammar engines: llguidance against xgrammar"),
         ("soak", soak, "many requests: the frontend's memory, and what the cycle collector finds"),
         ("quantization", quantization, "4/8-bit weights against fp32: memory, speed, accuracy"),
+        ("micro", micro, "the CPU kernels alone at the model's shapes, cold against warm"),
     )
     bench = commands.add_parser(
         "bench", help="run a benchmark (figures and how to read them: docs/performance.md)"
