@@ -233,14 +233,15 @@ class Sampler:
             return
         device = logits.device
         row_index, token_index = self._index(row_ids, device), self._index(token_ids, device)
-        before = logits[row_index, token_index]  # [B]
-        logits[row_index, token_index] = float("-inf")
         # NOTE: only constrained rows can be left with nothing (a model's logits are finite),
-        # so only they are checked: one [C, V] comparison, and only while some constrained
-        # request is short of min_tokens.
+        # so only they are checked, and their blocked logits kept to put back: one [C, V]
+        # comparison, and only while some constrained request is short of min_tokens.
         constrained = sorted(set(rows).intersection(grammar.rows)) if grammar is not None else []
         if not constrained:
+            logits[row_index, token_index] = float("-inf")
             return
+        before = logits[row_index, token_index]  # [B]
+        logits[row_index, token_index] = float("-inf")
         checked = self._index(constrained, device)
         emptied = ~(logits.index_select(0, checked) > float("-inf")).any(dim=-1)  # [C]
         empty_rows = set(checked[emptied].tolist())
