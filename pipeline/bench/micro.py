@@ -153,11 +153,12 @@ def _gemm_step(
         kernel(inputs[head.shape[1]], head, None)  # packed [N / 16, K, 16]
 
 
-def _attend(kernel: Any, query: Any, caches: list[tuple[Any, Any]], arguments: tuple) -> None:
-    """One decode attention per layer, each over its own (keys, values) cache."""
-    tables, lengths, out, block, scale = arguments
+def _attend(kernel: Any, caches: list[tuple[Any, Any]], *arguments: Any) -> None:
+    """One decode attention per layer, each over its own (keys, values) cache; ``arguments``:
+    the kernel's others (query, then block tables, context lengths, out, block size, scale)."""
+    query, *rest = arguments
     for keys, values in caches:
-        kernel(query, keys, values, tables, lengths, out, block, scale)
+        kernel(query, keys, values, *rest)
 
 
 def _time_gemm(config: MicroConfig, model_dir: Any, layers: int) -> tuple[GemmTiming, ...]:
@@ -193,7 +194,9 @@ def _time_gemm(config: MicroConfig, model_dir: Any, layers: int) -> tuple[GemmTi
         for rows in config.rows:
             inputs = {k: torch.randn(rows, k, generator=generator) for _, k in shapes}
             if linears.head is not None:
-                inputs.setdefault(linears.head.k, torch.randn(rows, linears.head.k))
+                inputs.setdefault(
+                    linears.head.k, torch.randn(rows, linears.head.k, generator=generator)
+                )
 
             runs = [
                 functools.partial(_gemm_step, kernel, inputs, shapes, weights, head)
@@ -238,9 +241,10 @@ def _time_attention(
         query = torch.randn(heads, rows, head_dim, generator=generator)
         out = torch.empty(rows, heads, head_dim)
 
-        arguments = (tables, lengths, out, block, head_dim**-0.5)
         runs = [
-            functools.partial(_attend, kernel, query, layer_caches, arguments)
+            functools.partial(
+                _attend, kernel, layer_caches, query, tables, lengths, out, block, head_dim**-0.5
+            )
             for layer_caches in (caches, [caches[0]] * layers)
         ]
         cold_s, warm_s = _best_of(config.rounds, runs)
