@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -132,3 +134,35 @@ def no_host_process_left_behind() -> Iterator[None]:
     while (left := _host_processes()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"host processes left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (seeded) written as a GGUF file (Q8_0 matrices, its own byte-level
+    tokenizer of 512 tokens), as llama.cpp writes one: converting it writes about 5.8 MB."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.stages.execute.test_quantization import GGUF_LLAMA, write_gguf
+
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **GGUF_LLAMA))
+    return write_gguf(source, "Q8_0", tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
+
+
+@contextlib.contextmanager
+def small_tmpfs(directory: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -o size=``) mounted on ``directory`` (created) for the
+    block, then unmounted: a disk that fills up. Skips the test unless run as root (CI is)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (a full disk) needs root; CI runs the tests as root")
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "--lazy", str(directory)], check=True, capture_output=True)
