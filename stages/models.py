@@ -431,6 +431,7 @@ def _write_json(path: Path, value: Any) -> None:
     """Write ``value`` as JSON to ``path`` atomically (a temporary name beside it, renamed)."""
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
+        os.fchmod(handle, 0o644)  # as the files beside it (mkstemp makes it 0600)
         with os.fdopen(handle, "w") as out:
             json.dump(value, out)
         os.replace(temporary, path)

@@ -20,6 +20,7 @@ from plugins import PluginNotFoundError
 from stages.errors import InvalidRequestError
 from stages.execute.allocator import OutOfBlocksError
 from stages.execute.config import ExecuteConfigError
+from stages.models import ModelCacheCorruptError, ModelCacheFullError
 
 ERRORS = [
     StageFailedError("execute", "engine", "ValueError", "bad", "Traceback ..."),
@@ -31,6 +32,8 @@ ERRORS = [
     OutOfBlocksError("r1", 4, 1),
     PluginNotFoundError("actorline.schedulers", "nope", ["fcfs", "priority"]),
     InvalidRequestError("max_tokens must be >= 1", field="max_tokens", request_id="r1"),
+    ModelCacheCorruptError("/c/model.safetensors", "is missing", "actorline models prepare x"),
+    ModelCacheFullError("/c/models", 541_700_000, 65_536),
 ]
 
 

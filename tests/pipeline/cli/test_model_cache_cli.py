@@ -1,0 +1,109 @@
+"""The model cache through the CLI, as real subprocesses (stages/models.py; the Python API's
+side is tests/stages/test_model_cache.py): a full disk and a damaged cache file are one line on
+stderr and exit status 2, and the command the line names rebuilds the cache."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import LLM
+from stages.models import ModelCacheCorruptError, resolve_model
+from tests.conftest import small_tmpfs
+from tests.stages.test_model_cache import random_bytes, zero_bytes
+
+CLI = [sys.executable, "-m", "pipeline.cli"]
+
+
+def actorline(cache: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """The CLI with ``cache`` as its cache directory (never the shared real one)."""
+    env = {**os.environ, "ACTORLINE_CACHE_DIR": str(cache)}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The failure's only stderr line (exit status 2, no traceback)."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("actorline: error: "), result.stderr
+    return lines[0]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["models prepare", "generate", "serve"])
+def test_a_full_disk_on_the_first_start_is_one_line_and_leaves_nothing(
+    tiny_gguf: Path, tmp_path: Path, command: str
+) -> None:
+    """``models prepare`` and the first start of ``generate`` / ``serve`` convert the model:
+    on a 1 MiB disk (the conversion writes about 5.8 MB) each says where and how much."""
+    args = {
+        "models prepare": ["models", "prepare", str(tiny_gguf)],
+        "generate": ["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2"],
+        "serve": ["serve", "--model", str(tiny_gguf), "--port", str(free_port())],
+    }[command]
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        line = one_line(actorline(disk, *args))
+        assert f"not enough disk space to cache the converted model in {disk / 'models'}" in line
+        assert " bytes are free" in line
+        needed = int(line.split(": it needs ", 1)[1].split(" bytes", 1)[0])
+        assert needed > 5 << 20
+        assert [p.name for p in (disk / "models").iterdir()] == [".lock"]
+
+
+@pytest.mark.slow
+def test_a_damaged_cache_fails_generate_with_one_line_and_its_rebuild_fixes_it(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    prepared = actorline(cache, "models", "prepare", str(tiny_gguf))
+    assert prepared.returncode == 0, prepared.stderr
+    weights = Path(prepared.stdout.split(": ", 1)[1].strip()) / "model.safetensors"
+    zero_bytes(weights)
+    generate = ["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2", "--ignore-eos"]
+    line = one_line(actorline(cache, *generate))
+    assert f"the cached model file {weights} does not match the sha256" in line
+    rebuild = line.split("rebuild the cache with: ", 1)[1]
+    assert rebuild == f"actorline models prepare {tiny_gguf.resolve()} --force"
+    # `models prepare` without --force hashes every file and refuses it the same way
+    assert rebuild in one_line(actorline(cache, "models", "prepare", str(tiny_gguf)))
+    rebuilt = actorline(cache, *shlex.split(rebuild)[1:])
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    answered = actorline(cache, *generate)
+    assert answered.returncode == 0, answered.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_the_default_models_damaged_cache_is_refused_not_run(
+    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's vector on the real 538 MB cache (a copy): zeroed bytes used to run and
+    answer garbage, random bytes to be reported as a model needing an attention feature."""
+    cache = tmp_path / "cache"
+    entry = cache / "models" / default_model_dir.name
+    shutil.copytree(default_model_dir, entry)
+    weights = entry / "model.safetensors"
+    monkeypatch.setenv("ACTORLINE_CACHE_DIR", str(cache))
+    assert resolve_model("smollm2-135m").path == entry  # the copy hashed once (new inodes)
+    zero_bytes(weights)
+    line = one_line(actorline(cache, "generate", "hi", "--max-tokens", "2"))
+    assert f"{weights} does not match the sha256" in line
+    assert line.endswith("rebuild the cache with: actorline models prepare smollm2-135m --force")
+    random_bytes(weights)
+    with pytest.raises(ModelCacheCorruptError) as caught:
+        LLM("smollm2-135m", transport="memory", num_blocks=16)
+    assert caught.value.path == str(weights)
