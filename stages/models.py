@@ -237,6 +237,9 @@ _MARKER = "complete"
 #: each file's stat signature when it was last hashed and matched (the marker's sha256)
 _VERIFIED = "verified"
 _MARKER_FORMAT = 2
+#: files this process hashed and found as recorded: path → (stat signature, sha256); what
+#: spares a second hash where ``verified`` cannot be written (a read-only cache)
+_HASHED: dict[str, tuple[list[int], str]] = {}
 _CHUNK = 1 << 22
 
 
@@ -259,14 +262,22 @@ class _Conversion:
         target = root / _cache_key(self.gguf)
         if not self.rebuild and (target / _MARKER).is_file() and self._verified(target):
             return target
-        root.mkdir(parents=True, exist_ok=True)
-        # NOTE: one lock for every conversion (they are rare): per-model lock files would be
-        # left behind, and removing a lock file another process waits on breaks the lock.
-        with _file_lock(root / ".lock"):
-            _remove_stale(root)
-            if not self.rebuild and (target / _MARKER).is_file() and self._verified(target):
-                return target  # converted by another process meanwhile
-            self._build(root, target)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            # NOTE: one lock for every conversion (they are rare): per-model lock files would
+            # be left behind, and removing a lock file another process waits on breaks it.
+            with _file_lock(root / ".lock"):
+                _remove_stale(root)
+                if not self.rebuild and (target / _MARKER).is_file() and self._verified(target):
+                    return target  # converted by another process meanwhile
+                self._build(root, target)
+        except ModelError:
+            raise
+        except OSError as exc:  # a cache directory that cannot be written (read-only, ...)
+            raise ModelError(
+                f"cannot write the model cache in {root} ({exc.strerror or exc}); set "
+                "ACTORLINE_CACHE_DIR to a writable directory"
+            ) from exc
         return target
 
     def _verified(self, target: Path) -> bool:
@@ -302,7 +313,9 @@ class _Conversion:
                     self.rebuild_command,
                 )
             signature = _signature(stat)
-            if not self.verify_all and seen.get(name) == signature:
+            if not self.verify_all and (
+                seen.get(name) == signature or _HASHED.get(str(path)) == (signature, digest)
+            ):
                 continue
             if _sha256(path) != digest:
                 raise ModelCacheCorruptError(
@@ -312,6 +325,7 @@ class _Conversion:
                     self.rebuild_command,
                 )
             hashed[name] = signature
+            _HASHED[str(path)] = (signature, digest)
         if hashed != seen:
             # best effort: a read-only cache is hashed again next time
             with contextlib.suppress(OSError):

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from pipeline import LLM
 from stages.models import (
     ModelCacheCorruptError,
     ModelCacheFullError,
+    ModelError,
     ModelFormatError,
     resolve_model,
 )
@@ -195,3 +197,31 @@ def test_a_disk_that_fills_up_midway_is_the_same_error_leaving_nothing(
         assert isinstance(error.__cause__, Exception) and "No space left" in str(error.__cause__)
         assert error.needed > error.free and error.free > (3 << 20) - (64 << 10)  # all free again
         assert [p.name for p in (disk / "models").iterdir()] == [".lock"]
+
+
+def test_a_read_only_cache_loads_and_cannot_be_upgraded_is_one_typed_error(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache on a read-only filesystem (a container's image) loads, hashing what it cannot
+    record as checked once per process; an old marker there, which needs a conversion, is a
+    ModelError saying the directory cannot be written, not an OSError's traceback."""
+    with small_tmpfs(tmp_path / "disk", "16m") as disk:
+        entry = resolve_model(tiny_gguf, cache=disk).path
+        (entry / "verified").unlink()
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        hashed: list[str] = []
+        real_sha256 = models._sha256
+
+        def counting(path: Path) -> str:
+            hashed.append(path.name)
+            return real_sha256(path)
+
+        monkeypatch.setattr(models, "_sha256", counting)
+        assert resolve_model(tiny_gguf, cache=disk).path == entry
+        assert resolve_model(tiny_gguf, cache=disk).path == entry
+        assert sorted(hashed) == sorted(marker(entry)["files"])  # type: ignore[arg-type]
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+        (entry / "complete").write_text(json.dumps({"source": str(tiny_gguf)}))
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        with pytest.raises(ModelError, match=re.escape(f"cannot write the model cache in {disk}")):
+            resolve_model(tiny_gguf, cache=disk)
