@@ -171,7 +171,9 @@ def test_a_stale_temporary_directory_of_a_killed_run_is_removed(
     assert sorted(p.name for p in entry.parent.iterdir()) == [".lock", entry.name]
 
 
-def test_a_full_disk_is_one_typed_error_leaving_nothing(tiny_gguf: Path, tmp_path: Path) -> None:
+def test_a_full_disk_is_one_typed_error_leaving_nothing(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with small_tmpfs(tmp_path / "disk", "1m") as disk:
         with pytest.raises(ModelCacheFullError) as caught:
             resolve_model(tiny_gguf, cache=disk)
@@ -179,6 +181,11 @@ def test_a_full_disk_is_one_typed_error_leaving_nothing(tiny_gguf: Path, tmp_pat
         assert error.directory == str(disk / "models")
         assert error.needed > 5 << 20 and error.free <= 1 << 20
         assert f"in {disk / 'models'}: it needs {error.needed} bytes" in str(error)
+        assert [p.name for p in (disk / "models").iterdir()] == [".lock"]
+        # the Python API's first start: the same typed error
+        monkeypatch.setenv("ACTORLINE_CACHE_DIR", str(disk))
+        with pytest.raises(ModelCacheFullError, match=re.escape(str(error))):
+            LLM(str(tiny_gguf), transport="memory", num_blocks=16)
         assert [p.name for p in (disk / "models").iterdir()] == [".lock"]
 
 
