@@ -240,6 +240,7 @@ _MARKER_FORMAT = 2
 #: files this process hashed and found as recorded: path → (stat signature, sha256); what
 #: spares a second hash where ``verified`` cannot be written (a read-only cache)
 _HASHED: dict[str, tuple[list[int], str]] = {}
+_VERIFYING = threading.Lock()
 _CHUNK = 1 << 22
 
 
@@ -261,6 +262,7 @@ class _Conversion:
         root = (cache if cache is not None else settings.cache_dir()) / "models"
         target = root / _cache_key(self.gguf)
         if not self.rebuild and (target / _MARKER).is_file() and self._verified(target):
+            _sweep(root)
             return target
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -290,6 +292,12 @@ class _Conversion:
         files = _recorded_files(target)
         if files is None:
             return False
+        # NOTE: one thread of the process at a time (the tokenizer's prefetch resolves the model
+        # beside the command's own check): the second finds the first's hashes in _HASHED
+        with _VERIFYING:
+            return self._check(target, files)
+
+    def _check(self, target: Path, files: dict[str, tuple[int, str]]) -> bool:
         try:
             seen = json.loads((target / _VERIFIED).read_text())
         except (OSError, ValueError):
@@ -462,6 +470,26 @@ def _remove_stale(root: Path) -> None:
         if entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink():
             logger.info("removing %s, left by an interrupted conversion", entry)
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _sweep(root: Path) -> None:
+    """Remove what a killed conversion left, if anything, when no conversion runs now (the
+    cache's lock is free): a start that converts nothing still gets its room back. Best
+    effort: a read-only cache keeps it."""
+    try:
+        if not any(entry.name.startswith(".") and entry.is_dir() for entry in root.iterdir()):
+            return
+        with (root / ".lock").open("a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # a conversion runs: its directory is not stale
+            try:
+                _remove_stale(root)
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+    except OSError:
+        pass
 
 
 def _tree_size(path: Path) -> int:

@@ -166,8 +166,11 @@ def test_a_stale_temporary_directory_of_a_killed_run_is_removed(
     stale = entry.parent / f".{entry.name}-k1ll3d"  # as tempfile.mkdtemp names the staging
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(bytes(1 << 20))
+    assert resolve_model(tiny_gguf).path == entry  # a start that converts nothing
+    assert sorted(p.name for p in entry.parent.iterdir()) == [".lock", entry.name]
+    stale.mkdir()
     shutil.rmtree(entry)
-    assert resolve_model(tiny_gguf).path == entry
+    assert resolve_model(tiny_gguf).path == entry  # a conversion
     assert sorted(p.name for p in entry.parent.iterdir()) == [".lock", entry.name]
 
 
