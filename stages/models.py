@@ -7,10 +7,11 @@ fetched from a model hub.
 
 The cache is written whole or not at all (docs/models.md, "The model cache"): into a temporary
 directory beside its final name, renamed when complete; a stale one from a killed run is removed
-by the next conversion. Its ``complete`` marker records each file's size and sha256, checked on
-every load: sizes always, a file's hash when its ``(size, mtime, ctime, inode, device)`` differ
-from those recorded in ``verified`` the last time it was hashed (a changed file always changes
-its ctime), so a start costs a few ``stat`` calls, not a hash of 500 MB.
+by the next start that finds the cache's lock free. Its ``complete`` marker records each file's
+size and sha256, checked on every load: sizes always, a file's hash when its ``(size, mtime,
+ctime, inode, device)`` differ from those recorded in ``verified`` the last time it was hashed
+(a changed file always changes its ctime), so a start costs a few ``stat`` calls, not a hash of
+500 MB.
 """
 
 from __future__ import annotations

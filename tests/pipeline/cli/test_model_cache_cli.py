@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,33 @@ def test_the_default_models_damaged_cache_is_refused_not_run(
     with pytest.raises(ModelCacheCorruptError) as caught:
         LLM("smollm2-135m", transport="memory", num_blocks=16)
     assert caught.value.path == str(weights)
+
+
+@pytest.mark.slow
+def test_what_a_killed_conversion_left_is_removed_by_the_next_start(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    env = {**os.environ, "ACTORLINE_CACHE_DIR": str(cache)}
+    process = subprocess.Popen(
+        [*CLI, "models", "prepare", str(tiny_gguf)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    models = cache / "models"
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            if models.is_dir() and any(p.name.startswith(".tiny-") for p in models.iterdir()):
+                break
+            time.sleep(0.005)
+    finally:
+        process.kill()
+        process.wait()
+    left = [p.name for p in models.iterdir() if p.name != ".lock"]
+    assert left and all(name.startswith(".tiny-") for name in left), left  # killed midway
+    prepared = actorline(cache, "models", "prepare", str(tiny_gguf))
+    assert prepared.returncode == 0, prepared.stderr
+    entry = Path(prepared.stdout.split(": ", 1)[1].strip())
+    assert sorted(p.name for p in models.iterdir()) == [".lock", entry.name]
