@@ -79,8 +79,6 @@ def test_a_damaged_cache_fails_generate_with_one_line_and_its_rebuild_fixes_it(
     assert f"the cached model file {weights} does not match the sha256" in line
     rebuild = line.split("rebuild the cache with: ", 1)[1]
     assert rebuild == f"actorline models prepare {tiny_gguf.resolve()} --force"
-    # `models prepare` without --force hashes every file and refuses it the same way
-    assert rebuild in one_line(actorline(cache, "models", "prepare", str(tiny_gguf)))
     rebuilt = actorline(cache, *shlex.split(rebuild)[1:])
     assert rebuilt.returncode == 0, rebuilt.stderr
     answered = actorline(cache, *generate)
