@@ -224,9 +224,7 @@ def test_compiled_kernel_on_cpu_matches_gather_sdpa() -> None:
         num_slots=key.shape[0],
         compiled=True,
     )
-    output = flex_paged_attention(
-        query, key, value, rows, scale=D**-0.5, window=7, softcap=4.0
-    )
+    output = flex_paged_attention(query, key, value, rows, scale=D**-0.5, window=7, softcap=4.0)
     for row, (length, table) in enumerate(zip(lengths, tables, strict=True)):
         expected = reference(query[row], key, value, table, length - 1, 7, 4.0, None)
         torch.testing.assert_close(output[row], expected, atol=1e-4, rtol=1e-4)
