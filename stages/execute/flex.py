@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,8 @@ __all__ = [
     "use_flex",
 ]
 
+logger = logging.getLogger("actorline.execute")
+
 FLEX_Q_BLOCK = 16
 """Queries per row tile of the block mask (as vLLM's direct build); decode rows have one."""
 
@@ -63,7 +66,7 @@ def flex_available() -> bool:
     return hasattr(BlockMask, "from_kv_blocks")
 
 
-def use_flex(attention_backend: str) -> bool:
+def use_flex(attention_backend: str, device: torch.device) -> bool:
     """Resolve ``ExecuteConfig.attention_backend``: whether steps attend through FlexAttention.
     ``auto`` is ``gather_sdpa`` on every device: flex has no GPU measurement behind it yet
     (``.ci/cuda-check`` takes one; docs/architecture.md §6).
@@ -80,6 +83,12 @@ def use_flex(attention_backend: str) -> bool:
             "attention_backend",
             f"'flex' needs torch >= 2.5 (FlexAttention's BlockMask.from_kv_blocks); this is "
             f"torch {torch.__version__}",
+        )
+    if device.type != "cuda":
+        logger.warning(
+            "execute: attention_backend 'flex' on %s runs FlexAttention eagerly, scoring every "
+            "slot of the KV cache: a correctness path, slow beside gather + SDPA",
+            device,
         )
     return True
 
@@ -218,18 +227,20 @@ def _softcap_score(softcap: float) -> Callable[..., torch.Tensor]:
 
 
 @functools.cache
-def _compiled_flex() -> Callable[..., Any]:
-    """``flex_attention`` compiled once per process (each new shape recompiles; a decode
-    batch's shapes are its CUDA graph's, fixed)."""
+def _compiled_flex(decode: bool) -> Callable[..., Any]:
+    """``flex_attention`` compiled once per process and use. Decode batches keep their
+    shapes static (each is a CUDA graph's, fixed; the flex-decoding kernel needs a static
+    batch); prefill chunks vary in length, so their compile turns dynamic after the first
+    recompile (dynamo's automatic dynamic shapes) instead of compiling every length."""
     import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
-    # NOTE: every captured (batch size, context bucket) is a shape of its own; past dynamo's
-    # default recompile limit (8) the call would fall back to the eager implementation,
-    # which materializes scores over the whole cache. vLLM raises it likewise.
+    # NOTE: every captured (batch size, context bucket, window) is a shape of its own; past
+    # dynamo's default recompile limit (8) the call would fall back to the eager
+    # implementation, which materializes scores over the whole cache. vLLM raises it too.
     limit = int(getattr(torch._dynamo.config, "recompile_limit", 8))
     torch._dynamo.config.recompile_limit = max(limit, 256)
-    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False if decode else None)
 
 
 @functools.cache
@@ -261,7 +272,7 @@ def flex_paged_attention(
 
     keys = key_cache.unsqueeze(0).transpose(1, 2)  # [1, Hkv, num_slots, D], a view
     values = value_cache.unsqueeze(0).transpose(1, 2)
-    kernel = _compiled_flex() if rows.compiled else _eager_flex()
+    kernel = _compiled_flex(rows.num_queries == 1) if rows.compiled else _eager_flex()
     score_mod = _softcap_score(softcap) if softcap is not None else None
     gqa = query.shape[1] != keys.shape[1]
     block_mask = rows.block_mask(window)

@@ -358,7 +358,7 @@ class ModelRunner:
                 head_dim=head_dim,
             ),
         )
-        self._flex = use_flex(config.attention_backend)
+        self._flex = use_flex(config.attention_backend, self.device)
         if expected is not None:
             self._probe(probe_ids, expected, num_layers)
             record_passed(settings.cache_dir(), key, resolved.path)

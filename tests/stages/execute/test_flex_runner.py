@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline import LLM, SamplingParams
+from pipeline.cli.llm import engine_options_from
+from pipeline.cli.main import build_parser
+from pipeline.engine.options import EngineOptions
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.flex import flex_available
 from stages.execute.runner import ModelRunner
@@ -106,6 +110,26 @@ def test_attention_backend_validation(fields: dict[str, object], match: str) -> 
     assert caught.value.field == "attention_backend"
 
 
+@needs_flex
+@pytest.mark.slow
+def test_the_engine_option_reaches_the_runner(tiny_model_dir: Path) -> None:
+    """``--attention-backend`` and ``attention_backend`` through the whole pipeline (memory
+    transport): the flex engine's greedy tokens equal the default engine's."""
+    args = build_parser().parse_args(["serve", "--attention-backend", "flex"])
+    assert EngineOptions.create(**engine_options_from(args)).attention_backend == "flex"
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineOptions(attention_backend="flash")
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
+    outputs = {}
+    for backend in ("flex", "auto"):
+        # a small cache: eager FlexAttention scores every slot of it
+        options = dict(transport="memory", num_blocks=64, attention_backend=backend)
+        with LLM(str(tiny_model_dir), **options) as llm:
+            outputs[backend] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert outputs["flex"] == outputs["auto"]
+
+
 def test_auto_keeps_gather_sdpa(tiny_model_dir: Path) -> None:
     """``auto`` is gather + SDPA (the native kernel on CPU) until a GPU measures flex."""
     runner = load_runner(tiny_model_dir, num_blocks=32)
@@ -147,5 +171,7 @@ def test_flex_cuda_graphs_match_generate(tiny_model_dir: Path) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", ["gemma2", "mistral (sliding window)", "gpt_oss"])
 def test_flex_cuda_serves_the_variants(family: str, tmp_path: Path) -> None:
-    runner = check_against_hf(family, tmp_path, device="cuda", attention_backend="flex")
+    runner = check_against_hf(
+        family, tmp_path, device="cuda", attention_backend="flex", cuda_graph_max_batch_size=8
+    )
     assert runner._flex and runner._decode_graphs is not None
