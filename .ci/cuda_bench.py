@@ -1,5 +1,5 @@
-"""The small GPU benchmark ``.ci/cuda-check`` runs (docs/architecture.md §6, "Attention
-backends"): which attention backend ``auto`` should pick on CUDA, and what CUDA graphs buy.
+"""The small GPU benchmark ``.ci/cuda-check`` runs (docs/architecture.md §6.4):
+which attention backend ``auto`` should pick on CUDA, and what CUDA graphs buy.
 
 1. **kernel**: one layer's decode attention (``paged_attention_forward``, the K/V write
    included) at SmolLM2-135M's head shapes in bf16, gather + one padded SDPA (today's CUDA

@@ -63,7 +63,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=("auto", "gather_sdpa", "flex"),
         help="how attention reads the paged KV cache: gather + SDPA (auto) or FlexAttention "
-        "in place (flex; docs/architecture.md §6)",
+        "in place (flex; docs/architecture.md §6.4)",
     )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)

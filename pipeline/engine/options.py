@@ -31,7 +31,7 @@ class EngineOptions:
     actorline's own model class where it serves the checkpoint, else transformers'; "native";
     "transformers"; as vLLM's ``--model-impl``, docs/models.md), ``attention_backend`` ("auto":
     gather + SDPA; "flex": FlexAttention reading the block tables in place;
-    docs/architecture.md §6). KV cache:
+    docs/architecture.md §6.4). KV cache:
     ``block_size``, ``num_blocks`` (an exact count) or ``kv_cache_memory`` (bytes),
     ``enable_prefix_caching``, ``max_model_len``.
     Batching: ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_chunk``,

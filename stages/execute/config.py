@@ -82,7 +82,7 @@ class ExecuteConfig:
       (FlexAttention reading the block tables in place for decode and for prefill chunks with
       a cached prefix, :mod:`stages.execute.flex`; compiled on CUDA, eager on CPU) or
       ``auto`` (default: ``gather_sdpa`` everywhere until a GPU measurement shows flex faster,
-      docs/architecture.md §6). ``flex`` takes ``decode_attention`` ``auto`` only.
+      docs/architecture.md §6.4). ``flex`` takes ``decode_attention`` ``auto`` only.
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.

@@ -1,5 +1,5 @@
 """Paged attention through PyTorch's FlexAttention, reading the KV cache's block tables in
-place (``attention_backend="flex"``; docs/architecture.md §6, "Attention backends").
+place (``attention_backend="flex"``; docs/architecture.md §6.4).
 
 The gather + SDPA path of :mod:`stages.execute.attention` copies every block a batch reads
 into a padded tensor first: memory traffic proportional to the longest context in the batch.
@@ -69,7 +69,7 @@ def flex_available() -> bool:
 def use_flex(attention_backend: str, device: torch.device) -> bool:
     """Resolve ``ExecuteConfig.attention_backend``: whether steps attend through FlexAttention.
     ``auto`` is ``gather_sdpa`` on every device: flex has no GPU measurement behind it yet
-    (``.ci/cuda-check`` takes one; docs/architecture.md §6).
+    (``.ci/cuda-check`` takes one; docs/architecture.md §6.4).
 
     Raises:
         ExecuteConfigError: ``flex`` asked for where this torch has no FlexAttention.
