@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import warnings
 from collections.abc import Callable
@@ -58,30 +59,39 @@ FLEX_Q_BLOCK = 16
 
 
 def flex_available() -> bool:
-    """Whether this torch has FlexAttention with ``BlockMask.from_kv_blocks`` (torch >= 2.5)."""
+    """Whether this torch has FlexAttention with ``BlockMask.from_kv_blocks(...,
+    compute_q_blocks=...)`` (torch >= 2.9)."""
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
     except ImportError:
         return False
-    return hasattr(BlockMask, "from_kv_blocks")
+    build = getattr(BlockMask, "from_kv_blocks", None)
+    return build is not None and "compute_q_blocks" in inspect.signature(build).parameters
 
 
-def use_flex(attention_backend: str, device: torch.device) -> bool:
+def use_flex(attention_backend: str, device: torch.device, block_size: int) -> bool:
     """Resolve ``ExecuteConfig.attention_backend``: whether steps attend through FlexAttention.
     ``auto`` is ``gather_sdpa`` on every device: flex has no GPU measurement behind it yet
     (``.ci/cuda-check`` takes one; docs/architecture.md §6.4).
 
     Raises:
-        ExecuteConfigError: ``flex`` asked for where this torch has no FlexAttention.
+        ExecuteConfigError: ``flex`` asked for where this torch has no FlexAttention, or on
+            CUDA with a block size that is not a multiple of 16 (a Triton tile is a cache
+            block, and a tile is at least 16 keys).
     """
+    from stages.execute.config import ExecuteConfigError
+
     if attention_backend != "flex":
         return False
-    if not flex_available():
-        from stages.execute.config import ExecuteConfigError
-
+    if device.type == "cuda" and block_size % 16:
         raise ExecuteConfigError(
             "attention_backend",
-            f"'flex' needs torch >= 2.5 (FlexAttention's BlockMask.from_kv_blocks); this is "
+            f"'flex' on CUDA needs block_size a multiple of 16, got {block_size}",
+        )
+    if not flex_available():
+        raise ExecuteConfigError(
+            "attention_backend",
+            f"'flex' needs torch >= 2.9 (FlexAttention's BlockMask.from_kv_blocks); this is "
             f"torch {torch.__version__}",
         )
     if device.type != "cuda":
@@ -268,29 +278,36 @@ def flex_paged_attention(
     Returns:
         ``[R, Hq, n, D]``; a query that sees no key (a CUDA graph's padding row) gives zeros.
     """
-    from torch.nn.attention.flex_attention import AuxRequest
-
     keys = key_cache.unsqueeze(0).transpose(1, 2)  # [1, Hkv, num_slots, D], a view
     values = value_cache.unsqueeze(0).transpose(1, 2)
     kernel = _compiled_flex(rows.num_queries == 1) if rows.compiled else _eager_flex()
     score_mod = _softcap_score(softcap) if softcap is not None else None
-    gqa = query.shape[1] != keys.shape[1]
+    options: dict[str, Any] = {"enable_gqa": query.shape[1] != keys.shape[1]}
+    if query.device.type == "cuda":
+        # As vLLM's direct build: the main kernel, tiles the block mask's (a tile of
+        # FLEX_Q_BLOCK queries by one cache block).
+        options["kernel_options"] = {
+            "FORCE_USE_FLEX_ATTENTION": True,
+            "BLOCK_M": FLEX_Q_BLOCK,
+            "BLOCK_N": rows.block_size,
+        }
     block_mask = rows.block_mask(window)
     if sinks is None:
-        output: torch.Tensor = kernel(
-            query, keys, values, score_mod, block_mask, scale, enable_gqa=gqa
-        )
+        output: torch.Tensor = kernel(query, keys, values, score_mod, block_mask, scale, **options)
         return output
-    output, aux = kernel(
-        query,
-        keys,
-        values,
-        score_mod,
-        block_mask,
-        scale,
-        enable_gqa=gqa,
-        return_aux=AuxRequest(lse=True),
-    )
+    output, lse = _with_lse(kernel, query, keys, values, score_mod, block_mask, scale, options)
     # A sink is one more logit in the softmax's denominator: out * Z / (Z + e^sink).
-    weight = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))  # [R, Hq, n]
+    weight = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))  # [R, Hq, n]
     return output * weight.unsqueeze(-1).to(output.dtype)
+
+
+def _with_lse(kernel: Callable[..., Any], *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's output and natural-log log-sum-exp ``[R, Hq, n]``."""
+    *positional, options = args
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch < 2.9 spelled it return_lse
+        output, lse = kernel(*positional, return_lse=True, **options)
+        return output, lse
+    output, aux = kernel(*positional, return_aux=AuxRequest(lse=True), **options)
+    return output, aux.lse

@@ -358,7 +358,7 @@ class ModelRunner:
                 head_dim=head_dim,
             ),
         )
-        self._flex = use_flex(config.attention_backend, self.device)
+        self._flex = use_flex(config.attention_backend, self.device, config.block_size)
         if expected is not None:
             self._probe(probe_ids, expected, num_layers)
             record_passed(settings.cache_dir(), key, resolved.path)

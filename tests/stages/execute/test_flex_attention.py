@@ -19,21 +19,22 @@ pytestmark = pytest.mark.skipif(not flex_available(), reason="torch without Flex
 BLOCK = 4
 NUM_BLOCKS = 48  # the reserved block 0 included
 HQ, HKV, D = 6, 2, 16
+CUDA_BLOCK = 16  # flex on CUDA tiles by cache block: at least 16 keys
 
 
 def paged_cache(
-    lengths: list[int], device: str = "cpu", seed: int = 0
+    lengths: list[int], device: str = "cpu", seed: int = 0, block: int = BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
     """A random cache and one block table per length, blocks drawn in shuffled order (block
     0 never: it is the reserved padding block)."""
     generator = torch.Generator().manual_seed(seed)
-    slots = NUM_BLOCKS * BLOCK
+    slots = NUM_BLOCKS * block
     key = torch.randn(slots, HKV, D, generator=generator).to(device)
     value = torch.randn(slots, HKV, D, generator=generator).to(device)
     free = (torch.randperm(NUM_BLOCKS - 1, generator=generator) + 1).tolist()
     tables = []
     for length in lengths:
-        count = -(-length // BLOCK)
+        count = -(-length // block)
         tables.append([free.pop() for _ in range(count)])
     return key, value, tables
 
@@ -52,13 +53,14 @@ def reference(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    block: int = BLOCK,
 ) -> torch.Tensor:
     """Gather + SDPA (eager attention for capped scores and sinks) for one sequence."""
     count = query.shape[1]
     context = first_query + count
     blocks = torch.tensor(table, device=key.device)
-    keys = gather_blocks(key, blocks, BLOCK)[:context].transpose(0, 1)  # [Hkv, L, D]
-    values = gather_blocks(value, blocks, BLOCK)[:context].transpose(0, 1)
+    keys = gather_blocks(key, blocks, block)[:context].transpose(0, 1)  # [Hkv, L, D]
+    values = gather_blocks(value, blocks, block)[:context].transpose(0, 1)
     mask = causal_window_mask(count, first_query, context, 0, window, key.device)
     group = HQ // HKV
     scale = D**-0.5
@@ -234,15 +236,15 @@ def test_compiled_kernel_on_cpu_matches_gather_sdpa() -> None:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_compiled_kernel_on_cuda_matches_gather_sdpa(variant: str) -> None:
     window, softcap, with_sinks = VARIANTS[variant]
-    lengths = [1, 5, 16, 33]
-    key, value, tables = paged_cache(lengths, device="cuda")
+    lengths = [1, 5, 16, 33, 70]
+    key, value, tables = paged_cache(lengths, device="cuda", block=CUDA_BLOCK)
     sinks = torch.randn(HQ, device="cuda") if with_sinks else None
     query = torch.randn(len(lengths), HQ, 1, D, device="cuda")
     rows = FlexRows.build(
         padded(tables, "cuda"),
         torch.tensor(lengths, device="cuda") - 1,
         1,
-        block_size=BLOCK,
+        block_size=CUDA_BLOCK,
         num_slots=key.shape[0],
         compiled=True,
     )
@@ -250,21 +252,25 @@ def test_compiled_kernel_on_cuda_matches_gather_sdpa(variant: str) -> None:
         query, key, value, rows, scale=D**-0.5, window=window, softcap=softcap, sinks=sinks
     )
     for row, (length, table) in enumerate(zip(lengths, tables, strict=True)):
-        expected = reference(query[row], key, value, table, length - 1, window, softcap, sinks)
+        expected = reference(
+            query[row], key, value, table, length - 1, window, softcap, sinks, CUDA_BLOCK
+        )
         torch.testing.assert_close(output[row], expected, atol=1e-3, rtol=1e-3)
-    prefix, count = 9, 21
-    key, value, tables = paged_cache([prefix + count], device="cuda")
+    prefix, count = 19, 41
+    key, value, tables = paged_cache([prefix + count], device="cuda", block=CUDA_BLOCK)
     query = torch.randn(1, HQ, count, D, device="cuda")
     rows = FlexRows.build(
         padded(tables, "cuda"),
         torch.tensor([prefix], device="cuda"),
         count,
-        block_size=BLOCK,
+        block_size=CUDA_BLOCK,
         num_slots=key.shape[0],
         compiled=True,
     )
     output = flex_paged_attention(
         query, key, value, rows, scale=D**-0.5, window=window, softcap=softcap, sinks=sinks
     )
-    expected = reference(query[0], key, value, tables[0], prefix, window, softcap, sinks)
+    expected = reference(
+        query[0], key, value, tables[0], prefix, window, softcap, sinks, CUDA_BLOCK
+    )
     torch.testing.assert_close(output[0], expected, atol=1e-3, rtol=1e-3)

@@ -17,7 +17,7 @@ from pipeline.cli.llm import engine_options_from
 from pipeline.cli.main import build_parser
 from pipeline.engine.options import EngineOptions
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
-from stages.execute.flex import flex_available
+from stages.execute.flex import flex_available, use_flex
 from stages.execute.runner import ModelRunner
 from tests.stages.execute.driving import HFReference, drive
 from tests.stages.execute.test_model_table import check_against_hf
@@ -88,12 +88,15 @@ def test_flex_chunked_prefill_and_prefix_hits_match(
 
 @needs_flex
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma2", "mistral (sliding window)", "gpt_oss"])
-def test_flex_serves_the_variants(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("family", "block_size"),
+    [("gemma2", 4), ("mistral (sliding window)", 4), ("gpt_oss", 4), ("gemma2", 16)],
+)
+def test_flex_serves_the_variants(family: str, block_size: int, tmp_path: Path) -> None:
     """Windows (every layer: Mistral; every other layer: Gemma 2), soft-capped scores
-    (Gemma 2) and sinks (gpt-oss) through flex, with
-    whole and chunked prefill and a prefix hit, against HF ``generate``."""
-    runner = check_against_hf(family, tmp_path, attention_backend="flex")
+    (Gemma 2) and sinks (gpt-oss) through flex, with whole and chunked prefill and a prefix
+    hit, against HF ``generate``; blocks of 16 tokens too, as the CUDA twin runs."""
+    runner = check_against_hf(family, tmp_path, attention_backend="flex", block_size=block_size)
     assert runner._flex
 
 
@@ -128,6 +131,13 @@ def test_the_engine_option_reaches_the_runner(tiny_model_dir: Path) -> None:
         with LLM(str(tiny_model_dir), **options) as llm:
             outputs[backend] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert outputs["flex"] == outputs["auto"]
+
+
+def test_flex_on_cuda_refuses_blocks_under_16_keys() -> None:
+    """Checked before any GPU work: a Triton tile of flex is one cache block."""
+    with pytest.raises(ExecuteConfigError, match="multiple of 16, got 4"):
+        use_flex("flex", torch.device("cuda"), 4)
+    assert not use_flex("auto", torch.device("cuda"), 4)
 
 
 def test_auto_keeps_gather_sdpa(tiny_model_dir: Path) -> None:
@@ -172,6 +182,11 @@ def test_flex_cuda_graphs_match_generate(tiny_model_dir: Path) -> None:
 @pytest.mark.parametrize("family", ["gemma2", "mistral (sliding window)", "gpt_oss"])
 def test_flex_cuda_serves_the_variants(family: str, tmp_path: Path) -> None:
     runner = check_against_hf(
-        family, tmp_path, device="cuda", attention_backend="flex", cuda_graph_max_batch_size=8
+        family,
+        tmp_path,
+        device="cuda",
+        attention_backend="flex",
+        cuda_graph_max_batch_size=8,
+        block_size=16,  # flex on CUDA tiles by cache block, at least 16 keys
     )
     assert runner._flex and runner._decode_graphs is not None
