@@ -225,7 +225,6 @@ class DecodeGraphs:
                 block_size=block_size,
                 num_slots=self.kv_cache.num_slots,
                 compiled=self.device.type == "cuda",
-                static_shapes=True,
             )
             metadata = StepMetadata(
                 kv_cache=self.kv_cache,

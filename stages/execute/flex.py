@@ -144,8 +144,6 @@ class FlexRows:
     num_blocks: int  # blocks in the cache (slots // block_size), the reserved block included
     logical: torch.Tensor  # [R, num_blocks + 1] int32, see logical_blocks()
     compiled: bool
-    # compiled for these exact shapes (a CUDA graph's), else shapes may vary per step
-    static_shapes: bool = False
     masks: dict[int | None, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -158,23 +156,13 @@ class FlexRows:
         block_size: int,
         num_slots: int,
         compiled: bool,
-        static_shapes: bool = False,
     ) -> FlexRows:
         """Rows over ``tables [R, W]`` whose last query is at ``query_starts + num_queries - 1``
         (the context is every position up to it). Static shapes: usable inside a CUDA graph."""
         num_blocks = num_slots // block_size
         context_lens = query_starts + num_queries
         logical = logical_blocks(tables, context_lens, block_size, num_blocks)
-        return cls(
-            tables,
-            query_starts,
-            num_queries,
-            block_size,
-            num_blocks,
-            logical,
-            compiled,
-            static_shapes,
-        )
+        return cls(tables, query_starts, num_queries, block_size, num_blocks, logical, compiled)
 
     def block_mask(self, window: int | None) -> Any:
         """The :class:`BlockMask` of a layer with this window (None: full causal)."""
@@ -249,21 +237,23 @@ def _softcap_score(softcap: float) -> Callable[..., torch.Tensor]:
 
 
 @functools.cache
-def _compiled_flex(static_shapes: bool) -> Callable[..., Any]:
-    """``flex_attention`` compiled once per process and kind of use. A decode CUDA graph's
-    shapes are fixed, and each graph compiles its own at its warm-up; eager steps (prefill
-    chunks, decode batches past the graphs) vary in rows, queries and table width, so their
-    compile turns dynamic after the first recompile (dynamo's automatic dynamic shapes)
-    instead of compiling every shape."""
+def _compiled_flex() -> Callable[..., Any]:
+    """``flex_attention`` compiled once per process. Shapes vary: decode batches by rows and
+    table width (each captured graph has its own), prefill chunks by length; the compile
+    turns dynamic after the first recompile (dynamo's automatic dynamic shapes), so a few
+    compiles serve them all instead of one per shape (seconds each, and a graph capture per
+    batch size and context bucket would pay each). The main kernel needs no static batch (the
+    flex-decoding kernel would; it is not used, see ``flex_paged_attention``)."""
     import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
-    # NOTE: every captured (batch size, context bucket, window) is a shape of its own; past
-    # dynamo's default recompile limit (8) the call would fall back to the eager
-    # implementation, which materializes scores over the whole cache. vLLM raises it too.
+    # NOTE: each window and soft cap is a constant of its own mask or score function, so a
+    # model with both kinds of layers compiles more than once; past dynamo's default
+    # recompile limit (8) the call would fall back to the eager implementation, which
+    # materializes scores over the whole cache. vLLM raises it too.
     limit = int(getattr(torch._dynamo.config, "recompile_limit", 8))
-    torch._dynamo.config.recompile_limit = max(limit, 256)
-    return torch.compile(flex_attention, fullgraph=True, dynamic=False if static_shapes else None)
+    torch._dynamo.config.recompile_limit = max(limit, 64)
+    return torch.compile(flex_attention, fullgraph=True)
 
 
 @functools.cache
@@ -293,7 +283,7 @@ def flex_paged_attention(
     """
     keys = key_cache.unsqueeze(0).transpose(1, 2)  # [1, Hkv, num_slots, D], a view
     values = value_cache.unsqueeze(0).transpose(1, 2)
-    kernel = _compiled_flex(rows.static_shapes) if rows.compiled else _eager_flex()
+    kernel = _compiled_flex() if rows.compiled else _eager_flex()
     score_mod = _softcap_score(softcap) if softcap is not None else None
     options: dict[str, Any] = {"enable_gqa": query.shape[1] != keys.shape[1]}
     if query.device.type == "cuda":
