@@ -213,8 +213,9 @@ def test_block_lists_cover_every_visible_key(window: int | None) -> None:
 @pytest.mark.slow
 def test_compiled_kernel_on_cpu_matches_gather_sdpa() -> None:
     """The fused kernel inductor builds (C++ on CPU, Triton on CUDA), which skips unlisted
-    blocks: a decode batch with a window and capped scores (inductor's CPU kernel returns no
-    log-sum-exp, so sinks are checked eagerly here and compiled on CUDA)."""
+    blocks: a decode batch and a prefill chunk of two query tiles over a cached prefix (its
+    compile dynamic, the second shape), with a window and capped scores. Inductor's CPU
+    kernel returns no log-sum-exp, so sinks are checked eagerly here and compiled on CUDA."""
     lengths = [2, 9, 17, 30]
     key, value, tables = paged_cache(lengths)
     query = torch.randn(len(lengths), HQ, 1, D, generator=torch.Generator().manual_seed(4))
@@ -230,6 +231,20 @@ def test_compiled_kernel_on_cpu_matches_gather_sdpa() -> None:
     for row, (length, table) in enumerate(zip(lengths, tables, strict=True)):
         expected = reference(query[row], key, value, table, length - 1, 7, 4.0, None)
         torch.testing.assert_close(output[row], expected, atol=1e-4, rtol=1e-4)
+    prefix, count = 13, 20
+    key, value, tables = paged_cache([prefix + count], seed=5)
+    query = torch.randn(1, HQ, count, D, generator=torch.Generator().manual_seed(6))
+    rows = FlexRows.build(
+        padded(tables),
+        torch.tensor([prefix]),
+        count,
+        block_size=BLOCK,
+        num_slots=key.shape[0],
+        compiled=True,
+    )
+    output = flex_paged_attention(query, key, value, rows, scale=D**-0.5, window=7, softcap=4.0)
+    expected = reference(query[0], key, value, tables[0], prefix, 7, 4.0, None)
+    torch.testing.assert_close(output[0], expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.cuda
