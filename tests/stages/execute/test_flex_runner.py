@@ -51,6 +51,7 @@ def test_batched_flex_matches_generate(tiny_model_dir: Path, reference: HFRefere
 
 
 @needs_flex
+@pytest.mark.slow
 def test_flex_static_decode_path_matches(tiny_model_dir: Path, reference: HFReference) -> None:
     """The CUDA-graph code path with flex (block masks built from the static buffers, padding
     rows that see no key), run eagerly on CPU."""
