@@ -20,6 +20,10 @@ the cache and attends:
   (see :func:`plan_decode_groups`).
 - **prefill rows** (chunks, prefix hits) are attended per sequence with a causal mask aligned
   lower-right: the queries are the *last* ``n`` of the ``L`` context positions.
+- with ``attention_backend="flex"`` (``build_step_metadata(flex=True)``), the decode rows and
+  each prefill chunk over a cached prefix are attended by FlexAttention reading the cache in
+  place through their block tables instead (:mod:`stages.execute.flex`; docs/architecture.md
+  §6.4); a chunk that is its whole context keeps causal SDPA over its own keys.
 
 Every path also serves the variants of :mod:`stages.execute.variants` (docs/architecture.md
 §6.1): a layer's sliding window masks keys before it (and a windowed prefill
