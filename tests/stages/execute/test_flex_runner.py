@@ -42,12 +42,13 @@ def reference(tiny_model_dir: Path) -> HFReference:
 @pytest.mark.slow
 def test_batched_flex_matches_generate(tiny_model_dir: Path, reference: HFReference) -> None:
     prompts = random_prompts(PROMPT_LENGTHS, seed=1)
-    runner = load_runner(tiny_model_dir, num_blocks=128, attention_backend="flex")
+    # 64 blocks hold the batch: eager FlexAttention scores every slot of the cache
+    runner = load_runner(tiny_model_dir, num_blocks=64, attention_backend="flex")
     assert runner._flex
     report = drive(runner, make_requests(prompts))
     assert report.max_requests_per_step >= 8
     assert report.outputs == expected_outputs(reference, prompts)
-    assert report.results[-1].free_blocks == 128
+    assert report.results[-1].free_blocks == 64
 
 
 @needs_flex
@@ -79,7 +80,7 @@ def test_flex_chunked_prefill_and_prefix_hits_match(
     shared = random_prompts((70,), seed=2)[0]
     tails = random_prompts((1, 9, 23, 30), seed=3)
     prompts = [shared + tail for tail in tails]
-    runner = load_runner(tiny_model_dir, num_blocks=128, attention_backend="flex")
+    runner = load_runner(tiny_model_dir, num_blocks=64, attention_backend="flex")
     requests = make_requests(prompts)
     first = drive(runner, requests[:1], chunk_size=16)  # chunks over a cached prefix
     rest = drive(runner, requests[1:], chunk_size=16)  # prefix hits, then chunks
