@@ -88,9 +88,13 @@ TINY_LLAMA = dict(
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tiny_model_dir(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Path:
     """A tiny randomly initialised Llama (seeded), saved as an HF directory with the
-    SmolLM2 tokenizer, so every stage can load it like a real model."""
+    SmolLM2 tokenizer, so every stage can load it like a real model. The tokenizer comes from
+    the default model, or from ``ACTORLINE_TEST_TOKENIZER_DIR`` where that is set (a machine
+    without the default model's package: ``.ci/cuda-check`` carries the files there)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -98,7 +102,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
     model.save_pretrained(out)
-    for name in default_model_dir.iterdir():
+    carried = os.environ.get("ACTORLINE_TEST_TOKENIZER_DIR")
+    source = Path(carried) if carried else request.getfixturevalue("default_model_dir")
+    for name in source.iterdir():
         if name.name.startswith("tokenizer") or name.name in (
             "special_tokens_map.json",
             "chat_template.jinja",

@@ -58,6 +58,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="actorline's own model class (native; auto: where it serves the model) or "
         "transformers' (docs/models.md)",
     )
+    group.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "gather_sdpa", "flex"),
+        help="how attention reads the paged KV cache: gather + SDPA (auto) or FlexAttention "
+        "in place (flex; docs/architecture.md §6.4)",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -159,6 +166,7 @@ def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "quantization": args.quantization,
         "model_impl": args.model_impl,
+        "attention_backend": args.attention_backend,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from stages.execute.config import ATTENTION_BACKENDS
+
 __all__ = ["TRANSPORTS", "EngineOptions"]
 
 #: ``transport`` values: "memory" runs every stage in the calling process; the others run
@@ -27,7 +29,9 @@ class EngineOptions:
     model's own 4/8-bit weights as they are; "int8": any checkpoint's linears quantized at
     load; weight-only with fp32 activations, on CPU: docs/models.md), ``model_impl`` ("auto":
     actorline's own model class where it serves the checkpoint, else transformers'; "native";
-    "transformers"; as vLLM's ``--model-impl``, docs/models.md). KV cache:
+    "transformers"; as vLLM's ``--model-impl``, docs/models.md), ``attention_backend`` ("auto":
+    gather + SDPA; "flex": FlexAttention reading the block tables in place;
+    docs/architecture.md §6.4). KV cache:
     ``block_size``, ``num_blocks`` (an exact count) or ``kv_cache_memory`` (bytes),
     ``enable_prefix_caching``, ``max_model_len``.
     Batching: ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_chunk``,
@@ -81,6 +85,7 @@ class EngineOptions:
     rate_limit_burst: float = 1.0
     seed: int = 0
     use_cuda_graphs: bool = True
+    attention_backend: str = "auto"
     start_timeout: float = 600.0
     log_level: str | None = None
     null_model: bool = False
@@ -115,6 +120,11 @@ class EngineOptions:
         for name in ("null_model", "tune_gc", "ray"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if not isinstance(self.scheduler, str) or not self.scheduler:
             raise ValueError(f"scheduler must be a policy name, got {self.scheduler!r}")
         if not isinstance(self.grammar_backend, str) or not self.grammar_backend:

@@ -144,6 +144,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
         enable_prefix_caching=options.enable_prefix_caching,
         seed=options.seed,
         use_cuda_graphs=options.use_cuda_graphs,
+        attention_backend=options.attention_backend,
         tensor_parallel_size=options.tensor_parallel_size,
         tensor_parallel_timeout=options.tensor_parallel_timeout,
     )

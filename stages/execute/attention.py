@@ -20,6 +20,10 @@ the cache and attends:
   (see :func:`plan_decode_groups`).
 - **prefill rows** (chunks, prefix hits) are attended per sequence with a causal mask aligned
   lower-right: the queries are the *last* ``n`` of the ``L`` context positions.
+- with ``attention_backend="flex"`` (``build_step_metadata(flex=True)``), the decode rows and
+  each prefill chunk over a cached prefix are attended by FlexAttention reading the cache in
+  place through their block tables instead (:mod:`stages.execute.flex`; docs/architecture.md
+  §6.4); a chunk that is its whole context keeps causal SDPA over its own keys.
 
 Every path also serves the variants of :mod:`stages.execute.variants` (docs/architecture.md
 §6.1): a layer's sliding window masks keys before it (and a windowed prefill
@@ -49,6 +53,7 @@ import torch.nn.functional as F
 
 from stages.execute.allocator import RESERVED_BLOCK_ID
 from stages.execute.cpu import prefault_pages
+from stages.execute.flex import FlexRows, flex_paged_attention
 from stages.execute.native import PagedDecodeKernel, paged_decode_kernel
 from stages.execute.variants import (
     LayerVariant,
@@ -220,6 +225,8 @@ class PrefillSequence:
     causal_mask: torch.Tensor | None  # [n, context_len] bool, lower-right aligned
     # window -> (first block of key_blocks read, mask over the keys from that block on)
     windows: dict[int, tuple[int, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    # attention_backend "flex" with a cached prefix: the chunk's row, read in place.
+    flex: FlexRows | None = None
 
     def window_keys(
         self, window: int, block_size: int, device: torch.device
@@ -254,6 +261,9 @@ class StepMetadata:
     max_model_len: int
     # Set in "native" mode: the kernel attending the decode groups.
     decode_kernel: PagedDecodeKernel | None = None
+    # attention_backend "flex": the decode rows (the first rows of the packed batch), attended
+    # by FlexAttention in place (stages.execute.flex); decode_groups is then empty.
+    flex_decode: FlexRows | None = None
     # Counts attention calls (one per layer): the load-time probe checks every layer came.
     calls: int = 0
 
@@ -379,6 +389,19 @@ def paged_attention_forward(
     output = query.new_empty(num_tokens, num_heads, head_dim)  # [T, Hq, D]
     kernel = metadata.decode_kernel
     window = variant.window
+    if metadata.flex_decode is not None:
+        rows = metadata.flex_decode.tables.shape[0]
+        attended = flex_paged_attention(
+            query[0, :, :rows].transpose(0, 1).unsqueeze(2),  # [B, Hq, 1, D]
+            key_cache,
+            value_cache,
+            metadata.flex_decode,
+            scale=scale,
+            window=window,
+            softcap=variant.softcap,
+            sinks=variant.sinks,
+        )  # [B, Hq, 1, D]
+        output[:rows] = attended[:, :, 0]
     for group in metadata.decode_groups:
         if kernel is not None and group.context_lens is not None:
             sinks = variant.sinks.float().contiguous() if variant.sinks is not None else None
@@ -424,6 +447,19 @@ def paged_attention_forward(
         start, end = sequence.query_start, sequence.query_end
         sequence_query = query[:, :, start:end]  # [1, Hq, n, D]
         count = end - start
+        if sequence.flex is not None:
+            attended = flex_paged_attention(
+                sequence_query,
+                key_cache,
+                value_cache,
+                sequence.flex,
+                scale=scale,
+                window=window,
+                softcap=variant.softcap,
+                sinks=variant.sinks,
+            )  # [1, Hq, n, D]
+            output[start:end] = attended[0].transpose(0, 1)
+            continue
         mask = sequence.causal_mask
         if window is not None and sequence.context_len > window:
             first_block, mask = sequence.window_keys(window, block_size, query.device)
@@ -538,9 +574,13 @@ def build_step_metadata(
     decode_mode: DecodeAttentionMode,
     max_model_len: int,
     device: torch.device,
+    flex: bool = False,
 ) -> tuple[StepMetadata, torch.Tensor]:
     """Build the step's attention metadata and packed positions, vectorized (no per-token
-    Python work).
+    Python work). With ``flex`` (``attention_backend="flex"``) the decode rows and every
+    prefill chunk with a cached prefix are attended in place by :mod:`stages.execute.flex`
+    (``decode_mode`` is then unused); a chunk that is its whole context still runs causal
+    SDPA over its own keys, which gathers nothing.
 
     Sequence ``i`` computes positions ``[query_starts[i], query_starts[i] + query_lens[i])``
     and attends to all positions before its end; its K/V goes to the blocks of
@@ -582,10 +622,23 @@ def build_step_metadata(
 
     decode_groups: list[DecodeGroup] = []
     decode_lens = context_lens[:num_decode]
-    decode_kernel = paged_decode_kernel() if decode_mode == "native" else None
-    if decode_mode == "native" and decode_kernel is None:
+    native = decode_mode == "native" and not flex
+    decode_kernel = paged_decode_kernel() if native else None
+    if native and decode_kernel is None:
         raise ValueError("decode_mode 'native' needs the native kernel, which is unavailable")
-    for group_start, group_end in plan_decode_groups(decode_lens, decode_mode):
+    compiled = device.type == "cuda"  # the fused kernel; CPU runs FlexAttention eagerly
+    flex_decode = None
+    if flex and num_decode:
+        flex_decode = FlexRows.build(
+            tables[:num_decode, : -(-max(decode_lens) // block_size)].to(device),
+            starts[:num_decode].to(device),
+            1,
+            block_size=block_size,
+            num_slots=kv_cache.num_slots,
+            compiled=compiled,
+        )
+    planned = [] if flex else plan_decode_groups(decode_lens, decode_mode)
+    for group_start, group_end in planned:
         group_lens = decode_lens[group_start:group_end]
         longest = max(group_lens)
         num_blocks = -(-longest // block_size)
@@ -623,6 +676,20 @@ def build_step_metadata(
         length, start, context_len = query_lens[row], query_starts[row], context_lens[row]
         key_blocks: torch.Tensor | None = None
         causal_mask: torch.Tensor | None = None
+        if start > 0 and flex:
+            rows = FlexRows.build(
+                tables[row : row + 1, : -(-context_len // block_size)].to(device),
+                starts[row : row + 1].to(device),
+                length,
+                block_size=block_size,
+                num_slots=kv_cache.num_slots,
+                compiled=compiled,
+            )
+            prefills.append(
+                PrefillSequence(packed, packed + length, context_len, None, None, flex=rows)
+            )
+            packed += length
+            continue
         if start > 0:
             key_blocks = tables[row, : -(-context_len // block_size)].to(device)
             # Lower-right causal: query i (position start + i) sees keys 0 .. start + i.
@@ -641,6 +708,7 @@ def build_step_metadata(
         prefills=prefills,
         max_model_len=max_model_len,
         decode_kernel=decode_kernel,
+        flex_decode=flex_decode,
     )
     return metadata, positions.to(device)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "DEFAULT_KV_CACHE_MEMORY",
     "DTYPES",
     "MODEL_IMPLS",
@@ -19,6 +20,7 @@ DEFAULT_KV_CACHE_MEMORY = 384 * 1024 * 1024
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 QUANTIZATIONS = ("gguf", "int8")
 MODEL_IMPLS = ("auto", "native", "transformers")
+ATTENTION_BACKENDS = ("auto", "gather_sdpa", "flex")
 _DECODE_ATTENTION_MODES = ("auto", "native", "grouped", "padded", "per_sequence")
 
 
@@ -75,6 +77,12 @@ class ExecuteConfig:
       checkpoint, :mod:`stages.execute.llama`, else transformers'), ``native`` (actorline's own,
       refused where it does not serve the checkpoint) or ``transformers`` (always
       transformers' class), as vLLM's ``--model-impl``.
+    - ``attention_backend``: how attention reads the paged cache. ``gather_sdpa`` (the
+      CPU native kernel or gather + SDPA, as ``decode_attention`` says), ``flex``
+      (FlexAttention reading the block tables in place for decode and for prefill chunks with
+      a cached prefix, :mod:`stages.execute.flex`; compiled on CUDA, eager on CPU) or
+      ``auto`` (default: ``gather_sdpa`` everywhere until a GPU measurement shows flex faster,
+      docs/architecture.md §6.4). ``flex`` takes ``decode_attention`` ``auto`` only.
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -100,6 +108,7 @@ class ExecuteConfig:
     tensor_parallel_timeout: float = 30.0
     quantization: str | None = None
     model_impl: str = "auto"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -155,6 +164,18 @@ class ExecuteConfig:
             raise ExecuteConfigError(
                 "decode_attention",
                 f"must be one of {_DECODE_ATTENTION_MODES}, got {self.decode_attention!r}",
+            )
+
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ExecuteConfigError(
+                "attention_backend",
+                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+            )
+        if self.attention_backend == "flex" and self.decode_attention != "auto":
+            raise ExecuteConfigError(
+                "attention_backend",
+                f"'flex' attends decode rows itself; decode_attention "
+                f"{self.decode_attention!r} applies to 'gather_sdpa' (leave it 'auto')",
             )
 
     @property

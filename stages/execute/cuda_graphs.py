@@ -14,6 +14,13 @@ softmax is finite; their outputs are never used.
 
 Without capture (``capture(enabled=False)``, e.g. on CPU) the same static path runs eagerly,
 which is how the CPU tests check it.
+
+With ``flex`` (``attention_backend="flex"``) the graph attends through
+:mod:`stages.execute.flex` instead: the block mask and inverse block tables are built inside
+the graph from the same static buffers (static shapes, no host synchronisation), and the
+compiled FlexAttention kernel is compiled by the warm-up run before each capture. Padding
+rows then see no key at all and attend to zeros. (Captured on a GPU only: checked by the
+``cuda``-marked tests that ``.ci/cuda-check`` runs.)
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from stages.execute.attention import (
     forward_context,
     key_padding_mask,
 )
+from stages.execute.flex import FlexRows
 
 __all__ = ["DecodeGraphs", "graph_batch_sizes", "graph_context_buckets"]
 
@@ -82,6 +90,7 @@ class DecodeGraphs:
         max_batch_size: the largest decode batch run through a graph.
         max_model_len: the longest context (sets the largest bucket).
         device: where the buffers live.
+        flex: attend through FlexAttention (``attention_backend="flex"``).
     """
 
     def __init__(
@@ -92,8 +101,10 @@ class DecodeGraphs:
         max_batch_size: int,
         max_model_len: int,
         device: torch.device,
+        flex: bool = False,
     ) -> None:
         self.model = model
+        self.flex = flex
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.max_model_len = max_model_len
@@ -206,6 +217,24 @@ class DecodeGraphs:
         slot_mapping = (
             tables[rows, positions // block_size] * block_size + positions % block_size
         )  # [G]
+        if self.flex:
+            flex_rows = FlexRows.build(
+                tables,
+                self._context_lens[:batch_size] - 1,
+                1,
+                block_size=block_size,
+                num_slots=self.kv_cache.num_slots,
+                compiled=self.device.type == "cuda",
+            )
+            metadata = StepMetadata(
+                kv_cache=self.kv_cache,
+                slot_mapping=slot_mapping,
+                decode_groups=[],
+                prefills=[],
+                max_model_len=self.max_model_len,
+                flex_decode=flex_rows,
+            )
+            return self._run_model(metadata, batch_size, positions)
         key_mask = key_padding_mask(self._context_lens[:batch_size], context_len)  # [G,1,1,C]
         metadata = StepMetadata(
             kv_cache=self.kv_cache,
@@ -223,6 +252,11 @@ class DecodeGraphs:
             prefills=[],
             max_model_len=self.max_model_len,
         )
+        return self._run_model(metadata, batch_size, positions)
+
+    def _run_model(
+        self, metadata: StepMetadata, batch_size: int, positions: torch.Tensor
+    ) -> torch.Tensor:
         with forward_context(metadata):
             output = self.model(
                 input_ids=self._token_ids[:batch_size].unsqueeze(0),

@@ -58,6 +58,7 @@ from stages.execute.bookkeeping import (
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
+from stages.execute.flex import use_flex
 from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import grammar_rows
 from stages.execute.llama import load_native_llama
@@ -203,6 +204,7 @@ class ModelRunner:
         self._requests: dict[str, _Request] = {}
         self._eos_token_ids: tuple[int, ...] = ()
         self._decode_mode: DecodeAttentionMode = "grouped"
+        self._flex = False  # attention_backend "flex" (stages.execute.flex)
         self._window: int | None = None  # bounds every layer: blocks behind it are freed
         self._decode_graphs: Any = None  # stages.execute.cuda_graphs.DecodeGraphs
 
@@ -356,6 +358,7 @@ class ModelRunner:
                 head_dim=head_dim,
             ),
         )
+        self._flex = use_flex(config.attention_backend, self.device, config.block_size)
         if expected is not None:
             self._probe(probe_ids, expected, num_layers)
             record_passed(settings.cache_dir(), key, resolved.path)
@@ -407,6 +410,7 @@ class ModelRunner:
             "native_linears",
             "fused_ops",
             "decode_attention",
+            "attention_backend",
             "block_size",
             "max_model_len",
             "tensor_parallel_size",
@@ -441,6 +445,7 @@ class ModelRunner:
                     query_lens=[end - start],
                     num_decode=1 if end - start == 1 else 0,
                     decode_mode=self._decode_mode,
+                    flex=self._flex,
                     max_model_len=self.max_model_len,
                     device=self.device,
                 )
@@ -485,6 +490,7 @@ class ModelRunner:
             max_batch_size=self.config.cuda_graph_max_batch_size,
             max_model_len=self.max_model_len,
             device=self.device,
+            flex=self._flex,
         )
         graphs.capture(enabled=self.device.type == "cuda")
         return graphs
@@ -611,6 +617,7 @@ class ModelRunner:
             query_lens=shard.query_lens.tolist(),
             num_decode=shard.num_decode,
             decode_mode=self._decode_mode,
+            flex=self._flex,
             max_model_len=self.max_model_len,
             device=self.device,
         )
@@ -685,6 +692,7 @@ class ModelRunner:
             query_lens=packed.query_lens,
             num_decode=num_decode,
             decode_mode=self._decode_mode,
+            flex=self._flex,
             max_model_len=self.max_model_len,
             device=self.device,
         )

@@ -172,14 +172,14 @@ def prompts() -> list[list[int]]:
 
 def check_against_hf(family: str, directory: Path, **options: Any) -> ModelRunner:
     """Load ``family``'s tiny model (built in ``directory``) with ``ExecuteConfig`` fields
-    ``options`` and check greedy tokens equal HF ``generate``'s for every prompt: the first two
-    whole (r1's blocks go to the prefix cache), the rest in chunks of 8, where r5 hits r1's
-    first 16 tokens. Returns the runner."""
+    ``options`` (64 blocks of 4 tokens unless they say otherwise) and check greedy tokens
+    equal HF ``generate``'s for every prompt: the first two whole (r1's blocks go to the
+    prefix cache), the rest in chunks of 8, where r5 hits r1's first 16 tokens. Returns the
+    runner."""
     model_type, fields = SERVED[family]
     build(model_type, fields, directory)
-    runner = ModelRunner(
-        ExecuteConfig(model=str(directory), num_blocks=64, block_size=4, **options)
-    )
+    config_fields = {"num_blocks": 64, "block_size": 4, **options}
+    runner = ModelRunner(ExecuteConfig(model=str(directory), **config_fields))
     runner.load()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     batch = prompts()
