@@ -168,12 +168,15 @@ def test_engine_death_ends_calls_with_unavailable_and_health_not_serving(
 
 @pytest.mark.slow
 def test_killing_the_engine_under_actorline_serve(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """SIGKILL the engine host process of ``actorline serve`` while streams run: they end with
+    """SIGKILL the engine host process of ``actorline serve --no-restart-engine`` (restarts:
+    test_serve_heals.py) while streams run: they end with
     UNAVAILABLE (engine_dead) within the deadline, health turns NOT_SERVING, and the command
     still stops cleanly (exit 0) on SIGTERM. Its log says what happened in lines, without a
     traceback (docs/architecture.md §7.3: the death is the pipeline's one ERROR line, what
     fails because of it while the command shuts down is not logged again)."""
-    serve = ServeProcess(serve_arguments(tiny_model_dir), tmp_path / "stderr.txt")
+    serve = ServeProcess(
+        serve_arguments(tiny_model_dir, "--no-restart-engine"), tmp_path / "stderr.txt"
+    )
 
     async def body() -> float:
         async with grpc.aio.insecure_channel(serve.address) as channel:
