@@ -89,7 +89,13 @@ def main() -> int:
         if match is None:
             raise RuntimeError("actorline serve did not start")
         base = match.group(1)
+        started = time.monotonic()
         expected = answer(base)
+        first = time.monotonic() - started
+        started = time.monotonic()
+        answer(base)
+        print(f"fresh serve: first answer {first:.2f} s, the next "
+              f"{time.monotonic() - started:.2f} s", flush=True)  # fmt: skip
         times: dict[str, list[float]] = {"SIGKILL": [], "SIGSTOP": []}
         for round_ in range(args.rounds):
             for name in times:
@@ -101,9 +107,13 @@ def main() -> int:
                 if answer(base) != expected:
                     raise RuntimeError("a different answer after the restart")
                 answered = time.monotonic() - signalled
+                started = time.monotonic()
+                answer(base)
+                again = time.monotonic() - started
                 times[name].append(up)
                 print(f"round {round_ + 1} {name}: 503 after {down:.2f} s, 200 after {up:.2f} s, "
-                      f"answered after {answered:.2f} s", flush=True)  # fmt: skip
+                      f"answered after {answered:.2f} s (the next answer {again:.2f} s)",
+                      flush=True)  # fmt: skip
         for name, values in times.items():
             print(f"{name}: median {statistics.median(values):.2f} s from the signal to healthy")
     finally:

@@ -242,6 +242,10 @@ def no_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         (["--requests-per-second", "0"], "--requests-per-second must be > 0"),
         (["--grace", "-1"], "--grace must be >= 0"),
         (["--model", "/nonexistent/model"], "nonexistent"),
+        (["--restart-limit", "0"], "restart_limit must be an integer >= 1, got 0"),
+        (["--restart-window", "0"], "restart_window must be a number of seconds > 0"),
+        (["--restart-backoff", "-1"], "restart_backoff must be a number of seconds >= 0"),
+        (["--heartbeat-timeout", "0"], "heartbeat_timeout must be a number of seconds > 0"),
     ],
 )
 def test_serve_rejects_bad_arguments_before_starting(
