@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import functools
 import itertools
@@ -633,6 +634,11 @@ class AsyncEngine:
             self._failure = EngineCrashLoopError(policy.recent, policy.window, str(dead))
             logger.error("%s", self._failure)
             return
+        # NOTE: what new calls get meanwhile (/health's 503 shows it): the death, and that a
+        # fresh engine is coming; the requests that were running got the death alone
+        waiting = copy.copy(dead)
+        waiting.args = (f"{dead}; the engine is restarting",)
+        self._failure = waiting
         policy = self._restart_policy
         logger.warning(
             "restarting the engine in %.3g s (%d death(s) within %g s; %d give up)",

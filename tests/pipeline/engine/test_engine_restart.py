@@ -128,7 +128,7 @@ def test_a_dead_or_frozen_engine_is_restarted(
                 assert "killed by signal 9" in str(error)
             assert engine.restarting and watch.failures == [engine.failure]
             refused = time.monotonic()
-            with pytest.raises(EngineDeadError):
+            with pytest.raises(EngineDeadError, match=r"; the engine is restarting$"):
                 await complete(engine, "while restarting", GREEDY)
             assert time.monotonic() - refused < 1.0
             healed = await watch.serving_again()

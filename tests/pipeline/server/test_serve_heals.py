@@ -53,11 +53,14 @@ ANSWER_WITHIN = 30.0
 SUPERVISION = ("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--restart-backoff", "0.2")
 
 
-def http_health(serve: ServeProcess) -> int:
+def http_health(serve: ServeProcess, reason: str = "") -> int:
+    """``/health``'s status; a 503 must give ``reason`` in its message."""
     try:
         with urllib.request.urlopen(serve.base_url + "/health", timeout=30) as response:
             return int(response.status)
     except urllib.error.HTTPError as error:
+        message = json.loads(error.read())["error"]["message"]
+        assert reason in message, message
         return int(error.code)
 
 
@@ -102,7 +105,10 @@ def break_engine(serve: ServeProcess, signum: int) -> float:
         assert not stream.thread.is_alive()
         assert len(stream.errors) == 1 and isinstance(stream.errors[0], EngineDeadError)
         poll_until(
-            lambda: http_health(serve) == 503 and grpc_health(serve) == "NOT_SERVING",
+            lambda: (
+                http_health(serve, "the engine is restarting") == 503
+                and grpc_health(serve) == "NOT_SERVING"
+            ),
             "/health 503 and NOT_SERVING while the engine restarts",
             timeout=5.0,
         )
