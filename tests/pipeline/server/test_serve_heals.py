@@ -188,3 +188,25 @@ def test_actorline_serve_exits_on_a_crash_loop(tiny_model_dir: Path, tmp_path: P
         assert "killed by signal 9" in last
     finally:
         serve.kill()
+
+
+def test_a_stop_signal_while_the_engine_restarts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM while the fresh engine starts: the restart is cancelled, the command exits 0
+    without a traceback, and no engine process is left (neither the dead one nor the fresh)."""
+    serve = ServeProcess(
+        openai_serve_arguments(tiny_model_dir, "--num-blocks", "64", "--restart-backoff", "0"),
+        tmp_path / "stderr.txt",
+    )
+    try:
+        (engine,) = engine_host_pids(serve.process.pid)
+        os.kill(engine, signal.SIGKILL)
+        poll_until(lambda: http_health(serve) == 503, "/health 503", timeout=5.0)
+        children = child_pids(serve.process.pid)  # a fresh engine's process among them
+        serve.process.send_signal(signal.SIGTERM)
+        assert serve.process.wait(EXIT_TIMEOUT) == 0, serve.stderr[-3000:]
+        assert not any(process_alive(pid) for pid in children)
+        stderr = serve.stderr
+        assert "Traceback" not in stderr, stderr[-5000:]
+        assert "the engine serves again" not in stderr
+    finally:
+        serve.kill()
