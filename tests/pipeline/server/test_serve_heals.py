@@ -3,8 +3,8 @@ SIGSTOPped (frozen, found by the heartbeat), while a gRPC stream runs; each time
 with UNAVAILABLE, ``/health`` turns 503 and gRPC health NOT_SERVING, a fresh engine starts, both
 turn back to 200 / SERVING, and the same prompt gets the same answer over HTTP and gRPC from
 the same serve process; ``/metrics`` counts the restarts. Killed twice within the window with
-``--restart-limit 2``, the command exits 1 with one line saying why. No traceback in either
-log."""
+``--restart-limit 2``, the command exits 1 with one line saying why. SIGTERM while the fresh
+engine starts still exits 0. No traceback in any log."""
 
 from __future__ import annotations
 
