@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -305,3 +306,35 @@ def test_data_parallel_replicas_with_restart_engine(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.INFO, logger="actorline"):
         asyncio.run(asyncio.wait_for(body(), 180))
     no_traceback(caplog.records)
+
+
+@pytest.mark.slow
+def test_a_restart_that_cannot_start_counts_as_a_death(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The model's files are gone when the engine dies: the fresh engine fails to start, which
+    counts as a second death within the window, so restart_limit 2 gives up with the failed
+    start as the last death."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+
+    async def body() -> None:
+        async with AsyncEngine(
+            str(model), num_blocks=64, restart_engine=True, restart_backoff=0.0, restart_limit=2
+        ) as engine:
+            watch = Watch(engine)
+            shutil.rmtree(model)
+            os.kill(engine.running.pids["engine"] or 0, signal.SIGKILL)
+            while not (watch.failures and isinstance(watch.failures[-1], EngineCrashLoopError)):
+                await asyncio.wait_for(watch.died.wait(), HEALS_WITHIN)
+                watch.died.clear()
+            assert engine.restarts == 0 and not engine.restarting
+            assert "died 2 times" in str(engine.failure)
+            with pytest.raises(EngineCrashLoopError):
+                await complete(engine, "after", GREEDY)
+
+    with caplog.at_level(logging.INFO, logger="actorline"):
+        asyncio.run(asyncio.wait_for(body(), 180))
+    no_traceback(caplog.records)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(e.startswith("the engine did not restart: ") for e in errors), errors
