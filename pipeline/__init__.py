@@ -41,6 +41,8 @@ _LAZY = {
     "LLM": "pipeline.engine",
     "EngineOptions": "pipeline.engine",
     "EngineDeadError": "pipeline.engine",
+    "EngineCrashLoopError": "pipeline.engine",
+    "WrongEventLoopError": "pipeline.engine",
     "SamplingParams": "stages.params",
     "StructuredOutputsParams": "stages.structured_outputs",
     "ChatMessage": "stages.messages",

@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 
-from pipeline.engine.errors import EngineDeadError
+from pipeline.engine.errors import EngineCrashLoopError, EngineDeadError
 from pipeline.runtime.errors import (
     DeadlockError,
     HostDiedError,
@@ -28,6 +28,7 @@ ERRORS = [
     HostDiedError("engine", -9, "killed"),
     HostUnresponsiveError("engine", "stopped", seconds=10.0),
     EngineDeadError("engine", None, "gone", unresponsive_for=10.0),
+    EngineCrashLoopError(5, 120.0, "host 'engine' died (killed by signal 9)"),
     ExecuteConfigError("tensor_parallel_size", "must divide the 3 KV heads, not 2"),
     OutOfBlocksError("r1", 4, 1),
     PluginNotFoundError("actorline.schedulers", "nope", ["fcfs", "priority"]),

@@ -450,6 +450,11 @@ def _serve(args: argparse.Namespace) -> int:
         tenant_limits=api_keys.tenant_limits(),
         rate_limit_burst=args.rate_limit_burst,
         log_level=args.log_level,
+        restart_engine=args.restart_engine,
+        restart_backoff=args.restart_backoff,
+        restart_limit=args.restart_limit,
+        restart_window=args.restart_window,
+        heartbeat_timeout=args.heartbeat_timeout,
     )
     logging.basicConfig(
         level=args.log_level or settings.log_level(),
@@ -607,8 +612,53 @@ def _add_serve_command(commands: Any) -> None:
     tls.add_argument(
         "--tls-client-ca", default=None, help="PEM CA that client certificates must chain to"
     )
+    _add_supervision_arguments(serve)
     add_engine_arguments(serve)
     serve.set_defaults(run=_serve)
+
+
+def _add_supervision_arguments(serve: argparse.ArgumentParser) -> None:
+    from pipeline.engine.options import MAX_RESTART_BACKOFF, EngineOptions
+
+    defaults = EngineOptions()
+    group = serve.add_argument_group("engine supervision (docs/serving.md, Health)")
+    group.add_argument(
+        "--restart-engine",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start a fresh engine when it dies or freezes (default on; off: health stays "
+        "NOT_SERVING / 503 until the command is restarted)",
+    )
+    group.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=defaults.restart_backoff,
+        metavar="SECONDS",
+        help=f"wait before a restart, doubled for each further death within the window, at "
+        f"most {MAX_RESTART_BACKOFF:g} s (default {defaults.restart_backoff:g})",
+    )
+    group.add_argument(
+        "--restart-limit",
+        type=int,
+        default=defaults.restart_limit,
+        help=f"this many deaths within --restart-window is a crash loop: exit with status 1 "
+        f"(default {defaults.restart_limit})",
+    )
+    group.add_argument(
+        "--restart-window",
+        type=float,
+        default=defaults.restart_window,
+        metavar="SECONDS",
+        help=f"the crash loop's window (default {defaults.restart_window:g})",
+    )
+    group.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=defaults.heartbeat_timeout,
+        metavar="SECONDS",
+        help=f"an engine process silent this long is frozen and ended "
+        f"(default {defaults.heartbeat_timeout:g})",
+    )
 
 
 def add_commands(commands: Any) -> None:

@@ -5,7 +5,7 @@ metrics."""
 from __future__ import annotations
 
 from pipeline.engine.async_engine import AsyncEngine, EngineObserver
-from pipeline.engine.errors import EngineDeadError
+from pipeline.engine.errors import EngineCrashLoopError, EngineDeadError, WrongEventLoopError
 from pipeline.engine.llm import LLM
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import ENGINE_HOST, llm_pipeline
@@ -15,9 +15,11 @@ __all__ = [
     "ENGINE_HOST",
     "LLM",
     "AsyncEngine",
+    "EngineCrashLoopError",
     "EngineDeadError",
     "EngineObserver",
     "EngineOptions",
     "Prompt",
+    "WrongEventLoopError",
     "llm_pipeline",
 ]

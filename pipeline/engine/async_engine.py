@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
+import functools
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pipeline.engine.errors import EngineDeadError
+from pipeline.engine.collector import OutputCollector
+from pipeline.engine.errors import EngineCrashLoopError, EngineDeadError, WrongEventLoopError
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import (
     ENGINE_HOST,
@@ -34,6 +38,7 @@ from pipeline.engine.presets import (
     start_options,
 )
 from pipeline.engine.prompts import Prompt, checked_request
+from pipeline.engine.restarts import RestartPolicy
 from pipeline.runtime.errors import (
     GraphError,
     HostDiedError,
@@ -51,7 +56,6 @@ from stages.messages import (
     EngineInfo,
     EngineStats,
     GenerateRequest,
-    RequestMetrics,
     RequestOutput,
     RequestOutputs,
     RequestRejected,
@@ -92,114 +96,6 @@ class EngineObserver:
         """The caller's stream of the request ended: after its last output, after a
         rejection or engine failure (``error``), or because the caller stopped reading (the
         request is then aborted). Called exactly once for every request sent."""
-
-
-class _Collector:
-    """The outputs of one request waiting for its consumer; merges when the consumer lags
-    (vLLM's RequestOutputCollector does the same)."""
-
-    __slots__ = (
-        "aborting",
-        "arrival",
-        "arrival_wall",
-        "error",
-        "first_token",
-        "last",
-        "metrics",
-        "pending",
-        "request_id",
-        "stop_strings",
-        "waiter",
-    )
-
-    def __init__(self, request_id: str, stop_strings: bool = False) -> None:
-        self.request_id = request_id  # the caller's id (outputs carry it)
-        # With stop strings, stop-check may hold text back; an abort then waits for the
-        # pipeline's final output, which carries it (see AsyncEngine.abort).
-        self.stop_strings = stop_strings
-        self.aborting = False
-        self.pending: RequestOutput | None = None
-        self.error: BaseException | None = None
-        self.waiter: asyncio.Future[None] | None = None
-        self.arrival = time.monotonic()
-        self.arrival_wall = time.time()
-        self.first_token: float | None = None
-        self.last: RequestOutput | None = None
-        # NOTE: the metrics of a running request change only at its first token and at its
-        # end, so one object serves every output in between (outputs are immutable).
-        self.metrics: RequestMetrics | None = None
-
-    def put(self, output: RequestOutput) -> None:
-        if self.aborting and output.finish_reason not in (None, "abort"):
-            # The request finished on its own before the abort reached stop-check: the
-            # caller asked to abort, so the stream ends as aborted (vLLM's output processor
-            # drops what arrives for a request after its abort, too); the text is complete.
-            output = dataclasses.replace(output, finish_reason="abort", stop_reason=None)
-        now = time.monotonic()
-        metrics = self.metrics
-        if self.first_token is None and output.token_ids:
-            self.first_token = now
-            metrics = None
-        finished = output.finish_reason is not None
-        if metrics is None or finished:
-            metrics = RequestMetrics(
-                self.arrival_wall,
-                None if self.first_token is None else self.first_token - self.arrival,
-                now - self.arrival if finished else None,
-            )
-            self.metrics = metrics
-        pending = self.pending
-        delta = output.delta if pending is None else pending.delta + output.delta
-        output = _with_metrics(output, self.request_id, delta, metrics)
-        self.pending = self.last = output
-        self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self) -> RequestOutput:
-        while self.pending is None:
-            if self.error is not None:
-                # NOTE: an engine failure is one error for every request: raised afresh, its
-                # traceback does not grow by each request's frames (and hold them all)
-                raise self.error.with_traceback(None)
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        output, self.pending = self.pending, None
-        return output
-
-
-def _with_metrics(
-    output: RequestOutput, request_id: str, delta: str, metrics: RequestMetrics
-) -> RequestOutput:
-    """``output`` with ``request_id``, ``delta`` and ``metrics`` replaced.
-
-    NOTE: calls the constructor with every field of RequestOutput, in order: half the cost of
-    ``dataclasses.replace``, which runs once per token per stream. A new RequestOutput field
-    must be added here too.
-    """
-    return RequestOutput(
-        request_id,
-        output.text,
-        delta,
-        output.token_ids,
-        output.finish_reason,
-        output.stop_reason,
-        output.logprobs,
-        output.num_prompt_tokens,
-        output.num_cached_tokens,
-        metrics,
-    )
 
 
 class AsyncEngine:
@@ -244,7 +140,7 @@ class AsyncEngine:
         # NOTE: keyed by the id the request has inside the pipeline. A caller's id becomes
         # "<id>#<n>" there, so an abort of a finished request that arrives late (it can:
         # aborts take a shorter path than requests) never hits a later request of the same id.
-        self._collectors: dict[str, _Collector] = {}
+        self._collectors: dict[str, OutputCollector] = {}
         self._engine_ids: dict[str, str] = {}  # caller's id -> the running request's id
         self._incarnations = itertools.count()
         self._dispatcher: asyncio.Task[None] | None = None
@@ -253,6 +149,16 @@ class AsyncEngine:
         self._failure: BaseException | None = None
         self._closed = False
         self._observers: tuple[EngineObserver, ...] = ()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: times a fresh engine replaced a dead one (``restart_engine``)
+        self.restarts = 0
+        self._restart_policy = RestartPolicy(
+            self.options.restart_backoff, self.options.restart_limit, self.options.restart_window
+        )
+        self._restarting: asyncio.Task[None] | None = None
+        self._failure_callbacks: list[Callable[[BaseException], None]] = []
+        self._restart_callbacks: list[Callable[[], None]] = []
+        self._replica_callbacks: list[Callable[[ReplicaLost], None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -276,34 +182,65 @@ class AsyncEngine:
             raise PipelineClosedError("this engine was closed; create a new AsyncEngine")
         if self._running is not None:
             raise RuntimeError("this engine is started already ('async with' it only once)")
+        self._loop = asyncio.get_running_loop()
         try:
             # NOTE: what can be checked here is, so the caller gets the typed error rather
             # than a StageFailedError from a stage in another process. The model is resolved
             # (a GGUF converted, once) here instead of in two stages at once.
             await asyncio.to_thread(_preflight, self.options)
-            self._running = await self.pipeline.start(start_options(self.options))
-            self._running.add_failure_callback(self._on_failure)
-            self._running.add_replica_callback(self._on_replica_lost)
-            info = await self._running.receive("engine_info")
+            running, info = await self._launch()
+        except BaseException:
+            await self.close()
+            raise
+        if self.options.on_ray:
+            _warn_of_few_threads_on_ray(self.options)
+        self._adopt(running, info)
+        return self
+
+    async def _launch(self) -> tuple[RunningPipeline, EngineInfo]:
+        """Start a fresh pipeline and wait for its engine's info; whatever fails stops what
+        had started. Raises what :meth:`start` does."""
+        running = await self.pipeline.start(start_options(self.options))
+        try:
+            info = await running.receive("engine_info")
             if not isinstance(info, EngineInfo):
                 raise GraphError(
                     f"exit 'engine_info' gave a {type(info).__qualname__}, not an EngineInfo"
                 )
         except BaseException:
-            await self.close()
+            await running.stop(graceful=False)
             raise
+        return running, info
+
+    def _adopt(self, running: RunningPipeline, info: EngineInfo) -> None:
+        """Serve from ``running`` (a fresh generation of the engine): its own dispatcher and
+        abort sender, failure and replica callbacks bound to it, so nothing of a dead
+        generation reaches the new one."""
+        self._running = running
         self.info = info
-        if self.options.on_ray:
-            _warn_of_few_threads_on_ray(self.options)
-        self._dispatcher = asyncio.create_task(self._dispatch(), name="engine:dispatch")
-        self._abort_sender = asyncio.create_task(self._send_aborts(), name="engine:aborts")
-        return self
+        self._failure = None
+        self.stats = None
+        self.replica_stats = {}
+        while not self._abort_queue.empty():  # ids of the dead generation's requests
+            self._abort_queue.get_nowait()
+        self._dispatcher = asyncio.create_task(self._dispatch(running), name="engine:dispatch")
+        self._abort_sender = asyncio.create_task(self._send_aborts(running), name="engine:aborts")
+        running.add_replica_callback(self._on_replica_lost)
+        for callback in self._replica_callbacks:
+            running.add_replica_callback(callback)
+        # NOTE: last: called at once if this generation has failed already
+        running.add_failure_callback(functools.partial(self._on_failure, running))
 
     async def close(self) -> None:
         """Abort every running request and stop the pipeline (and the engine process)."""
         if self._closed:
             return
         self._closed = True
+        restarting, self._restarting = self._restarting, None
+        if restarting is not None:
+            restarting.cancel()
+            with contextlib.suppress(BaseException):
+                await restarting
         engine_ids = tuple(self._collectors)
         for engine_id in engine_ids:
             self._engine_ids.pop(self._collectors[engine_id].request_id, None)
@@ -328,8 +265,35 @@ class AsyncEngine:
 
     @property
     def failure(self) -> BaseException | None:
-        """Why the engine stopped working (an EngineDeadError, ...); None while it works."""
+        """Why the engine stopped working (an EngineDeadError, ...); None while it works.
+        With ``restart_engine`` it is set while a fresh engine starts, and None again once
+        that one serves; an :class:`EngineCrashLoopError` once the engine is given up."""
         return self._failure
+
+    @property
+    def restarting(self) -> bool:
+        """Whether a fresh engine is being started in place of a dead one."""
+        return self._restarting is not None
+
+    def add_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` each time the engine stops serving (on the engine's
+        loop): ``error`` is the :class:`EngineDeadError` (:attr:`restarting` says whether a
+        fresh engine follows), or :class:`EngineCrashLoopError` when the engine is given
+        up. Called at once if the engine has failed already."""
+        self._failure_callbacks.append(callback)
+        if self._failure is not None:
+            callback(self._failure)
+
+    def add_restart_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` each time a fresh engine serves in place of a dead one."""
+        self._restart_callbacks.append(callback)
+
+    def add_replica_callback(self, callback: Callable[[ReplicaLost], None]) -> None:
+        """Call ``callback(lost)`` for every engine replica lost from now on (data
+        parallelism), in this engine generation and the ones after a restart."""
+        self._replica_callbacks.append(callback)
+        if self._running is not None:
+            self._running.add_replica_callback(callback)
 
     @property
     def replicas(self) -> list[ReplicaStatus]:
@@ -372,8 +336,10 @@ class AsyncEngine:
             InvalidRequestError: a bad prompt, sampling parameter or request id (the field is
                 named).
             RateLimitedError, OverloadedError: refused by admission.
-            EngineDeadError: the engine died.
+            EngineDeadError: the engine died (or is being restarted).
+            WrongEventLoopError: called on another event loop than the engine's.
         """
+        self._check_loop("generate")
         if request_id is None:
             request_id = engine_id = uuid.uuid4().hex
         else:
@@ -404,7 +370,7 @@ class AsyncEngine:
                 field="request_id",
                 request_id=request_id,
             )
-        collector = _Collector(request_id, stop_strings=bool(request.params.stop))
+        collector = OutputCollector(request_id, stop_strings=bool(request.params.stop))
         self._collectors[engine_id] = collector
         self._engine_ids[request_id] = engine_id
         finished = False
@@ -425,7 +391,7 @@ class AsyncEngine:
             self._forget(request_id, engine_id)
             self._stream_ended(engine_id, collector, finished)
 
-    def _stream_ended(self, engine_id: str, collector: _Collector, finished: bool) -> None:
+    def _stream_ended(self, engine_id: str, collector: OutputCollector, finished: bool) -> None:
         """The caller's stream of ``engine_id`` ended: abort the request unless it finished
         or failed, tell the observers.
 
@@ -452,7 +418,12 @@ class AsyncEngine:
         stop-check held back as a possible start of one is delivered too (as at every
         finish), so that stream ends once the pipeline's final output arrives; any other
         stream ends at once. The id is free for a new request as soon as this returns.
+
+        Raises:
+            EngineDeadError: the engine died (or is being restarted).
+            WrongEventLoopError: called on another event loop than the engine's.
         """
+        self._check_loop("abort")
         self._check_usable()
         engine_id = self._engine_ids.pop(request_id, None)
         collector = self._collectors.get(engine_id) if engine_id is not None else None
@@ -492,6 +463,18 @@ class AsyncEngine:
             self._notify(lambda observer: observer.output_received(aborted))
         collector.put(aborted)
 
+    def _check_loop(self, method: str) -> None:
+        """Raise WrongEventLoopError unless called on the loop the engine started on: its
+        futures and tasks belong to that loop, and another would wait on them for ever."""
+        loop = self._loop
+        if loop is not None and asyncio.get_running_loop() is not loop:
+            raise WrongEventLoopError(
+                f"AsyncEngine.{method}() was called on another event loop than the one the "
+                f"engine started on (thread {threading.current_thread().name!r}): an "
+                "AsyncEngine is bound to its loop; call it there (e.g. "
+                "asyncio.run_coroutine_threadsafe(coroutine, loop)), or use LLM from threads"
+            )
+
     def _check_usable(self) -> RunningPipeline:
         if self._failure is not None:
             raise self._failure.with_traceback(None)
@@ -530,9 +513,8 @@ class AsyncEngine:
 
     # -- internals ------------------------------------------------------------------------------
 
-    async def _dispatch(self) -> None:
-        assert self._running is not None
-        channel = self._running.exit_channel("outputs")
+    async def _dispatch(self, running: RunningPipeline) -> None:
+        channel = running.exit_channel("outputs")
         collectors = self._collectors
         with contextlib.suppress(Exception):  # the pipeline's failure is handled in _on_failure
             while True:
@@ -591,14 +573,13 @@ class AsyncEngine:
         if self._engine_ids.get(request_id) == engine_id:
             del self._engine_ids[request_id]
 
-    async def _send_aborts(self) -> None:
-        assert self._running is not None
+    async def _send_aborts(self, running: RunningPipeline) -> None:
         while True:
             ids = [await self._abort_queue.get()]
             while not self._abort_queue.empty():
                 ids.append(self._abort_queue.get_nowait())
             try:
-                await self._running.send("aborts", AbortRequests(tuple(ids)))
+                await running.send("aborts", AbortRequests(tuple(ids)))
             except PipelineError:
                 return
 
@@ -622,14 +603,99 @@ class AsyncEngine:
         dead.__cause__ = error
         return dead
 
-    def _on_failure(self, error: BaseException) -> None:
-        self._failure = self._engine_error(error)
+    def _on_failure(self, running: RunningPipeline, error: BaseException) -> None:
+        """The pipeline ``running`` failed: fail every running request, tell the listeners,
+        and with ``restart_engine`` start a fresh one (docs/architecture.md §4.7)."""
+        if running is not self._running:
+            return  # a dead generation's late news
+        dead = self._engine_error(error)
+        self._failure = dead
         # NOTE: the pipeline has logged the failure already (one line, at ERROR)
         logger.debug("engine failed: %s", error)
+        if self._collectors:
+            ids = [collector.request_id for collector in self._collectors.values()]
+            shown = ", ".join(ids[:_IDS_LOGGED]) + (
+                f" and {len(ids) - _IDS_LOGGED} more" if len(ids) > _IDS_LOGGED else ""
+            )
+            logger.warning("the engine ended with %d request(s) in flight: %s", len(ids), shown)
         for collector in self._collectors.values():
-            collector.fail(self._failure)
+            collector.fail(dead)
         self._collectors.clear()
         self._engine_ids.clear()
+        if self.options.restart_engine and not self._closed:
+            self._schedule_restart(running, dead)
+        self._tell_failure(self._failure)
+
+    def _schedule_restart(self, running: RunningPipeline, dead: BaseException) -> None:
+        """Count the death; start the restart task, or give up in a crash loop."""
+        delay = self._restart_policy.died(time.monotonic())
+        if delay is None:
+            policy = self._restart_policy
+            self._failure = EngineCrashLoopError(policy.recent, policy.window, str(dead))
+            logger.error("%s", self._failure)
+            return
+        # NOTE: what new calls get meanwhile (/health's 503 shows it): the death, and that a
+        # fresh engine is coming; the requests that were running got the death alone
+        waiting = copy.copy(dead)
+        waiting.args = (f"{dead}; the engine is restarting",)
+        self._failure = waiting
+        policy = self._restart_policy
+        logger.warning(
+            "restarting the engine in %.3g s (%d death(s) within %g s; %d give up)",
+            delay,
+            policy.recent,
+            policy.window,
+            policy.limit,
+        )
+        self._restarting = asyncio.get_running_loop().create_task(
+            self._restart(running, delay), name="engine:restart"
+        )
+
+    async def _restart(self, dead: RunningPipeline, delay: float) -> None:
+        """Stop the dead generation, wait ``delay``, start a fresh one and serve from it; a
+        start that fails counts as another death."""
+        died = time.monotonic()
+        for task in (self._dispatcher, self._abort_sender):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        await dead.stop(graceful=False)
+        await asyncio.sleep(max(0.0, died + delay - time.monotonic()))
+        try:
+            running, info = await self._launch()
+        except Exception as exc:
+            self._restarting = None
+            logger.error("the engine did not restart: %s: %s", type(exc).__name__, exc)
+            self._failure = self._engine_error(exc)
+            self._schedule_restart(dead, self._failure)
+            self._tell_failure(self._failure)
+            return
+        self._restarting = None
+        self.restarts += 1
+        logger.warning(
+            "the engine serves again (restart %d, %.1f s after it failed)",
+            self.restarts,
+            time.monotonic() - died,
+        )
+        self._adopt(running, info)
+        if self._running is running and self._failure is None:
+            for callback in self._restart_callbacks:
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("engine restart callback %r failed", callback)
+
+    def _tell_failure(self, error: BaseException) -> None:
+        for callback in self._failure_callbacks:
+            try:
+                callback(error)
+            except Exception:
+                logger.exception("engine failure callback %r failed", callback)
+
+
+#: request ids named in the log line of an engine's death, at most
+_IDS_LOGGED = 8
 
 
 #: what the engine sends into and reads from a pipeline

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline.runtime.errors import HostDiedError
 
-__all__ = ["EngineDeadError"]
+__all__ = ["EngineCrashLoopError", "EngineDeadError", "WrongEventLoopError"]
 
 
 class EngineDeadError(HostDiedError):
@@ -47,3 +47,26 @@ class EngineDeadError(HostDiedError):
         error = cls(host, None, detail)
         error.args = (detail,)
         return error
+
+
+class EngineCrashLoopError(EngineDeadError):
+    """The engine died ``deaths`` times within ``window`` seconds, the limit of its restarts
+    (``restart_limit`` in ``restart_window``): it is not restarted again. ``last`` is the
+    last death's message."""
+
+    def __init__(self, deaths: int, window: float, last: str, host: str = "engine") -> None:
+        super().__init__(host, None)
+        self.deaths = deaths
+        self.window = window
+        self.last = last
+        self.args = (
+            f"the engine died {deaths} times within {window:g} s (restart_limit "
+            f"{deaths} in restart_window {window:g} s); not restarting it again; the last "
+            f"death: {last}",
+        )
+
+
+class WrongEventLoopError(RuntimeError):
+    """An :class:`~pipeline.engine.async_engine.AsyncEngine` is bound to the event loop it
+    started on: ``generate`` and ``abort`` called from another loop (another thread's) raise
+    this at once instead of waiting on futures that loop never runs."""

@@ -18,7 +18,7 @@ Three sources feed them:
   and generation tokens, requests finished by ``finish_reason`` and rejected by ``kind`` (counters);
 - at scrape time, the engine's latest :class:`~stages.messages.EngineStats` (sent by the
   scheduler with every step): requests running and waiting, KV blocks used and free,
-  prefix-cache queries, hits and hit rate, preemptions, engine steps;
+  prefix-cache queries, hits and hit rate, preemptions, engine steps, engine restarts;
 - polled every ``poll_interval`` seconds, :meth:`RunningPipeline.statistics
   <pipeline.runtime.running.RunningPipeline.statistics>`: per-stage mailbox depth, messages
   handled and seconds spent handling them (label ``stage``), and the generation throughput
@@ -262,6 +262,11 @@ class _SnapshotCollector(Collector):
         yield counter("preemptions", "Requests preempted (KV blocks ran out), since start.",
                       stats.num_preemptions if stats else 0)  # fmt: skip
         yield counter("engine_steps", "Engine steps run.", stats.num_steps if stats else 0)
+        yield counter(
+            "engine_restarts",
+            "Times a fresh engine replaced one that died or froze (restart_engine).",
+            self._metrics.engine.restarts,
+        )
         yield gauge(
             "generation_tokens_per_second",
             "Tokens generated per second over the last statistics poll interval.",

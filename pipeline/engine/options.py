@@ -10,11 +10,14 @@ from typing import Any
 
 from stages.execute.config import ATTENTION_BACKENDS
 
-__all__ = ["TRANSPORTS", "EngineOptions"]
+__all__ = ["MAX_RESTART_BACKOFF", "TRANSPORTS", "EngineOptions"]
 
 #: ``transport`` values: "memory" runs every stage in the calling process; the others run
 #: admit, schedule and execute in a spawned engine process linked by that transport.
 TRANSPORTS = ("zmq", "grpc", "memory")
+
+#: the longest wait before a restart, however often the engine died (seconds)
+MAX_RESTART_BACKOFF = 30.0
 
 #: ``log_level`` values (any case)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -57,6 +60,12 @@ class EngineOptions:
     ``ray_num_gpus`` GPUs per host (each rank then computes on the GPU Ray assigned it), on the
     cluster at ``ray_address`` (which implies ``ray``; None: ``RAY_ADDRESS``, else a new local
     cluster).
+    Supervision (docs/serving.md, "Health"): ``heartbeat_timeout`` (seconds an engine host may
+    stay silent before it counts as frozen and is ended, 10); ``restart_engine`` (default off;
+    on under ``actorline serve``) starts a fresh engine when it dies or freezes, after
+    ``restart_backoff`` seconds (doubled for each further death within the window, at most
+    :data:`MAX_RESTART_BACKOFF`), and gives up once it died ``restart_limit`` times within
+    ``restart_window`` seconds.
     """
 
     model: str = "smollm2-135m"
@@ -98,6 +107,11 @@ class EngineOptions:
     ray_address: str | None = None
     ray_num_cpus: float = 1.0
     ray_num_gpus: float = 0.0
+    heartbeat_timeout: float = 10.0
+    restart_engine: bool = False
+    restart_backoff: float = 0.5
+    restart_limit: int = 5
+    restart_window: float = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -113,11 +127,12 @@ class EngineOptions:
             "max_queued_requests",
             "tensor_parallel_size",
             "data_parallel_size",
+            "restart_limit",
         ):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("null_model", "tune_gc", "ray"):
+        for name in ("null_model", "tune_gc", "ray", "restart_engine"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -169,6 +184,13 @@ class EngineOptions:
                 "of its own; transport 'memory' keeps every stage in the calling process "
                 "(use 'zmq' or 'grpc')"
             )
+        for name in ("heartbeat_timeout", "restart_window"):
+            seconds = getattr(self, name)
+            if type(seconds) not in (int, float) or not 0 < seconds < math.inf:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {seconds!r}")
+        backoff = self.restart_backoff
+        if type(backoff) not in (int, float) or not 0 <= backoff < math.inf:
+            raise ValueError(f"restart_backoff must be a number of seconds >= 0, got {backoff!r}")
         burst = self.rate_limit_burst
         if type(burst) not in (int, float) or not 0 < burst < math.inf:
             raise ValueError(f"rate_limit_burst must be a number of seconds > 0, got {burst!r}")

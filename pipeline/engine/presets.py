@@ -331,6 +331,10 @@ def start_options(options: EngineOptions) -> StartOptions:
         start_timeout=options.start_timeout,
         log_level=options.log_level.upper() if options.log_level else None,
         tune_gc=options.tune_gc,
+        # NOTE: an idle sender beats five times per timeout (at most every second, the
+        # runtime's default), so one late beat is no silence
+        heartbeat_interval=min(1.0, options.heartbeat_timeout / 5),
+        heartbeat_timeout=options.heartbeat_timeout,
         hosts=hosts,
         placement_groups=groups,
         ray_address=options.ray_address,

@@ -3,7 +3,8 @@ one engine, with optional TLS (and mutual TLS); and :func:`serve`, the body of
 ``actorline serve``.
 
 Health (``grpc.health.v1.Health``) reports SERVING for ``""`` and ``actorline.v1.Generation``
-while the engine runs, and NOT_SERVING once the engine died or the server is shutting down.
+while the engine runs, and NOT_SERVING once the engine died or the server is shutting down;
+with ``restart_engine`` SERVING again once a fresh engine serves (docs/architecture.md §4.7).
 With data parallelism the engine runs while one of its replicas lives: a replica that dies is
 logged (its requests fail alone) and the health stays SERVING.
 Health and reflection need no API key (probes and tools like ``grpcurl`` use them).
@@ -25,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pipeline.engine.async_engine import AsyncEngine
+from pipeline.engine.errors import EngineCrashLoopError
 from pipeline.engine.options import EngineOptions
 from pipeline.runtime.replicas import ReplicaLost
 from pipeline.server import generation_pb2 as pb
@@ -118,15 +120,15 @@ class GenerationServer:
             raise OSError(f"cannot listen on {requested}: {exc}") from None
         if not bound:
             raise OSError(f"cannot listen on {requested}")
-        self.engine.running.add_failure_callback(self._on_engine_failure)
-        self.engine.running.add_replica_callback(self._on_replica_lost)
         for name in _HEALTH_NAMES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         self._server = server
         self.address = format_address(host, bound)
-        if self.engine.failure is not None:  # died while we started
-            self._on_engine_failure(self.engine.failure)
+        # NOTE: after SERVING is set: called at once if the engine died while we started
+        self.engine.add_failure_callback(self._on_engine_failure)
+        self.engine.add_restart_callback(self._on_engine_restart)
+        self.engine.add_replica_callback(self._on_replica_lost)
         return self.address
 
     async def stop(self, grace: float = DEFAULT_GRACE_SECONDS) -> None:
@@ -157,14 +159,26 @@ class GenerationServer:
         )
 
     def _on_engine_failure(self, error: BaseException) -> None:
-        logger.error("the engine died; reporting NOT_SERVING: %s", error)
-        task = asyncio.get_running_loop().create_task(self._report_not_serving())
+        if self.engine.restarting:
+            logger.warning("the engine died; reporting NOT_SERVING while it restarts")
+        else:
+            logger.error("the engine died; reporting NOT_SERVING: %s", error)
+        self._report(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _on_engine_restart(self) -> None:
+        logger.info("the engine was restarted; reporting SERVING")
+        self._report(health_pb2.HealthCheckResponse.SERVING)
+
+    def _report(self, status: Any) -> None:
+        task = asyncio.get_running_loop().create_task(self._set_health(status))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _report_not_serving(self) -> None:
+    async def _set_health(self, status: Any) -> None:
+        if self._server is None:
+            return
         for name in _HEALTH_NAMES:
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(name, status)
 
 
 async def serve(
@@ -198,10 +212,16 @@ async def serve(
     model id of the HTTP API (default ``options.model``); ``max_request_bytes``: its body
     cap (None: the default).
 
+    With ``options.restart_engine`` a dead or frozen engine is replaced by a fresh one
+    (health NOT_SERVING / 503 meanwhile); once it is in a crash loop the servers stop and this
+    raises :class:`~pipeline.engine.errors.EngineCrashLoopError`.
+
     Raises:
         ValueError: neither front end asked for.
         OSError: an address cannot be bound.
         PipelineError: the engine could not start (e.g. the model failed to load).
+        EngineCrashLoopError: the engine died ``restart_limit`` times within
+            ``restart_window`` seconds.
     """
     if port is None and http_port is None:
         raise ValueError("serve needs a gRPC port, an HTTP port or both")
@@ -213,6 +233,13 @@ async def serve(
     engine = AsyncEngine(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
     metrics: EngineMetrics | None = None
     stops: list[Callable[[], Awaitable[None]]] = []
+    gave_up: list[BaseException] = []
+
+    def on_engine_failure(error: BaseException) -> None:
+        if isinstance(error, EngineCrashLoopError):
+            gave_up.append(error)
+            stop_requested.set()
+
     try:
         starting = asyncio.ensure_future(engine.start())
         stopping = asyncio.ensure_future(stop_requested.wait())
@@ -224,6 +251,7 @@ async def serve(
             return
         stopping.cancel()
         starting.result()
+        engine.add_failure_callback(on_engine_failure)
         metrics_url = None
         if metrics_port is not None or http_port is not None:
             from pipeline.engine.metrics import EngineMetrics
@@ -266,3 +294,5 @@ async def serve(
         await engine.close()
         for signum in signals:
             loop.remove_signal_handler(signum)
+    if gave_up:
+        raise gave_up[0].with_traceback(None)

@@ -188,7 +188,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         if self._shutting_down:
             raise ServiceUnavailableError("the server is shutting down")
         if self._engine.failure is not None:
-            raise self._engine.failure
+            # NOTE: one error object for every call while the engine is dead or restarting:
+            # raised afresh, so its traceback does not grow by each call's frames
+            raise self._engine.failure.with_traceback(None)
 
     @staticmethod
     def _engine_request_id(tenant: str, request_id: str) -> str:

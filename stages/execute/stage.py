@@ -47,6 +47,11 @@ class ExecuteStage(Stage):
         self._store: object = None  # rank 0's TCPStore, alive as long as the group
 
     async def start(self) -> None:
+        # NOTE: torch and the model stack take seconds to import where nothing preloaded
+        # them (a restarted engine, docs/architecture.md §4.7): imported on the stage's
+        # thread, so the host's loop keeps sending heartbeats (a short heartbeat_timeout
+        # would otherwise take the import for a frozen engine)
+        await self.run_in_thread(_import_model_stack)
         import torch
 
         from stages.execute.runner import ModelRunner
@@ -86,3 +91,10 @@ class ExecuteStage(Stage):
                 await self.emit("ranks", prepared.shard)
             result = await self.run_in_thread(runner.run, prepared)
         await self.emit("out", result)
+
+
+def _import_model_stack() -> None:
+    """Import what :meth:`ExecuteStage.start` needs (off the event loop)."""
+    import torch  # noqa: F401
+
+    import stages.execute.runner  # noqa: F401

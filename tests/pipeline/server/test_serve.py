@@ -168,12 +168,15 @@ def test_engine_death_ends_calls_with_unavailable_and_health_not_serving(
 
 @pytest.mark.slow
 def test_killing_the_engine_under_actorline_serve(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """SIGKILL the engine host process of ``actorline serve`` while streams run: they end with
+    """SIGKILL the engine host process of ``actorline serve --no-restart-engine`` (restarts:
+    test_serve_heals.py) while streams run: they end with
     UNAVAILABLE (engine_dead) within the deadline, health turns NOT_SERVING, and the command
     still stops cleanly (exit 0) on SIGTERM. Its log says what happened in lines, without a
     traceback (docs/architecture.md §7.3: the death is the pipeline's one ERROR line, what
     fails because of it while the command shuts down is not logged again)."""
-    serve = ServeProcess(serve_arguments(tiny_model_dir), tmp_path / "stderr.txt")
+    serve = ServeProcess(
+        serve_arguments(tiny_model_dir, "--no-restart-engine"), tmp_path / "stderr.txt"
+    )
 
     async def body() -> float:
         async with grpc.aio.insecure_channel(serve.address) as channel:
@@ -239,6 +242,10 @@ def no_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         (["--requests-per-second", "0"], "--requests-per-second must be > 0"),
         (["--grace", "-1"], "--grace must be >= 0"),
         (["--model", "/nonexistent/model"], "nonexistent"),
+        (["--restart-limit", "0"], "restart_limit must be an integer >= 1, got 0"),
+        (["--restart-window", "0"], "restart_window must be a number of seconds > 0"),
+        (["--restart-backoff", "-1"], "restart_backoff must be a number of seconds >= 0"),
+        (["--heartbeat-timeout", "0"], "heartbeat_timeout must be a number of seconds > 0"),
     ],
 )
 def test_serve_rejects_bad_arguments_before_starting(

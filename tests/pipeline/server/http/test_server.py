@@ -48,9 +48,11 @@ LONG = dict(model=MODEL, max_tokens=900, temperature=0.0, extra_body=IGNORE_EOS)
 @pytest.fixture
 def http_only(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServeProcess]:
     """``actorline serve --http-port 0`` alone (no keys): HTTP only, a server the test may
-    break."""
+    break (and that stays broken: no restart)."""
     serve = ServeProcess(
-        openai_serve_arguments(tiny_model_dir, "--num-blocks", "128", grpc=False),
+        openai_serve_arguments(
+            tiny_model_dir, "--num-blocks", "128", "--no-restart-engine", grpc=False
+        ),
         tmp_path / "stderr.txt",
     )
     try:
