@@ -3,10 +3,13 @@ connections, trickling heads and bodies, a huge whole answer beside a stream; an
 bystanders that must still be answered. Used by ``test_listeners.py``, and runnable to measure
 a server (before/after figures, docs/serving.md "Connection limits")::
 
-    PYTHONPATH=$PWD python -m tests.pipeline.server.attacks --model smollm2-135m
+    PYTHONPATH=$PWD python -m tests.pipeline.server.attacks listeners --model smollm2-135m
+    PYTHONPATH=$PWD python -m tests.pipeline.server.attacks big-answer --model smollm2-135m
 
-starts ``actorline serve`` under ``ulimit -n 1024`` and prints, per vector, the bystanders'
-latencies, the server's RSS and how many lines its log grew by.
+``listeners`` starts ``actorline serve`` under ``ulimit -n 1024`` and prints, per vector, the
+bystanders' latencies, the server's RSS and how many lines its log grew by; ``big-answer``
+serves a model with a probe of the event loop and prints the worst stall and a bystander
+stream's worst gap while a big whole answer is made, without and with logprobs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "open_idle",
     "rss_mib",
     "stream_gaps",
+    "stream_until",
 ]
 
 
@@ -213,6 +217,15 @@ def stream_gaps(url: str, model: str, max_tokens: int, timeout: float = 120.0) -
                 return
 
 
+def stream_until(
+    url: str, model: str, done: threading.Event, gaps: list[float], tokens: int = 32
+) -> None:
+    """Stream one short /v1/completions request after another until ``done``, adding each
+    wait for a chunk (the first one's included) to ``gaps``."""
+    while not done.is_set():
+        gaps.extend(stream_gaps(url, model, tokens))
+
+
 def big_answer_body(model: str, prompts: int, n: int, max_tokens: int, top: int) -> bytes:
     """A /v1/completions body asking for a large whole answer with ``top`` logprobs."""
     return json.dumps(
@@ -248,7 +261,42 @@ def rss_mib(pid: int) -> float:
 # -- the measurement ------------------------------------------------------------------------
 
 
+#: an HTTP server over a model (argv 1; argv 2 "null": the null model, random tokens at
+#: once through the real frontend, so answers are real JSON of real size), on a free port;
+#: prints its URL. With argv 3 "probe", a task of its loop writes ``STALL seconds`` to stderr
+#: whenever the loop went over 0.1 s without a turn.
+MODEL_SERVER = """
+import asyncio, sys, time
+from pipeline.engine.async_engine import AsyncEngine
+from pipeline.server.http.server import HttpServer
+
+async def probe():
+    while True:
+        began = time.perf_counter()
+        await asyncio.sleep(0.005)
+        late = time.perf_counter() - began - 0.005
+        if late > 0.1:
+            print(f"STALL {late:.3f}", file=sys.stderr, flush=True)
+
+async def main():
+    null = sys.argv[2:3] == ["null"]
+    async with AsyncEngine(sys.argv[1], null_model=null, num_blocks=4096) as engine:
+        server = HttpServer(engine, model_name="m")
+        print(await server.start("127.0.0.1", 0), flush=True)
+        if sys.argv[3:4] == ["probe"]:
+            asyncio.ensure_future(probe())
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await server.stop()
+
+asyncio.run(main())
+"""
+
+
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Idle and trickling connections against ``actorline serve`` under ``ulimit -n 1024``:
+    the bystanders' latencies, the server's RSS, how many lines its log grew by."""
     import sys
 
     from tests.pipeline.server.serving import ServeProcess
@@ -302,29 +350,6 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         }
         head.stop()
         body.stop()
-        before = lines()
-        gaps: list[float] = []
-
-        def bystand() -> None:
-            gaps.extend(stream_gaps(serve.http_url or "", "m", args.stream_tokens))
-
-        baseline_gaps: list[float] = []
-        baseline_gaps.extend(stream_gaps(serve.http_url or "", "m", 64))
-        bystander = threading.Thread(target=bystand)
-        bystander.start()
-        time.sleep(1.0)
-        status, answer = post(
-            serve.http_url + "/completions",
-            big_answer_body("m", args.prompts, args.n, args.max_tokens, 20),
-        )
-        bystander.join()
-        results["big_answer"] = {
-            "status": status,
-            "answer_mib": round(len(answer) / 2**20, 2),
-            "bystander_worst_gap_s": round(max(gaps), 3) if gaps else None,
-            "baseline_worst_gap_s": round(max(baseline_gaps[1:]), 3),
-            "log_lines": lines() - before,
-        }
     finally:
         serve.kill()
     results["log_tracebacks"] = log.read_text(errors="replace").count("Traceback")
@@ -332,38 +357,75 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _measure_big_answer(args: argparse.Namespace) -> dict[str, Any]:
+    """The server's worst event-loop stall (a probe task in the server process) and a
+    bystander stream's worst gap while a big whole answer is made: without logprobs (the
+    baseline), then with 20 top logprobs."""
+    import subprocess
+    import sys
+
+    log = Path(args.log)
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-c", MODEL_SERVER, args.model, "real", "probe"],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    results: dict[str, Any] = {}
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().strip()
+        body = json.loads(big_answer_body("m", args.prompts, args.n, args.max_tokens, 20))
+        plain = {key: value for key, value in body.items() if key != "logprobs"}
+        for name, request in (("without_logprobs", plain), ("with_logprobs", body)):
+            gaps: list[float] = []
+            done = threading.Event()
+            mark = len(log.read_text().splitlines())
+            bystander = threading.Thread(target=stream_until, args=(url, "m", done, gaps))
+            bystander.start()
+            began = time.monotonic()
+            status, answer = post(url + "/completions", json.dumps(request).encode())
+            took = time.monotonic() - began
+            done.set()
+            bystander.join()
+            stalls = [
+                float(line.split()[1])
+                for line in log.read_text().splitlines()[mark:]
+                if line.startswith("STALL ")
+            ]
+            results[name] = {
+                "status": status,
+                "answer_mib": round(len(answer) / 2**20, 2),
+                "seconds": round(took, 1),
+                "loop_worst_stall_s": round(max(stalls, default=0.0), 3),
+                "bystander_worst_gap_s": round(max(gaps, default=0.0), 3),
+                "server_rss_mib": round(rss_mib(process.pid)),
+            }
+    finally:
+        process.kill()
+        process.wait()
+    results["log_tracebacks"] = log.read_text(errors="replace").count("Traceback")
+    print(json.dumps(results, indent=1))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("vector", choices=("listeners", "big-answer"))
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--log", default="/tmp/attacks-serve.log")
     parser.add_argument("--hold", type=float, default=15.0, help="seconds each attack runs")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--n", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=1900)
-    parser.add_argument("--stream-tokens", type=int, default=2100)
+    parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("extra", nargs="*", help="more `actorline serve` arguments (after --)")
-    _measure(parser.parse_args())
+    args = parser.parse_args()
+    if args.vector == "listeners":
+        _measure(args)
+    else:
+        _measure_big_answer(args)
 
 
 if __name__ == "__main__":
     main()
-
-
-#: a server over the null model (random tokens at once, real frontend: the answers are real
-#: JSON of real size) serving HTTP on a free port; prints its URL. argv: model directory.
-NULL_MODEL_SERVER = """
-import asyncio, sys
-from pipeline.engine.async_engine import AsyncEngine
-from pipeline.server.http.server import HttpServer
-
-async def main():
-    async with AsyncEngine(sys.argv[1], null_model=True, num_blocks=4096) as engine:
-        server = HttpServer(engine, model_name="m")
-        print(await server.start("127.0.0.1", 0), flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await server.stop()
-
-asyncio.run(main())
-"""

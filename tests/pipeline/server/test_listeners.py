@@ -22,7 +22,7 @@ from pipeline.server.client import AsyncClient
 from stages.errors import InvalidRequestError
 from stages.params import SamplingParams
 from tests.pipeline.server.attacks import (
-    NULL_MODEL_SERVER,
+    MODEL_SERVER,
     TRICKLED_BODY_HEAD,
     Trickle,
     big_answer_body,
@@ -33,7 +33,7 @@ from tests.pipeline.server.attacks import (
     open_idle,
     post,
     split_url,
-    stream_gaps,
+    stream_until,
 )
 from tests.pipeline.server.serving import REPOSITORY, ServeProcess
 
@@ -211,7 +211,7 @@ def null_model_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[st
     log = tmp_path / "stderr.txt"
     with log.open("w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-c", NULL_MODEL_SERVER, str(tiny_model_dir)],
+            [sys.executable, "-c", MODEL_SERVER, str(tiny_model_dir), "null"],
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -235,12 +235,7 @@ def _worst_gap_beside(url: str, body: dict[str, object]) -> tuple[float, dict[st
     arrived), and that answer."""
     gaps: list[float] = []
     done = threading.Event()
-
-    def bystand() -> None:
-        while not done.is_set():
-            gaps.extend(stream_gaps(url, "m", 200))
-
-    bystander = threading.Thread(target=bystand)
+    bystander = threading.Thread(target=stream_until, args=(url, "m", done, gaps, 200))
     bystander.start()
     try:
         time.sleep(0.3)
