@@ -263,10 +263,10 @@ def rss_mib(pid: int) -> float:
 
 #: an HTTP server over a model (argv 1; argv 2 "null": the null model, random tokens at
 #: once through the real frontend, so answers are real JSON of real size), on a free port;
-#: prints its URL. With argv 3 "probe", a task of its loop writes ``STALL seconds`` to stderr
-#: whenever the loop went over 0.1 s without a turn.
+#: prints its URL; stops cleanly on SIGINT. With argv 3 "probe", a task of its loop writes
+#: ``STALL seconds`` to stderr whenever the loop went over 0.1 s without a turn.
 MODEL_SERVER = """
-import asyncio, sys, time
+import asyncio, signal, sys, time
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.server.http.server import HttpServer
 
@@ -279,6 +279,8 @@ async def probe():
             print(f"STALL {late:.3f}", file=sys.stderr, flush=True)
 
 async def main():
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
     null = sys.argv[2:3] == ["null"]
     async with AsyncEngine(sys.argv[1], null_model=null, num_blocks=4096) as engine:
         server = HttpServer(engine, model_name="m")
@@ -286,7 +288,7 @@ async def main():
         if sys.argv[3:4] == ["probe"]:
             asyncio.ensure_future(probe())
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await server.stop()
 

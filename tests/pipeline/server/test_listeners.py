@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -223,6 +224,8 @@ def null_model_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[st
         url = process.stdout.readline().strip()
         assert url.startswith("http://"), log.read_text()[-3000:]
         yield url, log
+        process.send_signal(signal.SIGINT)  # stops the engine and its host process
+        process.wait(timeout=60)
         assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
     finally:
         process.kill()
