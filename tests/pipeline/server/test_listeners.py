@@ -63,6 +63,14 @@ def _arguments(model: Path, *extra: str) -> list[str]:
             "0", "--served-model-name", MODEL, "--num-blocks", "64", *extra]  # fmt: skip
 
 
+def _stop(serve: ServeProcess) -> None:
+    """Stop ``serve`` as an operator does (SIGINT): it exits 0, its engine process with it,
+    and no traceback is in its log."""
+    serve.process.send_signal(signal.SIGINT)
+    assert serve.process.wait(timeout=60) == 0, serve.stderr[-3000:]
+    assert "Traceback" not in serve.stderr, serve.stderr[-3000:]
+
+
 def _log_lines(serve: ServeProcess) -> int:
     return len(serve.stderr.splitlines())
 
@@ -81,7 +89,7 @@ def limited_serve(
     )
     try:
         yield serve
-        assert "Traceback" not in serve.stderr, serve.stderr[-3000:]
+        _stop(serve)
     finally:
         serve.kill()
 
@@ -99,7 +107,7 @@ def timed_serve(
     )  # fmt: skip
     try:
         yield serve
-        assert "Traceback" not in serve.stderr, serve.stderr[-3000:]
+        _stop(serve)
     finally:
         serve.kill()
 
