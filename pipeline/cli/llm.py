@@ -422,6 +422,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(f"--grace must be >= 0 seconds, got {args.grace}", 2)
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise CliError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}", 2)
+    limits = _listener_limits(args)
     try:
         api_keys = ApiKeys.load(args.api_key, args.api_key_file)
     except (OSError, ValueError) as exc:
@@ -487,11 +488,65 @@ def _serve(args: argparse.Namespace) -> int:
                 on_metrics_ready=metrics_ready,
                 served_model_name=args.served_model_name,
                 max_request_bytes=args.max_request_bytes,
+                limits=limits,
             )
         )
     except (OSError, PipelineError) as exc:
         raise CliError(str(exc), 1) from exc
     return 0
+
+
+def _add_listener_flags(serve: argparse.ArgumentParser) -> None:
+    """The flags of :class:`~pipeline.server.limits.ListenerLimits` (docs/serving.md,
+    "Connection limits")."""
+    from pipeline.server import limits
+
+    group = serve.add_argument_group("connection limits (each listener)")
+    for flag, kind, default, text in (
+        ("--max-connections", int, limits.DEFAULT_MAX_CONNECTIONS,
+         "open connections; at the cap a new one closes the one that waited longest for a "
+         "request (or is refused); lowered to fit `ulimit -n`"),
+        ("--header-timeout", float, limits.DEFAULT_HEADER_TIMEOUT,
+         "seconds a request head (HTTP headers; gRPC handshake) may take to arrive"),
+        ("--body-timeout", float, limits.DEFAULT_BODY_TIMEOUT,
+         "seconds an HTTP request body may take to arrive"),
+        ("--keep-alive-timeout", float, limits.DEFAULT_KEEP_ALIVE_TIMEOUT,
+         "seconds an HTTP connection is kept open between requests"),
+        ("--grpc-idle-timeout", float, limits.DEFAULT_GRPC_IDLE_TIMEOUT,
+         "seconds a gRPC connection with no call is kept open"),
+        ("--max-streams-per-connection", int, limits.DEFAULT_MAX_STREAMS_PER_CONNECTION,
+         "concurrent gRPC calls on one connection"),
+        ("--max-streams", int, limits.DEFAULT_MAX_STREAMS,
+         "concurrent gRPC calls in all; more are RESOURCE_EXHAUSTED"),
+        ("--max-logprob-entries", int, limits.DEFAULT_MAX_LOGPROB_ENTRIES,
+         "logprobs one request may ask for (choices x max_tokens x (1 + top logprobs)); "
+         "more is 400 / INVALID_ARGUMENT"),
+    ):  # fmt: skip
+        group.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
+
+
+def _listener_limits(args: argparse.Namespace) -> Any:
+    """The :class:`~pipeline.server.limits.ListenerLimits` of the flags.
+
+    Raises:
+        CliError: a value out of range (exit 2), naming its flag.
+    """
+    from pipeline.server.limits import ListenerLimits
+
+    try:
+        return ListenerLimits(
+            max_connections=args.max_connections,
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            keep_alive_timeout=args.keep_alive_timeout,
+            grpc_idle_timeout=args.grpc_idle_timeout,
+            max_streams_per_connection=args.max_streams_per_connection,
+            max_streams=args.max_streams,
+            max_logprob_entries=args.max_logprob_entries,
+        )
+    except ValueError as exc:
+        flag, _, rest = str(exc).partition(" ")
+        raise CliError(f"--{flag.replace('_', '-')} {rest}", 2) from exc
 
 
 def _check_listenable(flag: str, host: str, port: int) -> None:
@@ -573,6 +628,7 @@ def _add_serve_command(commands: Any) -> None:
     server.add_argument(
         "--log-level", default=None, choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper
     )
+    _add_listener_flags(serve)
     auth = serve.add_argument_group("authentication and limits")
     auth.add_argument(
         "--api-key",

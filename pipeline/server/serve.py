@@ -31,6 +31,7 @@ from pipeline.engine.options import EngineOptions
 from pipeline.runtime.replicas import ReplicaLost
 from pipeline.server import generation_pb2 as pb
 from pipeline.server.auth import ApiKeys
+from pipeline.server.limits import ListenerLimits, connection_cap
 from pipeline.server.listen import DEFAULT_HOST, format_address
 from pipeline.server.service import GenerationService, add_to_server
 from pipeline.server.tls import ServerTLS
@@ -46,6 +47,7 @@ __all__ = [
     "GenerationServer",
     "ServerTLS",
     "format_address",
+    "grpc_limit_options",
     "serve",
 ]
 
@@ -65,7 +67,9 @@ _SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 class GenerationServer:
     """A grpc.aio server with the Generation service, health and reflection, over a started
-    ``engine`` (not owned: close it after :meth:`stop`).
+    ``engine`` (not owned: close it after :meth:`stop`). ``limits``: the bounds on its
+    connections and calls (:func:`grpc_limit_options`) and on the logprobs one call may ask
+    for.
 
     ::
 
@@ -83,12 +87,20 @@ class GenerationServer:
         api_keys: ApiKeys | None = None,
         tls: ServerTLS | None = None,
         grpc_options: Sequence[tuple[str, Any]] = (),
+        limits: ListenerLimits | None = None,
     ) -> None:
         self.engine = engine
         self.tls = tls
-        self.service = GenerationService(engine, api_keys)
+        self.limits = limits if limits is not None else ListenerLimits()
+        self.service = GenerationService(
+            engine, api_keys, max_logprob_entries=self.limits.max_logprob_entries
+        )
         self.health = health.aio.HealthServicer()
-        self._grpc_options = (*_SERVER_OPTIONS, *grpc_options)
+        self._grpc_options = (
+            *_SERVER_OPTIONS,
+            *grpc_limit_options(self.limits),
+            *grpc_options,
+        )
         self._server: grpc.aio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.address: str | None = None
@@ -104,7 +116,9 @@ class GenerationServer:
         """
         if self._server is not None:
             raise RuntimeError("the server is already started")
-        server = grpc.aio.server(options=self._grpc_options)
+        server = grpc.aio.server(
+            options=self._grpc_options, maximum_concurrent_rpcs=self.limits.max_streams
+        )
         add_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -181,6 +195,21 @@ class GenerationServer:
             await self.health.set(name, status)
 
 
+def grpc_limit_options(limits: ListenerLimits) -> tuple[tuple[str, int], ...]:
+    """The gRPC core channel arguments that bound the server's connections
+    (``include/grpc/impl/channel_arg_names.h``): at most the cap of connections (more are
+    closed on arrival), the handshake up to the client's HTTP/2 settings within
+    ``header_timeout``, a connection with no call closed after ``grpc_idle_timeout`` (GOAWAY),
+    and ``max_streams_per_connection`` calls at once on one connection. (The calls of the
+    whole server are bounded by ``maximum_concurrent_rpcs``: more are RESOURCE_EXHAUSTED.)"""
+    return (
+        ("grpc.max_allowed_incoming_connections", connection_cap(limits)),
+        ("grpc.server_handshake_timeout_ms", round(limits.header_timeout * 1000)),
+        ("grpc.max_connection_idle_ms", round(limits.grpc_idle_timeout * 1000)),
+        ("grpc.max_concurrent_streams", limits.max_streams_per_connection),
+    )
+
+
 async def serve(
     options: EngineOptions,
     *,
@@ -197,6 +226,7 @@ async def serve(
     on_metrics_ready: Callable[[str], None] = lambda url: None,
     served_model_name: str | None = None,
     max_request_bytes: int | None = None,
+    limits: ListenerLimits | None = None,
 ) -> None:
     """Run one engine behind the gRPC :class:`GenerationServer` (on ``port``; None: no gRPC)
     and/or the OpenAI-compatible :class:`~pipeline.server.http.server.HttpServer` (on
@@ -210,7 +240,8 @@ async def serve(
     Once serving, ``on_ready(address)`` is called for gRPC, then ``on_http_ready(url)`` for
     HTTP (the API's base URL), then ``on_metrics_ready(url)``. ``served_model_name``: the
     model id of the HTTP API (default ``options.model``); ``max_request_bytes``: its body
-    cap (None: the default).
+    cap (None: the default); ``limits``: both front ends' connection bounds and logprobs cap
+    (None: the defaults of :class:`~pipeline.server.limits.ListenerLimits`).
 
     With ``options.restart_engine`` a dead or frozen engine is replaced by a fresh one
     (health NOT_SERVING / 503 meanwhile); once it is in a crash loop the servers stop and this
@@ -261,7 +292,7 @@ async def serve(
             bound = metrics.start_http_server(metrics_host, metrics_port)
             metrics_url = f"http://{format_address(metrics_host, bound)}/metrics"
         if port is not None:
-            server = GenerationServer(engine, api_keys=api_keys, tls=tls)
+            server = GenerationServer(engine, api_keys=api_keys, tls=tls, limits=limits)
             stops.append(lambda: server.stop(grace))
             address = await server.start(host, port)
             logger.info("serving %s on %s", SERVICE_NAME, address)
@@ -276,6 +307,7 @@ async def serve(
                 tls=tls,
                 model_name=served_model_name,
                 metrics=metrics,
+                limits=limits,
                 **extra,
             )
             stops.append(lambda: http.stop(grace))

@@ -33,6 +33,7 @@ from pipeline.server.convert import (
     response_from_output,
     sampling_from_proto,
 )
+from pipeline.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, check_logprob_entries
 from pipeline.server.status import ServiceUnavailableError, status_for
 from stages.errors import InvalidRequestError, RequestError
 from stages.messages import RequestOutput
@@ -48,10 +49,19 @@ _ENGINE_ID_SEPARATOR = "/"
 
 class GenerationService(pb_grpc.GenerationServicer):
     """Serves Generate, Abort and GetModelInfo from ``engine`` (started, not owned: the caller
-    closes it). ``api_keys``: the accepted keys (none: authentication is off)."""
+    closes it). ``api_keys``: the accepted keys (none: authentication is off);
+    ``max_logprob_entries``: the logprobs one call may ask for (INVALID_ARGUMENT over it,
+    :func:`~pipeline.server.limits.check_logprob_entries`)."""
 
-    def __init__(self, engine: AsyncEngine, api_keys: ApiKeys | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        api_keys: ApiKeys | None = None,
+        *,
+        max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+    ) -> None:
         self._engine = engine
+        self._max_logprob_entries = max_logprob_entries
         self._api_keys = api_keys if api_keys is not None else ApiKeys()
         self._running: set[str] = set()
         self._shutting_down = False
@@ -75,6 +85,15 @@ class GenerationService(pb_grpc.GenerationServicer):
             engine_id = self._engine_request_id(tenant, client_id)
             prompt = prompt_from_proto(request)
             params = sampling_from_proto(request.sampling_params)
+            info = self._engine.info
+            if info is not None:
+                check_logprob_entries(
+                    1,
+                    params.max_tokens,
+                    params.logprobs,
+                    info.max_model_len,
+                    self._max_logprob_entries,
+                )
             if engine_id in self._running:
                 raise InvalidRequestError(
                     f"request id {client_id!r} is already running", field="request_id"

@@ -33,6 +33,7 @@ from pipeline.server.http.protocol import ChatCompletionRequest, CompletionReque
 from pipeline.server.http.requests import plan_chat, plan_completion
 from pipeline.server.http.service import HttpService
 from pipeline.server.http.sse import EventStream
+from pipeline.server.http.whole import JsonAnswer
 
 __all__ = ["create_app"]
 
@@ -126,7 +127,7 @@ def create_app(
             request_id, plan.choices, tenant_of(request.scope), request.receive
         )
         if not stream:
-            return JSONResponse(respond(answer, await service.collect(started)))
+            return JsonAnswer(respond(answer, await service.collect(started)))
         return EventStream(started, events(answer, started))
 
     @app.post("/v1/completions", response_model=None)

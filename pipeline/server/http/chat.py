@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.server.http.answers import Answer
 from pipeline.server.http.choices import Choices
-from pipeline.server.http.logprobs import LogprobsCursor, chat_logprobs
+from pipeline.server.http.logprobs import LogprobsCursor, chat_logprobs, lazy_chat_logprobs
 from stages.messages import Logprobs, RequestOutput
 
 __all__ = ["chat_events", "chat_response"]
@@ -25,12 +25,15 @@ def _logprobs(answer: Answer, entries: Sequence[Logprobs]) -> dict[str, Any] | N
 
 
 def chat_response(answer: Answer, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """The whole response from every choice's last output."""
+    """The whole response from every choice's last output (its logprobs made as they are
+    written: :mod:`~pipeline.server.http.whole`)."""
     choices = [
         {
             "index": index,
             "message": {"role": "assistant", "content": output.text},
-            "logprobs": _logprobs(answer, output.logprobs or ()),
+            "logprobs": lazy_chat_logprobs(output.logprobs, answer.texts)
+            if answer.texts is not None and output.logprobs
+            else None,
             "finish_reason": output.finish_reason,
             "stop_reason": output.stop_reason,
         }

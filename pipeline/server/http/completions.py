@@ -11,7 +11,11 @@ from typing import Any
 
 from pipeline.server.http.answers import Answer
 from pipeline.server.http.choices import Choices
-from pipeline.server.http.logprobs import LogprobsCursor, completion_logprobs
+from pipeline.server.http.logprobs import (
+    LogprobsCursor,
+    completion_logprobs,
+    lazy_completion_logprobs,
+)
 from stages.messages import Logprobs, RequestOutput
 
 __all__ = ["completion_events", "completion_response"]
@@ -43,9 +47,18 @@ def _choice(
 
 
 def completion_response(answer: Answer, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """The whole response from every choice's last output."""
+    """The whole response from every choice's last output (its logprobs made as they are
+    written: :mod:`~pipeline.server.http.whole`)."""
     choices = [
-        _choice(answer, index, output, output.text, output.logprobs or (), 0)[0]
+        {
+            "index": index,
+            "text": output.text,
+            "logprobs": lazy_completion_logprobs(output.logprobs, answer.texts)
+            if answer.texts is not None and output.logprobs
+            else None,
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
+        }
         for index, output in enumerate(outputs)
     ]
     return answer.response(choices, outputs)

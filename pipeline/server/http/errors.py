@@ -4,6 +4,7 @@
 =====================================  ======  =====================  =======================
 error                                  status  type                   code
 =====================================  ======  =====================  =======================
+body not JSON (or not UTF-8, too deep) 400     invalid_request_error  invalid_json
 invalid body or parameter              400     invalid_request_error  invalid_value, ...
 PromptTooLongError                     400     invalid_request_error  context_length_exceeded
 AuthenticationError (no or bad key)    401     invalid_request_error  invalid_api_key
@@ -173,6 +174,26 @@ def _validation_error(error: RequestValidationError) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
 
+def _unparsed_body(error: HTTPException) -> ApiError | None:
+    """The 400 ``invalid_json`` for a body FastAPI could not parse for a reason other than
+    a JSON syntax error (those are :func:`_validation_error`'s): bytes that are not UTF-8,
+    JSON nested past the parser's depth. FastAPI answers them with its generic 400 ("There
+    was an error parsing the body") raised from the parser's error; None for any other
+    error."""
+    cause = error.__cause__
+    if error.status_code != 400:
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        detail = f"it is not UTF-8 ({cause.reason} at byte {cause.start})"
+    elif isinstance(cause, RecursionError):
+        detail = "its arrays and objects are nested too deeply"
+    elif isinstance(cause, ValueError):
+        detail = str(cause)
+    else:
+        return None
+    return ApiError(400, f"the body is not valid JSON: {detail}", code="invalid_json")
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Answer every error OpenAI-style: API errors, invalid bodies, HTTP errors of the
     framework (unknown route, wrong method, ...), and anything unexpected (500, logged with
@@ -188,6 +209,9 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        unparsed = _unparsed_body(error)
+        if unparsed is not None:
+            return unparsed.response()
         return ApiError(error.status_code, str(error.detail), headers=error.headers).response()
 
     @app.exception_handler(Exception)

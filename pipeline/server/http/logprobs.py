@@ -1,7 +1,9 @@
 """Logprobs in OpenAI's two formats: chat's ``{"content": [{token, logprob, bytes,
 top_logprobs}]}`` and the legacy completions' ``{tokens, token_logprobs, top_logprobs,
 text_offset}`` (vLLM's ``vllm/entrypoints/openai/serving_chat.py`` and
-``serving_completion.py`` fill the same fields).
+``serving_completion.py`` fill the same fields). A whole answer's logprobs
+(:func:`lazy_chat_logprobs`, :func:`lazy_completion_logprobs`) are made only as they are
+written (:mod:`~pipeline.server.http.whole`), so a large answer does not hold the event loop.
 
 A token's text is the token decoded alone, special tokens kept (as vLLM shows them). A
 logprob below :data:`MIN_LOGPROB` (``-inf`` included: JSON has none) is sent as that floor,
@@ -11,9 +13,11 @@ as vLLM does.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pipeline.server.http.whole import LazyArray
 from stages.messages import Logprobs, RequestOutput
 
 __all__ = [
@@ -22,6 +26,8 @@ __all__ = [
     "TokenTexts",
     "chat_logprobs",
     "completion_logprobs",
+    "lazy_chat_logprobs",
+    "lazy_completion_logprobs",
 ]
 
 MIN_LOGPROB = -9999.0
@@ -54,20 +60,49 @@ def _chat_token(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, A
     return {"token": text, "logprob": _floor(logprob), "bytes": list(text.encode())}
 
 
-def chat_logprobs(entries: Sequence[Logprobs], texts: TokenTexts) -> dict[str, Any]:
-    """Chat's ``logprobs``: one entry per token, its ``top_logprobs`` a list of ``{token,
-    logprob, bytes}``."""
-    content = [
-        {
+def _chat_entries(entries: Sequence[Logprobs], texts: TokenTexts) -> Iterator[dict[str, Any]]:
+    for entry in entries:
+        yield {
             **_chat_token(texts, entry.token_id, entry.logprob),
             "top_logprobs": [
                 _chat_token(texts, token_id, logprob)
                 for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs)
             ],
         }
-        for entry in entries
-    ]
-    return {"content": content}
+
+
+def chat_logprobs(entries: Sequence[Logprobs], texts: TokenTexts) -> dict[str, Any]:
+    """Chat's ``logprobs``: one entry per token, its ``top_logprobs`` a list of ``{token,
+    logprob, bytes}``."""
+    return {"content": list(_chat_entries(entries, texts))}
+
+
+def lazy_chat_logprobs(entries: Sequence[Logprobs], texts: TokenTexts) -> dict[str, Any]:
+    """:func:`chat_logprobs`, its entries made as they are written."""
+    return {"content": LazyArray(_chat_entries(entries, texts))}
+
+
+def lazy_completion_logprobs(entries: Sequence[Logprobs], texts: TokenTexts) -> dict[str, Any]:
+    """:func:`completion_logprobs` of a whole choice (offsets from 0), its arrays made as
+    they are written."""
+    tokens = (texts(entry.token_id) for entry in entries)
+    return {
+        "tokens": LazyArray(tokens),
+        "token_logprobs": LazyArray(_floor(entry.logprob) for entry in entries),
+        "top_logprobs": LazyArray(
+            {
+                texts(token_id): _floor(logprob)
+                for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs)
+            }
+            for entry in entries
+        ),
+        "text_offset": LazyArray(
+            itertools.islice(
+                itertools.accumulate((len(texts(entry.token_id)) for entry in entries), initial=0),
+                len(entries),
+            )
+        ),
+    }
 
 
 def completion_logprobs(

@@ -29,9 +29,15 @@ from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.metrics import EngineMetrics
 from pipeline.server.auth import ApiKeys
 from pipeline.server.http.app import create_app
+from pipeline.server.http.connections import (
+    ConnectionGuard,
+    guarded_protocol,
+    quiet_accept_errors,
+)
 from pipeline.server.http.defaults import DEFAULT_MAX_REQUEST_BYTES
 from pipeline.server.http.logprobs import TokenTexts
 from pipeline.server.http.service import HttpService
+from pipeline.server.limits import ListenerLimits, connection_cap
 from pipeline.server.listen import format_address, listening_socket
 from pipeline.server.tls import ServerTLS
 from stages.tokenize import load_tokenizer
@@ -61,8 +67,9 @@ class HttpServer:
     """The OpenAI-compatible API of ``engine`` (started, not owned: close it after
     :meth:`stop`). ``model_name``: the model id clients send (default: the engine's
     ``options.model``). ``metrics``: the engine's metrics to serve at ``/metrics`` (None: the
-    server makes and owns its own). :attr:`app` is the FastAPI app, to which routes may be
-    added before :meth:`start`.
+    server makes and owns its own). ``limits``: the bounds on its connections (timeouts, the
+    cap) and on what one request may ask for (:mod:`pipeline.server.limits`). :attr:`app` is
+    the FastAPI app, to which routes may be added before :meth:`start`.
 
     Raises (from the constructor): ValueError for a ``max_request_bytes`` that is not a
     positive integer.
@@ -77,10 +84,14 @@ class HttpServer:
         model_name: str | None = None,
         metrics: EngineMetrics | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        limits: ListenerLimits | None = None,
     ) -> None:
         self.engine = engine
         self.tls = tls
-        self.service = HttpService(engine, model_name or engine.options.model)
+        self.limits = limits if limits is not None else ListenerLimits()
+        self.service = HttpService(
+            engine, model_name or engine.options.model, self.limits.max_logprob_entries
+        )
         self._owns_metrics = metrics is None
         self.metrics = metrics if metrics is not None else EngineMetrics(engine)
         self.app: FastAPI = create_app(
@@ -90,6 +101,8 @@ class HttpServer:
             registry=self.metrics.registry,
         )
         self._server: _Uvicorn | None = None
+        #: the connections of the running server (None before :meth:`start`)
+        self.connections: ConnectionGuard | None = None
         self._task: asyncio.Task[None] | None = None
         self.url: str | None = None
 
@@ -111,8 +124,12 @@ class HttpServer:
             self.service.texts = TokenTexts(tokenizer)
             if self._owns_metrics:
                 await self.metrics.start()
+            self.connections = ConnectionGuard(self.limits, connection_cap(self.limits))
+            quiet_accept_errors(asyncio.get_running_loop())
             config = uvicorn.Config(
                 self.app,
+                http=guarded_protocol(self.connections),
+                timeout_keep_alive=self.limits.keep_alive_timeout,  # type: ignore[arg-type]
                 lifespan="off",
                 log_config=None,
                 log_level=logging.WARNING,

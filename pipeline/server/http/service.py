@@ -15,6 +15,7 @@ from pipeline.engine.prompts import Prompt, checked_request
 from pipeline.server.http.choices import Choices, RunningRequests
 from pipeline.server.http.errors import SERVER_ERROR, ApiError
 from pipeline.server.http.logprobs import TokenTexts
+from pipeline.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, check_logprob_entries
 from stages.errors import RequestError
 from stages.messages import RequestOutput
 from stages.params import SamplingParams
@@ -24,11 +25,19 @@ __all__ = ["HttpService"]
 
 class HttpService:
     """Serves the API's requests from ``engine`` under the model id ``model_name``.
-    ``texts`` decodes logprobs' tokens (None until the tokenizer is loaded)."""
+    ``texts`` decodes logprobs' tokens (None until the tokenizer is loaded);
+    ``max_logprob_entries``: the logprobs one request may ask for
+    (:func:`~pipeline.server.limits.check_logprob_entries`)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_logprob_entries = max_logprob_entries
         self.created = int(time.time())
         self.texts: TokenTexts | None = None
         self.running = RunningRequests()
@@ -78,12 +87,26 @@ class HttpService:
         """Start one engine request per choice and wait for each one's first output.
 
         Raises:
-            ApiError: the engine refused a choice (400, 429, 503...) or cannot serve.
+            ApiError: the engine refused a choice (400, 429, 503...) or cannot serve; 400
+                ``invalid_value`` (param ``logprobs``) for an answer that could carry more
+                logprobs than ``max_logprob_entries``.
         """
         problem = self.problem()
         if problem is not None:
             raise problem
         info = self.engine.info
+        if choices and info is not None:
+            params = choices[0][1]  # NOTE: the choices differ in their seeds only
+            try:
+                check_logprob_entries(
+                    len(choices),
+                    params.max_tokens,
+                    params.logprobs,
+                    info.max_model_len,
+                    self.max_logprob_entries,
+                )
+            except RequestError as exc:
+                raise ApiError.from_error(exc) from None
         for prompt, params in choices:
             # NOTE: every choice through the validation core before any starts
             # (docs/architecture.md §7.1): a value no stage or link could carry is a 400

@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -331,13 +331,19 @@ class ServeProcess:
     """``actorline serve ARGUMENTS`` in a subprocess (stderr to ``stderr_path``), once it
     printed its ready lines: :attr:`address` (gRPC ``host:port``; None when only
     ``--http-port`` is given) and :attr:`http_url` (the HTTP API's base URL, with
-    ``--http-port``; else None). :meth:`kill` it when done.
+    ``--http-port``; else None). :meth:`kill` it when done. ``preexec_fn`` runs in the child
+    before it executes (e.g. to lower its resource limits).
 
     Raises (from the constructor): AssertionError when a ready line does not come (the
     process is killed, the message shows its stderr).
     """
 
-    def __init__(self, arguments: list[str], stderr_path: Path) -> None:
+    def __init__(
+        self,
+        arguments: list[str],
+        stderr_path: Path,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
         self._stderr = stderr_path.open("w")
         self.process = subprocess.Popen(
@@ -347,6 +353,7 @@ class ServeProcess:
             text=True,
             env=env,
             cwd=REPOSITORY,
+            preexec_fn=preexec_fn,
         )
         self.stderr_path = stderr_path
         self.lines: queue.Queue[str | None] = queue.Queue()

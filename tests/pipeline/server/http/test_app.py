@@ -582,3 +582,32 @@ def test_health_and_metrics_need_no_key(openai_serve: ServeProcess) -> None:
         urllib.request.urlopen(request, timeout=60)
     assert missing.value.code == 404
     assert set(json.loads(missing.value.read())["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b'{"model": "tiny", "prompt": "\xff\xfe"}', "not UTF-8"),
+        (b'{"model": "tiny", "prompt": ' + b"[" * 10**5 + b"]" * 10**5 + b"}", "too deeply"),
+        (b'{"model": "tiny", "prompt": ', "Expecting value"),
+    ],
+    ids=["undecodable", "deep", "truncated"],
+)
+def test_undecodable_and_too_deep_json_is_invalid_json(
+    openai_serve: ServeProcess, body: bytes, said: str
+) -> None:
+    """Every body that does not parse is 400 ``invalid_json`` (no traceback reaches the log:
+    the fixture's teardown checks), and the server goes on answering."""
+    request = urllib.request.Request(
+        openai_serve.http_url + "/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 400
+    error = json.loads(refused.value.read())["error"]
+    assert error["code"] == "invalid_json" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("the body is not valid JSON") and said in error["message"]
+    with urllib.request.urlopen(openai_serve.base_url + "/health", timeout=60) as response:
+        assert response.status == 200

@@ -1,0 +1,142 @@
+"""What one client may hold on the servers' listeners: connections, how long a request's head
+and body may take to arrive, how long an idle connection is kept, concurrent gRPC streams, and
+how many logprobs one request may ask for (docs/serving.md, "Connection limits").
+
+:class:`ListenerLimits` is one frozen value passed to ``serve()``, the HTTP server and the gRPC
+server alike. Importable without uvicorn, FastAPI or gRPC (the CLI shows the defaults in its
+help without loading the servers).
+
+The connection cap is per listener, and it is lowered to what the process's file descriptor
+limit (``RLIMIT_NOFILE``) can hold beside the engine's own descriptors
+(:func:`connection_cap`): a server that runs out of descriptors cannot accept anyone, so the
+cap refuses (or makes room) before the kernel does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+
+from stages.errors import InvalidRequestError
+
+__all__ = [
+    "DEFAULT_BODY_TIMEOUT",
+    "DEFAULT_GRPC_IDLE_TIMEOUT",
+    "DEFAULT_HEADER_TIMEOUT",
+    "DEFAULT_KEEP_ALIVE_TIMEOUT",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_LOGPROB_ENTRIES",
+    "DEFAULT_MAX_STREAMS",
+    "DEFAULT_MAX_STREAMS_PER_CONNECTION",
+    "RESERVED_DESCRIPTORS",
+    "ListenerLimits",
+    "check_logprob_entries",
+    "connection_cap",
+]
+
+#: connections each listener holds at once (lowered to fit the descriptor limit)
+DEFAULT_MAX_CONNECTIONS = 1000
+#: seconds from a connection's opening (or the first byte of its next request) to the end of
+#: the request head: HTTP headers, the gRPC handshake up to the client's HTTP/2 settings
+DEFAULT_HEADER_TIMEOUT = 10.0
+#: seconds from the end of an HTTP request head to the end of its body
+DEFAULT_BODY_TIMEOUT = 30.0
+#: seconds an HTTP connection is kept open between requests (uvicorn's default)
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
+#: seconds a gRPC connection with no call running is kept open (it is then sent GOAWAY; the
+#: client reconnects on its next call)
+DEFAULT_GRPC_IDLE_TIMEOUT = 60.0
+#: concurrent gRPC calls on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS)
+DEFAULT_MAX_STREAMS_PER_CONNECTION = 128
+#: concurrent gRPC calls in all; more are RESOURCE_EXHAUSTED
+DEFAULT_MAX_STREAMS = 1024
+#: logprobs one request may ask for, counted as choices x max_tokens x (1 + top logprobs):
+#: 2**20, a whole chat answer of about 60 MiB of JSON at the bound (64 choices of 780 tokens
+#: with 20 alternatives each)
+DEFAULT_MAX_LOGPROB_ENTRIES = 2**20
+#: descriptors kept for everything but the listeners' connections: the engine's links and
+#: pipes, the model's files, the tokenizer, logs
+RESERVED_DESCRIPTORS = 128
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListenerLimits:
+    """The bounds of the HTTP and gRPC listeners (see the module docstring and the defaults
+    above, which say what each field means).
+
+    Raises (from the constructor): ValueError for a count that is not an integer >= 1 or a
+    timeout that is not a finite number > 0.
+    """
+
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
+    grpc_idle_timeout: float = DEFAULT_GRPC_IDLE_TIMEOUT
+    max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION
+    max_streams: int = DEFAULT_MAX_STREAMS
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_connections",
+            "max_streams_per_connection",
+            "max_streams",
+            "max_logprob_entries",
+        ):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "grpc_idle_timeout"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 < value < math.inf
+            ):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+
+
+def connection_cap(limits: ListenerLimits, listeners: int = 2) -> int:
+    """The connections one of ``listeners`` listeners may hold: ``limits.max_connections``,
+    lowered so that every listener at its cap still leaves :data:`RESERVED_DESCRIPTORS` of the
+    process's soft ``RLIMIT_NOFILE`` free (at least 16)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return limits.max_connections
+    room = (soft - RESERVED_DESCRIPTORS) // max(1, listeners)
+    return max(16, min(limits.max_connections, room))
+
+
+def check_logprob_entries(
+    choices: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    max_model_len: int,
+    limit: int,
+) -> None:
+    """Refuse a request whose answer could carry more than ``limit`` logprobs: ``choices``
+    choices of up to ``max_tokens`` tokens (None: up to ``max_model_len``), each token with
+    itself and ``logprobs`` alternatives (None: no logprobs asked, nothing to check). Pure.
+
+    Raises:
+        InvalidRequestError: over the limit (field ``logprobs``), naming the bound.
+    """
+    if logprobs is None:
+        return
+    tokens = max_tokens if max_tokens is not None else max_model_len
+    entries = choices * tokens * (1 + logprobs)
+    if entries > limit:
+        spelled = (
+            f"max_tokens {max_tokens}"
+            if max_tokens is not None
+            else (f"up to the model's {max_model_len} tokens (no max_tokens)")
+        )
+        raise InvalidRequestError(
+            f"the answer could carry {entries} logprobs ({choices} choice(s) x {spelled} x "
+            f"(1 + {logprobs} top logprobs)); this server sends at most {limit} per request "
+            "(actorline serve --max-logprob-entries): ask for fewer choices, tokens or top "
+            "logprobs",
+            field="logprobs",
+        )
