@@ -253,3 +253,29 @@ def test_a_matcher_that_fails_mid_way_says_why(
             break
     error = matcher.error()
     assert error is not None and reason in error and "<state>" not in error
+
+
+def test_the_engine_options_and_cli_flags_reach_the_schedule_stage() -> None:
+    from pipeline.cli.llm import engine_options_from
+    from pipeline.cli.main import build_parser
+    from pipeline.engine.options import EngineOptions
+    from pipeline.engine.presets import llm_pipeline
+
+    flags = ["--grammar-max-rules", "1234", "--grammar-max-chars", "5000"]
+    args = build_parser().parse_args(["serve", "--transport", "memory", *flags])
+    options = EngineOptions.create(**engine_options_from(args))
+    assert (options.grammar_max_rules, options.grammar_max_chars) == (1234, 5000)
+    defaults = build_parser().parse_args(["serve"])
+    assert EngineOptions.create(**engine_options_from(defaults)).grammar_max_rules == (
+        DEFAULT_MAX_RULES
+    )
+    assert EngineOptions().grammar_max_chars == MAX_SPEC_CHARS
+    configs = [
+        stage.config
+        for stage in llm_pipeline(options).stages.values()
+        if getattr(stage.config, "grammar", None) is not None
+    ]
+    assert [c.grammar.limits for c in configs] == [GrammarLimits(1234, 5000)]
+    for bad in ({"grammar_max_rules": 0}, {"grammar_max_chars": MAX_SPEC_CHARS + 1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineOptions(**bad)  # type: ignore[arg-type]
