@@ -146,8 +146,11 @@ class LLGuidanceBackend:
         """
         try:
             grammar = self._grammar(params)
-        except ValueError as exc:  # a schema that is not JSON, a GBNF that does not convert
-            raise GrammarCompileError(str(exc)) from exc
+        except (ValueError, RecursionError) as exc:
+            # a schema that is not JSON, a GBNF that does not convert, a schema nested too
+            # deeply for disable_additional_properties's walk
+            reason = str(exc) if isinstance(exc, ValueError) else f"nested too deeply: {exc}"
+            raise GrammarCompileError(reason) from exc
         template = self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
             raise GrammarCompileError(_reason(template.get_error()))
