@@ -13,6 +13,9 @@ other request in it. Two bounds keep every constraint compilable on a stack of k
   entered at most once on any chain of the compiler's recursion, so this bounds its depth;
   the compile thread's stack is sized from it (:func:`compile_stack_bytes`), and
   ``tests/stages/test_grammar_limits.py`` compiles chains at the bound.
+  A GBNF grammar may have a quarter of that: llguidance translates it to Lark in Python, in
+  time that grows with the square of its rules (``llguidance/gbnf_to_lark.py``'s
+  ``resolve``: 1,000 rules about 1 s, 2,000 about 4 s on a quiet core), holding the GIL.
 - ``max_chars``: the text's length (at most :data:`~stages.structured_outputs.MAX_SPEC_CHARS`,
   which every front end checks already).
 
@@ -33,6 +36,7 @@ from stages.structured_outputs import MAX_SPEC_CHARS, StructuredOutputsParams
 
 __all__ = [
     "DEFAULT_MAX_RULES",
+    "GBNF_SHARE",
     "MAX_RULES_LIMIT",
     "GrammarLimits",
     "check_grammar_limits",
@@ -45,6 +49,8 @@ DEFAULT_MAX_RULES = 4000
 #: the largest ``max_rules`` that may be configured (its stack: about 700 MiB of address
 #: space, touched only as deep as a grammar really recurses)
 MAX_RULES_LIMIT = 20000
+#: a GBNF grammar may have 1/GBNF_SHARE of ``max_rules`` (its translation is quadratic)
+GBNF_SHARE = 4
 #: stack per rule: llguidance spends about 3 KiB per Lark rule of a chain and about 5 KiB per
 #: object of a property-``$ref`` chain (measured, llguidance 1.9); 32 KiB leaves five times that
 _STACK_PER_RULE = 32 * 1024
@@ -153,6 +159,16 @@ def check_grammar_limits(
         rules = count_rules(params)
     except ValueError as exc:
         raise InvalidRequestError(f"{field} {exc}", field=field, request_id=request_id) from exc
+    if kind == "grammar" and _GBNF_DEFINITION.search(params.grammar or ""):
+        most = max(1, limits.max_rules // GBNF_SHARE)
+        if rules > most:
+            raise InvalidRequestError(
+                f"{field} has {rules} GBNF rules; at most {most} are allowed (a quarter of the "
+                f"engine's grammar_max_rules: GBNF is translated to Lark in time that grows "
+                f"with the square of its rules)",
+                field=field,
+                request_id=request_id,
+            )
     if rules > limits.max_rules:
         what = "objects (subschemas and their maps)" if kind == "json" else "rules"
         raise InvalidRequestError(
