@@ -274,7 +274,9 @@ class ScheduleStage(Stage):
             kind = self.grammars.kind(request_id) if request_id in self.grammars else ""
             self.grammars.finish(request_id)
             field = f"structured_outputs.{kind}" if kind else "structured_outputs"
-            self.logger.warning("request %s: its grammar failed: %s", request_id, reason)
+            # NOTE: the caller gets the reason; the log does not repeat it above DEBUG, as
+            # no other refusal of a request's input is (a client may send many).
+            self.logger.debug("request %s: its grammar failed: %s", request_id, reason)
             error = InvalidRequestError(
                 f"{field} failed while generating ({backend}): {reason}",
                 field=field,

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 #: the bystander's tokens, and the longest gap allowed between two of them (a loaded 2-core
 #: machine; on a quiet one gaps are tens of milliseconds)
-BYSTANDER_TOKENS = 24
+BYSTANDER_TOKENS = 12
 MAX_GAP_S = 60.0
 #: seconds anything may take before the test fails
 PATIENCE_S = 300.0
