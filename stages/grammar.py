@@ -72,6 +72,12 @@ class GrammarMatcher(Protocol):
         accept nothing more): only end-of-sequence is allowed next."""
         ...
 
+    # A matcher may also have ``error() -> str | None``: why it failed (a limit of the
+    # engine hit mid-way, a token refused), None while it is sound. The schedule stage
+    # checks it after each token and each mask and ends a failed request with a typed
+    # error; without it, only a refused token is noticed. It is not part of the protocol's
+    # required methods, so backends written before it still load.
+
 
 @runtime_checkable
 class CompiledGrammar(Protocol):

@@ -10,7 +10,14 @@ choices as a Lark alternation, grammars as Lark or GBNF), and compiling it build
 
 llguidance refuses what it does not implement (``uniqueItems``, ``not``, ``if``/``then``, an
 unknown string ``format``, look-around in a regex) with an error, which becomes the request's
-typed error; it never silently ignores a keyword.
+typed error; it never silently ignores a keyword. Compiling also computes the template's first
+mask on a copy (on the compile thread, whose stack is sized for it): a constraint that fails
+there (a regex that matches nothing, a lexer limit hit at once) is refused before the request
+runs. A matcher that fails later (llguidance's ``LLMatcher`` enters an error state and
+``get_error()`` says why: a lexer or parser limit hit mid-way, ``a{1000000}``, a grammar
+whose language is empty) reports it by :meth:`_Matcher.error`, and the schedule stage ends
+that request with a typed error instead of letting the all-EOS mask of a failed matcher pass
+for a finished answer.
 """
 
 from __future__ import annotations
@@ -29,6 +36,18 @@ __all__ = ["LLGuidanceBackend"]
 
 #: threads that fill a batch's masks (llguidance releases the GIL)
 _FILL_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: where llguidance's error message ends and its dump of the parser's state begins
+_STATE_DUMP = "\n<state>"
+
+
+def _reason(error: str) -> str:
+    """llguidance's error without the parser state it appends (the tokens so far, the
+    grammar's internals): the first part says what went wrong; its bare stop reason for a
+    grammar with nowhere to go is spelled out."""
+    reason = error.split(_STATE_DUMP, 1)[0].strip() or "the grammar failed"
+    if reason in ("NoExtension", "NoExtensionBias"):
+        return f"the grammar allows no token here: it matches nothing ({reason})"
+    return reason
 
 
 class _Matcher:
@@ -57,6 +76,12 @@ class _Matcher:
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_stopped())
+
+    def error(self) -> str | None:
+        """llguidance's reason the matcher failed, or None while it has not."""
+        if not self.matcher.is_error():
+            return None
+        return _reason(str(self.matcher.get_error()))
 
 
 class _Compiled:
@@ -121,11 +146,20 @@ class LLGuidanceBackend:
         """
         try:
             grammar = self._grammar(params)
-        except ValueError as exc:  # a schema that is not JSON, a GBNF that does not convert
-            raise GrammarCompileError(str(exc)) from exc
+        except (ValueError, RecursionError) as exc:
+            # a schema that is not JSON, a GBNF that does not convert, a schema nested too
+            # deeply for disable_additional_properties's walk
+            reason = str(exc) if isinstance(exc, ValueError) else f"nested too deeply: {exc}"
+            raise GrammarCompileError(reason) from exc
         template = self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise GrammarCompileError(template.get_error().strip())
+            raise GrammarCompileError(_reason(template.get_error()))
+        # NOTE: the first mask on a copy, here on the compile thread: a grammar that fails
+        # at its first step is refused before the request runs.
+        probe = template.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise GrammarCompileError(_reason(probe.get_error()))
         return _Compiled(template)
 
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray) -> None:

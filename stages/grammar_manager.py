@@ -19,8 +19,10 @@ Pure logic: no asyncio, no torch.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -38,9 +40,10 @@ from stages.grammar import (
     bitmask_width,
     load_grammar_backend,
 )
+from stages.grammar_limits import GrammarLimits, check_grammar_limits, compile_stack_bytes
 from stages.structured_outputs import StructuredOutputsParams
 
-__all__ = ["GrammarConfig", "GrammarManager", "GrammarStats"]
+__all__ = ["CompileThread", "GrammarConfig", "GrammarManager", "GrammarStats"]
 
 logger = logging.getLogger("actorline.grammar")
 
@@ -52,15 +55,18 @@ _MAX_REASON = 2000
 class GrammarConfig:
     """``model``: whose tokenizer the backend wraps (alias, HF directory or .gguf).
     ``backend``: a name in the ``actorline.grammars`` plugin group. ``cache_size``: compiled
-    grammars kept (least recently used dropped first).
+    grammars kept (least recently used dropped first). ``limits``: the bounds a constraint
+    must keep before it is compiled (:mod:`stages.grammar_limits`).
 
     Raises:
-        ValueError: an empty model or backend name, or a cache size below 1.
+        ValueError: an empty model or backend name, a cache size below 1, limits that are
+            not a GrammarLimits.
     """
 
     model: str
     backend: str = "llguidance"
     cache_size: int = 256
+    limits: GrammarLimits = dataclasses.field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         for name in ("model", "backend"):
@@ -69,6 +75,8 @@ class GrammarConfig:
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         if type(self.cache_size) is not int or self.cache_size < 1:
             raise ValueError(f"cache_size must be an integer >= 1, got {self.cache_size!r}")
+        if not isinstance(self.limits, GrammarLimits):
+            raise ValueError(f"limits must be a GrammarLimits, got {self.limits!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,10 +93,11 @@ class GrammarStats:
 
 
 class _Running:
-    __slots__ = ("matcher", "num_tokens")
+    __slots__ = ("kind", "matcher", "num_tokens")
 
-    def __init__(self, matcher: GrammarMatcher) -> None:
+    def __init__(self, matcher: GrammarMatcher, kind: str) -> None:
         self.matcher = matcher
+        self.kind = kind  # the constraint's kind ("json", "regex", ...), for errors
         self.num_tokens = 0  # output tokens the matcher has seen
 
 
@@ -156,15 +165,25 @@ class GrammarManager:
         for the first one, which loads the backend and the tokenizer). Thread-safe; meant
         for a worker thread.
 
+        Run it on :meth:`compile_thread`: its stack holds the deepest grammar the limits
+        admit, where another thread's may overflow (and kill the process).
+
         Raises:
-            InvalidRequestError: the backend refuses the constraint; the field is
-                ``structured_outputs.<kind>`` and the message carries the backend's reason.
+            InvalidRequestError: the constraint is over a bound of ``config.limits``, or the
+                backend refuses it; the field is ``structured_outputs.<kind>`` and the
+                message names the bound or carries the backend's reason.
             RuntimeError: :meth:`set_engine_info` was not called.
             plugins.PluginError: the backend cannot be loaded.
         """
         compiled = self.cached(params)
         if compiled is not None:
             return compiled
+        try:
+            check_grammar_limits(params, self.config.limits, request_id=request_id)
+        except InvalidRequestError:
+            with self._lock:
+                self._failures += 1
+            raise
         backend = self.backend()
         began = time.perf_counter()
         try:
@@ -191,6 +210,11 @@ class GrammarManager:
                 self._cache.popitem(last=False)
         logger.debug("compiled a %s grammar in %.1f ms", params.kind, elapsed * 1e3)
         return compiled
+
+    def compile_thread(self, name: str = "actorline-grammar") -> CompileThread:
+        """A new one-thread executor for :meth:`compile`, its stack sized to
+        ``config.limits`` (:func:`~stages.grammar_limits.compile_stack_bytes`)."""
+        return CompileThread(compile_stack_bytes(self.config.limits), name=name)
 
     def backend(self) -> GrammarBackend:
         """The grammar backend, loaded (with the model's tokenizer) on the first call.
@@ -226,9 +250,13 @@ class GrammarManager:
 
     # ------------------------------------------------------------------ matching
 
-    def start(self, request_id: str, compiled: CompiledGrammar) -> None:
-        """Give ``request_id`` a fresh matcher of ``compiled``."""
-        self._running[request_id] = _Running(compiled.matcher())
+    def start(self, request_id: str, compiled: CompiledGrammar, kind: str = "") -> None:
+        """Give ``request_id`` a fresh matcher of ``compiled`` (a constraint of ``kind``)."""
+        self._running[request_id] = _Running(compiled.matcher(), kind)
+
+    def kind(self, request_id: str) -> str:
+        """The kind of ``request_id``'s constraint, as :meth:`start` was told ("" if not)."""
+        return self._running[request_id].kind
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._running
@@ -244,8 +272,8 @@ class GrammarManager:
         """Advance ``request_id``'s matcher by its new output tokens.
 
         Returns:
-            False when the grammar refused a token (the matcher then allows only EOS; the
-            request's output is a valid prefix plus that token).
+            False when the grammar refused a token (the matcher has failed: the schedule
+            stage ends the request with a typed error, :meth:`error` says why).
         """
         running = self._running[request_id]
         ok = True
@@ -253,9 +281,19 @@ class GrammarManager:
             running.num_tokens += 1
             if not running.matcher.accept_token(token_id):
                 ok = False
-        if not ok:
-            logger.warning("request %s: the grammar refused a sampled token", request_id)
         return ok
+
+    def error(self, request_id: str) -> str | None:
+        """Why ``request_id``'s matcher failed (the backend's reason: a lexer or parser limit
+        hit, a token it refused), or None while it is sound. A backend whose matchers have no
+        ``error()`` method reports nothing."""
+        error = getattr(self._running[request_id].matcher, "error", None)
+        if error is None:
+            return None
+        reason = error()
+        if reason is not None and len(reason) > _MAX_REASON:
+            reason = reason[:_MAX_REASON] + "..."
+        return None if reason is None else str(reason)
 
     def sync(self, request_id: str, num_output_tokens: int) -> None:
         """Roll ``request_id``'s matcher back to the request's ``num_output_tokens`` outputs
@@ -289,3 +327,86 @@ class GrammarManager:
         bitmask = np.empty((len(request_ids), width), BITMASK_DTYPE)
         self._backend.fill_bitmask([self._running[r].matcher for r in request_ids], bitmask)
         return bitmask
+
+
+_STACK_SIZE_LOCK = threading.Lock()
+
+
+class CompileThread(concurrent.futures.Executor):
+    """An executor of one daemon thread with its own stack size (``stack_bytes``), started on
+    the first :meth:`submit`.
+
+    ``threading.stack_size`` is process-wide and applies to threads created after it is set;
+    it is set only while this thread starts (under a lock) and put back at once, so the
+    process's other threads keep their default stack.
+    """
+
+    def __init__(self, stack_bytes: int, *, name: str = "actorline-grammar") -> None:
+        self.stack_bytes = int(stack_bytes)
+        self._name = name
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._shutdown = False
+        self._lock = threading.Lock()
+
+    def submit(
+        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[Any]:
+        """Run ``fn(*args, **kwargs)`` on the thread.
+
+        Raises:
+            RuntimeError: after :meth:`shutdown`, or the thread cannot be started.
+        """
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot submit to a CompileThread after shutdown")
+            if self._thread is None:
+                self._thread = self._start()
+            self._queue.put((future, fn, args, kwargs))
+        return future
+
+    def _start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        with _STACK_SIZE_LOCK:
+            previous = threading.stack_size(self.stack_bytes)
+            try:
+                thread.start()
+            finally:
+                threading.stack_size(previous)
+        return thread
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # handed to the caller, as ThreadPoolExecutor does
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if self._shutdown:
+                return
+            self._shutdown = True
+            if cancel_futures:
+                pending = []
+                while True:
+                    try:
+                        pending.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                for item in pending:
+                    if item is not None:
+                        item[0].cancel()
+            self._queue.put(None)
+            thread = self._thread
+        if wait and thread is not None:
+            thread.join()

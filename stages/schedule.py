@@ -11,11 +11,14 @@ dropped when it arrives.
 
 Structured outputs (``docs/architecture.md`` §11, "Structured outputs"): a request with
 ``params.structured_outputs`` reaches the scheduler only once its grammar is compiled. A
-cache hit is immediate; otherwise the grammar compiles on this stage's grammar thread, in the
-background, while steps go on; a grammar that does not compile answers that request alone on
+cache hit is immediate; otherwise the grammar compiles on this stage's grammar thread (its
+stack sized to the grammar bounds, :mod:`stages.grammar_limits`), in the background, while
+steps go on; a grammar over a bound or that does not compile answers that request alone on
 ``rejected``. Each step then carries the token bitmask of the constrained requests that
 sample in it (filled here, applied by execute's sampler), and each result advances their
-matchers (:class:`~stages.grammar_manager.GrammarManager`).
+matchers (:class:`~stages.grammar_manager.GrammarManager`). A matcher that fails (a token
+refused, a limit of the grammar engine hit mid-way) ends its request with a typed error on
+``rejected``, never with a "stop" its all-EOS mask would fake.
 
 NOTE: exactly one step is in flight. When a result arrives the next step is sent to execute
 *before* the outputs go to the frontend, so the model never waits on the frontend.
@@ -24,7 +27,6 @@ NOTE: exactly one step is in flight. When a result arrives the next step is sent
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 
@@ -33,7 +35,7 @@ from stages.early_aborts import EarlyAborts
 from stages.errors import InvalidRequestError, RequestError
 from stages.failures import rejection
 from stages.grammar import CompiledGrammar, load_grammar_backend
-from stages.grammar_manager import GrammarConfig, GrammarManager
+from stages.grammar_manager import CompileThread, GrammarConfig, GrammarManager
 from stages.messages import (
     AbortRequests,
     EngineInfo,
@@ -70,7 +72,7 @@ class ScheduleStage(Stage):
         self._early_aborts = EarlyAborts()
         # requests whose grammar compiles in the background, and their compile thread
         self._compiling: dict[str, EngineRequest] = {}
-        self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._compile_pool: CompileThread | None = None
         self._info_known = asyncio.Event()
 
     async def start(self) -> None:
@@ -124,10 +126,15 @@ class ScheduleStage(Stage):
     async def on_result(self, result: StepResult) -> None:
         assert self.scheduler is not None
         outputs = self.scheduler.update(result)
+        failed: dict[str, str] = {}
         if self.grammars is not None and len(self.grammars):
-            self._advance_grammars(outputs)
+            failed = self._advance_grammars(outputs)
+            if failed:
+                self.scheduler.abort(tuple(failed))
         await self._dispatch_step()
         await self.emit("out", outputs)
+        if failed:
+            await self._fail_grammars(failed)
         if outputs.stats is not None:
             await self.emit("stats", outputs.stats)
 
@@ -138,7 +145,9 @@ class ScheduleStage(Stage):
             self.scheduler.add_request(request)
             if compiled is not None:
                 assert self.grammars is not None
-                self.grammars.start(request.request_id, compiled)
+                params = request.params.structured_outputs
+                kind = params.kind if params is not None else ""
+                self.grammars.start(request.request_id, compiled, kind)
         except RequestError as error:
             await self.emit("rejected", RequestRejected.of(request.request_id, error))
             return False
@@ -195,9 +204,7 @@ class ScheduleStage(Stage):
         assert self.grammars is not None and request.params.structured_outputs is not None
         await self._info_known.wait()
         if self._compile_pool is None:
-            self._compile_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"actorline-{self.name}-grammar"
-            )
+            self._compile_pool = self.grammars.compile_thread(f"actorline-{self.name}-grammar")
         compile_one = functools.partial(
             self.grammars.compile,
             request.params.structured_outputs,
@@ -229,10 +236,15 @@ class ScheduleStage(Stage):
         if await self._admit(request, compiled):
             await self._dispatch_step()
 
-    def _advance_grammars(self, outputs: EngineOutputs) -> None:
-        """Feed each constrained request's new tokens to its matcher; drop finished ones."""
+    def _advance_grammars(self, outputs: EngineOutputs) -> dict[str, str]:
+        """Feed each constrained request's new tokens to its matcher; drop finished ones.
+
+        Returns:
+            the requests whose matcher failed, with the reason.
+        """
         grammars = self.grammars
         assert grammars is not None
+        failed: dict[str, str] = {}
         for request_id, tokens, finish in zip(
             outputs.request_ids, outputs.new_token_ids, outputs.finish_reasons, strict=True
         ):
@@ -240,8 +252,37 @@ class ScheduleStage(Stage):
                 continue
             if finish is not None:
                 grammars.finish(request_id)
-            else:
-                grammars.accept(request_id, tokens)
+                continue
+            accepted = grammars.accept(request_id, tokens)
+            reason = grammars.error(request_id)
+            if reason is None and not accepted:
+                reason = f"the grammar refused the sampled token {list(tokens)}"
+            if reason is not None:
+                failed[request_id] = reason
+        return failed
+
+    async def _fail_grammars(self, failed: dict[str, str]) -> None:
+        """End each of ``failed``'s requests, whose matcher failed, with a typed error: an
+        :class:`InvalidRequestError` naming ``structured_outputs.<kind>`` and the grammar
+        engine's reason (the constraint asked for more than the engine's limits allow, or a
+        language it cannot continue). The request is aborted here (its KV blocks freed); its
+        outputs so far have gone out already."""
+        assert self.scheduler is not None and self.grammars is not None
+        self.scheduler.abort(tuple(failed))
+        backend = self.grammars.config.backend
+        for request_id, reason in failed.items():
+            kind = self.grammars.kind(request_id) if request_id in self.grammars else ""
+            self.grammars.finish(request_id)
+            field = f"structured_outputs.{kind}" if kind else "structured_outputs"
+            # NOTE: the caller gets the reason; the log does not repeat it above DEBUG, as
+            # no other refusal of a request's input is (a client may send many).
+            self.logger.debug("request %s: its grammar failed: %s", request_id, reason)
+            error = InvalidRequestError(
+                f"{field} failed while generating ({backend}): {reason}",
+                field=field,
+                request_id=request_id,
+            )
+            await self.emit("rejected", RequestRejected.of(request_id, error))
 
     async def _dispatch_step(self) -> None:
         assert self.scheduler is not None
@@ -259,6 +300,14 @@ class ScheduleStage(Stage):
                     grammar_request_ids=tuple(constrained),
                     grammar_bitmask=grammars.bitmask(constrained),
                 )
+                # NOTE: a matcher that failed filling its mask (a lexer limit hit) allows
+                # only EOS there; its request ends with the error instead (its token in
+                # this step is dropped, as an abort's is).
+                failed = {r: e for r in constrained if (e := grammars.error(r)) is not None}
+                if failed:
+                    await self.emit("execute", step)
+                    await self._fail_grammars(failed)
+                    return
         await self.emit("execute", step)
 
     def idle(self) -> bool:

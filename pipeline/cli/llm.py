@@ -71,6 +71,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     group.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
     group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument(
+        "--grammar-max-rules",
+        type=int,
+        default=4000,
+        help="the most rules of a request's Lark/GBNF grammar or objects of its JSON schema "
+        "(default 4000; docs/structured-outputs.md)",
+    )
+    group.add_argument(
+        "--grammar-max-chars",
+        type=int,
+        default=256 * 1024,
+        help="the longest schema, regex or grammar text of a request (default and most 262144)",
+    )
     parallel = parser.add_argument_group("parallelism (docs/parallelism.md)")
     parallel.add_argument(
         "--tensor-parallel-size",
@@ -173,6 +186,8 @@ def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
         "num_blocks": args.num_blocks,
         "kv_cache_memory": args.kv_cache_memory,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "grammar_max_rules": args.grammar_max_rules,
+        "grammar_max_chars": args.grammar_max_chars,
         "tensor_parallel_size": args.tensor_parallel_size,
         "data_parallel_size": args.data_parallel_size,
         "router": args.router,

@@ -39,7 +39,11 @@ class EngineOptions:
     ``enable_prefix_caching``, ``max_model_len``.
     Batching: ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_chunk``,
     ``scheduler`` (a policy name in ``actorline.schedulers``). Structured outputs:
-    ``grammar_backend`` (a name in ``actorline.grammars``; "llguidance" built in).
+    ``grammar_backend`` (a name in ``actorline.grammars``; "llguidance" built in),
+    ``grammar_max_rules`` (the most rules of a Lark/GBNF grammar or objects of a JSON schema
+    a request may bring; the compile thread's stack is sized from it) and
+    ``grammar_max_chars`` (the longest schema, regex or grammar text; at most 256 KiB):
+    ``stages/grammar_limits.py``, docs/structured-outputs.md "Bounds".
     Topology: ``transport`` ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None).
     Admission:
     ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
@@ -83,6 +87,10 @@ class EngineOptions:
     long_prefill_chunk: int | None = None
     scheduler: str = "fcfs"
     grammar_backend: str = "llguidance"
+    #: stages.grammar_limits.DEFAULT_MAX_RULES (not imported: this module stays light)
+    grammar_max_rules: int = 4000
+    #: stages.structured_outputs.MAX_SPEC_CHARS
+    grammar_max_chars: int = 256 * 1024
     transport: str = "zmq"
     compression: str | None = None
     max_queued_requests: int = 4096
@@ -146,6 +154,12 @@ class EngineOptions:
             raise ValueError(
                 f"grammar_backend must be a grammar backend name, got {self.grammar_backend!r}"
             )
+        from stages.grammar_limits import GrammarLimits
+
+        try:
+            GrammarLimits(self.grammar_max_rules, self.grammar_max_chars)
+        except ValueError as exc:
+            raise ValueError(f"grammar_{exc}") from None
         if not isinstance(self.router, str) or not self.router:
             raise ValueError(f"router must be a routing policy name, got {self.router!r}")
         timeout = self.tensor_parallel_timeout

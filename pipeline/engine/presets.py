@@ -104,6 +104,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     from stages.detokenize import DetokenizeConfig, DetokenizeStage
     from stages.execute.config import ExecuteConfig
     from stages.execute.stage import ExecuteStage
+    from stages.grammar_limits import GrammarLimits
     from stages.grammar_manager import GrammarConfig
     from stages.schedule import ScheduleConfig, ScheduleStage
     from stages.scheduler import SchedulerConfig
@@ -129,7 +130,11 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
             long_prefill_chunk=options.long_prefill_chunk,
         ),
         policy=options.scheduler,
-        grammar=GrammarConfig(options.model, backend=options.grammar_backend),
+        grammar=GrammarConfig(
+            options.model,
+            backend=options.grammar_backend,
+            limits=GrammarLimits(options.grammar_max_rules, options.grammar_max_chars),
+        ),
     )
     execute = ExecuteConfig(
         model=options.model,
