@@ -1,6 +1,8 @@
 """Issue 34's grammar vectors against a real engine (zmq, its own process), each with a bystander
 stream: what the hostile request gets, how long, the bystander's worst gap between tokens,
-and whether the engine lives. Usage (from the repository root): python -m benchmarks.grammar_vectors [MODEL]
+and whether the engine lives.
+
+Usage, from the repository root: python -m benchmarks.grammar_vectors [MODEL]
 """
 
 from __future__ import annotations
