@@ -20,8 +20,15 @@ matchers (:class:`~stages.grammar_manager.GrammarManager`). A matcher that fails
 refused, a limit of the grammar engine hit mid-way) ends its request with a typed error on
 ``rejected``, never with a "stop" its all-EOS mask would fake.
 
-NOTE: exactly one step is in flight. When a result arrives the next step is sent to execute
-*before* the outputs go to the frontend, so the model never waits on the frontend.
+The step itself (plan, execute, update) is :class:`~stages.engine_core.EngineCore`'s, in
+:mod:`stages.engine_core` (``docs/architecture.md`` §2.7). Where the execute stage linked to
+``execute`` runs on this stage's host and offers ``execute_step`` (the default placement:
+admit, schedule and execute in one engine host), a loop in this stage calls
+:meth:`EngineCore.step` with it, directly (:meth:`~pipeline.runtime.stage.Stage.call`: counted
+as execute's work, its failure execute's); otherwise each step goes out on ``execute`` and its
+StepResult comes back on ``result``. Either way exactly one step is in flight, and requests,
+aborts and compiled grammars are taken in while it runs. On the message path the next step is
+sent to execute *before* the outputs go to the frontend.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import functools
 
 from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.early_aborts import EarlyAborts
+from stages.engine_core import EngineCore, Execute, StepUpdate
 from stages.errors import InvalidRequestError, RequestError
 from stages.failures import rejection
 from stages.grammar import CompiledGrammar, load_grammar_backend
@@ -39,7 +47,6 @@ from stages.grammar_manager import CompileThread, GrammarConfig, GrammarManager
 from stages.messages import (
     AbortRequests,
     EngineInfo,
-    EngineOutputs,
     EngineRequest,
     RequestRejected,
     StepResult,
@@ -69,6 +76,12 @@ class ScheduleStage(Stage):
         super().__init__(config or ScheduleConfig())
         self.scheduler: Scheduler | None = None
         self.grammars: GrammarManager | None = None
+        self.core: EngineCore | None = None
+        # the colocated execute stage's execute_step (None: steps go out on "execute"), and
+        # the engine loop's wake-up when there is work
+        self._execute: Execute | None = None
+        self._running = False
+        self._wake = asyncio.Event()
         self._early_aborts = EarlyAborts()
         # requests whose grammar compiles in the background, and their compile thread
         self._compiling: dict[str, EngineRequest] = {}
@@ -83,6 +96,11 @@ class ScheduleStage(Stage):
         if self.config.grammar is not None:
             load_grammar_backend(self.config.grammar.backend)
             self.grammars = GrammarManager(self.config.grammar)
+        self.core = EngineCore(self.scheduler, self.grammars)
+        execute = self.colocated("execute")
+        execute_step = getattr(execute, "execute_step", None)
+        if execute is not None and callable(execute_step):
+            self._execute = functools.partial(self.call, execute, execute_step)
 
     async def stop(self) -> None:
         if self._compile_pool is not None:
@@ -96,6 +114,9 @@ class ScheduleStage(Stage):
         if self.grammars is not None:
             self.grammars.set_engine_info(info.vocab_size, info.eos_token_ids)
         self._info_known.set()
+        if self._execute is not None and not self._running:
+            self._running = True
+            self.spawn(self._run_steps(self._execute))
         await self._dispatch_step()
 
     @handles(EngineRequest)
@@ -124,19 +145,38 @@ class ScheduleStage(Stage):
 
     @handles(StepResult)
     async def on_result(self, result: StepResult) -> None:
-        assert self.scheduler is not None
-        outputs = self.scheduler.update(result)
-        failed: dict[str, str] = {}
-        if self.grammars is not None and len(self.grammars):
-            failed = self._advance_grammars(outputs)
-            if failed:
-                self.scheduler.abort(tuple(failed))
+        """A step's result, on the message path (execute on another host)."""
+        assert self.core is not None
+        update = self.core.update(result)
         await self._dispatch_step()
-        await self.emit("out", outputs)
-        if failed:
-            await self._fail_grammars(failed)
-        if outputs.stats is not None:
-            await self.emit("stats", outputs.stats)
+        await self._publish(update)
+
+    async def _run_steps(self, execute: Execute) -> None:
+        """The engine loop where execute is colocated: one :meth:`EngineCore.step` after
+        another, waiting for work when there is none (the handlers wake it)."""
+        core = self.core
+        assert core is not None
+        while True:
+            update = await core.step(execute)
+            if update is None:
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            await self._publish(update)
+
+    async def _publish(self, update: StepUpdate) -> None:
+        """Send a step's outputs to the frontend, its failed requests' errors, its stats."""
+        await self.emit("out", update.outputs)
+        await self._reject(update.rejected)
+        if update.outputs.stats is not None:
+            await self.emit("stats", update.outputs.stats)
+
+    async def _reject(self, rejected: tuple[RequestRejected, ...]) -> None:
+        for refused in rejected:
+            # NOTE: the caller gets the reason; the log does not repeat it above DEBUG, as
+            # no other refusal of a request's input is (a client may send many).
+            self.logger.debug("request %s: %s", refused.request_id, refused.message)
+            await self.emit("rejected", refused)
 
     async def _admit(self, request: EngineRequest, compiled: CompiledGrammar | None = None) -> bool:
         """Hand ``request`` to the scheduler (with its grammar's matcher), or reject it."""
@@ -236,79 +276,18 @@ class ScheduleStage(Stage):
         if await self._admit(request, compiled):
             await self._dispatch_step()
 
-    def _advance_grammars(self, outputs: EngineOutputs) -> dict[str, str]:
-        """Feed each constrained request's new tokens to its matcher; drop finished ones.
-
-        Returns:
-            the requests whose matcher failed, with the reason.
-        """
-        grammars = self.grammars
-        assert grammars is not None
-        failed: dict[str, str] = {}
-        for request_id, tokens, finish in zip(
-            outputs.request_ids, outputs.new_token_ids, outputs.finish_reasons, strict=True
-        ):
-            if request_id not in grammars:
-                continue
-            if finish is not None:
-                grammars.finish(request_id)
-                continue
-            accepted = grammars.accept(request_id, tokens)
-            reason = grammars.error(request_id)
-            if reason is None and not accepted:
-                reason = f"the grammar refused the sampled token {list(tokens)}"
-            if reason is not None:
-                failed[request_id] = reason
-        return failed
-
-    async def _fail_grammars(self, failed: dict[str, str]) -> None:
-        """End each of ``failed``'s requests, whose matcher failed, with a typed error: an
-        :class:`InvalidRequestError` naming ``structured_outputs.<kind>`` and the grammar
-        engine's reason (the constraint asked for more than the engine's limits allow, or a
-        language it cannot continue). The request is aborted here (its KV blocks freed); its
-        outputs so far have gone out already."""
-        assert self.scheduler is not None and self.grammars is not None
-        self.scheduler.abort(tuple(failed))
-        backend = self.grammars.config.backend
-        for request_id, reason in failed.items():
-            kind = self.grammars.kind(request_id) if request_id in self.grammars else ""
-            self.grammars.finish(request_id)
-            field = f"structured_outputs.{kind}" if kind else "structured_outputs"
-            # NOTE: the caller gets the reason; the log does not repeat it above DEBUG, as
-            # no other refusal of a request's input is (a client may send many).
-            self.logger.debug("request %s: its grammar failed: %s", request_id, reason)
-            error = InvalidRequestError(
-                f"{field} failed while generating ({backend}): {reason}",
-                field=field,
-                request_id=request_id,
-            )
-            await self.emit("rejected", RequestRejected.of(request_id, error))
-
     async def _dispatch_step(self) -> None:
-        assert self.scheduler is not None
-        step = self.scheduler.schedule()
-        if step is None:
+        """There may be a step to run: wake the engine loop, or (message path) send the
+        next step to execute unless one is in flight."""
+        if self._execute is not None:
+            self._wake.set()
             return
-        grammars = self.grammars
-        if grammars is not None and len(grammars):
-            constrained = [r for r in self.scheduler.sampling_request_ids() if r in grammars]
-            if constrained:
-                for request_id in constrained:
-                    grammars.sync(request_id, self.scheduler.num_output_tokens(request_id))
-                step = dataclasses.replace(
-                    step,
-                    grammar_request_ids=tuple(constrained),
-                    grammar_bitmask=grammars.bitmask(constrained),
-                )
-                # NOTE: a matcher that failed filling its mask (a lexer limit hit) allows
-                # only EOS there; its request ends with the error instead (its token in
-                # this step is dropped, as an abort's is).
-                failed = {r: e for r in constrained if (e := grammars.error(r)) is not None}
-                if failed:
-                    await self.emit("execute", step)
-                    await self._fail_grammars(failed)
-                    return
-        await self.emit("execute", step)
+        assert self.core is not None
+        plan = self.core.plan()
+        if plan is None:
+            return
+        await self.emit("execute", plan.step)
+        await self._reject(plan.rejected)
 
     def idle(self) -> bool:
         if self._compiling:

@@ -36,7 +36,7 @@ import os
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import plugins
 from pipeline.runtime.errors import DeadlockError, GraphError, PipelineError, StageFailedError
@@ -57,6 +57,7 @@ from transports.memory import MemoryChannel, WouldBlock
 __all__ = ["RUNTIME_PORT", "Host"]
 
 logger = logging.getLogger("actorline.host")
+T = TypeVar("T")
 
 FailureCallback = Callable[[BaseException], None]
 #: ``on_link_lost(link_id, detail)``: a contained link broke or fell silent
@@ -127,6 +128,11 @@ class Host:
         self._routes: dict[tuple[str, str], tuple[_Deliver, ...]] = {}
         # (stage, port, target stage) -> the routes of that port into that stage
         self._targeted: dict[tuple[str, str, str], tuple[_Deliver, ...]] = {}
+        # (stage, port) -> the stage each of its routes leads to (BOUNDARY: an exit; the
+        # target of a link to another host: its stage, though not on this host)
+        self._route_targets: dict[tuple[str, str], tuple[str, ...]] = {}
+        # the (stage, port)s with a link to a stage of this host
+        self._local_ports: set[tuple[str, str]] = set()
         # contained link id -> the replica key of its peer; links cut (their replica lost),
         # and those whose loss was reported already
         self._contained = {
@@ -157,6 +163,8 @@ class Host:
             self._cells[spec.name] = _StageCell(spec.name, stage)
         for source, target in self.plan.local_links:
             self._add_route(source, self._local_deliver(target), target.stage)
+            if target.stage != BOUNDARY:
+                self._local_ports.add((source.stage, source.port))
 
     def _local_deliver(self, target: Endpoint) -> _Deliver:
         if target.stage == BOUNDARY:
@@ -178,6 +186,7 @@ class Host:
 
     def _add_route(self, source: Endpoint, deliver: _Deliver, target: str) -> None:
         key = (source.stage, source.port)
+        self._route_targets[key] = (*self._route_targets.get(key, ()), target)
         self._routes[key] = (*self._routes.get(key, ()), deliver)
         targeted = (source.stage, source.port, target)
         self._targeted[targeted] = (*self._targeted.get(targeted, ()), deliver)
@@ -280,6 +289,37 @@ class Host:
             return
         for deliver in routes:
             await deliver(message)
+
+    def colocated(self, stage: str, port: str) -> Stage | None:
+        """The stage that ``stage``'s output ``port`` is linked to, when the port has exactly
+        one link and it leads to a stage of this host (None otherwise)."""
+        targets = self._route_targets.get((stage, port), ())
+        if len(targets) != 1 or (stage, port) not in self._local_ports:
+            return None
+        cell = self._cells.get(targets[0])
+        return None if cell is None else cell.stage
+
+    async def call(self, stage: str, handler: Callable[[Any], Awaitable[T]], message: Any) -> T:
+        """Run ``stage``'s ``handler`` on ``message`` in the caller's task, as if ``stage``
+        handled a message of its mailbox (see :meth:`Stage.call`): counted in its statistics,
+        and a raise fails the pipeline as ``stage``'s failure (then propagates)."""
+        cell = self._cells[stage]
+        clock = time.perf_counter
+        cell.busy = True
+        started = clock()
+        try:
+            return await handler(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(self._stage_error(cell.name, exc), exc)
+            raise
+        finally:
+            elapsed = clock() - started
+            cell.handle_seconds += elapsed
+            cell.buckets[bisect.bisect_left(HANDLE_SECONDS_BUCKETS, elapsed)] += 1
+            cell.handled += 1
+            cell.busy = False
 
     def spawn(self, stage: str, coroutine: Coroutine[Any, Any, None]) -> None:
         """Run a background ``coroutine`` of ``stage`` (see :meth:`Stage.spawn`): if it

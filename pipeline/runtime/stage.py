@@ -216,6 +216,35 @@ class Stage:
             raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
         await self._host.emit(self._name, port, message, to)
 
+    def colocated(self, port: str) -> Stage | None:
+        """The stage this stage's output ``port`` is linked to, when the port has exactly one
+        link and that stage runs on this stage's host (same process, same event loop); None
+        otherwise (no link, several, an exit, or a stage on another host). Such a stage's
+        methods may be called directly through :meth:`call` instead of a message (the
+        schedule stage calls its execute stage so, docs/architecture.md §2.7).
+
+        Raises:
+            RuntimeError: the stage is not running in a pipeline.
+        """
+        if self._host is None:
+            raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
+        return self._host.colocated(self._name, port)
+
+    async def call(self, stage: Stage, handler: Callable[[Any], Awaitable[T]], message: Any) -> T:
+        """Run ``handler(message)``, a method of the :meth:`colocated` ``stage``, in this
+        stage's task, as if ``stage`` handled a message: counted in ``stage``'s statistics
+        (messages handled, handle seconds), and a raise fails the pipeline as ``stage``'s
+        failure before it propagates here. ``stage``'s own handlers still run one at a time
+        in its task; the caller makes sure the two do not step on each other.
+
+        Raises:
+            RuntimeError: the stage is not running in a pipeline.
+            whatever ``handler`` raises.
+        """
+        if self._host is None:
+            raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
+        return await self._host.call(stage.name, handler, message)
+
     def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         """Run ``coroutine`` on the stage's event loop beside its handlers: background work
         that awaits something slow (a job on a worker thread), then acts, without holding up

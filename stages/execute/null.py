@@ -314,8 +314,13 @@ class NullExecuteStage(Stage):
 
     @handles(SchedulerStep)
     async def on_step(self, step: SchedulerStep) -> None:
+        await self.emit("out", await self.execute_step(step))
+
+    async def execute_step(self, step: SchedulerStep) -> StepResult:
+        """Answer ``step`` (inline): what a step sent to ``in`` does, less sending the result
+        (called directly by a schedule stage on this stage's host, :mod:`stages.engine_core`)."""
         assert self.runner is not None
-        await self.emit("out", self.runner.execute(step))
+        return self.runner.execute(step)
 
 
 def _text_config(model_dir: Path) -> dict[str, Any]:

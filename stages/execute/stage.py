@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
-from stages.messages import EngineInfo, SchedulerStep
+from stages.messages import EngineInfo, SchedulerStep, StepResult
 from stages.models import loading
 
 if TYPE_CHECKING:
@@ -81,16 +81,20 @@ class ExecuteStage(Stage):
 
     @handles(SchedulerStep)
     async def on_step(self, step: SchedulerStep) -> None:
+        await self.emit("out", await self.execute_step(step))
+
+    async def execute_step(self, step: SchedulerStep) -> StepResult:
+        """Run ``step`` on the stage's worker thread: what a step sent to ``in`` does, less
+        sending the result. The schedule stage calls it directly where this stage runs on
+        its host (:mod:`stages.engine_core`)."""
         runner = self.runner
         assert runner is not None
         if runner.group is None:
-            result = await self.run_in_thread(runner.execute, step)
-        else:
-            prepared = await self.run_in_thread(runner.prepare, step)
-            if prepared.shard is not None:
-                await self.emit("ranks", prepared.shard)
-            result = await self.run_in_thread(runner.run, prepared)
-        await self.emit("out", result)
+            return await self.run_in_thread(runner.execute, step)
+        prepared = await self.run_in_thread(runner.prepare, step)
+        if prepared.shard is not None:
+            await self.emit("ranks", prepared.shard)
+        return await self.run_in_thread(runner.run, prepared)
 
 
 def _import_model_stack() -> None:
