@@ -81,6 +81,7 @@ class ScheduleStage(Stage):
         # the engine loop's wake-up when there is work
         self._execute: Execute | None = None
         self._running = False
+        self._stepping = False
         self._wake = asyncio.Event()
         self._early_aborts = EarlyAborts()
         # requests whose grammar compiles in the background, and their compile thread
@@ -157,12 +158,16 @@ class ScheduleStage(Stage):
         core = self.core
         assert core is not None
         while True:
-            update = await core.step(execute)
+            self._stepping = True  # not idle until the step's outputs are out
+            try:
+                update = await core.step(execute)
+                if update is not None:
+                    await self._publish(update)
+            finally:
+                self._stepping = False
             if update is None:
                 await self._wake.wait()
                 self._wake.clear()
-                continue
-            await self._publish(update)
 
     async def _publish(self, update: StepUpdate) -> None:
         """Send a step's outputs to the frontend, its failed requests' errors, its stats."""
@@ -290,6 +295,6 @@ class ScheduleStage(Stage):
         await self._reject(plan.rejected)
 
     def idle(self) -> bool:
-        if self._compiling:
+        if self._compiling or self._stepping:
             return False
         return self.scheduler is None or not (self.scheduler.has_work() or self.scheduler.in_flight)

@@ -28,6 +28,7 @@ PACKAGES = ("plugins", "transports", "pipeline", "stages")
 
 PURE_MODULES = (
     "stages.scheduler",
+    "stages.engine_core",
     "stages.policies",
     "stages.execute.allocator",
     "stages.execute.bookkeeping",
