@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import time
 
 from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.early_aborts import EarlyAborts
@@ -49,6 +50,7 @@ from stages.messages import (
     EngineInfo,
     EngineRequest,
     RequestRejected,
+    SchedulerStep,
     StepResult,
 )
 from stages.policies import load_policy
@@ -82,6 +84,7 @@ class ScheduleStage(Stage):
         self._execute: Execute | None = None
         self._running = False
         self._stepping = False
+        self._executing = 0.0  # seconds of the current step spent in execute
         self._wake = asyncio.Event()
         self._early_aborts = EarlyAborts()
         # requests whose grammar compiles in the background, and their compile thread
@@ -101,7 +104,16 @@ class ScheduleStage(Stage):
         execute = self.colocated("execute")
         execute_step = getattr(execute, "execute_step", None)
         if execute is not None and callable(execute_step):
-            self._execute = functools.partial(self.call, execute, execute_step)
+            call = functools.partial(self.call, execute, execute_step)
+
+            async def execute_timed(step: SchedulerStep) -> StepResult:
+                began = time.perf_counter()
+                try:
+                    return await call(step)
+                finally:
+                    self._executing += time.perf_counter() - began
+
+            self._execute = execute_timed
 
     async def stop(self) -> None:
         if self._compile_pool is not None:
@@ -157,8 +169,10 @@ class ScheduleStage(Stage):
         another, waiting for work when there is none (the handlers wake it)."""
         core = self.core
         assert core is not None
+        clock = time.perf_counter
         while True:
             self._stepping = True  # not idle until the step's outputs are out
+            began, self._executing = clock(), 0.0
             try:
                 update = await core.step(execute)
                 if update is not None:
@@ -168,6 +182,8 @@ class ScheduleStage(Stage):
             if update is None:
                 await self._wake.wait()
                 self._wake.clear()
+            else:  # this stage's part of the step, as a result's handler counted it
+                self.record_work(clock() - began - self._executing)
 
     async def _publish(self, update: StepUpdate) -> None:
         """Send a step's outputs to the frontend, its failed requests' errors, its stats."""

@@ -315,11 +315,16 @@ class Host:
             self._fail(self._stage_error(cell.name, exc), exc)
             raise
         finally:
-            elapsed = clock() - started
-            cell.handle_seconds += elapsed
-            cell.buckets[bisect.bisect_left(HANDLE_SECONDS_BUCKETS, elapsed)] += 1
-            cell.handled += 1
+            self.record_work(stage, clock() - started)
             cell.busy = False
+
+    def record_work(self, stage: str, seconds: float) -> None:
+        """Count ``seconds`` of ``stage``'s work outside its handlers as one message handled
+        (see :meth:`Stage.record_work`)."""
+        cell = self._cells[stage]
+        cell.handle_seconds += seconds
+        cell.buckets[bisect.bisect_left(HANDLE_SECONDS_BUCKETS, seconds)] += 1
+        cell.handled += 1
 
     def spawn(self, stage: str, coroutine: Coroutine[Any, Any, None]) -> None:
         """Run a background ``coroutine`` of ``stage`` (see :meth:`Stage.spawn`): if it

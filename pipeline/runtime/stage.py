@@ -245,6 +245,18 @@ class Stage:
             raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
         return await self._host.call(stage.name, handler, message)
 
+    def record_work(self, seconds: float) -> None:
+        """Count ``seconds`` of this stage's work done outside its handlers (a loop it
+        spawned) as one message handled, in its statistics (docs/architecture.md §7.2), so
+        profiles see it.
+
+        Raises:
+            RuntimeError: the stage is not running in a pipeline.
+        """
+        if self._host is None:
+            raise RuntimeError(f"stage {self.name!r} is not running in a pipeline")
+        self._host.record_work(self._name, seconds)
+
     def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         """Run ``coroutine`` on the stage's event loop beside its handlers: background work
         that awaits something slow (a job on a worker thread), then acts, without holding up
