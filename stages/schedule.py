@@ -182,8 +182,13 @@ class ScheduleStage(Stage):
             if update is None:
                 await self._wake.wait()
                 self._wake.clear()
-            else:  # this stage's part of the step, as a result's handler counted it
-                self.record_work(clock() - began - self._executing)
+                continue
+            # this stage's part of the step, as a result's handler counted it
+            self.record_work(clock() - began - self._executing)
+            # NOTE: one turn of the event loop between steps: an execute that answers
+            # without suspending (the null model) would otherwise run step after step while
+            # nothing else on this host runs: no request taken in, no heartbeat sent.
+            await asyncio.sleep(0)
 
     async def _publish(self, update: StepUpdate) -> None:
         """Send a step's outputs to the frontend, its failed requests' errors, its stats."""
