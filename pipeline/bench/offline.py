@@ -29,9 +29,9 @@ default KV budget (``ExecuteConfig.kv_cache_memory``), the configuration the tar
 (``--skip rss-default`` leaves that run out).
 
 With ``--structured`` it measures structured outputs instead: the zmq topology on the same
-workload twice, unconstrained and with every other request constrained to a JSON schema (the
-order schema of :mod:`pipeline.bench.grammars`, which needs more tokens than any request
-may generate, so its mask applies at every step), and prints the ratio (the target is at
+workload twice, unconstrained and with every other request constrained to a JSON schema
+(:data:`pipeline.bench.workload.ORDER_SCHEMA`, an order, which needs more tokens than any
+request may generate, so its mask applies at every step), and prints the ratio (the target is at
 least 0.9x) and the grammar's compile time, cold and cached.
 
 With ``--quantization gguf|int8`` actorline runs 4/8-bit weights (docs/models.md); the HF
@@ -406,7 +406,7 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
 def structured_params(index: int, params: SamplingParams) -> SamplingParams:
     """The structured run's params of request ``index``: every other one constrained to the
     order schema."""
-    from pipeline.bench.grammars import ORDER_SCHEMA
+    from pipeline.bench.workload import ORDER_SCHEMA
     from stages.structured_outputs import StructuredOutputsParams
 
     if index % 2:
@@ -418,7 +418,7 @@ def structured_params(index: int, params: SamplingParams) -> SamplingParams:
 def _grammar_compile_times(model: str) -> GrammarCompileTimes:
     import time
 
-    from pipeline.bench.grammars import ORDER_SCHEMA
+    from pipeline.bench.workload import ORDER_SCHEMA
     from stages.grammar_manager import GrammarConfig, GrammarManager
     from stages.structured_outputs import StructuredOutputsParams
     from stages.tokenize import load_tokenizer

@@ -20,7 +20,7 @@ whitespace, as vLLM's default) and each engine installed:
 xgrammar is not a dependency of actorline (it needs triton, about 1 GB, on x86-64 Linux):
 ``pip install xgrammar`` to include it; without it only llguidance is measured.
 
-    actorline bench grammars [--quick] [--json] [--repeats N] [--batch 32]
+    python -m benchmarks.grammars [--quick] [--json] [--repeats N] [--batch 32]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
+from pipeline.bench.workload import ORDER_SCHEMA
 
 __all__ = [
     "ORDER_SCHEMA",
@@ -51,43 +52,6 @@ __all__ = [
     "run_from_args",
     "run_grammars",
 ]
-
-ORDER_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "string", "format": "uuid"},
-        "customer": {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "minLength": 1, "maxLength": 64},
-                "email": {"type": "string", "format": "email"},
-                "tier": {"type": "string", "enum": ["free", "pro", "enterprise"]},
-            },
-            "required": ["name", "email", "tier"],
-            "additionalProperties": False,
-        },
-        "items": {
-            "type": "array",
-            "minItems": 1,
-            "maxItems": 10,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-                    "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
-                    "price": {"type": "number"},
-                },
-                "required": ["sku", "quantity", "price"],
-                "additionalProperties": False,
-            },
-        },
-        "placed": {"type": "string", "format": "date-time"},
-        "status": {"type": "string", "enum": ["pending", "paid", "shipped", "cancelled"]},
-        "notes": {"type": ["string", "null"]},
-    },
-    "required": ["id", "customer", "items", "placed", "status"],
-    "additionalProperties": False,
-}
 
 LLGUIDANCE = "llguidance"
 XGRAMMAR = "xgrammar"
@@ -429,5 +393,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``actorline bench grammars``."""
+    """``python -m benchmarks.grammars``."""
     return run_main(__doc__, add_arguments, run_from_args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

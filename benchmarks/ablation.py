@@ -7,7 +7,7 @@ times and each keeps its best run, so a noisy neighbour skews no single variant.
 generated tokens/s, the ratio to "all on", prefill and decode seconds, and how many requests'
 greedy outputs equal "all on"'s.
 
-    actorline bench ablation [--repeats N] [--quick] [--json] [--only NAME ...]
+    python -m benchmarks.ablation [--repeats N] [--quick] [--json] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -258,5 +258,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``actorline bench ablation``."""
+    """``python -m benchmarks.ablation``."""
     return run_main(__doc__, add_arguments, run_from_args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,7 +9,7 @@ reference counting alone, and after the soak the collector should find nothing
 (docs/architecture.md §7). Its peer is the code before that held (a build of it, run the same
 way), not something this run can start.
 
-    actorline bench soak [--requests N] [--concurrency C] [--quick] [--json] [--model M]
+    python -m benchmarks.soak [--requests N] [--concurrency C] [--quick] [--json] [--model M]
 """
 
 from __future__ import annotations
@@ -133,4 +133,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.soak``."""
     return run_main(__doc__, add_arguments, run_from_args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,7 +10,7 @@ longest wait between two chunks overlapping that time (a stall the bodies caused
 can also be the model's own step on a loaded machine), and whether the engine still serves
 afterwards (``/health``).
 
-    actorline bench http-body [--quick] [--json] [--model M]
+    python -m benchmarks.http_body [--quick] [--json] [--model M]
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``actorline bench http-body``."""
+    """``python -m benchmarks.http_body``."""
     return run_main(__doc__, add_arguments, run_from_args, argv)
 
 

@@ -1,5 +1,5 @@
-"""The kernel microbenchmarks: ``actorline bench micro --quick`` on the tiny model through the
-CLI (well-formed, positive figures; never a timing threshold), and its options."""
+"""The kernel microbenchmarks: ``python -m benchmarks.micro --quick`` on the tiny model through
+its command line (well-formed, positive figures; never a timing threshold), and its options."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench.micro import MicroConfig
+from benchmarks import micro
+from benchmarks.micro import MicroConfig
+from tests.benchmarks.test_benchmarks import parse
 from tests.conftest import TINY_LLAMA
-from tests.pipeline.bench.test_bench import bench_parser
 
 
 def test_micro_quick_via_the_cli(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    command = ["bench", "micro", "--quick", "--json", "--model", str(tiny_model_dir)]
-    args = bench_parser().parse_args([*command, "--attention", "4x64", "2x40"])
-    assert args.run(args) == 0
+    command = ["--quick", "--json", "--model", str(tiny_model_dir)]
+    assert micro.main([*command, "--attention", "4x64", "2x40"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["layers"] == TINY_LLAMA["num_hidden_layers"]
     hidden, inter = TINY_LLAMA["hidden_size"], TINY_LLAMA["intermediate_size"]
@@ -45,4 +45,4 @@ def test_bad_options_are_refused() -> None:
     with pytest.raises(ValueError, match="rows must be"):
         MicroConfig(rows=(0,))
     with pytest.raises(SystemExit):
-        bench_parser().parse_args(["bench", "micro", "--attention", "64-500"])
+        parse(micro, ["--attention", "64-500"])

@@ -8,7 +8,7 @@ execute in an engine process), side by side with the split/single ratio:
 On a machine with few cores the split trades a second process (the frontend's work overlaps
 the model's) against serialization and socket hops.
 
-    actorline bench split [--quick] [--json]
+    python -m benchmarks.split [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -163,5 +163,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``actorline bench split``."""
+    """``python -m benchmarks.split``."""
     return run_main(__doc__, add_arguments, run_from_args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,7 +16,7 @@ Random weights and caches of the model's shapes (no checkpoint is read beyond it
 threads are torch's; each figure is the best of ``--rounds`` rounds, cold and warm taking
 turns. Needs a C compiler (the kernels are actorline's own).
 
-    actorline bench micro [--rows 1 12 64 ...] [--attention 16x250 64x500 ...] [--quick] [--json]
+    python -m benchmarks.micro [--rows 1 12 64 ...] [--attention 16x250 64x500 ...] [--json]
 """
 
 from __future__ import annotations
@@ -361,5 +361,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``actorline bench micro``."""
+    """``python -m benchmarks.micro``."""
     return run_main(__doc__, add_arguments, run_from_args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
