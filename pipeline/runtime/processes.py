@@ -68,6 +68,7 @@ from pipeline.runtime.protocol import (
 from pipeline.runtime.replicas import ReplicaLost
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
+from transports.tasks import TaskSet
 from transports.zmq import IPC_DIR_PREFIX, made_ipc_directory
 
 __all__ = ["ProcessHost", "error_from_failure", "failure_message", "serve_host"]
@@ -292,7 +293,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
                 control.send(failure_message(call_id, plan.name, exc))
         return False
 
-    tasks: set[asyncio.Task[bool]] = set()
+    commands = TaskSet(f"host {plan.name} commands")
     try:
         while True:
             try:
@@ -300,9 +301,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
             except EOFError:
                 orphaned = True
                 break  # the controller is gone: stop
-            task = asyncio.create_task(run_command(command))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            task = commands.spawn(run_command(command), name=f"command:{type(command).__name__}")
             if isinstance(command, StopHost) and command.phase != 1:
                 await task
                 with contextlib.suppress(Exception):
@@ -317,6 +316,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
         if orphaned and peer_dirs and await _parent_gone(parent, _ORPHAN_GRACE):
             for directory in peer_dirs:
                 shutil.rmtree(directory, ignore_errors=True)
+        await commands.aclose()  # (what asyncio.run would cancel next)
 
 
 # -- the controller side -------------------------------------------------------------------------
@@ -341,6 +341,7 @@ class ProcessHost:
         self._process: subprocess.Popen[bytes] | None = None
         self._pidfd: int | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(f"process host {plan.name}")  # the control reader
         self._stopping = False
         self._gone = False
         self._exited = asyncio.Event()
@@ -388,7 +389,7 @@ class ProcessHost:
         loop = self._loop = asyncio.get_running_loop()
         reader, writer = await asyncio.open_unix_connection(sock=parent_end)
         self._control = _ControlChannel(reader, writer)
-        self._reader_task = loop.create_task(self._read_control(), name=f"control:{self.name}")
+        self._reader_task = self._tasks.spawn(self._read_control(), name=f"control:{self.name}")
         try:
             self._pidfd = os.pidfd_open(self._process.pid)
             loop.add_reader(self._pidfd, self._on_exit)

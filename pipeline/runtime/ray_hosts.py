@@ -51,6 +51,7 @@ from pipeline.runtime.host import FailureCallback, Host, LinkLostCallback
 from pipeline.runtime.processes import error_from_failure, failure_message
 from pipeline.runtime.protocol import HostFailure, HostPlan, HostStatistics, LinkLost
 from pipeline.runtime.replicas import ReplicaLost
+from transports.tasks import TaskSet
 
 __all__ = [
     "GPU_IDS_ENV",
@@ -341,6 +342,7 @@ class RayActorHost:
         self.actor_name = f"actorline:{pipeline}:{plan.name}:{secrets.token_hex(4)}"
         self.actor: Any = None
         self._watch: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(f"ray host {plan.name}")  # the event watch
         self._stopping = False
         self._gone = asyncio.Event()
         self._pid: int | None = None
@@ -389,9 +391,7 @@ class RayActorHost:
             self.node_ip,
             ", ".join(self.gpu_ids) or "none",
         )
-        self._watch = asyncio.get_running_loop().create_task(
-            self._watch_events(), name=f"ray-watch:{self.name}"
-        )
+        self._watch = self._tasks.spawn(self._watch_events(), name=f"ray-watch:{self.name}")
 
     async def _watch_events(self) -> None:
         ray = _ray()

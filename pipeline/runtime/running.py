@@ -70,6 +70,7 @@ from transports.base import LinkOptions
 from transports.compression import Compression
 from transports.errors import PeerLostError
 from transports.memory import MemoryChannel
+from transports.tasks import TaskSet
 
 if TYPE_CHECKING:
     from pipeline.runtime.graph import Pipeline
@@ -216,14 +217,14 @@ class RunningPipeline:
         self._lost: dict[tuple[str, str], BaseException] = {}  # (set, replica) -> its failure
         self._lost_hosts: set[str] = set()
         self._replica_callbacks: list[Callable[[ReplicaLost], None]] = []
-        self._containments: set[asyncio.Task[None]] = set()
         self._started = False  # start-up finished: from now on replica failures are contained
         self._inbound_sources: dict[str, set[str]] = {}  # host -> hosts that send to it
         self._unresponsive: set[str] = set()
         self._sending: set[asyncio.Task[Any]] = set()  # callers inside send()
         self._interrupted: set[asyncio.Task[Any]] = set()  # ... that _interrupt_senders woke
         self._probe_task: asyncio.Task[None] | None = None
-        self._exit_checks: set[asyncio.Task[None]] = set()  # see _blame_exited_host
+        # the probe, exit checks (see _blame_exited_host), containments and the teardown
+        self._tasks = TaskSet(f"pipeline {pipeline.name}")
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -303,7 +304,7 @@ class RunningPipeline:
         self._raise_if_failed()
         unwatched = [p for p in self._processes.values() if not p.plan.outbound]
         if unwatched:
-            self._probe_task = asyncio.get_running_loop().create_task(
+            self._probe_task = self._tasks.spawn(
                 self._probe_hosts(unwatched), name=f"probe:{self.pipeline.name}"
             )
         if self.options.tune_gc:  # _start runs once per RunningPipeline
@@ -518,11 +519,7 @@ class RunningPipeline:
             str(error),
             error.exitcode if isinstance(error, HostDiedError) else None,
         )
-        task = asyncio.get_running_loop().create_task(
-            self._cut_off(lost), name=f"contain:{set_name}/{name}"
-        )
-        self._containments.add(task)
-        task.add_done_callback(self._containments.discard)
+        self._tasks.spawn(self._cut_off(lost), name=f"contain:{set_name}/{name}")
 
     async def _cut_off(self, lost: ReplicaLost) -> None:
         """Reap the lost replica's hosts, have every other host cut its links to it (the
@@ -572,9 +569,7 @@ class RunningPipeline:
             if not any(exited):
                 otherwise()
 
-        task = asyncio.get_running_loop().create_task(check(), name="exit-check")
-        self._exit_checks.add(task)
-        task.add_done_callback(self._exit_checks.discard)
+        self._tasks.spawn(check(), name="exit-check")
 
     def _silent_host(self, reporter: str, error: PeerLostError) -> str:
         """The host whose link into ``reporter`` fell silent, as ``error`` tells."""
@@ -746,7 +741,7 @@ class RunningPipeline:
         if self._teardown_task is None:
             self._closing = True
             self._interrupt_senders()
-            self._teardown_task = asyncio.get_running_loop().create_task(
+            self._teardown_task = self._tasks.spawn(
                 self._tear_down(), name=f"teardown:{self.pipeline.name}"
             )
         return self._teardown_task
@@ -847,9 +842,7 @@ class RunningPipeline:
         if self._gc_tuned:
             self._gc_tuned = False
             restore_threshold()
-        for task in (self._probe_task, *self._exit_checks, *self._containments):
-            if task is not None:
-                task.cancel()
+        self._tasks.cancel()  # (not the teardown task: this runs in it, or after it)
         processes = list(self._processes.values())
         # NOTE: first signal every host and remove its ipc directory, before anything that
         # waits: a teardown cancelled once more in the middle still leaves no process running.
