@@ -7,7 +7,7 @@ mailbox) and connects senders for its outbound ones. A stage that raises, or a l
 is lost, is reported through ``on_failure``; the controller then fails the whole pipeline.
 A link to or from a replica this host is not part of is *contained*
 (:mod:`pipeline.runtime.replicas`): its loss is reported through ``on_link_lost`` instead,
-what is sent on it once it is lost is dropped, and :meth:`Host.cut_replica` closes it and
+what is sent on it once it is lost is dropped, and :meth:`LocalHost.cut_replica` closes it and
 tells the stages linked to the replica.
 
 A stage may send to one target of an output port only (``emit(port, message, to=stage)``),
@@ -55,7 +55,7 @@ from transports.errors import EndOfStream, LinkClosedError, PeerLostError
 from transports.memory import MemoryChannel, WouldBlock
 from transports.tasks import TaskSet
 
-__all__ = ["RUNTIME_PORT", "Host"]
+__all__ = ["RUNTIME_PORT", "LocalHost"]
 
 logger = logging.getLogger("actorline.host")
 
@@ -108,7 +108,7 @@ class _StageCell:
         self.stop_started = False
 
 
-class Host:
+class LocalHost:
     """The stages of one placement, their mailboxes, routes and cross-host links."""
 
     def __init__(

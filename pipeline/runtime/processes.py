@@ -49,7 +49,7 @@ from pipeline.runtime.errors import (
     StageFailedError,
 )
 from pipeline.runtime.gc_policy import freeze_startup_heap
-from pipeline.runtime.host import FailureCallback, Host, LinkLostCallback
+from pipeline.runtime.host import FailureCallback, LinkLostCallback, LocalHost
 from pipeline.runtime.prespawn import host_command, preload_modules, take_prespawned
 from pipeline.runtime.protocol import (
     Ack,
@@ -251,7 +251,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
         with contextlib.suppress(Exception):
             control.send(LinkLost(0, plan.name, link_id, detail))
 
-    host = Host(plan, report, on_link_lost=report_link_lost)
+    host = LocalHost(plan, report, on_link_lost=report_link_lost)
 
     async def run_command(command: Any) -> bool:
         """Run one command; True once the host should exit."""
@@ -478,7 +478,7 @@ class ProcessHost:
         return any(link.contained == replica for link in (*self.plan.inbound, *self.plan.outbound))
 
     async def cut_replica(self, lost: ReplicaLost, timeout: float = 5.0) -> None:
-        """Have the host cut its links to the lost replica (:meth:`Host.cut_replica`).
+        """Have the host cut its links to the lost replica (:meth:`LocalHost.cut_replica`).
         Never raises (a host that cannot answer is failing on its own)."""
         with contextlib.suppress(Exception):
             await self._call(CutReplica, lost, timeout=timeout)
@@ -533,7 +533,7 @@ class ProcessHost:
         return max(steps, 1) * timeout + _STOP_MARGIN
 
     async def quiesce(self, timeout: float = 5.0, *, abort: bool = False) -> None:
-        """Shutdown phase 1 (see :meth:`Host.quiesce`; each step of it gets ``timeout``).
+        """Shutdown phase 1 (see :meth:`LocalHost.quiesce`; each step of it gets ``timeout``).
         Never raises."""
         self._stopping = True
         if self._process is not None and not self._gone:

@@ -49,7 +49,8 @@ from pipeline.runtime.errors import (
     StageFailedError,
 )
 from pipeline.runtime.gc_policy import raise_young_threshold, restore_threshold
-from pipeline.runtime.host import Host
+from pipeline.runtime.host import LocalHost
+from pipeline.runtime.hosts import Host, RemoteHost
 from pipeline.runtime.processes import ProcessHost
 from pipeline.runtime.protocol import HostPlan, HostStatistics, RemoteLink
 from pipeline.runtime.ray_hosts import (
@@ -87,7 +88,7 @@ _UNRESPONSIVE_GRACE = 2.0
 _EXIT_GRACE = 0.2
 #: Seconds each step of a forced teardown (stopping a stage, closing a link) may take.
 _FORCED_STEP_TIMEOUT = 1.0
-#: How a host names a link in the PeerLostError it reports (see ``Host._pump``).
+#: How a host names a link in the PeerLostError it reports (see ``LocalHost._pump``).
 _LINK_IN_ERROR = re.compile(r"\blink (L\d+) into\b")
 
 
@@ -195,8 +196,8 @@ class RunningPipeline:
         self.pipeline = pipeline
         self.options = options
         self.failure: BaseException | None = None
-        self._main: Host | None = None
-        self._processes: dict[str, ProcessHost | RayActorHost] = {}
+        self._main: LocalHost | None = None
+        self._processes: dict[str, RemoteHost] = {}
         self._placement_groups: list[Any] = []
         self._ray_owned = False  # this pipeline connected this process to Ray
         self._exits: dict[str, MemoryChannel[Any]] = {}
@@ -269,7 +270,7 @@ class RunningPipeline:
                 name: plan if name in self.options.hosts else reachable_plan(plan, ip)
                 for name, plan in plans.items()
             }
-        self._main = Host(
+        self._main = LocalHost(
             plans[MAIN_HOST],
             self._failure_reporter(MAIN_HOST),
             exits=self._exits,
@@ -295,7 +296,7 @@ class RunningPipeline:
                 )
         await asyncio.gather(*(process.spawn() for process in self._processes.values()))
         self._main.build()
-        hosts: list[Host | ProcessHost | RayActorHost] = [self._main, *self._processes.values()]
+        hosts: list[Host] = [self._main, *self._processes.values()]
         addresses: dict[str, str] = {}
         for bound in await asyncio.gather(*(host.bind_links() for host in hosts)):
             addresses.update(bound)
@@ -591,13 +592,13 @@ class RunningPipeline:
         error.__cause__ = cause
         self._fail_host(host, error)
 
-    async def _probe_hosts(self, hosts: list[ProcessHost | RayActorHost]) -> None:
+    async def _probe_hosts(self, hosts: list[RemoteHost]) -> None:
         """Ask ``hosts`` (spawned hosts that send over no link, so no link heartbeat tells
         whether they are alive) for statistics every heartbeat interval; one that does not
         answer within the heartbeat timeout fails the pipeline as unresponsive."""
         interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
 
-        async def probe(host: ProcessHost | RayActorHost) -> None:
+        async def probe(host: RemoteHost) -> None:
             # NOTE: the loop ends on ``_closing`` (set before the teardown cancels this task),
             # not on the cancellation alone: before Python 3.12, ``asyncio.wait_for`` returns
             # the result and drops a cancellation that arrives as the call it awaits completes
@@ -809,13 +810,13 @@ class RunningPipeline:
         for channel in self._exits.values():
             channel.close_sending()
 
-    async def _find_silent_hosts(self, processes: list[ProcessHost | RayActorHost]) -> None:
+    async def _find_silent_hosts(self, processes: list[RemoteHost]) -> None:
         """After a failure, count a host that does not answer a probe within
         :data:`_UNRESPONSIVE_GRACE` as unresponsive (one frozen, or whose event loop is stuck,
         while another host's failure came first), so that the teardown resumes it and waits
         for it only briefly."""
 
-        async def silent(process: ProcessHost | RayActorHost) -> bool:
+        async def silent(process: RemoteHost) -> bool:
             try:
                 await asyncio.wait_for(process.statistics(), _UNRESPONSIVE_GRACE)
             except asyncio.TimeoutError:
@@ -861,7 +862,7 @@ class RunningPipeline:
         self._torn_down = True
 
     @staticmethod
-    def _resume(process: ProcessHost | RayActorHost) -> None:
+    def _resume(process: RemoteHost) -> None:
         """SIGCONT an unresponsive host, so that one frozen by SIGSTOP can still shut down
         cleanly (its links and ipc files); one whose event loop is stuck is waited for only
         briefly (``_UNRESPONSIVE_GRACE``), then terminated, then killed, by ProcessHost.stop."""
