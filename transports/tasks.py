@@ -8,8 +8,8 @@ nurseries and anyio's task groups model, shaped for long-lived supervisors that
 ``asyncio.TaskGroup`` (Python >= 3.11 only; this project supports 3.10) does not fit: a task is
 spawned now and runs while its owner lives, one that fails does not cancel its siblings (its
 owner decides what a failure means), and closing the set cancels what still runs and waits for
-it. ``tests/test_task_ownership.py`` fails on a ``create_task`` or ``ensure_future`` anywhere else in
-the packages.
+it. ``tests/test_task_ownership.py`` fails on a ``create_task`` or ``ensure_future``
+anywhere else in the packages.
 
 A function that starts tasks for its own duration uses the set as an async context manager:
 leaving the block (normally, by an error or by a cancellation) cancels what still runs and
