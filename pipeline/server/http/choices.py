@@ -37,7 +37,8 @@ _Arrival = tuple[int, RequestOutput | Exception | None]
 
 class RunningRequests:
     """The engine requests an HTTP server is answering (to abort them at shutdown), and the
-    cleanup tasks still running (kept referenced until they end)."""
+    tasks serving them: each :class:`Choices`' readers and disconnect watcher (its close
+    cancels them) and the cleanups still running (kept referenced until they end)."""
 
     def __init__(self) -> None:
         self.ids: set[str] = set()
