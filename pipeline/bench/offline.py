@@ -50,7 +50,6 @@ The last form runs the workload on N tensor-parallel ranks against one rank inst
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import gc
 import json
@@ -67,6 +66,7 @@ from pipeline.bench.roof import Roof, RoofConfig, format_share, kv_bytes_per_tok
 from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload, prompt_ids
 
 if TYPE_CHECKING:
+    from pipeline.engine.loop_thread import LoopThread
     from stages.params import SamplingParams
 
 __all__ = [
@@ -623,8 +623,8 @@ def _run_actorline(
 
 def _on_engine_loop(llm: Any, coroutine: Coroutine[Any, Any, T]) -> T:
     """Run ``coroutine`` on the event loop the ``LLM`` runs its engine on."""
-    loop: asyncio.AbstractEventLoop = llm._loop.loop  # the LLM's private loop thread
-    return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+    loop: LoopThread = llm._loop  # the LLM's private loop thread
+    return loop.run(coroutine)
 
 
 def format_offline(result: OfflineResult) -> str:

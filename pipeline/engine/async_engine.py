@@ -62,6 +62,7 @@ from stages.messages import (
 )
 from stages.params import SamplingParams
 from stages.validation import check_request_id
+from transports.tasks import TaskSet
 
 __all__ = ["AsyncEngine", "EngineObserver"]
 
@@ -144,6 +145,8 @@ class AsyncEngine:
         self._engine_ids: dict[str, str] = {}  # caller's id -> the running request's id
         self._incarnations = itertools.count()
         self._dispatcher: asyncio.Task[None] | None = None
+        # each generation's dispatcher and abort sender, and the restart task
+        self._tasks = TaskSet("engine")
         self._abort_queue: asyncio.Queue[str] = asyncio.Queue()
         self._abort_sender: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
@@ -223,8 +226,8 @@ class AsyncEngine:
         self.replica_stats = {}
         while not self._abort_queue.empty():  # ids of the dead generation's requests
             self._abort_queue.get_nowait()
-        self._dispatcher = asyncio.create_task(self._dispatch(running), name="engine:dispatch")
-        self._abort_sender = asyncio.create_task(self._send_aborts(running), name="engine:aborts")
+        self._dispatcher = self._tasks.spawn(self._dispatch(running), name="engine:dispatch")
+        self._abort_sender = self._tasks.spawn(self._send_aborts(running), name="engine:aborts")
         running.add_replica_callback(self._on_replica_lost)
         for callback in self._replica_callbacks:
             running.add_replica_callback(callback)
@@ -647,9 +650,7 @@ class AsyncEngine:
             policy.window,
             policy.limit,
         )
-        self._restarting = asyncio.get_running_loop().create_task(
-            self._restart(running, delay), name="engine:restart"
-        )
+        self._restarting = self._tasks.spawn(self._restart(running, delay), name="engine:restart")
 
     async def _restart(self, dead: RunningPipeline, delay: float) -> None:
         """Stop the dead generation, wait ``delay``, start a fresh one and serve from it; a

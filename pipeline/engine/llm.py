@@ -25,6 +25,7 @@ from pipeline.runtime.errors import PipelineClosedError
 from stages.errors import InvalidRequestError, OverloadedError, RateLimitedError
 from stages.messages import ChatMessage, RequestOutput
 from stages.params import SamplingParams
+from transports.tasks import TaskSet
 
 __all__ = ["LLM"]
 
@@ -173,14 +174,11 @@ class LLM:
                 progress.update(1)
             return last
 
-        tasks = [asyncio.ensure_future(one(p, s)) for p, s in zip(prompts, params)]
         try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            # NOTE: leaving the block on an error cancels the other prompts and waits for them
+            async with TaskSet("generate") as tasks:
+                running = [tasks.spawn(one(p, s)) for p, s in zip(prompts, params)]
+                return list(await asyncio.gather(*running))
         finally:
             if progress is not None:
                 progress.close()
