@@ -37,7 +37,7 @@ from pipeline.engine.presets import (
     options_of,
     start_options,
 )
-from pipeline.engine.prompts import Prompt, checked_request
+from pipeline.engine.prompts import CheckedPrompt, Prompt, check_prompt
 from pipeline.engine.restarts import RestartPolicy
 from pipeline.runtime.errors import (
     GraphError,
@@ -315,9 +315,36 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def generate(
+    def check(
         self,
         prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str = "",
+        chat_template: bool = False,
+    ) -> CheckedPrompt:
+        """``prompt`` and ``sampling_params`` checked by the validation core, as
+        :meth:`generate` checks them, for a front end that checks a batch before any of it
+        starts (``LLM.generate``, an HTTP request's choices): :meth:`generate` takes the
+        result without checking again. ``request_id`` is only named by an error.
+
+        Raises:
+            InvalidRequestError: a bad prompt or sampling parameter (the field is named).
+        """
+        info = self.info
+        return check_prompt(
+            prompt,
+            sampling_params,
+            tenant=tenant,
+            chat_template=chat_template,
+            vocab_size=info.vocab_size if info is not None else None,
+            request_id=request_id,
+        )
+
+    async def generate(
+        self,
+        prompt: Prompt | CheckedPrompt,
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -329,8 +356,10 @@ class AsyncEngine:
 
         ``prompt``: a string (``chat_template=True`` wraps it as a user message), a list of
         chat messages, a list of token ids, or vLLM's ``{"prompt": text}`` /
-        ``{"prompt_token_ids": ids}``. ``request_id``: a non-empty string, unique among this
-        engine's running requests (default: a fresh uuid).
+        ``{"prompt_token_ids": ids}``; or a :class:`~pipeline.engine.prompts.CheckedPrompt`
+        from :meth:`check`, which carries its parameters, tenant and chat-template flag (then
+        give none of them here) and is not checked again. ``request_id``: a non-empty string,
+        unique among this engine's running requests (default: a fresh uuid).
 
         Raises:
             InvalidRequestError: a bad prompt, sampling parameter or request id (the field is
@@ -345,24 +374,30 @@ class AsyncEngine:
         else:
             request_id = check_request_id(request_id)
             engine_id = f"{request_id}#{next(self._incarnations)}"
-        info = self.info
-        try:
-            # NOTE: the one validation core of every front end (docs/architecture.md,
-            # "Failure: one request or the pipeline"): a value no stage or link could carry
-            # is refused here, naming its field, before it can reach a stage.
-            request = checked_request(
-                engine_id,
+        if isinstance(prompt, CheckedPrompt):
+            if sampling_params is not None or chat_template or tenant not in ("", prompt.tenant):
+                raise InvalidRequestError(
+                    "a checked prompt carries its sampling parameters, tenant and chat "
+                    "template flag; give them to check(), not to generate()",
+                    field="sampling_params",
+                    request_id=request_id,
+                )
+            checked = prompt
+        else:
+            # NOTE: the one validation core of every front end (docs/architecture.md §7.1,
+            # "Validate at the boundary"): a value no stage or link could carry is refused
+            # here, naming its field, before it can reach a stage. The error names the
+            # caller's id, not the "<id>#<n>" the request has inside the pipeline.
+            checked = self.check(
                 prompt,
                 sampling_params,
-                tenant,
-                chat_template,
-                vocab_size=info.vocab_size if info is not None else None,
+                request_id=request_id,
+                tenant=tenant,
+                chat_template=chat_template,
             )
-        except RequestError as exc:
-            # NOTE: the error reaches the caller, who knows the request by its own id, not
-            # by the "<id>#<n>" it has inside the pipeline.
-            exc.request_id = request_id
-            raise
+        request = dataclasses.replace(
+            checked.request, request_id=engine_id, arrival_time=time.time()
+        )
         running = self._check_usable()
         if request_id in self._engine_ids:
             raise InvalidRequestError(
