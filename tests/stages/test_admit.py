@@ -18,8 +18,10 @@ from stages.admit import (
     TenantLimits,
     validate_request,
 )
+from stages.errors import InvalidRequestError
 from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejected
 from stages.params import SamplingParams
+from stages.validation import resolve_max_tokens
 
 INFO = EngineInfo(
     model="fake",
@@ -198,6 +200,42 @@ def test_max_tokens_none_is_capped_at_the_burst() -> None:
         assert "30 tokens" in too_long.message
 
     run_admit(config, body)
+
+
+@pytest.mark.parametrize(
+    ("num_prompt", "max_tokens", "min_tokens"),
+    [(10, None, 0), (30, None, 0), (10, None, 15), (60, None, 5), (10, 8, 0), (63, None, 0)],
+)
+def test_admit_resolves_max_tokens_by_the_one_rule(
+    num_prompt: int, max_tokens: int | None, min_tokens: int
+) -> None:
+    """What admit admits or refuses is what :func:`resolve_max_tokens` says, with the
+    tenant's burst (20 tokens) as the budget: the scheduler and the rate limit use that one
+    number (the limit admitted is the one charged)."""
+    limits = TenantLimits(tokens_per_second=1000.0, burst_seconds=0.02)  # a burst of 20
+    message = request("m", (5,) * num_prompt, max_tokens=max_tokens, min_tokens=min_tokens)
+
+    async def body(running: RunningPipeline) -> None:
+        got = await answer(running, message)
+        try:
+            expected = resolve_max_tokens(
+                message.params,
+                prompt_tokens=num_prompt,
+                max_model_len=INFO.max_model_len,
+                budget=20.0,
+                request_id="m",
+            )
+        except InvalidRequestError as error:
+            assert isinstance(got, RequestRejected)
+            assert (got.field, got.message) == (error.field, str(error))
+            return
+        if num_prompt + expected > 20:  # an explicit max_tokens over the burst
+            assert isinstance(got, RequestRejected) and got.field == "max_tokens"
+            assert f"needs {num_prompt + expected} tokens" in got.message
+            return
+        assert isinstance(got, EngineRequest) and got.params.max_tokens == expected
+
+    run_admit(AdmitConfig(default_limits=limits), body)
 
 
 def test_full_buckets_of_many_tenants_are_forgotten() -> None:
