@@ -160,9 +160,7 @@ def test_a_good_request_is_checked_once_per_engine_request(counted: Served) -> N
     async def over_grpc() -> int:
         async with grpc.aio.insecure_channel(counted.address) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            request = pb.GenerateRequest(
-                text="hi", sampling_params=pb.SamplingParams(max_tokens=3)
-            )
+            request = pb.GenerateRequest(text="hi", sampling_params=pb.SamplingParams(max_tokens=3))
             return sum([len(r.token_ids) async for r in stub.Generate(request)])
 
     assert counted.run(over_grpc()) == 3
