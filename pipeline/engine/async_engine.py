@@ -37,7 +37,7 @@ from pipeline.engine.presets import (
     options_of,
     start_options,
 )
-from pipeline.engine.prompts import CheckedPrompt, Prompt, check_prompt
+from pipeline.engine.prompts import CheckedPrompt, Prompt, as_checked, check_prompt
 from pipeline.engine.restarts import RestartPolicy
 from pipeline.runtime.errors import (
     GraphError,
@@ -374,27 +374,18 @@ class AsyncEngine:
         else:
             request_id = check_request_id(request_id)
             engine_id = f"{request_id}#{next(self._incarnations)}"
-        if isinstance(prompt, CheckedPrompt):
-            if sampling_params is not None or chat_template or tenant not in ("", prompt.tenant):
-                raise InvalidRequestError(
-                    "a checked prompt carries its sampling parameters, tenant and chat "
-                    "template flag; give them to check(), not to generate()",
-                    field="sampling_params",
-                    request_id=request_id,
-                )
-            checked = prompt
-        else:
-            # NOTE: the one validation core of every front end (docs/architecture.md §7.1,
-            # "Validate at the boundary"): a value no stage or link could carry is refused
-            # here, naming its field, before it can reach a stage. The error names the
-            # caller's id, not the "<id>#<n>" the request has inside the pipeline.
-            checked = self.check(
-                prompt,
-                sampling_params,
-                request_id=request_id,
-                tenant=tenant,
-                chat_template=chat_template,
-            )
+        # NOTE: the one validation core of every front end (docs/architecture.md §7.1): a
+        # value no stage or link could carry is refused here, naming its field, before it
+        # can reach a stage; the error names the caller's id, not the pipeline's "<id>#<n>".
+        info = self.info
+        checked = as_checked(
+            prompt,
+            sampling_params,
+            tenant=tenant,
+            chat_template=chat_template,
+            vocab_size=info.vocab_size if info is not None else None,
+            request_id=request_id,
+        )
         request = dataclasses.replace(
             checked.request, request_id=engine_id, arrival_time=time.time()
         )

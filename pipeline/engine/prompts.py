@@ -20,6 +20,7 @@ from stages.validation import validate_generate_request
 __all__ = [
     "CheckedPrompt",
     "Prompt",
+    "as_checked",
     "check_prompt",
     "checked_request",
     "is_prompt_dict",
@@ -193,3 +194,38 @@ def check_prompt(
         exc.request_id = request_id
         raise
     return CheckedPrompt(request, vocab_size)
+
+
+def as_checked(
+    prompt: Prompt | CheckedPrompt,
+    params: SamplingParams | None,
+    *,
+    tenant: str = "",
+    chat_template: bool = False,
+    vocab_size: int | None = None,
+    request_id: str | None = None,
+) -> CheckedPrompt:
+    """``prompt`` as it is if the core checked it already (it carries its parameters,
+    tenant and chat-template flag: give none of its own), else :func:`check_prompt`.
+
+    Raises:
+        InvalidRequestError: naming the field that is wrong, or (field ``sampling_params``)
+            parameters given beside a checked prompt.
+    """
+    if not isinstance(prompt, CheckedPrompt):
+        return check_prompt(
+            prompt,
+            params,
+            tenant=tenant,
+            chat_template=chat_template,
+            vocab_size=vocab_size,
+            request_id=request_id,
+        )
+    if params is not None or chat_template or tenant not in ("", prompt.tenant):
+        raise InvalidRequestError(
+            "a checked prompt carries its sampling parameters, tenant and chat template "
+            "flag; give them to check(), not to generate()",
+            field="sampling_params",
+            request_id=request_id,
+        )
+    return prompt
