@@ -1,9 +1,10 @@
 """Sampling parameters, with vLLM's names and defaults.
 
-Construction never raises for out-of-range values: a request from any source (Python, a gRPC
-client, another stage) reaches admit, which validates it with :func:`validate_sampling` and
-answers with an :class:`~stages.errors.InvalidRequestError` naming the field. The façade calls
-the same function early so Python callers get the error before anything is queued.
+Construction never raises for out-of-range values: every request, from any front end (Python,
+HTTP, gRPC), is checked once where it enters the engine by the validation core
+(:func:`stages.validation.validate_generate_request`), which calls :func:`validate_sampling`
+and raises an :class:`~stages.errors.InvalidRequestError` naming the field before anything is
+queued (docs/architecture.md §7.1). The stages trust what it passed.
 """
 
 from __future__ import annotations

@@ -115,6 +115,8 @@ def create_app(
     ) -> Response:
         """Start ``plan``'s choices and answer them whole (``respond``) or streamed
         (``events``): the part both endpoints share."""
+        tenant = tenant_of(request.scope)
+        checked = service.check(request_id, plan.choices, tenant)
         answer = Answer.create(
             request_id,
             object_name,
@@ -123,9 +125,7 @@ def create_app(
             plan.include_usage,
             plan.per_prompt,
         )
-        started = await service.start(
-            request_id, plan.choices, tenant_of(request.scope), request.receive
-        )
+        started = await service.start(request_id, checked, tenant, request.receive)
         if not stream:
             return JsonAnswer(respond(answer, await service.collect(started)))
         return EventStream(started, events(answer, started))

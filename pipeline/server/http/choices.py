@@ -23,9 +23,8 @@ from typing import Any, cast
 from starlette.types import Receive
 
 from pipeline.engine.async_engine import AsyncEngine
-from pipeline.engine.prompts import Prompt
+from pipeline.engine.prompts import CheckedPrompt
 from stages.messages import RequestOutput
-from stages.params import SamplingParams
 from transports.tasks import TaskSet
 
 __all__ = ["Choices", "RunningRequests"]
@@ -57,7 +56,7 @@ class Choices:
         self,
         engine: AsyncEngine,
         request_id: str,
-        choices: Sequence[tuple[Prompt, SamplingParams]],
+        choices: Sequence[CheckedPrompt],
         tenant: str,
         running: RunningRequests,
     ) -> None:
@@ -69,9 +68,9 @@ class Choices:
         self._streams = [
             cast(
                 AsyncGenerator[RequestOutput, None],
-                engine.generate(prompt, params, request_id=engine_id, tenant=tenant),
+                engine.generate(checked, request_id=engine_id, tenant=tenant),
             )
-            for engine_id, (prompt, params) in zip(self.engine_ids, choices)
+            for engine_id, checked in zip(self.engine_ids, choices)
         ]
         self.latest: list[RequestOutput] = []
         self._readers: list[asyncio.Task[Any]] = []

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from starlette.types import Receive
 
 from pipeline.engine.async_engine import AsyncEngine
-from pipeline.engine.prompts import Prompt, checked_request
+from pipeline.engine.prompts import CheckedPrompt, Prompt
 from pipeline.server.http.choices import Choices, RunningRequests
 from pipeline.server.http.errors import SERVER_ERROR, ApiError
 from pipeline.server.http.logprobs import TokenTexts
@@ -77,29 +77,35 @@ class HttpService:
             raise ApiError(503, "the tokenizer is not loaded", error_type=SERVER_ERROR)
         return self.texts
 
-    async def start(
-        self,
-        request_id: str,
-        choices: Sequence[tuple[Prompt, SamplingParams]],
-        tenant: str,
-        receive: Receive,
-    ) -> Choices:
-        """Start one engine request per choice and wait for each one's first output.
+    def check(
+        self, request_id: str, choices: Sequence[tuple[Prompt, SamplingParams]], tenant: str
+    ) -> list[CheckedPrompt]:
+        """Every choice through the engine's validation core, once, before any starts
+        (docs/architecture.md §7.1): a value no stage or link could carry is a 400 naming
+        its field, and no choice is started only to be aborted again. Then what only this
+        server knows: the logprobs one answer may carry.
 
         Raises:
-            ApiError: the engine refused a choice (400, 429, 503...) or cannot serve; 400
-                ``invalid_value`` (param ``logprobs``) for an answer that could carry more
-                logprobs than ``max_logprob_entries``.
+            ApiError: 400 naming the field that is invalid; 503 while nothing can be
+                served; 400 ``invalid_value`` (param ``logprobs``) for an answer that could
+                carry more logprobs than ``max_logprob_entries``.
         """
+        try:
+            checked = [
+                self.engine.check(prompt, params, request_id=request_id, tenant=tenant)
+                for prompt, params in choices
+            ]
+        except RequestError as exc:
+            raise ApiError.from_error(exc) from None
         problem = self.problem()
         if problem is not None:
             raise problem
         info = self.engine.info
-        if choices and info is not None:
-            params = choices[0][1]  # NOTE: the choices differ in their seeds only
+        if checked and info is not None:
+            params = checked[0].params  # NOTE: the choices differ in their seeds only
             try:
                 check_logprob_entries(
-                    len(choices),
+                    len(checked),
                     params.max_tokens,
                     params.logprobs,
                     info.max_model_len,
@@ -107,21 +113,24 @@ class HttpService:
                 )
             except RequestError as exc:
                 raise ApiError.from_error(exc) from None
-        for prompt, params in choices:
-            # NOTE: every choice through the validation core before any starts
-            # (docs/architecture.md §7.1): a value no stage or link could carry is a 400
-            # naming its field, and no choice is started only to be aborted again.
-            try:
-                checked_request(
-                    request_id,
-                    prompt,
-                    params,
-                    tenant,
-                    False,
-                    vocab_size=info.vocab_size if info is not None else None,
-                )
-            except RequestError as exc:
-                raise ApiError.from_error(exc) from None
+        return checked
+
+    async def start(
+        self,
+        request_id: str,
+        choices: Sequence[CheckedPrompt],
+        tenant: str,
+        receive: Receive,
+    ) -> Choices:
+        """Start one engine request per checked choice (:meth:`check`) and wait for each
+        one's first output.
+
+        Raises:
+            ApiError: the engine refused a choice (400, 429, 503...) or cannot serve.
+        """
+        problem = self.problem()
+        if problem is not None:
+            raise problem
         started = Choices(self.engine, request_id, choices, tenant, self.running)
         try:
             await started.start(receive)
