@@ -23,9 +23,9 @@ from stages.errors import (
     RateLimitedError,
     RequestError,
 )
-from stages.failures import rejection, request_id_of
 from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejected
 from stages.params import SamplingParams, validate_sampling
+from stages.recovery import rejection, request_id_of
 from stages.token_bucket import TokenBucket
 
 __all__ = [

@@ -13,7 +13,7 @@ from pipeline.engine.prompts import make_request
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage, EngineRequest, GenerateRequest
 from stages.params import SamplingParams, validate_sampling
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.params import StructuredOutputsParams
 from stages.validation import MAX_REQUEST_ID_LENGTH, check_request_id, validate_generate_request
 from tests.hostile import FIELD_VALUES, JUNK, PROMPTS, SAMPLING, TEXT, sampling_params
 from transports.codec import Codec

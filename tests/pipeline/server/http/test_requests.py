@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from pipeline.server.http.errors import ApiError
-from pipeline.server.http.protocol import (
+from pipeline.server.http.requests import SEED_RANGE, plan_chat, plan_completion
+from pipeline.server.http.schema import (
     MAX_CHOICES,
     MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from pipeline.server.http.requests import SEED_RANGE, plan_chat, plan_completion
 from stages.messages import ChatMessage
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

@@ -33,7 +33,7 @@ _FORMAT_CODES = {"q8": 0, "q4": 1, "q4f": 2}
 
 class QuantGemmKernel:
     """``y = x @ W^T + b`` with ``W`` in a quantized block layout
-    (:class:`stages.execute.quantized.QuantizedWeight`), and rows of ``W`` as fp32."""
+    (:class:`stages.execute.quant.layers.QuantizedWeight`), and rows of ``W`` as fp32."""
 
     def __init__(self, library: Path) -> None:
         self.path = library
