@@ -34,9 +34,7 @@ def test_every_registered_message_of_ours_is_in_the_table() -> None:
     for name in WIRE_TAGS:
         importlib.import_module(name.rpartition(".")[0])
     ours = {
-        tag: name
-        for tag, name in DEFAULT_REGISTRY.tags().items()
-        if name.split(".")[0] in PACKAGES
+        tag: name for tag, name in DEFAULT_REGISTRY.tags().items() if name.split(".")[0] in PACKAGES
     }
     missing = {tag: name for tag, name in ours.items() if WIRE_TAGS.get(name) != tag}
     assert not missing, f"registered outside transports/tags.py: {missing}"
@@ -76,5 +74,5 @@ def test_a_class_outside_the_table_is_refused_by_name() -> None:
         class Unlisted:
             x: int
 
-    with pytest.raises(LookupError, match="transports/tags.py"):
+    with pytest.raises(LookupError, match=r"transports/tags\.py"):
         tag_of(int)
