@@ -7,12 +7,12 @@ whitespace, as vLLM's default) and each engine installed:
 
 - compile time, cold: a fresh compiler with no cache, median of ``--repeats`` compiles (the
   engines alternate, so both see the same machine load); and cached: the second compile of
-  the same schema through actorline's :class:`~stages.grammar_manager.GrammarManager` for
+  the same schema through actorline's :class:`~stages.structured.manager.GrammarManager` for
   llguidance (its cache, plus the template's deep copy) and through xgrammar's own
   ``GrammarCompiler`` cache;
 - per-token mask time at batch 32: 32 matchers walk 32 different valid documents token by
   token; each step fills all 32 rows of the bitmask (each engine's batched fill: llguidance's
-  ``LLExecutor`` through the engine's own :class:`~stages.grammar_manager.GrammarManager`,
+  ``LLExecutor`` through the engine's own :class:`~stages.structured.manager.GrammarManager`,
   xgrammar's ``BatchGrammarMatcher``, both on up to 4 threads) and advances every matcher by
   its document's token; the engines alternate step by step. Mean, median and 99th percentile
   of the fill per step.
@@ -137,7 +137,7 @@ class _Llguidance:
     def __init__(self, tokenizer: Any, vocab: int, eos: int) -> None:
         import llguidance
 
-        from stages.grammar_manager import GrammarConfig, GrammarManager
+        from stages.structured.manager import GrammarConfig, GrammarManager
 
         self.version = llguidance.get_version() if hasattr(llguidance, "get_version") else "?"
         self._tokenizer = tokenizer
@@ -151,7 +151,7 @@ class _Llguidance:
         self.setup_ms = (time.perf_counter() - began) * 1e3
 
     def compile_cold(self, schema: str) -> float:
-        from stages.grammar_llguidance import LLGuidanceBackend
+        from stages.structured.llguidance import LLGuidanceBackend
 
         backend = self._manager.backend()
         assert isinstance(backend, LLGuidanceBackend)
@@ -237,7 +237,7 @@ class _Xgrammar:
 
 
 def _params(schema: str) -> Any:
-    from stages.structured_outputs import StructuredOutputsParams
+    from stages.structured.params import StructuredOutputsParams
 
     return StructuredOutputsParams(json=schema)
 

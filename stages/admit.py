@@ -30,8 +30,8 @@ from stages.errors import (
     RateLimitedError,
     RequestError,
 )
-from stages.failures import rejection, request_id_of
 from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejected
+from stages.recovery import rejection, request_id_of
 from stages.token_bucket import TokenBucket
 from stages.validation import resolve_max_tokens, room_after_prompt
 

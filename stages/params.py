@@ -13,7 +13,7 @@ import dataclasses
 
 from stages.checks import check_bool, check_int, check_number, check_text, check_token_ids, describe
 from stages.errors import InvalidRequestError
-from stages.structured_outputs import StructuredOutputsParams, validate_structured_outputs
+from stages.structured.params import StructuredOutputsParams, validate_structured_outputs
 from transports.codec import message
 
 __all__ = [
@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 
-@message(100)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one request's tokens (vLLM names and defaults).
@@ -37,7 +37,7 @@ class SamplingParams:
     generator, kept across preemption, so a seeded request samples the same tokens every run.
     ``priority``: smaller runs first under the ``priority`` scheduler (as in vLLM).
     ``structured_outputs``: a constraint the output must match (a JSON schema, a regex, a
-    choice, a grammar; see :mod:`stages.structured_outputs`), as vLLM's field of that name.
+    choice, a grammar; see :mod:`stages.structured.params`), as vLLM's field of that name.
     ``max_tokens`` None: generate until the model's length (what is left of it after the
     prompt), as vLLM's ``max_tokens=None``; admit replaces it with that number.
     ``stop`` takes a list of strings or one string, ``stop_token_ids`` a list of ids; None

@@ -20,8 +20,8 @@ from typing import Any
 
 from pipeline.runtime.stage import Stage, handles
 from stages.errors import InvalidRequestError, PromptTooLongError, RequestError
-from stages.failures import rejection, request_id_of
 from stages.messages import EngineInfo, EngineRequest, GenerateRequest, RequestRejected
+from stages.recovery import rejection, request_id_of
 
 __all__ = [
     "TokenizeConfig",

@@ -46,7 +46,7 @@ PURE_MODULES = (
     "stages.execute.model_length",
     "stages.checks",
     "stages.validation",
-    "stages.failures",
+    "stages.recovery",
 )
 FORBIDDEN = ("asyncio", "anyio", "zmq", "grpc", "torch")
 
@@ -56,6 +56,7 @@ LAYERS = (
     ("transports", 1),
     ("pipeline.runtime", 2),
     ("stages", 3),
+    ("pipeline.demo", 3),  # the Collatz demo: a pipeline on the runtime alone, like stages
     ("pipeline.engine", 4),
     ("pipeline.server", 5),
     ("pipeline.bench", 6),

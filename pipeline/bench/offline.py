@@ -407,7 +407,7 @@ def structured_params(index: int, params: SamplingParams) -> SamplingParams:
     """The structured run's params of request ``index``: every other one constrained to the
     order schema."""
     from pipeline.bench.workload import ORDER_SCHEMA
-    from stages.structured_outputs import StructuredOutputsParams
+    from stages.structured.params import StructuredOutputsParams
 
     if index % 2:
         return params
@@ -419,8 +419,8 @@ def _grammar_compile_times(model: str) -> GrammarCompileTimes:
     import time
 
     from pipeline.bench.workload import ORDER_SCHEMA
-    from stages.grammar_manager import GrammarConfig, GrammarManager
-    from stages.structured_outputs import StructuredOutputsParams
+    from stages.structured.manager import GrammarConfig, GrammarManager
+    from stages.structured.params import StructuredOutputsParams
     from stages.tokenize import load_tokenizer
 
     tokenizer = load_tokenizer(model)

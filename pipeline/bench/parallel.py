@@ -253,7 +253,7 @@ async def measure_data_parallel(
     docstring)."""
     from pipeline.engine.async_engine import AsyncEngine
     from stages.params import SamplingParams
-    from stages.router import RouterStage
+    from stages.route import RouterStage
 
     if size < 2:
         raise ValueError(f"size must be >= 2 (compared with one engine), got {size}")

@@ -55,7 +55,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from pipeline.engine.async_engine import AsyncEngine, EngineObserver
-from pipeline.runtime.protocol import HANDLE_SECONDS_BUCKETS
+from pipeline.runtime.control import HANDLE_SECONDS_BUCKETS
 from stages.errors import ERROR_KINDS
 from stages.messages import GenerateRequest, RequestOutput, RequestRejected
 from transports.tasks import TaskSet

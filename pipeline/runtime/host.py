@@ -39,14 +39,14 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import plugins
-from pipeline.runtime.errors import DeadlockError, GraphError, PipelineError, StageFailedError
-from pipeline.runtime.protocol import (
+from pipeline.runtime.control import (
     HANDLE_SECONDS_BUCKETS,
     HostPlan,
     HostStatistics,
     RemoteLink,
     StageStatistics,
 )
+from pipeline.runtime.errors import DeadlockError, GraphError, PipelineError, StageFailedError
 from pipeline.runtime.replicas import ReplicaLost
 from pipeline.runtime.spec import BOUNDARY, Endpoint
 from pipeline.runtime.stage import Stage, recoverable

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from pipeline.runtime.protocol import HostPlan, HostStatistics
+from pipeline.runtime.control import HostPlan, HostStatistics
 from pipeline.runtime.replicas import ReplicaLost
 
 __all__ = ["Host", "RemoteHost"]

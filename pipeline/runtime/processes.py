@@ -41,17 +41,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.runtime.errors import (
-    DeadlockError,
-    GraphError,
-    HostDiedError,
-    PipelineClosedError,
-    StageFailedError,
-)
-from pipeline.runtime.gc_policy import freeze_startup_heap
-from pipeline.runtime.host import FailureCallback, LinkLostCallback, LocalHost
-from pipeline.runtime.prespawn import host_command, preload_modules, take_prespawned
-from pipeline.runtime.protocol import (
+from pipeline.runtime.control import (
     Ack,
     BindLinks,
     ConnectLinks,
@@ -65,6 +55,16 @@ from pipeline.runtime.protocol import (
     StartStages,
     StopHost,
 )
+from pipeline.runtime.errors import (
+    DeadlockError,
+    GraphError,
+    HostDiedError,
+    PipelineClosedError,
+    StageFailedError,
+)
+from pipeline.runtime.gc_policy import freeze_startup_heap
+from pipeline.runtime.host import FailureCallback, LinkLostCallback, LocalHost
+from pipeline.runtime.prespawn import host_command, preload_modules, take_prespawned
 from pipeline.runtime.replicas import ReplicaLost
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError

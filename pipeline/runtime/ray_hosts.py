@@ -45,11 +45,11 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.runtime.control import HostFailure, HostPlan, HostStatistics, LinkLost
 from pipeline.runtime.errors import GraphError, HostDiedError, PipelineClosedError
 from pipeline.runtime.gc_policy import freeze_startup_heap
 from pipeline.runtime.host import FailureCallback, LinkLostCallback, LocalHost
 from pipeline.runtime.processes import error_from_failure, failure_message
-from pipeline.runtime.protocol import HostFailure, HostPlan, HostStatistics, LinkLost
 from pipeline.runtime.replicas import ReplicaLost
 from transports.tasks import TaskSet
 

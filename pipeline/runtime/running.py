@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pipeline.runtime import settings
+from pipeline.runtime.control import HostPlan, HostStatistics, RemoteLink
 from pipeline.runtime.errors import (
     GraphError,
     HostDiedError,
@@ -52,7 +53,6 @@ from pipeline.runtime.gc_policy import raise_young_threshold, restore_threshold
 from pipeline.runtime.host import LocalHost
 from pipeline.runtime.hosts import Host, RemoteHost
 from pipeline.runtime.processes import ProcessHost
-from pipeline.runtime.protocol import HostPlan, HostStatistics, RemoteLink
 from pipeline.runtime.ray_hosts import (
     RayActorHost,
     RayHost,

@@ -31,9 +31,9 @@ from pipeline.engine.options import EngineOptions
 from pipeline.runtime.replicas import ReplicaLost
 from pipeline.server import generation_pb2 as pb
 from pipeline.server.auth import ApiKeys
+from pipeline.server.grpc_service import GenerationService, add_to_server
 from pipeline.server.limits import ListenerLimits, connection_cap
 from pipeline.server.listen import DEFAULT_HOST, format_address
-from pipeline.server.service import GenerationService, add_to_server
 from pipeline.server.tls import ServerTLS
 from transports.tasks import TaskSet
 

@@ -13,7 +13,7 @@ from pipeline.engine.prompts import make_request
 from stages.errors import InvalidRequestError, PromptTooLongError
 from stages.messages import ChatMessage, EngineRequest, GenerateRequest
 from stages.params import SamplingParams, validate_sampling
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.params import StructuredOutputsParams
 from stages.validation import (
     MAX_REQUEST_ID_LENGTH,
     check_request_id,

@@ -1,13 +1,13 @@
 """From a request body to engine requests: each choice's prompt and
 :class:`~stages.params.SamplingParams`, translated from the body; the engine's validation core
 checks each choice once before anything starts
-(:meth:`~pipeline.server.http.service.HttpService.check`).
+(:meth:`~pipeline.server.http.state.HttpService.check`).
 
-``n`` (1 to :data:`~pipeline.server.http.protocol.MAX_N`) asks for that many choices of each
+``n`` (1 to :data:`~pipeline.server.http.schema.MAX_N`) asks for that many choices of each
 prompt, each its own engine request; with a ``seed``, choice j samples with ``seed + j``
 (seeded choices differ, and reproduce), as vLLM's ``n`` does with one seed per sequence.
 ``prompt`` of /v1/completions may be a list of prompts: choice ``prompt_index * n + j``, at
-most :data:`~pipeline.server.http.protocol.MAX_CHOICES` in all. A chat request without a
+most :data:`~pipeline.server.http.schema.MAX_CHOICES` in all. A chat request without a
 token limit generates up to the model's length (vLLM); /v1/completions defaults to 16 tokens
 (OpenAI).
 
@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from pipeline.engine.prompts import Prompt
 from pipeline.server.http.errors import ApiError
-from pipeline.server.http.protocol import (
+from pipeline.server.http.schema import (
     CHAT_ROLES,
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,

@@ -36,7 +36,7 @@ from pipeline.server.http.connections import (
 )
 from pipeline.server.http.defaults import DEFAULT_MAX_REQUEST_BYTES
 from pipeline.server.http.logprobs import TokenTexts
-from pipeline.server.http.service import HttpService
+from pipeline.server.http.state import HttpService
 from pipeline.server.limits import ListenerLimits, connection_cap
 from pipeline.server.listen import format_address, listening_socket
 from pipeline.server.tls import ServerTLS

@@ -10,13 +10,13 @@ import pytest
 
 from pipeline.engine.prompts import check_prompt
 from pipeline.server.http.errors import ApiError
-from pipeline.server.http.protocol import (
+from pipeline.server.http.requests import SEED_RANGE, plan_chat, plan_completion
+from pipeline.server.http.schema import (
     MAX_CHOICES,
     MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from pipeline.server.http.requests import SEED_RANGE, plan_chat, plan_completion
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage
 

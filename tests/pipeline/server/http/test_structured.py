@@ -14,10 +14,10 @@ import pytest
 
 from pipeline.engine.prompts import check_prompt
 from pipeline.server.http.errors import ApiError
-from pipeline.server.http.protocol import ChatCompletionRequest, CompletionRequest
 from pipeline.server.http.requests import plan_chat, plan_completion
+from pipeline.server.http.schema import ChatCompletionRequest, CompletionRequest
 from stages.errors import InvalidRequestError
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.params import StructuredOutputsParams
 from tests.pipeline.server.http.conftest import MODEL
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}, "required": ["b"]}

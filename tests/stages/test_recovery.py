@@ -1,4 +1,4 @@
-"""One bad message fails one request (stages/failures.py and each stage's recovery): a fault
+"""One bad message fails one request (stages/recovery.py and each stage's recovery): a fault
 put into one stage for one request (a tokenizer, the admission checks, the scheduler's
 intake, a detokenizer, a stop checker that raise, a router whose send to a replica fails)
 ends that request with a typed error, aborts it in the engine if it was there, and leaves a
@@ -26,10 +26,10 @@ from pipeline.engine.loop_thread import LoopThread
 from stages import admit, stop_check
 from stages.detokenizer import DetokenizerFactory, IncrementalDetokenizer
 from stages.errors import InvalidRequestError, RequestError
-from stages.failures import rejection, request_error, request_id_of
 from stages.messages import EngineRequest, GenerateRequest, StepResult
-from stages.router import RouterStage
-from stages.routing import ReplicaLoad
+from stages.recovery import rejection, request_error, request_id_of
+from stages.route import RouterStage
+from stages.router import ReplicaLoad
 from stages.schedule import ScheduleStage
 from stages.stop_checker import StopChecker, StopDecision
 from stages.tokenize import TokenizeStage

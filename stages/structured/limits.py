@@ -12,11 +12,11 @@ other request in it. Two bounds keep every constraint compilable on a stack of k
   (subschemas, and the maps that hold them) of a JSON schema. Each rule or subschema is
   entered at most once on any chain of the compiler's recursion, so this bounds its depth;
   the compile thread's stack is sized from it (:func:`compile_stack_bytes`), and
-  ``tests/stages/test_grammar_limits.py`` compiles chains at the bound.
+  ``tests/stages/structured/test_limits.py`` compiles chains at the bound.
   A GBNF grammar may have a quarter of that: llguidance translates it to Lark in Python, in
   time that grows with the square of its rules (``llguidance/gbnf_to_lark.py``'s
   ``resolve``: 1,000 rules about 1 s, 2,000 about 4 s on a quiet core), holding the GIL.
-- ``max_chars``: the text's length (at most :data:`~stages.structured_outputs.MAX_SPEC_CHARS`,
+- ``max_chars``: the text's length (at most :data:`~stages.structured.params.MAX_SPEC_CHARS`,
   which every front end checks already).
 
 Nesting inside one rule or one regex is bounded by llguidance itself ("lark grammar too
@@ -32,7 +32,7 @@ import re
 from typing import Any
 
 from stages.errors import InvalidRequestError
-from stages.structured_outputs import MAX_SPEC_CHARS, StructuredOutputsParams
+from stages.structured.params import MAX_SPEC_CHARS, StructuredOutputsParams
 
 __all__ = [
     "DEFAULT_MAX_RULES",
@@ -76,7 +76,7 @@ class GrammarLimits:
 
     Raises:
         ValueError: ``max_rules`` outside [1, :data:`MAX_RULES_LIMIT`], ``max_chars`` outside
-            [1, :data:`~stages.structured_outputs.MAX_SPEC_CHARS`].
+            [1, :data:`~stages.structured.params.MAX_SPEC_CHARS`].
     """
 
     max_rules: int = DEFAULT_MAX_RULES

@@ -1,4 +1,4 @@
-"""The ``llguidance`` grammar backend (the built-in one; see :mod:`stages.grammar`).
+"""The ``llguidance`` grammar backend (the built-in one; see :mod:`stages.structured.backend`).
 
 Follows vLLM's ``vllm/v1/structured_output/backend_guidance.py``: the tokenizer is wrapped
 once (``llguidance.hf.from_tokenizer``, about a second), each constraint becomes an llguidance
@@ -29,8 +29,8 @@ from typing import Any, ClassVar, cast
 
 import numpy as np
 
-from stages.grammar import API_VERSION, GrammarCompileError, GrammarMatcher
-from stages.structured_outputs import StructuredOutputsParams, closed_objects
+from stages.structured.backend import API_VERSION, GrammarCompileError, GrammarMatcher
+from stages.structured.params import StructuredOutputsParams, closed_objects
 
 __all__ = ["LLGuidanceBackend"]
 

@@ -1,4 +1,4 @@
-"""Tests of stages/execute/quantization.py through the model runner: int8 weights of tiny
+"""Tests of stages/execute/quant/apply.py through the model runner: int8 weights of tiny
 models of several families, GGUF files written here at Q4_0, Q8_0 and Q4_K, and the default
 model's own GGUF weights (Q4_1 and Q8_0), give greedy tokens identical to HF ``generate`` on
 the same dequantized weights; what cannot be served is refused naming ``quantization``."""
@@ -17,8 +17,8 @@ from gguf.quants import quantize as gguf_quantize
 
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.native import fused_ops_kernel, packed_gemm_kernel, paged_decode_kernel
-from stages.execute.quant_kernel import quant_gemm_kernel
-from stages.execute.quantized import QuantEmbedding, QuantLinear, dequantize
+from stages.execute.quant.kernel import quant_gemm_kernel
+from stages.execute.quant.layers import QuantEmbedding, QuantLinear, dequantize
 from stages.execute.runner import ModelRunner
 from stages.messages import EngineRequest
 from stages.models import resolve_model
@@ -89,7 +89,7 @@ GGUF_LLAMA: dict[str, Any] = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
-#: GGML type -> the packed format stages/execute/quantized.py serves it as
+#: GGML type -> the packed format stages/execute/quant/layers.py serves it as
 GGUF_FORMATS = {"Q4_0": "q4", "Q8_0": "q8", "Q4_K": "q4f"}
 
 

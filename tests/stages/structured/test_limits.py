@@ -1,4 +1,4 @@
-"""Issue 34: a grammar cannot hurt the engine. Tests of stages/grammar_limits.py (what the
+"""Issue 34: a grammar cannot hurt the engine. Tests of stages/structured/limits.py (what the
 bounds count, the typed refusal naming the bound), of the compile thread (its own stack,
 nobody else's), and the proof that the stack is sized to the bounds: the largest grammar the
 default bounds admit, in each shape that makes llguidance recurse (a chain of Lark rules, of
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from stages.errors import InvalidRequestError
-from stages.grammar import BITMASK_DTYPE, GrammarCompileError, bitmask_width
-from stages.grammar_limits import (
+from stages.structured.backend import BITMASK_DTYPE, GrammarCompileError, bitmask_width
+from stages.structured.limits import (
     DEFAULT_MAX_RULES,
     GBNF_SHARE,
     MAX_RULES_LIMIT,
@@ -28,10 +28,10 @@ from stages.grammar_limits import (
     compile_stack_bytes,
     count_rules,
 )
-from stages.grammar_llguidance import LLGuidanceBackend
-from stages.grammar_manager import CompileThread, GrammarConfig, GrammarManager
-from stages.structured_outputs import MAX_SPEC_CHARS, StructuredOutputsParams
-from tests.stages.grammar_chains import (
+from stages.structured.llguidance import LLGuidanceBackend
+from stages.structured.manager import CompileThread, GrammarConfig, GrammarManager
+from stages.structured.params import MAX_SPEC_CHARS, StructuredOutputsParams
+from tests.stages.structured.grammar_chains import (
     chain_schema,
     gbnf_chain,
     lark_chain,
@@ -191,7 +191,7 @@ import sys, threading
 sys.path.insert(0, {root!r})
 import llguidance, llguidance.hf
 from stages.tokenize import load_tokenizer
-from tests.stages.grammar_chains import lark_chain
+from tests.stages.structured.grammar_chains import lark_chain
 wrapped = llguidance.hf.from_tokenizer(load_tokenizer({model!r}), n_vocab=49152, eos_token=[2])
 grammar = llguidance.grammar_from("grammar", lark_chain(3000))
 threading.stack_size(8 * 1024 * 1024)  # a default thread's stack on Linux
@@ -206,7 +206,7 @@ print("survived")
 def test_a_3000_rule_chain_on_an_8_mib_stack_kills_its_process(default_model_dir: Any) -> None:
     """Why the compile thread's stack is sized: llguidance overflows a default stack on issue
     34's chain, and a native stack overflow is the whole process's death (here a child's)."""
-    root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[3])
     script = CRASH.format(root=root, model=str(default_model_dir))
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300

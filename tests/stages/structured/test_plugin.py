@@ -41,8 +41,8 @@ def held_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[An
             """
             import threading
 
-            from stages.grammar import GrammarCompileError
-            from stages.grammar_llguidance import LLGuidanceBackend
+            from stages.structured.backend import GrammarCompileError
+            from stages.structured.llguidance import LLGuidanceBackend
 
             class HeldBackend(LLGuidanceBackend):
                 name = "held"
@@ -90,7 +90,7 @@ async def final(engine: AsyncEngine, prompt: str, params: SamplingParams) -> Req
 
 
 def test_a_third_party_backend_is_listed_and_loaded_by_name(held_backend: Any) -> None:
-    from stages.grammar_llguidance import LLGuidanceBackend
+    from stages.structured.llguidance import LLGuidanceBackend
 
     assert {"held", "llguidance"} <= set(plugins.available(plugins.GRAMMARS))
     assert issubclass(held_backend, LLGuidanceBackend) and held_backend.name == "held"

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from stages.errors import InvalidRequestError
-from stages.grammar import (
+from stages.structured.backend import (
     BITMASK_DTYPE,
     CompiledGrammar,
     GrammarBackend,
@@ -40,8 +40,8 @@ from stages.grammar import (
     bitmask_width,
     load_grammar_backend,
 )
-from stages.grammar_limits import GrammarLimits, check_grammar_limits, compile_stack_bytes
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.limits import GrammarLimits, check_grammar_limits, compile_stack_bytes
+from stages.structured.params import StructuredOutputsParams
 
 __all__ = ["CompileThread", "GrammarConfig", "GrammarManager", "GrammarStats"]
 
@@ -56,7 +56,7 @@ class GrammarConfig:
     """``model``: whose tokenizer the backend wraps (alias, HF directory or .gguf).
     ``backend``: a name in the ``actorline.grammars`` plugin group. ``cache_size``: compiled
     grammars kept (least recently used dropped first). ``limits``: the bounds a constraint
-    must keep before it is compiled (:mod:`stages.grammar_limits`).
+    must keep before it is compiled (:mod:`stages.structured.limits`).
 
     Raises:
         ValueError: an empty model or backend name, a cache size below 1, limits that are
@@ -213,7 +213,7 @@ class GrammarManager:
 
     def compile_thread(self, name: str = "actorline-grammar") -> CompileThread:
         """A new one-thread executor for :meth:`compile`, its stack sized to
-        ``config.limits`` (:func:`~stages.grammar_limits.compile_stack_bytes`)."""
+        ``config.limits`` (:func:`~stages.structured.limits.compile_stack_bytes`)."""
         return CompileThread(compile_stack_bytes(self.config.limits), name=name)
 
     def backend(self) -> GrammarBackend:
@@ -315,8 +315,8 @@ class GrammarManager:
 
     def bitmask(self, request_ids: Sequence[str]) -> np.ndarray:
         """The tokens each of ``request_ids`` (all running here) allows next: one row per
-        id, :func:`~stages.grammar.bitmask_width` of the backend's vocabulary (at least the
-        model's) words wide.
+        id, :func:`~stages.structured.backend.bitmask_width` of the backend's vocabulary (at
+        least the model's) words wide.
 
         Raises:
             RuntimeError: no backend is loaded (nothing was compiled).

@@ -1,4 +1,4 @@
-"""Tests of stages/grammar_manager.py: the compile cache, typed errors for grammars that do
+"""Tests of stages/structured/manager.py: the compile cache, typed errors for grammars that do
 not compile, matchers that follow each request's tokens (rolled back when ahead), bitmasks."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from stages.errors import InvalidRequestError
-from stages.grammar_manager import GrammarConfig, GrammarManager
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.manager import GrammarConfig, GrammarManager
+from stages.structured.params import StructuredOutputsParams
 
 EOS = 2
 

@@ -1,4 +1,4 @@
-"""Tests of stages/execute/gguf_weights.py on the default model's GGUF file: the tensor table
+"""Tests of stages/execute/quant/gguf.py on the default model's GGUF file: the tensor table
 read as the gguf package reads it, and every linear of the converted HF model mapped to its
 GGUF tensor with the packed blocks equal to transformers' dequantized weights (Llama's q/k
 permutation included)."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.execute.gguf_weights import GGUFWeights, read_tensor_table
-from stages.execute.quant_kernel import quant_gemm_kernel
-from stages.execute.quantized import dequantize
+from stages.execute.quant.gguf import GGUFWeights, read_tensor_table
+from stages.execute.quant.kernel import quant_gemm_kernel
+from stages.execute.quant.layers import dequantize
 from stages.models import ALIASES
 
 pytestmark = pytest.mark.model

@@ -1,11 +1,11 @@
 """Grammar backends: the engine that turns a structured-outputs constraint into a matcher.
 
 A backend is a plugin of the ``actorline.grammars`` entry-point group (protocol version 1,
-checked by :mod:`plugins`); the built-in ``llguidance`` (:mod:`stages.grammar_llguidance`) was
+checked by :mod:`plugins`); the built-in ``llguidance`` (:mod:`stages.structured.llguidance`) was
 chosen over xgrammar by measurement (``docs/performance.md``, "Grammar engines"). The schedule
-stage's :class:`~stages.grammar_manager.GrammarManager` is its only user:
+stage's :class:`~stages.structured.manager.GrammarManager` is its only user:
 
-- :meth:`GrammarBackend.compile` turns a :class:`~stages.structured_outputs.StructuredOutputsParams`
+- :meth:`GrammarBackend.compile` turns a :class:`~stages.structured.params.StructuredOutputsParams`
   into a :class:`CompiledGrammar` (on a worker thread; the result is cached by the
   constraint's key), or raises :class:`GrammarCompileError` with the engine's reason;
 - :meth:`CompiledGrammar.matcher` starts one request's :class:`GrammarMatcher`, which accepts
@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from plugins import GRAMMARS, load
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.params import StructuredOutputsParams
 
 __all__ = [
     "API_VERSION",

@@ -26,14 +26,14 @@ __all__ = ["QUANT_SOURCE", "QuantGemmKernel", "quant_gemm_kernel"]
 
 logger = logging.getLogger(__name__)
 
-QUANT_SOURCE = Path(__file__).with_name("kernels") / "quant_gemm.c"
+QUANT_SOURCE = Path(__file__).parents[1] / "kernels" / "quant_gemm.c"  # stages/execute/kernels/
 # The kernel's format codes (kernels/quant_gemm.c: FORMAT_Q8, FORMAT_Q4, FORMAT_Q4F).
 _FORMAT_CODES = {"q8": 0, "q4": 1, "q4f": 2}
 
 
 class QuantGemmKernel:
     """``y = x @ W^T + b`` with ``W`` in a quantized block layout
-    (:class:`stages.execute.quantized.QuantizedWeight`), and rows of ``W`` as fp32."""
+    (:class:`stages.execute.quant.layers.QuantizedWeight`), and rows of ``W`` as fp32."""
 
     def __init__(self, library: Path) -> None:
         self.path = library

@@ -1,4 +1,4 @@
-"""Tests of stages/structured_outputs.py: vLLM's shape, exactly one constraint, named fields,
+"""Tests of stages/structured/params.py: vLLM's shape, exactly one constraint, named fields,
 and the codec carries it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from stages.errors import InvalidRequestError
 from stages.params import SamplingParams, validate_sampling
-from stages.structured_outputs import (
+from stages.structured.params import (
     MAX_CHOICES,
     MAX_SPEC_CHARS,
     StructuredOutputsParams,

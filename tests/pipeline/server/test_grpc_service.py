@@ -29,7 +29,7 @@ from pipeline.server.serve import SERVICE_NAME, GenerationServer, ServerTLS
 from pipeline.server.status import ERROR_FIELD_KEY, ERROR_KIND_KEY
 from stages.messages import RequestOutput
 from stages.params import SamplingParams
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.params import StructuredOutputsParams
 from tests.pipeline.server.serving import (
     GOOD_KEY,
     OTHER_KEY,

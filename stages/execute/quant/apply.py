@@ -1,16 +1,16 @@
 """Weight-only quantization of a loaded model, ``ExecuteConfig.quantization``
 (docs/architecture.md §6.3): its fp32 linears (the LM head included) and input embeddings are
-replaced by :class:`~stages.execute.quantized.QuantLinear` and
-:class:`~stages.execute.quantized.QuantEmbedding` over 4- or 8-bit weights; activations, the
+replaced by :class:`~stages.execute.quant.layers.QuantLinear` and
+:class:`~stages.execute.quant.layers.QuantEmbedding` over 4- or 8-bit weights; activations, the
 KV cache and everything else stay fp32.
 
 - ``"gguf"``: the model's GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K), as they are
-  (:mod:`stages.execute.gguf_weights`). Each packed weight must dequantize to the fp32
+  (:mod:`stages.execute.quant.gguf`). Each packed weight must dequantize to the fp32
   checkpoint's weight exactly (the checkpoint is the same file, dequantized by transformers)
   on a spread of rows (reading only those rows of the checkpoint, whose pages then never
   become resident), else that linear stays fp32 and a warning names it.
 - ``"int8"``: any fp32 checkpoint, quantized at load to int8 with an fp16 scale per 32 inputs
-  (:func:`~stages.execute.quantized.quantize_int8`, llama.cpp's Q8_0).
+  (:func:`~stages.execute.quant.layers.quantize_int8`, llama.cpp's Q8_0).
 
 The linears are ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2's, transposed). A linear
 whose inputs are not a multiple of 32, or whose tensor the file holds in another type, stays
@@ -32,10 +32,10 @@ import torch.nn.functional as F
 
 from stages.execute.config import ExecuteConfigError
 from stages.execute.cpu import file_backed_ranges, release_file_pages
-from stages.execute.gguf_weights import GGUFWeights
 from stages.execute.native import NativeKernelError
-from stages.execute.quant_kernel import QuantGemmKernel, quant_gemm_kernel
-from stages.execute.quantized import (
+from stages.execute.quant.gguf import GGUFWeights
+from stages.execute.quant.kernel import QuantGemmKernel, quant_gemm_kernel
+from stages.execute.quant.layers import (
     GROUP,
     QuantEmbedding,
     QuantizedWeight,

@@ -39,7 +39,7 @@ MAX_SPEC_CHARS = 256 * 1024
 MAX_CHOICES = 1024
 
 
-@message(120)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class StructuredOutputsParams:
     """The constraint of one request (vLLM's ``StructuredOutputsParams``); exactly one of

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-@message(60)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class Job:
     """Compute the Collatz step count of every value. ``delay``: seconds to sleep per step
@@ -48,7 +48,7 @@ class Job:
     delay: float = 0.0
 
 
-@message(61)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class Item:
     job_id: str
@@ -59,14 +59,14 @@ class Item:
     delay: float
 
 
-@message(62)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class JobResult:
     job_id: str
     steps: np.ndarray  # [len(values)] int64
 
 
-@message(63)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class Credit:
     """``check`` finished an item: ``split`` may put another one into the cycle."""

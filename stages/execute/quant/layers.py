@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-from stages.execute.quant_kernel import QuantGemmKernel
+from stages.execute.quant.kernel import QuantGemmKernel
 
 __all__ = [
     "GROUP",

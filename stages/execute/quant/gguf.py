@@ -10,7 +10,7 @@ included), maps each HF parameter to its tensor with the gguf package's name map
 file's architecture (as ``transformers/modeling_gguf_pytorch_utils.py``'s
 ``get_gguf_hf_weights_map`` does), applies Llama's q/k row permutation (transformers'
 ``LlamaTensorProcessor``: it moves whole rows, so it holds for raw blocks too), and hands the
-raw blocks of Q8_0, Q4_0, Q4_1 and Q4_K to :func:`~stages.execute.quantized.pack_gguf`.
+raw blocks of Q8_0, Q4_0, Q4_1 and Q4_K to :func:`~stages.execute.quant.layers.pack_gguf`.
 Other types (F32, F16, Q5, Q6_K, ...) are left to the fp32 checkpoint.
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.execute.quant_kernel import QuantGemmKernel
-from stages.execute.quantized import QuantizedWeight, pack_gguf
+from stages.execute.quant.kernel import QuantGemmKernel
+from stages.execute.quant.layers import QuantizedWeight, pack_gguf
 
 __all__ = ["GGUF_TYPES", "GGUFTensor", "GGUFWeights", "read_tensor_table"]
 

@@ -1,4 +1,4 @@
-"""Tests of stages/grammar_llguidance.py on SmolLM2's real tokenizer: every constraint kind
+"""Tests of stages/structured/llguidance.py on SmolLM2's real tokenizer: every constraint kind
 compiles, unsupported features are refused with llguidance's reason, matchers accept,
 terminate and roll back, and bitmasks allow exactly the right tokens."""
 
@@ -10,9 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stages.grammar import BITMASK_DTYPE, GrammarCompileError, bitmask_width, load_grammar_backend
-from stages.grammar_llguidance import LLGuidanceBackend
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.backend import (
+    BITMASK_DTYPE,
+    GrammarCompileError,
+    bitmask_width,
+    load_grammar_backend,
+)
+from stages.structured.llguidance import LLGuidanceBackend
+from stages.structured.params import StructuredOutputsParams
 
 EOS = 2
 

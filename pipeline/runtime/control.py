@@ -1,6 +1,7 @@
 """Internal: host plans, statistics and the control messages between the controller (the
 calling process) and spawned hosts. Control messages travel as codec frames over the
-process's control pipe (bytes, never pickle); tags 1-49 are reserved for the runtime."""
+process's control pipe (bytes, never pickle); their tags are in
+:data:`transports.tags.WIRE_TAGS` (20-49)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pipeline.runtime.replicas import ReplicaLost
 from pipeline.runtime.spec import Endpoint, StageSpec
 from transports.base import LinkOptions, LinkStatistics
 from transports.codec import DEFAULT_REGISTRY, message
+from transports.tags import tag_of
 
 __all__ = [
     "Ack",
@@ -29,7 +31,7 @@ __all__ = [
     "StopHost",
 ]
 
-DEFAULT_REGISTRY.register(LinkStatistics, 10)
+DEFAULT_REGISTRY.register(LinkStatistics, tag_of(LinkStatistics))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,7 +64,7 @@ class HostPlan:
     tune_gc: bool = True
 
 
-@message(20)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageStatistics:
     """One stage: its mailbox, messages handled, time spent handling, whether it is busy
@@ -86,7 +88,7 @@ class StageStatistics:
 HANDLE_SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 
 
-@message(21)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostStatistics:
     """One host: its stages and the ends of its cross-host links (keyed by link id)."""
@@ -98,39 +100,39 @@ class HostStatistics:
     links_out: dict[str, LinkStatistics]
 
 
-@message(30)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class BindLinks:
     call_id: int
 
 
-@message(31)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class LinksBound:
     call_id: int
     addresses: dict[str, str]
 
 
-@message(32)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class ConnectLinks:
     call_id: int
     addresses: dict[str, str]
 
 
-@message(33)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class StartStages:
     call_id: int
 
 
-@message(34)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class QueryStatistics:
     call_id: int
 
 
-@message(35)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class StopHost:
     """Shutdown phase 1 (quiesce: stages stop, senders close) or 2 (release links, exit);
@@ -143,14 +145,14 @@ class StopHost:
     timeout: float = 5.0
 
 
-@message(36)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ack:
     call_id: int
     statistics: HostStatistics | None = None
 
 
-@message(37)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostFailure:
     """A stage (or the host) failed; ``call_id`` is the command it answers, 0 for an event.
@@ -168,7 +170,7 @@ class HostFailure:
     silent_for: float | None = None
 
 
-@message(39)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class CutReplica:
     """Cut this host's links to the lost replica ``lost`` describes and tell the stages
@@ -178,7 +180,7 @@ class CutReplica:
     lost: ReplicaLost
 
 
-@message(40)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class LinkLost:
     """An event (``call_id`` 0): this host's contained link ``link_id`` broke or fell

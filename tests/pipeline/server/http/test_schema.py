@@ -8,7 +8,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from pipeline.server.http.protocol import (
+from pipeline.server.http.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     describe_problem,

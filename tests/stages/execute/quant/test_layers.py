@@ -1,4 +1,4 @@
-"""Tests of stages/execute/quantized.py and quant_kernel.py: llama.cpp's blocks packed and
+"""Tests of stages/execute/quant/layers.py and kernel.py: llama.cpp's blocks packed and
 dequantized bit for bit as the gguf package dequantizes them, the quantized GEMM against
 ``F.linear`` over the dequantized weight (both kernel paths), embeddings, int8 quantization
 equal to llama.cpp's Q8_0, and refusals."""
@@ -14,8 +14,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from stages.execute.native import NativeKernelError
-from stages.execute.quant_kernel import QuantGemmKernel, quant_gemm_kernel
-from stages.execute.quantized import (
+from stages.execute.quant.kernel import QuantGemmKernel, quant_gemm_kernel
+from stages.execute.quant.layers import (
     QuantEmbedding,
     QuantLinear,
     dequantize,
