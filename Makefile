@@ -50,7 +50,7 @@ run: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check pipeline transports stages plugins
+	$(BIN)/ruff format --check pipeline transports stages plugins benchmarks
 
 typecheck: setup
 	$(BIN)/mypy

@@ -44,7 +44,7 @@ _LAZY = {
     "EngineCrashLoopError": "pipeline.engine",
     "WrongEventLoopError": "pipeline.engine",
     "SamplingParams": "stages.params",
-    "StructuredOutputsParams": "stages.structured_outputs",
+    "StructuredOutputsParams": "stages.structured.params",
     "ChatMessage": "stages.messages",
     "Logprobs": "stages.messages",
     "RequestError": "stages.errors",

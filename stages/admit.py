@@ -1,4 +1,10 @@
-"""The admit stage: validates requests, rate-limits tenants, bounds the queue.
+"""The admit stage: checks the prompt against the model, resolves the request's token
+limit, rate-limits tenants, bounds the queue.
+
+The request's fields were checked once where it entered the engine
+(:mod:`stages.validation`); admit checks only what it alone knows (the model's length, the KV
+cache, the vocabulary: :func:`validate_request`) and derives ``max_tokens`` with the one rule,
+:func:`stages.validation.resolve_max_tokens` (docs/architecture.md §7.1).
 
 Every request is either forwarded to schedule or answered at once with a typed
 :class:`~stages.messages.RequestRejected` (invalid → the field is named, over a tenant's limit
@@ -16,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.runtime.stage import Stage, handles, recoverable
+from stages.checks import check_token_ids
 from stages.errors import (
     InvalidRequestError,
     OverloadedError,
@@ -23,16 +30,15 @@ from stages.errors import (
     RateLimitedError,
     RequestError,
 )
-from stages.failures import rejection, request_id_of
 from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejected
-from stages.params import SamplingParams, validate_sampling
+from stages.recovery import rejection, request_id_of
 from stages.token_bucket import TokenBucket
+from stages.validation import resolve_max_tokens, room_after_prompt
 
 __all__ = [
     "AdmitConfig",
     "AdmitStage",
     "TenantLimits",
-    "resolve_max_tokens",
     "validate_request",
 ]
 
@@ -73,42 +79,29 @@ class AdmitConfig:
 
 
 def validate_request(request: EngineRequest, info: EngineInfo) -> None:
-    """Check a request against the model before it can use any resource.
+    """Check the prompt against the model before it can use any resource: what only admit
+    knows (the model's length, the KV cache, the vocabulary). Every other field was checked
+    once where the request entered the engine (:func:`stages.validation.validate_generate_request`,
+    docs/architecture.md §7.1), and is trusted here.
 
     Raises:
         PromptTooLongError: the prompt leaves no room for one generated token in the model's
             length or in the whole KV cache.
-        InvalidRequestError: an empty prompt, a token id that is not an integer or lies
-            outside the vocabulary, or an invalid sampling parameter (the error names the
-            field).
+        InvalidRequestError: an empty prompt, or a prompt or stop token id outside the
+            vocabulary (the error names the field).
     """
     ids = request.prompt_token_ids
     if not ids:
         raise InvalidRequestError(
             "the prompt has no tokens", field="prompt", request_id=request.request_id
         )
-    if len(ids) >= info.max_model_len:
-        raise PromptTooLongError(
-            f"the prompt has {len(ids)} tokens; the model's length is {info.max_model_len} "
-            "(prompt plus at least one generated token)",
-            field="prompt",
-            request_id=request.request_id,
-        )
+    room_after_prompt(len(ids), info.max_model_len, request_id=request.request_id)
     kv_tokens = info.num_blocks * info.block_size
     if len(ids) >= kv_tokens:
         raise PromptTooLongError(
             f"the prompt has {len(ids)} tokens; the whole KV cache holds {kv_tokens} "
             "(prompt plus at least one generated token)",
             field="prompt",
-            request_id=request.request_id,
-        )
-    # NOTE: exact ints only (not bool, not 5.0): anything else would reach execute's block
-    # hashing and embedding lookup and fail there, taking every running request with it.
-    if not all(type(token_id) is int for token_id in ids):
-        bad = next(t for t in ids if type(t) is not int)
-        raise InvalidRequestError(
-            f"prompt_token_ids must be integers, got {bad!r} ({type(bad).__name__})",
-            field="prompt_token_ids",
             request_id=request.request_id,
         )
     vocab = info.vocab_size
@@ -119,31 +112,15 @@ def validate_request(request: EngineRequest, info: EngineInfo) -> None:
             field="prompt_token_ids",
             request_id=request.request_id,
         )
-    if not isinstance(request.params, SamplingParams):
-        raise InvalidRequestError("params must be SamplingParams", field="params")
-    validate_sampling(request.params, vocab_size=vocab, request_id=request.request_id)
-
-
-def resolve_max_tokens(request: EngineRequest, info: EngineInfo) -> EngineRequest:
-    """``request`` with ``max_tokens=None`` replaced by what the model's length leaves after
-    the prompt (vLLM's meaning); any other request unchanged. Call after
-    :func:`validate_request`.
-
-    Raises:
-        InvalidRequestError: ``min_tokens`` is more than the model's length leaves.
-    """
-    params = request.params
-    if params.max_tokens is not None:
-        return request
-    room = info.max_model_len - len(request.prompt_token_ids)
-    if params.min_tokens > room:
-        raise InvalidRequestError(
-            f"min_tokens ({params.min_tokens}) is more than the model's length leaves after "
-            f"the prompt ({room})",
-            field="min_tokens",
-            request_id=request.request_id,
-        )
-    return dataclasses.replace(request, params=params.replace(max_tokens=room))
+    # NOTE: the façade checks stop token ids against the vocabulary only once it knows it
+    # (not for a request sent while the engine starts): admit always does.
+    check_token_ids(
+        "stop_token_ids",
+        request.params.stop_token_ids,
+        vocab_size=vocab,
+        allow_empty=True,
+        request_id=request.request_id,
+    )
 
 
 #: the number of tenants' buckets above which full ones are forgotten
@@ -214,10 +191,20 @@ class AdmitStage(Stage):
             return
         try:
             validate_request(request, self.engine)
-            until_model_len = request.params.max_tokens is None
-            request = resolve_max_tokens(request, self.engine)
+            buckets = self._buckets_of(request.tenant)
+            max_tokens = resolve_max_tokens(
+                request.params,
+                prompt_tokens=len(request.prompt_token_ids),
+                max_model_len=self.engine.max_model_len,
+                budget=buckets.tokens.burst if buckets.tokens is not None else None,
+                tenant=request.tenant,
+                request_id=request.request_id,
+            )
+            if max_tokens != request.params.max_tokens:
+                params = request.params.replace(max_tokens=max_tokens)
+                request = dataclasses.replace(request, params=params)
             self._check_queue()
-            request = self._check_rate(request, until_model_len=until_model_len)
+            self._check_rate(request, buckets, max_tokens)
         except RequestError as error:
             await self._reject(request, error)
             return
@@ -232,42 +219,31 @@ class AdmitStage(Stage):
                 f"(limit {self.config.max_queued_requests}); retry later"
             )
 
-    def _check_rate(
-        self, request: EngineRequest, *, until_model_len: bool = False
-    ) -> EngineRequest:
-        """Take the request's cost from its tenant's buckets and return it, or raise.
-
-        The cost is the prompt plus ``max_tokens``. A request without ``max_tokens`` (runs
-        until the model's length) from a tenant with a tokens/s limit gets ``max_tokens``
-        capped at what the tenant's burst leaves after the prompt, and costs that: it takes
-        all the tenant may use at once rather than being refused for a length it never
-        asked for, and can never generate more than it paid for.
-        """
-        buckets = self._buckets.get(request.tenant)
+    def _buckets_of(self, tenant: str) -> _TenantBuckets:
+        buckets = self._buckets.get(tenant)
         if buckets is None:
             if len(self._buckets) >= PRUNE_BUCKETS_AT:
                 self._prune_buckets()
-            buckets = _TenantBuckets(self.config.limits_for(request.tenant))
-            self._buckets[request.tenant] = buckets
+            buckets = _TenantBuckets(self.config.limits_for(tenant))
+            self._buckets[tenant] = buckets
+        return buckets
+
+    def _check_rate(self, request: EngineRequest, buckets: _TenantBuckets, max_tokens: int) -> None:
+        """Take the request's cost from its tenant's buckets, or raise.
+
+        The cost is the prompt plus ``max_tokens`` as :func:`resolve_max_tokens` resolved it
+        (a request without ``max_tokens`` from a tenant with a tokens/s limit already got it
+        capped at what the tenant's burst leaves after the prompt: it takes all the tenant
+        may use at once, and can never generate more than it paid for).
+
+        Raises:
+            InvalidRequestError: the cost is more than the tenant's burst (waiting never helps).
+            RateLimitedError: the tenant's buckets cannot pay for it now.
+        """
         tenant = request.tenant or "(default)"
-        assert request.params.max_tokens is not None  # resolved by resolve_max_tokens
-        prompt = len(request.prompt_token_ids)
-        if buckets.tokens is not None and until_model_len:
-            allowed = int(buckets.tokens.burst) - prompt
-            if 1 <= allowed < request.params.max_tokens:
-                params = request.params.replace(max_tokens=allowed)
-                request = dataclasses.replace(request, params=params)
-        assert request.params.max_tokens is not None
-        cost = prompt + request.params.max_tokens
+        cost = len(request.prompt_token_ids) + max_tokens
         if buckets.tokens is not None and cost > buckets.tokens.burst:
             # Waiting never helps this request: not a rate limit (retryable) but a bad one.
-            if until_model_len:
-                raise InvalidRequestError(
-                    f"the prompt has {prompt} tokens, which leaves no room for an answer in "
-                    f"what tenant {tenant} may use at once ({buckets.tokens.burst:.0f})",
-                    field="prompt",
-                    request_id=request.request_id,
-                )
             raise InvalidRequestError(
                 f"the request needs {cost} tokens (prompt plus max_tokens), more than tenant "
                 f"{tenant} may use at once ({buckets.tokens.burst:.0f}); lower max_tokens",
@@ -289,7 +265,6 @@ class AdmitStage(Stage):
             buckets.requests.try_take(1)
         if buckets.tokens is not None:
             buckets.tokens.try_take(cost)
-        return request
 
     def _prune_buckets(self) -> None:
         # A full bucket is what a new tenant gets, so forgetting it changes nothing; this

@@ -24,7 +24,6 @@ from typing import Any
 from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.detokenizer import DetokenizerFactory, IncrementalDetokenizer
 from stages.early_aborts import EarlyAborts
-from stages.failures import rejection, request_id_of
 from stages.messages import (
     AbortRequests,
     EngineOutputs,
@@ -32,6 +31,7 @@ from stages.messages import (
     RequestRejected,
     TextOutputs,
 )
+from stages.recovery import rejection, request_id_of
 from stages.tokenize import load_tokenizer
 
 __all__ = ["DetokenizeConfig", "DetokenizeStage"]

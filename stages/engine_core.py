@@ -8,7 +8,7 @@ This is the module to read for what the engine does each step (``docs/architectu
     return self.update(result, plan)    # Scheduler.update() + the grammar matchers advance
 
 :class:`EngineCore` holds the pure :class:`~stages.scheduler.Scheduler` and the structured
-outputs' :class:`~stages.grammar_manager.GrammarManager`; it does no IO and imports no
+outputs' :class:`~stages.structured.manager.GrammarManager`; it does no IO and imports no
 asyncio. The schedule stage (:mod:`stages.schedule`) owns one and decides how ``execute`` is
 reached: where its execute stage runs on the same host (the default placement: admit,
 schedule and execute in one engine host) it calls the stage's :meth:`execute_step` directly
@@ -27,9 +27,9 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 
 from stages.errors import InvalidRequestError
-from stages.grammar_manager import GrammarManager
 from stages.messages import EngineOutputs, RequestRejected, SchedulerStep, StepResult
 from stages.scheduler import Scheduler
+from stages.structured.manager import GrammarManager
 
 __all__ = ["EngineCore", "Execute", "StepPlan", "StepUpdate"]
 

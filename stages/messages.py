@@ -1,4 +1,5 @@
-"""Every message the LLM stages exchange, registered with the codec (tags 100-199).
+"""Every message the LLM stages exchange, registered with the codec under
+their tags in :data:`transports.tags.WIRE_TAGS` (100-199).
 
 Flow of the default pipeline::
 
@@ -44,14 +45,14 @@ __all__ = [
 ]
 
 
-@message(101)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: str
 
 
-@message(102)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """A request as the API receives it: exactly one of ``prompt``, ``messages`` or
@@ -68,7 +69,7 @@ class GenerateRequest:
     arrival_time: float = 0.0
 
 
-@message(103)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineRequest:
     """A tokenized request, from tokenize to admit and schedule (and to detokenize, which
@@ -82,7 +83,7 @@ class EngineRequest:
     prompt: str | None = None
 
 
-@message(104)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestRejected:
     """A request refused before running (or failed). ``kind`` is a
@@ -104,7 +105,7 @@ class RequestRejected:
         return cls(request_id, type(error).kind, str(error), error.field, error.retry_after, abort)
 
 
-@message(105)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class AbortRequests:
     """Stop these requests and free their KV blocks at once (from the API or stop-check)."""
@@ -112,7 +113,7 @@ class AbortRequests:
     request_ids: tuple[str, ...]
 
 
-@message(106)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineInfo:
     """What the execute stage reports once its model and KV cache are ready."""
@@ -136,7 +137,7 @@ class EngineInfo:
     weight_bytes: int = 0
 
 
-@message(107)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """Compute tokens ``[start, start + num_tokens)`` of a request this step. When the chunk
@@ -147,7 +148,7 @@ class ScheduledChunk:
     num_tokens: int
 
 
-@message(108)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerStep:
     """One batch for execute. Execute first frees the blocks of ``finished`` (done or aborted:
@@ -156,7 +157,8 @@ class SchedulerStep:
 
     Structured outputs: ``grammar_request_ids[i]`` samples this step under row ``i`` of
     ``grammar_bitmask`` (``int32``, the tokens its grammar allows next; the layout of
-    :mod:`stages.grammar`), which the sampler applies (:mod:`stages.execute.grammar_mask`).
+    :mod:`stages.structured.backend`), which the sampler applies
+    (:mod:`stages.execute.grammar_mask`).
     """
 
     step_id: int
@@ -168,7 +170,7 @@ class SchedulerStep:
     grammar_bitmask: np.ndarray | None = None
 
 
-@message(109)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class Logprobs:
     """Log-probabilities for one sampled token: the token's own, then the top alternatives
@@ -181,7 +183,7 @@ class Logprobs:
     top_logprobs: tuple[float, ...] = ()
 
 
-@message(110)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
     """Execute's answer to a :class:`SchedulerStep`.
@@ -217,7 +219,7 @@ class StepResult:
     communication_seconds: float = 0.0
 
 
-@message(111)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineStats:
     """Scheduler and KV gauges after a step (cumulative counters are totals since start).
@@ -239,7 +241,7 @@ class EngineStats:
     replica: str = ""
 
 
-@message(112)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineOutputs:
     """New tokens of one engine step, columnar: ``request_ids[i]`` got ``new_token_ids[i]``
@@ -255,7 +257,7 @@ class EngineOutputs:
     stats: EngineStats | None = None
 
 
-@message(113)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class TextOutputs:
     """Detokenized step outputs for stop-check: per request the new text (complete UTF-8
@@ -271,7 +273,7 @@ class TextOutputs:
     stats: EngineStats | None = None
 
 
-@message(116)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestMetrics:
     """Timing of one request as its caller saw it (seconds). ``arrival_time`` is wall-clock
@@ -282,7 +284,7 @@ class RequestMetrics:
     total_time: float | None = None
 
 
-@message(114)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What a caller sees for one request after a step.
@@ -309,7 +311,7 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@message(115)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestOutputs:
     """A batch of :class:`RequestOutput` from stop-check to the API (one per step)."""

@@ -1,9 +1,10 @@
 """Sampling parameters, with vLLM's names and defaults.
 
-Construction never raises for out-of-range values: a request from any source (Python, a gRPC
-client, another stage) reaches admit, which validates it with :func:`validate_sampling` and
-answers with an :class:`~stages.errors.InvalidRequestError` naming the field. The façade calls
-the same function early so Python callers get the error before anything is queued.
+Construction never raises for out-of-range values: every request, from any front end (Python,
+HTTP, gRPC), is checked once where it enters the engine by the validation core
+(:func:`stages.validation.validate_generate_request`), which calls :func:`validate_sampling`
+and raises an :class:`~stages.errors.InvalidRequestError` naming the field before anything is
+queued (docs/architecture.md §7.1). The stages trust what it passed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 
 from stages.checks import check_bool, check_int, check_number, check_text, check_token_ids, describe
 from stages.errors import InvalidRequestError
-from stages.structured_outputs import StructuredOutputsParams, validate_structured_outputs
+from stages.structured.params import StructuredOutputsParams, validate_structured_outputs
 from transports.codec import message
 
 __all__ = [
@@ -25,7 +26,7 @@ __all__ = [
 ]
 
 
-@message(100)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one request's tokens (vLLM names and defaults).
@@ -36,7 +37,7 @@ class SamplingParams:
     generator, kept across preemption, so a seeded request samples the same tokens every run.
     ``priority``: smaller runs first under the ``priority`` scheduler (as in vLLM).
     ``structured_outputs``: a constraint the output must match (a JSON schema, a regex, a
-    choice, a grammar; see :mod:`stages.structured_outputs`), as vLLM's field of that name.
+    choice, a grammar; see :mod:`stages.structured.params`), as vLLM's field of that name.
     ``max_tokens`` None: generate until the model's length (what is left of it after the
     prompt), as vLLM's ``max_tokens=None``; admit replaces it with that number.
     ``stop`` takes a list of strings or one string, ``stop_token_ids`` a list of ids; None

@@ -1,307 +1,196 @@
-"""The router stage: the front of N engine replicas, with data parallelism.
+"""Routing policies: which engine replica serves a request, with data parallelism.
 
-Each request from tokenize goes to one replica (its admit stage), chosen by a routing policy
-(a plugin of ``actorline.routers``, :mod:`stages.routing`; ``least-loaded`` by default) from
-what the router knows of each live replica: the tokens its requests have left. Everything
-the replicas send back (step outputs, rejections) passes through the router on its way to
-detokenize, which is how it knows what each replica holds; an abort goes only to the
-replica holding the request (its schedule stage). The replicas' EngineInfo is passed on once,
-when every replica has loaded.
+A policy is a plugin of the ``actorline.routers`` entry-point group (protocol version 1,
+checked by :mod:`plugins`). The router stage (:mod:`stages.router`) keeps the bookkeeping
+(what each replica holds, what it has left to compute) and asks the policy one question,
+:meth:`RoutingPolicy.choose`, with a :class:`RouteRequest` and the live replicas'
+:class:`ReplicaLoad`; it tells the policy when a replica is gone
+(:meth:`RoutingPolicy.forget_replica`).
 
-A replica that fails is cut off by the runtime (``docs/architecture.md`` §8, and
-:mod:`pipeline.runtime.replicas`), which then tells this stage
-(:meth:`RouterStage.on_replica_lost`): its requests that had streamed output end with a
-``RequestRejected`` of kind :data:`~stages.errors.ENGINE_DEAD` (the API raises
-``EngineDeadError`` for them), those that had none yet go to the replicas that remain, as if
-they had just arrived, and it takes no more requests. The others go on.
+Built in:
 
-Ports: ``in`` (EngineRequest), ``abort`` (AbortRequests, from the API and stop-check),
-``outputs`` (EngineOutputs and RequestRejected from the replicas), ``info`` (EngineInfo from
-each replica's execute stage); ``requests`` (to every replica's admit stage, each request to
-one), ``aborts`` (to every replica's schedule stage, each abort to the one holding it),
-``out`` (to detokenize), ``info`` (EngineInfo, once).
+- ``least-loaded`` (the default): the replica with the fewest outstanding tokens (prompt
+  tokens not yet computed plus tokens still to generate), with **prefix affinity**: a request
+  whose leading KV blocks hash like an earlier request's goes where that one went, so prefix
+  caching keeps working across replicas, unless that replica is too far ahead of the least
+  loaded one (then the load wins). After SGLang's cache-aware router
+  (``sgl-router/src/policies/cache_aware.rs``: a prefix match picks the worker unless the load
+  imbalance passes its absolute and relative thresholds), with the prefix tree reduced to the
+  chained hashes of the first few KV blocks.
+- ``round-robin``: replicas in turn (a baseline).
 
-A request the router fails on (the policy raised, or the link to the chosen replica cannot
-carry it: an ``EncodeError``) fails alone (``docs/architecture.md`` §7.2): what the router
-recorded of it is undone, as if it had never come, and a :class:`RequestRejected` goes on to
-detokenize; the other requests go on.
+Everything here is pure Python (no asyncio, zmq, grpc or torch).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import ClassVar, Protocol, runtime_checkable
 
-from pipeline.runtime.replicas import ReplicaLost
-from pipeline.runtime.stage import Stage, handles
-from stages.early_aborts import EarlyAborts
-from stages.errors import ENGINE_DEAD
-from stages.failures import rejection, request_id_of
-from stages.messages import (
-    AbortRequests,
-    EngineInfo,
-    EngineOutputs,
-    EngineRequest,
-    RequestRejected,
-)
-from stages.routing import ReplicaLoad, RouteRequest, RoutingPolicy, block_hashes, load_router
+from plugins import ROUTERS, PluginError, load_instance
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS",
-    "RECENT_ROUTES",
-    "ReplicaRoute",
-    "RouterConfig",
-    "RouterStage",
+    "AFFINITY_ENTRIES",
+    "API_VERSION",
+    "BALANCE_RATIO",
+    "BALANCE_TOKENS",
+    "LeastLoadedPolicy",
+    "ReplicaLoad",
+    "RoundRobinPolicy",
+    "RouteRequest",
+    "RouterConstructionError",
+    "RoutingPolicy",
+    "block_hashes",
+    "load_router",
 ]
 
-logger = logging.getLogger("actorline.router")
-
-#: what a request without ``max_tokens`` is assumed to generate, before the model's length
-#: is known (it counts toward its replica's load)
-DEFAULT_MAX_TOKENS = 256
-#: how many recent routing decisions the router remembers (:attr:`RouterStage.recent`)
-RECENT_ROUTES = 4096
+API_VERSION = 1
+#: prefixes (chained block hashes) the least-loaded policy remembers, oldest forgotten first
+AFFINITY_ENTRIES = 65536
+#: prefix affinity yields to the load once the matched replica has more than
+#: ``BALANCE_RATIO`` times the least loaded one's outstanding tokens plus ``BALANCE_TOKENS``
+BALANCE_RATIO = 2.0
+BALANCE_TOKENS = 4096
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ReplicaRoute:
-    """Replica ``name``: the stage its requests go to (``admit``) and the one its aborts go
-    to (``schedule``)."""
+class RouteRequest:
+    """What a policy may read about a request: its id, tenant, prompt length, and the
+    chained hashes of its first full KV blocks (``block_hashes[i]`` covers blocks 0..i)."""
+
+    request_id: str
+    tenant: str
+    num_prompt_tokens: int
+    block_hashes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """A live replica: its name, the tokens its requests have left (``outstanding_tokens``)
+    and how many requests it holds."""
 
     name: str
-    admit: str
-    schedule: str
+    outstanding_tokens: int
+    num_requests: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """``replicas``: the engine replicas, named as in the pipeline's replica set
-    ``replica_set``. ``policy``: a name in ``actorline.routers``. Prefix affinity hashes the
-    first ``affinity_blocks`` KV blocks of ``block_size`` tokens.
+@runtime_checkable
+class RoutingPolicy(Protocol):
+    """The protocol of an ``actorline.routers`` plugin (constructed with no arguments)."""
 
-    Raises:
-        ValueError: no replica, a replica named twice, or a size below 1.
-    """
+    api_version: ClassVar[int]
+    name: ClassVar[str]
 
-    replicas: tuple[ReplicaRoute, ...]
-    policy: str = "least-loaded"
-    replica_set: str = "engines"
-    block_size: int = 16
-    affinity_blocks: int = 4
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> str:
+        """The name of the replica (one of ``replicas``, never empty) to serve ``request``."""
+        ...
 
-    def __post_init__(self) -> None:
-        names = [replica.name for replica in self.replicas]
-        if not names or len(set(names)) != len(names):
-            raise ValueError(f"replicas must be distinct and at least one, got {names}")
-        for field in ("block_size", "affinity_blocks"):
-            value = getattr(self, field)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+    def forget_replica(self, name: str) -> None:
+        """Replica ``name`` is gone for good: drop what the policy keeps about it."""
+        ...
 
 
-@dataclasses.dataclass(slots=True)
-class _Routed:
-    """A request the router sent to ``replica``: ``left`` tokens to go (its prompt until
-    its first token arrives, plus what it may still generate); ``request`` itself until its
-    first output, so a replica lost before that can be replaced by another."""
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> tuple[int, ...]:
+    """Chained hashes of the first ``max_blocks`` full blocks of ``token_ids`` (a request
+    shorter than one block has none). Equal prompts prefixes give equal leading hashes."""
+    hashes: list[int] = []
+    previous = 0
+    for index in range(min(len(token_ids) // block_size, max_blocks)):
+        block = tuple(token_ids[index * block_size : (index + 1) * block_size])
+        previous = hash((previous, block))
+        hashes.append(previous)
+    return tuple(hashes)
 
-    replica: str
-    left: int
-    prompt: int
-    request: EngineRequest | None
-    started: bool = False
+
+def _least_loaded(replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
+    return min(replicas, key=lambda r: (r.outstanding_tokens, r.num_requests, r.name))
 
 
-class RouterStage(Stage):
-    inputs = ("in", "abort", "outputs", "info")
-    outputs = ("requests", "aborts", "out", "info")
+class LeastLoadedPolicy:
+    """Fewest outstanding tokens, with prefix affinity (see the module docstring)."""
 
-    def __init__(self, config: RouterConfig) -> None:
-        super().__init__(config)
-        self.policy: RoutingPolicy | None = None
-        self._live: dict[str, ReplicaRoute] = {route.name: route for route in config.replicas}
-        self._routed: dict[str, _Routed] = {}
-        self._outstanding: dict[str, int] = dict.fromkeys(self._live, 0)
-        self._held: dict[str, int] = dict.fromkeys(self._live, 0)
-        self._early_aborts = EarlyAborts()
-        self._infos = 0
-        self._max_model_len: int | None = None
-        #: requests sent to each replica since the start
-        self.routed: collections.Counter[str] = collections.Counter()
-        #: requests sent again, to another replica, because theirs was lost before they started
-        self.rerouted = 0
-        #: the latest routing decisions, (request id, replica), oldest first
-        self.recent: collections.deque[tuple[str, str]] = collections.deque(maxlen=RECENT_ROUTES)
+    api_version: ClassVar[int] = API_VERSION
+    name: ClassVar[str] = "least-loaded"
 
-    async def start(self) -> None:
-        # NOTE: a policy plugin that is missing, broken or invalid fails start-up loudly.
-        self.policy = load_router(self.config.policy)
+    def __init__(
+        self,
+        *,
+        balance_ratio: float = BALANCE_RATIO,
+        balance_tokens: int = BALANCE_TOKENS,
+        capacity: int = AFFINITY_ENTRIES,
+    ) -> None:
+        if balance_ratio < 1 or balance_tokens < 0 or capacity < 1:
+            raise ValueError("balance_ratio >= 1, balance_tokens >= 0 and capacity >= 1")
+        self.balance_ratio = balance_ratio
+        self.balance_tokens = balance_tokens
+        self._capacity = capacity
+        self._owners: collections.OrderedDict[int, str] = collections.OrderedDict()
+        #: how many routings prefix affinity decided (for tests and statistics)
+        self.affinity_hits = 0
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> str:
+        by_name = {replica.name: replica for replica in replicas}
+        least = _least_loaded(replicas)
+        chosen = least
+        for prefix in reversed(request.block_hashes):  # the longest shared prefix first
+            owner = by_name.get(self._owners.get(prefix, ""))
+            if owner is None:
+                continue
+            limit = self.balance_ratio * least.outstanding_tokens + self.balance_tokens
+            if owner.outstanding_tokens <= limit:
+                chosen = owner
+                self.affinity_hits += 1
+            break
+        for prefix in request.block_hashes:
+            self._owners[prefix] = chosen.name
+            self._owners.move_to_end(prefix)
+        while len(self._owners) > self._capacity:
+            self._owners.popitem(last=False)
+        return chosen.name
 
     @property
-    def live_replicas(self) -> tuple[str, ...]:
-        """The replicas requests are routed to."""
-        return tuple(self._live)
+    def remembered(self) -> int:
+        """How many prefixes the policy remembers an owner for."""
+        return len(self._owners)
 
-    def load(self, replica: str) -> ReplicaLoad:
-        """What the router counts against live replica ``replica``."""
-        return ReplicaLoad(replica, self._outstanding[replica], self._held[replica])
-
-    @handles(EngineInfo)
-    async def on_info(self, info: EngineInfo) -> None:
-        self._max_model_len = info.max_model_len
-        self._infos += 1
-        if self._infos == len(self.config.replicas):  # every replica has loaded
-            await self.emit("info", info)
-
-    @handles(EngineRequest)
-    async def on_request(self, request: EngineRequest) -> None:
-        assert self.policy is not None
-        request_id = request.request_id
-        if self._early_aborts.take(request_id):
-            return  # aborted before it got here
-        await self._route(request)
-
-    async def _route(self, request: EngineRequest) -> None:
-        """Send ``request`` to the live replica the policy picks, and count it there."""
-        assert self.policy is not None
-        request_id = request.request_id
-        if not self._live:
-            await self.emit(
-                "out", RequestRejected(request_id, ENGINE_DEAD, "no engine replica is alive")
-            )
-            return
-        prompt = request.prompt_token_ids
-        route_request = RouteRequest(
-            request_id,
-            request.tenant,
-            len(prompt),
-            block_hashes(prompt, self.config.block_size, self.config.affinity_blocks),
+    def forget_replica(self, name: str) -> None:
+        self._owners = collections.OrderedDict(
+            (prefix, owner) for prefix, owner in self._owners.items() if owner != name
         )
-        name = self.policy.choose(route_request, [self.load(name) for name in self._live])
-        route = self._live.get(name)
-        if route is None:
-            raise RuntimeError(
-                f"routing policy {self.config.policy!r} chose {name!r}, which is not one of "
-                f"the live replicas {sorted(self._live)}"
-            )
-        max_tokens = request.params.max_tokens
-        if max_tokens is None:
-            room = (self._max_model_len or 0) - len(prompt)
-            max_tokens = room if room > 0 else DEFAULT_MAX_TOKENS
-        routed = _Routed(name, len(prompt) + max_tokens, len(prompt), request)
-        self._routed[request_id] = routed
-        self._outstanding[name] += routed.left
-        self._held[name] += 1
-        self.routed[name] += 1
-        self.recent.append((request_id, name))
-        await self.emit("requests", request, to=route.admit)
 
-    async def recover(self, message: Any, port: str, error: Exception) -> bool:
-        """A request this stage failed on (the policy raised, or its send to the chosen
-        replica failed: a value the link cannot carry) is answered with a typed error, and
-        what :meth:`_route` recorded of it is undone (its replica's load, the counts, the
-        latest decision), so the books are as if it had never come. It reached no replica,
-        so nothing is aborted. (A policy's own memory, prefix affinity say, is a hint, not
-        a count: it stays.) Failures on the other messages (outputs, rejections and aborts
-        passing through) are this stage's own."""
-        request_id = request_id_of(message)
-        if port != "in" or request_id is None:
-            return False
-        routed = self._routed.get(request_id)
-        if routed is not None and routed.request is message:
-            self._forget(request_id)
-            self.routed[routed.replica] -= 1
-            if not self.routed[routed.replica]:
-                del self.routed[routed.replica]
-            if self.recent and self.recent[-1] == (request_id, routed.replica):
-                self.recent.pop()
-        await self.emit("out", rejection(self.name, request_id, error))
-        return True
 
-    @handles(EngineOutputs)
-    async def on_outputs(self, outputs: EngineOutputs) -> None:
-        routed_of = self._routed
-        for index, request_id in enumerate(outputs.request_ids):
-            routed = routed_of.get(request_id)
-            if routed is None:
-                continue
-            if outputs.finish_reasons[index] is not None:
-                self._forget(request_id)
-                continue
-            spent = len(outputs.new_token_ids[index])
-            if not routed.started:
-                routed.started = True
-                routed.request = None
-                spent += routed.prompt
-            spent = min(spent, routed.left)
-            routed.left -= spent
-            self._outstanding[routed.replica] -= spent
-        await self.emit("out", outputs)
+class RoundRobinPolicy:
+    """The live replicas in turn, whatever their load."""
 
-    @handles(RequestRejected)
-    async def on_rejected(self, rejected: RequestRejected) -> None:
-        self._forget(rejected.request_id)
-        await self.emit("out", rejected)
+    api_version: ClassVar[int] = API_VERSION
+    name: ClassVar[str] = "round-robin"
 
-    @handles(AbortRequests)
-    async def on_abort(self, abort: AbortRequests) -> None:
-        by_replica: dict[str, list[str]] = {}
-        for request_id in abort.request_ids:
-            routed = self._forget(request_id)
-            if routed is None:
-                self._early_aborts.add(request_id)
-            elif routed.replica in self._live:
-                by_replica.setdefault(routed.replica, []).append(request_id)
-        for name, request_ids in by_replica.items():
-            schedule = self._live[name].schedule
-            await self.emit("aborts", AbortRequests(tuple(request_ids)), to=schedule)
+    def __init__(self) -> None:
+        self._turn = 0
 
-    async def on_replica_lost(self, lost: ReplicaLost) -> None:
-        if lost.replica_set != self.config.replica_set or lost.replica not in self._live:
-            return
-        assert self.policy is not None
-        del self._live[lost.replica]
-        self.policy.forget_replica(lost.replica)
-        stranded = [rid for rid, routed in self._routed.items() if routed.replica == lost.replica]
-        # NOTE: a request that had no output yet lost nothing the caller saw: it goes to
-        # another replica (the lost one is cut off, so it can answer nothing more). One that
-        # had streamed tokens fails: its output so far came from the replica that died.
-        unstarted = [self._routed[rid].request for rid in stranded]
-        moved = [request for request in unstarted if request is not None] if self._live else []
-        logger.error(
-            "engine replica %s failed (%s); %d of its requests fail, %d that had not started "
-            "go to the %d replicas that remain",
-            lost.replica,
-            lost.message,
-            len(stranded) - len(moved),
-            len(moved),
-            len(self._live),
-        )
-        moved_ids = {request.request_id for request in moved}
-        for request in moved:
-            self._forget(request.request_id)
-            self.rerouted += 1
-            await self._route(request)
-        for request_id in stranded:
-            if request_id in moved_ids:
-                continue
-            self._forget(request_id)
-            await self.emit(
-                "out",
-                RequestRejected(
-                    request_id,
-                    ENGINE_DEAD,
-                    f"engine replica {lost.replica} failed while it ran this request: "
-                    f"{lost.message}",
-                ),
-            )
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> str:
+        names = sorted(replica.name for replica in replicas)
+        self._turn += 1
+        return names[(self._turn - 1) % len(names)]
 
-    def _forget(self, request_id: str) -> _Routed | None:
-        """Drop ``request_id`` from the books (its replica's load with it)."""
-        routed = self._routed.pop(request_id, None)
-        if routed is not None:
-            self._outstanding[routed.replica] -= routed.left
-            self._held[routed.replica] -= 1
-        return routed
+    def forget_replica(self, name: str) -> None:
+        pass
+
+
+class RouterConstructionError(PluginError):
+    """A routing policy plugin's constructor raised, or its instance has no string name."""
+
+
+def load_router(name: str) -> RoutingPolicy:
+    """Load the ``actorline.routers`` plugin ``name`` and construct it (no arguments).
+
+    Raises:
+        plugins.PluginNotFoundError: no such policy (the message lists the installed ones).
+        plugins.PluginLoadError: its entry point failed to import.
+        plugins.PluginProtocolError: it lacks a method or attribute of the protocol.
+        RouterConstructionError: its constructor raised, or its ``name`` is not a string.
+    """
+    policy: RoutingPolicy = load_instance(ROUTERS, name, RouterConstructionError)
+    return policy

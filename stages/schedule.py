@@ -12,11 +12,11 @@ dropped when it arrives.
 Structured outputs (``docs/architecture.md`` §11, "Structured outputs"): a request with
 ``params.structured_outputs`` reaches the scheduler only once its grammar is compiled. A
 cache hit is immediate; otherwise the grammar compiles on this stage's grammar thread (its
-stack sized to the grammar bounds, :mod:`stages.grammar_limits`), in the background, while
+stack sized to the grammar bounds, :mod:`stages.structured.limits`), in the background, while
 steps go on; a grammar over a bound or that does not compile answers that request alone on
 ``rejected``. Each step then carries the token bitmask of the constrained requests that
 sample in it (filled here, applied by execute's sampler), and each result advances their
-matchers (:class:`~stages.grammar_manager.GrammarManager`). A matcher that fails (a token
+matchers (:class:`~stages.structured.manager.GrammarManager`). A matcher that fails (a token
 refused, a limit of the grammar engine hit mid-way) ends its request with a typed error on
 ``rejected``, never with a "stop" its all-EOS mask would fake.
 
@@ -42,9 +42,6 @@ from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.early_aborts import EarlyAborts
 from stages.engine_core import EngineCore, Execute, StepUpdate
 from stages.errors import InvalidRequestError, RequestError
-from stages.failures import rejection
-from stages.grammar import CompiledGrammar, load_grammar_backend
-from stages.grammar_manager import CompileThread, GrammarConfig, GrammarManager
 from stages.messages import (
     AbortRequests,
     EngineInfo,
@@ -54,7 +51,10 @@ from stages.messages import (
     StepResult,
 )
 from stages.policies import load_policy
+from stages.recovery import rejection
 from stages.scheduler import Scheduler, SchedulerConfig
+from stages.structured.backend import CompiledGrammar, load_grammar_backend
+from stages.structured.manager import CompileThread, GrammarConfig, GrammarManager
 
 __all__ = ["ScheduleConfig", "ScheduleStage"]
 

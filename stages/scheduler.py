@@ -56,6 +56,7 @@ from stages.messages import (
     StepResult,
 )
 from stages.policies import SchedulingPolicy, StepObservation
+from stages.validation import resolve_max_tokens
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerError"]
 
@@ -240,7 +241,11 @@ class Scheduler:
         """Queue a tokenized request.
 
         Raises:
-            InvalidRequestError: a live request already has this id, or the prompt is empty.
+            InvalidRequestError: a live request already has this id, or the prompt is empty;
+                without ``max_tokens`` (a pipeline without admit), ``min_tokens`` more than
+                the model's length leaves (:func:`stages.validation.resolve_max_tokens`).
+            PromptTooLongError: without ``max_tokens``, the prompt leaves no room in the
+                model's length.
         """
         request_id = request.request_id
         if request_id in self._waiting or request_id in self._running:
@@ -255,8 +260,16 @@ class Scheduler:
             )
         if request.params.max_tokens is None:  # admit resolves it; a pipeline without admit
             assert self._info is not None, "the engine's info comes before any request"
-            room = max(self._info.max_model_len - len(request.prompt_token_ids), 1)
-            request = dataclasses.replace(request, params=request.params.replace(max_tokens=room))
+            # NOTE: the one rule (docs/architecture.md §7.1), as admit applies it
+            max_tokens = resolve_max_tokens(
+                request.params,
+                prompt_tokens=len(request.prompt_token_ids),
+                max_model_len=self._info.max_model_len,
+                request_id=request_id,
+            )
+            request = dataclasses.replace(
+                request, params=request.params.replace(max_tokens=max_tokens)
+            )
         state = _RequestState(request, arrival_time=self._clock(), arrival_index=self._arrivals)
         self._arrivals += 1
         self._waiting[request_id] = state

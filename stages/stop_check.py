@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.runtime.stage import Stage, handles, recoverable
-from stages.failures import rejection, request_id_of
 from stages.messages import (
     AbortRequests,
     EngineRequest,
@@ -36,6 +35,7 @@ from stages.messages import (
     RequestRejected,
     TextOutputs,
 )
+from stages.recovery import rejection, request_id_of
 from stages.stop_checker import StopChecker
 
 __all__ = ["StopCheckStage"]

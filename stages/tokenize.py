@@ -20,9 +20,8 @@ from typing import Any
 
 from pipeline.runtime.stage import Stage, handles
 from stages.errors import InvalidRequestError, PromptTooLongError, RequestError
-from stages.failures import rejection, request_id_of
 from stages.messages import EngineInfo, EngineRequest, GenerateRequest, RequestRejected
-from stages.validation import validate_generate_request
+from stages.recovery import rejection, request_id_of
 
 __all__ = [
     "TokenizeConfig",
@@ -240,24 +239,22 @@ class TokenizeStage(Stage):
             )
 
     def encode(self, request: GenerateRequest) -> tuple[int, ...]:
-        """Token ids of the request's input, the request first checked whole by the
-        validation core (:func:`~stages.validation.validate_generate_request`: the API checks
-        it too, but a caller of the pipeline's entry may not have).
+        """Token ids of the request's input. The request was checked whole where it entered
+        the engine (:func:`~stages.validation.validate_generate_request`, called by the
+        façade: docs/architecture.md §7.1) and is trusted here: exactly one input, text with
+        a UTF-8 form, well-formed chat messages. This checks only what the tokenizer alone
+        knows.
 
         Raises:
-            InvalidRequestError: anything the validation core refuses (no input or several,
-                an empty prompt, text without a UTF-8 form, malformed chat messages, token
-                ids that are not non-negative int64, a bad sampling parameter), a prompt
-                that tokenizes to no tokens, or chat messages for a model without a chat
-                template.
+            InvalidRequestError: a prompt that tokenizes to no tokens, or chat messages for a
+                model without a chat template.
         """
-        validate_generate_request(request)
         if request.prompt_token_ids is not None:
             return tuple(request.prompt_token_ids)
         if request.messages is not None:
             return self._apply_chat_template([(m.role, m.content) for m in request.messages])
         prompt = request.prompt
-        assert prompt is not None  # exactly one input, checked above
+        assert prompt is not None  # exactly one input (the validation core)
         # NOTE: as vLLM, whitespace is a prompt like any other; only a prompt without tokens
         # is refused (the model needs at least one position to compute).
         if request.chat_template:

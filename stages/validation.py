@@ -1,19 +1,28 @@
-"""The validation core: one check of a whole request where it enters the engine (pure logic).
+"""The validation core: one check of a whole request where it enters the engine, and the
+one rule that derives its token limit (pure logic).
 
-Every front end (the Python API, the gRPC and HTTP servers, the CLI) turns its own encoding
-into a :class:`~stages.messages.GenerateRequest` and calls :func:`validate_generate_request`
-before the request enters the pipeline, so a value that some stage or transport could not
-carry is refused with one typed error naming the field, the same way everywhere; the tokenize
-stage calls it again for requests that reach the pipeline by another way (a custom caller of
-its entry). The field checks themselves are :mod:`stages.checks`; the sampling parameters are
-checked by :func:`stages.params.validate_sampling`. See docs/architecture.md, "Failure: one
-request or the pipeline".
+Every front end (the Python API, the gRPC and HTTP servers) hands its prompt and
+:class:`~stages.params.SamplingParams` to the façade (:meth:`pipeline.engine.AsyncEngine.generate`,
+or :meth:`~pipeline.engine.AsyncEngine.check` to check a batch before any of it starts),
+which builds the :class:`~stages.messages.GenerateRequest` and calls
+:func:`validate_generate_request` once, so a value that some stage or transport could not
+carry is refused with one typed error naming the field, the same way everywhere. The stages
+trust what it passed and check only what they alone know: tokenize, a prompt without tokens
+or a chat without a template; admit, the prompt against the model's length, the KV cache and
+the vocabulary (:func:`stages.admit.validate_request`), and the tenant's limits. The field
+checks themselves are :mod:`stages.checks`; the sampling parameters are checked by
+:func:`stages.params.validate_sampling`.
+
+:func:`resolve_max_tokens` is the one place a request's token limit is derived
+(``max_tokens=None``, ``min_tokens`` against it, a tenant's burst): admit calls it once the
+prompt is tokenized, and the scheduler of a pipeline without admit calls the same function.
+See docs/architecture.md §7.1, "Validate at the boundary".
 """
 
 from __future__ import annotations
 
 from stages.checks import check_bool, check_number, check_text, check_token_ids, describe
-from stages.errors import InvalidRequestError
+from stages.errors import InvalidRequestError, PromptTooLongError
 from stages.messages import ChatMessage, GenerateRequest
 from stages.params import SamplingParams, validate_sampling
 
@@ -21,6 +30,8 @@ __all__ = [
     "MAX_REQUEST_ID_LENGTH",
     "MAX_TENANT_LENGTH",
     "check_request_id",
+    "resolve_max_tokens",
+    "room_after_prompt",
     "validate_generate_request",
 ]
 
@@ -90,6 +101,78 @@ def validate_generate_request(request: GenerateRequest, *, vocab_size: int | Non
             request_id=request_id,
         )
     validate_sampling(request.params, vocab_size=vocab_size, request_id=request_id)
+
+
+def room_after_prompt(
+    prompt_tokens: int, max_model_len: int, *, request_id: str | None = None
+) -> int:
+    """The tokens the model's length leaves after a prompt of ``prompt_tokens`` tokens.
+
+    Raises:
+        PromptTooLongError: it leaves none (naming both numbers).
+    """
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise PromptTooLongError(
+            f"the prompt has {prompt_tokens} tokens; the model's length is {max_model_len} "
+            "(prompt plus at least one generated token)",
+            field="prompt",
+            request_id=request_id,
+        )
+    return room
+
+
+def resolve_max_tokens(
+    params: SamplingParams,
+    *,
+    prompt_tokens: int,
+    max_model_len: int,
+    budget: float | None = None,
+    tenant: str = "",
+    request_id: str | None = None,
+) -> int:
+    """The most tokens a request of ``prompt_tokens`` prompt tokens may generate: its
+    ``max_tokens``, or with ``max_tokens=None`` what the model's length leaves after the
+    prompt (vLLM's rule: vllm/v1/engine/processor.py, ``process_inputs``). ``budget``: the
+    tokens (prompt included) the request's tenant may use at once (its token bucket's
+    burst); a request without ``max_tokens`` gets at most what the budget leaves after the
+    prompt, and pays for that, rather than being refused for a length it never asked for.
+    An explicit ``max_tokens`` is kept as given (the scheduler still stops at the model's
+    length, with ``finish_reason="length"``).
+
+    Raises:
+        PromptTooLongError: the prompt leaves no room for one generated token in the model's
+            length (naming both numbers).
+        InvalidRequestError: without ``max_tokens``, the prompt leaves no room in the
+            tenant's budget (field ``prompt``); ``min_tokens`` is more than the resolved
+            limit (field ``min_tokens``, naming both numbers).
+    """
+    room = room_after_prompt(prompt_tokens, max_model_len, request_id=request_id)
+    limit = params.max_tokens
+    if limit is None:
+        limit = room
+        if budget is not None:
+            left = int(budget) - prompt_tokens
+            if left < 1:
+                raise InvalidRequestError(
+                    f"the prompt has {prompt_tokens} tokens, which leaves no room for an answer "
+                    f"in what tenant {tenant or '(default)'} may use at once ({budget:.0f})",
+                    field="prompt",
+                    request_id=request_id,
+                )
+            limit = min(limit, left)
+    if params.min_tokens > limit:
+        where = (
+            "max_tokens"
+            if params.max_tokens is not None
+            else "what the model's length (and the tenant's budget) leaves after the prompt"
+        )
+        raise InvalidRequestError(
+            f"min_tokens ({params.min_tokens}) is more than {where} ({limit})",
+            field="min_tokens",
+            request_id=request_id,
+        )
+    return limit
 
 
 def _check_messages(messages: object, request_id: str) -> None:

@@ -149,7 +149,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.stages.execute.test_quantization import GGUF_LLAMA, write_gguf
+    from tests.stages.execute.quant.test_apply import GGUF_LLAMA, write_gguf
 
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **GGUF_LLAMA))

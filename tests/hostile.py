@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from stages.params import SamplingParams
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.params import StructuredOutputsParams
 
 __all__ = [
     "FIELD_VALUES",

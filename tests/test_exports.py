@@ -23,6 +23,8 @@ MODULES = [
     "transports",
     "transports.errors",
     "transports.testing",
+    "transports.tasks",
+    "pipeline.runtime.hosts",
 ]
 
 

@@ -6,6 +6,9 @@
 - Imports go one way: ``plugins ← transports ← pipeline.runtime ← stages ← pipeline.engine ←
   pipeline.server ← pipeline.bench ← pipeline.cli`` (the package ``pipeline`` itself is the
   façade over all of them, so no package module imports it).
+- The experiments and records of ``benchmarks/`` (outside the installed packages) sit above
+  them all: they may import any package, and nothing installed imports them (nor is
+  ``benchmarks`` installed).
 - No module imports a private name (``_x``) from another module, and a private module
   (``_x.py``) is imported only from inside its own package (and by its own test module).
 - No import cycles between modules, counting imports inside functions too (only
@@ -25,6 +28,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("plugins", "transports", "pipeline", "stages")
+#: not installed; imports the packages, never imported by them
+BENCHMARKS = "benchmarks"
+CHECKED = (*PACKAGES, BENCHMARKS)
 
 PURE_MODULES = (
     "stages.scheduler",
@@ -41,7 +47,7 @@ PURE_MODULES = (
     "stages.execute.model_length",
     "stages.checks",
     "stages.validation",
-    "stages.failures",
+    "stages.recovery",
 )
 FORBIDDEN = ("asyncio", "anyio", "zmq", "grpc", "torch")
 
@@ -51,11 +57,13 @@ LAYERS = (
     ("transports", 1),
     ("pipeline.runtime", 2),
     ("stages", 3),
+    ("pipeline.demo", 3),  # the Collatz demo: a pipeline on the runtime alone, like stages
     ("pipeline.engine", 4),
     ("pipeline.server", 5),
     ("pipeline.bench", 6),
     ("pipeline.cli", 7),
     ("pipeline", 8),  # the façade package itself
+    (BENCHMARKS, 9),  # the experiments and records, not installed
 )
 
 
@@ -78,8 +86,8 @@ class Import:
     type_checking: bool  # inside ``if TYPE_CHECKING:``
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -98,8 +106,8 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def imports_of(path: Path) -> list[Import]:
-    importer = module_name(path)
+def imports_of(path: Path, root: Path = ROOT) -> list[Import]:
+    importer = module_name(path, root)
     package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
     found: list[Import] = []
 
@@ -131,7 +139,7 @@ def imports_of(path: Path) -> list[Import]:
 
 
 def _ours(module: str) -> bool:
-    return module.split(".")[0] in PACKAGES
+    return module.split(".")[0] in CHECKED
 
 
 def _layer(module: str) -> int:
@@ -141,7 +149,7 @@ def _layer(module: str) -> int:
     raise AssertionError(f"{module} is in no layer of LAYERS")
 
 
-KNOWN_MODULES = {module_name(path) for path in source_files(*PACKAGES)}
+KNOWN_MODULES = {module_name(path) for path in source_files(*CHECKED)}
 
 
 def targets(item: Import) -> list[str]:
@@ -155,18 +163,73 @@ def targets(item: Import) -> list[str]:
     return modules
 
 
-ALL_IMPORTS = [item for path in source_files(*PACKAGES) for item in imports_of(path)]
+ALL_IMPORTS = [item for path in source_files(*CHECKED) for item in imports_of(path)]
 
 
-def test_imports_follow_the_layers() -> None:
-    wrong = [
+def layer_violations(imports: list[Import]) -> list[str]:
+    """Every import of a module above its importer's layer."""
+    return [
         f"{item.importer}:{item.line} imports {target} (layer {_layer(target)} > "
         f"{_layer(item.importer)})"
-        for item in ALL_IMPORTS
+        for item in imports
         for target in targets(item)
         if _layer(target) > _layer(item.importer)
     ]
+
+
+def benchmarks_imported(imports: list[Import]) -> list[str]:
+    """Every import of ``benchmarks`` by an installed package's module (type-only ones too:
+    ``benchmarks`` is not there to resolve them where the packages are installed)."""
+    return [
+        f"{item.importer}:{item.line} imports {item.module}"
+        for item in imports
+        if item.importer.split(".")[0] in PACKAGES
+        and (item.module == BENCHMARKS or item.module.startswith(BENCHMARKS + "."))
+    ]
+
+
+def test_imports_follow_the_layers() -> None:
+    wrong = layer_violations(ALL_IMPORTS)
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_installed_package_imports_benchmarks() -> None:
+    assert any(item.importer.startswith(BENCHMARKS + ".") for item in ALL_IMPORTS)  # it is seen
+    wrong = benchmarks_imported(ALL_IMPORTS)
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    ("importer", "source"),
+    [
+        ("pipeline/bench/offline.py", "from benchmarks.grammars import order_document\n"),
+        ("stages/params.py", "def f() -> None:\n    import benchmarks.ablation\n"),
+        ("plugins/__init__.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+         "    from benchmarks import micro\n"),
+        ("pipeline/engine/llm.py", "from pipeline.bench import offline\n"),
+    ],
+)  # fmt: skip
+def test_an_injected_violation_is_found(tmp_path: Path, importer: str, source: str) -> None:
+    """The checks above on a copy of a module with one bad import added: each is reported."""
+    path = tmp_path / importer
+    path.parent.mkdir(parents=True)
+    path.write_text((ROOT / importer).read_text() + "\n" + source)
+    injected = imports_of(path, tmp_path)
+    assert not layer_violations(imports_of(ROOT / importer))  # the file as it is passes
+    found = layer_violations(injected) + benchmarks_imported(injected)
+    assert found, f"{importer} + {source!r} passed the layering checks"
+    if "benchmarks" in source:  # both rules see it, a function's or a type-only import too
+        assert benchmarks_imported(injected) and layer_violations(injected)
+
+
+def test_benchmarks_are_not_installed() -> None:
+    """The packages setuptools installs from pyproject.toml (its ``packages.find``, expanded
+    as a build expands it) are the four, benchmarks/ left out."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    config = read_configuration(ROOT / "pyproject.toml")
+    installed = config["tool"]["setuptools"]["packages"]
+    assert {name.split(".")[0] for name in installed} == set(PACKAGES), installed
 
 
 def test_layers_are_the_documented_ones() -> None:
@@ -196,7 +259,7 @@ def _private(part: str) -> bool:
 
 def test_no_private_name_crosses_modules() -> None:
     wrong = []
-    for path in source_files(*PACKAGES, "tests", "examples"):
+    for path in source_files(*CHECKED, "tests", "examples"):
         for item in imports_of(path):
             if not _ours(item.module):
                 continue
@@ -214,11 +277,10 @@ def test_no_private_name_crosses_modules() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_no_import_cycles() -> None:
+def import_cycles(imports: list[Import]) -> list[str]:
+    """Every cycle in the module graph of ``imports``."""
     graph: dict[str, set[str]] = {}
-    for item in ALL_IMPORTS:
-        if item.type_checking:
-            continue
+    for item in imports:
         for target in targets(item):
             if target != item.importer:
                 graph.setdefault(item.importer, set()).add(target)
@@ -245,4 +307,22 @@ def test_no_import_cycles() -> None:
     for node in sorted(graph):
         if node not in state:
             walk(node)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles([item for item in ALL_IMPORTS if not item.type_checking])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_no_benchmark_cycles_even_type_only() -> None:
+    """The benchmarks share their pieces through modules below them (ceiling and the
+    data-parallel comparison through ``pipeline.bench.null_load``), not through each other,
+    even for a type: no cycle among them counting ``if TYPE_CHECKING:`` imports."""
+    benchmarks = [
+        item
+        for item in ALL_IMPORTS
+        if item.importer.startswith(("pipeline.bench", BENCHMARKS)) or item.importer == BENCHMARKS
+    ]
+    cycles = import_cycles(benchmarks)
     assert not cycles, "\n".join(cycles)

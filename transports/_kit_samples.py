@@ -45,20 +45,20 @@ __all__ = [
 ]
 
 
-@message(900)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class KitPing:
     seq: int
 
 
-@message(901)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class KitPayload:
     seq: int
     data: bytes
 
 
-@message(902)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class KitArrays:
     """Tensors and arrays, positional and by name."""
@@ -68,7 +68,7 @@ class KitArrays:
     named: dict[str, Any]
 
 
-@message(903)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class KitEnvelope:
     """A message nesting other messages."""

@@ -41,6 +41,7 @@ from transports.errors import (
     TruncatedFrameError,
     UnknownTagError,
 )
+from transports.tags import tag_of
 
 __all__ = [
     "DEFAULT_REGISTRY",
@@ -162,20 +163,25 @@ DEFAULT_REGISTRY = MessageRegistry()
 
 
 def message(
-    tag: int, *, registry: MessageRegistry = DEFAULT_REGISTRY
+    tag: int | None = None, *, registry: MessageRegistry = DEFAULT_REGISTRY
 ) -> Callable[[type[T]], type[T]]:
-    """Class decorator: register a dataclass as a wire message under ``tag``.
+    """Class decorator: register a dataclass as a wire message under ``tag``, by default its
+    tag in the one table, :data:`transports.tags.WIRE_TAGS` (every actorline message takes
+    its tag from there; an explicit tag is for messages outside actorline, tests included).
 
     Example::
 
-        @message(100)
+        @message(950)
         @dataclass(frozen=True, slots=True)
         class Ping:
             seq: int
+
+    Raises:
+        LookupError: no ``tag`` and the class is not in the table.
     """
 
     def decorate(cls: type[T]) -> type[T]:
-        return registry.register(cls, tag)
+        return registry.register(cls, tag_of(cls) if tag is None else tag)
 
     return decorate
 

@@ -66,6 +66,7 @@ from transports.errors import (
 )
 from transports.framing import FRAME_MAGIC, FrameCodec, FrameKind
 from transports.memory import MemoryChannel, wake_all, wake_one
+from transports.tasks import TaskSet
 
 __all__ = [
     "MAX_FRAMES",
@@ -378,6 +379,7 @@ class GrpcSender(Sender):
         self._space: collections.deque[asyncio.Future[None]] = collections.deque()
         self._writer: asyncio.Task[None] | None = None
         self._beater: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(f"grpc sender to {address}")  # the writer and the beater
         self._error: TransportError | None = None  # why the writer stopped, if it failed
         self._last_activity = time.monotonic()
         self._waiting = 0  # sends waiting for room
@@ -401,9 +403,8 @@ class GrpcSender(Sender):
         hello = join_frames(FrameCodec.control(FrameKind.HELLO, name))
         await self._write(hello)
         self.bytes_sent += len(hello)
-        loop = asyncio.get_running_loop()
-        self._writer = loop.create_task(self._write_loop())
-        self._beater = loop.create_task(self._beat())
+        self._writer = self._tasks.spawn(self._write_loop(), name=f"grpc:write:{self.address}")
+        self._beater = self._tasks.spawn(self._beat(), name=f"grpc:beat:{self.address}")
 
     async def send(self, message: object) -> None:
         """Send one message, waiting while ``capacity`` messages (or :data:`PENDING_BYTES`)

@@ -56,6 +56,7 @@ from transports.errors import (
     TransportError,
 )
 from transports.framing import FrameCodec
+from transports.tasks import TaskSet
 
 __all__ = [
     "CHECKS",
@@ -301,13 +302,13 @@ def _expect_raises(*errors: type[BaseException]) -> Iterator[None]:
 
 async def check_ordering(factory: LinkFactory, count: int = 5000) -> None:
     """Thousands of messages arrive in order while sender and receiver run concurrently."""
-    async with factory.open_pair() as pair:
+    async with factory.open_pair() as pair, TaskSet("kit:ordering") as tasks:
 
         async def produce() -> None:
             for seq in range(count):
                 await pair.sender.send(KitPing(seq))
 
-        producer = asyncio.create_task(produce())
+        producer = tasks.spawn(produce(), name="kit:produce")
         received = [await _receive(pair.receiver) for _ in range(count)]
         await producer
         assert received == [KitPing(seq) for seq in range(count)]
@@ -377,7 +378,7 @@ async def check_backpressure(factory: LinkFactory, capacity: int = 8) -> None:
     total = bound + 3 * capacity
     options = dataclasses.replace(KIT_OPTIONS, capacity=capacity)
     payload = bytes(message_bytes)
-    async with factory.open_pair(options) as pair:
+    async with factory.open_pair(options) as pair, TaskSet("kit:backpressure") as tasks:
         sent = 0
 
         async def produce() -> None:
@@ -386,7 +387,7 @@ async def check_backpressure(factory: LinkFactory, capacity: int = 8) -> None:
                 await pair.sender.send(KitPayload(seq, payload))
                 sent += 1
 
-        producer = asyncio.create_task(produce())
+        producer = tasks.spawn(produce(), name="kit:produce")
         # Wait until the producer is held: its send waits for room (it never finishes: total >
         # bound) and stays waiting, making no progress, for a few polls in a row (a wait that
         # ends as the transport moves messages on to the wire is not yet the limit).
@@ -433,9 +434,10 @@ async def check_close_semantics(factory: LinkFactory) -> None:
         with _expect_raises(LinkClosedError):
             await _receive(pair.receiver)
     transport = factory.make_transport(KIT_OPTIONS)
+    tasks = TaskSet("kit:close")
     try:
         receiver = await transport.listen(factory.listen_address)
-        waiting = asyncio.create_task(receiver.receive())
+        waiting = tasks.spawn(receiver.receive(), name="kit:receive")
         deadline = time.monotonic() + STEP_TIMEOUT
         while receiver.statistics().waiting_receivers != 1:
             assert not waiting.done(), f"receive returned with nothing sent: {waiting!r}"
@@ -445,6 +447,7 @@ async def check_close_semantics(factory: LinkFactory) -> None:
         with _expect_raises(LinkClosedError):
             await asyncio.wait_for(waiting, STEP_TIMEOUT)
     finally:
+        await tasks.aclose()
         await transport.aclose()
 
 

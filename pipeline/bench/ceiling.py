@@ -19,8 +19,13 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from pipeline.bench.null_load import (
+    CeilingConfig,
+    ceiling_prompts,
+    null_engine_blocks,
+    stream_all,
+)
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import (
     add_common_arguments,
@@ -29,11 +34,6 @@ from pipeline.bench.report import (
     print_result,
     run_main,
 )
-from pipeline.bench.workload import WorkloadSpec, make_workload
-
-if TYPE_CHECKING:
-    from pipeline.engine.async_engine import AsyncEngine
-    from stages.params import SamplingParams
 
 __all__ = [
     "TARGET_TOKENS_PER_SECOND",
@@ -50,45 +50,8 @@ __all__ = [
 ]
 
 TARGET_TOKENS_PER_SECOND = 50_000.0
-#: the prompts: short ("Write about <topic>." plus 5-20 filler words)
-_PROMPT_FILLER = (5, 20)
 _WARMUP_REQUESTS = 16
 _WARMUP_TOKENS = 8
-#: KV headroom per request beyond prompt + output (blocks), so the null model never preempts
-_SPARE_BLOCKS_PER_REQUEST = 2
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CeilingConfig:
-    """``num_requests`` concurrent streaming requests of exactly ``max_tokens`` tokens each
-    (ignore_eos), ``repeats`` times on one engine; ``transport`` "zmq" (engine process) or
-    "memory" (one process). ``model`` provides the tokenizer and config only. ``tune_gc``: the
-    engine's garbage-collector policy (off to measure what it is worth).
-
-    Raises:
-        ValueError: a count is not positive.
-    """
-
-    model: str = "smollm2-135m"
-    num_requests: int = 256
-    max_tokens: int = 256
-    transport: str = "zmq"
-    repeats: int = 3
-    profile: bool = False
-    seed: int = 0
-    tune_gc: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("num_requests", "max_tokens", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-    @classmethod
-    def quick(cls, **overrides: object) -> CeilingConfig:
-        """A small configuration for smoke tests."""
-        values: dict[str, object] = {"num_requests": 32, "max_tokens": 32, "repeats": 1}
-        values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,18 +80,6 @@ class CeilingResult:
     profile: Profile | None = None
 
 
-def ceiling_prompts(config: CeilingConfig) -> list[str]:
-    """The benchmark's prompts: short ones, drawn from ``config.seed``."""
-    spec = WorkloadSpec(
-        num_requests=config.num_requests,
-        min_filler=_PROMPT_FILLER[0],
-        max_filler=_PROMPT_FILLER[1],
-        max_tokens_choices=(config.max_tokens,),
-        seed=config.seed,
-    )
-    return [request.prompt for request in make_workload(spec)]
-
-
 async def measure_ceiling(config: CeilingConfig) -> CeilingResult:
     """Run the ceiling benchmark on the running event loop (see the module docstring)."""
     from pipeline.engine.async_engine import AsyncEngine
@@ -137,25 +88,24 @@ async def measure_ceiling(config: CeilingConfig) -> CeilingResult:
     prompts = ceiling_prompts(config)
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     # Prompts are a few dozen tokens; give every request room for all of its tokens.
-    blocks_per_request = -(-(config.max_tokens + 64) // 16) + _SPARE_BLOCKS_PER_REQUEST
     engine = AsyncEngine(
         config.model,
         null_model=True,
         transport=config.transport,
         max_num_seqs=config.num_requests,
-        num_blocks=blocks_per_request * config.num_requests,
+        num_blocks=null_engine_blocks(config),
         tune_gc=config.tune_gc,
     )
     runs: list[CeilingRun] = []
     profiles: list[Profile | None] = []
     async with engine:
         warmup = SamplingParams(max_tokens=_WARMUP_TOKENS, ignore_eos=True)
-        await _stream_all(engine, prompts[:_WARMUP_REQUESTS], warmup)
+        await stream_all(engine, prompts[:_WARMUP_REQUESTS], warmup)
         for _ in range(config.repeats):
             before = await take_snapshot(engine.running) if config.profile else None
             steps_before = engine.stats.num_steps if engine.stats else 0
             began = time.perf_counter()
-            tokens = await _stream_all(engine, prompts, params)
+            tokens = await stream_all(engine, prompts, params)
             seconds = time.perf_counter() - began
             steps = (engine.stats.num_steps if engine.stats else 0) - steps_before
             runs.append(CeilingRun(tokens, seconds, tokens / seconds, steps))
@@ -178,18 +128,6 @@ async def measure_ceiling(config: CeilingConfig) -> CeilingResult:
         meets_target=rates[best] >= TARGET_TOKENS_PER_SECOND,
         profile=profiles[best],
     )
-
-
-async def _stream_all(engine: AsyncEngine, prompts: Sequence[str], params: SamplingParams) -> int:
-    """Stream every prompt concurrently; the number of tokens that reached the callers."""
-
-    async def consume(prompt: str) -> int:
-        received = 0
-        async for output in engine.generate(prompt, params):
-            received = len(output.token_ids)  # cumulative: the new tokens are the growth
-        return received
-
-    return sum(await asyncio.gather(*(consume(prompt) for prompt in prompts)))
 
 
 def run_ceiling(config: CeilingConfig) -> CeilingResult:
@@ -277,11 +215,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from stages.params import SamplingParams
 
         config = config_from_args(args)
-        blocks = (-(-(config.max_tokens + 64) // 16) + 2) * config.num_requests
         options = {
             "null_model": True,
             "max_num_seqs": config.num_requests,
-            "num_blocks": blocks,
+            "num_blocks": null_engine_blocks(config),
             "tune_gc": config.tune_gc,
         }
         params = [SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)]

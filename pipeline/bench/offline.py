@@ -29,9 +29,9 @@ default KV budget (``ExecuteConfig.kv_cache_memory``), the configuration the tar
 (``--skip rss-default`` leaves that run out).
 
 With ``--structured`` it measures structured outputs instead: the zmq topology on the same
-workload twice, unconstrained and with every other request constrained to a JSON schema (the
-order schema of :mod:`pipeline.bench.grammars`, which needs more tokens than any request
-may generate, so its mask applies at every step), and prints the ratio (the target is at
+workload twice, unconstrained and with every other request constrained to a JSON schema
+(:data:`pipeline.bench.workload.ORDER_SCHEMA`, an order, which needs more tokens than any
+request may generate, so its mask applies at every step), and prints the ratio (the target is at
 least 0.9x) and the grammar's compile time, cold and cached.
 
 With ``--quantization gguf|int8`` actorline runs 4/8-bit weights (docs/models.md); the HF
@@ -50,7 +50,6 @@ The last form runs the workload on N tensor-parallel ranks against one rank inst
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import gc
 import json
@@ -67,6 +66,7 @@ from pipeline.bench.roof import Roof, RoofConfig, format_share, kv_bytes_per_tok
 from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload, prompt_ids
 
 if TYPE_CHECKING:
+    from pipeline.engine.loop_thread import LoopThread
     from stages.params import SamplingParams
 
 __all__ = [
@@ -406,8 +406,8 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
 def structured_params(index: int, params: SamplingParams) -> SamplingParams:
     """The structured run's params of request ``index``: every other one constrained to the
     order schema."""
-    from pipeline.bench.grammars import ORDER_SCHEMA
-    from stages.structured_outputs import StructuredOutputsParams
+    from pipeline.bench.workload import ORDER_SCHEMA
+    from stages.structured.params import StructuredOutputsParams
 
     if index % 2:
         return params
@@ -418,9 +418,9 @@ def structured_params(index: int, params: SamplingParams) -> SamplingParams:
 def _grammar_compile_times(model: str) -> GrammarCompileTimes:
     import time
 
-    from pipeline.bench.grammars import ORDER_SCHEMA
-    from stages.grammar_manager import GrammarConfig, GrammarManager
-    from stages.structured_outputs import StructuredOutputsParams
+    from pipeline.bench.workload import ORDER_SCHEMA
+    from stages.structured.manager import GrammarConfig, GrammarManager
+    from stages.structured.params import StructuredOutputsParams
     from stages.tokenize import load_tokenizer
 
     tokenizer = load_tokenizer(model)
@@ -623,8 +623,8 @@ def _run_actorline(
 
 def _on_engine_loop(llm: Any, coroutine: Coroutine[Any, Any, T]) -> T:
     """Run ``coroutine`` on the event loop the ``LLM`` runs its engine on."""
-    loop: asyncio.AbstractEventLoop = llm._loop.loop  # the LLM's private loop thread
-    return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+    loop: LoopThread = llm._loop  # the LLM's private loop thread
+    return loop.run(coroutine)
 
 
 def format_offline(result: OfflineResult) -> str:

@@ -39,6 +39,7 @@ from pipeline.bench.online_http import (
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
 from pipeline.bench.workload import WorkloadSpec, make_workload, poisson_arrivals
+from transports.tasks import TaskSet
 
 if TYPE_CHECKING:
     from pipeline.engine.async_engine import AsyncEngine
@@ -146,17 +147,17 @@ async def _measure_rate(
     before = await take_snapshot(engine.running) if config.profile else None
     began = time.perf_counter()
     traces: list[_Trace] = []
-    tasks: list[asyncio.Task[None]] = []
-    for request, arrival in zip(workload, arrivals):
-        delay = began + arrival - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        trace = _Trace(time.perf_counter())
-        traces.append(trace)
-        tasks.append(
-            asyncio.create_task(_stream(engine, request.prompt, request.max_tokens, chat, trace))
-        )
-    await asyncio.gather(*tasks)
+    async with TaskSet("bench:online") as streams:
+        tasks: list[asyncio.Task[None]] = []
+        for request, arrival in zip(workload, arrivals):
+            delay = began + arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            trace = _Trace(time.perf_counter())
+            traces.append(trace)
+            stream = _stream(engine, request.prompt, request.max_tokens, chat, trace)
+            tasks.append(streams.spawn(stream))
+        await asyncio.gather(*tasks)
     seconds = time.perf_counter() - began
     profile = None
     tokens = sum(count for trace in traces for _, count in trace.token_times)

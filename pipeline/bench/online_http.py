@@ -34,6 +34,7 @@ from pathlib import Path
 from pipeline.bench.http_load import StreamTrace, stream_completion
 from pipeline.bench.report import format_table
 from pipeline.bench.workload import WorkloadSpec, make_workload, percentile, poisson_arrivals
+from transports.tasks import TaskSet
 
 __all__ = [
     "ACTORLINE_HTTP",
@@ -277,14 +278,15 @@ async def _measure(port: int, config: HttpOnlineConfig, tokenizer: object) -> li
     for index, rate in enumerate(config.rates):
         requests, arrivals = _requests(config, tokenizer, index)
         began = time.perf_counter()
-        tasks: list[asyncio.Task[StreamTrace]] = []
-        for (prompt, max_tokens), arrival in zip(requests, arrivals):
-            delay = began + arrival - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            payload = _payload(prompt, max_tokens)
-            tasks.append(asyncio.create_task(stream_completion("127.0.0.1", port, payload)))
-        traces = await asyncio.gather(*tasks)
+        async with TaskSet("bench:online-http") as streams:
+            tasks: list[asyncio.Task[StreamTrace]] = []
+            for (prompt, max_tokens), arrival in zip(requests, arrivals):
+                delay = began + arrival - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                payload = _payload(prompt, max_tokens)
+                tasks.append(streams.spawn(stream_completion("127.0.0.1", port, payload)))
+            traces = await asyncio.gather(*tasks)
         seconds = time.perf_counter() - began
         ttfts = [t.token_times[0] - t.sent for t in traces if t.token_times]
         itls = [b - a for t in traces for a, b in zip(t.token_times, t.token_times[1:])]

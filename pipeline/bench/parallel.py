@@ -8,10 +8,11 @@
   N ranks share the two cores, so TP is not expected to be faster there: the figure says what it
   costs.
 - **data parallelism** (``actorline bench ceiling --data-parallel-size N``): the null-model
-  ceiling of :mod:`pipeline.bench.ceiling` on N engine replicas behind the router against one
-  engine, both started once and measured in alternation; tokens/s delivered to the callers and
-  the ratio. With ``--profile``, where the replicated pipeline's time goes (per stage and per
-  host: a frontend host near 100% CPU is what caps it).
+  load of :mod:`pipeline.bench.ceiling` (:mod:`pipeline.bench.null_load`) on N engine
+  replicas behind the router against one engine, both started once and measured in
+  alternation; tokens/s delivered to the callers and the ratio. With ``--profile``, where the
+  replicated pipeline's time goes (per stage and per host: a frontend host near 100% CPU is
+  what caps it).
 - **Ray** (``actorline bench ceiling --ray`` / ``offline --ray``): the same workload with the
   engine's hosts as Ray actors (a local cluster, or ``--ray ADDRESS``) against local processes,
   both engines started once and measured in alternation: what Ray costs per token (the data
@@ -33,12 +34,12 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from pipeline.bench.null_load import CeilingConfig, null_engine_blocks, stream_all
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import format_rate, format_table
 from pipeline.bench.workload import blocks_to_hold
 
 if TYPE_CHECKING:
-    from pipeline.bench.ceiling import CeilingConfig
     from pipeline.engine.async_engine import AsyncEngine
     from stages.params import SamplingParams
 
@@ -252,12 +253,11 @@ async def measure_data_parallel(
     docstring)."""
     from pipeline.engine.async_engine import AsyncEngine
     from stages.params import SamplingParams
-    from stages.router import RouterStage
+    from stages.route import RouterStage
 
     if size < 2:
         raise ValueError(f"size must be >= 2 (compared with one engine), got {size}")
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
-    blocks_per_request = -(-(config.max_tokens + 64) // 16) + 2
 
     def engine(replicas: int) -> AsyncEngine:
         return AsyncEngine(
@@ -265,7 +265,7 @@ async def measure_data_parallel(
             null_model=True,
             transport=config.transport,
             max_num_seqs=config.num_requests,
-            num_blocks=blocks_per_request * config.num_requests,
+            num_blocks=null_engine_blocks(config),
             tune_gc=config.tune_gc,
             data_parallel_size=replicas,
         )
@@ -277,14 +277,14 @@ async def measure_data_parallel(
     async with single, replicated:
         warmup = SamplingParams(max_tokens=_WARMUP_TOKENS, ignore_eos=True)
         for each in (single, replicated):
-            await _stream_all(each, prompts[:16], warmup)
+            await stream_all(each, prompts[:16], warmup)
         for _ in range(config.repeats):
             for replicas, each in ((1, single), (size, replicated)):
                 profiled = config.profile and replicas > 1
                 before = await take_snapshot(each.running) if profiled else None
                 steps = each.stats.num_steps if each.stats else 0
                 began = time.perf_counter()
-                tokens = await _stream_all(each, prompts, params)
+                tokens = await stream_all(each, prompts, params)
                 seconds = time.perf_counter() - began
                 steps = (each.stats.num_steps if each.stats else 0) - steps
                 runs.append(ParallelRun(replicas, tokens, seconds, tokens / seconds, steps))
@@ -313,18 +313,6 @@ async def measure_data_parallel(
         cpu_count=os.cpu_count() or 0,
         profile=profiles[best],
     )
-
-
-async def _stream_all(engine: AsyncEngine, prompts: Sequence[str], params: SamplingParams) -> int:
-    """Stream every prompt concurrently; the number of tokens that reached the callers."""
-
-    async def consume(prompt: str) -> int:
-        received = 0
-        async for output in engine.generate(prompt, params):
-            received = len(output.token_ids)
-        return received
-
-    return sum(await asyncio.gather(*(consume(prompt) for prompt in prompts)))
 
 
 def run_data_parallel(

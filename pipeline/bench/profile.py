@@ -17,7 +17,7 @@ import time
 
 from pipeline.bench.process import cpu_seconds
 from pipeline.bench.report import format_table
-from pipeline.runtime.protocol import HostStatistics
+from pipeline.runtime.control import HostStatistics
 from pipeline.runtime.running import RunningPipeline, plan_hosts
 
 __all__ = [

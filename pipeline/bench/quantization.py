@@ -360,8 +360,8 @@ def _accuracy_worker(model: str, system: str, prompts: list[list[int]], tokens: 
 
     from pipeline.bench import hf
     from stages.execute.config import ExecuteConfig
-    from stages.execute.quant_kernel import quant_gemm_kernel
-    from stages.execute.quantized import QuantEmbedding, QuantLinear, dequantize
+    from stages.execute.quant.kernel import quant_gemm_kernel
+    from stages.execute.quant.layers import QuantEmbedding, QuantLinear, dequantize
     from stages.execute.runner import ModelRunner
     from stages.models import loading, resolve_model
 
@@ -425,7 +425,7 @@ def _accuracy_worker(model: str, system: str, prompts: list[list[int]], tokens: 
 
 
 def _embedding_weight(module: Any) -> Any:
-    from stages.execute.quantized import QuantizedWeight
+    from stages.execute.quant.layers import QuantizedWeight
 
     return QuantizedWeight(
         module.format, module.num_embeddings, module.embedding_dim, module.blocks

@@ -61,6 +61,7 @@ from transports.grpc import (
     split_batch,
 )
 from transports.memory import MemoryTransport
+from transports.tasks import TaskSet
 from transports.testing import KitArrays, KitPayload
 from transports.zmq import ZmqTransport
 
@@ -182,7 +183,7 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 async def link_throughput(
     name: str, options: LinkOptions, message: object, count: int
 ) -> Throughput:
-    async with TRANSPORTS[name](options) as transport:
+    async with TRANSPORTS[name](options) as transport, TaskSet("bench:throughput") as tasks:
         receiver = await transport.listen()
         sender = await transport.connect(receiver.address, name="bench")
 
@@ -192,7 +193,7 @@ async def link_throughput(
             await sender.aclose()
 
         clock = Clock()
-        producer = asyncio.create_task(produce())
+        producer = tasks.spawn(produce())
         received = 0
         try:
             while True:
@@ -215,12 +216,12 @@ async def _echo(receiver: Receiver, sender: Sender) -> None:
 async def link_round_trip(
     name: str, options: LinkOptions, message: object, rounds: int
 ) -> list[float]:
-    async with TRANSPORTS[name](options) as transport:
+    async with TRANSPORTS[name](options) as transport, TaskSet("bench:round-trip") as tasks:
         there = await transport.listen()
         back = await transport.listen()
         to_there = await transport.connect(there.address, name="ping")
         to_back = await transport.connect(back.address, name="pong")
-        echo = asyncio.create_task(_echo(there, to_back))
+        echo = tasks.spawn(_echo(there, to_back))
         samples = []
         for _ in range(rounds):
             started = time.perf_counter()
@@ -272,12 +273,13 @@ async def raw_zmq_throughput(frames: list[Any], count: int) -> Throughput:
         for _ in range(count):
             await push.send_multipart(frames, copy=False)
 
-    clock = Clock()
-    producer = asyncio.create_task(produce())
-    for _ in range(count):
-        await pull.recv_multipart(copy=False)
-    rate = clock.rate(count)
-    await producer
+    async with TaskSet("bench:raw-zmq") as tasks:
+        clock = Clock()
+        producer = tasks.spawn(produce())
+        for _ in range(count):
+            await pull.recv_multipart(copy=False)
+        rate = clock.rate(count)
+        await producer
     raw.close()
     return rate
 
@@ -291,14 +293,15 @@ async def raw_zmq_round_trip(frames: list[Any], rounds: int) -> list[float]:
         for _ in range(rounds):
             await push_back.send_multipart(await pull_there.recv_multipart(copy=False), copy=False)
 
-    echoing = asyncio.create_task(echo())
-    samples = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        await push_there.send_multipart(frames, copy=False)
-        await pull_back.recv_multipart(copy=False)
-        samples.append(time.perf_counter() - started)
-    await echoing
+    async with TaskSet("bench:raw-zmq") as tasks:
+        echoing = tasks.spawn(echo())
+        samples = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            await push_there.send_multipart(frames, copy=False)
+            await pull_back.recv_multipart(copy=False)
+            samples.append(time.perf_counter() - started)
+        await echoing
     raw.close()
     return samples
 

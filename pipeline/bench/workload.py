@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "FILLER_WORDS",
+    "ORDER_SCHEMA",
     "TOPICS",
     "BenchRequest",
     "WorkloadSpec",
@@ -309,3 +310,45 @@ def workload_work(
             for t in steps
         ),
     )
+
+
+#: the JSON schema of ``actorline bench offline --structured``'s constrained requests (and of
+#: the grammar-engine comparison, ``python -m benchmarks.grammars``): an order with nested
+#: objects, formats, a pattern and bounded arrays, which needs more tokens than any request may
+#: generate, so its mask applies at every step
+ORDER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "format": "uuid"},
+        "customer": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 64},
+                "email": {"type": "string", "format": "email"},
+                "tier": {"type": "string", "enum": ["free", "pro", "enterprise"]},
+            },
+            "required": ["name", "email", "tier"],
+            "additionalProperties": False,
+        },
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 10,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                    "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
+                    "price": {"type": "number"},
+                },
+                "required": ["sku", "quantity", "price"],
+                "additionalProperties": False,
+            },
+        },
+        "placed": {"type": "string", "format": "date-time"},
+        "status": {"type": "string", "enum": ["pending", "paid", "shipped", "cancelled"]},
+        "notes": {"type": ["string", "null"]},
+    },
+    "required": ["id", "customer", "items", "placed", "status"],
+    "additionalProperties": False,
+}

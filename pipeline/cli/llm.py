@@ -205,7 +205,7 @@ def structured_outputs_from(args: argparse.Namespace) -> Any:
         InvalidRequestError: a schema or grammar file that cannot be read, naming the option.
     """
     from stages.errors import InvalidRequestError
-    from stages.structured_outputs import StructuredOutputsParams
+    from stages.structured.params import StructuredOutputsParams
 
     def read(option: str, path: str) -> str:
         try:

@@ -62,8 +62,8 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from pipeline.demo import Job, collatz_pipeline
     from pipeline.runtime.caller import Caller
-    from pipeline.runtime.demo import Job, collatz_pipeline
 
     async def run() -> None:
         pipeline = collatz_pipeline()

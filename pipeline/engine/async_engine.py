@@ -37,7 +37,7 @@ from pipeline.engine.presets import (
     options_of,
     start_options,
 )
-from pipeline.engine.prompts import Prompt, checked_request
+from pipeline.engine.prompts import CheckedPrompt, Prompt, as_checked, check_prompt
 from pipeline.engine.restarts import RestartPolicy
 from pipeline.runtime.errors import (
     GraphError,
@@ -62,6 +62,7 @@ from stages.messages import (
 )
 from stages.params import SamplingParams
 from stages.validation import check_request_id
+from transports.tasks import TaskSet
 
 __all__ = ["AsyncEngine", "EngineObserver"]
 
@@ -144,6 +145,8 @@ class AsyncEngine:
         self._engine_ids: dict[str, str] = {}  # caller's id -> the running request's id
         self._incarnations = itertools.count()
         self._dispatcher: asyncio.Task[None] | None = None
+        # each generation's dispatcher and abort sender, and the restart task
+        self._tasks = TaskSet("engine")
         self._abort_queue: asyncio.Queue[str] = asyncio.Queue()
         self._abort_sender: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
@@ -223,8 +226,8 @@ class AsyncEngine:
         self.replica_stats = {}
         while not self._abort_queue.empty():  # ids of the dead generation's requests
             self._abort_queue.get_nowait()
-        self._dispatcher = asyncio.create_task(self._dispatch(running), name="engine:dispatch")
-        self._abort_sender = asyncio.create_task(self._send_aborts(running), name="engine:aborts")
+        self._dispatcher = self._tasks.spawn(self._dispatch(running), name="engine:dispatch")
+        self._abort_sender = self._tasks.spawn(self._send_aborts(running), name="engine:aborts")
         running.add_replica_callback(self._on_replica_lost)
         for callback in self._replica_callbacks:
             running.add_replica_callback(callback)
@@ -315,9 +318,36 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def generate(
+    def check(
         self,
         prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str = "",
+        chat_template: bool = False,
+    ) -> CheckedPrompt:
+        """``prompt`` and ``sampling_params`` checked by the validation core, as
+        :meth:`generate` checks them, for a front end that checks a batch before any of it
+        starts (``LLM.generate``, an HTTP request's choices): :meth:`generate` takes the
+        result without checking again. ``request_id`` is only named by an error.
+
+        Raises:
+            InvalidRequestError: a bad prompt or sampling parameter (the field is named).
+        """
+        info = self.info
+        return check_prompt(
+            prompt,
+            sampling_params,
+            tenant=tenant,
+            chat_template=chat_template,
+            vocab_size=info.vocab_size if info is not None else None,
+            request_id=request_id,
+        )
+
+    async def generate(
+        self,
+        prompt: Prompt | CheckedPrompt,
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -329,8 +359,10 @@ class AsyncEngine:
 
         ``prompt``: a string (``chat_template=True`` wraps it as a user message), a list of
         chat messages, a list of token ids, or vLLM's ``{"prompt": text}`` /
-        ``{"prompt_token_ids": ids}``. ``request_id``: a non-empty string, unique among this
-        engine's running requests (default: a fresh uuid).
+        ``{"prompt_token_ids": ids}``; or a :class:`~pipeline.engine.prompts.CheckedPrompt`
+        from :meth:`check`, which carries its parameters, tenant and chat-template flag (then
+        give none of them here) and is not checked again. ``request_id``: a non-empty string,
+        unique among this engine's running requests (default: a fresh uuid).
 
         Raises:
             InvalidRequestError: a bad prompt, sampling parameter or request id (the field is
@@ -345,24 +377,21 @@ class AsyncEngine:
         else:
             request_id = check_request_id(request_id)
             engine_id = f"{request_id}#{next(self._incarnations)}"
+        # NOTE: the one validation core of every front end (docs/architecture.md §7.1): a
+        # value no stage or link could carry is refused here, naming its field, before it
+        # can reach a stage; the error names the caller's id, not the pipeline's "<id>#<n>".
         info = self.info
-        try:
-            # NOTE: the one validation core of every front end (docs/architecture.md,
-            # "Failure: one request or the pipeline"): a value no stage or link could carry
-            # is refused here, naming its field, before it can reach a stage.
-            request = checked_request(
-                engine_id,
-                prompt,
-                sampling_params,
-                tenant,
-                chat_template,
-                vocab_size=info.vocab_size if info is not None else None,
-            )
-        except RequestError as exc:
-            # NOTE: the error reaches the caller, who knows the request by its own id, not
-            # by the "<id>#<n>" it has inside the pipeline.
-            exc.request_id = request_id
-            raise
+        checked = as_checked(
+            prompt,
+            sampling_params,
+            tenant=tenant,
+            chat_template=chat_template,
+            vocab_size=info.vocab_size if info is not None else None,
+            request_id=request_id,
+        )
+        request = dataclasses.replace(
+            checked.request, request_id=engine_id, arrival_time=time.time()
+        )
         running = self._check_usable()
         if request_id in self._engine_ids:
             raise InvalidRequestError(
@@ -647,9 +676,7 @@ class AsyncEngine:
             policy.window,
             policy.limit,
         )
-        self._restarting = asyncio.get_running_loop().create_task(
-            self._restart(running, delay), name="engine:restart"
-        )
+        self._restarting = self._tasks.spawn(self._restart(running, delay), name="engine:restart")
 
     async def _restart(self, dead: RunningPipeline, delay: float) -> None:
         """Stop the dead generation, wait ``delay``, start a fresh one and serve from it; a

@@ -20,11 +20,12 @@ from typing import Any, TypeVar
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.loop_thread import LoopThread
 from pipeline.engine.options import EngineOptions
-from pipeline.engine.prompts import Prompt, checked_request, is_prompt_dict
+from pipeline.engine.prompts import CheckedPrompt, Prompt, is_prompt_dict
 from pipeline.runtime.errors import PipelineClosedError
 from stages.errors import InvalidRequestError, OverloadedError, RateLimitedError
 from stages.messages import ChatMessage, RequestOutput
 from stages.params import SamplingParams
+from transports.tasks import TaskSet
 
 __all__ = ["LLM"]
 
@@ -104,18 +105,14 @@ class LLM:
                     f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts",
                     field="sampling_params",
                 )
-        info = self._engine.info
-        for prompt, sampling in zip(batch, per_prompt):  # all before anything is sent
-            checked_request(
-                "check",
-                prompt,
-                sampling,
-                "",
-                chat_template,
-                vocab_size=info.vocab_size if info is not None else None,
-            )
+        # NOTE: every prompt through the validation core before anything is sent, once:
+        # generate() takes the checked prompts as they are (docs/architecture.md §7.1).
+        checked = [
+            self._engine.check(prompt, sampling, chat_template=chat_template)
+            for prompt, sampling in zip(batch, per_prompt)
+        ]
         show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
-        return self._loop.run(self._generate_all(batch, per_prompt, show, chat_template))
+        return self._loop.run(self._generate_all(checked, show))
 
     def chat(
         self,
@@ -139,11 +136,7 @@ class LLM:
             raise PipelineClosedError("the LLM is closed")
 
     async def _generate_all(
-        self,
-        prompts: list[Prompt],
-        params: list[SamplingParams],
-        show_progress: bool,
-        chat_template: bool,
+        self, prompts: list[CheckedPrompt], show_progress: bool
     ) -> list[RequestOutput]:
         progress = None
         if show_progress:
@@ -156,15 +149,13 @@ class LLM:
         # limit) is retried with backoff. Either comes before the request's first output.
         window = asyncio.Semaphore(self.options.max_queued_requests)
 
-        async def one(prompt: Prompt, sampling: SamplingParams) -> RequestOutput:
+        async def one(prompt: CheckedPrompt) -> RequestOutput:
             last: RequestOutput | None = None
             backoff = _RETRY_FIRST
             async with window:
                 while last is None:
                     try:
-                        async for output in self._engine.generate(
-                            prompt, sampling, chat_template=chat_template
-                        ):
+                        async for output in self._engine.generate(prompt):
                             last = output
                     except (OverloadedError, RateLimitedError):
                         await asyncio.sleep(backoff)
@@ -173,14 +164,11 @@ class LLM:
                 progress.update(1)
             return last
 
-        tasks = [asyncio.ensure_future(one(p, s)) for p, s in zip(prompts, params)]
         try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            # NOTE: leaving the block on an error cancels the other prompts and waits for them
+            async with TaskSet("generate") as tasks:
+                running = [tasks.spawn(one(prompt)) for prompt in prompts]
+                return list(await asyncio.gather(*running))
         finally:
             if progress is not None:
                 progress.close()

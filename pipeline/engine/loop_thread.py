@@ -12,6 +12,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from pipeline.runtime.errors import PipelineClosedError
+from transports.tasks import TaskSet
 
 __all__ = ["LoopThread"]
 
@@ -27,6 +28,7 @@ class LoopThread:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.stopped = False
+        self._tasks = TaskSet("loop thread")  # the calls running on the loop
         self.thread = threading.Thread(
             target=self.loop.run_forever, name="actorline-llm-loop", daemon=True
         )
@@ -56,7 +58,7 @@ class LoopThread:
                 unwound.set()
 
         def submit() -> None:
-            task = self.loop.create_task(guarded())
+            task = self._tasks.spawn(guarded(), name="loop-thread:call", loop=self.loop)
             state["task"] = task
             task.add_done_callback(functools.partial(_copy_outcome, result))
 

@@ -55,9 +55,10 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from pipeline.engine.async_engine import AsyncEngine, EngineObserver
-from pipeline.runtime.protocol import HANDLE_SECONDS_BUCKETS
+from pipeline.runtime.control import HANDLE_SECONDS_BUCKETS
 from stages.errors import ERROR_KINDS
 from stages.messages import GenerateRequest, RequestOutput, RequestRejected
+from transports.tasks import TaskSet
 
 __all__ = [
     "DEFAULT_POLL_INTERVAL",
@@ -360,6 +361,7 @@ class EngineMetrics:
         self.registry.register(_SnapshotCollector(self))
         engine.add_observer(self._observer)
         self._poller: asyncio.Task[None] | None = None
+        self._tasks = TaskSet("metrics")  # the poller
         self._http: tuple[WSGIServer, threading.Thread] | None = None
         self._throughput_mark: tuple[float, int] | None = None
 
@@ -369,7 +371,7 @@ class EngineMetrics:
         """Take a first statistics snapshot, then poll in the background. Idempotent."""
         if self._poller is None:
             await self.refresh()
-            self._poller = asyncio.create_task(self._poll(), name="metrics:poll")
+            self._poller = self._tasks.spawn(self._poll(), name="metrics:poll")
         return self
 
     def start_http_server(self, host: str = "127.0.0.1", port: int = 0) -> int:

@@ -43,7 +43,7 @@ class EngineOptions:
     ``grammar_max_rules`` (the most rules of a Lark/GBNF grammar or objects of a JSON schema
     a request may bring; the compile thread's stack is sized from it) and
     ``grammar_max_chars`` (the longest schema, regex or grammar text; at most 256 KiB):
-    ``stages/grammar_limits.py``, docs/structured-outputs.md "Bounds".
+    ``stages/structured/limits.py``, docs/structured-outputs.md "Bounds".
     Topology: ``transport`` ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None).
     Admission:
     ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
@@ -87,9 +87,9 @@ class EngineOptions:
     long_prefill_chunk: int | None = None
     scheduler: str = "fcfs"
     grammar_backend: str = "llguidance"
-    #: stages.grammar_limits.DEFAULT_MAX_RULES (not imported: this module stays light)
+    #: stages.structured.limits.DEFAULT_MAX_RULES (not imported: this module stays light)
     grammar_max_rules: int = 4000
-    #: stages.structured_outputs.MAX_SPEC_CHARS
+    #: stages.structured.params.MAX_SPEC_CHARS
     grammar_max_chars: int = 256 * 1024
     transport: str = "zmq"
     compression: str | None = None
@@ -154,7 +154,7 @@ class EngineOptions:
             raise ValueError(
                 f"grammar_backend must be a grammar backend name, got {self.grammar_backend!r}"
             )
-        from stages.grammar_limits import GrammarLimits
+        from stages.structured.limits import GrammarLimits
 
         try:
             GrammarLimits(self.grammar_max_rules, self.grammar_max_chars)

@@ -104,11 +104,11 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     from stages.detokenize import DetokenizeConfig, DetokenizeStage
     from stages.execute.config import ExecuteConfig
     from stages.execute.stage import ExecuteStage
-    from stages.grammar_limits import GrammarLimits
-    from stages.grammar_manager import GrammarConfig
     from stages.schedule import ScheduleConfig, ScheduleStage
     from stages.scheduler import SchedulerConfig
     from stages.stop_check import StopCheckStage
+    from stages.structured.limits import GrammarLimits
+    from stages.structured.manager import GrammarConfig
     from stages.tokenize import TokenizeConfig, TokenizeStage
 
     options = options or EngineOptions()
@@ -237,7 +237,7 @@ def _replica_hosts(host: str, options: EngineOptions) -> tuple[str, ...]:
 
 def _add_router(pipeline: Pipeline, options: EngineOptions) -> None:
     """The router stage in front of the replicas (``docs/architecture.md`` §8)."""
-    from stages.router import ReplicaRoute, RouterConfig, RouterStage
+    from stages.route import ReplicaRoute, RouterConfig, RouterStage
 
     suffixes = [replica_suffix(index) for index in range(options.data_parallel_size)]
     routes = tuple(
@@ -289,7 +289,7 @@ def check_parallelism(options: EngineOptions) -> None:
     if options.on_ray:
         require_ray()
     if options.data_parallel_size > 1:
-        from stages.routing import load_router
+        from stages.router import load_router
 
         load_router(options.router)
     if options.tensor_parallel_size > 1:

@@ -1,11 +1,13 @@
-"""Prompts and parameters as the engine accepts them, checked before a request enters the
-pipeline: the prompt forms of vLLM (text, chat messages, token ids, prompt dicts) and
+"""Prompts and parameters as the engine accepts them, checked once before a request enters
+the pipeline: the prompt forms of vLLM (text, chat messages, token ids, prompt dicts) and
 :class:`~stages.params.SamplingParams`. The request they make is checked whole by the
-validation core, :func:`stages.validation.validate_generate_request` (docs/architecture.md,
-"Failure: one request or the pipeline")."""
+validation core, :func:`stages.validation.validate_generate_request`; a
+:class:`CheckedPrompt` is what it passed, which :meth:`~pipeline.engine.AsyncEngine.generate`
+takes without checking again (docs/architecture.md §7.1, "Validate at the boundary")."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,7 +17,15 @@ from stages.messages import ChatMessage, GenerateRequest
 from stages.params import SamplingParams
 from stages.validation import validate_generate_request
 
-__all__ = ["Prompt", "checked_request", "is_prompt_dict", "make_request"]
+__all__ = [
+    "CheckedPrompt",
+    "Prompt",
+    "as_checked",
+    "check_prompt",
+    "checked_request",
+    "is_prompt_dict",
+    "make_request",
+]
 
 #: what ``generate`` accepts: text, chat messages (dicts with role/content or ChatMessage), or
 #: token ids, or vLLM's prompt dicts ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
@@ -132,3 +142,90 @@ def checked_request(
     request = make_request(request_id, prompt, params, tenant, chat_template)
     validate_generate_request(request, vocab_size=vocab_size)
     return request
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckedPrompt:
+    """A prompt and its parameters that the validation core passed: made only by
+    :func:`check_prompt` (:meth:`~pipeline.engine.AsyncEngine.check`), taken by
+    :meth:`~pipeline.engine.AsyncEngine.generate` without checking again. ``request`` is the
+    pipeline's request, its id a stand-in until ``generate`` gives it the engine's;
+    ``vocab_size``: the vocabulary its token ids were checked against (None: not yet known,
+    admit checks them)."""
+
+    request: GenerateRequest
+    vocab_size: int | None = None
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+
+#: the id a checked prompt carries until ``generate`` gives it the engine's
+_STAND_IN_ID = "checked"
+
+
+def check_prompt(
+    prompt: Prompt,
+    params: SamplingParams | None,
+    *,
+    tenant: str = "",
+    chat_template: bool = False,
+    vocab_size: int | None = None,
+    request_id: str | None = None,
+) -> CheckedPrompt:
+    """``prompt`` and ``params`` checked once by the validation core (as
+    :func:`checked_request`), for :meth:`~pipeline.engine.AsyncEngine.generate` to send
+    later. ``request_id``: the caller's id of the request, named by an error (it is not
+    kept: ``generate`` gives the request its own).
+
+    Raises:
+        InvalidRequestError: naming the field that is wrong.
+    """
+    try:
+        request = checked_request(
+            _STAND_IN_ID, prompt, params, tenant, chat_template, vocab_size=vocab_size
+        )
+    except InvalidRequestError as exc:
+        exc.request_id = request_id
+        raise
+    return CheckedPrompt(request, vocab_size)
+
+
+def as_checked(
+    prompt: Prompt | CheckedPrompt,
+    params: SamplingParams | None,
+    *,
+    tenant: str = "",
+    chat_template: bool = False,
+    vocab_size: int | None = None,
+    request_id: str | None = None,
+) -> CheckedPrompt:
+    """``prompt`` as it is if the core checked it already (it carries its parameters,
+    tenant and chat-template flag: give none of its own), else :func:`check_prompt`.
+
+    Raises:
+        InvalidRequestError: naming the field that is wrong, or (field ``sampling_params``)
+            parameters given beside a checked prompt.
+    """
+    if not isinstance(prompt, CheckedPrompt):
+        return check_prompt(
+            prompt,
+            params,
+            tenant=tenant,
+            chat_template=chat_template,
+            vocab_size=vocab_size,
+            request_id=request_id,
+        )
+    if params is not None or chat_template or tenant not in ("", prompt.tenant):
+        raise InvalidRequestError(
+            "a checked prompt carries its sampling parameters, tenant and chat template "
+            "flag; give them to check(), not to generate()",
+            field="sampling_params",
+            request_id=request_id,
+        )
+    return prompt

@@ -23,6 +23,7 @@ from pipeline.runtime.errors import CallOverflowError, PipelineClosedError
 from pipeline.runtime.running import RunningPipeline
 from transports.errors import EndOfStream, LinkClosedError
 from transports.memory import MemoryChannel, WouldBlock
+from transports.tasks import TaskSet
 
 __all__ = ["Caller"]
 
@@ -60,6 +61,7 @@ class Caller:
         self._capacity = capacity
         self._pending: dict[Hashable, MemoryChannel[Any]] = {}
         self._dispatcher: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(f"caller of {exit!r}")  # the dispatcher
         self._error: BaseException | None = None
 
     async def stream(self, request: object) -> AsyncIterator[Any]:
@@ -104,9 +106,7 @@ class Caller:
 
     def _ensure_dispatcher(self) -> None:
         if self._dispatcher is None:
-            self._dispatcher = asyncio.get_running_loop().create_task(
-                self._dispatch(), name=f"caller:{self.exit}"
-            )
+            self._dispatcher = self._tasks.spawn(self._dispatch(), name=f"caller:{self.exit}")
 
     async def _dispatch(self) -> None:
         exit_channel = self.running.exit_channel(self.exit)

@@ -7,7 +7,7 @@ mailbox) and connects senders for its outbound ones. A stage that raises, or a l
 is lost, is reported through ``on_failure``; the controller then fails the whole pipeline.
 A link to or from a replica this host is not part of is *contained*
 (:mod:`pipeline.runtime.replicas`): its loss is reported through ``on_link_lost`` instead,
-what is sent on it once it is lost is dropped, and :meth:`Host.cut_replica` closes it and
+what is sent on it once it is lost is dropped, and :meth:`LocalHost.cut_replica` closes it and
 tells the stages linked to the replica.
 
 A stage may send to one target of an output port only (``emit(port, message, to=stage)``),
@@ -39,22 +39,23 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import plugins
-from pipeline.runtime.errors import DeadlockError, GraphError, PipelineError, StageFailedError
-from pipeline.runtime.protocol import (
+from pipeline.runtime.control import (
     HANDLE_SECONDS_BUCKETS,
     HostPlan,
     HostStatistics,
     RemoteLink,
     StageStatistics,
 )
+from pipeline.runtime.errors import DeadlockError, GraphError, PipelineError, StageFailedError
 from pipeline.runtime.replicas import ReplicaLost
 from pipeline.runtime.spec import BOUNDARY, Endpoint
 from pipeline.runtime.stage import Stage, recoverable
 from transports.base import Receiver, Sender, Transport
 from transports.errors import EndOfStream, LinkClosedError, PeerLostError
 from transports.memory import MemoryChannel, WouldBlock
+from transports.tasks import TaskSet
 
-__all__ = ["RUNTIME_PORT", "Host"]
+__all__ = ["RUNTIME_PORT", "LocalHost"]
 
 logger = logging.getLogger("actorline.host")
 T = TypeVar("T")
@@ -108,7 +109,7 @@ class _StageCell:
         self.stop_started = False
 
 
-class Host:
+class LocalHost:
     """The stages of one placement, their mailboxes, routes and cross-host links."""
 
     def __init__(
@@ -146,8 +147,8 @@ class Host:
         self._transports: dict[str, Transport] = {}
         self._receivers: dict[str, Receiver] = {}
         self._senders: dict[str, Sender] = {}
-        self._pumps: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
+        # the stages' tasks, their background tasks and the pumps
+        self._tasks = TaskSet(f"host {plan.name}")
         self._cell_of_task: dict[asyncio.Task[Any], _StageCell] = {}
         self._failed = False
         self._stopped = False
@@ -207,8 +208,7 @@ class Host:
             receiver = await self._transport(link.transport).listen()
             self._receivers[link.link_id] = receiver
             addresses[link.link_id] = receiver.address
-            pump = asyncio.create_task(self._pump(link, receiver), name=f"pump:{link.link_id}")
-            self._pumps.append(pump)
+            pump = self._tasks.spawn(self._pump(link, receiver), name=f"pump:{link.link_id}")
             self._pump_of[link.link_id] = pump
         return addresses
 
@@ -261,7 +261,7 @@ class Host:
 
         await asyncio.gather(*(start_one(cell) for cell in self._cells.values()))
         for cell in self._cells.values():
-            cell.task = asyncio.create_task(self._run_stage(cell), name=f"stage:{cell.name}")
+            cell.task = self._tasks.spawn(self._run_stage(cell), name=f"stage:{cell.name}")
             self._cell_of_task[cell.task] = cell
 
     # -- running --------------------------------------------------------------------------------
@@ -332,12 +332,13 @@ class Host:
         if self._stopped:
             coroutine.close()
             return
-        task = asyncio.create_task(coroutine, name=f"stage:{stage}:background")
-        self._background.add(task)
-        task.add_done_callback(functools.partial(self._background_done, stage))
+        self._tasks.spawn(
+            coroutine,
+            name=f"stage:{stage}:background",
+            on_done=functools.partial(self._background_done, stage),
+        )
 
     def _background_done(self, stage: str, task: asyncio.Task[None]) -> None:
-        self._background.discard(task)
         if task.cancelled():
             if not self._stopped:
                 error = asyncio.CancelledError("nothing cancelled the stage")
@@ -690,14 +691,8 @@ class Host:
     async def _cancel_tasks(self, timeout: float) -> None:
         """Cancel the stages' tasks (background ones too) and the pumps; wait for them up to
         ``timeout``."""
-        tasks = [cell.task for cell in self._cells.values() if cell.task is not None]
-        tasks = [task for task in (*tasks, *self._pumps, *self._background) if not task.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=timeout)
-            for task in pending:
-                logger.warning("host %s: task %s ignored its cancellation", self.name, task)
+        for task in await self._tasks.aclose(timeout):
+            logger.warning("host %s: task %s ignored its cancellation", self.name, task)
 
     async def _stop_stages(self, timeout: float) -> None:
         """Call ``stop`` (each up to ``timeout``) of every stage not stopped yet, in order."""

@@ -41,17 +41,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.runtime.errors import (
-    DeadlockError,
-    GraphError,
-    HostDiedError,
-    PipelineClosedError,
-    StageFailedError,
-)
-from pipeline.runtime.gc_policy import freeze_startup_heap
-from pipeline.runtime.host import FailureCallback, Host, LinkLostCallback
-from pipeline.runtime.prespawn import host_command, preload_modules, take_prespawned
-from pipeline.runtime.protocol import (
+from pipeline.runtime.control import (
     Ack,
     BindLinks,
     ConnectLinks,
@@ -65,9 +55,20 @@ from pipeline.runtime.protocol import (
     StartStages,
     StopHost,
 )
+from pipeline.runtime.errors import (
+    DeadlockError,
+    GraphError,
+    HostDiedError,
+    PipelineClosedError,
+    StageFailedError,
+)
+from pipeline.runtime.gc_policy import freeze_startup_heap
+from pipeline.runtime.host import FailureCallback, LinkLostCallback, LocalHost
+from pipeline.runtime.prespawn import host_command, preload_modules, take_prespawned
 from pipeline.runtime.replicas import ReplicaLost
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
+from transports.tasks import TaskSet
 from transports.zmq import IPC_DIR_PREFIX, made_ipc_directory
 
 __all__ = ["ProcessHost", "error_from_failure", "failure_message", "serve_host"]
@@ -250,7 +251,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
         with contextlib.suppress(Exception):
             control.send(LinkLost(0, plan.name, link_id, detail))
 
-    host = Host(plan, report, on_link_lost=report_link_lost)
+    host = LocalHost(plan, report, on_link_lost=report_link_lost)
 
     async def run_command(command: Any) -> bool:
         """Run one command; True once the host should exit."""
@@ -292,7 +293,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
                 control.send(failure_message(call_id, plan.name, exc))
         return False
 
-    tasks: set[asyncio.Task[bool]] = set()
+    commands = TaskSet(f"host {plan.name} commands")
     try:
         while True:
             try:
@@ -300,9 +301,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
             except EOFError:
                 orphaned = True
                 break  # the controller is gone: stop
-            task = asyncio.create_task(run_command(command))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            task = commands.spawn(run_command(command), name=f"command:{type(command).__name__}")
             if isinstance(command, StopHost) and command.phase != 1:
                 await task
                 with contextlib.suppress(Exception):
@@ -317,6 +316,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
         if orphaned and peer_dirs and await _parent_gone(parent, _ORPHAN_GRACE):
             for directory in peer_dirs:
                 shutil.rmtree(directory, ignore_errors=True)
+        await commands.aclose()  # (what asyncio.run would cancel next)
 
 
 # -- the controller side -------------------------------------------------------------------------
@@ -341,6 +341,7 @@ class ProcessHost:
         self._process: subprocess.Popen[bytes] | None = None
         self._pidfd: int | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(f"process host {plan.name}")  # the control reader
         self._stopping = False
         self._gone = False
         self._exited = asyncio.Event()
@@ -388,7 +389,7 @@ class ProcessHost:
         loop = self._loop = asyncio.get_running_loop()
         reader, writer = await asyncio.open_unix_connection(sock=parent_end)
         self._control = _ControlChannel(reader, writer)
-        self._reader_task = loop.create_task(self._read_control(), name=f"control:{self.name}")
+        self._reader_task = self._tasks.spawn(self._read_control(), name=f"control:{self.name}")
         try:
             self._pidfd = os.pidfd_open(self._process.pid)
             loop.add_reader(self._pidfd, self._on_exit)
@@ -477,7 +478,7 @@ class ProcessHost:
         return any(link.contained == replica for link in (*self.plan.inbound, *self.plan.outbound))
 
     async def cut_replica(self, lost: ReplicaLost, timeout: float = 5.0) -> None:
-        """Have the host cut its links to the lost replica (:meth:`Host.cut_replica`).
+        """Have the host cut its links to the lost replica (:meth:`LocalHost.cut_replica`).
         Never raises (a host that cannot answer is failing on its own)."""
         with contextlib.suppress(Exception):
             await self._call(CutReplica, lost, timeout=timeout)
@@ -532,7 +533,7 @@ class ProcessHost:
         return max(steps, 1) * timeout + _STOP_MARGIN
 
     async def quiesce(self, timeout: float = 5.0, *, abort: bool = False) -> None:
-        """Shutdown phase 1 (see :meth:`Host.quiesce`; each step of it gets ``timeout``).
+        """Shutdown phase 1 (see :meth:`LocalHost.quiesce`; each step of it gets ``timeout``).
         Never raises."""
         self._stopping = True
         if self._process is not None and not self._gone:

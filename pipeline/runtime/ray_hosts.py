@@ -45,12 +45,13 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.runtime.control import HostFailure, HostPlan, HostStatistics, LinkLost
 from pipeline.runtime.errors import GraphError, HostDiedError, PipelineClosedError
 from pipeline.runtime.gc_policy import freeze_startup_heap
-from pipeline.runtime.host import FailureCallback, Host, LinkLostCallback
+from pipeline.runtime.host import FailureCallback, LinkLostCallback, LocalHost
 from pipeline.runtime.processes import error_from_failure, failure_message
-from pipeline.runtime.protocol import HostFailure, HostPlan, HostStatistics, LinkLost
 from pipeline.runtime.replicas import ReplicaLost
+from transports.tasks import TaskSet
 
 __all__ = [
     "GPU_IDS_ENV",
@@ -236,7 +237,7 @@ class _HostActor:
         self._plan = reachable_plan(plan, ip)
         self._events: asyncio.Queue[HostFailure | LinkLost] | None = None
         self._built: asyncio.Event | None = None
-        self._host: Host | None = None
+        self._host: LocalHost | None = None
         self._tune_gc = plan.tune_gc
 
     def _report(self, error: BaseException) -> None:
@@ -250,7 +251,7 @@ class _HostActor:
     async def bind_links(self) -> dict[str, str] | HostFailure:
         self._events = asyncio.Queue()
         self._ready().set()
-        host = self._host = Host(self._plan, self._report, on_link_lost=self._report_link_lost)
+        host = self._host = LocalHost(self._plan, self._report, on_link_lost=self._report_link_lost)
         try:
             host.build()
             return await host.bind_links()
@@ -341,6 +342,7 @@ class RayActorHost:
         self.actor_name = f"actorline:{pipeline}:{plan.name}:{secrets.token_hex(4)}"
         self.actor: Any = None
         self._watch: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(f"ray host {plan.name}")  # the event watch
         self._stopping = False
         self._gone = asyncio.Event()
         self._pid: int | None = None
@@ -389,9 +391,7 @@ class RayActorHost:
             self.node_ip,
             ", ".join(self.gpu_ids) or "none",
         )
-        self._watch = asyncio.get_running_loop().create_task(
-            self._watch_events(), name=f"ray-watch:{self.name}"
-        )
+        self._watch = self._tasks.spawn(self._watch_events(), name=f"ray-watch:{self.name}")
 
     async def _watch_events(self) -> None:
         ray = _ray()
@@ -465,7 +465,7 @@ class RayActorHost:
         return self._gone.is_set()
 
     async def quiesce(self, timeout: float = 5.0, *, abort: bool = False) -> None:
-        """Shutdown phase 1 (see :meth:`Host.quiesce`). Never raises."""
+        """Shutdown phase 1 (see :meth:`LocalHost.quiesce`). Never raises."""
         self._stopping = True
         if self.actor is not None and not self._gone.is_set():
             bound = timeout * (2 + len(self.plan.stages) + len(self.plan.outbound)) + _CALL_MARGIN

@@ -50,7 +50,7 @@ class ReplicaSet:
         return tuple(name for name, _ in self.replicas)
 
 
-@message(38)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplicaLost:
     """Replica ``replica`` of set ``replica_set`` (its ``hosts``) failed and was cut off:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pipeline.runtime import settings
+from pipeline.runtime.control import HostPlan, HostStatistics, RemoteLink
 from pipeline.runtime.errors import (
     GraphError,
     HostDiedError,
@@ -49,9 +50,9 @@ from pipeline.runtime.errors import (
     StageFailedError,
 )
 from pipeline.runtime.gc_policy import raise_young_threshold, restore_threshold
-from pipeline.runtime.host import Host
+from pipeline.runtime.host import LocalHost
+from pipeline.runtime.hosts import Host, RemoteHost
 from pipeline.runtime.processes import ProcessHost
-from pipeline.runtime.protocol import HostPlan, HostStatistics, RemoteLink
 from pipeline.runtime.ray_hosts import (
     RayActorHost,
     RayHost,
@@ -70,6 +71,7 @@ from transports.base import LinkOptions
 from transports.compression import Compression
 from transports.errors import PeerLostError
 from transports.memory import MemoryChannel
+from transports.tasks import TaskSet
 
 if TYPE_CHECKING:
     from pipeline.runtime.graph import Pipeline
@@ -86,7 +88,7 @@ _UNRESPONSIVE_GRACE = 2.0
 _EXIT_GRACE = 0.2
 #: Seconds each step of a forced teardown (stopping a stage, closing a link) may take.
 _FORCED_STEP_TIMEOUT = 1.0
-#: How a host names a link in the PeerLostError it reports (see ``Host._pump``).
+#: How a host names a link in the PeerLostError it reports (see ``LocalHost._pump``).
 _LINK_IN_ERROR = re.compile(r"\blink (L\d+) into\b")
 
 
@@ -194,8 +196,8 @@ class RunningPipeline:
         self.pipeline = pipeline
         self.options = options
         self.failure: BaseException | None = None
-        self._main: Host | None = None
-        self._processes: dict[str, ProcessHost | RayActorHost] = {}
+        self._main: LocalHost | None = None
+        self._processes: dict[str, RemoteHost] = {}
         self._placement_groups: list[Any] = []
         self._ray_owned = False  # this pipeline connected this process to Ray
         self._exits: dict[str, MemoryChannel[Any]] = {}
@@ -216,14 +218,14 @@ class RunningPipeline:
         self._lost: dict[tuple[str, str], BaseException] = {}  # (set, replica) -> its failure
         self._lost_hosts: set[str] = set()
         self._replica_callbacks: list[Callable[[ReplicaLost], None]] = []
-        self._containments: set[asyncio.Task[None]] = set()
         self._started = False  # start-up finished: from now on replica failures are contained
         self._inbound_sources: dict[str, set[str]] = {}  # host -> hosts that send to it
         self._unresponsive: set[str] = set()
         self._sending: set[asyncio.Task[Any]] = set()  # callers inside send()
         self._interrupted: set[asyncio.Task[Any]] = set()  # ... that _interrupt_senders woke
         self._probe_task: asyncio.Task[None] | None = None
-        self._exit_checks: set[asyncio.Task[None]] = set()  # see _blame_exited_host
+        # the probe, exit checks (see _blame_exited_host), containments and the teardown
+        self._tasks = TaskSet(f"pipeline {pipeline.name}")
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -268,7 +270,7 @@ class RunningPipeline:
                 name: plan if name in self.options.hosts else reachable_plan(plan, ip)
                 for name, plan in plans.items()
             }
-        self._main = Host(
+        self._main = LocalHost(
             plans[MAIN_HOST],
             self._failure_reporter(MAIN_HOST),
             exits=self._exits,
@@ -294,7 +296,7 @@ class RunningPipeline:
                 )
         await asyncio.gather(*(process.spawn() for process in self._processes.values()))
         self._main.build()
-        hosts: list[Host | ProcessHost | RayActorHost] = [self._main, *self._processes.values()]
+        hosts: list[Host] = [self._main, *self._processes.values()]
         addresses: dict[str, str] = {}
         for bound in await asyncio.gather(*(host.bind_links() for host in hosts)):
             addresses.update(bound)
@@ -303,7 +305,7 @@ class RunningPipeline:
         self._raise_if_failed()
         unwatched = [p for p in self._processes.values() if not p.plan.outbound]
         if unwatched:
-            self._probe_task = asyncio.get_running_loop().create_task(
+            self._probe_task = self._tasks.spawn(
                 self._probe_hosts(unwatched), name=f"probe:{self.pipeline.name}"
             )
         if self.options.tune_gc:  # _start runs once per RunningPipeline
@@ -518,11 +520,7 @@ class RunningPipeline:
             str(error),
             error.exitcode if isinstance(error, HostDiedError) else None,
         )
-        task = asyncio.get_running_loop().create_task(
-            self._cut_off(lost), name=f"contain:{set_name}/{name}"
-        )
-        self._containments.add(task)
-        task.add_done_callback(self._containments.discard)
+        self._tasks.spawn(self._cut_off(lost), name=f"contain:{set_name}/{name}")
 
     async def _cut_off(self, lost: ReplicaLost) -> None:
         """Reap the lost replica's hosts, have every other host cut its links to it (the
@@ -572,9 +570,7 @@ class RunningPipeline:
             if not any(exited):
                 otherwise()
 
-        task = asyncio.get_running_loop().create_task(check(), name="exit-check")
-        self._exit_checks.add(task)
-        task.add_done_callback(self._exit_checks.discard)
+        self._tasks.spawn(check(), name="exit-check")
 
     def _silent_host(self, reporter: str, error: PeerLostError) -> str:
         """The host whose link into ``reporter`` fell silent, as ``error`` tells."""
@@ -596,13 +592,13 @@ class RunningPipeline:
         error.__cause__ = cause
         self._fail_host(host, error)
 
-    async def _probe_hosts(self, hosts: list[ProcessHost | RayActorHost]) -> None:
+    async def _probe_hosts(self, hosts: list[RemoteHost]) -> None:
         """Ask ``hosts`` (spawned hosts that send over no link, so no link heartbeat tells
         whether they are alive) for statistics every heartbeat interval; one that does not
         answer within the heartbeat timeout fails the pipeline as unresponsive."""
         interval, timeout = self.options.heartbeat_interval, self.options.heartbeat_timeout
 
-        async def probe(host: ProcessHost | RayActorHost) -> None:
+        async def probe(host: RemoteHost) -> None:
             # NOTE: the loop ends on ``_closing`` (set before the teardown cancels this task),
             # not on the cancellation alone: before Python 3.12, ``asyncio.wait_for`` returns
             # the result and drops a cancellation that arrives as the call it awaits completes
@@ -746,7 +742,7 @@ class RunningPipeline:
         if self._teardown_task is None:
             self._closing = True
             self._interrupt_senders()
-            self._teardown_task = asyncio.get_running_loop().create_task(
+            self._teardown_task = self._tasks.spawn(
                 self._tear_down(), name=f"teardown:{self.pipeline.name}"
             )
         return self._teardown_task
@@ -814,13 +810,13 @@ class RunningPipeline:
         for channel in self._exits.values():
             channel.close_sending()
 
-    async def _find_silent_hosts(self, processes: list[ProcessHost | RayActorHost]) -> None:
+    async def _find_silent_hosts(self, processes: list[RemoteHost]) -> None:
         """After a failure, count a host that does not answer a probe within
         :data:`_UNRESPONSIVE_GRACE` as unresponsive (one frozen, or whose event loop is stuck,
         while another host's failure came first), so that the teardown resumes it and waits
         for it only briefly."""
 
-        async def silent(process: ProcessHost | RayActorHost) -> bool:
+        async def silent(process: RemoteHost) -> bool:
             try:
                 await asyncio.wait_for(process.statistics(), _UNRESPONSIVE_GRACE)
             except asyncio.TimeoutError:
@@ -847,9 +843,7 @@ class RunningPipeline:
         if self._gc_tuned:
             self._gc_tuned = False
             restore_threshold()
-        for task in (self._probe_task, *self._exit_checks, *self._containments):
-            if task is not None:
-                task.cancel()
+        self._tasks.cancel()  # (not the teardown task: this runs in it, or after it)
         processes = list(self._processes.values())
         # NOTE: first signal every host and remove its ipc directory, before anything that
         # waits: a teardown cancelled once more in the middle still leaves no process running.
@@ -868,7 +862,7 @@ class RunningPipeline:
         self._torn_down = True
 
     @staticmethod
-    def _resume(process: ProcessHost | RayActorHost) -> None:
+    def _resume(process: RemoteHost) -> None:
         """SIGCONT an unresponsive host, so that one frozen by SIGSTOP can still shut down
         cleanly (its links and ipc files); one whose event loop is stuck is waited for only
         briefly (``_UNRESPONSIVE_GRACE``), then terminated, then killed, by ProcessHost.stop."""

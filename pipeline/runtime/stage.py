@@ -34,7 +34,7 @@ from pipeline.runtime.errors import PipelineError, UnhandledMessageError
 from transports.errors import EndOfStream, LinkClosedError, PeerLostError
 
 if TYPE_CHECKING:
-    from pipeline.runtime.host import Host
+    from pipeline.runtime.host import LocalHost
     from pipeline.runtime.replicas import ReplicaLost
 
 __all__ = ["Handler", "Stage", "handles", "recoverable"]
@@ -126,7 +126,7 @@ class Stage:
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
-        self._host: Host | None = None
+        self._host: LocalHost | None = None
         self._name = type(self).__name__
         self._handlers: dict[tuple[str | None, type], Handler] = {
             key: getattr(self, attribute) for key, attribute in self._handler_table.items()
@@ -294,7 +294,7 @@ class Stage:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(function, *args))
 
-    def _bind(self, host: Host, name: str) -> None:
+    def _bind(self, host: LocalHost, name: str) -> None:
         self._host = host
         self._name = name
 

@@ -7,7 +7,7 @@ Modules: ``generation.proto`` and its generated ``generation_pb2``/``generation_
 stubs; :mod:`~pipeline.server.auth` (API keys → engine tenants and limits, for both front
 ends); :mod:`~pipeline.server.tls` (TLS files, for both); :mod:`~pipeline.server.listen`
 (addresses); :mod:`~pipeline.server.convert` (protobuf ↔ Python);
-:mod:`~pipeline.server.status` (errors ↔ gRPC status codes); :mod:`~pipeline.server.service`
+:mod:`~pipeline.server.status` (errors ↔ gRPC status codes); :mod:`~pipeline.server.grpc_service`
 (the servicer); :mod:`~pipeline.server.serve` (the gRPC server with health and reflection,
 and ``serve``, which runs the front ends); :mod:`pipeline.server.http` (the HTTP API).
 
@@ -45,7 +45,7 @@ _LAZY = {
     "ApiKeys": "pipeline.server.auth",
     "AuthenticationError": "pipeline.server.auth",
     "GenerationServer": "pipeline.server.serve",
-    "GenerationService": "pipeline.server.service",
+    "GenerationService": "pipeline.server.grpc_service",
     "HttpServer": "pipeline.server.http.server",
     "ServerTLS": "pipeline.server.tls",
     "ServiceError": "pipeline.server.status",

@@ -20,7 +20,6 @@ call, which aborts the request on the server.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import weakref
 from collections.abc import AsyncGenerator, Coroutine, Generator, Sequence
@@ -397,6 +396,6 @@ async def _close_stream(stream: AsyncGenerator[Any, None]) -> None:
 def _close_client(client: AsyncClient, loop: LoopThread) -> None:
     try:
         if loop.loop.is_running():
-            asyncio.run_coroutine_threadsafe(client.close(), loop.loop).result()
+            loop.run(client.close())
     finally:
         loop.stop()

@@ -12,7 +12,7 @@ from pipeline.server import generation_pb2 as pb
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage, EngineInfo, Logprobs, RequestOutput
 from stages.params import SamplingParams
-from stages.structured_outputs import StructuredOutputsParams, validate_structured_outputs
+from stages.structured.params import StructuredOutputsParams, validate_structured_outputs
 
 __all__ = [
     "FINISH_REASONS",

@@ -31,10 +31,11 @@ from pipeline.engine.options import EngineOptions
 from pipeline.runtime.replicas import ReplicaLost
 from pipeline.server import generation_pb2 as pb
 from pipeline.server.auth import ApiKeys
+from pipeline.server.grpc_service import GenerationService, add_to_server
 from pipeline.server.limits import ListenerLimits, connection_cap
 from pipeline.server.listen import DEFAULT_HOST, format_address
-from pipeline.server.service import GenerationService, add_to_server
 from pipeline.server.tls import ServerTLS
+from transports.tasks import TaskSet
 
 if TYPE_CHECKING:
     from pipeline.engine.metrics import EngineMetrics
@@ -102,7 +103,7 @@ class GenerationServer:
             *grpc_options,
         )
         self._server: grpc.aio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("grpc server")  # health reports
         self.address: str | None = None
 
     async def start(self, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> str:
@@ -153,7 +154,7 @@ class GenerationServer:
         await self.service.shut_down()
         if self._server is not None:
             await self._server.stop(grace)
-        for task in list(self._tasks):
+        for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
 
@@ -184,9 +185,7 @@ class GenerationServer:
         self._report(health_pb2.HealthCheckResponse.SERVING)
 
     def _report(self, status: Any) -> None:
-        task = asyncio.get_running_loop().create_task(self._set_health(status))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._set_health(status), name="grpc:health")
 
     async def _set_health(self, status: Any) -> None:
         if self._server is None:
@@ -272,16 +271,17 @@ async def serve(
             stop_requested.set()
 
     try:
-        starting = asyncio.ensure_future(engine.start())
-        stopping = asyncio.ensure_future(stop_requested.wait())
-        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():  # a signal arrived while the model loaded
-            starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await starting
-            return
-        stopping.cancel()
-        starting.result()
+        async with TaskSet("serve:start") as startup:
+            starting = startup.spawn(engine.start(), name="serve:engine-start")
+            stopping = startup.spawn(stop_requested.wait(), name="serve:stop-wait")
+            await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():  # a signal arrived while the model loaded
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+                return
+            stopping.cancel()
+            starting.result()
         engine.add_failure_callback(on_engine_failure)
         metrics_url = None
         if metrics_port is not None or http_port is not None:

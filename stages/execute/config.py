@@ -72,7 +72,7 @@ class ExecuteConfig:
     - ``quantization``: ``None`` (default: fp32 weights), ``"gguf"`` (run a GGUF model's own
       Q8_0/Q4_0/Q4_1/Q4_K weights as they are) or ``"int8"`` (quantize any checkpoint's
       linears to int8 at load); weight-only, fp32 activations and KV, CPU fp32 only
-      (:mod:`stages.execute.quantization`).
+      (:mod:`stages.execute.quant.apply`).
     - ``model_impl``: ``auto`` (default: actorline's own model class where it serves the
       checkpoint, :mod:`stages.execute.llama`, else transformers'), ``native`` (actorline's own,
       refused where it does not serve the checkpoint) or ``transformers`` (always

@@ -1,11 +1,11 @@
 """The sampler's structured-outputs hook: a step's token bitmask → the constrained rows' masks.
 
-The schedule stage sends, with each :class:`~stages.messages.SchedulerStep`, the bitmask of
-the constrained requests that sample in it (``grammar_request_ids[i]`` has row ``i``; the
-layout of :mod:`stages.grammar`: bit ``t % 32`` of ``int32`` word ``t // 32`` set when token
-``t`` is allowed). :func:`grammar_rows` picks the step's sampling rows that are constrained
-and unpacks their bits into a ``[constrained rows, vocab]`` boolean mask, True where a token
-is forbidden; the sampler sets those tokens to -inf before anything else (as vLLM applies the
+The schedule stage sends, with each :class:`~stages.messages.SchedulerStep`, the bitmask of the
+constrained requests that sample in it (``grammar_request_ids[i]`` has row ``i``; the layout of
+:mod:`stages.structured.backend`: bit ``t % 32`` of ``int32`` word ``t // 32`` set when token
+``t`` is allowed). :func:`grammar_rows` picks the step's sampling rows that are constrained and
+unpacks their bits into a ``[constrained rows, vocab]`` boolean mask, True where a token is
+forbidden; the sampler sets those tokens to -inf before anything else (as vLLM applies the
 grammar bitmask to the logits before sampling, ``vllm/v1/worker/gpu_model_runner.py``).
 
 Only the constrained rows are touched: on the CPU one in-place ``masked_fill_`` per

@@ -15,7 +15,7 @@ from transports.codec import message
 __all__ = ["Rendezvous", "ShardStep"]
 
 
-@message(140)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class Rendezvous:
     """Where the ranks of one engine meet: rank 0's ``TCPStore`` at ``host:port``.
@@ -27,7 +27,7 @@ class Rendezvous:
     timeout: float
 
 
-@message(141)
+@message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardStep:
     """One step's packed batch, from rank 0 to every other rank (see

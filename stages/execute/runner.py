@@ -71,7 +71,7 @@ from stages.execute.native import (
     paged_decode_kernel,
 )
 from stages.execute.probe_cache import checks_passed, probe_key, record_passed
-from stages.execute.quantization import quantize_model, weight_bytes
+from stages.execute.quant.apply import quantize_model, weight_bytes
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.execute.tensor_parallel import (
     Rendezvous,

@@ -19,7 +19,7 @@ from pipeline.runtime.errors import GraphError
 from stages.admit import AdmitStage
 from stages.detokenize import DetokenizeStage
 from stages.execute.null import NullExecuteStage
-from stages.router import RouterStage
+from stages.route import RouterStage
 from stages.schedule import ScheduleStage
 from stages.stop_check import StopCheckStage
 from stages.tokenize import TokenizeConfig, TokenizeStage

@@ -19,6 +19,6 @@ def tokenizer(default_model_dir: Path) -> Any:
 @pytest.fixture(scope="session")
 def llguidance_backend(tokenizer: Any) -> Any:
     """The built-in grammar backend on SmolLM2's tokenizer (about a second to build)."""
-    from stages.grammar_llguidance import LLGuidanceBackend
+    from stages.structured.llguidance import LLGuidanceBackend
 
     return LLGuidanceBackend(tokenizer, 49152, [2])

@@ -21,6 +21,7 @@ from stages.admit import (
 from stages.errors import InvalidRequestError
 from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejected
 from stages.params import SamplingParams
+from stages.validation import resolve_max_tokens
 
 INFO = EngineInfo(
     model="fake",
@@ -83,17 +84,15 @@ async def answer(running: RunningPipeline, message: EngineRequest) -> Any:
         (request("a", ()), "invalid", "prompt"),
         (request("b", (1,) * 64), "prompt_too_long", "prompt"),
         (request("c", (5, 1000)), "invalid", "prompt_token_ids"),
-        (request("c2", (5.0, 6, 7)), "invalid", "prompt_token_ids"),  # type: ignore[arg-type]
-        (request("c3", (5, True)), "invalid", "prompt_token_ids"),
-        (request("d", temperature=-0.5), "invalid", "temperature"),
-        (request("e", top_p=1.5), "invalid", "top_p"),
-        (request("f", max_tokens=0), "invalid", "max_tokens"),
         (request("g", stop_token_ids=(5000,)), "invalid", "stop_token_ids"),
-        (request("h", logprobs=99), "invalid", "logprobs"),
-        (request("i", presence_penalty=3.0), "invalid", "presence_penalty"),
         (request("j", min_tokens=20, max_tokens=10), "invalid", "min_tokens"),
     ],
 )
+# NOTE: what every request's fields may hold (token ids that are ints, sampling parameters in
+# range) is checked once, where the request enters the engine: those cases moved to
+# tests/stages/test_validation.py (test_the_core_refuses_what_admit_used_to_check_again).
+# Admit checks what only it knows: the prompt against the model's length and vocabulary, and
+# min_tokens against the limit resolve_max_tokens derives.
 def test_invalid_requests_are_rejected_naming_the_field(
     message: EngineRequest, kind: str, field: str
 ) -> None:
@@ -203,6 +202,42 @@ def test_max_tokens_none_is_capped_at_the_burst() -> None:
     run_admit(config, body)
 
 
+@pytest.mark.parametrize(
+    ("num_prompt", "max_tokens", "min_tokens"),
+    [(10, None, 0), (30, None, 0), (10, None, 15), (60, None, 5), (10, 8, 0), (63, None, 0)],
+)
+def test_admit_resolves_max_tokens_by_the_one_rule(
+    num_prompt: int, max_tokens: int | None, min_tokens: int
+) -> None:
+    """What admit admits or refuses is what :func:`resolve_max_tokens` says, with the
+    tenant's burst (20 tokens) as the budget: the scheduler and the rate limit use that one
+    number (the limit admitted is the one charged)."""
+    limits = TenantLimits(tokens_per_second=1000.0, burst_seconds=0.02)  # a burst of 20
+    message = request("m", (5,) * num_prompt, max_tokens=max_tokens, min_tokens=min_tokens)
+
+    async def body(running: RunningPipeline) -> None:
+        got = await answer(running, message)
+        try:
+            expected = resolve_max_tokens(
+                message.params,
+                prompt_tokens=num_prompt,
+                max_model_len=INFO.max_model_len,
+                budget=20.0,
+                request_id="m",
+            )
+        except InvalidRequestError as error:
+            assert isinstance(got, RequestRejected)
+            assert (got.field, got.message) == (error.field, str(error))
+            return
+        if num_prompt + expected > 20:  # an explicit max_tokens over the burst
+            assert isinstance(got, RequestRejected) and got.field == "max_tokens"
+            assert f"needs {num_prompt + expected} tokens" in got.message
+            return
+        assert isinstance(got, EngineRequest) and got.params.max_tokens == expected
+
+    run_admit(AdmitConfig(default_limits=limits), body)
+
+
 def test_full_buckets_of_many_tenants_are_forgotten() -> None:
     config = AdmitConfig(default_limits=TenantLimits(requests_per_second=1000.0))
 
@@ -255,15 +290,6 @@ def test_a_prompt_the_whole_kv_cache_cannot_hold_is_too_long() -> None:
         assert isinstance(await answer(running, request("fits", (5,) * 20)), EngineRequest)
 
     run_admit(AdmitConfig(), body, info=False)
-
-
-@pytest.mark.parametrize("bad", [5.0, True, "5", None, 5.5])
-def test_a_token_id_that_is_not_an_int_is_refused_before_it_reaches_execute(bad: Any) -> None:
-    # A float id passed min/max checks and crashed execute's block hashing, killing the engine.
-    message = EngineRequest("x", (7, bad, 9), SamplingParams())
-    with pytest.raises(InvalidRequestError, match="integers") as caught:
-        validate_request(message, INFO)
-    assert caught.value.field == "prompt_token_ids" and caught.value.request_id == "x"
 
 
 def test_vllm_default_stop_lists_are_admitted() -> None:

@@ -22,6 +22,7 @@ from stages.messages import (
 from stages.params import SamplingParams
 from stages.policies import FcfsPolicy, PriorityPolicy, RequestView, ShortestJobFirstPolicy
 from stages.scheduler import Scheduler, SchedulerConfig, SchedulerError
+from stages.validation import resolve_max_tokens
 
 EOS = 2
 FILLER = 7  # a token that stops nothing
@@ -363,6 +364,30 @@ def test_stop_token_ids_stop() -> None:
 
 def test_max_tokens_ends_with_length() -> None:
     assert run_single([5] * 10, max_tokens=3) == ([5, 5, 5], ("length", None))
+
+
+@pytest.mark.parametrize(("num_prompt", "min_tokens"), [(4, 0), (11, 1), (8, 2), (12, 0), (8, 5)])
+def test_max_tokens_none_follows_the_one_rule(num_prompt: int, min_tokens: int) -> None:
+    """A request without max_tokens that reaches the scheduler unresolved (a pipeline without
+    admit) gets the limit admit would give it, from the same function, or the same error
+    (it used to be clamped to 1 token, past the model's length, and min_tokens unchecked)."""
+    params = SamplingParams(max_tokens=None, min_tokens=min_tokens)
+    try:
+        expected = resolve_max_tokens(
+            params, prompt_tokens=num_prompt, max_model_len=12, request_id="a"
+        )
+    except InvalidRequestError as error:
+        scheduler, _ = make(max_model_len=12)
+        with pytest.raises(type(error)) as caught:
+            scheduler.add_request(request("a", num_prompt, max_tokens=None, min_tokens=min_tokens))
+        assert (str(caught.value), caught.value.field) == (str(error), error.field)
+        assert not scheduler.has_request("a")
+        return
+    tokens, reason = run_single(
+        [FILLER] * 20, num_prompt=num_prompt, max_model_len=12, max_tokens=None,
+        min_tokens=min_tokens,
+    )  # fmt: skip
+    assert (len(tokens), reason) == (expected, ("length", None))
 
 
 def test_model_length_ends_with_length() -> None:

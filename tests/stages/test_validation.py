@@ -10,11 +10,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.engine.prompts import make_request
-from stages.errors import InvalidRequestError
+from stages.errors import InvalidRequestError, PromptTooLongError
 from stages.messages import ChatMessage, EngineRequest, GenerateRequest
 from stages.params import SamplingParams, validate_sampling
-from stages.structured_outputs import StructuredOutputsParams
-from stages.validation import MAX_REQUEST_ID_LENGTH, check_request_id, validate_generate_request
+from stages.structured.params import StructuredOutputsParams
+from stages.validation import (
+    MAX_REQUEST_ID_LENGTH,
+    check_request_id,
+    resolve_max_tokens,
+    validate_generate_request,
+)
 from tests.hostile import FIELD_VALUES, JUNK, PROMPTS, SAMPLING, TEXT, sampling_params
 from transports.codec import Codec
 
@@ -163,3 +168,97 @@ def test_what_validate_sampling_accepts_every_link_carries_field_by_field(field:
         Codec().encode(EngineRequest("r", (1,), params))
 
     check()
+
+
+# -- moved from tests/stages/test_admit.py and test_tokenize.py: the stages no longer check
+# -- these again; the core refuses them once, where the request enters the engine
+
+
+@pytest.mark.parametrize(
+    ("ids", "params", "field"),
+    [
+        ((5.0, 6, 7), SamplingParams(), "prompt_token_ids"),
+        ((5, True), SamplingParams(), "prompt_token_ids"),
+        ((5, 6, 7), SamplingParams(temperature=-0.5), "temperature"),
+        ((5, 6, 7), SamplingParams(top_p=1.5), "top_p"),
+        ((5, 6, 7), SamplingParams(max_tokens=0), "max_tokens"),
+        ((5, 6, 7), SamplingParams(logprobs=99), "logprobs"),
+        ((5, 6, 7), SamplingParams(presence_penalty=3.0), "presence_penalty"),
+        ((5, 6, 7), SamplingParams(min_tokens=20, max_tokens=10), "min_tokens"),
+    ],
+)
+def test_the_core_refuses_what_admit_used_to_check_again(
+    ids: tuple[Any, ...], params: SamplingParams, field: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        validate_generate_request(
+            request(request_id="x", prompt=None, prompt_token_ids=ids, params=params),
+            vocab_size=1000,
+        )
+    assert (caught.value.field, caught.value.request_id) == (field, "x")
+
+
+@pytest.mark.parametrize("bad", [5.0, True, "5", None, 5.5])
+def test_a_token_id_that_is_not_an_int_is_refused_before_it_reaches_execute(bad: Any) -> None:
+    # A float id passed min/max checks and crashed execute's block hashing, killing the engine.
+    made = request(request_id="x", prompt=None, prompt_token_ids=(7, bad, 9))
+    with pytest.raises(InvalidRequestError, match="integer") as caught:
+        validate_generate_request(made, vocab_size=1000)
+    assert caught.value.field == "prompt_token_ids" and caught.value.request_id == "x"
+
+
+def test_an_empty_prompt_is_refused_naming_the_prompt() -> None:
+    with pytest.raises(InvalidRequestError, match="empty") as caught:
+        validate_generate_request(request(prompt=""))
+    assert caught.value.field == "prompt"
+
+
+# -- the one rule of a request's token limit
+
+
+def test_max_tokens_none_is_what_the_model_length_leaves() -> None:
+    params = SamplingParams(max_tokens=None)
+    assert resolve_max_tokens(params, prompt_tokens=10, max_model_len=64) == 54
+    assert resolve_max_tokens(params, prompt_tokens=63, max_model_len=64) == 1
+    # an explicit max_tokens is kept as given (the scheduler stops at the model's length)
+    given_ = SamplingParams(max_tokens=100)
+    assert resolve_max_tokens(given_, prompt_tokens=10, max_model_len=64) == 100
+
+
+@pytest.mark.parametrize("max_tokens", [None, 5])
+def test_a_prompt_that_leaves_no_room_is_too_long_naming_both_numbers(
+    max_tokens: int | None,
+) -> None:
+    params = SamplingParams(max_tokens=max_tokens)
+    with pytest.raises(PromptTooLongError) as caught:
+        resolve_max_tokens(params, prompt_tokens=64, max_model_len=64, request_id="r")
+    assert "64 tokens" in str(caught.value) and "length is 64" in str(caught.value)
+    assert (caught.value.field, caught.value.request_id) == ("prompt", "r")
+
+
+def test_min_tokens_over_the_resolved_limit_is_refused_naming_both() -> None:
+    unset = SamplingParams(max_tokens=None, min_tokens=10)
+    with pytest.raises(InvalidRequestError) as caught:
+        resolve_max_tokens(unset, prompt_tokens=60, max_model_len=64)
+    assert caught.value.field == "min_tokens" and "(10)" in str(caught.value)
+    assert "(4)" in str(caught.value)
+    # the tenant's budget caps it too, and min_tokens is checked against the capped limit
+    with pytest.raises(InvalidRequestError) as caught:
+        resolve_max_tokens(unset, prompt_tokens=10, max_model_len=64, budget=15.0)
+    assert caught.value.field == "min_tokens" and "(5)" in str(caught.value)
+    explicit = SamplingParams(max_tokens=3, min_tokens=4)
+    with pytest.raises(InvalidRequestError, match=r"min_tokens \(4\).*max_tokens \(3\)"):
+        resolve_max_tokens(explicit, prompt_tokens=1, max_model_len=64)
+
+
+def test_a_tenant_budget_caps_max_tokens_none_and_refuses_a_prompt_over_it() -> None:
+    params = SamplingParams(max_tokens=None)
+    assert resolve_max_tokens(params, prompt_tokens=10, max_model_len=64, budget=20.0) == 10
+    assert resolve_max_tokens(params, prompt_tokens=10, max_model_len=64, budget=1e9) == 54
+    # an explicit max_tokens is not capped: admit refuses it if it costs more than the burst
+    explicit = SamplingParams(max_tokens=40)
+    assert resolve_max_tokens(explicit, prompt_tokens=10, max_model_len=64, budget=20.0) == 40
+    with pytest.raises(InvalidRequestError) as caught:
+        resolve_max_tokens(params, prompt_tokens=30, max_model_len=64, budget=20.0, tenant="t")
+    assert caught.value.field == "prompt" and "30 tokens" in str(caught.value)
+    assert "tenant t" in str(caught.value)

@@ -5,9 +5,9 @@ front end. User docs: ``docs/serving.md``.
 
 Modules, in the order a request meets them: :mod:`~pipeline.server.http.server` (uvicorn
 over a started engine), :mod:`~pipeline.server.http.gate` (API key and body cap),
-:mod:`~pipeline.server.http.app` (the routes), :mod:`~pipeline.server.http.protocol` (the
+:mod:`~pipeline.server.http.app` (the routes), :mod:`~pipeline.server.http.schema` (the
 request bodies), :mod:`~pipeline.server.http.requests` (bodies to prompts and
-SamplingParams), :mod:`~pipeline.server.http.service` and
+SamplingParams), :mod:`~pipeline.server.http.state` and
 :mod:`~pipeline.server.http.choices` (the engine requests of one HTTP request),
 :mod:`~pipeline.server.http.completions` and :mod:`~pipeline.server.http.chat` (the
 answers), :mod:`~pipeline.server.http.answers`, :mod:`~pipeline.server.http.logprobs`,
@@ -27,7 +27,7 @@ _LAZY = {
     "DEFAULT_MAX_REQUEST_BYTES": "pipeline.server.http.defaults",
     "ApiError": "pipeline.server.http.errors",
     "HttpServer": "pipeline.server.http.server",
-    "HttpService": "pipeline.server.http.service",
+    "HttpService": "pipeline.server.http.state",
     "create_app": "pipeline.server.http.app",
 }
 

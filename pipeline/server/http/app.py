@@ -1,5 +1,5 @@
 """The FastAPI application of the OpenAI-compatible API over an
-:class:`~pipeline.server.http.service.HttpService`.
+:class:`~pipeline.server.http.state.HttpService`.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (``"stream": true``: server-sent events), ``GET /health`` (200 while the engine serves, with
@@ -29,10 +29,10 @@ from pipeline.server.http.answers import Answer
 from pipeline.server.http.defaults import DEFAULT_MAX_REQUEST_BYTES
 from pipeline.server.http.errors import add_error_handlers
 from pipeline.server.http.gate import Gate, tenant_of
-from pipeline.server.http.protocol import ChatCompletionRequest, CompletionRequest
 from pipeline.server.http.requests import plan_chat, plan_completion
-from pipeline.server.http.service import HttpService
+from pipeline.server.http.schema import ChatCompletionRequest, CompletionRequest
 from pipeline.server.http.sse import EventStream
+from pipeline.server.http.state import HttpService
 from pipeline.server.http.whole import JsonAnswer
 
 __all__ = ["create_app"]
@@ -115,6 +115,8 @@ def create_app(
     ) -> Response:
         """Start ``plan``'s choices and answer them whole (``respond``) or streamed
         (``events``): the part both endpoints share."""
+        tenant = tenant_of(request.scope)
+        checked = service.check(request_id, plan.choices, tenant)
         answer = Answer.create(
             request_id,
             object_name,
@@ -123,9 +125,7 @@ def create_app(
             plan.include_usage,
             plan.per_prompt,
         )
-        started = await service.start(
-            request_id, plan.choices, tenant_of(request.scope), request.receive
-        )
+        started = await service.start(request_id, checked, tenant, request.receive)
         if not stream:
             return JsonAnswer(respond(answer, await service.collect(started)))
         return EventStream(started, events(answer, started))

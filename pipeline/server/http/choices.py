@@ -23,9 +23,9 @@ from typing import Any, cast
 from starlette.types import Receive
 
 from pipeline.engine.async_engine import AsyncEngine
-from pipeline.engine.prompts import Prompt
+from pipeline.engine.prompts import CheckedPrompt
 from stages.messages import RequestOutput
-from stages.params import SamplingParams
+from transports.tasks import TaskSet
 
 __all__ = ["Choices", "RunningRequests"]
 
@@ -36,18 +36,16 @@ _Arrival = tuple[int, RequestOutput | Exception | None]
 
 class RunningRequests:
     """The engine requests an HTTP server is answering (to abort them at shutdown), and the
-    cleanup tasks still running (kept referenced until they end)."""
+    tasks serving them: each :class:`Choices`' readers and disconnect watcher (its close
+    cancels them) and the cleanups still running (kept referenced until they end)."""
 
     def __init__(self) -> None:
         self.ids: set[str] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.tasks = TaskSet("http requests")  # the cleanups, and each choice's tasks
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``work`` in a task that is kept referenced until it ends."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self.tasks.spawn(work, name="http:close-choices")
 
 
 class Choices:
@@ -58,7 +56,7 @@ class Choices:
         self,
         engine: AsyncEngine,
         request_id: str,
-        choices: Sequence[tuple[Prompt, SamplingParams]],
+        choices: Sequence[CheckedPrompt],
         tenant: str,
         running: RunningRequests,
     ) -> None:
@@ -70,9 +68,9 @@ class Choices:
         self._streams = [
             cast(
                 AsyncGenerator[RequestOutput, None],
-                engine.generate(prompt, params, request_id=engine_id, tenant=tenant),
+                engine.generate(checked, request_id=engine_id, tenant=tenant),
             )
-            for engine_id, (prompt, params) in zip(self.engine_ids, choices)
+            for engine_id, checked in zip(self.engine_ids, choices)
         ]
         self.latest: list[RequestOutput] = []
         self._readers: list[asyncio.Task[Any]] = []
@@ -91,9 +89,15 @@ class Choices:
                 as one is refused; every choice is closed then.
         """
         self._running.ids.update(self.engine_ids)
-        self._watcher = asyncio.ensure_future(self._abort_on_disconnect(receive))
+        tasks = self._running.tasks
+        self._watcher = tasks.spawn(
+            self._abort_on_disconnect(receive), name=f"http:watch:{self.request_id}"
+        )
         try:
-            readers = [asyncio.ensure_future(_next(stream)) for stream in self._streams]
+            readers = [
+                tasks.spawn(_next(stream), name=f"http:first:{engine_id}")
+                for stream, engine_id in zip(self._streams, self.engine_ids)
+            ]
             self._readers = readers
             await asyncio.wait(readers, return_when=asyncio.FIRST_EXCEPTION)
             for reader in readers:
@@ -112,7 +116,8 @@ class Choices:
         """
         arrived: asyncio.Queue[_Arrival] = asyncio.Queue()
         self._readers = [
-            asyncio.ensure_future(self._read(index, arrived)) for index in range(len(self))
+            self._running.tasks.spawn(self._read(index, arrived), name=f"http:read:{engine_id}")
+            for index, engine_id in enumerate(self.engine_ids)
         ]
         ended = 0
         while ended < len(self):

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException
 
 from pipeline.runtime.errors import PipelineError
 from pipeline.server.auth import AuthenticationError
-from pipeline.server.http.protocol import describe_problem
+from pipeline.server.http.schema import describe_problem
 from stages.errors import (
     InvalidRequestError,
     OverloadedError,

@@ -1,11 +1,13 @@
 """From a request body to engine requests: each choice's prompt and
-:class:`~stages.params.SamplingParams`, checked before anything starts.
+:class:`~stages.params.SamplingParams`, translated from the body; the engine's validation core
+checks each choice once before anything starts
+(:meth:`~pipeline.server.http.state.HttpService.check`).
 
-``n`` (1 to :data:`~pipeline.server.http.protocol.MAX_N`) asks for that many choices of each
+``n`` (1 to :data:`~pipeline.server.http.schema.MAX_N`) asks for that many choices of each
 prompt, each its own engine request; with a ``seed``, choice j samples with ``seed + j``
 (seeded choices differ, and reproduce), as vLLM's ``n`` does with one seed per sequence.
 ``prompt`` of /v1/completions may be a list of prompts: choice ``prompt_index * n + j``, at
-most :data:`~pipeline.server.http.protocol.MAX_CHOICES` in all. A chat request without a
+most :data:`~pipeline.server.http.schema.MAX_CHOICES` in all. A chat request without a
 token limit generates up to the model's length (vLLM); /v1/completions defaults to 16 tokens
 (OpenAI).
 
@@ -22,7 +24,7 @@ from typing import Any, cast
 
 from pipeline.engine.prompts import Prompt
 from pipeline.server.http.errors import ApiError
-from pipeline.server.http.protocol import (
+from pipeline.server.http.schema import (
     CHAT_ROLES,
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
@@ -32,9 +34,8 @@ from pipeline.server.http.protocol import (
     GenerationBody,
 )
 from pipeline.server.http.structured import structured_outputs_from
-from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage
-from stages.params import MAX_LOGPROBS, SamplingParams, validate_sampling
+from stages.params import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["SEED_RANGE", "Plan", "plan_chat", "plan_completion"]
 
@@ -108,9 +109,12 @@ def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParam
             code="invalid_value",
         )
     seed = params.seed
-    each = [
-        params if seed is None else params.replace(seed=(seed + j) % SEED_RANGE) for j in range(n)
-    ]
+    # NOTE: a seed outside [0, SEED_RANGE) is left as it is, for the engine's validation core
+    # to refuse naming it (wrapping it would accept -1 as 2**63 - 1).
+    if type(seed) is int and 0 <= seed < SEED_RANGE:
+        each = [params.replace(seed=(seed + j) % SEED_RANGE) for j in range(n)]
+    else:
+        each = [params] * n
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     choices = tuple((prompt, choice) for prompt in prompts for choice in each)
     return Plan(choices, n, params.logprobs, include_usage)
@@ -136,7 +140,7 @@ def _check_supported(body: GenerationBody) -> None:
 
 
 def _sampling(body: GenerationBody, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The body's sampling parameters, validated. ``max_tokens`` None: up to the model's
+    """The body's sampling parameters (not yet checked). ``max_tokens`` None: up to the model's
     length; ``logprobs``: top alternatives per token (None: no logprobs)."""
     values: dict[str, Any] = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
     values = {name: value for name, value in values.items() if value is not None}
@@ -147,12 +151,9 @@ def _sampling(body: GenerationBody, max_tokens: int | None, logprobs: int | None
     constraint = structured_outputs_from(body.response_format, body.structured_outputs)
     if constraint is not None:
         values["structured_outputs"] = constraint
-    try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
-        validate_sampling(params)
-    except InvalidRequestError as exc:
-        raise ApiError.from_error(exc) from None
-    return params
+    # NOTE: not validated here: the engine's validation core checks every choice once,
+    # before any starts (HttpService.check, docs/architecture.md §7.1).
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
 
 
 def _choices_per_prompt(body: GenerationBody) -> int:

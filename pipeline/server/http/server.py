@@ -36,11 +36,12 @@ from pipeline.server.http.connections import (
 )
 from pipeline.server.http.defaults import DEFAULT_MAX_REQUEST_BYTES
 from pipeline.server.http.logprobs import TokenTexts
-from pipeline.server.http.service import HttpService
+from pipeline.server.http.state import HttpService
 from pipeline.server.limits import ListenerLimits, connection_cap
 from pipeline.server.listen import format_address, listening_socket
 from pipeline.server.tls import ServerTLS
 from stages.tokenize import load_tokenizer
+from transports.tasks import TaskSet
 
 __all__ = ["API_PREFIX", "DEFAULT_HTTP_GRACE_SECONDS", "HttpServer"]
 
@@ -104,6 +105,7 @@ class HttpServer:
         #: the connections of the running server (None before :meth:`start`)
         self.connections: ConnectionGuard | None = None
         self._task: asyncio.Task[None] | None = None
+        self._tasks = TaskSet("http server")  # uvicorn's serve
         self.url: str | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -142,7 +144,7 @@ class HttpServer:
                 config.ssl = self.tls.ssl_context()
             server = _Uvicorn(config)
             self._server = server
-            self._task = asyncio.create_task(server.serve(sockets=[listener]), name="http:serve")
+            self._task = self._tasks.spawn(server.serve(sockets=[listener]), name="http:serve")
             while not server.started:
                 if self._task.done():
                     self._task.result()  # its error

@@ -1,5 +1,5 @@
 """Structured outputs over the OpenAI-compatible API: ``response_format`` and vLLM's
-``structured_outputs`` extra → :class:`~stages.structured_outputs.StructuredOutputsParams`.
+``structured_outputs`` extra → :class:`~stages.structured.params.StructuredOutputsParams`.
 
 As vLLM's server reads them (``vllm/entrypoints/openai/protocol.py``):
 
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.server.http.errors import ApiError
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.params import StructuredOutputsParams
 
 __all__ = ["structured_outputs_from"]
 

@@ -64,8 +64,7 @@ def test_poisson_arrivals_and_percentiles() -> None:
 
 def test_cli_lists_every_benchmark() -> None:
     parser = bench_parser()
-    names = ("offline", "online", "ceiling", "split", "ablation", "roof", "http-body", "grammars")
-    names += ("soak", "quantization", "coldstart")
+    names = ("offline", "online", "ceiling", "roof", "quantization", "coldstart", "transports")
     for name in names:
         args = parser.parse_args(["bench", name, "--quick", "--json"])
         assert args.benchmark == name and args.quick and args.json and callable(args.run)
@@ -172,24 +171,6 @@ def test_offline_structured_quick_via_the_cli(
     assert result["greedy_checks"] == [] and result["default_budget"] is None
 
 
-def test_grammars_quick_via_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
-    """The grammar engines' measurement runs; xgrammar is measured only where installed."""
-    import importlib.util
-
-    args = bench_parser().parse_args(["bench", "grammars", "--quick", "--json"])
-    assert args.run(args) == 0
-    result = json.loads(capsys.readouterr().out)
-    engines = {engine["engine"]: engine for engine in result["engines"]}
-    assert "llguidance" in engines and result["vocab_size"] == 49152 and result["batch"] == 4
-    ll = engines["llguidance"]
-    assert len(ll["compile_cold_ms"]) == 2 and ll["compile_cached_ms"] > 0
-    assert ll["steps"] > 100 and 0 < ll["mask_p50_ms"] <= ll["mask_p99_ms"]
-    if importlib.util.find_spec("xgrammar") is None:
-        assert result["missing"] == ["xgrammar"] and result["ratios"] == {}
-    else:
-        assert set(engines) == {"llguidance", "xgrammar"} and len(result["ratios"]) == 2
-
-
 def test_quantization_quick(tiny_model_dir: Path) -> None:
     from pipeline.bench.quantization import (
         QuantizationBenchConfig,
@@ -229,61 +210,6 @@ def test_online_quick(tiny_model_dir: Path) -> None:
             assert value > 0
         assert rate.ttft_p99_ms >= rate.ttft_p50_ms and rate.itl_p99_ms >= rate.itl_p50_ms
     assert "TTFT p50" in format_online(result)
-
-
-@pytest.mark.slow
-def test_split_quick(tiny_model_dir: Path) -> None:
-    from pipeline.bench.split import SplitConfig, format_split, run_split
-
-    result = run_split(SplitConfig.quick(model=str(tiny_model_dir)))
-    assert len(result.rows) == 2
-    for row in result.rows:
-        assert row.memory_tokens_per_second > 0 and row.zmq_tokens_per_second > 0
-        assert row.zmq_over_memory == pytest.approx(
-            row.zmq_tokens_per_second / row.memory_tokens_per_second
-        )
-    assert "split / single" in format_split(result)
-
-
-@pytest.mark.slow
-def test_http_body_quick(tiny_model_dir: Path) -> None:
-    from pipeline.bench.http_body import HttpBodyConfig, format_http_body, run_http_body
-
-    config = HttpBodyConfig(model=str(tiny_model_dir), bodies=2, body_mb=1.2, bystander_tokens=32)
-    result = run_http_body(config)
-    peer, capped = result.runs
-    assert peer.max_request_bytes > 1_200_000 and 413 not in peer.statuses
-    assert capped.statuses == (413, 413)
-    assert capped.engine_alive and capped.bystander_finished
-    for run in (peer, capped):
-        assert run.peak_growth_mib >= 0 and run.answer_seconds > 0
-    assert "peer / capped" in format_http_body(result)
-
-
-def test_soak_quick() -> None:
-    """Requests leave nothing for the cycle collector (the frontend's threshold is raised)."""
-    from pipeline.bench.soak import SoakConfig, format_soak, run_soak
-
-    result = run_soak(SoakConfig(requests=300, concurrency=32, warmup=20))
-    assert result.gc_found == 0 and result.seconds > 0
-    assert result.rss_after_mib >= 0 and "gc.collect()" in format_soak(result)
-
-
-@pytest.mark.slow
-def test_ablation_quick(tiny_model_dir: Path) -> None:
-    from pipeline.bench.ablation import ALL_ON, AblationConfig, format_ablation, run_ablation
-
-    config = AblationConfig.quick(model=str(tiny_model_dir))
-    result = run_ablation(config)
-    assert [variant.name for variant in result.variants] == list(config.variants)
-    requested = sum(request.max_tokens for request in make_workload(config.workload))
-    for variant in result.variants:
-        # ignore_eos: every request generates exactly its max_tokens, in every variant
-        assert variant.generated_tokens == requested
-        assert variant.tokens_per_second > 0
-        assert variant.prefill_seconds > 0 and variant.decode_seconds > 0
-    table = format_ablation(result)
-    assert f"vs {ALL_ON}" in table and "cpu_linears=False" in table
 
 
 def test_transports_quick() -> None:

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from pipeline import AsyncEngine, InvalidRequestError, RequestError, SamplingParams
 from pipeline.engine.loop_thread import LoopThread
-from stages.router import RouterStage
-from stages.routing import ReplicaLoad
+from stages.route import RouterStage
+from stages.router import ReplicaLoad
 from tests.hostile import JUNK, PROMPTS, SAMPLING, TEXT, sampling_params
 
 #: outputs read from a request that runs before it is aborted (keeps every example short)

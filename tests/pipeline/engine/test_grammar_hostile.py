@@ -8,7 +8,7 @@ field and the bound or llguidance's reason (never a fake "stop"), the bystander 
 with bounded gaps, the engine lives, and no traceback reaches the log. Then a hypothesis
 fuzz of grammars, regexes and schemas (deep, wide, recursive, empty) does the same with
 bystander streams running throughout. The test at the bounds themselves is
-``tests/stages/test_grammar_limits.py``."""
+``tests/stages/structured/test_limits.py``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from pipeline import AsyncEngine, InvalidRequestError, SamplingParams, StructuredOutputsParams
 from pipeline.engine.loop_thread import LoopThread
 from stages.errors import RequestError
-from tests.stages.grammar_chains import chain_schema, gbnf_chain, lark_chain
+from tests.stages.structured.grammar_chains import chain_schema, gbnf_chain, lark_chain
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline import AsyncEngine, PipelineClosedError, PromptTooLongError, SamplingParams
 from pipeline.cli import main
 from pipeline.engine.metrics import EngineMetrics
-from pipeline.runtime.protocol import HANDLE_SECONDS_BUCKETS
+from pipeline.runtime.control import HANDLE_SECONDS_BUCKETS
 from pipeline.server.client import Client
 from stages.messages import RequestOutput
 

@@ -30,7 +30,7 @@ from pipeline.runtime.ray_hosts import GPU_IDS_ENV, NODE_IP_ENV, RayUnavailableE
 from pipeline.server.client import Client
 from stages.execute.config import ExecuteConfigError
 from stages.execute.tensor_parallel import rank_device, rendezvous_host
-from stages.router import RouterStage
+from stages.route import RouterStage
 from tests.pipeline.runtime.test_ray_hosts import pipeline_state, wait_until_gone
 from tests.pipeline.runtime.test_running import run
 from tests.pipeline.server.serving import ServeProcess, engine_host_pids, serve_arguments

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from pipeline import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
-from stages.grammar_llguidance import LLGuidanceBackend
+from stages.structured.llguidance import LLGuidanceBackend
 from stages.tokenize import load_tokenizer
 
 # NOTE: the time bound is for a loaded 2-core machine; on a quiet one the module takes ~1 min.

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from pipeline import Caller, DeadlockError, Pipeline, Stage
-from pipeline.runtime.demo import Job, collatz_pipeline, collatz_steps
+from pipeline.demo import Job, collatz_pipeline, collatz_steps
 from pipeline.runtime.stage import handles
 from tests.pipeline.runtime.test_running import run
 from transports.codec import message

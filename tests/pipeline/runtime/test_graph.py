@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline import GraphError, Pipeline, Stage, handles
-from pipeline.runtime.demo import Check, Split, Step, collatz_pipeline
+from pipeline.demo import Check, Split, Step, collatz_pipeline
 from pipeline.runtime.spec import BOUNDARY, Endpoint
 
 

@@ -8,8 +8,8 @@ import asyncio
 import time
 
 from pipeline import Caller, StartOptions
+from pipeline.demo import Job, collatz_pipeline, collatz_steps
 from pipeline.runtime import prespawn
-from pipeline.runtime.demo import Job, collatz_pipeline, collatz_steps
 from tests.processes import process_alive
 
 

@@ -71,7 +71,7 @@ def test_a_stage_defined_in_a_script_from_stdin_is_refused_by_name() -> None:
         """
         import asyncio
         from pipeline import GraphError, Pipeline, Stage, handles
-        from pipeline.runtime.demo import Job
+        from pipeline.demo import Job
         from tests.processes import child_processes
 
         class Echo(Stage):

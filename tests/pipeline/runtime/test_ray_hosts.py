@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pipeline import Caller, GraphError, HostDiedError, Pipeline, StartOptions
-from pipeline.runtime.demo import Job, collatz_pipeline
+from pipeline.demo import Job, collatz_pipeline
 from pipeline.runtime.ray_hosts import RayHost, RayPlacementGroup, RayUnavailableError, require_ray
 from tests.pipeline.runtime.test_running import run
 

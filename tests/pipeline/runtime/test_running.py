@@ -30,7 +30,7 @@ from pipeline import (
     StageFailedError,
     StartOptions,
 )
-from pipeline.runtime.demo import Job, JobResult, collatz_pipeline, collatz_steps
+from pipeline.demo import Job, JobResult, collatz_pipeline, collatz_steps
 from pipeline.runtime.gc_policy import YOUNG_THRESHOLD
 from pipeline.runtime.stage import handles
 from tests.processes import child_processes, process_alive
@@ -363,7 +363,7 @@ def test_no_ipc_file_or_directory_is_left_behind(kill: bool) -> None:
 
 _KILLED_PARENT = """
 import asyncio, sys, time
-from pipeline.runtime.demo import collatz_pipeline
+from pipeline.demo import collatz_pipeline
 
 async def main():
     running = await collatz_pipeline().place("step", "worker").start(transport="zmq")

@@ -27,7 +27,7 @@ from pipeline import (
     StageFailedError,
     StartOptions,
 )
-from pipeline.runtime.demo import Job, collatz_pipeline
+from pipeline.demo import Job, collatz_pipeline
 from pipeline.runtime.errors import CallOverflowError, HostUnresponsiveError
 from pipeline.runtime.stage import handles
 from tests.pipeline.runtime.test_running import pending_slow_calls

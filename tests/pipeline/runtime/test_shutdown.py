@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pipeline import Caller, Pipeline, PipelineClosedError, Stage, StartOptions
-from pipeline.runtime.demo import Job, JobResult
+from pipeline.demo import Job, JobResult
 from pipeline.runtime.stage import handles
 from tests.pipeline.runtime.test_running import _ipc_paths_by_host, open_sockets, run
 from tests.pipeline.runtime.test_supervision import Forward

@@ -25,7 +25,7 @@ from pipeline import (
     StageFailedError,
     StartOptions,
 )
-from pipeline.runtime.demo import Job, JobResult, collatz_pipeline
+from pipeline.demo import Job, JobResult, collatz_pipeline
 from pipeline.runtime.errors import HostUnresponsiveError
 from pipeline.runtime.stage import handles
 from tests.pipeline.runtime.test_running import run

@@ -23,7 +23,7 @@ from pipeline.server.convert import (
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage, EngineInfo, Logprobs, RequestOutput
 from stages.params import SamplingParams
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.params import StructuredOutputsParams
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 FLOATS = st.floats(allow_nan=False, allow_infinity=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stages.execute.native import fused_ops_kernel, packed_gemm_kernel, paged_decode_kernel
-from stages.execute.quant_kernel import quant_gemm_kernel
+from stages.execute.quant.kernel import quant_gemm_kernel
 
 
 def _forget_kernels() -> None:

@@ -27,7 +27,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 from pipeline import MAIN_HOST, AsyncEngine, EngineDeadError, SamplingParams
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline
-from pipeline.runtime.protocol import HostStatistics
+from pipeline.runtime.control import HostStatistics
 from stages.execute.config import ExecuteConfigError
 from stages.execute.rank import TensorParallelRankStage
 from stages.execute.tensor_parallel import (

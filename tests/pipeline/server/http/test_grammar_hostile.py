@@ -20,7 +20,7 @@ import pytest
 from pipeline.server.client import Client
 from stages.errors import InvalidRequestError
 from stages.params import SamplingParams
-from stages.structured_outputs import StructuredOutputsParams
+from stages.structured.params import StructuredOutputsParams
 from tests.pipeline.server.http.conftest import API_KEY, MODEL
 from tests.pipeline.server.serving import (
     ServeProcess,
@@ -29,7 +29,7 @@ from tests.pipeline.server.serving import (
     rpc_error,
     trailer,
 )
-from tests.stages.grammar_chains import chain_schema, lark_chain
+from tests.stages.structured.grammar_chains import chain_schema, lark_chain
 
 pytestmark = pytest.mark.slow
 

@@ -8,14 +8,16 @@ from typing import Any
 
 import pytest
 
+from pipeline.engine.prompts import check_prompt
 from pipeline.server.http.errors import ApiError
-from pipeline.server.http.protocol import (
+from pipeline.server.http.requests import SEED_RANGE, plan_chat, plan_completion
+from pipeline.server.http.schema import (
     MAX_CHOICES,
     MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from pipeline.server.http.requests import SEED_RANGE, plan_chat, plan_completion
+from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -113,8 +115,6 @@ def test_usage_chunk_only_with_stream_options() -> None:
         (completion, {"prompt": ["x"] * 5, "n": MAX_N}, "n"),
         (completion, {"prompt": ["x"] * (MAX_CHOICES + 1)}, "prompt"),
         (completion, {"prompt": []}, "prompt"),
-        (completion, {"temperature": -1.0}, "temperature"),
-        (completion, {"logprobs": 21}, "logprobs"),
         (completion, {"best_of": 2}, "best_of"),
         (completion, {"echo": True}, "echo"),
         (completion, {"suffix": "x"}, "suffix"),
@@ -128,3 +128,26 @@ def test_usage_chunk_only_with_stream_options() -> None:
 )  # fmt: skip
 def test_a_refusal_names_its_field(make: Any, fields: dict[str, Any], param: str) -> None:
     assert refused(make, **fields).param == param
+
+
+@pytest.mark.parametrize(
+    ("make", "fields", "param"),
+    [
+        (completion, {"temperature": -1.0}, "temperature"),
+        (completion, {"logprobs": 21}, "logprobs"),
+        (completion, {"seed": -1, "n": 2}, "seed"),
+        (chat, {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ],
+)
+def test_a_sampling_value_is_a_400_from_the_engines_core_naming_its_field(
+    make: Any, fields: dict[str, Any], param: str
+) -> None:
+    """The plan translates the body; the engine's validation core checks each choice, once
+    (HttpService.check, docs/architecture.md §7.1), and its error is the 400. A seed out of
+    range is passed on as it is (not wrapped into range) for the core to refuse."""
+    plan = plan_chat(make(**fields)) if make is chat else plan_completion(make(**fields))
+    with pytest.raises(InvalidRequestError) as caught:
+        for prompt, params in plan.choices:
+            check_prompt(prompt, params)
+    answer = ApiError.from_error(caught.value)
+    assert (answer.status, answer.param) == (400, param)

@@ -12,10 +12,12 @@ import jsonschema
 import openai
 import pytest
 
+from pipeline.engine.prompts import check_prompt
 from pipeline.server.http.errors import ApiError
-from pipeline.server.http.protocol import ChatCompletionRequest, CompletionRequest
 from pipeline.server.http.requests import plan_chat, plan_completion
-from stages.structured_outputs import StructuredOutputsParams
+from pipeline.server.http.schema import ChatCompletionRequest, CompletionRequest
+from stages.errors import InvalidRequestError
+from stages.structured.params import StructuredOutputsParams
 from tests.pipeline.server.http.conftest import MODEL
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}, "required": ["b"]}
@@ -30,8 +32,17 @@ def chat_constraint(**fields: Any) -> StructuredOutputsParams | None:
 
 
 def refusal(**fields: Any) -> ApiError:
+    """The 400 of a chat body: from its translation (the plan), or from the engine's
+    validation core that checks each choice once before any starts (HttpService.check)."""
     with pytest.raises(ApiError) as caught:
-        chat_constraint(**fields)
+        body = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields}
+        )
+        for prompt, params in plan_chat(body).choices:
+            try:
+                check_prompt(prompt, params)
+            except InvalidRequestError as error:
+                raise ApiError.from_error(error) from None
     assert caught.value.status == 400
     return caught.value
 

@@ -1,0 +1,160 @@
+"""The state the HTTP handlers share: the engine (started, not owned), the model's name,
+the logprobs decoder, the requests being answered, and whether the server is shutting
+down."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+
+from starlette.types import Receive
+
+from pipeline.engine.async_engine import AsyncEngine
+from pipeline.engine.prompts import CheckedPrompt, Prompt
+from pipeline.server.http.choices import Choices, RunningRequests
+from pipeline.server.http.errors import SERVER_ERROR, ApiError
+from pipeline.server.http.logprobs import TokenTexts
+from pipeline.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, check_logprob_entries
+from stages.errors import RequestError
+from stages.messages import RequestOutput
+from stages.params import SamplingParams
+
+__all__ = ["HttpService"]
+
+
+class HttpService:
+    """Serves the API's requests from ``engine`` under the model id ``model_name``.
+    ``texts`` decodes logprobs' tokens (None until the tokenizer is loaded);
+    ``max_logprob_entries``: the logprobs one request may ask for
+    (:func:`~pipeline.server.limits.check_logprob_entries`)."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_logprob_entries = max_logprob_entries
+        self.created = int(time.time())
+        self.texts: TokenTexts | None = None
+        self.running = RunningRequests()
+        self.shutting_down = False
+
+    @property
+    def num_running(self) -> int:
+        """Engine requests being answered (one per choice)."""
+        return len(self.running.ids)
+
+    def problem(self) -> ApiError | None:
+        """Why no request can be served now (the 503), or None."""
+        if self.shutting_down:
+            return ApiError(503, "the server is shutting down", error_type=SERVER_ERROR)
+        failure = self.engine.failure
+        if failure is not None:
+            return ApiError.from_error(failure)
+        if self.engine.info is None:
+            return ApiError(503, "the engine is not started", error_type=SERVER_ERROR)
+        return None
+
+    def check_model(self, model: str) -> None:
+        """Raises ApiError 404 unless ``model`` is the model served."""
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                f"the model {model!r:.80} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def token_texts(self, logprobs: int | None) -> TokenTexts | None:
+        """The decoder for a request that asked for ``logprobs`` (None: none asked)."""
+        if logprobs is None:
+            return None
+        if self.texts is None:
+            raise ApiError(503, "the tokenizer is not loaded", error_type=SERVER_ERROR)
+        return self.texts
+
+    def check(
+        self, request_id: str, choices: Sequence[tuple[Prompt, SamplingParams]], tenant: str
+    ) -> list[CheckedPrompt]:
+        """Every choice through the engine's validation core, once, before any starts
+        (docs/architecture.md §7.1): a value no stage or link could carry is a 400 naming
+        its field, and no choice is started only to be aborted again. Then what only this
+        server knows: the logprobs one answer may carry.
+
+        Raises:
+            ApiError: 400 naming the field that is invalid; 503 while nothing can be
+                served; 400 ``invalid_value`` (param ``logprobs``) for an answer that could
+                carry more logprobs than ``max_logprob_entries``.
+        """
+        try:
+            checked = [
+                self.engine.check(prompt, params, request_id=request_id, tenant=tenant)
+                for prompt, params in choices
+            ]
+        except RequestError as exc:
+            raise ApiError.from_error(exc) from None
+        problem = self.problem()
+        if problem is not None:
+            raise problem
+        info = self.engine.info
+        if checked and info is not None:
+            params = checked[0].params  # NOTE: the choices differ in their seeds only
+            try:
+                check_logprob_entries(
+                    len(checked),
+                    params.max_tokens,
+                    params.logprobs,
+                    info.max_model_len,
+                    self.max_logprob_entries,
+                )
+            except RequestError as exc:
+                raise ApiError.from_error(exc) from None
+        return checked
+
+    async def start(
+        self,
+        request_id: str,
+        choices: Sequence[CheckedPrompt],
+        tenant: str,
+        receive: Receive,
+    ) -> Choices:
+        """Start one engine request per checked choice (:meth:`check`) and wait for each
+        one's first output.
+
+        Raises:
+            ApiError: the engine refused a choice (400, 429, 503...) or cannot serve.
+        """
+        problem = self.problem()
+        if problem is not None:
+            raise problem
+        started = Choices(self.engine, request_id, choices, tenant, self.running)
+        try:
+            await started.start(receive)
+        except Exception as exc:
+            raise ApiError.from_error(exc) from exc
+        return started
+
+    @staticmethod
+    async def collect(choices: Choices) -> list[RequestOutput]:
+        """Every choice's last output.
+
+        Raises:
+            ApiError: the engine failed on the way (it died, was closed, ...).
+        """
+        try:
+            return await choices.collect()
+        except Exception as exc:
+            raise ApiError.from_error(exc) from exc
+
+    async def shut_down(self) -> None:
+        """Refuse new requests and abort every running one: their streams end with
+        ``finish_reason: "abort"`` and ``[DONE]``, so a graceful shutdown has nothing left
+        to wait for. Idempotent."""
+        self.shutting_down = True
+        for engine_id in list(self.running.ids):
+            with contextlib.suppress(Exception):  # finished meanwhile, or the engine is gone
+                await self.engine.abort(engine_id)

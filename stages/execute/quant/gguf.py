@@ -1,0 +1,182 @@
+"""A GGUF file's quantized tensors, as they are, for the HF model converted from it
+(docs/architecture.md §6.3).
+
+The engine loads a GGUF model as the HF checkpoint transformers converts it to (dequantized to
+fp32 once and cached: :mod:`stages.models`). With ``quantization="gguf"`` its linears run on
+the file's own blocks instead. This module reads the file's tensor table (the GGUF format:
+``ggml/docs/gguf.md``; header, metadata skipped but for the architecture and alignment, tensor
+infos; far quicker than ``gguf.GGUFReader``, which builds every metadata array, the tokenizer's
+included), maps each HF parameter to its tensor with the gguf package's name map for the
+file's architecture (as ``transformers/modeling_gguf_pytorch_utils.py``'s
+``get_gguf_hf_weights_map`` does), applies Llama's q/k row permutation (transformers'
+``LlamaTensorProcessor``: it moves whole rows, so it holds for raw blocks too), and hands the
+raw blocks of Q8_0, Q4_0, Q4_1 and Q4_K to :func:`~stages.execute.quant.layers.pack_gguf`.
+Other types (F32, F16, Q5, Q6_K, ...) are left to the fp32 checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stages.execute.quant.kernel import QuantGemmKernel
+from stages.execute.quant.layers import QuantizedWeight, pack_gguf
+
+__all__ = ["GGUF_TYPES", "GGUFTensor", "GGUFWeights", "read_tensor_table"]
+
+#: the GGML tensor types run as they are, by GGML type number (ggml.h: enum ggml_type)
+GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # size by type
+_STRING, _ARRAY = 8, 9
+_DEFAULT_ALIGNMENT = 32
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor of the table: its GGML type, dims (``ne``, innermost first) and the byte
+    offset of its data in the file."""
+
+    name: str
+    ggml_type: int
+    dims: tuple[int, ...]
+    offset: int
+
+
+class _Cursor:
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self.at = 0
+
+    def take(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.data, self.at)
+        self.at += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.take("<Q")
+        text = bytes(self.data[self.at : self.at + length]).decode("utf-8", "replace")
+        self.at += length
+        return text
+
+    def skip(self, value_type: int) -> None:
+        if value_type == _STRING:
+            length = self.take("<Q")  # NOTE: not `self.at += self.take(...)`: take moves at
+            self.at += length
+        elif value_type == _ARRAY:
+            element, count = self.take("<I"), self.take("<Q")
+            if element in _SCALARS:
+                self.at += _SCALARS[element] * count
+            else:
+                for _ in range(count):
+                    self.skip(element)
+        elif value_type in _SCALARS:
+            self.at += _SCALARS[value_type]
+        else:
+            raise ValueError(f"unknown GGUF value type {value_type}")
+
+
+def read_tensor_table(data: Any) -> tuple[str, list[GGUFTensor]]:
+    """The architecture and tensor table of a GGUF file's bytes (a buffer); offsets are
+    absolute.
+
+    Raises:
+        ValueError: not a GGUF file this reads (version 2 or 3).
+    """
+    cursor = _Cursor(data)
+    if bytes(data[:4]) != b"GGUF":
+        raise ValueError("not a GGUF file (bad magic)")
+    cursor.at = 4
+    version = cursor.take("<I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not read here (2 or 3)")
+    count, kv_count = cursor.take("<Q"), cursor.take("<Q")
+    architecture, alignment = "", _DEFAULT_ALIGNMENT
+    for _ in range(kv_count):
+        key, value_type = cursor.string(), cursor.take("<I")
+        if key == "general.architecture" and value_type == _STRING:
+            architecture = cursor.string()
+        elif key == "general.alignment" and value_type == 4:
+            alignment = cursor.take("<I")
+        else:
+            cursor.skip(value_type)
+    infos = []
+    for _ in range(count):
+        name = cursor.string()
+        dims = tuple(cursor.take("<Q") for _ in range(cursor.take("<I")))
+        infos.append((name, cursor.take("<I"), dims, cursor.take("<Q")))
+    start = -(-cursor.at // alignment) * alignment
+    tensors = [GGUFTensor(name, kind, dims, start + at) for name, kind, dims, at in infos]
+    return architecture, tensors
+
+
+class GGUFWeights:
+    """The quantized tensors of the GGUF file ``path`` for ``model`` (the HF model converted
+    from it).
+
+    Raises:
+        ValueError: the file cannot be read, or gguf knows no name map for its architecture.
+    """
+
+    def __init__(self, path: Path, model: Any, kernel: QuantGemmKernel) -> None:
+        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+        from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+        self.path = path
+        self._kernel = kernel
+        with path.open("rb") as handle:
+            self._mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        architecture, tensors = read_tensor_table(self._mapping)
+        arch = next((key for key, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
+        if arch is None:
+            raise ValueError(f"{path}: the gguf package knows no architecture {architecture!r}")
+        name_map = get_tensor_name_map(arch, int(model.config.get_text_config().num_hidden_layers))
+        by_name = {tensor.name: tensor for tensor in tensors}
+        self._tensors: dict[str, GGUFTensor] = {}
+        for hf_name in model.state_dict():
+            base, dot, suffix = hf_name.rpartition(".")
+            gguf_base = name_map.get_name(base) if dot else None
+            tensor = by_name.get(f"{gguf_base}.{suffix}") if gguf_base else None
+            if tensor is not None:
+                self._tensors[hf_name] = tensor
+        self._permute = (
+            LlamaTensorProcessor(config=model.config.to_dict()) if architecture == "llama" else None
+        )
+
+    def tensor_type(self, names: Iterable[str]) -> int | None:
+        """The GGML type of the first of ``names`` (one parameter's names, tied ones
+        included) the file holds, or None."""
+        tensor = self._find(names)
+        return tensor.ggml_type if tensor is not None else None
+
+    def quantized(self, names: Iterable[str]) -> QuantizedWeight | None:
+        """The packed weight of the parameter called ``names``, or None when the file does
+        not hold it as a 2-D tensor of a type run as it is (:data:`GGUF_TYPES`)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        tensor = self._find(names)
+        if tensor is None or tensor.ggml_type not in GGUF_TYPES.values() or len(tensor.dims) != 2:
+            return None
+        in_features, out_features = tensor.dims
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor.ggml_type)]
+        row_bytes = in_features // block_size * type_size
+        raw = np.frombuffer(
+            self._mapping, dtype=np.uint8, count=row_bytes * out_features, offset=tensor.offset
+        ).reshape(out_features, row_bytes)
+        if self._permute is not None:  # Llama's q/k rows, as transformers reorders them
+            raw = self._permute.process(weights=raw, name=tensor.name).weights
+        rows = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: the mapping is read-only
+        return pack_gguf(rows, tensor.ggml_type, in_features, self._kernel)
+
+    def _find(self, names: Iterable[str]) -> GGUFTensor | None:
+        for name in names:
+            tensor = self._tensors.get(name)
+            if tensor is not None:
+                return tensor
+        return None

@@ -1,0 +1,140 @@
+"""Tests of stages/execute/quant/layers.py and kernel.py: llama.cpp's blocks packed and
+dequantized bit for bit as the gguf package dequantizes them, the quantized GEMM against
+``F.linear`` over the dequantized weight (both kernel paths), embeddings, int8 quantization
+equal to llama.cpp's Q8_0, and refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from stages.execute.native import NativeKernelError
+from stages.execute.quant.kernel import QuantGemmKernel, quant_gemm_kernel
+from stages.execute.quant.layers import (
+    QuantEmbedding,
+    QuantLinear,
+    dequantize,
+    pack_gguf,
+    quantize_int8,
+)
+
+TYPES = {"Q8_0": "q8", "Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4f"}
+
+
+@pytest.fixture(scope="module")
+def kernel() -> QuantGemmKernel:
+    built = quant_gemm_kernel()
+    assert built is not None, "the C compiler on this machine should build the kernel"
+    return built
+
+
+def gguf_rows(name: str, out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """``out_features`` rows of llama.cpp blocks of type ``name``, quantized by the gguf
+    package from random weights (with outliers and an all-zero group, as real weights have);
+    Q4_K, which the gguf package cannot quantize, as random super-blocks."""
+    generator = np.random.default_rng(seed)
+    if name == "Q4_K":
+        count = out_features * in_features // 256
+        scales = (generator.random((count, 2)) * 0.01).astype(np.float16).view(np.uint8)
+        rest = generator.integers(0, 256, (count, 140), dtype=np.uint8)  # 6-bit scales, quants
+        raw = np.concatenate([scales, rest], axis=1).reshape(out_features, -1)
+        return torch.from_numpy(np.ascontiguousarray(raw))
+    weights = generator.standard_normal((out_features, in_features)).astype(np.float32) * 0.05
+    weights[0, :32] = 0.0
+    weights[1, 5] = 3.0
+    raw = gguf_quantize(weights, GGMLQuantizationType[name])
+    return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+def reference(name: str, raw: torch.Tensor, in_features: int) -> torch.Tensor:
+    values = gguf_dequantize(raw.numpy(), GGMLQuantizationType[name])
+    return torch.from_numpy(np.ascontiguousarray(values)).reshape(raw.shape[0], in_features)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 256), (40, 512), (7, 256)])
+def test_packed_blocks_dequantize_as_llama_cpp(
+    kernel: QuantGemmKernel, name: str, out_features: int, in_features: int
+) -> None:
+    raw = gguf_rows(name, out_features, in_features, seed=out_features)
+    weight = pack_gguf(raw, int(GGMLQuantizationType[name]), in_features, kernel)
+    assert weight.format == TYPES[name]
+    assert (weight.out_features, weight.in_features) == (out_features, in_features)
+    assert torch.equal(dequantize(weight, kernel), reference(name, raw, in_features))
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_gemm_matches_linear_over_the_dequantized_weight(
+    kernel: QuantGemmKernel, name: str
+) -> None:
+    out_features, in_features = 72, 512  # 72: the last panel of 16 columns is padding
+    raw = gguf_rows(name, out_features, in_features, seed=3)
+    weight = pack_gguf(raw, int(GGMLQuantizationType[name]), in_features, kernel)
+    dense = reference(name, raw, in_features).double()
+    generator = torch.Generator().manual_seed(0)
+    bias = torch.randn(out_features, generator=generator)
+    for with_bias in (False, True):
+        linear = QuantLinear(weight, bias if with_bias else None, kernel)
+        # 1..20 rows: the direct path in blocks of 4 or 8 and its tails; 40, 800: dequantized
+        # panels (800 rows: two row blocks).
+        for rows in (*range(1, 21), 40, 800):
+            x = torch.randn(2, rows, in_features, generator=generator)  # [..., K] inputs
+            expected = F.linear(x.double(), dense, bias.double() if with_bias else None)
+            got = linear(x)
+            assert got.shape == (2, rows, out_features)
+            error = (got.double() - expected).abs().max().item()
+            assert error <= 1e-5 * max(expected.abs().max().item(), 1.0), (rows, error)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K"])
+def test_embedding_rows_are_the_dequantized_rows(kernel: QuantGemmKernel, name: str) -> None:
+    raw = gguf_rows(name, 40, 256, seed=9)
+    weight = pack_gguf(raw, int(GGMLQuantizationType[name]), 256, kernel)
+    dense = reference(name, raw, 256)
+    ids = torch.tensor([[0, 39, 17], [5, 5, 1]])
+    assert torch.equal(QuantEmbedding(weight, kernel)(ids), dense[ids])
+    scale = torch.tensor(3.0)
+    assert torch.equal(QuantEmbedding(weight, kernel, scale)(ids), dense[ids] * scale)
+    with pytest.raises(NativeKernelError, match="outside"):
+        QuantEmbedding(weight, kernel)(torch.tensor([40]))
+
+
+def test_int8_quantization_is_llama_cpps_q8_0(kernel: QuantGemmKernel) -> None:
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(40, 96, generator=generator) * 0.05
+    weight[3, :32] = 0.0  # an all-zero group: scale 0, quants 0
+    weight[4, 7] = 0.5 * weight[4].abs().max()  # ties of x / d at .5 round away from zero
+    quantized = quantize_int8(weight, kernel)
+    assert quantized.format == "q8"
+    ours = dequantize(quantized, kernel)
+    theirs = reference("Q8_0", torch.from_numpy(gguf_quantize(weight.numpy(), 8)), 96)
+    assert torch.equal(ours, theirs)
+    assert (ours - weight).abs().max() <= weight.abs().max() / 127  # half a step, and rounding
+    with pytest.raises(ValueError, match="groups of 32"):
+        quantize_int8(torch.zeros(4, 40), kernel)
+
+
+def test_memory_is_what_the_format_says(kernel: QuantGemmKernel) -> None:
+    raw = gguf_rows("Q4_1", 64, 512, seed=1)
+    q4 = pack_gguf(raw, 3, 512, kernel)
+    assert q4.nbytes * 8 == 64 * 512 * 5  # 5 bits a weight, as Q4_1
+    q8 = quantize_int8(torch.randn(64, 512), kernel)
+    assert q8.nbytes * 8 == 64 * 512 * 8.5  # 8.5 bits, as Q8_0
+
+
+def test_the_kernel_refuses_what_it_cannot_serve(kernel: QuantGemmKernel) -> None:
+    raw = gguf_rows("Q8_0", 16, 64, seed=0)
+    with pytest.raises(NativeKernelError, match="not served"):
+        kernel.pack(raw, int(GGMLQuantizationType.Q6_K), 64)
+    with pytest.raises(NativeKernelError, match="are not rows"):
+        kernel.pack(raw[:, :-1].contiguous(), 8, 64)  # a truncated row
+    with pytest.raises(NativeKernelError, match="are not rows"):
+        kernel.pack(raw, 8, 96)  # rows of another length
+    weight = pack_gguf(raw, 8, 64, kernel)
+    with pytest.raises(NativeKernelError, match="cannot serve"):
+        kernel.gemm(torch.zeros(1, 32), weight.blocks, "q8", None)  # inputs do not match
