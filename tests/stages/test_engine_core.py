@@ -15,7 +15,7 @@ import pytest
 from pipeline import AsyncEngine, SamplingParams, StructuredOutputsParams
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline
-from pipeline.runtime.protocol import HostStatistics, StageStatistics
+from pipeline.runtime.control import HostStatistics, StageStatistics
 from stages.engine_core import EngineCore
 from stages.execute.config import ExecuteConfig
 from stages.execute.null import NullRunner
