@@ -366,6 +366,7 @@ class ProcessHost:
                 bootstrap = _bootstrap(self.name, plan)
             except BaseException:
                 self._remove_ipc_dir()
+                self._remove_note()
                 parent_end.close()
                 prespawned.process.kill()
                 prespawned.process.wait()
@@ -383,6 +384,7 @@ class ProcessHost:
                 )
             except BaseException:
                 self._remove_ipc_dir()
+                self._remove_note()
                 raise
             finally:
                 child_end.close()
