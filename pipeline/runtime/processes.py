@@ -458,7 +458,7 @@ class ProcessHost:
         self._remove_ipc_dir()
         self._remove_note()
         doing = self._last_note
-        error = HostDiedError(self.name, exitcode, f"it was running {doing}" if doing else "")
+        error = HostDiedError(self.name, exitcode, doing)
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)

@@ -688,7 +688,7 @@ class RunningPipeline:
         process = self._processes.get(host)
         doing = process.last_note() if isinstance(process, ProcessHost) else ""
         if doing:
-            detail = f"{detail}; it was running {doing}"
+            detail = f"{detail}; {doing}"
         error = HostUnresponsiveError(host, detail, seconds=seconds)
         error.__cause__ = cause
         self._fail_host(host, error)

@@ -13,11 +13,13 @@ NOTED_IDS = 8
 
 
 def note_step(step: SchedulerStep) -> None:
-    """Note the requests ``step`` computes (before running it)."""
+    """Note the requests ``step`` computes, before running it. The note stays until the
+    next step's (clearing it after each step would double the cost), hence "latest": a death
+    between steps names the step before."""
     chunks = step.chunks
     if not chunks:
         return
     ids = [chunk.request_id for chunk in chunks[:NOTED_IDS]]
     more = len(chunks) - len(ids)
     tail = f" and {more} more" if more > 0 else ""
-    note(f"a step of request(s) {', '.join(ids)}{tail}")
+    note(f"its latest step had request(s) {', '.join(ids)}{tail}")

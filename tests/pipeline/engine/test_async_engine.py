@@ -541,7 +541,7 @@ def test_a_killed_engine_is_one_error_line(
         (line,) = _engine_failure_log(caplog.records)
         assert line.startswith(
             "pipeline 'llm' failed: host 'engine' died (killed by signal 9): "
-            "it was running a step of request(s) "
+            "its latest step had request(s) "
         ), line
         # (those of its last step: some or all of the 8 in flight)
         assert 1 <= len(line.split("request(s) ")[1].split(", ")) <= 8, line
@@ -577,7 +577,7 @@ def test_a_frozen_engine_is_unresponsive_not_dead(caplog: pytest.LogCaptureFixtu
         assert line.startswith(
             "pipeline 'llm' failed: host 'engine' has been unresponsive for 10 s"
         )
-        assert "; it was running a step of request(s) " in line, line
+        assert "; its latest step had request(s) " in line, line
 
     asyncio.run(asyncio.wait_for(body(), 120))
 

@@ -3,7 +3,7 @@
 own streams while the other replica's stream goes on, is restarted on fresh hosts, and is
 routed to again once it has loaded; a replica in a crash loop is given up on while the other
 serves; the restarts are counted (``actorline_replica_restarts_total``); and the line that
-reports an engine's death names the request of the step it was running."""
+reports an engine's death names the requests of its latest step."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_a_dead_or_frozen_replica_is_restarted_alone(
     assert any(m.startswith("engine replica 1 serves again (restart 1") for m in messages)
     # the line that reports the death names the request of the step it ran
     cut = [m for m in messages if "replica 1 of 'engines' failed and was cut off" in m]
-    assert len(cut) == 1 and "it was running a step of request(s) long-" in cut[0], cut
+    assert len(cut) == 1 and "its latest step had request(s) long-" in cut[0], cut
 
 
 @pytest.mark.slow
@@ -200,7 +200,7 @@ def test_the_line_reporting_a_dead_engine_names_its_request(
     tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The engine process is killed while one long request runs: the ERROR line that
-    reports the death names that request (from the step it was running), and the WARNING
+    reports the death names that request (from its latest step), and the WARNING
     with the requests in flight stays."""
 
     async def body() -> None:
@@ -219,6 +219,6 @@ def test_the_line_reporting_a_dead_engine_names_its_request(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     died = [e for e in errors if e.startswith("pipeline 'llm' failed: host 'engine' died")]
     assert len(died) == 1, errors
-    assert "it was running a step of request(s) the-long-one#" in died[0], died
+    assert "its latest step had request(s) the-long-one#" in died[0], died
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("in flight: the-long-one" in w for w in warnings), warnings
