@@ -497,10 +497,12 @@ class Host:
         if self._on_link_lost is not None:
             self._on_link_lost(link_id, detail)
 
-    async def cut_replica(self, lost: ReplicaLost, timeout: float = 1.0) -> None:
+    async def cut_replica(
+        self, lost: ReplicaLost, timeout: float = 1.0, *, tell: bool = True
+    ) -> None:
         """Close this host's links to and from the replica ``lost`` names (messages still
-        sent to it are dropped), then deliver ``lost`` to each stage of this host that was
-        linked to it, behind what its mailbox holds already. Idempotent."""
+        sent to it are dropped), then (``tell``) deliver ``lost`` to each stage of this host
+        that was linked to it, behind what its mailbox holds already. Idempotent."""
         key = f"{lost.replica_set}/{lost.replica}"
         links = [
             link
@@ -519,7 +521,7 @@ class Host:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(end.aclose(), timeout)
         told: set[str] = set()
-        for link in links:
+        for link in links if tell else ():
             cell = self._cells.get(link.endpoint.stage)
             if cell is None or cell.name in told or self._stopped:
                 continue

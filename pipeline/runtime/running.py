@@ -573,7 +573,8 @@ class RunningPipeline:
         """Run lost replica ``replica`` of ``replica_set`` again on fresh hosts: spawn them
         from their plans, link them to the main host afresh, start their stages (the model
         loads), then take the links back into use and deliver a :class:`ReplicaRestored` to
-        the stages linked to it. The rest of the pipeline runs on meanwhile. A failure of
+        the stages linked to it (returns once it is in their mailboxes, behind what they
+        hold). The rest of the pipeline runs on meanwhile. A failure of
         the fresh hosts while they start is not contained again: this raises it, the fresh
         hosts are killed and the replica stays lost.
 
@@ -615,8 +616,10 @@ class RunningPipeline:
             await asyncio.gather(*(process.kill() for process in fresh.values()))
             if self.failure is None and not self._closing:
                 error = self._lost[key]
+                # (its stages heard of the loss already and of no restore: nothing to tell)
                 await self._main.cut_replica(
-                    ReplicaLost(replica_set, replica, hosts, type(error).__qualname__, str(error))
+                    ReplicaLost(replica_set, replica, hosts, type(error).__qualname__, str(error)),
+                    tell=False,
                 )
             raise
         del self._lost[key]
