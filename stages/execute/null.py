@@ -49,6 +49,7 @@ from stages.execute.bookkeeping import (
     validate_step,
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
+from stages.execute.crash_notes import note_step
 from stages.execute.model_impl import eos_token_ids
 from stages.execute.model_length import resolve_model_length
 from stages.execute.windows import config_layer_windows
@@ -315,6 +316,7 @@ class NullExecuteStage(Stage):
     @handles(SchedulerStep)
     async def on_step(self, step: SchedulerStep) -> None:
         assert self.runner is not None
+        note_step(step)
         await self.emit("out", self.runner.execute(step))
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
+from stages.execute.crash_notes import note_step
 from stages.messages import EngineInfo, SchedulerStep
 from stages.models import loading
 
@@ -83,6 +84,7 @@ class ExecuteStage(Stage):
     async def on_step(self, step: SchedulerStep) -> None:
         runner = self.runner
         assert runner is not None
+        note_step(step)
         if runner.group is None:
             result = await self.run_in_thread(runner.execute, step)
         else:
