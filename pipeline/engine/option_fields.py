@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -134,10 +135,16 @@ def option(
 
 def option_specs(cls: Any) -> Iterator[tuple[dataclasses.Field[Any], OptionSpec]]:
     """Each field of the dataclass ``cls`` declared with :func:`option`, with its spec."""
-    for field in dataclasses.fields(cls):
-        spec = field.metadata.get("option")
-        if isinstance(spec, OptionSpec):
-            yield field, spec
+    return iter(_declared(cls))
+
+
+@functools.cache
+def _declared(cls: Any) -> tuple[tuple[dataclasses.Field[Any], OptionSpec], ...]:
+    return tuple(
+        (field, field.metadata["option"])
+        for field in dataclasses.fields(cls)
+        if isinstance(field.metadata.get("option"), OptionSpec)
+    )
 
 
 def _default(field: dataclasses.Field[Any]) -> Any:
