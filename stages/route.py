@@ -8,6 +8,9 @@ detokenize, which is how it knows what each replica holds; an abort goes only to
 replica holding the request (its schedule stage). The replicas' EngineInfo is passed on once,
 when every replica has loaded.
 
+A replica that is restored (``restart_engine``) is routed to again once its fresh hosts have
+started (:meth:`RouterStage.on_replica_restored`).
+
 A replica that fails is cut off by the runtime (``docs/architecture.md`` §8, and
 :mod:`pipeline.runtime.replicas`), which then tells this stage
 (:meth:`RouterStage.on_replica_lost`): its requests that had streamed output end with a
@@ -34,7 +37,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from pipeline.runtime.replicas import ReplicaLost
+from pipeline.runtime.replicas import ReplicaLost, ReplicaRestored
 from pipeline.runtime.stage import Stage, handles
 from stages.early_aborts import EarlyAborts
 from stages.errors import ENGINE_DEAD
@@ -297,6 +300,26 @@ class RouterStage(Stage):
                     f"{lost.message}",
                 ),
             )
+
+    async def on_replica_restored(self, restored: ReplicaRestored) -> None:
+        """A lost replica runs again (``restart_engine``, docs/architecture.md §4.7): route
+        to it again, from an empty load. A policy with the optional hook
+        ``restore_replica(name)`` is told (the protocol needs no more: :meth:`RoutingPolicy.choose`
+        is given the live replicas each time)."""
+        if restored.replica_set != self.config.replica_set or restored.replica in self._live:
+            return
+        route = next((r for r in self.config.replicas if r.name == restored.replica), None)
+        if route is None:
+            return
+        self._live[route.name] = route
+        self._outstanding[route.name] = 0
+        self._held[route.name] = 0
+        hook = getattr(self.policy, "restore_replica", None)
+        if callable(hook):
+            hook(route.name)
+        logger.warning(
+            "engine replica %s runs again; routing to %d replicas", route.name, len(self._live)
+        )
 
     def _forget(self, request_id: str) -> _Routed | None:
         """Drop ``request_id`` from the books (its replica's load with it)."""

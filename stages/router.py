@@ -1,11 +1,14 @@
 """Routing policies: which engine replica serves a request, with data parallelism.
 
 A policy is a plugin of the ``actorline.routers`` entry-point group (protocol version 1,
-checked by :mod:`plugins`). The router stage (:mod:`stages.router`) keeps the bookkeeping
+checked by :mod:`plugins`). The router stage (:mod:`stages.route`) keeps the bookkeeping
 (what each replica holds, what it has left to compute) and asks the policy one question,
 :meth:`RoutingPolicy.choose`, with a :class:`RouteRequest` and the live replicas'
 :class:`ReplicaLoad`; it tells the policy when a replica is gone
-(:meth:`RoutingPolicy.forget_replica`).
+(:meth:`RoutingPolicy.forget_replica`). A replica that comes back (restarted with
+``restart_engine``) is simply among the live replicas ``choose`` is given again; a policy
+that keeps per-replica state may define the optional ``restore_replica(name)``, which the
+router calls then (optional, so protocol version 1 is unchanged).
 
 Built in:
 

@@ -34,6 +34,8 @@ from pipeline.bench.report import (
     print_result,
     run_main,
 )
+from pipeline.engine.option_fields import add_option_argument
+from pipeline.engine.options import EngineOptions
 
 __all__ = [
     "TARGET_TOKENS_PER_SECOND",
@@ -164,14 +166,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     parser.add_argument("--requests", type=int, default=None, help="concurrent requests (256)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (256)")
-    parser.add_argument("--transport", default="zmq", choices=("zmq", "memory", "grpc"))
+    add_option_argument(parser, EngineOptions, "transport")
     parser.add_argument("--repeats", type=int, default=None, help="runs on one engine (3)")
-    parser.add_argument(
-        "--no-tune-gc",
-        dest="tune_gc",
-        action="store_false",
-        help="leave the garbage collector at CPython's defaults (see docs/performance.md §5)",
-    )
+    add_option_argument(parser, EngineOptions, "tune_gc")
     parser.add_argument(
         "--ray",
         nargs="?",

@@ -39,6 +39,8 @@ from pipeline.bench.online_http import (
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
 from pipeline.bench.workload import WorkloadSpec, make_workload, poisson_arrivals
+from pipeline.engine.option_fields import add_option_argument
+from pipeline.engine.options import EngineOptions
 from transports.tasks import TaskSet
 
 if TYPE_CHECKING:
@@ -225,7 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rates", type=float, nargs="+", default=None, help="arrival rates, req/s (1 2 4)"
     )
     parser.add_argument("--requests", type=int, default=None, help="requests per rate (24)")
-    parser.add_argument("--transport", default="zmq", choices=("zmq", "memory", "grpc"))
+    add_option_argument(parser, EngineOptions, "transport")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--http",

@@ -22,7 +22,10 @@ __all__ = [
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, profile: bool = True) -> None:
     """``--model``, ``--quick``, ``--json`` and (optionally) ``--profile``."""
-    parser.add_argument("--model", default="smollm2-135m", help="alias, HF directory or .gguf file")
+    from pipeline.engine.option_fields import add_option_argument
+    from pipeline.engine.options import EngineOptions
+
+    add_option_argument(parser, EngineOptions, "model")
     parser.add_argument(
         "--quick", action="store_true", help="a small run for smoke tests (numbers not meaningful)"
     )

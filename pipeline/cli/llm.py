@@ -36,91 +36,14 @@ _MAX_PORT = 65535
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that runs an engine."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default="smollm2-135m", help="alias, HF directory or .gguf file")
-    group.add_argument("--transport", default="zmq", choices=("zmq", "grpc", "memory"))
-    group.add_argument("--compression", default=None, choices=("zstd",))
-    group.add_argument("--scheduler", default="fcfs", help="scheduling policy plugin name")
-    group.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
-    group.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    group.add_argument(
-        "--quantization",
-        default=None,
-        choices=("gguf", "int8"),
-        help="weight-only 4/8-bit weights on CPU: a GGUF model's own (gguf) or int8 at load",
-    )
-    group.add_argument(
-        "--model-impl",
-        default="auto",
-        choices=("auto", "native", "transformers"),
-        help="actorline's own model class (native; auto: where it serves the model) or "
-        "transformers' (docs/models.md)",
-    )
-    group.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=("auto", "gather_sdpa", "flex"),
-        help="how attention reads the paged KV cache: gather + SDPA (auto) or FlexAttention "
-        "in place (flex; docs/architecture.md §6.4)",
-    )
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
-    group.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
-    group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument(
-        "--grammar-max-rules",
-        type=int,
-        default=4000,
-        help="the most rules of a request's Lark/GBNF grammar or objects of its JSON schema "
-        "(default 4000; docs/structured-outputs.md)",
-    )
-    group.add_argument(
-        "--grammar-max-chars",
-        type=int,
-        default=256 * 1024,
-        help="the longest schema, regex or grammar text of a request (default and most 262144)",
-    )
-    parallel = parser.add_argument_group("parallelism (docs/parallelism.md)")
-    parallel.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model over this many ranks, each a process (default 1)",
-    )
-    parallel.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="run this many engine replicas behind a router stage (default 1)",
-    )
-    parallel.add_argument(
-        "--router",
-        default="least-loaded",
-        help="routing policy plugin of the replicas (default least-loaded)",
-    )
-    parallel.add_argument(
-        "--ray",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="ADDRESS",
-        help="run the engine's hosts as Ray actors, on the cluster at ADDRESS ('auto': the one "
-        "running here; none: RAY_ADDRESS, else a new local cluster); needs actorline[ray]",
-    )
-    parallel.add_argument(
-        "--ray-num-cpus", type=float, default=1.0, help="CPUs each engine host takes on Ray"
-    )
-    parallel.add_argument(
-        "--ray-num-gpus",
-        type=float,
-        default=0.0,
-        help="GPUs each engine host takes on Ray (with --device cuda: each computes on the GPU "
-        "Ray assigned it; default 0)",
-    )
+def add_engine_arguments(parser: argparse.ArgumentParser, command: str = "generate") -> None:
+    """The flags of the engine options ``command`` takes (``generate``: those of every command
+    that runs an engine; ``serve``: its own besides), derived from the fields of
+    :class:`~pipeline.engine.options.EngineOptions` (docs/options.md)."""
+    from pipeline.engine.option_fields import add_option_arguments
+    from pipeline.engine.options import EngineOptions
+
+    add_option_arguments(parser, EngineOptions, command)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,33 +92,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_options_from(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "model": args.model,
-        "transport": args.transport,
-        "compression": args.compression,
-        "scheduler": args.scheduler,
-        "dtype": args.dtype,
-        "device": args.device,
-        "quantization": args.quantization,
-        "model_impl": args.model_impl,
-        "attention_backend": args.attention_backend,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "num_blocks": args.num_blocks,
-        "kv_cache_memory": args.kv_cache_memory,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "grammar_max_rules": args.grammar_max_rules,
-        "grammar_max_chars": args.grammar_max_chars,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "data_parallel_size": args.data_parallel_size,
-        "router": args.router,
-        "ray": args.ray is not None,
-        "ray_address": args.ray or None,
-        "ray_num_cpus": args.ray_num_cpus,
-        "ray_num_gpus": args.ray_num_gpus,
-    }
+def engine_options_from(args: argparse.Namespace, command: str = "serve") -> dict[str, Any]:
+    """The EngineOptions keyword arguments the engine flags parsed into ``args`` give (those
+    of ``command`` that ``args`` has: a parser of ``generate`` has no serve-only flag)."""
+    from pipeline.engine.option_fields import flag_values
+    from pipeline.engine.options import EngineOptions
+
+    return flag_values(args, EngineOptions, command)
 
 
 def structured_outputs_from(args: argparse.Namespace) -> Any:
@@ -459,19 +362,7 @@ def _serve(args: argparse.Namespace) -> int:
         _check_listenable("--http-port", args.host, http_port)
     if args.metrics_port is not None:
         _check_listenable("--metrics-port", args.metrics_host, args.metrics_port)
-    engine_options, _, _ = preflight(
-        args,
-        requests_per_second=args.requests_per_second,
-        tokens_per_second=args.tokens_per_second,
-        tenant_limits=api_keys.tenant_limits(),
-        rate_limit_burst=args.rate_limit_burst,
-        log_level=args.log_level,
-        restart_engine=args.restart_engine,
-        restart_backoff=args.restart_backoff,
-        restart_limit=args.restart_limit,
-        restart_window=args.restart_window,
-        heartbeat_timeout=args.heartbeat_timeout,
-    )
+    engine_options, _, _ = preflight(args, tenant_limits=api_keys.tenant_limits())
     logging.basicConfig(
         level=args.log_level or settings.log_level(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -511,54 +402,17 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_listener_flags(serve: argparse.ArgumentParser) -> None:
-    """The flags of :class:`~pipeline.server.limits.ListenerLimits` (docs/serving.md,
-    "Connection limits")."""
-    from pipeline.server import limits
-
-    group = serve.add_argument_group("connection limits (each listener)")
-    for flag, kind, default, text in (
-        ("--max-connections", int, limits.DEFAULT_MAX_CONNECTIONS,
-         "open connections; at the cap a new one closes the one that waited longest for a "
-         "request (or is refused); lowered to fit `ulimit -n`"),
-        ("--header-timeout", float, limits.DEFAULT_HEADER_TIMEOUT,
-         "seconds a request head (HTTP headers; gRPC handshake) may take to arrive"),
-        ("--body-timeout", float, limits.DEFAULT_BODY_TIMEOUT,
-         "seconds an HTTP request body may take to arrive"),
-        ("--keep-alive-timeout", float, limits.DEFAULT_KEEP_ALIVE_TIMEOUT,
-         "seconds an HTTP connection is kept open between requests"),
-        ("--grpc-idle-timeout", float, limits.DEFAULT_GRPC_IDLE_TIMEOUT,
-         "seconds a gRPC connection with no call is kept open"),
-        ("--max-streams-per-connection", int, limits.DEFAULT_MAX_STREAMS_PER_CONNECTION,
-         "concurrent gRPC calls on one connection"),
-        ("--max-streams", int, limits.DEFAULT_MAX_STREAMS,
-         "concurrent gRPC calls in all; more are RESOURCE_EXHAUSTED"),
-        ("--max-logprob-entries", int, limits.DEFAULT_MAX_LOGPROB_ENTRIES,
-         "logprobs one request may ask for (choices x max_tokens x (1 + top logprobs)); "
-         "more is 400 / INVALID_ARGUMENT"),
-    ):  # fmt: skip
-        group.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
-
-
 def _listener_limits(args: argparse.Namespace) -> Any:
     """The :class:`~pipeline.server.limits.ListenerLimits` of the flags.
 
     Raises:
         CliError: a value out of range (exit 2), naming its flag.
     """
+    from pipeline.engine.option_fields import flag_values
     from pipeline.server.limits import ListenerLimits
 
     try:
-        return ListenerLimits(
-            max_connections=args.max_connections,
-            header_timeout=args.header_timeout,
-            body_timeout=args.body_timeout,
-            keep_alive_timeout=args.keep_alive_timeout,
-            grpc_idle_timeout=args.grpc_idle_timeout,
-            max_streams_per_connection=args.max_streams_per_connection,
-            max_streams=args.max_streams,
-            max_logprob_entries=args.max_logprob_entries,
-        )
+        return ListenerLimits(**flag_values(args, ListenerLimits, "serve"))
     except ValueError as exc:
         flag, _, rest = str(exc).partition(" ")
         raise CliError(f"--{flag.replace('_', '-')} {rest}", 2) from exc
@@ -640,10 +494,10 @@ def _add_serve_command(commands: Any) -> None:
     server.add_argument(
         "--metrics-host", default=DEFAULT_HOST, help="address the metrics endpoint listens on"
     )
-    server.add_argument(
-        "--log-level", default=None, choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper
-    )
-    _add_listener_flags(serve)
+    from pipeline.engine.option_fields import add_option_arguments
+    from pipeline.server.limits import ListenerLimits
+
+    add_option_arguments(serve, ListenerLimits, "serve")
     auth = serve.add_argument_group("authentication and limits")
     auth.add_argument(
         "--api-key",
@@ -657,79 +511,14 @@ def _add_serve_command(commands: Any) -> None:
         default=[],
         help="file of API keys, one per line: KEY [REQUESTS_PER_SECOND TOKENS_PER_SECOND]",
     )
-    auth.add_argument(
-        "--requests-per-second",
-        type=float,
-        default=None,
-        help="default limit per API key (per server without keys)",
-    )
-    auth.add_argument(
-        "--tokens-per-second",
-        type=float,
-        default=None,
-        help="default limit per API key (prompt plus max_tokens)",
-    )
-    auth.add_argument(
-        "--rate-limit-burst",
-        type=float,
-        default=1.0,
-        metavar="SECONDS",
-        help="seconds of its rate a key may spend at once (1); under a tokens/s limit also "
-        "the largest request",
-    )
     tls = serve.add_argument_group("TLS")
     tls.add_argument("--tls-cert", default=None, help="PEM certificate chain of the server")
     tls.add_argument("--tls-key", default=None, help="PEM private key of the server")
     tls.add_argument(
         "--tls-client-ca", default=None, help="PEM CA that client certificates must chain to"
     )
-    _add_supervision_arguments(serve)
-    add_engine_arguments(serve)
+    add_engine_arguments(serve, "serve")
     serve.set_defaults(run=_serve)
-
-
-def _add_supervision_arguments(serve: argparse.ArgumentParser) -> None:
-    from pipeline.engine.options import MAX_RESTART_BACKOFF, EngineOptions
-
-    defaults = EngineOptions()
-    group = serve.add_argument_group("engine supervision (docs/serving.md, Health)")
-    group.add_argument(
-        "--restart-engine",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="start a fresh engine when it dies or freezes (default on; off: health stays "
-        "NOT_SERVING / 503 until the command is restarted)",
-    )
-    group.add_argument(
-        "--restart-backoff",
-        type=float,
-        default=defaults.restart_backoff,
-        metavar="SECONDS",
-        help=f"wait before a restart, doubled for each further death within the window, at "
-        f"most {MAX_RESTART_BACKOFF:g} s (default {defaults.restart_backoff:g})",
-    )
-    group.add_argument(
-        "--restart-limit",
-        type=int,
-        default=defaults.restart_limit,
-        help=f"this many deaths within --restart-window is a crash loop: exit with status 1 "
-        f"(default {defaults.restart_limit})",
-    )
-    group.add_argument(
-        "--restart-window",
-        type=float,
-        default=defaults.restart_window,
-        metavar="SECONDS",
-        help=f"the crash loop's window (default {defaults.restart_window:g})",
-    )
-    group.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=defaults.heartbeat_timeout,
-        metavar="SECONDS",
-        help=f"an engine process silent this long is frozen and ended "
-        f"(default {defaults.heartbeat_timeout:g})",
-    )
 
 
 def add_commands(commands: Any) -> None:

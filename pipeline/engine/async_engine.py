@@ -38,6 +38,7 @@ from pipeline.engine.presets import (
     start_options,
 )
 from pipeline.engine.prompts import CheckedPrompt, Prompt, as_checked, check_prompt
+from pipeline.engine.replica_heal import ReplicaHealer
 from pipeline.engine.restarts import RestartPolicy
 from pipeline.runtime.errors import (
     GraphError,
@@ -162,6 +163,8 @@ class AsyncEngine:
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
         self._restart_callbacks: list[Callable[[], None]] = []
         self._replica_callbacks: list[Callable[[ReplicaLost], None]] = []
+        self._replica_restart_callbacks: list[Callable[[str], None]] = []
+        self._healer = ReplicaHealer(self.options, self._on_replica_restored)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -228,6 +231,7 @@ class AsyncEngine:
             self._abort_queue.get_nowait()
         self._dispatcher = self._tasks.spawn(self._dispatch(running), name="engine:dispatch")
         self._abort_sender = self._tasks.spawn(self._send_aborts(running), name="engine:aborts")
+        self._healer.adopt(running)
         running.add_replica_callback(self._on_replica_lost)
         for callback in self._replica_callbacks:
             running.add_replica_callback(callback)
@@ -244,6 +248,7 @@ class AsyncEngine:
             restarting.cancel()
             with contextlib.suppress(BaseException):
                 await restarting
+        await self._healer.close()
         engine_ids = tuple(self._collectors)
         for engine_id in engine_ids:
             self._engine_ids.pop(self._collectors[engine_id].request_id, None)
@@ -290,6 +295,17 @@ class AsyncEngine:
     def add_restart_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` each time a fresh engine serves in place of a dead one."""
         self._restart_callbacks.append(callback)
+
+    @property
+    def replica_restarts(self) -> dict[str, int]:
+        """Times each engine replica was restarted on its own (data parallelism with
+        ``restart_engine``), by replica name."""
+        return dict(self._healer.restarts)
+
+    def add_replica_restart_callback(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(replica)`` each time an engine replica restarted on its own
+        serves again (data parallelism with ``restart_engine``)."""
+        self._replica_restart_callbacks.append(callback)
 
     def add_replica_callback(self, callback: Callable[[ReplicaLost], None]) -> None:
         """Call ``callback(lost)`` for every engine replica lost from now on (data
@@ -596,6 +612,15 @@ class AsyncEngine:
         if self.replica_stats:
             latest = next(reversed(self.replica_stats.values()))
             self.stats = _summed(tuple(self.replica_stats.values()), latest)
+        if self.options.restart_engine and not self._closed:
+            self._healer.lost(lost)
+
+    def _on_replica_restored(self, replica: str) -> None:
+        for callback in self._replica_restart_callbacks:
+            try:
+                callback(replica)
+            except Exception:
+                logger.exception("engine replica restart callback %r failed", callback)
 
     def _forget(self, request_id: str, engine_id: str) -> None:
         """Drop the caller's ``request_id`` if it still names ``engine_id``."""
@@ -651,6 +676,7 @@ class AsyncEngine:
             collector.fail(dead)
         self._collectors.clear()
         self._engine_ids.clear()
+        self._healer.cancel()
         if self.options.restart_engine and not self._closed:
             self._schedule_restart(running, dead)
         self._tell_failure(self._failure)

@@ -313,8 +313,15 @@ class _SnapshotCollector(Collector):
         steps = CounterMetricFamily(
             name + "replica_engine_steps", "Engine steps a replica ran.", labels=labels
         )
+        restarts = CounterMetricFamily(
+            name + "replica_restarts",
+            "Times an engine replica was restarted on its own after it died or froze "
+            "(restart_engine).",
+            labels=labels,
+        )
         for status in replicas:
             up.add_metric([status.replica], 1.0 if status.alive else 0.0)
+            restarts.add_metric([status.replica], engine.replica_restarts.get(status.replica, 0))
             stats = engine.replica_stats.get(status.replica)
             if stats is None or not status.alive:
                 continue
@@ -322,7 +329,7 @@ class _SnapshotCollector(Collector):
             waiting.add_metric([status.replica], stats.num_waiting)
             free.add_metric([status.replica], stats.kv_blocks_free)
             steps.add_metric([status.replica], stats.num_steps)
-        yield from (up, running, waiting, free, steps)
+        yield from (up, running, waiting, free, steps, restarts)
 
 
 def _cumulative(buckets: tuple[int, ...]) -> list[tuple[str, float]]:

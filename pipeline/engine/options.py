@@ -1,14 +1,16 @@
-"""Engine options: one frozen dataclass, validated on construction, split into each stage's
-own config by :mod:`pipeline.engine.presets`."""
+"""Engine options: one frozen dataclass, each field declared once with :func:`option` (its
+help, check, CLI flag and the stage configs it is copied into; see
+:mod:`pipeline.engine.option_fields` and docs/options.md), validated on construction, split
+into each stage's own config by :mod:`pipeline.engine.presets`."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from stages.execute.config import ATTENTION_BACKENDS
+from pipeline.engine.option_fields import check_options, option
+from stages.execute.config import ATTENTION_BACKENDS, DTYPES, MODEL_IMPLS, QUANTIZATIONS
 
 __all__ = ["MAX_RESTART_BACKOFF", "TRANSPORTS", "EngineOptions"]
 
@@ -22,159 +24,217 @@ MAX_RESTART_BACKOFF = 30.0
 #: ``log_level`` values (any case)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
+#: the help groups of the flags
+_PARALLEL = "parallelism (docs/parallelism.md)"
+_LIMITS = "rate limits (each API key; docs/serving.md)"
+_SUPERVISION = "engine supervision (docs/serving.md, Health)"
+#: the commands that run an engine and take its flags; serve's own; none
+_ENGINE = ("generate", "serve")
+_SERVE = ("serve",)
+_NO_FLAG: tuple[str, ...] = ()
+
+
+def _ray_flag(address: str | None) -> dict[str, Any]:
+    """``--ray [ADDRESS]``: absent, no Ray; bare, Ray at RAY_ADDRESS or a new cluster."""
+    return {"ray": address is not None, "ray_address": address or None}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineOptions:
-    """Everything ``AsyncEngine(model, **options)`` and ``LLM(model, **options)`` accept.
+    """Everything ``AsyncEngine(model, **options)`` and ``LLM(model, **options)`` accept; each
+    field's help says what it means (docs/options.md has them all in one table).
 
-    Model: ``model`` (alias, HF directory or .gguf), ``dtype`` ("float32", "bfloat16",
-    "auto"), ``device`` ("cpu", "cuda", "auto"), ``quantization`` (None; "gguf": a GGUF
-    model's own 4/8-bit weights as they are; "int8": any checkpoint's linears quantized at
-    load; weight-only with fp32 activations, on CPU: docs/models.md), ``model_impl`` ("auto":
-    actorline's own model class where it serves the checkpoint, else transformers'; "native";
-    "transformers"; as vLLM's ``--model-impl``, docs/models.md), ``attention_backend`` ("auto":
-    gather + SDPA; "flex": FlexAttention reading the block tables in place;
-    docs/architecture.md §6.4). KV cache:
-    ``block_size``, ``num_blocks`` (an exact count) or ``kv_cache_memory`` (bytes),
-    ``enable_prefix_caching``, ``max_model_len``.
-    Batching: ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_chunk``,
-    ``scheduler`` (a policy name in ``actorline.schedulers``). Structured outputs:
-    ``grammar_backend`` (a name in ``actorline.grammars``; "llguidance" built in),
-    ``grammar_max_rules`` (the most rules of a Lark/GBNF grammar or objects of a JSON schema
-    a request may bring; the compile thread's stack is sized from it) and
-    ``grammar_max_chars`` (the longest schema, regex or grammar text; at most 256 KiB):
-    ``stages/structured/limits.py``, docs/structured-outputs.md "Bounds".
-    Topology: ``transport`` ("zmq", "grpc", "memory"), ``compression`` ("zstd" or None).
-    Admission:
-    ``max_queued_requests``, ``requests_per_second`` / ``tokens_per_second`` (default limits
-    per tenant), ``tenant_limits`` (name → (requests/s, tokens/s)), ``rate_limit_burst``
-    (seconds of its rate each tenant's buckets hold: the largest burst a tenant may send at
-    once, and so also the largest request, prompt plus ``max_tokens``, under a tokens/s
-    limit). Benchmarking:
-    ``null_model`` replaces the model with :mod:`stages.execute.null` (random tokens at once,
-    real KV bookkeeping) to measure the framework alone. Process: ``tune_gc`` (default on)
-    raises the garbage collector's young-generation threshold while the engine runs and
-    freezes the engine process's start-up heap (see :mod:`pipeline.runtime.gc_policy`).
-    Parallelism (``docs/parallelism.md``): ``tensor_parallel_size`` splits the model over that
-    many ranks, each a process (``tensor_parallel_timeout``: seconds a collective waits for a
-    rank that hangs); ``data_parallel_size`` runs that many engine replicas behind a router
-    stage (``router``: a policy name in ``actorline.routers``). Ray: ``ray`` runs every engine
-    host (each replica's, each rank's) as a Ray actor, one placement group per replica
-    (``STRICT_PACK``: a replica's ranks share a node), ``ray_num_cpus`` CPUs and
-    ``ray_num_gpus`` GPUs per host (each rank then computes on the GPU Ray assigned it), on the
-    cluster at ``ray_address`` (which implies ``ray``; None: ``RAY_ADDRESS``, else a new local
-    cluster).
-    Supervision (docs/serving.md, "Health"): ``heartbeat_timeout`` (seconds an engine host may
-    stay silent before it counts as frozen and is ended, 10); ``restart_engine`` (default off;
-    on under ``actorline serve``) starts a fresh engine when it dies or freezes, after
-    ``restart_backoff`` seconds (doubled for each further death within the window, at most
-    :data:`MAX_RESTART_BACKOFF`), and gives up once it died ``restart_limit`` times within
-    ``restart_window`` seconds.
+    Raises (from the constructor): ValueError naming the first invalid field.
     """
 
-    model: str = "smollm2-135m"
-    dtype: str = "float32"
-    device: str = "cpu"
-    quantization: str | None = None
-    model_impl: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    long_prefill_chunk: int | None = None
-    scheduler: str = "fcfs"
-    grammar_backend: str = "llguidance"
-    #: stages.structured.limits.DEFAULT_MAX_RULES (not imported: this module stays light)
-    grammar_max_rules: int = 4000
-    #: stages.structured.params.MAX_SPEC_CHARS
-    grammar_max_chars: int = 256 * 1024
-    transport: str = "zmq"
-    compression: str | None = None
-    max_queued_requests: int = 4096
-    requests_per_second: float | None = None
-    tokens_per_second: float | None = None
-    tenant_limits: Mapping[str, tuple[float | None, float | None]] = dataclasses.field(
-        default_factory=dict
+    # -- model (docs/models.md)
+    model: str = option(
+        "smollm2-135m", help="alias, HF directory or .gguf file", kind="name",
+        phrase="a non-empty alias or path", feeds=("execute",),
+    )  # fmt: skip
+    dtype: str = option("float32", help="the weights' and activations' dtype", choices=DTYPES,
+                        feeds=("execute",))  # fmt: skip
+    device: str = option("cpu", help="cpu, cuda, cuda:N or auto", feeds=("execute",))
+    quantization: str | None = option(
+        None, choices=QUANTIZATIONS, feeds=("execute",),
+        help="weight-only 4/8-bit weights on CPU: a GGUF model's own (gguf) or int8 at load "
+        "(docs/models.md)",
+    )  # fmt: skip
+    model_impl: str = option(
+        "auto", choices=MODEL_IMPLS, feeds=("execute",),
+        help="actorline's own model class (native; auto: where it serves the model) or "
+        "transformers' (docs/models.md)",
+    )  # fmt: skip
+    # -- KV cache
+    block_size: int = option(16, help="tokens per KV cache block", kind="int>=1",
+                             feeds=("execute", "router"), commands=_NO_FLAG)  # fmt: skip
+    num_blocks: int | None = option(
+        None, help="KV cache blocks, an exact count (None: sized from kv_cache_memory)",
+        feeds=("execute",),
+    )  # fmt: skip
+    kv_cache_memory: int | None = option(
+        None, help="KV cache bytes (None: the execute stage's default)", feeds=("execute",)
     )
-    rate_limit_burst: float = 1.0
-    seed: int = 0
-    use_cuda_graphs: bool = True
-    attention_backend: str = "auto"
-    start_timeout: float = 600.0
-    log_level: str | None = None
-    null_model: bool = False
-    tune_gc: bool = True
-    tensor_parallel_size: int = 1
-    tensor_parallel_timeout: float = 30.0
-    data_parallel_size: int = 1
-    router: str = "least-loaded"
-    ray: bool = False
-    ray_address: str | None = None
-    ray_num_cpus: float = 1.0
-    ray_num_gpus: float = 0.0
-    heartbeat_timeout: float = 10.0
-    restart_engine: bool = False
-    restart_backoff: float = 0.5
-    restart_limit: int = 5
-    restart_window: float = 120.0
+    enable_prefix_caching: bool = option(
+        True, kind="bool", flag="--no-prefix-caching", feeds=("execute",),
+        help="reuse the KV blocks of a prompt's cached prefix (the flag turns it off)",
+    )  # fmt: skip
+    max_model_len: int | None = option(
+        None, help="the longest sequence, prompt and answer (None: the model's)",
+        feeds=("execute",),
+    )  # fmt: skip
+    # -- batching
+    max_num_seqs: int = option(256, help="sequences in one batch", kind="int>=1",
+                               feeds=("scheduler",))  # fmt: skip
+    max_num_batched_tokens: int = option(2048, help="tokens in one batch", kind="int>=1",
+                                         feeds=("scheduler",))  # fmt: skip
+    long_prefill_chunk: int | None = option(
+        None, help="prefill chunk of a long prompt (None: the batch's token budget)",
+        feeds=("scheduler",), commands=_NO_FLAG,
+    )  # fmt: skip
+    scheduler: str = option("fcfs", help="scheduling policy plugin name (actorline.schedulers)",
+                            kind="name", phrase="a policy name",
+                            feeds=("schedule.policy",))  # fmt: skip
+    # -- structured outputs (docs/structured-outputs.md, "Bounds")
+    grammar_backend: str = option(
+        "llguidance", help="grammar backend plugin name (actorline.grammars)", kind="name",
+        phrase="a grammar backend name", commands=_NO_FLAG,
+    )  # fmt: skip
+    #: stages.structured.limits.DEFAULT_MAX_RULES (not imported: this module stays light)
+    grammar_max_rules: int = option(
+        4000, help="the most rules of a request's Lark/GBNF grammar or objects of its JSON "
+        "schema (the compile thread's stack is sized from it)",
+    )  # fmt: skip
+    #: stages.structured.params.MAX_SPEC_CHARS
+    grammar_max_chars: int = option(
+        256 * 1024, help="the longest schema, regex or grammar text of a request (at most "
+        "262144)",
+    )  # fmt: skip
+    # -- topology
+    transport: str = option(
+        "zmq", choices=TRANSPORTS,
+        help="memory: every stage in this process; zmq or grpc: admit, schedule and execute "
+        "in an engine process linked by it",
+    )  # fmt: skip
+    compression: str | None = option(None, help="compress what the links carry",
+                                     choices=("zstd",), feeds=("start",))  # fmt: skip
+    # -- admission (docs/serving.md, "Rate limits")
+    max_queued_requests: int = option(4096, help="requests that may wait for the scheduler",
+                                      kind="int>=1", feeds=("admit",),
+                                      commands=_NO_FLAG)  # fmt: skip
+    requests_per_second: float | None = option(
+        None, help="default limit per API key (per server without keys)", commands=_SERVE,
+        group=_LIMITS,
+    )  # fmt: skip
+    tokens_per_second: float | None = option(
+        None, help="default limit per API key (prompt plus max_tokens)", commands=_SERVE,
+        group=_LIMITS,
+    )  # fmt: skip
+    tenant_limits: Mapping[str, tuple[float | None, float | None]] = option(
+        default_factory=dict, commands=_NO_FLAG,
+        help="tenant name → (requests/s, tokens/s) (serve: from --api-key-file)",
+    )  # fmt: skip
+    rate_limit_burst: float = option(
+        1.0, kind="seconds>0", commands=_SERVE, group=_LIMITS, metavar="SECONDS",
+        help="seconds of its rate a key may spend at once; under a tokens/s limit also the "
+        "largest request",
+    )  # fmt: skip
+    #: no flag: generate's --seed is the request's sampling seed
+    seed: int = option(0, help="the engine's random seed", feeds=("execute",), commands=_NO_FLAG,
+                       flag="--engine-seed")  # fmt: skip
+    use_cuda_graphs: bool = option(True, help="capture decode steps as CUDA graphs", kind="bool",
+                                   feeds=("execute",), commands=_NO_FLAG)  # fmt: skip
+    attention_backend: str = option(
+        "auto", choices=ATTENTION_BACKENDS, feeds=("execute",),
+        help="how attention reads the paged KV cache: gather + SDPA (auto) or FlexAttention "
+        "in place (flex; docs/architecture.md §6.4)",
+    )  # fmt: skip
+    start_timeout: float = option(600.0, help="seconds the engine may take to start",
+                                  feeds=("start",), commands=_NO_FLAG)  # fmt: skip
+    log_level: str | None = option(
+        None, help="the engine's log level (any case)", choices=LOG_LEVELS, upper=True,
+        commands=_SERVE,
+    )  # fmt: skip
+    null_model: bool = option(
+        False, kind="bool", commands=_NO_FLAG,
+        help="random tokens at once instead of a model (stages.execute.null), real KV "
+        "bookkeeping: the framework alone",
+    )  # fmt: skip
+    tune_gc: bool = option(
+        True, kind="bool", feeds=("start",), commands=_NO_FLAG, flag="--no-tune-gc",
+        help="raise the young-generation GC threshold while the engine runs, freeze the "
+        "engine process's start-up heap (pipeline.runtime.gc_policy; the flag, of `bench "
+        "ceiling`, leaves CPython's defaults: docs/performance.md §5)",
+    )  # fmt: skip
+    # -- parallelism (docs/parallelism.md)
+    tensor_parallel_size: int = option(
+        1, help="split the model over this many ranks, each a process", kind="int>=1",
+        feeds=("execute",), group=_PARALLEL,
+    )  # fmt: skip
+    tensor_parallel_timeout: float = option(
+        30.0, help="seconds a collective waits for a rank that hangs", kind="seconds>0",
+        feeds=("execute",), commands=_NO_FLAG,
+    )  # fmt: skip
+    data_parallel_size: int = option(
+        1, help="run this many engine replicas behind a router stage", kind="int>=1",
+        group=_PARALLEL,
+    )  # fmt: skip
+    router: str = option(
+        "least-loaded", help="routing policy plugin of the replicas (actorline.routers)",
+        kind="name", phrase="a routing policy name", feeds=("router.policy",), group=_PARALLEL,
+    )  # fmt: skip
+    ray: bool = option(
+        False, kind="bool", group=_PARALLEL, nargs="?", const="", cli_default=None,
+        metavar="ADDRESS", from_flag=_ray_flag,
+        help="run the engine's hosts as Ray actors, one STRICT_PACK placement group per "
+        "replica, on the cluster at ADDRESS ('auto': the one running here; none: RAY_ADDRESS, "
+        "else a new local cluster); needs actorline[ray]",
+    )  # fmt: skip
+    ray_address: str | None = option(
+        None, kind="name", feeds=("start",), commands=_NO_FLAG,
+        help="the Ray cluster (implies ray; None: RAY_ADDRESS, else a new local one; the CLI's "
+        "--ray ADDRESS)",
+    )  # fmt: skip
+    ray_num_cpus: float = option(1.0, help="CPUs each engine host takes on Ray",
+                                 kind="number>=0", group=_PARALLEL)  # fmt: skip
+    ray_num_gpus: float = option(
+        0.0, kind="number>=0", group=_PARALLEL,
+        help="GPUs each engine host takes on Ray (with --device cuda: each computes on the "
+        "GPU Ray assigned it)",
+    )  # fmt: skip
+    # -- supervision (docs/serving.md, "Health")
+    heartbeat_timeout: float = option(
+        10.0, help="seconds an engine host may stay silent before it counts as frozen and is "
+        "ended", kind="seconds>0", feeds=("start",), commands=_SERVE, group=_SUPERVISION,
+        metavar="SECONDS",
+    )  # fmt: skip
+    restart_engine: bool = option(
+        False, kind="bool", commands=_SERVE, group=_SUPERVISION, cli_default=True,
+        help="start a fresh engine when it dies or freezes (off: health stays NOT_SERVING / "
+        "503 until the command is restarted)",
+    )  # fmt: skip
+    restart_backoff: float = option(
+        0.5, kind="seconds>=0", commands=_SERVE, group=_SUPERVISION, metavar="SECONDS",
+        help="wait before a restart, doubled for each further death within the window, at "
+        f"most {MAX_RESTART_BACKOFF:g} s",
+    )  # fmt: skip
+    restart_limit: int = option(
+        5, kind="int>=1", commands=_SERVE, group=_SUPERVISION,
+        help="this many deaths within --restart-window is a crash loop: exit with status 1",
+    )  # fmt: skip
+    restart_window: float = option(120.0, help="the crash loop's window", kind="seconds>0",
+                                   commands=_SERVE, group=_SUPERVISION,
+                                   metavar="SECONDS")  # fmt: skip
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model.strip():
-            raise ValueError("model must be a non-empty alias or path")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.compression not in (None, "zstd"):
-            raise ValueError(f"compression must be None or 'zstd', got {self.compression!r}")
-        for name in (
-            "block_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_queued_requests",
-            "tensor_parallel_size",
-            "data_parallel_size",
-            "restart_limit",
-        ):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("null_model", "tune_gc", "ray", "restart_engine"):
-            if type(getattr(self, name)) is not bool:
-                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
-        if not isinstance(self.scheduler, str) or not self.scheduler:
-            raise ValueError(f"scheduler must be a policy name, got {self.scheduler!r}")
-        if not isinstance(self.grammar_backend, str) or not self.grammar_backend:
-            raise ValueError(
-                f"grammar_backend must be a grammar backend name, got {self.grammar_backend!r}"
-            )
+        check_options(self)
+        # the rules across fields, and the checks of a value built from several fields
         from stages.structured.limits import GrammarLimits
 
         try:
             GrammarLimits(self.grammar_max_rules, self.grammar_max_chars)
         except ValueError as exc:
             raise ValueError(f"grammar_{exc}") from None
-        if not isinstance(self.router, str) or not self.router:
-            raise ValueError(f"router must be a routing policy name, got {self.router!r}")
-        timeout = self.tensor_parallel_timeout
-        if type(timeout) not in (int, float) or not 0 < timeout < math.inf:
-            raise ValueError(
-                f"tensor_parallel_timeout must be a number of seconds > 0, got {timeout!r}"
-            )
-        if self.ray_address is not None and (
-            not isinstance(self.ray_address, str) or not self.ray_address
-        ):
-            raise ValueError(f"ray_address must be a non-empty string, got {self.ray_address!r}")
-        for name in ("ray_num_cpus", "ray_num_gpus"):
-            amount = getattr(self, name)
-            if type(amount) not in (int, float) or not 0 <= amount < math.inf:
-                raise ValueError(f"{name} must be a number >= 0, got {amount!r}")
         if self.ray_num_gpus > 0 and self.device == "cpu":
             raise ValueError(
                 f"ray_num_gpus {self.ray_num_gpus:g} reserves GPUs for the engine's hosts, but "
@@ -198,25 +258,9 @@ class EngineOptions:
                 "of its own; transport 'memory' keeps every stage in the calling process "
                 "(use 'zmq' or 'grpc')"
             )
-        for name in ("heartbeat_timeout", "restart_window"):
-            seconds = getattr(self, name)
-            if type(seconds) not in (int, float) or not 0 < seconds < math.inf:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {seconds!r}")
-        backoff = self.restart_backoff
-        if type(backoff) not in (int, float) or not 0 <= backoff < math.inf:
-            raise ValueError(f"restart_backoff must be a number of seconds >= 0, got {backoff!r}")
-        burst = self.rate_limit_burst
-        if type(burst) not in (int, float) or not 0 < burst < math.inf:
-            raise ValueError(f"rate_limit_burst must be a number of seconds > 0, got {burst!r}")
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(
                 "give num_blocks (an exact block count) or kv_cache_memory (bytes), not both"
-            )
-        if self.log_level is not None and (
-            not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS
-        ):
-            raise ValueError(
-                f"log_level must be one of {LOG_LEVELS} or None, got {self.log_level!r}"
             )
 
     @classmethod

@@ -25,6 +25,7 @@ import dataclasses
 import weakref
 from typing import TYPE_CHECKING
 
+from pipeline.engine.option_fields import fed
 from pipeline.engine.options import EngineOptions
 from pipeline.runtime.graph import Pipeline
 from pipeline.runtime.ray_hosts import RayHost, RayPlacementGroup, require_ray
@@ -114,7 +115,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     options = options or EngineOptions()
     engine = ENGINE_HOST if options.split_processes else MAIN_HOST
     admit = AdmitConfig(
-        max_queued_requests=options.max_queued_requests,
+        **fed(options, "admit"),
         default_limits=TenantLimits(
             options.requests_per_second, options.tokens_per_second, options.rate_limit_burst
         ),
@@ -124,35 +125,17 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
         },
     )
     schedule = ScheduleConfig(
-        SchedulerConfig(
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens,
-            long_prefill_chunk=options.long_prefill_chunk,
-        ),
-        policy=options.scheduler,
+        SchedulerConfig(**fed(options, "scheduler")),
+        **fed(options, "schedule"),
         grammar=GrammarConfig(
             options.model,
             backend=options.grammar_backend,
             limits=GrammarLimits(options.grammar_max_rules, options.grammar_max_chars),
         ),
     )
-    execute = ExecuteConfig(
-        model=options.model,
-        dtype=options.dtype,
-        device=options.device,
-        quantization=options.quantization,
-        model_impl=options.model_impl,
-        block_size=options.block_size,
-        num_blocks=options.num_blocks,
-        kv_cache_memory=options.kv_cache_memory,
-        max_model_len=options.max_model_len,
-        enable_prefix_caching=options.enable_prefix_caching,
-        seed=options.seed,
-        use_cuda_graphs=options.use_cuda_graphs,
-        attention_backend=options.attention_backend,
-        tensor_parallel_size=options.tensor_parallel_size,
-        tensor_parallel_timeout=options.tensor_parallel_timeout,
-    )
+    # NOTE: the plain copies come from each option's ``feeds`` (pipeline.engine.options); the
+    # values built from several options (limits, the grammar config) are written here
+    execute = ExecuteConfig(**fed(options, "execute"))
     pipeline = Pipeline("llm")
     pipeline.add("tokenize", TokenizeStage, TokenizeConfig(options.model))
     replicas = options.data_parallel_size
@@ -244,9 +227,7 @@ def _add_router(pipeline: Pipeline, options: EngineOptions) -> None:
         ReplicaRoute(str(index), f"admit{suffix}", f"schedule{suffix}")
         for index, suffix in enumerate(suffixes)
     )
-    config = RouterConfig(
-        routes, policy=options.router, replica_set=REPLICA_SET, block_size=options.block_size
-    )
+    config = RouterConfig(routes, replica_set=REPLICA_SET, **fed(options, "router"))
     pipeline.add("router", RouterStage, config)
     pipeline.connect("tokenize.out", "router.in")
     pipeline.connect("router.out", "detokenize")
@@ -331,16 +312,12 @@ def start_options(options: EngineOptions) -> StartOptions:
                     num_cpus=cpus, num_gpus=gpus, placement_group=group, bundle_index=bundle
                 )
     return StartOptions(
+        **fed(options, "start"),
         transport=transport,
-        compression=options.compression,
-        start_timeout=options.start_timeout,
         log_level=options.log_level.upper() if options.log_level else None,
-        tune_gc=options.tune_gc,
         # NOTE: an idle sender beats five times per timeout (at most every second, the
         # runtime's default), so one late beat is no silence
         heartbeat_interval=min(1.0, options.heartbeat_timeout / 5),
-        heartbeat_timeout=options.heartbeat_timeout,
         hosts=hosts,
         placement_groups=groups,
-        ray_address=options.ray_address,
     )

@@ -62,6 +62,8 @@ class HostPlan:
     log_level: str = "WARNING"
     transport_settings: tuple[tuple[str, Any], ...] = ()
     tune_gc: bool = True
+    #: the file the host maps for its crash notes ("" for none; see pipeline.runtime.crash_note)
+    crash_note: str = ""
 
 
 @message()

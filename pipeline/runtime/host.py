@@ -47,7 +47,7 @@ from pipeline.runtime.control import (
     StageStatistics,
 )
 from pipeline.runtime.errors import DeadlockError, GraphError, PipelineError, StageFailedError
-from pipeline.runtime.replicas import ReplicaLost
+from pipeline.runtime.replicas import ReplicaLost, ReplicaRestored
 from pipeline.runtime.spec import BOUNDARY, Endpoint
 from pipeline.runtime.stage import Stage, recoverable
 from transports.base import Receiver, Sender, Transport
@@ -226,13 +226,15 @@ class LocalHost:
     def _contained_deliver(self, link: RemoteLink, sender: Sender) -> _Deliver:
         """Send on a contained link: once the link is lost or cut, drop (a dead replica's
         share of the traffic goes nowhere, and the sending stage goes on)."""
-        link_id, cut, lost = link.link_id, self._cut, self._lost_links
+        link_id, cut, lost, senders = link.link_id, self._cut, self._lost_links, self._senders
 
         async def deliver(message: Any) -> None:
             if link_id in cut or link_id in lost:
                 return
+            # NOTE: looked up per message: a restored replica's link has a fresh sender
+            current = senders.get(link_id, sender)
             try:
-                await sender.send(message)
+                await current.send(message)
             except (LinkClosedError, PeerLostError) as exc:
                 if link_id not in cut and not self._stopped:
                     self._link_lost(link_id, f"sending on it failed: {exc}")
@@ -382,7 +384,10 @@ class LocalHost:
             started = clock()
             try:
                 if port == RUNTIME_PORT:
-                    await cell.stage.on_replica_lost(message)
+                    if isinstance(message, ReplicaRestored):
+                        await cell.stage.on_replica_restored(message)
+                    else:
+                        await cell.stage.on_replica_lost(message)
                 else:
                     await handle(message, port)
             except asyncio.CancelledError as exc:
@@ -538,10 +543,12 @@ class LocalHost:
         if self._on_link_lost is not None:
             self._on_link_lost(link_id, detail)
 
-    async def cut_replica(self, lost: ReplicaLost, timeout: float = 1.0) -> None:
+    async def cut_replica(
+        self, lost: ReplicaLost, timeout: float = 1.0, *, tell: bool = True
+    ) -> None:
         """Close this host's links to and from the replica ``lost`` names (messages still
-        sent to it are dropped), then deliver ``lost`` to each stage of this host that was
-        linked to it, behind what its mailbox holds already. Idempotent."""
+        sent to it are dropped), then (``tell``) deliver ``lost`` to each stage of this host
+        that was linked to it, behind what its mailbox holds already. Idempotent."""
         key = f"{lost.replica_set}/{lost.replica}"
         links = [
             link
@@ -560,13 +567,56 @@ class LocalHost:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(end.aclose(), timeout)
         told: set[str] = set()
-        for link in links:
+        for link in links if tell else ():
             cell = self._cells.get(link.endpoint.stage)
             if cell is None or cell.name in told or self._stopped:
                 continue
             told.add(cell.name)
             with contextlib.suppress(LinkClosedError):  # the stage is stopping
                 await cell.mailbox.send((RUNTIME_PORT, lost))
+
+    def _replica_links(self, key: str, links: tuple[RemoteLink, ...]) -> list[RemoteLink]:
+        return [link for link in links if self._contained.get(link.link_id) == key]
+
+    async def rebind_replica(self, key: str) -> dict[str, str]:
+        """Listen afresh for this host's inbound links from replica ``key`` (cut when it was
+        lost), for its restored hosts to connect to; returns their addresses. What arrives
+        is delivered at once (the restored engine's info); the links stay cut for sending
+        until :meth:`reconnect_replica`."""
+        addresses: dict[str, str] = {}
+        for link in self._replica_links(key, self.plan.inbound):
+            receiver = await self._transport(link.transport).listen()
+            self._receivers[link.link_id] = receiver
+            addresses[link.link_id] = receiver.address
+            pump = self._tasks.spawn(self._pump(link, receiver), name=f"pump:{link.link_id}")
+            self._pump_of[link.link_id] = pump
+            self._cut.discard(link.link_id)  # (so that a cut_replica closes it again)
+        return addresses
+
+    async def reconnect_replica(self, key: str, addresses: dict[str, str]) -> None:
+        """Connect this host's outbound links to replica ``key`` at ``addresses`` (its
+        restored hosts' inbound links) and take every link to and from it back into use."""
+        for link in self._replica_links(key, self.plan.outbound):
+            sender = await self._transport(link.transport).connect(
+                addresses[link.link_id], name=f"{self.name}/{link.endpoint}#{link.link_id}"
+            )
+            self._senders[link.link_id] = sender
+        for link in self._replica_links(key, (*self.plan.inbound, *self.plan.outbound)):
+            self._cut.discard(link.link_id)
+            self._lost_links.discard(link.link_id)
+
+    async def replica_restored(self, restored: ReplicaRestored) -> None:
+        """Deliver ``restored`` to each stage of this host linked to the replica it names,
+        behind what its mailbox holds already."""
+        key = f"{restored.replica_set}/{restored.replica}"
+        told: set[str] = set()
+        for link in self._replica_links(key, (*self.plan.inbound, *self.plan.outbound)):
+            cell = self._cells.get(link.endpoint.stage)
+            if cell is None or cell.name in told or self._stopped:
+                continue
+            told.add(cell.name)
+            with contextlib.suppress(LinkClosedError):  # the stage is stopping
+                await cell.mailbox.send((RUNTIME_PORT, restored))
 
     def _stage_error(self, stage: str, exc: BaseException) -> StageFailedError:
         error = StageFailedError(

@@ -55,6 +55,7 @@ from pipeline.runtime.control import (
     StartStages,
     StopHost,
 )
+from pipeline.runtime.crash_note import CrashNoteFile, open_note
 from pipeline.runtime.errors import (
     DeadlockError,
     GraphError,
@@ -251,6 +252,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
         with contextlib.suppress(Exception):
             control.send(LinkLost(0, plan.name, link_id, detail))
 
+    open_note(plan.crash_note)
     host = LocalHost(plan, report, on_link_lost=report_link_lost)
 
     async def run_command(command: Any) -> bool:
@@ -347,6 +349,8 @@ class ProcessHost:
         self._exited = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ipc_dir: str | None = None
+        self._note: CrashNoteFile | None = None
+        self._last_note = ""
 
     @property
     def pid(self) -> int | None:
@@ -359,10 +363,11 @@ class ProcessHost:
             # started ahead by prespawn_host: its imports have been running meanwhile
             parent_end = prespawned.control
             try:
-                plan, self._ipc_dir = _with_ipc_dir(self.plan)
+                plan, self._ipc_dir = _with_ipc_dir(self._noted_plan())
                 bootstrap = _bootstrap(self.name, plan)
             except BaseException:
                 self._remove_ipc_dir()
+                self._remove_note()
                 parent_end.close()
                 prespawned.process.kill()
                 prespawned.process.wait()
@@ -371,7 +376,7 @@ class ProcessHost:
         else:
             parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                plan, self._ipc_dir = _with_ipc_dir(self.plan)
+                plan, self._ipc_dir = _with_ipc_dir(self._noted_plan())
                 bootstrap = _bootstrap(self.name, plan)
                 self._process = subprocess.Popen(  # noqa: ASYNC220 - returns at once
                     host_command(child_end.fileno()),
@@ -380,6 +385,7 @@ class ProcessHost:
                 )
             except BaseException:
                 self._remove_ipc_dir()
+                self._remove_note()
                 raise
             finally:
                 child_end.close()
@@ -395,6 +401,28 @@ class ProcessHost:
             loop.add_reader(self._pidfd, self._on_exit)
         except (AttributeError, OSError):  # no pidfd: the control socket's EOF tells instead
             self._pidfd = None
+
+    def _noted_plan(self) -> HostPlan:
+        """The plan with a fresh crash-note file named in it (the plan as is if none can
+        be made: notes are a diagnostic)."""
+        try:
+            self._note = CrashNoteFile()
+        except OSError:
+            return self.plan
+        return dataclasses.replace(self.plan, crash_note=self._note.path)
+
+    def last_note(self) -> str:
+        """What the host last noted it was doing (its crash note, see
+        :mod:`pipeline.runtime.crash_note`; "" for nothing). Kept once the process is gone."""
+        if self._note is not None:
+            self._last_note = self._note.read()
+        return self._last_note
+
+    def _remove_note(self) -> None:
+        note, self._note = self._note, None
+        if note is not None:
+            self._last_note = note.read()
+            note.remove()
 
     async def _read_control(self) -> None:
         assert self._control is not None
@@ -429,7 +457,9 @@ class ProcessHost:
         self._exited.set()
         exitcode = self._process.wait()
         self._remove_ipc_dir()
-        error = HostDiedError(self.name, exitcode)
+        self._remove_note()
+        doing = self._last_note
+        error = HostDiedError(self.name, exitcode, doing)
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)
@@ -570,6 +600,8 @@ class ProcessHost:
             with contextlib.suppress(OSError):
                 process.kill()  # (a no-op once the process has been reaped)
         self._remove_ipc_dir()
+        if process is None or process.returncode is not None:
+            self._remove_note()
 
     async def kill(self) -> None:
         """Forced end (also of a shutdown cut short): :meth:`kill_now`, then reap the process
@@ -589,6 +621,7 @@ class ProcessHost:
         if self._loop is not None:
             self._on_exit()  # (once) calls still waiting for an answer fail; nothing reported
         self._remove_ipc_dir()
+        self._remove_note()
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None

@@ -24,7 +24,7 @@ import dataclasses
 
 from transports.codec import message
 
-__all__ = ["ReplicaLost", "ReplicaSet", "ReplicaStatus"]
+__all__ = ["ReplicaLost", "ReplicaRestored", "ReplicaSet", "ReplicaStatus"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,6 +64,21 @@ class ReplicaLost:
     error_type: str
     message: str
     exitcode: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaRestored:
+    """Replica ``replica`` of set ``replica_set`` (its ``hosts``), lost earlier, runs again
+    on fresh hosts (:meth:`RunningPipeline.restore_replica
+    <pipeline.runtime.running.RunningPipeline.restore_replica>`): its links carry messages
+    again. Delivered to the stages outside it that are linked to it, through
+    :meth:`Stage.on_replica_restored <pipeline.runtime.stage.Stage.on_replica_restored>`,
+    once its stages have started. ``restored``: how many times it was restored so far."""
+
+    replica_set: str
+    replica: str
+    hosts: tuple[str, ...]
+    restored: int = 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -64,7 +64,7 @@ from pipeline.runtime.ray_hosts import (
     remove_placement_groups,
     shutdown_ray,
 )
-from pipeline.runtime.replicas import ReplicaLost, ReplicaSet, ReplicaStatus
+from pipeline.runtime.replicas import ReplicaLost, ReplicaRestored, ReplicaSet, ReplicaStatus
 from pipeline.runtime.spec import BOUNDARY, MAIN_HOST, Endpoint
 from pipeline.runtime.stage import Stage
 from transports.base import LinkOptions
@@ -216,6 +216,8 @@ class RunningPipeline:
             for host in hosts
         }
         self._lost: dict[tuple[str, str], BaseException] = {}  # (set, replica) -> its failure
+        self._restored: dict[tuple[str, str], int] = {}  # (set, replica) -> times restored
+        self._plans: dict[str, HostPlan] = {}
         self._lost_hosts: set[str] = set()
         self._replica_callbacks: list[Callable[[ReplicaLost], None]] = []
         self._started = False  # start-up finished: from now on replica failures are contained
@@ -226,6 +228,7 @@ class RunningPipeline:
         self._probe_task: asyncio.Task[None] | None = None
         # the probe, exit checks (see _blame_exited_host), containments and the teardown
         self._tasks = TaskSet(f"pipeline {pipeline.name}")
+        self._containments: set[asyncio.Task[None]] = set()  # (also in _tasks)
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -270,6 +273,7 @@ class RunningPipeline:
                 name: plan if name in self.options.hosts else reachable_plan(plan, ip)
                 for name, plan in plans.items()
             }
+        self._plans = plans
         self._main = LocalHost(
             plans[MAIN_HOST],
             self._failure_reporter(MAIN_HOST),
@@ -520,7 +524,9 @@ class RunningPipeline:
             str(error),
             error.exitcode if isinstance(error, HostDiedError) else None,
         )
-        self._tasks.spawn(self._cut_off(lost), name=f"contain:{set_name}/{name}")
+        containment = self._tasks.spawn(self._cut_off(lost), name=f"contain:{set_name}/{name}")
+        self._containments.add(containment)  # (a restore of the replica waits for it)
+        containment.add_done_callback(self._containments.discard)
 
     async def _cut_off(self, lost: ReplicaLost) -> None:
         """Reap the lost replica's hosts, have every other host cut its links to it (the
@@ -544,6 +550,99 @@ class RunningPipeline:
     def add_replica_callback(self, callback: Callable[[ReplicaLost], None]) -> None:
         """Call ``callback(lost)`` for every replica lost from now on (once it is cut off)."""
         self._replica_callbacks.append(callback)
+
+    def unrestorable(self, replica_set: str, replica: str) -> str:
+        """Why :meth:`restore_replica` cannot restore replica ``replica`` of ``replica_set``
+        ("" when it can): its hosts must be spawned processes (not Ray actors) and only the
+        main host may be linked to it from outside.
+
+        Raises:
+            KeyError: no such replica set or replica.
+        """
+        hosts = self._replica_sets[replica_set].hosts(replica)
+        on_ray = [host for host in hosts if host in self.options.hosts]
+        if on_ray:
+            return f"its hosts {on_ray} run on Ray"
+        key = f"{replica_set}/{replica}"
+        linked = sorted(p.name for p in self._processes.values()
+                        if p.name not in hosts and p.links_to(key))  # fmt: skip
+        if linked:
+            return f"spawned hosts {linked} are linked to it (only the main host may be)"
+        return ""
+
+    async def restore_replica(self, replica_set: str, replica: str) -> None:
+        """Run lost replica ``replica`` of ``replica_set`` again on fresh hosts: spawn them
+        from their plans, link them to the main host afresh, start their stages (the model
+        loads), then take the links back into use and deliver a :class:`ReplicaRestored` to
+        the stages linked to it (returns once it is in their mailboxes, behind what they
+        hold). The rest of the pipeline runs on meanwhile. A failure of
+        the fresh hosts while they start is not contained again: this raises it, the fresh
+        hosts are killed and the replica stays lost.
+
+        Raises:
+            KeyError: no such replica set or replica.
+            ValueError: the replica is not lost, or cannot be restored (:meth:`unrestorable`).
+            PipelineError: the pipeline failed or is stopping (its error).
+            TimeoutError: the fresh hosts did not start within ``start_timeout``.
+            HostDiedError, StageFailedError, ...: a fresh host died or a stage failed to start.
+        """
+        key = (replica_set, replica)
+        hosts = self._replica_sets[replica_set].hosts(replica)
+        self._raise_if_closed()
+        if key not in self._lost:
+            raise ValueError(f"replica {replica} of {replica_set!r} is not lost")
+        reason = self.unrestorable(replica_set, replica)
+        if reason:
+            raise ValueError(f"replica {replica} of {replica_set!r} cannot be restored: {reason}")
+        while self._containments:  # its cut-off (reaping its old hosts) comes first
+            await asyncio.wait(set(self._containments))
+        assert self._main is not None
+        link_key = f"{replica_set}/{replica}"
+        fresh = {
+            host: ProcessHost(
+                self._plans[host], self._failure_reporter(host), self._link_lost_reporter(host)
+            )
+            for host in hosts
+        }
+        # NOTE: the fresh hosts stay in _lost_hosts (and the replica in _lost) until they
+        # have started: a failure of theirs meanwhile is not contained (the calls below
+        # raise it instead), and a link of theirs that breaks is not reported.
+        self._processes.update(fresh)
+        try:
+            await asyncio.wait_for(self._bring_up(link_key, fresh), self.options.start_timeout)
+            self._raise_if_closed()
+        except BaseException:
+            for process in fresh.values():
+                process.kill_now()
+            await asyncio.gather(*(process.kill() for process in fresh.values()))
+            if self.failure is None and not self._closing:
+                error = self._lost[key]
+                # (its stages heard of the loss already and of no restore: nothing to tell)
+                await self._main.cut_replica(
+                    ReplicaLost(replica_set, replica, hosts, type(error).__qualname__, str(error)),
+                    tell=False,
+                )
+            raise
+        del self._lost[key]
+        self._lost_hosts.difference_update(hosts)
+        self._unresponsive.difference_update(hosts)
+        self._restored[key] = self._restored.get(key, 0) + 1
+        logger.warning("pipeline %r: replica %s of %r runs again on fresh hosts",
+                       self.pipeline.name, replica, replica_set)  # fmt: skip
+        await self._main.replica_restored(
+            ReplicaRestored(replica_set, replica, hosts, self._restored[key])
+        )
+
+    async def _bring_up(self, link_key: str, fresh: dict[str, ProcessHost]) -> None:
+        """Spawn, link and start the fresh hosts of replica ``link_key``."""
+        assert self._main is not None
+        await asyncio.gather(*(process.spawn() for process in fresh.values()))
+        addresses = await self._main.rebind_replica(link_key)
+        for bound in await asyncio.gather(*(process.bind_links() for process in fresh.values())):
+            addresses.update(bound)
+        await asyncio.gather(*(process.connect_links(addresses) for process in fresh.values()))
+        await self._main.reconnect_replica(link_key, addresses)
+        await asyncio.gather(*(process.start_stages() for process in fresh.values()))
 
     def replicas(self) -> list[ReplicaStatus]:
         """Every replica of the pipeline's replica sets, with its failure if it was lost."""
@@ -588,6 +687,10 @@ class RunningPipeline:
         if self.failure is not None or self._closing or host in self._lost_hosts:
             return
         self._unresponsive.add(host)
+        process = self._processes.get(host)
+        doing = process.last_note() if isinstance(process, ProcessHost) else ""
+        if doing:
+            detail = f"{detail}; {doing}"
         error = HostUnresponsiveError(host, detail, seconds=seconds)
         error.__cause__ = cause
         self._fail_host(host, error)

@@ -35,7 +35,7 @@ from transports.errors import EndOfStream, LinkClosedError, PeerLostError
 
 if TYPE_CHECKING:
     from pipeline.runtime.host import LocalHost
-    from pipeline.runtime.replicas import ReplicaLost
+    from pipeline.runtime.replicas import ReplicaLost, ReplicaRestored
 
 __all__ = ["Handler", "Stage", "handles", "recoverable"]
 
@@ -180,6 +180,12 @@ class Stage:
         :mod:`pipeline.runtime.replicas`): nothing more arrives from it, what is sent to it
         is dropped. Called in turn with the handlers, after every message the replica had
         sent this stage. The default does nothing."""
+
+    async def on_replica_restored(self, restored: ReplicaRestored) -> None:
+        """A replica this stage is linked to, lost earlier, runs again on fresh hosts (see
+        :meth:`RunningPipeline.restore_replica
+        <pipeline.runtime.running.RunningPipeline.restore_replica>`): what is sent to it is
+        delivered again. Called in turn with the handlers. The default does nothing."""
 
     # -- messages -----------------------------------------------------------------------------
 

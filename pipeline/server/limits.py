@@ -15,9 +15,10 @@ cap refuses (or makes room) before the kernel does.
 from __future__ import annotations
 
 import dataclasses
-import math
 import resource
+from typing import Any
 
+from pipeline.engine.option_fields import check_options, option
 from stages.errors import InvalidRequestError
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT_MAX_LOGPROB_ENTRIES",
     "DEFAULT_MAX_STREAMS",
     "DEFAULT_MAX_STREAMS_PER_CONNECTION",
+    "LIMITS_GROUP",
     "RESERVED_DESCRIPTORS",
     "ListenerLimits",
     "check_logprob_entries",
@@ -60,42 +62,59 @@ DEFAULT_MAX_LOGPROB_ENTRIES = 2**20
 RESERVED_DESCRIPTORS = 128
 
 
+def _limit(default: float, kind: str, text: str) -> Any:
+    """A field of :class:`ListenerLimits` and its ``actorline serve`` flag
+    (:mod:`pipeline.engine.option_fields`)."""
+    return option(default, help=text, kind=kind, commands=("serve",), group=LIMITS_GROUP)
+
+
+#: the help group of the flags
+LIMITS_GROUP = "connection limits (each listener; docs/serving.md)"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ListenerLimits:
-    """The bounds of the HTTP and gRPC listeners (see the module docstring and the defaults
-    above, which say what each field means).
+    """The bounds of the HTTP and gRPC listeners (see the module docstring; each field's help
+    says what it means, and is its ``actorline serve`` flag's: docs/options.md).
 
     Raises (from the constructor): ValueError for a count that is not an integer >= 1 or a
     timeout that is not a finite number > 0.
     """
 
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT
-    body_timeout: float = DEFAULT_BODY_TIMEOUT
-    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
-    grpc_idle_timeout: float = DEFAULT_GRPC_IDLE_TIMEOUT
-    max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION
-    max_streams: int = DEFAULT_MAX_STREAMS
-    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
+    max_connections: int = _limit(
+        DEFAULT_MAX_CONNECTIONS, "int>=1",
+        "open connections; at the cap a new one closes the one that waited longest for a "
+        "request (or is refused); lowered to fit `ulimit -n`",
+    )  # fmt: skip
+    header_timeout: float = _limit(
+        DEFAULT_HEADER_TIMEOUT, "finite seconds>0",
+        "seconds a request head (HTTP headers; gRPC handshake) may take to arrive",
+    )  # fmt: skip
+    body_timeout: float = _limit(
+        DEFAULT_BODY_TIMEOUT, "finite seconds>0", "seconds an HTTP request body may take to arrive"
+    )
+    keep_alive_timeout: float = _limit(
+        DEFAULT_KEEP_ALIVE_TIMEOUT, "finite seconds>0",
+        "seconds an HTTP connection is kept open between requests",
+    )  # fmt: skip
+    grpc_idle_timeout: float = _limit(
+        DEFAULT_GRPC_IDLE_TIMEOUT, "finite seconds>0",
+        "seconds a gRPC connection with no call is kept open",
+    )  # fmt: skip
+    max_streams_per_connection: int = _limit(
+        DEFAULT_MAX_STREAMS_PER_CONNECTION, "int>=1", "concurrent gRPC calls on one connection"
+    )
+    max_streams: int = _limit(
+        DEFAULT_MAX_STREAMS, "int>=1", "concurrent gRPC calls in all; more are RESOURCE_EXHAUSTED"
+    )
+    max_logprob_entries: int = _limit(
+        DEFAULT_MAX_LOGPROB_ENTRIES, "int>=1",
+        "logprobs one request may ask for (choices x max_tokens x (1 + top logprobs)); more is "
+        "400 / INVALID_ARGUMENT",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_connections",
-            "max_streams_per_connection",
-            "max_streams",
-            "max_logprob_entries",
-        ):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "grpc_idle_timeout"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not 0 < value < math.inf
-            ):
-                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        check_options(self)
 
 
 def connection_cap(limits: ListenerLimits, listeners: int = 2) -> int:

@@ -49,6 +49,7 @@ from stages.execute.bookkeeping import (
     validate_step,
 )
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
+from stages.execute.crash_notes import note_step
 from stages.execute.model_impl import eos_token_ids
 from stages.execute.model_length import resolve_model_length
 from stages.execute.windows import config_layer_windows
@@ -320,6 +321,7 @@ class NullExecuteStage(Stage):
         """Answer ``step`` (inline): what a step sent to ``in`` does, less sending the result
         (called directly by a schedule stage on this stage's host, :mod:`stages.engine_core`)."""
         assert self.runner is not None
+        note_step(step)
         return self.runner.execute(step)
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
+from stages.execute.crash_notes import note_step
 from stages.messages import EngineInfo, SchedulerStep, StepResult
 from stages.models import loading
 
@@ -89,6 +90,7 @@ class ExecuteStage(Stage):
         its host (:mod:`stages.engine_core`)."""
         runner = self.runner
         assert runner is not None
+        note_step(step)
         if runner.group is None:
             return await self.run_in_thread(runner.execute, step)
         prepared = await self.run_in_thread(runner.prepare, step)

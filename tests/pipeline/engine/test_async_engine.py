@@ -537,9 +537,14 @@ def test_a_killed_engine_is_one_error_line(
                     assert "died (killed by signal 9)" in str(error)
                     # one error for all, but its traceback is this request's alone
                     assert len(traceback.extract_tb(error.__traceback__)) < 8
-        assert _engine_failure_log(caplog.records) == [
-            "pipeline 'llm' failed: host 'engine' died (killed by signal 9)"
-        ]
+        # the line names the requests of the step the engine ran (its crash note)
+        (line,) = _engine_failure_log(caplog.records)
+        assert line.startswith(
+            "pipeline 'llm' failed: host 'engine' died (killed by signal 9): "
+            "its latest step had request(s) "
+        ), line
+        # (those of its last step: some or all of the 8 in flight)
+        assert 1 <= len(line.split("request(s) ")[1].split(", ")) <= 8, line
 
     asyncio.run(asyncio.wait_for(body(), 120))
 
@@ -572,6 +577,7 @@ def test_a_frozen_engine_is_unresponsive_not_dead(caplog: pytest.LogCaptureFixtu
         assert line.startswith(
             "pipeline 'llm' failed: host 'engine' has been unresponsive for 10 s"
         )
+        assert "; its latest step had request(s) " in line, line
 
     asyncio.run(asyncio.wait_for(body(), 120))
 

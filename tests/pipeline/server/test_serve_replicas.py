@@ -1,8 +1,10 @@
 """``actorline serve --data-parallel-size 2`` (gRPC and HTTP from one command) when one engine
 replica's host process is SIGKILLed: the service serves on from the other replica (gRPC health
 stays SERVING, HTTP ``/health`` stays 200 and names the dead replica, new requests on both
-front ends complete), ``/metrics`` reports each replica, the log says what died, and SIGTERM
-still stops the command with exit 0 and no process left."""
+front ends complete), ``/metrics`` reports each replica, the log says what died, the replica
+heals on its own (``/health`` names it alive again on a fresh process, its restart counted in
+``actorline_replica_restarts_total``, and it computes new requests), and SIGTERM still stops
+the command with exit 0 and no process left."""
 
 from __future__ import annotations
 
@@ -44,11 +46,11 @@ def health(serve: ServeProcess) -> dict[str, Any]:
         return body
 
 
-def complete(serve: ServeProcess, prompt: str) -> dict[str, Any]:
+def complete(serve: ServeProcess, prompt: str, **extra: Any) -> dict[str, Any]:
     request = urllib.request.Request(
         serve.base_url + "/v1/completions",
         data=json.dumps(
-            {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+            {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, **extra}
         ).encode(),
         headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
     )
@@ -63,7 +65,7 @@ def test_a_dead_replica_leaves_actorline_serve_serving(
     serve = ServeProcess(
         openai_serve_arguments(
             tiny_model_dir, "--num-blocks", "64", "--data-parallel-size", "2",
-            "--api-key", API_KEY,
+            "--api-key", API_KEY, "--restart-backoff", "2",
         ),
         tmp_path / "stderr.txt",
     )  # fmt: skip
@@ -107,7 +109,38 @@ def test_a_dead_replica_leaves_actorline_serve_serving(
             for (name, labels), value in samples.items()
             if name == "actorline_replica_up"
         }
-        assert up == {alive: 1.0, dead[0]["replica"]: 0.0}
+        assert up[alive] == 1.0  # (the dead one may be back already)
+
+        # the dead replica heals on its own: a fresh host process, counted, serving
+        poll_until(
+            lambda: all(replica["alive"] for replica in health(serve)["replicas"]),
+            "/health to report the replica alive again",
+            timeout=90,
+        )
+        assert len(engine_host_pids(serve.process.pid) - hosts) == 1
+        assert "engine replica " + dead[0]["replica"] + " serves again (restart 1" in serve.stderr
+        restarts = {
+            dict(labels)["replica"]: value
+            for (name, labels), value in metrics(serve).items()
+            if name == "actorline_replica_restarts_total"
+        }
+        assert restarts == {alive: 0.0, dead[0]["replica"]: 1.0}, restarts
+
+        greedy = complete(serve, "Hello there", temperature=0)["choices"][0]["text"]
+
+        def restored_steps() -> bool:
+            for _ in range(2):
+                text = complete(serve, "Hello there", temperature=0)["choices"][0]["text"]
+                assert text == greedy
+            steps = {
+                dict(labels)["replica"]: value
+                for (name, labels), value in metrics(serve).items()
+                if name == "actorline_replica_engine_steps_total"
+            }
+            return steps.get(dead[0]["replica"], 0.0) > 0
+
+        poll_until(restored_steps, "the restored replica to compute requests", timeout=60)
+        children |= engine_host_pids(serve.process.pid)
 
         serve.process.send_signal(signal.SIGTERM)
         assert serve.process.wait(EXIT_TIMEOUT) == 0, serve.stderr[-3000:]
