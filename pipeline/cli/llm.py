@@ -241,7 +241,7 @@ def _prespawn_engine(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> int:
     _prespawn_engine(args)
     from pipeline.engine.async_engine import AsyncEngine
-    from pipeline.engine.prompts import checked_request
+    from pipeline.engine.prompts import check_prompt
     from pipeline.runtime.errors import PipelineError
     from stages.errors import RequestError
     from stages.models import has_chat_template
@@ -251,8 +251,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise CliError("the prompt is empty", 2)
     options, params, resolved = preflight(args)
     chat = not args.no_chat_template and has_chat_template(resolved.path)
-    try:  # the validation core of every front end, before the engine starts
-        checked_request("generate", prompt, params, "", chat)
+    try:  # the validation core of every front end, once, before the engine starts
+        checked = check_prompt(prompt, params, chat_template=chat)
     except RequestError as exc:
         raise CliError(str(exc), 2) from exc
 
@@ -262,7 +262,7 @@ def _generate(args: argparse.Namespace) -> int:
             # which aborts the request in the engine.
             outputs = cast(
                 "AsyncGenerator[RequestOutput, None]",
-                engine.generate(prompt, params, chat_template=chat),
+                engine.generate(checked),  # checked above: not again
             )
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
