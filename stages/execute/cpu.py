@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages.execute.native import GEMM_PANEL, PackedGemmKernel, packed_gemm_kernel
+from stages.execute.native import GEMM_PANEL, NativeGemm, PackedGemmKernel, packed_gemm_kernel
 
 __all__ = [
     "MMAP_THRESHOLD_BYTES",
@@ -275,6 +275,19 @@ class PackedLinear(torch.nn.Module):
         bias = self.bias.detach() if self.bias is not None else None
         output = self._kernel(flat, self.packed, bias)  # [M, N]
         return output.view(*input.shape[:-1], self.out_features)
+
+    def native_gemm(self) -> NativeGemm:
+        """This linear as C code calls it (:class:`~stages.execute.native.NativeGemm`)."""
+        bias = self.bias.detach().contiguous() if self.bias is not None else None
+        return NativeGemm(
+            function=self._kernel.gemm_address,
+            weights=self.packed.data_ptr(),
+            format=0,
+            bias=0 if bias is None else bias.data_ptr(),
+            n=self.out_features,
+            k=self.in_features,
+            owner=(self.packed, bias),
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (packed)"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -46,6 +47,7 @@ __all__ = [
     "GEMM_SOURCE",
     "KERNEL_SOURCE",
     "FusedOpsKernel",
+    "NativeGemm",
     "NativeKernelError",
     "PackedGemmKernel",
     "PagedDecodeKernel",
@@ -75,6 +77,27 @@ _Kernel = TypeVar("_Kernel", "PagedDecodeKernel", "PackedGemmKernel", "FusedOpsK
 
 class NativeKernelError(RuntimeError):
     """A native kernel could not be built or loaded, or refused its arguments."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NativeGemm:
+    """How C code calls a native linear without Python: ``function`` is the address of
+
+    ``int f(const float *x, int64_t m, int64_t k, const void *weights, int format,
+    const float *bias, int64_t n, float *y, int num_threads)``
+
+    computing ``y[m, n] = x[m, k] @ W^T (+ bias)`` (fp32 in and out, rows contiguous; returns 0,
+    else an error code), called with ``weights``, ``format`` and ``bias`` (0: none) as given.
+    ``n`` may exceed the module's ``out_features`` (panels padded to 16 columns): ``y`` rows are
+    ``n`` wide. ``owner`` holds what the pointers point into alive."""
+
+    function: int
+    weights: int
+    format: int
+    bias: int
+    n: int
+    k: int
+    owner: object
 
 
 @functools.cache
@@ -272,6 +295,8 @@ class PackedGemmKernel:
         self._gemm = lib.actorline_packed_gemm_f32
         self._gemm.argtypes = [pointer, i64, i64, pointer, pointer, i64, pointer, ctypes.c_int]
         self._gemm.restype = ctypes.c_int
+        #: the GEMM's address under :class:`NativeGemm`'s calling convention
+        self.gemm_address = ctypes.cast(lib.actorline_packed_gemm, ctypes.c_void_p).value or 0
 
     def pack(self, *weights: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` (fp32, CPU, N a multiple of 16) as panels ``[N / 16, K, 16]``;

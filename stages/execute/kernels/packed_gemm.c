@@ -226,3 +226,12 @@ int actorline_packed_gemm_f32(const float *x, int64_t m, int64_t k, const float 
     }
     return 0;
 }
+
+/* The same GEMM under the calling convention every native linear shares (the quantized GEMM's:
+ * a weight pointer and a format code), so that code calling linears from C (the CPU step
+ * graph) calls each through one function-pointer type; ``format`` is unused here (fp32). */
+int actorline_packed_gemm(const float *x, int64_t m, int64_t k, const void *packed, int format,
+                          const float *bias, int64_t n, float *y, int num_threads) {
+    (void)format;
+    return actorline_packed_gemm_f32(x, m, k, (const float *)packed, bias, n, y, num_threads);
+}

@@ -42,6 +42,8 @@ class QuantGemmKernel:
         self._gemm = lib.actorline_quant_gemm
         self._gemm.argtypes = [pointer, i64, i64, pointer, i32, pointer, i64, pointer, i32]
         self._gemm.restype = i32
+        #: the GEMM's address under :class:`~stages.execute.native.NativeGemm`'s convention
+        self.gemm_address = ctypes.cast(lib.actorline_quant_gemm, ctypes.c_void_p).value or 0
         self._rows = lib.actorline_quant_rows
         self._rows.argtypes = [pointer, i32, i64, i64, pointer, i64, pointer]
         self._rows.restype = i32
@@ -54,6 +56,10 @@ class QuantGemmKernel:
         self._format_of = lib.actorline_quant_format_of
         self._format_of.argtypes = [i32]
         self._format_of.restype = i32
+
+    def format_code(self, fmt: str) -> int:
+        """The kernel's code for ``fmt`` (the ``format`` argument of its GEMM)."""
+        return _FORMAT_CODES[fmt]
 
     def block_bytes(self, fmt: str) -> int:
         """Bytes of one (16 columns x 32 inputs) block record of ``fmt``."""

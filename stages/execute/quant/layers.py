@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 
+from stages.execute.native import NativeGemm
 from stages.execute.quant.kernel import QuantGemmKernel
 
 __all__ = [
@@ -145,6 +146,20 @@ class QuantLinear(torch.nn.Module):
         if output.shape[1] != self.out_features:
             output = output[:, : self.out_features]
         return output.reshape(*input.shape[:-1], self.out_features)
+
+    def native_gemm(self) -> NativeGemm:
+        """This linear as C code calls it (:class:`~stages.execute.native.NativeGemm`): its
+        rows are ``blocks.shape[0] * 16`` wide, padded past ``out_features``."""
+        bias = self._padded_bias
+        return NativeGemm(
+            function=self._kernel.gemm_address,
+            weights=self.blocks.data_ptr(),
+            format=self._kernel.format_code(self.format),
+            bias=0 if bias is None else bias.data_ptr(),
+            n=int(self.blocks.shape[0]) * PANEL,
+            k=self.in_features,
+            owner=(self.blocks, bias),
+        )
 
     def extra_repr(self) -> str:
         return (

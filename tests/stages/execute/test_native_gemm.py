@@ -1,0 +1,59 @@
+"""Native linears called from C through :class:`~stages.execute.native.NativeGemm` (the
+calling convention the CPU step graph uses) compute what their modules' forward computes."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from stages.execute.cpu import PackedLinear
+from stages.execute.native import NativeGemm, packed_gemm_kernel
+from stages.execute.quant.kernel import quant_gemm_kernel
+from stages.execute.quant.layers import QuantLinear, quantize_int8
+
+_GEMM = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int,
+)
+
+
+def call(gemm: NativeGemm, x: torch.Tensor) -> torch.Tensor:
+    out = torch.full((x.shape[0], gemm.n), float("nan"))
+    function = _GEMM(gemm.function)
+    status = function(
+        x.data_ptr(), x.shape[0], gemm.k, gemm.weights, gemm.format, gemm.bias or None,
+        gemm.n, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    assert status == 0
+    return out
+
+
+def test_packed_and_quantized_linears_called_from_c_match_their_forward() -> None:
+    packed_kernel, quant_kernel = packed_gemm_kernel(), quant_gemm_kernel()
+    assert packed_kernel is not None and quant_kernel is not None, "the C compiler should work"
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 40, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 64, generator=generator) * 0.1)
+        linear.bias.copy_(torch.randn(40, generator=generator))
+    modules = [
+        PackedLinear.from_linear(torch.nn.Linear(64, 48), packed_kernel),
+        QuantLinear(quantize_int8(linear.weight.detach(), quant_kernel), linear.bias, quant_kernel),
+    ]
+    for module in modules:
+        gemm = module.native_gemm()
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, 64, generator=generator)
+            with torch.inference_mode():
+                expected = module(x)
+            got = call(gemm, x)[:, : expected.shape[1]]
+            assert torch.equal(got, expected), (type(module).__name__, rows)
