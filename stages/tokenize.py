@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "load_tokenizer",
     "longest_token_chars",
     "prefetch_tokenizer",
+    "render_chat",
 ]
 
 
@@ -266,13 +268,25 @@ class TokenizeStage(Stage):
         return ids
 
     def _apply_chat_template(self, messages: list[tuple[str, str]]) -> tuple[int, ...]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(
-                "this model has no chat template; send a plain prompt", field="messages"
-            )
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": role, "content": content} for role, content in messages],
-            add_generation_prompt=True,
-            tokenize=False,
+        return render_chat(self.tokenizer, messages)
+
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True
+) -> tuple[int, ...]:
+    """The token ids of chat ``messages`` (role, content) rendered by the tokenizer's chat
+    template, as the tokenize stage renders a chat request (and ``/tokenize`` shows it).
+
+    Raises:
+        InvalidRequestError: the model has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "this model has no chat template; send a plain prompt", field="messages"
         )
-        return tuple(self.tokenizer.encode(rendered, add_special_tokens=False))
+    rendered = tokenizer.apply_chat_template(
+        [{"role": role, "content": content} for role, content in messages],
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+    )
+    return tuple(tokenizer.encode(rendered, add_special_tokens=False))

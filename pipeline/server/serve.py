@@ -8,6 +8,8 @@ with ``restart_engine`` SERVING again once a fresh engine serves (docs/architect
 With data parallelism the engine runs while one of its replicas lives: a replica that dies is
 logged (its requests fail alone) and the health stays SERVING.
 Health and reflection need no API key (probes and tools like ``grpcurl`` use them).
+Reflection is served as ``grpc.reflection.v1.ServerReflection`` (what grpcurl and current
+clients ask first) and ``grpc.reflection.v1alpha.ServerReflection`` (older ones).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.errors import EngineCrashLoopError
@@ -64,6 +66,27 @@ _HEALTH_NAMES = ("", SERVICE_NAME)
 # NOTE: without this, gRPC binds with SO_REUSEPORT on Linux and a second server could
 # silently share a port that is already taken.
 _SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+#: gRPC reflection's stable name; its messages are v1alpha's, field for field
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:
+    """Serve reflection of ``service_names`` as v1alpha (grpcio-reflection's servicer) and as
+    v1. NOTE: grpcio-reflection ships v1alpha only; v1's ``reflection.proto`` declares the same
+    messages with the same field numbers under another package, so v1 is the same servicer
+    behind v1's method path, its messages read and written as v1alpha's."""
+    servicer = reflection.aio.ReflectionServicer(service_names)
+    reflection.enable_server_reflection(service_names, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
+    )
 
 
 class GenerationServer:
@@ -122,9 +145,7 @@ class GenerationServer:
         )
         add_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        _enable_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         requested = format_address(host, port)
         try:
             if self.tls is not None:

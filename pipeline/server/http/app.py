@@ -2,10 +2,11 @@
 :class:`~pipeline.server.http.state.HttpService`.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``"stream": true``: server-sent events), ``GET /health`` (200 while the engine serves, with
-data parallelism each replica's state beside it; 503 once it died or the server is shutting
-down) and ``GET /metrics`` (Prometheus text, when a
-registry is given). ``/v1/`` needs the API key when the server has keys
+(``"stream": true``: server-sent events), vLLM's ``POST /tokenize``, ``POST /detokenize`` and
+``GET /version`` (:mod:`~pipeline.server.http.tokens`), ``GET /health`` (200 while the engine
+serves, with data parallelism each replica's state beside it; 503 once it died or the server
+is shutting down) and ``GET /metrics`` (Prometheus text, when a registry is given). ``/v1/``
+(and vLLM's token endpoints) need the API key when the server has keys
 (:mod:`~pipeline.server.http.gate`); ``/openapi.json`` describes the API (the interactive
 docs pages are off: they load scripts from a CDN).
 
@@ -24,13 +25,18 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pipeline.server.auth import ApiKeys
-from pipeline.server.http import chat, completions
+from pipeline.server.http import chat, completions, tokens
 from pipeline.server.http.answers import Answer
 from pipeline.server.http.defaults import DEFAULT_MAX_REQUEST_BYTES
 from pipeline.server.http.errors import add_error_handlers
 from pipeline.server.http.gate import Gate, tenant_of
 from pipeline.server.http.requests import plan_chat, plan_completion
-from pipeline.server.http.schema import ChatCompletionRequest, CompletionRequest
+from pipeline.server.http.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pipeline.server.http.sse import EventStream
 from pipeline.server.http.state import HttpService
 from pipeline.server.http.whole import JsonAnswer
@@ -38,6 +44,25 @@ from pipeline.server.http.whole import JsonAnswer
 __all__ = ["create_app"]
 
 OWNED_BY = "actorline"
+
+
+def _permission(created: int) -> dict[str, Any]:
+    """vLLM's ``ModelPermission`` of a served model: sampling and logprobs allowed, nothing
+    else."""
+    return {
+        "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_OID, str(created)).hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 def create_app(
@@ -100,9 +125,26 @@ def create_app(
             "object": "model",
             "created": service.created,
             "owned_by": OWNED_BY,
+            # vLLM's fields: the model the name serves (its path or alias), no parent (an
+            # adapter's would be its base), the permission object its clients read
+            "root": service.engine.options.model,
+            "parent": None,
             "max_model_len": info.max_model_len,
+            "permission": [_permission(service.created)],
         }
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await tokens.tokenize(service, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await tokens.detokenize(service, body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return tokens.version()
 
     async def answer(
         request: Request,

@@ -9,6 +9,8 @@ invalid body or parameter              400     invalid_request_error  invalid_va
 PromptTooLongError                     400     invalid_request_error  context_length_exceeded
 AuthenticationError (no or bad key)    401     invalid_request_error  invalid_api_key
 unknown model                          404     invalid_request_error  model_not_found
+unknown path                           404     invalid_request_error  not_found
+method the path does not serve         405     invalid_request_error  method_not_allowed
 body over the cap                      413     invalid_request_error  request_too_large
 RateLimitedError                       429     rate_limit_error       rate_limit_exceeded
 OverloadedError                        503     server_error           overloaded
@@ -56,6 +58,8 @@ INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 #: the body field of an engine request's field, where their names differ
 _BODY_PARAMS = {"prompt_token_ids": "prompt"}
+#: the ``code`` of the framework's own HTTP errors (an unknown path, a wrong method)
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 def error_body(
@@ -212,7 +216,12 @@ def add_error_handlers(app: FastAPI) -> None:
         unparsed = _unparsed_body(error)
         if unparsed is not None:
             return unparsed.response()
-        return ApiError(error.status_code, str(error.detail), headers=error.headers).response()
+        return ApiError(
+            error.status_code,
+            str(error.detail),
+            code=_HTTP_CODES.get(error.status_code),
+            headers=error.headers,
+        ).response()
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:

@@ -1,5 +1,5 @@
 """What may enter the HTTP API, checked before a request reaches its handler: the API key
-(under ``/v1/``) and the size of the body.
+(under ``/v1/``, and vLLM's ``/tokenize`` and ``/detokenize``) and the size of the body.
 
 - **API key.** ``Authorization: Bearer KEY`` is checked with the same
   :class:`~pipeline.server.auth.ApiKeys` as the gRPC front end (a wrong, missing or doubled
@@ -23,10 +23,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pipeline.server.auth import AUTHORIZATION_KEY, ApiKeys, AuthenticationError
 from pipeline.server.http.errors import ApiError
 
-__all__ = ["PROTECTED_PREFIX", "Gate", "tenant_of"]
+__all__ = ["PROTECTED_PATHS", "PROTECTED_PREFIX", "Gate", "tenant_of"]
 
-#: paths that need an API key when the server has keys
+#: paths that need an API key when the server has keys: the API, and vLLM's token endpoints
+#: (they spend the server's CPU on a body like any request)
 PROTECTED_PREFIX = "/v1/"
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})
 _TENANT_KEY = "actorline.tenant"
 _AUTHORIZATION = AUTHORIZATION_KEY.encode()
 _CONTENT_LENGTH = b"content-length"
@@ -71,7 +73,8 @@ class Gate:
             await self.app(scope, receive, send)
             return
         try:
-            if str(scope.get("path", "")).startswith(PROTECTED_PREFIX):
+            path = str(scope.get("path", ""))
+            if path.startswith(PROTECTED_PREFIX) or path in PROTECTED_PATHS:
                 scope[_TENANT_KEY] = self._authenticate(scope)
             declared = _content_length(scope)
             if declared is not None and declared > self.max_request_bytes:

@@ -25,11 +25,16 @@ from typing import Any, cast
 from pipeline.engine.prompts import Prompt
 from pipeline.server.http.errors import ApiError
 from pipeline.server.http.schema import (
+    ACCEPTED_AT,
+    CHAT_ACCEPTED_AT,
     CHAT_ROLES,
+    COMPLETION_ACCEPTED_AT,
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
     MAX_N,
+    STREAM_OPTIONS_ACCEPTED_AT,
     ChatCompletionRequest,
+    ChatMessageBody,
     CompletionRequest,
     GenerationBody,
 )
@@ -37,7 +42,14 @@ from pipeline.server.http.structured import structured_outputs_from
 from stages.messages import ChatMessage
 from stages.params import MAX_LOGPROBS, SamplingParams
 
-__all__ = ["SEED_RANGE", "Plan", "plan_chat", "plan_completion"]
+__all__ = [
+    "SEED_RANGE",
+    "Plan",
+    "chat_messages",
+    "check_extras",
+    "plan_chat",
+    "plan_completion",
+]
 
 #: seeds are in [0, SEED_RANGE) (:func:`stages.params.validate_sampling`); choice j's seed is
 #: the request's + j, modulo this
@@ -53,7 +65,8 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 #: body fields that are SamplingParams fields of the same name
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-    "repetition_penalty", "min_tokens", "ignore_eos",
+    "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+    "skip_special_tokens",
 )  # fmt: skip
 
 
@@ -76,6 +89,7 @@ def plan_completion(body: CompletionRequest) -> Plan:
     Raises:
         ApiError: 400 naming the field that is invalid or asks for what is not served.
     """
+    _check_body_extras(body, COMPLETION_ACCEPTED_AT)
     _check_supported(body)
     n = _choices_per_prompt(body)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -89,6 +103,7 @@ def plan_chat(body: ChatCompletionRequest) -> Plan:
     Raises:
         ApiError: 400 naming the field that is invalid or asks for what is not served.
     """
+    _check_body_extras(body, CHAT_ACCEPTED_AT)
     _check_supported(body)
     n = _choices_per_prompt(body)
     messages = _chat_messages(body)
@@ -118,6 +133,44 @@ def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParam
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     choices = tuple((prompt, choice) for prompt in prompts for choice in each)
     return Plan(choices, n, params.logprobs, include_usage)
+
+
+def check_extras(
+    extras: dict[str, Any] | None, accepted: dict[str, tuple[object, ...]], where: str = ""
+) -> None:
+    """Refuse the fields of a body that its model does not declare (``extras``: pydantic's
+    ``model_extra``), unless ``accepted`` lists the value as asking for nothing this server
+    lacks: nothing sent is silently ignored. ``where``: the param's prefix (``messages[0].``).
+
+    Raises:
+        ApiError: 400 ``unsupported_value`` naming the first such field.
+    """
+    for name, value in (extras or {}).items():
+        allowed = accepted.get(name)
+        if allowed is not None and any(
+            (value == ok and type(value) is type(ok)) or (value is None and ok is None)
+            for ok in allowed
+        ):
+            continue
+        param = f"{where}{name}"
+        if allowed is None:
+            message = f"{param}: this server does not know this field"
+        else:
+            shown = ", ".join(repr(ok) for ok in allowed if ok is not None)
+            message = f"{param}: is not supported (got {value!r:.60}); accepted only as {shown}"
+        raise ApiError(400, message, param=param, code="unsupported_value")
+
+
+def _check_body_extras(body: GenerationBody, accepted: dict[str, tuple[object, ...]]) -> None:
+    check_extras(body.model_extra, {**ACCEPTED_AT, **accepted})
+    if body.stream_options is not None:
+        check_extras(body.stream_options.model_extra, STREAM_OPTIONS_ACCEPTED_AT, "stream_options.")
+    if isinstance(body, ChatCompletionRequest):
+        for index, message in enumerate(body.messages):
+            check_extras(message.model_extra, {"name": (None,)}, f"messages[{index}].")
+            if isinstance(message.content, list):
+                for part_index, part in enumerate(message.content):
+                    check_extras(part.model_extra, {}, f"messages[{index}].content[{part_index}].")
 
 
 def _check_supported(body: GenerationBody) -> None:
@@ -197,10 +250,20 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
 
 
 def _chat_messages(body: ChatCompletionRequest) -> tuple[ChatMessage, ...]:
-    if not body.messages:
+    return chat_messages(body.messages)
+
+
+def chat_messages(bodies: Sequence[ChatMessageBody]) -> tuple[ChatMessage, ...]:
+    """Chat messages of a body's ``messages``, their text parts joined.
+
+    Raises:
+        ApiError: 400 naming the message that is empty, of an unknown role, or has a part
+            that is not text.
+    """
+    if not bodies:
         raise ApiError(400, "messages must not be empty", param="messages", code="invalid_value")
     messages = []
-    for index, message in enumerate(body.messages):
+    for index, message in enumerate(bodies):
         role = CHAT_ROLES.get(message.role)
         if role is None:
             raise ApiError(

@@ -3,9 +3,16 @@
 Field names and meanings follow OpenAI's API and vLLM's server
 (``vllm/entrypoints/openai/protocol.py``): OpenAI's sampling fields, plus vLLM's sampling
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``), and structured outputs (``response_format``, vLLM's
-``structured_outputs``). Unknown fields are ignored, as vLLM does. Types are strict: a bool is
-not an int, a string is not a number (an int is a float, as in JSON).
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``), and
+structured outputs (``response_format``, vLLM's ``structured_outputs``). ``model`` may be left
+out (the served model), as vLLM allows. Types are strict: a bool is not an int, a string is not
+a number (an int is a float, as in JSON).
+
+Nothing sent is silently ignored: a field these models do not declare is kept
+(``extra="allow"``) and refused by :func:`~pipeline.server.http.requests.check_extras` with a
+400 naming it, unless its value asks for what the server does anyway (``store: false``,
+``service_tier: "auto"``, vLLM's ``add_special_tokens`` at its default, ...: see
+:data:`ACCEPTED_AT`), where vLLM would log the field and go on without it.
 
 NOTE: every list stops at its first bad item (``fail_fast``). Without it, pydantic checks a
 union such as ``prompt``'s against each member and collects one error per item for each
@@ -21,16 +28,22 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "ACCEPTED_AT",
+    "CHAT_ACCEPTED_AT",
     "CHAT_ROLES",
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
+    "COMPLETION_ACCEPTED_AT",
     "MAX_CHOICES",
     "MAX_N",
+    "STREAM_OPTIONS_ACCEPTED_AT",
     "ChatCompletionRequest",
     "ChatMessageBody",
     "CompletionRequest",
     "ContentPart",
+    "DetokenizeRequest",
     "GenerationBody",
     "StreamOptions",
+    "TokenizeRequest",
     "describe_problem",
     "param_of",
 ]
@@ -44,8 +57,55 @@ MAX_N = 16
 #: the most choices of one request (its prompts times ``n``), each its own engine request
 MAX_CHOICES = 64
 
-_BODY = ConfigDict(extra="ignore", strict=True)
+_BODY = ConfigDict(extra="allow", strict=True)
 _Item = TypeVar("_Item")
+
+#: fields this server does not implement, accepted only at the values that ask for what it
+#: does anyway (OpenAI's and vLLM's defaults, or a no-op); any other value of them, and any
+#: field named nowhere, is a 400 naming it (``requests.check_extras``)
+ACCEPTED_AT: dict[str, tuple[object, ...]] = {
+    # OpenAI: nothing is stored, no tier is chosen, metadata is for stored completions only
+    "store": (False, None),
+    "service_tier": ("auto", "default", None),
+    "metadata": (None,),
+    # without tools, parallel_tool_calls asks for nothing
+    "parallel_tool_calls": (None, True),
+    # vLLM's defaults: completions add the tokenizer's special tokens, chat adds the
+    # generation prompt and continues no message; spaces between special tokens
+    "spaces_between_special_tokens": (True, None),
+    "continue_final_message": (False, None),
+    "use_beam_search": (False, None),
+    "length_penalty": (1.0, 1, None),
+    "return_tokens_as_token_ids": (False, None),
+    "return_token_ids": (False, None),
+    "prompt_logprobs": (None,),
+    "logit_bias": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None,),
+    "truncate_prompt_tokens": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None,),
+    "tool_choice": (None, "none"),
+    "functions": (None,),
+    "function_call": (None, "none"),
+    "logits_processors": (None,),
+    "mm_processor_kwargs": (None,),
+    "documents": (None,),
+    "cache_salt": (None,),
+    # the scheduling policy decides the order (a request's priority only under "priority")
+    "priority": (0, None),
+}
+#: the same for fields whose default differs by endpoint (vLLM's defaults of each)
+COMPLETION_ACCEPTED_AT: dict[str, tuple[object, ...]] = {"add_special_tokens": (True, None)}
+CHAT_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
+    "add_special_tokens": (False, None),
+    "add_generation_prompt": (True, None),
+    "echo": (False, None),
+}
+#: ``stream_options`` fields accepted at these values only
+STREAM_OPTIONS_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
+    "continuous_usage_stats": (False, None)
+}
 #: a list that stops at its first bad item
 FailFast = Annotated[list[_Item], Field(fail_fast=True)]
 
@@ -63,7 +123,7 @@ class GenerationBody(BaseModel):
 
     model_config = _BODY
 
-    model: str
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -83,6 +143,8 @@ class GenerationBody(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: FailFast[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     # structured outputs (pipeline.server.http.structured): OpenAI's and vLLM's extra
     response_format: Any = None
     structured_outputs: Any = None
@@ -129,12 +191,35 @@ class ChatCompletionRequest(GenerationBody):
     tools: FailFast[Any] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """The body of vLLM's ``POST /tokenize``: a ``prompt`` (completion form) or chat
+    ``messages`` rendered by the chat template (chat form)."""
+
+    model_config = _BODY
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: FailFast[ChatMessageBody] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """The body of vLLM's ``POST /detokenize``."""
+
+    model_config = _BODY
+
+    model: str | None = None
+    tokens: FailFast[int]
+
+
 #: every field name of the request bodies (a validation error's location also holds the
 #: members of unions, which are not)
 _FIELD_NAMES = frozenset(
     name
     for model in (CompletionRequest, ChatCompletionRequest, ChatMessageBody, ContentPart,
-                  StreamOptions)
+                  StreamOptions, TokenizeRequest, DetokenizeRequest)
     for name in model.model_fields
 )  # fmt: skip
 

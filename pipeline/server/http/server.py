@@ -124,6 +124,7 @@ class HttpServer:
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, self.engine.options.model)
             self.service.texts = TokenTexts(tokenizer)
+            self.service.tokenizer = tokenizer
             if self._owns_metrics:
                 await self.metrics.start()
             self.connections = ConnectionGuard(self.limits, connection_cap(self.limits))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from starlette.types import Receive
 
@@ -40,6 +41,8 @@ class HttpService:
         self.max_logprob_entries = max_logprob_entries
         self.created = int(time.time())
         self.texts: TokenTexts | None = None
+        #: the engine's HF tokenizer, for /tokenize and /detokenize (None until loaded)
+        self.tokenizer: Any = None
         self.running = RunningRequests()
         self.shutting_down = False
 
@@ -59,9 +62,10 @@ class HttpService:
             return ApiError(503, "the engine is not started", error_type=SERVER_ERROR)
         return None
 
-    def check_model(self, model: str) -> None:
-        """Raises ApiError 404 unless ``model`` is the model served."""
-        if model != self.model_name:
+    def check_model(self, model: str | None) -> None:
+        """Raises ApiError 404 unless ``model`` is the model served (None, left out: it is,
+        as vLLM takes it)."""
+        if model is not None and model != self.model_name:
             raise ApiError(
                 404,
                 f"the model {model!r:.80} does not exist; this server serves {self.model_name!r}",

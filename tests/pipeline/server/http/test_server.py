@@ -81,7 +81,11 @@ def test_engine_death_is_answered_openai_style(http_only: ServeProcess) -> None:
         assert http_only.http_url is not None
         raw_request = urllib.request.Request(
             f"{http_only.http_url}/chat/completions",
-            data=json.dumps({**chat, "stream": True, "ignore_eos": True}).encode(),
+            # NOTE: ``extra_body`` is the openai client's argument, not a body field
+            data=json.dumps(
+                {**{k: v for k, v in chat.items() if k != "extra_body"}, "stream": True,
+                 "ignore_eos": True}
+            ).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(raw_request, timeout=RUN_TIMEOUT) as raw:
