@@ -117,4 +117,5 @@ def with_metrics(
         output.num_prompt_tokens,
         output.num_cached_tokens,
         metrics,
+        output.scheduler_times,
     )
