@@ -13,7 +13,7 @@ parallelism, the replica's name, ``"0"``, ``"1"``, ...; ``"0"`` with one engine)
 labels each engine core. Per-request metrics carry the replica that ran the request (a
 request that never reached a scheduler counts under ``"0"``).
 
-What is measured where (``docs/architecture.md`` §9, Observability):
+What is measured where (the table in ``docs/serving.md``, "Metrics and health"):
 
 - at the engine API, per request: time to first token, inter-token latency (also under vLLM's
   older name ``time_per_output_token_seconds``), end-to-end latency, the decode time (first
