@@ -108,6 +108,10 @@ class _Request:
     num_tokens: int = 0
     num_prompt_tokens: int = 0
     scheduler_times: tuple[float, float, str] | None = None
+    engine: str = SINGLE_ENGINE
+    # the request's engine's children of the per-token metrics, set at its first token
+    inter_token_latency: Histogram | None = None
+    generation_tokens: Counter | None = None
 
 
 def _engine_label(replica: str) -> str:
@@ -120,10 +124,10 @@ _M = TypeVar("_M", Histogram, Counter)
 class _Family(Generic[_M]):
     """A labelled prometheus_client metric with its children cached by engine label."""
 
-    __slots__ = ("_children", "_metric", "_model_name")
+    __slots__ = ("_children", "_model_name", "metric")
 
     def __init__(self, metric: _M, model_name: str) -> None:
-        self._metric: _M = metric
+        self.metric: _M = metric
         self._model_name = model_name
         self._children: dict[str, _M] = {}
         self(SINGLE_ENGINE)  # scraped from the start, as vLLM creates each engine's at once
@@ -131,8 +135,27 @@ class _Family(Generic[_M]):
     def __call__(self, engine: str) -> _M:
         child = self._children.get(engine)
         if child is None:
-            child = self._children[engine] = self._metric.labels(self._model_name, engine)
+            child = self._children[engine] = self.metric.labels(self._model_name, engine)
         return child
+
+
+class _Renamed(Collector):
+    """The samples of ``metric`` under another name (a histogram's ``_bucket``, ``_sum``,
+    ``_count`` and ``_created`` samples renamed alike)."""
+
+    def __init__(self, metric: Histogram, name: str, documentation: str) -> None:
+        self._metric = metric
+        self._name = name
+        self._documentation = documentation
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._metric.collect():
+            renamed = Metric(self._name, self._documentation, family.type)
+            renamed.samples = [
+                sample._replace(name=self._name + sample.name.removeprefix(family.name))
+                for sample in family.samples
+            ]
+            yield renamed
 
 
 class _VllmRequestObserver(EngineObserver):
@@ -161,11 +184,15 @@ class _VllmRequestObserver(EngineObserver):
             "Histogram of inter-token latency in seconds.",
             TIME_PER_OUTPUT_TOKEN_BUCKETS,
         )
-        self.time_per_output_token = histogram(
-            "time_per_output_token_seconds",
-            "Histogram of time per output token in seconds (the same observations as "
-            "vllm:inter_token_latency_seconds, under vLLM's older name).",
-            TIME_PER_OUTPUT_TOKEN_BUCKETS,
+        # NOTE: vLLM's older name for the same observations, copied from the inter-token
+        # histogram at scrape time rather than observed twice per token.
+        registry.register(
+            _Renamed(
+                self.inter_token_latency.metric,
+                PREFIX + "time_per_output_token_seconds",
+                "Histogram of time per output token in seconds (the observations of "
+                "vllm:inter_token_latency_seconds, under vLLM's older name).",
+            )
         )
         self.request_time_per_output_token = histogram(
             "request_time_per_output_token_seconds",
@@ -244,25 +271,29 @@ class _VllmRequestObserver(EngineObserver):
         if request is None:  # the caller already left
             return
         now = time.monotonic()
-        if output.scheduler_times is not None and request.scheduler_times is None:
-            request.scheduler_times = output.scheduler_times
-        engine = _engine_label(request.scheduler_times[2] if request.scheduler_times else "")
+        times = output.scheduler_times
+        if times is not None and request.scheduler_times is None:
+            request.scheduler_times = times
+            request.engine = _engine_label(times[2])
         new_tokens = len(output.token_ids) - request.num_tokens
         if new_tokens > 0:
-            if request.first_token is None:
+            generated = request.generation_tokens
+            if generated is None or request.last_token is None:  # its first token
+                engine = request.engine
                 request.first_token = now
                 request.num_prompt_tokens = output.num_prompt_tokens
+                request.inter_token_latency = self.inter_token_latency(engine)
+                generated = request.generation_tokens = self.generation_tokens(engine)
                 self.time_to_first_token(engine).observe(now - request.sent)
                 self.prompt_tokens(engine).inc(output.num_prompt_tokens)
             else:
-                assert request.last_token is not None
+                assert request.inter_token_latency is not None
                 gap = (now - request.last_token) / new_tokens
                 for _ in range(new_tokens):
-                    self.inter_token_latency(engine).observe(gap)
-                    self.time_per_output_token(engine).observe(gap)
+                    request.inter_token_latency.observe(gap)
             request.last_token = now
             request.num_tokens = len(output.token_ids)
-            self.generation_tokens(engine).inc(new_tokens)
+            generated.inc(new_tokens)
         if output.finish_reason is not None:
             self._finish(output.request_id, output.finish_reason, now)
 
@@ -285,7 +316,7 @@ class _VllmRequestObserver(EngineObserver):
     def _finish(self, request_id: str, reason: str, now: float) -> None:
         request = self._requests.pop(request_id)
         times = request.scheduler_times
-        engine = _engine_label(times[2] if times else "")
+        engine = request.engine
         self._success.labels(self._model_name, engine, reason).inc()
         if reason == "error":  # the engine failed it: no latency to speak of (as actorline's)
             return
