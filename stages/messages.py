@@ -302,7 +302,7 @@ class RequestOutput:
     ``metrics``: timing, filled in by the API. ``scheduler_times``: on the output that
     carries the request's first token only, ``(queue_seconds, prefill_seconds, replica)`` as
     the scheduler measured them (:class:`EngineOutputs`), with the engine replica that ran it
-    ("" with one).
+    ("" with one); a caller of the engine finds them on the first output it reads.
     """
 
     request_id: str

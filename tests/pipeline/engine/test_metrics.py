@@ -143,6 +143,10 @@ def test_scrape_lists_every_metric_and_values_move_under_load(tiny_model_dir: Pa
                 tokens(500, 10), SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
             )
             first = await anext(long_stream)
+            # the scheduler's queue and prefill times reach the caller on its first output
+            assert first.scheduler_times is not None
+            queue_seconds, prefill_seconds, replica = first.scheduler_times
+            assert queue_seconds >= 0 and prefill_seconds > 0 and replica == ""
 
             async def running() -> bool:
                 return engine.stats is not None and engine.stats.num_running >= 1
