@@ -115,6 +115,7 @@ class DetokenizeStage(Stage):
                 outputs.logprobs,
                 outputs.num_cached_tokens,
                 outputs.stats,
+                outputs.scheduler_times,
             ),
         )
         for rejected in failed:

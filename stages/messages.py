@@ -225,7 +225,8 @@ class EngineStats:
     """Scheduler and KV gauges after a step (cumulative counters are totals since start).
     ``step_seconds`` and ``forward_seconds`` are the last step's; ``communication_seconds``
     is the total time rank 0 spent in tensor-parallel collectives since start. ``replica``:
-    the engine replica these are of, with data parallelism ("" with one)."""
+    the engine replica these are of, with data parallelism ("" with one). ``step_tokens``: the
+    tokens the last step computed (its prompt chunks' tokens plus one per decoding request)."""
 
     num_running: int
     num_waiting: int
@@ -239,6 +240,7 @@ class EngineStats:
     forward_seconds: float = 0.0
     communication_seconds: float = 0.0
     replica: str = ""
+    step_tokens: int = 0
 
 
 @message()
@@ -246,7 +248,10 @@ class EngineStats:
 class EngineOutputs:
     """New tokens of one engine step, columnar: ``request_ids[i]`` got ``new_token_ids[i]``
     and, when it finished this step, ``finish_reasons[i]`` ("stop", "length", "abort")
-    with ``stop_reasons[i]`` (the stop token id, if a stop token ended it)."""
+    with ``stop_reasons[i]`` (the stop token id, if a stop token ended it).
+    ``scheduler_times``: for each request whose first token this is, ``(queue_seconds,
+    prefill_seconds)`` on the scheduler's clock: from its arrival at the scheduler to its first
+    scheduled chunk, and from there to this token (vLLM's queued and prefill intervals)."""
 
     request_ids: tuple[str, ...]
     new_token_ids: tuple[tuple[int, ...], ...]
@@ -255,6 +260,7 @@ class EngineOutputs:
     logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
     num_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: EngineStats | None = None
+    scheduler_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -271,6 +277,7 @@ class TextOutputs:
     logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
     num_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: EngineStats | None = None
+    scheduler_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -292,7 +299,10 @@ class RequestOutput:
     ``text`` is cumulative, ``delta`` the new text since the previous output, ``token_ids``
     all generated tokens so far. ``finish_reason`` is None while running, then "stop",
     "length", "abort" or "error". ``stop_reason``: the stop string or token id that ended it.
-    ``metrics``: timing, filled in by the API.
+    ``metrics``: timing, filled in by the API. ``scheduler_times``: on the output that
+    carries the request's first token only, ``(queue_seconds, prefill_seconds, replica)`` as
+    the scheduler measured them (:class:`EngineOutputs`), with the engine replica that ran it
+    ("" with one); a caller of the engine finds them on the first output it reads.
     """
 
     request_id: str
@@ -305,6 +315,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    scheduler_times: tuple[float, float, str] | None = None
 
     @property
     def finished(self) -> bool:

@@ -119,6 +119,7 @@ class _RequestState:
     sent_to_execute: bool = False
     num_cached_tokens: int = 0
     cached_tokens_reported: bool = False
+    scheduled_time: float | None = None  # when its first chunk was scheduled (the clock's)
 
     @property
     def request_id(self) -> str:
@@ -218,6 +219,7 @@ class Scheduler:
         self._prefix_cache_hits = 0
         self._last_step_seconds = 0.0
         self._last_forward_seconds = 0.0
+        self._last_step_tokens = 0
         self._communication_seconds = 0.0
 
     # ------------------------------------------------------------------ inputs
@@ -347,6 +349,7 @@ class Scheduler:
             forward_seconds=self._last_forward_seconds,
             communication_seconds=self._communication_seconds,
             replica=self.config.replica,
+            step_tokens=self._last_step_tokens,
         )
 
     # ------------------------------------------------------------------ planning
@@ -511,6 +514,7 @@ class Scheduler:
             nothing_else_runs = False
             if not state.sent_to_execute:
                 state.sent_to_execute = True
+                state.scheduled_time = self._clock()
                 new_requests.append(state.request)
             self._add_chunk(state, size, plan, block_size)
         return new_requests
@@ -653,6 +657,8 @@ class Scheduler:
         stop_reasons: list[int | None] = []
         logprobs: dict[str, tuple[Logprobs, ...]] = {}
         cached_tokens: dict[str, int] = {}
+        scheduler_times: dict[str, tuple[float, float]] = {}
+        now = self._clock()
         expected = in_flight.sampling - preempted
         for request_id, token_id in zip(result.request_ids, result.token_ids, strict=True):
             if request_id not in expected:
@@ -664,6 +670,10 @@ class Scheduler:
             if state.status is not _Status.RUNNING:
                 continue  # aborted while the step was in flight
             state.output_token_ids.append(token_id)
+            if len(state.output_token_ids) == 1 and state.scheduled_time is not None:
+                # vLLM's queued and prefill intervals (vllm/v1/metrics/stats.py), on one clock
+                scheduled = state.scheduled_time
+                scheduler_times[request_id] = (scheduled - state.arrival_time, now - scheduled)
             stop = self._stop_reason(state, token_id)
             ids.append(request_id)
             new_tokens.append((token_id,))
@@ -689,10 +699,11 @@ class Scheduler:
 
         computed = [c for c in in_flight.step.chunks if c.request_id not in preempted]
         num_decode = sum(1 for c in computed if c.request_id in in_flight.decoding)
+        self._last_step_tokens = sum(c.num_tokens for c in computed)
         self.policy.on_step(
             StepObservation(
                 duration=result.forward_seconds or self._last_step_seconds,
-                num_prefill_tokens=sum(c.num_tokens for c in computed) - num_decode,
+                num_prefill_tokens=self._last_step_tokens - num_decode,
                 num_decode_tokens=num_decode,
             )
         )
@@ -704,4 +715,5 @@ class Scheduler:
             logprobs=logprobs,
             num_cached_tokens=cached_tokens,
             stats=self.stats(),
+            scheduler_times=scheduler_times,
         )

@@ -73,7 +73,12 @@ class _Tracked:
         self.num_cached_tokens = 0
 
     def output(
-        self, request_id: str, delta: str, finish_reason: str | None, stop_reason: int | str | None
+        self,
+        request_id: str,
+        delta: str,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        scheduler_times: tuple[float, float, str] | None = None,
     ) -> RequestOutput:
         """The request's output now, ``delta`` already added to its text."""
         return RequestOutput(
@@ -86,6 +91,8 @@ class _Tracked:
             tuple(self.logprobs) if self.logprobs is not None else None,
             self.num_prompt_tokens,
             self.num_cached_tokens,
+            None,
+            scheduler_times,
         )
 
 
@@ -104,6 +111,7 @@ class StopCheckStage(Stage):
     @handles(TextOutputs)
     async def on_text(self, batch: TextOutputs) -> None:
         requests = self._requests
+        replica = batch.stats.replica if batch.stats is not None else ""
         outputs: list[RequestOutput] = []
         stopped: list[str] = []
         failed: list[RequestRejected] = []
@@ -132,7 +140,16 @@ class StopCheckStage(Stage):
                 tracked.text += delta
                 if tracked.logprobs is not None:
                     tracked.logprobs.extend(batch.logprobs.get(request_id, ()))
-                outputs.append(tracked.output(request_id, delta, finish_reason, stop_reason))
+                times = batch.scheduler_times.get(request_id)
+                outputs.append(
+                    tracked.output(
+                        request_id,
+                        delta,
+                        finish_reason,
+                        stop_reason,
+                        None if times is None else (*times, replica),
+                    )
+                )
             except Exception as error:
                 # NOTE: one request's failure is its own (docs/architecture.md, "Failure: one
                 # request or the pipeline"): it ends with a typed error and is aborted in the

@@ -99,6 +99,10 @@ class EngineObserver:
         rejection or engine failure (``error``), or because the caller stopped reading (the
         request is then aborted). Called exactly once for every request sent."""
 
+    def stats_received(self, stats: EngineStats) -> None:
+        """An engine step's stats arrived (one per step of each replica; a replica's
+        ``num_steps`` tells a new step from a repeat)."""
+
 
 class AsyncEngine:
     """The asynchronous LLM engine.
@@ -549,6 +553,8 @@ class AsyncEngine:
     def _notify_batch(self, batch: RequestOutputs) -> None:
         for observer in self._observers:
             try:
+                if batch.stats is not None:
+                    observer.stats_received(batch.stats)
                 for output in batch.outputs:
                     observer.output_received(output)
                 for rejected in batch.rejected:

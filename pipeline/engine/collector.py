@@ -67,8 +67,12 @@ class OutputCollector:
             )
             self.metrics = metrics
         pending = self.pending
-        delta = output.delta if pending is None else pending.delta + output.delta
-        output = with_metrics(output, self.request_id, delta, metrics)
+        if pending is None:
+            delta, times = output.delta, output.scheduler_times
+        else:  # merged: the first token's scheduler times stay on the output that has it
+            delta = pending.delta + output.delta
+            times = output.scheduler_times or pending.scheduler_times
+        output = with_metrics(output, self.request_id, delta, metrics, times)
         self.pending = self.last = output
         self._wake()
 
@@ -98,9 +102,14 @@ class OutputCollector:
 
 
 def with_metrics(
-    output: RequestOutput, request_id: str, delta: str, metrics: RequestMetrics
+    output: RequestOutput,
+    request_id: str,
+    delta: str,
+    metrics: RequestMetrics,
+    scheduler_times: tuple[float, float, str] | None = None,
 ) -> RequestOutput:
-    """``output`` with ``request_id``, ``delta`` and ``metrics`` replaced.
+    """``output`` with ``request_id``, ``delta``, ``metrics`` and ``scheduler_times``
+    replaced.
 
     NOTE: calls the constructor with every field of RequestOutput, in order: half the cost of
     ``dataclasses.replace``, which runs once per token per stream. A new RequestOutput field
@@ -117,4 +126,5 @@ def with_metrics(
         output.num_prompt_tokens,
         output.num_cached_tokens,
         metrics,
+        scheduler_times,
     )

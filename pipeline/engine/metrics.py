@@ -6,10 +6,12 @@
         port = metrics.start_http_server("127.0.0.1", 9400)   # GET http://127.0.0.1:9400/metrics
         ...
 
-``actorline serve --metrics-port 9400`` does the same for the gRPC server. Every metric is in
-the ``actorline_`` namespace and lives in the :class:`EngineMetrics`' own
+``actorline serve --metrics-port 9400`` does the same for the gRPC server. Every metric of
+this module is in the ``actorline_`` namespace and lives in the :class:`EngineMetrics`' own
 :class:`~prometheus_client.CollectorRegistry` (never the process-global one), so several
-engines in one process do not collide.
+engines in one process do not collide. Beside them, the same registry holds vLLM's metric
+names (``vllm:`` prefix, ``model_name`` label; :mod:`pipeline.engine.vllm_metrics`), so
+dashboards and autoscalers made for vLLM work unchanged.
 
 Three sources feed them:
 
@@ -55,6 +57,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from pipeline.engine.async_engine import AsyncEngine, EngineObserver
+from pipeline.engine.vllm_metrics import VllmMetrics
 from pipeline.runtime.control import HANDLE_SECONDS_BUCKETS
 from stages.errors import ERROR_KINDS
 from stages.messages import GenerateRequest, RequestOutput, RequestRejected
@@ -341,7 +344,9 @@ def _cumulative(buckets: tuple[int, ...]) -> list[tuple[str, float]]:
 
 
 class EngineMetrics:
-    """Prometheus metrics of ``engine`` in ``registry`` (a new CollectorRegistry by default).
+    """Prometheus metrics of ``engine`` in ``registry`` (a new CollectorRegistry by default):
+    actorline's, and vLLM's names labelled ``model_name`` (the served model name; default: the
+    engine's model).
 
     Per-request metrics count from construction on. :meth:`start` (or ``async with``) begins
     polling per-stage statistics every ``poll_interval`` seconds; :meth:`start_http_server`
@@ -356,6 +361,7 @@ class EngineMetrics:
         registry: CollectorRegistry | None = None,
         *,
         poll_interval: float = DEFAULT_POLL_INTERVAL,
+        model_name: str | None = None,
     ) -> None:
         if not poll_interval > 0:
             raise ValueError(f"poll_interval must be > 0 seconds, got {poll_interval!r}")
@@ -367,6 +373,7 @@ class EngineMetrics:
         self._observer = _RequestObserver(self.registry)
         self.registry.register(_SnapshotCollector(self))
         engine.add_observer(self._observer)
+        self.vllm = VllmMetrics(engine, self.registry, model_name or engine.options.model)
         self._poller: asyncio.Task[None] | None = None
         self._tasks = TaskSet("metrics")  # the poller
         self._http: tuple[WSGIServer, threading.Thread] | None = None
@@ -424,6 +431,7 @@ class EngineMetrics:
     async def aclose(self) -> None:
         """Stop polling and the HTTP server and detach from the engine. Idempotent."""
         self.engine.remove_observer(self._observer)
+        self.vllm.close()
         poller, self._poller = self._poller, None
         if poller is not None:
             poller.cancel()

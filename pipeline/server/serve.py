@@ -308,7 +308,7 @@ async def serve(
         if metrics_port is not None or http_port is not None:
             from pipeline.engine.metrics import EngineMetrics
 
-            metrics = await EngineMetrics(engine).start()
+            metrics = await EngineMetrics(engine, model_name=served_model_name).start()
         if metrics is not None and metrics_port is not None:
             bound = metrics.start_http_server(metrics_host, metrics_port)
             metrics_url = f"http://{format_address(metrics_host, bound)}/metrics"

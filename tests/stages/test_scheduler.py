@@ -686,3 +686,47 @@ def test_mirror_never_overplans_and_every_request_ends(workload: Workload) -> No
             assert reason == "length" and EOS not in tokens
     # Every block came back to execute once the last frees went out.
     assert execute.free == execute.total_blocks and not execute.computed
+
+
+# ------------------------------------------------------------------------ timing
+
+
+class SetClock:
+    """A clock that reads what the test set."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_first_tokens_carry_queue_and_prefill_times_and_stats_the_step_tokens() -> None:
+    clock = SetClock()
+    scheduler = Scheduler(SchedulerConfig(1, 8), FcfsPolicy(), clock=clock)
+    details = engine_info()
+    scheduler.set_engine_info(details)
+    execute = Execute(details)
+
+    def step_at(schedule: float, update: float) -> EngineOutputs:
+        clock.now = schedule
+        step = scheduler.schedule()
+        assert step is not None
+        clock.now = update
+        return scheduler.update(execute.run(step, lambda request_id: FILLER))
+
+    clock.now = 1.0
+    scheduler.add_request(request("a", 12, max_tokens=2))
+    clock.now = 2.0
+    scheduler.add_request(request("b", 4, max_tokens=1))
+    outputs = step_at(3.0, 4.0)  # a's first 8 prompt tokens: no token yet
+    assert outputs.scheduler_times == {}
+    assert outputs.stats is not None and outputs.stats.step_tokens == 8
+    outputs = step_at(5.0, 6.0)  # the rest of a's prompt: its first token
+    assert outputs.scheduler_times == {"a": (3.0 - 1.0, 6.0 - 3.0)}
+    assert outputs.stats is not None and outputs.stats.step_tokens == 4
+    outputs = step_at(7.0, 8.0)  # a's second token ends it: reported once
+    assert outputs.finish_reasons == ("length",) and outputs.scheduler_times == {}
+    assert outputs.stats is not None and outputs.stats.step_tokens == 1
+    outputs = step_at(9.0, 10.0)  # b waited for the one seat from 2.0 to 9.0
+    assert outputs.scheduler_times == {"b": (9.0 - 2.0, 10.0 - 9.0)}

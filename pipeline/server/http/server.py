@@ -94,7 +94,9 @@ class HttpServer:
             engine, model_name or engine.options.model, self.limits.max_logprob_entries
         )
         self._owns_metrics = metrics is None
-        self.metrics = metrics if metrics is not None else EngineMetrics(engine)
+        self.metrics = (
+            metrics if metrics is not None else EngineMetrics(engine, model_name=model_name)
+        )
         self.app: FastAPI = create_app(
             self.service,
             api_keys=api_keys,

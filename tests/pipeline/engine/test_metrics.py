@@ -62,6 +62,8 @@ BLOCK_SIZE = 16
 #: KV blocks of the test engine: six 60-token requests need 24, so some are preempted
 NUM_BLOCKS = 20
 MAX_MODEL_LEN = 256
+#: the model name the vLLM metrics are labelled with
+SERVED = "served-tiny"
 
 
 def run(coroutine: Coroutine[Any, Any, T], timeout: float = RUN_TIMEOUT) -> T:
@@ -125,7 +127,7 @@ def test_scrape_lists_every_metric_and_values_move_under_load(tiny_model_dir: Pa
             str(tiny_model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
             max_model_len=MAX_MODEL_LEN,
         )  # fmt: skip
-        async with engine, EngineMetrics(engine, poll_interval=0.1) as metrics:
+        async with engine, EngineMetrics(engine, poll_interval=0.1, model_name=SERVED) as metrics:
             port = metrics.start_http_server("127.0.0.1", 0)
             before = await scrape(port)
             for name, kind in EXPECTED.items():
@@ -141,6 +143,10 @@ def test_scrape_lists_every_metric_and_values_move_under_load(tiny_model_dir: Pa
                 tokens(500, 10), SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
             )
             first = await anext(long_stream)
+            # the scheduler's queue and prefill times reach the caller on its first output
+            assert first.scheduler_times is not None
+            queue_seconds, prefill_seconds, replica = first.scheduler_times
+            assert queue_seconds >= 0 and prefill_seconds > 0 and replica == ""
 
             async def running() -> bool:
                 return engine.stats is not None and engine.stats.num_running >= 1
@@ -228,6 +234,35 @@ def test_scrape_lists_every_metric_and_values_move_under_load(tiny_model_dir: Pa
             ]
             assert counts == sorted(counts)
         assert grew("actorline_stage_handle_seconds_sum", stage="execute") > 0
+
+        # vLLM's names (pipeline/engine/vllm_metrics.py) count the same requests, labelled
+        # with the served model name and the one engine.
+        def grew_vllm(name: str, **labels: str) -> float:
+            return grew("vllm:" + name, model_name=SERVED, engine="0", **labels)
+
+        assert grew_vllm("generation_tokens_total") == num_tokens
+        assert grew_vllm("prompt_tokens_total") == grew("actorline_prompt_tokens_total")
+        for reason, count in reasons.items():
+            assert grew_vllm("request_success_total", finished_reason=reason) == count
+        assert grew_vllm("e2e_request_latency_seconds_count") == len(finals)
+        assert grew_vllm("time_to_first_token_seconds_count") == len(generated)
+        assert grew_vllm("inter_token_latency_seconds_count") == itl
+        for phase in ("queue", "prefill", "decode", "inference"):
+            # every request here had a first token (the aborted one too)
+            assert grew_vllm(f"request_{phase}_time_seconds_count") == len(generated), phase
+        assert grew_vllm("request_generation_tokens_sum") == num_tokens
+        # preempted requests waited again, but their queue time ends at their first schedule
+        assert grew_vllm("request_queue_time_seconds_sum") >= 0
+        for counter in ("preemptions_total", "prefix_cache_hits_total",
+                        "prefix_cache_queries_total"):  # fmt: skip
+            vllm_name = "num_" + counter if counter == "preemptions_total" else counter
+            assert grew_vllm(vllm_name) == grew("actorline_" + counter), counter
+        steps = grew("actorline_engine_steps_total")
+        assert 0 < grew_vllm("iteration_tokens_total_count") <= steps
+        assert grew_vllm("iteration_tokens_total_sum") >= num_tokens
+        assert after.value(
+            "vllm:kv_cache_usage_perc", model_name=SERVED, engine="0"
+        ) == after.value("actorline_kv_cache_usage_ratio")
 
     run(body())
 

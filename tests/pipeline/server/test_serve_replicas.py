@@ -110,6 +110,15 @@ def test_a_dead_replica_leaves_actorline_serve_serving(
             if name == "actorline_replica_up"
         }
         assert up[alive] == 1.0  # (the dead one may be back already)
+        # vLLM's names label each replica's series with engine="<replica>", as vLLM does each
+        # engine core's; a request counts under the replica that ran it.
+        vllm = [(name, dict(labels), value) for (name, labels), value in samples.items()
+                if name.startswith("vllm:")]  # fmt: skip
+        assert {labels["model_name"] for _, labels, _ in vllm} == {MODEL}
+        assert {labels["engine"] for _, labels, _ in vllm} <= {"0", "1"}
+        assert ("vllm:num_requests_running", {"model_name": MODEL, "engine": alive}, 0.0) in vllm
+        finished = sum(v for n, _, v in vllm if n == "vllm:e2e_request_latency_seconds_count")
+        assert finished >= 3  # the two completions and the stream
 
         # the dead replica heals on its own: a fresh host process, counted, serving
         poll_until(
