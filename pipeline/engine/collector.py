@@ -117,4 +117,6 @@ def with_metrics(
         output.num_prompt_tokens,
         output.num_cached_tokens,
         metrics,
+        output.reasoning,
+        output.tool_calls,
     )
