@@ -75,14 +75,12 @@ class ToolSpec:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChatMessage:
     """One chat message. ``tool_calls``: the calls an assistant message made;
-    ``tool_call_id``: the call a ``tool`` message answers; ``name``: the participant's (or, in
-    a ``tool`` message, the function's) name ("" when not given)."""
+    ``tool_call_id``: the call a ``tool`` message answers ("" in other messages)."""
 
     role: str
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
-    name: str = ""
 
 
 @message()

@@ -158,9 +158,8 @@ def check_tool_messages(messages: Sequence[ChatMessage], request_id: str) -> Non
 
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
-        for name in ("tool_call_id", "name"):
-            if not isinstance(getattr(message, name), str):
-                fail(f"{where}.{name}", "must be a string")
+        if not isinstance(message.tool_call_id, str):
+            fail(f"{where}.tool_call_id", "must be a string")
         if not isinstance(message.tool_calls, tuple):
             fail(f"{where}.tool_calls", "must be a list of calls")
         if message.tool_calls and message.role != "assistant":
@@ -285,7 +284,7 @@ def output_parsing(
 
 def message_from_dict(item: Any) -> ChatMessage:
     """A chat message from OpenAI's dict shape (``role``, ``content``, ``tool_calls`` of
-    ``{"id", "function": {"name", "arguments"}}``, ``tool_call_id``, ``name``). Values of the
+    ``{"id", "function": {"name", "arguments"}}``, ``tool_call_id``). Values of the
     wrong type are kept as they are for the validation core to refuse, naming the field."""
     calls = []
     for call in item.get("tool_calls") or ():
@@ -300,7 +299,6 @@ def message_from_dict(item: Any) -> ChatMessage:
         "" if content is None else content,
         tuple(calls),
         item.get("tool_call_id") or "",
-        item.get("name") or "",
     )
 
 
@@ -321,8 +319,6 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             ]
         if message.tool_call_id:
             item["tool_call_id"] = message.tool_call_id
-        if message.name:
-            item["name"] = message.name
         dicts.append(item)
     return dicts
 

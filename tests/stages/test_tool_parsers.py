@@ -6,13 +6,14 @@ ignores tools)."""
 
 from __future__ import annotations
 
+import itertools
 import json
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+import tomllib
 
 import plugins
 from pipeline.engine.prompts import check_prompt
@@ -28,7 +29,9 @@ from stages.tools import BUILTIN_PARSERS, ToolUse, load_parser, tool_constraint
 WEATHER = ToolSpec(
     "get_weather",
     "the weather in a city",
-    json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+    json.dumps(
+        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    ),
 )
 TIME = ToolSpec("get_time", "", json.dumps({"type": "object", "properties": {}}))
 
@@ -108,7 +111,7 @@ def test_each_format_read_whole_and_streamed(
     assert final_content == content
     assert [(call_name, json.loads(arguments)) for call_name, arguments in final_calls] == calls
     # streamed: content and each call's arguments only grow, names never change
-    for (before, before_calls), (after, after_calls) in zip(states, states[1:]):
+    for (before, before_calls), (after, after_calls) in itertools.pairwise(states):
         assert after.startswith(before)
         assert len(after_calls) >= len(before_calls)
         for (old_name, old_arguments), (new_name, new_arguments) in zip(before_calls, after_calls):
@@ -157,7 +160,7 @@ def test_reasoning_parsers(
     made.finish()
     seen.append((made.reasoning, made.content))
     assert seen[-1] == (reasoning, content)
-    for (r0, c0), (r1, c1) in zip(seen, seen[1:]):
+    for (r0, c0), (r1, c1) in itertools.pairwise(seen):
         assert r1.startswith(r0) and c1.startswith(c0)
 
 

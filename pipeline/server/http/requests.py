@@ -38,6 +38,7 @@ from pipeline.server.http.schema import (
     ChatMessageBody,
     CompletionRequest,
     GenerationBody,
+    ToolBody,
 )
 from pipeline.server.http.structured import structured_outputs_from
 from stages.messages import ChatMessage, ToolCall, ToolSpec
@@ -169,22 +170,34 @@ def _check_body_extras(body: GenerationBody, accepted: dict[str, tuple[object, .
     if body.stream_options is not None:
         check_extras(body.stream_options.model_extra, STREAM_OPTIONS_ACCEPTED_AT, "stream_options.")
     if isinstance(body, ChatCompletionRequest):
-        for index, message in enumerate(body.messages):
-            where = f"messages[{index}]."
-            check_extras(message.model_extra, {}, where)
-            for call_index, call in enumerate(message.tool_calls or ()):
-                call_where = f"{where}tool_calls[{call_index}]."
-                check_extras(call.model_extra, {}, call_where)
-                check_extras(call.function.model_extra, {}, f"{call_where}function.")
-            if isinstance(message.content, list):
-                for part_index, part in enumerate(message.content):
-                    check_extras(part.model_extra, {}, f"messages[{index}].content[{part_index}].")
-        for index, tool in enumerate(body.tools or ()):
-            check_extras(tool.model_extra, {}, f"tools[{index}].")
-            check_extras(tool.function.model_extra, {}, f"tools[{index}].function.")
+        check_message_extras(body.messages, body.tools)
         if not isinstance(body.tool_choice, str | None):
             check_extras(body.tool_choice.model_extra, {}, "tool_choice.")
             check_extras(body.tool_choice.function.model_extra, {}, "tool_choice.function.")
+
+
+def check_message_extras(
+    messages: Sequence[ChatMessageBody], tools: Sequence[ToolBody] | None = None
+) -> None:
+    """Refuse the fields of chat ``messages`` (their parts and calls) and ``tools`` that
+    their models do not declare (:func:`check_extras`).
+
+    Raises:
+        ApiError: 400 ``unsupported_value`` naming the first such field.
+    """
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]."
+        check_extras(message.model_extra, {"name": (None,)}, where)
+        for call_index, call in enumerate(message.tool_calls or ()):
+            call_where = f"{where}tool_calls[{call_index}]."
+            check_extras(call.model_extra, {}, call_where)
+            check_extras(call.function.model_extra, {}, f"{call_where}function.")
+        if isinstance(message.content, list):
+            for part_index, part in enumerate(message.content):
+                check_extras(part.model_extra, {}, f"{where}content[{part_index}].")
+    for index, tool in enumerate(tools or ()):
+        check_extras(tool.model_extra, {}, f"tools[{index}].")
+        check_extras(tool.function.model_extra, {}, f"tools[{index}].function.")
 
 
 def _check_supported(body: GenerationBody) -> None:
@@ -306,12 +319,29 @@ def chat_messages(bodies: Sequence[ChatMessageBody]) -> tuple[ChatMessage, ...]:
                     code="invalid_value",
                 )
             calls.append(ToolCall(call.id, call.function.name, call.function.arguments))
-        messages.append(
-            ChatMessage(
-                role, content or "", tuple(calls), message.tool_call_id or "", message.name or ""
-            )
-        )
+        messages.append(ChatMessage(role, content or "", tuple(calls), message.tool_call_id or ""))
     return tuple(messages)
+
+
+def tool_specs(tools: Sequence[ToolBody] | None) -> tuple[ToolSpec, ...]:
+    """The functions of a body's ``tools``.
+
+    Raises:
+        ApiError: 400 naming a tool that is not a function.
+    """
+    specs = []
+    for index, tool in enumerate(tools or ()):
+        if tool.type != "function":
+            raise ApiError(
+                400,
+                f"tools[{index}].type: {tool.type!r:.40} is not supported; only function tools are",
+                param=f"tools[{index}].type",
+                code="invalid_value",
+            )
+        function = tool.function
+        parameters = "" if function.parameters is None else json.dumps(function.parameters)
+        specs.append(ToolSpec(function.name, function.description or "", parameters))
+    return tuple(specs)
 
 
 def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
@@ -324,18 +354,7 @@ def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
     """
     if body.tools is None and body.tool_choice is None and body.parallel_tool_calls is None:
         return None
-    specs = []
-    for index, tool in enumerate(body.tools or ()):
-        if tool.type != "function":
-            raise ApiError(
-                400,
-                f"tools[{index}].type: {tool.type!r:.40} is not supported; only function tools are",
-                param=f"tools[{index}].type",
-                code="invalid_value",
-            )
-        function = tool.function
-        parameters = "" if function.parameters is None else json.dumps(function.parameters)
-        specs.append(ToolSpec(function.name, function.description or "", parameters))
+    specs = tool_specs(body.tools)
     choice = body.tool_choice
     if choice is None:
         name = "auto" if specs else "none"
@@ -368,4 +387,4 @@ def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
                 code="unsupported_value",
             )
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
-    return ToolUse(tuple(specs), name, parallel)
+    return ToolUse(specs, name, parallel)

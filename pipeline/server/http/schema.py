@@ -197,7 +197,8 @@ class ToolCallBody(BaseModel):
 
 class ChatMessageBody(BaseModel):
     """One chat message: its role and its content (text, or a list of text parts); an
-    assistant's ``tool_calls``, a tool message's ``tool_call_id``, a participant's ``name``."""
+    assistant's ``tool_calls``, a tool message's ``tool_call_id``. (``name`` is refused: a
+    chat template may ignore it.)"""
 
     model_config = _BODY
 
@@ -205,7 +206,6 @@ class ChatMessageBody(BaseModel):
     content: str | FailFast[ContentPart] | None = None
     tool_calls: FailFast[ToolCallBody] | None = None
     tool_call_id: str | None = None
-    name: str | None = None
 
 
 class FunctionBody(BaseModel):
@@ -266,6 +266,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: FailFast[ChatMessageBody] | None = None
+    tools: FailFast[ToolBody] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False

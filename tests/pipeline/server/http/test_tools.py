@@ -38,8 +38,11 @@ TOOLS: Any = [
         "type": "function",
         "function": {
             "name": "get_time",
-            "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                           "required": ["zone"]},  # fmt: skip
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+            },
         },
     },
 ]
@@ -118,7 +121,10 @@ def test_required_makes_at_least_one_call_streamed_alike(client: openai.OpenAI) 
     assert finish == "tool_calls"
     (only,) = streamed.values()
     expected = choice.message.tool_calls[0]
-    assert (only["name"], only["arguments"]) == (expected.function.name, expected.function.arguments)
+    assert (only["name"], only["arguments"]) == (
+        expected.function.name,
+        expected.function.arguments,
+    )
 
 
 def test_a_tool_result_round_trip_is_accepted_and_rendered(
