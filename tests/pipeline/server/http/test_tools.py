@@ -10,15 +10,18 @@ packages are installed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+import grpc
+import grpc.aio
 import jsonschema
 import openai
 import pytest
 
 from tests.pipeline.server.http.conftest import API_KEY, MODEL
-from tests.pipeline.server.serving import ServeProcess
+from tests.pipeline.server.serving import ServeProcess, bearer
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -207,3 +210,47 @@ def test_litellm_tools(openai_serve: ServeProcess) -> None:
     calls = response.choices[0].message.tool_calls
     assert calls and calls[0].function.name in SCHEMAS
     jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS[calls[0].function.name])
+
+
+@pytest.mark.slow
+def test_a_named_call_over_grpc(openai_serve: ServeProcess) -> None:
+    """The same tools over the Generation service: the proto's tools and tool_choice in, the
+    calls (cumulative) and FINISH_REASON_TOOL_CALLS out; a bad tool is INVALID_ARGUMENT."""
+    from pipeline.server import generation_pb2 as pb
+    from pipeline.server import generation_pb2_grpc
+
+    tools = [
+        pb.Tool(
+            name=tool["function"]["name"], parameters=json.dumps(tool["function"]["parameters"])
+        )
+        for tool in TOOLS
+    ]
+    conversation = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Weather?")])
+    params = pb.SamplingParams(max_tokens=60, temperature=1.0, seed=7)
+
+    async def main() -> tuple[list[Any], grpc.aio.AioRpcError]:
+        assert openai_serve.address is not None
+        async with grpc.aio.insecure_channel(openai_serve.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(
+                messages=conversation, sampling_params=params, tools=tools,
+                tool_choice="get_weather",
+            )  # fmt: skip
+            responses = [r async for r in stub.Generate(request, metadata=bearer(API_KEY))]
+            bad = pb.GenerateRequest(
+                messages=conversation, sampling_params=params, tool_choice="required"
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in stub.Generate(bad, metadata=bearer(API_KEY)):
+                    pass
+            return responses, caught.value
+
+    responses, refused = asyncio.run(main())
+    last = responses[-1]
+    assert last.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    (call,) = last.tool_calls
+    assert call.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+    assert "".join(r.delta for r in responses) == ""
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tool_choice" in (refused.details() or "")
