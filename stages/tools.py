@@ -45,6 +45,7 @@ __all__ = [
     "tool_constraint",
     "tool_dicts",
     "tool_preamble",
+    "tool_specs_of",
 ]
 
 #: the tool_choice values that are not a function's name
@@ -390,3 +391,22 @@ def load_parser(group: str, name: str) -> Any:
         component = getattr(importlib.import_module(module), attribute)
         plugins.check(group, name, component)
         return component
+
+
+def tool_specs_of(tools: Sequence[Any]) -> tuple[ToolSpec, ...]:
+    """Functions given as :class:`~stages.messages.ToolSpec` or OpenAI's tool dicts
+    (``{"type": "function", "function": {"name", "description", "parameters"}}``); values
+    of the wrong type are kept for the validation core to refuse, naming the field."""
+    specs = []
+    for tool in tools:
+        if isinstance(tool, ToolSpec):
+            specs.append(tool)
+            continue
+        function = tool.get("function", tool) if isinstance(tool, dict) else {}
+        parameters = function.get("parameters")
+        if isinstance(parameters, dict):
+            parameters = json.dumps(parameters, ensure_ascii=False)
+        specs.append(
+            ToolSpec(function.get("name"), function.get("description") or "", parameters or "")
+        )
+    return tuple(specs)

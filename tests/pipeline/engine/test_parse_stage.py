@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from pipeline.engine.async_engine import AsyncEngine
+from stages.errors import InvalidRequestError
 from stages.messages import RequestOutput, ToolSpec
 from stages.params import SamplingParams
 from stages.tools import ToolUse
@@ -66,3 +67,26 @@ def test_reasoning_and_a_named_call_through_the_pipeline(tiny_model_dir: Path) -
             jsonschema.validate(json.loads(call.arguments), SCHEMA)
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_llm_chat_with_tools_required(tiny_model_dir: Path) -> None:
+    """vLLM's ``LLM.chat(..., tools=...)`` shape: OpenAI tool dicts, ``required``."""
+    from pipeline.engine.llm import LLM
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    with LLM(str(tiny_model_dir), transport="memory", num_blocks=64) as llm:
+        (output,) = llm.chat(
+            [{"role": "user", "content": "Weather?"}],
+            SamplingParams(max_tokens=80, temperature=1.0, seed=2),
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,
+        )
+        assert output.finish_reason == "tool_calls" and output.text == ""
+        (call,) = output.tool_calls
+        assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), SCHEMA)
+        with pytest.raises(InvalidRequestError) as caught:
+            llm.chat([{"role": "user", "content": "x"}], tools=[{"function": {"name": "a b"}}])
+        assert caught.value.field == "tools[0].function.name"
