@@ -20,7 +20,7 @@ from pipeline.server.http.choices import Choices
 from pipeline.server.http.logprobs import LogprobsCursor, chat_logprobs, lazy_chat_logprobs
 from stages.messages import Logprobs, RequestOutput, ToolCall
 
-__all__ = ["chat_events", "chat_response"]
+__all__ = ["SentParts", "chat_events", "chat_response"]
 
 OBJECT = "chat.completion"
 CHUNK_OBJECT = "chat.completion.chunk"
@@ -87,7 +87,7 @@ def _chunk(
     return answer.chunk(choice)
 
 
-class _Sent:
+class SentParts:
     """What a stream has sent of one choice's reasoning and calls (their outputs are
     cumulative: each chunk carries what is new)."""
 
@@ -122,7 +122,7 @@ class _Sent:
 async def chat_events(answer: Answer, choices: Choices) -> AsyncGenerator[str, None]:
     """The stream's events (``[DONE]`` excluded)."""
     cursors = [LogprobsCursor() for _ in range(len(choices))]
-    sent = [_Sent() for _ in range(len(choices))]
+    sent = [SentParts() for _ in range(len(choices))]
     for index in range(len(choices)):
         yield _chunk(answer, index, {"role": "assistant", "content": ""}, ())
     async with contextlib.aclosing(choices.outputs()) as outputs:
