@@ -402,11 +402,11 @@ def tool_specs_of(tools: Sequence[Any]) -> tuple[ToolSpec, ...]:
         if isinstance(tool, ToolSpec):
             specs.append(tool)
             continue
-        function = tool.get("function", tool) if isinstance(tool, dict) else {}
+        function: dict[str, Any] = tool.get("function", tool) if isinstance(tool, dict) else {}
         parameters = function.get("parameters")
         if isinstance(parameters, dict):
             parameters = json.dumps(parameters, ensure_ascii=False)
         specs.append(
-            ToolSpec(function.get("name"), function.get("description") or "", parameters or "")
+            ToolSpec(function.get("name", ""), function.get("description") or "", parameters or "")
         )
     return tuple(specs)
