@@ -1,6 +1,6 @@
 """The one registry of named components, discovered through entry-point groups.
 
-Five groups, whose names are the constants below. Each built-in component is registered
+Seven groups, whose names are the constants below. Each built-in component is registered
 through actorline's own ``pyproject.toml`` entry points, exactly like a third-party plugin::
 
     [project.entry-points."actorline.schedulers"]
@@ -28,9 +28,11 @@ from typing import Any
 __all__ = [
     "GRAMMARS",
     "GROUPS",
+    "REASONING_PARSERS",
     "ROUTERS",
     "SCHEDULERS",
     "STAGES",
+    "TOOL_PARSERS",
     "TRANSPORTS",
     "GroupSpec",
     "PluginConflict",
@@ -53,6 +55,8 @@ ROUTERS = "actorline.routers"
 SCHEDULERS = "actorline.schedulers"
 STAGES = "actorline.stages"
 TRANSPORTS = "actorline.transports"
+TOOL_PARSERS = "actorline.tool_parsers"
+REASONING_PARSERS = "actorline.reasoning_parsers"
 #: the distribution whose entry points are the built-ins
 _BUILTIN_DISTRIBUTION = "actorline"
 
@@ -100,6 +104,20 @@ GROUPS: dict[str, GroupSpec] = {
         api_version=1,
         methods=("start", "stop", "handle"),
         attributes=("inputs", "outputs"),
+    ),
+    TOOL_PARSERS: GroupSpec(
+        TOOL_PARSERS,
+        "tool-call parsers: the function calls in a model's output, read as it streams",
+        api_version=1,
+        methods=("feed", "finish"),
+        attributes=("name",),
+    ),
+    REASONING_PARSERS: GroupSpec(
+        REASONING_PARSERS,
+        "reasoning parsers: the reasoning part of a model's output (<think>...</think>)",
+        api_version=1,
+        methods=("feed", "finish"),
+        attributes=("name",),
     ),
     TRANSPORTS: GroupSpec(
         TRANSPORTS,

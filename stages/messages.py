@@ -34,6 +34,7 @@ __all__ = [
     "EngineStats",
     "GenerateRequest",
     "Logprobs",
+    "OutputParsing",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputs",
@@ -42,14 +43,62 @@ __all__ = [
     "SchedulerStep",
     "StepResult",
     "TextOutputs",
+    "ToolCall",
+    "ToolSpec",
 ]
 
 
 @message()
 @dataclasses.dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call: in an assistant message of a chat's history, or made by the model
+    (parsed from its output by the parse stage). ``arguments``: JSON text (in a streamed
+    output, the text generated so far)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@message()
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """A function the model may call (OpenAI's ``tools[i].function``): its name, what it does
+    and its ``parameters`` as JSON-schema text ("" when none was given)."""
+
+    name: str
+    description: str = ""
+    parameters: str = ""
+
+
+@message()
+@dataclasses.dataclass(frozen=True, slots=True)
 class ChatMessage:
+    """One chat message. ``tool_calls``: the calls an assistant message made;
+    ``tool_call_id``: the call a ``tool`` message answers ("" in other messages)."""
+
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+
+
+@message()
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputParsing:
+    """How the parse stage reads a request's output (docs/architecture.md §2.8):
+    ``tool_parser``, the tool-call parser plugin (``actorline.tool_parsers``; "" none);
+    ``tool_choice``: ``"auto"`` (calls parsed from the model's own format), ``"required"``
+    (a JSON list of calls, enforced by the request's grammar) or ``"function"`` (the output is
+    the arguments of ``function``, enforced likewise); ``reasoning_parser``: the reasoning
+    parser plugin (``actorline.reasoning_parsers``; "" none); ``parallel``: several calls may
+    be kept (else only the first)."""
+
+    tool_parser: str = ""
+    tool_choice: str = "auto"
+    function: str = ""
+    reasoning_parser: str = ""
+    parallel: bool = True
 
 
 @message()
@@ -57,7 +106,10 @@ class ChatMessage:
 class GenerateRequest:
     """A request as the API receives it: exactly one of ``prompt``, ``messages`` or
     ``prompt_token_ids`` is set. ``chat_template``: apply the model's chat template to
-    ``messages`` (always) or to a plain ``prompt`` (when True)."""
+    ``messages`` (always) or to a plain ``prompt`` (when True). ``tools``: the functions the
+    model may call (rendered into the prompt by the chat template); ``tool_choice``:
+    ``"none"``, ``"auto"``, ``"required"`` or the name of the one function to call ("" with no
+    tools); ``parallel_tool_calls``: whether several calls may be made at once."""
 
     request_id: str
     params: SamplingParams
@@ -67,13 +119,17 @@ class GenerateRequest:
     chat_template: bool = False
     tenant: str = ""
     arrival_time: float = 0.0
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: str = ""
+    parallel_tool_calls: bool = True
 
 
 @message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineRequest:
     """A tokenized request, from tokenize to admit and schedule (and to detokenize, which
-    registers the request's text state)."""
+    registers the request's text state). ``parsing``: how the parse stage reads its output
+    (None: it passes through)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -81,6 +137,7 @@ class EngineRequest:
     tenant: str = ""
     arrival_time: float = 0.0
     prompt: str | None = None
+    parsing: OutputParsing | None = None
 
 
 @message()
@@ -302,7 +359,11 @@ class RequestOutput:
     ``metrics``: timing, filled in by the API. ``scheduler_times``: on the output that
     carries the request's first token only, ``(queue_seconds, prefill_seconds, replica)`` as
     the scheduler measured them (:class:`EngineOutputs`), with the engine replica that ran it
-    ("" with one); a caller of the engine finds them on the first output it reads.
+    ("" with one); a caller of the engine finds them on the first output it reads. When the
+    request's output is parsed (the
+    parse stage), ``text``/``delta`` hold its content only, ``reasoning`` the reasoning text so
+    far and ``tool_calls`` the calls so far (the last one's arguments possibly still growing),
+    both cumulative: a stream's deltas are what is new since the previous output.
     """
 
     request_id: str
@@ -316,6 +377,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     scheduler_times: tuple[float, float, str] | None = None
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -21,8 +21,23 @@ from typing import Any
 
 from pipeline.runtime.stage import Stage, handles
 from stages.errors import InvalidRequestError, PromptTooLongError, RequestError
-from stages.messages import EngineInfo, EngineRequest, GenerateRequest, RequestRejected
+from stages.messages import (
+    ChatMessage,
+    EngineInfo,
+    EngineRequest,
+    GenerateRequest,
+    RequestRejected,
+    ToolSpec,
+)
 from stages.recovery import rejection, request_id_of
+from stages.tools import (
+    fallback_messages,
+    message_dicts,
+    output_parsing,
+    template_parser_hint,
+    tool_constraint,
+    tool_dicts,
+)
 
 __all__ = [
     "TokenizeConfig",
@@ -31,14 +46,22 @@ __all__ = [
     "longest_token_chars",
     "prefetch_tokenizer",
     "render_chat",
+    "render_messages",
+    "template_renders_tools",
 ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenizeConfig:
-    """``model``: an alias, HF directory or .gguf file (the tokenizer comes with it)."""
+    """``model``: an alias, HF directory or .gguf file (the tokenizer comes with it).
+    ``tool_call_parser``: the tool-call parser of requests with tools ("": the one the chat
+    template suggests, :func:`stages.tools.template_parser_hint`); ``reasoning_parser``: the
+    reasoning parser of every chat request ("": none). Both are named on the request for the
+    parse stage (:class:`~stages.messages.OutputParsing`)."""
 
     model: str
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
 
 #: tokenizers being loaded ahead by prefetch_tokenizer, by model: the next load takes one
@@ -167,6 +190,8 @@ class TokenizeStage(Stage):
         super().__init__(config)
         self.tokenizer: Any = None
         self._token_chars: int | None = None
+        self._tool_parser = config.tool_call_parser
+        self._renders_tools = True
         # Set once the engine reports its length: text longer than this has more tokens than
         # the model's length holds, so it is refused without tokenizing it.
         self.max_prompt_chars: int | None = None
@@ -174,6 +199,14 @@ class TokenizeStage(Stage):
     async def start(self) -> None:
         self.tokenizer = await self.run_in_thread(load_tokenizer, self.config.model)
         self._token_chars = longest_token_chars(self.tokenizer)
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, str):
+            self._renders_tools = await self.run_in_thread(template_renders_tools, self.tokenizer)
+            if not self._tool_parser:
+                # NOTE: a template that ignores tools gets the default preamble, whose
+                # <tool_call> format the generic parser reads
+                hint = template_parser_hint(template) if self._renders_tools else "generic"
+                self._tool_parser = hint
 
     @handles(EngineInfo)
     async def on_engine_info(self, info: EngineInfo) -> None:
@@ -197,13 +230,25 @@ class TokenizeStage(Stage):
                 RequestRejected.of(request.request_id, error),
             )
             return
+        params = request.params
+        constraint = tool_constraint(
+            request.tools, request.tool_choice, request.parallel_tool_calls
+        )
+        if constraint is not None:
+            params = params.replace(structured_outputs=constraint)
+        parsing = None
+        if request.messages is not None:
+            parsing = output_parsing(
+                request, self._tool_parser or "generic", self.config.reasoning_parser
+            )
         engine_request = EngineRequest(
             request.request_id,
             token_ids,
-            request.params,
+            params,
             request.tenant,
             request.arrival_time,
             request.prompt,
+            parsing,
         )
         await self.emit("track", engine_request)
         await self.emit("out", engine_request)
@@ -254,7 +299,9 @@ class TokenizeStage(Stage):
         if request.prompt_token_ids is not None:
             return tuple(request.prompt_token_ids)
         if request.messages is not None:
-            return self._apply_chat_template([(m.role, m.content) for m in request.messages])
+            return render_messages(
+                self.tokenizer, request.messages, request.tools, renders_tools=self._renders_tools
+            )
         prompt = request.prompt
         assert prompt is not None  # exactly one input (the validation core)
         # NOTE: as vLLM, whitespace is a prompt like any other; only a prompt without tokens
@@ -280,13 +327,75 @@ def render_chat(
     Raises:
         InvalidRequestError: the model has no chat template.
     """
+    chat = tuple(ChatMessage(role, content) for role, content in messages)
+    return render_messages(tokenizer, chat, (), add_generation_prompt=add_generation_prompt)
+
+
+def render_messages(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    tools: Sequence[ToolSpec],
+    *,
+    add_generation_prompt: bool = True,
+    renders_tools: bool | None = None,
+) -> tuple[int, ...]:
+    """The token ids of chat ``messages`` and the ``tools`` they may call, rendered by the
+    tokenizer's chat template (transformers hands ``tools`` to it). A template that ignores
+    tools (``renders_tools`` False; None: find out, :func:`template_renders_tools`) gets them
+    as the default preamble instead, its calls and results written in the ``<tool_call>``
+    format (:func:`stages.tools.fallback_messages`; docs/serving.md, "Tool calling").
+
+    Raises:
+        InvalidRequestError: the model has no chat template, or it refused the messages.
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "this model has no chat template; send a plain prompt", field="messages"
         )
-    rendered = tokenizer.apply_chat_template(
-        [{"role": role, "content": content} for role, content in messages],
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-    )
+    needs_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
+    if needs_tools and renders_tools is None:
+        renders_tools = template_renders_tools(tokenizer)
+    extra: dict[str, Any] = {}
+    if needs_tools and not renders_tools:
+        dicts = fallback_messages(messages, tools)
+    else:
+        dicts = message_dicts(messages)
+        if tools:
+            extra["tools"] = tool_dicts(tools)
+    try:
+        rendered = tokenizer.apply_chat_template(
+            dicts, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+        )
+    except Exception as error:  # the template's own raise_exception, a missing key
+        raise InvalidRequestError(
+            f"the model's chat template refused these messages: {error}", field="messages"
+        ) from None
     return tuple(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+#: the conversation that tells whether a chat template renders tools
+_PROBE = [{"role": "user", "content": "Hi"}]
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "probe_function_7f3a",
+            "description": "d",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+]
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders ``tools``: a conversation rendered with
+    a tool and without one comes out different (a template that ignores them gets the
+    default preamble, :func:`render_messages`)."""
+    try:
+        without = tokenizer.apply_chat_template(_PROBE, add_generation_prompt=True, tokenize=False)
+        with_tools = tokenizer.apply_chat_template(
+            _PROBE, add_generation_prompt=True, tokenize=False, tools=_PROBE_TOOLS
+        )
+    except Exception:  # a template that fails on the probe: treat it as ignoring tools
+        return False
+    return bool(with_tools != without)

@@ -25,6 +25,7 @@ from stages.checks import check_bool, check_number, check_text, check_token_ids,
 from stages.errors import InvalidRequestError, PromptTooLongError
 from stages.messages import ChatMessage, GenerateRequest
 from stages.params import SamplingParams, validate_sampling
+from stages.tools import check_tool_messages, check_tool_use
 
 __all__ = [
     "MAX_REQUEST_ID_LENGTH",
@@ -101,6 +102,7 @@ def validate_generate_request(request: GenerateRequest, *, vocab_size: int | Non
             request_id=request_id,
         )
     validate_sampling(request.params, vocab_size=vocab_size, request_id=request_id)
+    check_tool_use(request, request_id)
 
 
 def room_after_prompt(
@@ -205,3 +207,4 @@ def _check_messages(messages: object, request_id: str) -> None:
         check_text(
             "messages", message.content, request_id=request_id, where=f"messages[{index}].content"
         )
+    check_tool_messages(messages, request_id)

@@ -62,6 +62,7 @@ from stages.messages import (
     RequestRejected,
 )
 from stages.params import SamplingParams
+from stages.tools import ToolUse
 from stages.validation import check_request_id
 from transports.tasks import TaskSet
 
@@ -346,6 +347,7 @@ class AsyncEngine:
         request_id: str | None = None,
         tenant: str = "",
         chat_template: bool = False,
+        tools: ToolUse | None = None,
     ) -> CheckedPrompt:
         """``prompt`` and ``sampling_params`` checked by the validation core, as
         :meth:`generate` checks them, for a front end that checks a batch before any of it
@@ -363,6 +365,7 @@ class AsyncEngine:
             chat_template=chat_template,
             vocab_size=info.vocab_size if info is not None else None,
             request_id=request_id,
+            tools=tools,
         )
 
     async def generate(
@@ -373,6 +376,7 @@ class AsyncEngine:
         request_id: str | None = None,
         tenant: str = "",
         chat_template: bool = False,
+        tools: ToolUse | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding outputs as tokens arrive (the last one has a
         ``finish_reason``).
@@ -381,7 +385,10 @@ class AsyncEngine:
         chat messages, a list of token ids, or vLLM's ``{"prompt": text}`` /
         ``{"prompt_token_ids": ids}``; or a :class:`~pipeline.engine.prompts.CheckedPrompt`
         from :meth:`check`, which carries its parameters, tenant and chat-template flag (then
-        give none of them here) and is not checked again. ``request_id``: a non-empty string,
+        give none of them here) and is not checked again. ``tools``: the functions a chat may
+        call, the tool choice and whether calls may be parallel
+        (:class:`~stages.tools.ToolUse`; the output's ``tool_calls`` then holds the calls
+        parsed from it). ``request_id``: a non-empty string,
         unique among this engine's running requests (default: a fresh uuid).
 
         Raises:
@@ -408,6 +415,7 @@ class AsyncEngine:
             chat_template=chat_template,
             vocab_size=info.vocab_size if info is not None else None,
             request_id=request_id,
+            tools=tools,
         )
         request = dataclasses.replace(
             checked.request, request_id=engine_id, arrival_time=time.time()

@@ -127,4 +127,6 @@ def with_metrics(
         output.num_cached_tokens,
         metrics,
         scheduler_times,
+        output.reasoning,
+        output.tool_calls,
     )

@@ -23,8 +23,9 @@ from pipeline.engine.options import EngineOptions
 from pipeline.engine.prompts import CheckedPrompt, Prompt, is_prompt_dict
 from pipeline.runtime.errors import PipelineClosedError
 from stages.errors import InvalidRequestError, OverloadedError, RateLimitedError
-from stages.messages import ChatMessage, RequestOutput
+from stages.messages import ChatMessage, RequestOutput, ToolSpec
 from stages.params import SamplingParams
+from stages.tools import ToolUse, tool_specs_of
 from transports.tasks import TaskSet
 
 __all__ = ["LLM"]
@@ -76,8 +77,10 @@ class LLM:
         *,
         use_tqdm: bool = True,
         chat_template: bool = False,
+        tools: ToolUse | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished output per prompt, in order.
+        ``tools``: the functions every conversation may call (:class:`~stages.tools.ToolUse`).
 
         ``prompts``: one prompt or a list of them; a prompt is a string, a chat conversation,
         a list of token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
@@ -108,7 +111,7 @@ class LLM:
         # NOTE: every prompt through the validation core before anything is sent, once:
         # generate() takes the checked prompts as they are (docs/architecture.md §7.1).
         checked = [
-            self._engine.check(prompt, sampling, chat_template=chat_template)
+            self._engine.check(prompt, sampling, chat_template=chat_template, tools=tools)
             for prompt, sampling in zip(batch, per_prompt)
         ]
         show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
@@ -120,16 +123,27 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        tools: Sequence[Mapping[str, Any] | ToolSpec] | None = None,
+        tool_choice: str = "auto",
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to chat conversations (lists of ``{"role", "content"}`` mappings
-        or :class:`~stages.messages.ChatMessage`), or to one conversation.
+        """Generate replies to chat conversations (lists of ``{"role", "content"}`` mappings,
+        OpenAI's shape with ``tool_calls`` / ``tool_call_id``, or
+        :class:`~stages.messages.ChatMessage`), or to one conversation. ``tools``: functions
+        the model may call (OpenAI's ``{"type": "function", "function": {...}}`` or
+        :class:`~stages.messages.ToolSpec`), with ``tool_choice`` (``none``, ``auto``,
+        ``required`` or a function's name) and ``parallel_tool_calls``, as vLLM's ``LLM.chat``;
+        the outputs' ``tool_calls`` hold the calls (docs/serving.md, "Tool calling").
 
         Raises: as :meth:`generate`.
         """
         self._check_open()
         if conversations and _is_chat_message(conversations[0]):
             conversations = [conversations]
-        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm)
+        use = None
+        if tools is not None:
+            use = ToolUse(tool_specs_of(tools), tool_choice, parallel_tool_calls)
+        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm, tools=use)
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:

@@ -110,6 +110,17 @@ class EngineOptions:
         256 * 1024, help="the longest schema, regex or grammar text of a request (at most "
         "262144)",
     )  # fmt: skip
+    # -- tool calling and reasoning (docs/serving.md, "Tool calling")
+    tool_call_parser: str = option(
+        "", help="tool-call parser plugin (actorline.tool_parsers: hermes, llama3_json, "
+        "mistral, generic); empty: the one the chat template suggests", feeds=("tokenize",),
+        metavar="NAME",
+    )  # fmt: skip
+    reasoning_parser: str = option(
+        "", help="reasoning parser plugin (actorline.reasoning_parsers: deepseek_r1, qwen3) "
+        "that moves <think> text into reasoning_content; empty: none", feeds=("tokenize",),
+        metavar="NAME",
+    )  # fmt: skip
     # -- topology
     transport: str = option(
         "zmq", choices=TRANSPORTS,
@@ -235,6 +246,19 @@ class EngineOptions:
             GrammarLimits(self.grammar_max_rules, self.grammar_max_chars)
         except ValueError as exc:
             raise ValueError(f"grammar_{exc}") from None
+        import plugins
+        from stages.tools import load_parser
+
+        for name, group in (("tool_call_parser", plugins.TOOL_PARSERS),
+                            ("reasoning_parser", plugins.REASONING_PARSERS)):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be a parser name, got {value!r}")
+            if value:
+                try:
+                    load_parser(group, value)
+                except plugins.PluginError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         if self.ray_num_gpus > 0 and self.device == "cpu":
             raise ValueError(
                 f"ray_num_gpus {self.ray_num_gpus:g} reserves GPUs for the engine's hosts, but "

@@ -13,6 +13,9 @@ by default::
                  stop_check ─abort──────────────────────┘  (abort also → detokenize)
                     │out
                     ▼
+                  parse  (reasoning, tool calls; tokenize.track registers its requests)
+                    │out
+                    ▼
                 [outputs]                   [aborts] → schedule.abort, detokenize
 
 The returned pipeline can be edited before it runs: insert a stage after detokenize, replace
@@ -105,6 +108,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     from stages.detokenize import DetokenizeConfig, DetokenizeStage
     from stages.execute.config import ExecuteConfig
     from stages.execute.stage import ExecuteStage
+    from stages.parse import ParseStage
     from stages.schedule import ScheduleConfig, ScheduleStage
     from stages.scheduler import SchedulerConfig
     from stages.stop_check import StopCheckStage
@@ -137,7 +141,9 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     # values built from several options (limits, the grammar config) are written here
     execute = ExecuteConfig(**fed(options, "execute"))
     pipeline = Pipeline("llm")
-    pipeline.add("tokenize", TokenizeStage, TokenizeConfig(options.model))
+    pipeline.add(
+        "tokenize", TokenizeStage, TokenizeConfig(options.model, **fed(options, "tokenize"))
+    )
     replicas = options.data_parallel_size
     for index in range(replicas):
         suffix = replica_suffix(index)
@@ -158,6 +164,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
             _add_ranks(pipeline, f"execute{suffix}", execute, host)
     pipeline.add("detokenize", DetokenizeStage, DetokenizeConfig(options.model))
     pipeline.add("stop_check", StopCheckStage)
+    pipeline.add("parse", ParseStage)
 
     if replicas == 1:
         pipeline.connect("tokenize.out", "admit.in")
@@ -181,14 +188,17 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
         pipeline.connect(f"{schedule_stage}.stats", f"{admit_stage}.stats")
         pipeline.connect(f"{schedule_stage}.out", front)
     pipeline.connect("detokenize", "stop_check")
+    # the parse stage follows the requests whose output it reads (reasoning, tool calls)
+    pipeline.connect("tokenize.track", "parse")
+    pipeline.connect("stop_check.out", "parse")
     # the engine sends nothing more for an aborted request, so detokenize must hear of it too
     aborts = "schedule.abort" if replicas == 1 else "router.abort"
     pipeline.connect("stop_check.abort", aborts)
     pipeline.connect("stop_check.abort", "detokenize")
 
     pipeline.entry("requests", "tokenize")
-    pipeline.entry("aborts", aborts, "detokenize")
-    pipeline.exit("outputs", "stop_check.out")
+    pipeline.entry("aborts", aborts, "detokenize", "parse")
+    pipeline.exit("outputs", "parse.out")
     engine_info = "execute.info" if replicas == 1 else "router.info"
     pipeline.exit("engine_info", engine_info)
     # tokenize refuses text too long for the model's length before tokenizing it

@@ -15,6 +15,7 @@ from typing import Any
 from stages.errors import InvalidRequestError
 from stages.messages import ChatMessage, GenerateRequest
 from stages.params import SamplingParams
+from stages.tools import ToolUse, message_from_dict
 from stages.validation import validate_generate_request
 
 __all__ = [
@@ -68,14 +69,23 @@ def _from_prompt_dict(prompt: Mapping[str, Any], request_id: str) -> Any:
 
 
 def make_request(
-    request_id: str, prompt: Prompt, params: SamplingParams, tenant: str, chat_template: bool
+    request_id: str,
+    prompt: Prompt,
+    params: SamplingParams,
+    tenant: str,
+    chat_template: bool,
+    tools: ToolUse | None = None,
 ) -> GenerateRequest:
-    """The pipeline's request for ``prompt``.
+    """The pipeline's request for ``prompt`` (``tools``: the functions a chat may call).
 
     Raises:
         InvalidRequestError: a prompt of no accepted form (the field is named).
     """
     arrival = time.time()
+    use = tools or ToolUse(choice="")
+    # NOTE: tools go on every form, so the validation core refuses them beside a plain prompt
+    offered: dict[str, Any] = {"tools": use.tools, "tool_choice": use.choice,
+               "parallel_tool_calls": use.parallel}  # fmt: skip
     if isinstance(prompt, Mapping):
         prompt = _from_prompt_dict(prompt, request_id)
     if isinstance(prompt, str):
@@ -85,22 +95,24 @@ def make_request(
             raise InvalidRequestError("prompt is empty", field="prompt", request_id=request_id)
         return GenerateRequest(
             request_id, params, prompt=prompt, chat_template=chat_template, tenant=tenant,
-            arrival_time=arrival,
+            arrival_time=arrival, **offered,
         )  # fmt: skip
     if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)) and prompt:
         if all(type(token) is int for token in prompt):
             return GenerateRequest(
                 request_id, params, prompt_token_ids=tuple(prompt),  # type: ignore[arg-type]
-                tenant=tenant, arrival_time=arrival,
+                tenant=tenant, arrival_time=arrival, **offered,
             )  # fmt: skip
         messages = []
         for item in prompt:
             if isinstance(item, ChatMessage):
                 messages.append(item)
-            elif isinstance(item, Mapping) and isinstance(item.get("content"), str):
+            elif isinstance(item, Mapping) and (
+                isinstance(item.get("content"), str) or "tool_calls" in item
+            ):
                 # NOTE: the role is not coerced (str(5) would make a role of a number): the
                 # validation core refuses a role that is not text.
-                messages.append(ChatMessage(item.get("role", "user"), item["content"]))
+                messages.append(message_from_dict(item))
             else:
                 raise InvalidRequestError(
                     "a prompt list must hold token ids or chat messages "
@@ -109,8 +121,9 @@ def make_request(
                     request_id=request_id,
                 )
         return GenerateRequest(
-            request_id, params, messages=tuple(messages), tenant=tenant, arrival_time=arrival
-        )
+            request_id, params, messages=tuple(messages), tenant=tenant, arrival_time=arrival,
+            **offered,
+        )  # fmt: skip
     raise InvalidRequestError(
         f"prompt must be a non-empty string, chat messages or token ids, got {prompt!r:.60}",
         field="prompt",
@@ -126,6 +139,7 @@ def checked_request(
     chat_template: bool,
     *,
     vocab_size: int | None = None,
+    tools: ToolUse | None = None,
 ) -> GenerateRequest:
     """The pipeline's request for ``prompt``, checked whole (every field, every prompt form)
     by :func:`~stages.validation.validate_generate_request`; ``params`` None: the defaults.
@@ -139,7 +153,7 @@ def checked_request(
         raise InvalidRequestError(
             "params must be a SamplingParams", field="params", request_id=request_id
         )
-    request = make_request(request_id, prompt, params, tenant, chat_template)
+    request = make_request(request_id, prompt, params, tenant, chat_template, tools)
     validate_generate_request(request, vocab_size=vocab_size)
     return request
 
@@ -177,6 +191,7 @@ def check_prompt(
     chat_template: bool = False,
     vocab_size: int | None = None,
     request_id: str | None = None,
+    tools: ToolUse | None = None,
 ) -> CheckedPrompt:
     """``prompt`` and ``params`` checked once by the validation core (as
     :func:`checked_request`), for :meth:`~pipeline.engine.AsyncEngine.generate` to send
@@ -188,8 +203,9 @@ def check_prompt(
     """
     try:
         request = checked_request(
-            _STAND_IN_ID, prompt, params, tenant, chat_template, vocab_size=vocab_size
-        )
+            _STAND_IN_ID, prompt, params, tenant, chat_template, vocab_size=vocab_size,
+            tools=tools,
+        )  # fmt: skip
     except InvalidRequestError as exc:
         exc.request_id = request_id
         raise
@@ -204,6 +220,7 @@ def as_checked(
     chat_template: bool = False,
     vocab_size: int | None = None,
     request_id: str | None = None,
+    tools: ToolUse | None = None,
 ) -> CheckedPrompt:
     """``prompt`` as it is if the core checked it already (it carries its parameters,
     tenant and chat-template flag: give none of its own), else :func:`check_prompt`.
@@ -220,8 +237,9 @@ def as_checked(
             chat_template=chat_template,
             vocab_size=vocab_size,
             request_id=request_id,
+            tools=tools,
         )
-    if params is not None or chat_template or tenant not in ("", prompt.tenant):
+    if params is not None or chat_template or tools or tenant not in ("", prompt.tenant):
         raise InvalidRequestError(
             "a checked prompt carries its sampling parameters, tenant and chat template "
             "flag; give them to check(), not to generate()",

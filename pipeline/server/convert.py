@@ -10,9 +10,10 @@ from collections.abc import Mapping, Sequence
 from pipeline.engine.prompts import Prompt
 from pipeline.server import generation_pb2 as pb
 from stages.errors import InvalidRequestError
-from stages.messages import ChatMessage, EngineInfo, Logprobs, RequestOutput
+from stages.messages import ChatMessage, EngineInfo, Logprobs, RequestOutput, ToolCall, ToolSpec
 from stages.params import SamplingParams
 from stages.structured.params import StructuredOutputsParams, validate_structured_outputs
+from stages.tools import ToolUse
 
 __all__ = [
     "FINISH_REASONS",
@@ -41,6 +42,7 @@ FINISH_REASONS: dict[str, int] = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
     "error": pb.FINISH_REASON_ERROR,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
 _FINISH_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -211,7 +213,12 @@ def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:
         if not request.messages.messages:
             raise InvalidRequestError("messages must hold at least one message", field="messages")
         return [
-            ChatMessage(message.role or "user", message.content)
+            ChatMessage(
+                message.role or "user",
+                message.content,
+                tuple(ToolCall(c.id, c.name, c.arguments) for c in message.tool_calls),
+                message.tool_call_id,
+            )
             for message in request.messages.messages
         ]
     if which == "token_ids":
@@ -236,17 +243,39 @@ def _logprob_to_proto(entry: Logprobs) -> pb.TokenLogprob:
     )
 
 
+def tools_from_proto(request: pb.GenerateRequest) -> ToolUse | None:
+    """The request's tools, tool choice and parallel flag (None: none given); the engine's
+    validation core checks them."""
+    if (
+        not request.tools
+        and not request.tool_choice
+        and not request.HasField("parallel_tool_calls")
+    ):
+        return None
+    tools = tuple(ToolSpec(tool.name, tool.description, tool.parameters) for tool in request.tools)
+    choice = request.tool_choice or ("auto" if tools else "none")
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    return ToolUse(tools, choice, parallel)
+
+
 def response_from_output(
-    output: RequestOutput, request_id: str, num_sent_tokens: int
+    output: RequestOutput, request_id: str, num_sent_tokens: int, num_sent_reasoning: int = 0
 ) -> pb.GenerateResponse:
     """The response for one engine output of a request whose first ``num_sent_tokens``
-    tokens were already sent: the new text, the new token ids (and their logprobs), and on
-    the last output the finish reason, stop reason and usage."""
+    tokens (and ``num_sent_reasoning`` characters of reasoning) were already sent: the new
+    text, the new token ids (and their logprobs), the new reasoning and the calls so far, and
+    on the last output the finish reason, stop reason and usage."""
     response = pb.GenerateResponse(
         request_id=request_id,
         delta=output.delta,
         token_ids=output.token_ids[num_sent_tokens:],
+        reasoning_delta=output.reasoning[num_sent_reasoning:],
     )
+    if output.tool_calls:
+        response.tool_calls.extend(
+            pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+            for call in output.tool_calls
+        )
     if output.logprobs:
         response.logprobs.extend(
             _logprob_to_proto(entry) for entry in output.logprobs[num_sent_tokens:]

@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pipeline/server/generation.proto\x12\x0c\x61\x63torline.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.actorline.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xac\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\x03H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x08priority\x18\x11 \x01(\x03H\x0e\x88\x01\x01\x12\x17\n\x0funtil_model_len\x18\x12 \x01(\x08\x12@\n\x12structured_outputs\x18\x13 \x01(\x0b\x32\x1f.actorline.v1.StructuredOutputsH\x0f\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x0b\n\t_priorityB\x15\n\x13_structured_outputs\"\xdc\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.actorline.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12%\n\x1d\x64isable_additional_properties\x18\x07 \x01(\x08\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xfd\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.actorline.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.actorline.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.actorline.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rchat_template\x18\x06 \x01(\x08\x42\x07\n\x05inputB\r\n\x0b_request_id\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\"\x8c\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.actorline.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.actorline.v1.Usage\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.actorline.v1.TokenLogprobB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x84\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fkv_cache_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x06 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tscheduler\x18\n \x01(\t\x12\x16\n\x0eprefix_caching\x18\x0b \x01(\x08\x12\x15\n\reos_token_ids\x18\x0c \x03(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe7\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.actorline.v1.GenerateRequest\x1a\x1e.actorline.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.actorline.v1.AbortRequest\x1a\x1b.actorline.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.actorline.v1.GetModelInfoRequest\x1a\x17.actorline.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pipeline/server/generation.proto\x12\x0c\x61\x63torline.v1\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.actorline.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.actorline.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xac\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\x03H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x08priority\x18\x11 \x01(\x03H\x0e\x88\x01\x01\x12\x17\n\x0funtil_model_len\x18\x12 \x01(\x08\x12@\n\x12structured_outputs\x18\x13 \x01(\x0b\x32\x1f.actorline.v1.StructuredOutputsH\x0f\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x0b\n\t_priorityB\x15\n\x13_structured_outputs\"\xdc\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.actorline.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12%\n\x1d\x64isable_additional_properties\x18\x07 \x01(\x08\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xef\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.actorline.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.actorline.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.actorline.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rchat_template\x18\x06 \x01(\x08\x12!\n\x05tools\x18\x07 \x03(\x0b\x32\x12.actorline.v1.Tool\x12\x13\n\x0btool_choice\x18\x08 \x01(\t\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_idB\x16\n\x14_parallel_tool_calls\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\"\xd1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.actorline.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.actorline.v1.Usage\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.actorline.v1.TokenLogprob\x12\x17\n\x0freasoning_delta\x18\t \x01(\t\x12*\n\ntool_calls\x18\n \x03(\x0b\x32\x16.actorline.v1.ToolCallB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x84\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fkv_cache_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x06 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tscheduler\x18\n \x01(\t\x12\x16\n\x0eprefix_caching\x18\x0b \x01(\x08\x12\x15\n\reos_token_ids\x18\x0c \x03(\r*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xe7\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.actorline.v1.GenerateRequest\x1a\x1e.actorline.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.actorline.v1.AbortRequest\x1a\x1b.actorline.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.actorline.v1.GetModelInfoRequest\x1a\x17.actorline.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pipeline.server.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2324
-  _globals['_FINISHREASON']._serialized_end=2469
+  _globals['_FINISHREASON']._serialized_start=2693
+  _globals['_FINISHREASON']._serialized_end=2868
   _globals['_CHATMESSAGE']._serialized_start=50
-  _globals['_CHATMESSAGE']._serialized_end=94
-  _globals['_CHATMESSAGES']._serialized_start=96
-  _globals['_CHATMESSAGES']._serialized_end=155
-  _globals['_TOKENIDS']._serialized_start=157
-  _globals['_TOKENIDS']._serialized_end=180
-  _globals['_SAMPLINGPARAMS']._serialized_start=183
-  _globals['_SAMPLINGPARAMS']._serialized_end=995
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=998
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1218
-  _globals['_CHOICES']._serialized_start=1220
-  _globals['_CHOICES']._serialized_end=1246
-  _globals['_GENERATEREQUEST']._serialized_start=1249
-  _globals['_GENERATEREQUEST']._serialized_end=1502
-  _globals['_USAGE']._serialized_start=1504
-  _globals['_USAGE']._serialized_end=1584
-  _globals['_TOKENLOGPROB']._serialized_start=1586
-  _globals['_TOKENLOGPROB']._serialized_end=1694
-  _globals['_GENERATERESPONSE']._serialized_start=1697
-  _globals['_GENERATERESPONSE']._serialized_end=1965
-  _globals['_ABORTREQUEST']._serialized_start=1967
-  _globals['_ABORTREQUEST']._serialized_end=2001
-  _globals['_ABORTRESPONSE']._serialized_start=2003
-  _globals['_ABORTRESPONSE']._serialized_end=2035
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2037
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2058
-  _globals['_MODELINFO']._serialized_start=2061
-  _globals['_MODELINFO']._serialized_end=2321
-  _globals['_GENERATION']._serialized_start=2472
-  _globals['_GENERATION']._serialized_end=2703
+  _globals['_CHATMESSAGE']._serialized_end=160
+  _globals['_TOOLCALL']._serialized_start=162
+  _globals['_TOOLCALL']._serialized_end=217
+  _globals['_TOOL']._serialized_start=219
+  _globals['_TOOL']._serialized_end=280
+  _globals['_CHATMESSAGES']._serialized_start=282
+  _globals['_CHATMESSAGES']._serialized_end=341
+  _globals['_TOKENIDS']._serialized_start=343
+  _globals['_TOKENIDS']._serialized_end=366
+  _globals['_SAMPLINGPARAMS']._serialized_start=369
+  _globals['_SAMPLINGPARAMS']._serialized_end=1181
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1184
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1404
+  _globals['_CHOICES']._serialized_start=1406
+  _globals['_CHOICES']._serialized_end=1432
+  _globals['_GENERATEREQUEST']._serialized_start=1435
+  _globals['_GENERATEREQUEST']._serialized_end=1802
+  _globals['_USAGE']._serialized_start=1804
+  _globals['_USAGE']._serialized_end=1884
+  _globals['_TOKENLOGPROB']._serialized_start=1886
+  _globals['_TOKENLOGPROB']._serialized_end=1994
+  _globals['_GENERATERESPONSE']._serialized_start=1997
+  _globals['_GENERATERESPONSE']._serialized_end=2334
+  _globals['_ABORTREQUEST']._serialized_start=2336
+  _globals['_ABORTREQUEST']._serialized_end=2370
+  _globals['_ABORTRESPONSE']._serialized_start=2372
+  _globals['_ABORTRESPONSE']._serialized_end=2404
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2406
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2427
+  _globals['_MODELINFO']._serialized_start=2430
+  _globals['_MODELINFO']._serialized_end=2690
+  _globals['_GENERATION']._serialized_start=2871
+  _globals['_GENERATION']._serialized_end=3102
 # @@protoc_insertion_point(module_scope)

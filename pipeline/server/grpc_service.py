@@ -32,6 +32,7 @@ from pipeline.server.convert import (
     prompt_from_proto,
     response_from_output,
     sampling_from_proto,
+    tools_from_proto,
 )
 from pipeline.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, check_logprob_entries
 from pipeline.server.status import ServiceUnavailableError, status_for
@@ -85,6 +86,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             engine_id = self._engine_request_id(tenant, client_id)
             prompt = prompt_from_proto(request)
             params = sampling_from_proto(request.sampling_params)
+            tools = tools_from_proto(request)
             info = self._engine.info
             if info is not None:
                 check_logprob_entries(
@@ -102,7 +104,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             await _end_call(context, error)
         self._running.add(engine_id)
         try:
-            sent = 0
+            sent = sent_reasoning = 0
             # NOTE: generate is an async generator (annotated as an iterator)
             outputs = cast(
                 AsyncGenerator[RequestOutput, None],
@@ -112,6 +114,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     request_id=engine_id,
                     tenant=tenant,
                     chat_template=request.chat_template,
+                    tools=tools,
                 ),
             )
             async with contextlib.aclosing(outputs):
@@ -120,8 +123,11 @@ class GenerationService(pb_grpc.GenerationServicer):
                         raise ServiceUnavailableError(
                             "the server is shutting down; the request was aborted"
                         )
-                    await context.write(response_from_output(output, client_id, sent))
+                    await context.write(
+                        response_from_output(output, client_id, sent, sent_reasoning)
+                    )
                     sent = len(output.token_ids)
+                    sent_reasoning = len(output.reasoning)
         except Exception as error:
             await _end_call(context, error)
         finally:

@@ -158,7 +158,7 @@ def create_app(
         """Start ``plan``'s choices and answer them whole (``respond``) or streamed
         (``events``): the part both endpoints share."""
         tenant = tenant_of(request.scope)
-        checked = service.check(request_id, plan.choices, tenant)
+        checked = service.check(request_id, plan.choices, tenant, plan.tools)
         answer = Answer.create(
             request_id,
             object_name,

@@ -1,7 +1,13 @@
 """``/v1/chat/completions`` answers: the whole response, and its stream of chunks. A stream
 starts with one ``{"role": "assistant", "content": ""}`` chunk per choice, then carries each
 choice's new text as ``delta.content`` (with the logprobs of its own new tokens), and a
-choice's last chunk carries its ``finish_reason`` and vLLM's ``stop_reason``."""
+choice's last chunk carries its ``finish_reason`` and vLLM's ``stop_reason``.
+
+A request whose output the parse stage read (docs/serving.md, "Tool calling") answers with
+``message.reasoning_content`` and ``message.tool_calls`` (ids ``call_...``, arguments as
+JSON text; ``content`` null when the model only called); its stream carries
+``delta.reasoning_content`` and ``delta.tool_calls``: a call's first delta has its ``index``,
+``id``, ``type`` and name, the next ones its arguments as they are generated."""
 
 from __future__ import annotations
 
@@ -12,9 +18,9 @@ from typing import Any
 from pipeline.server.http.answers import Answer
 from pipeline.server.http.choices import Choices
 from pipeline.server.http.logprobs import LogprobsCursor, chat_logprobs, lazy_chat_logprobs
-from stages.messages import Logprobs, RequestOutput
+from stages.messages import Logprobs, RequestOutput, ToolCall
 
-__all__ = ["chat_events", "chat_response"]
+__all__ = ["SentParts", "chat_events", "chat_response"]
 
 OBJECT = "chat.completion"
 CHUNK_OBJECT = "chat.completion.chunk"
@@ -24,13 +30,33 @@ def _logprobs(answer: Answer, entries: Sequence[Logprobs]) -> dict[str, Any] | N
     return chat_logprobs(entries, answer.texts) if answer.texts is not None and entries else None
 
 
+def _message(output: RequestOutput) -> dict[str, Any]:
+    """A whole answer's message: content, and the reasoning and calls the parse stage read."""
+    message: dict[str, Any] = {"role": "assistant", "content": output.text}
+    if output.reasoning:
+        message["reasoning_content"] = output.reasoning
+    if output.tool_calls:
+        message["tool_calls"] = [_call(call) for call in output.tool_calls]
+        if not output.text.strip():
+            message["content"] = None
+    return message
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
 def chat_response(answer: Answer, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
     """The whole response from every choice's last output (its logprobs made as they are
     written: :mod:`~pipeline.server.http.whole`)."""
     choices = [
         {
             "index": index,
-            "message": {"role": "assistant", "content": output.text},
+            "message": _message(output),
             "logprobs": lazy_chat_logprobs(output.logprobs, answer.texts)
             if answer.texts is not None and output.logprobs
             else None,
@@ -45,7 +71,7 @@ def chat_response(answer: Answer, outputs: Sequence[RequestOutput]) -> dict[str,
 def _chunk(
     answer: Answer,
     index: int,
-    delta: dict[str, str],
+    delta: dict[str, Any],
     entries: Sequence[Logprobs],
     last: RequestOutput | None = None,
 ) -> str:
@@ -61,15 +87,49 @@ def _chunk(
     return answer.chunk(choice)
 
 
+class SentParts:
+    """What a stream has sent of one choice's reasoning and calls (their outputs are
+    cumulative: each chunk carries what is new)."""
+
+    __slots__ = ("arguments", "reasoning")
+
+    def __init__(self) -> None:
+        self.reasoning = 0
+        self.arguments: list[int] = []  # per call, the characters of arguments sent
+
+    def delta(self, output: RequestOutput) -> dict[str, Any]:
+        """The new content, reasoning and call parts of ``output``."""
+        delta: dict[str, Any] = {}
+        if len(output.reasoning) > self.reasoning:
+            delta["reasoning_content"] = output.reasoning[self.reasoning :]
+            self.reasoning = len(output.reasoning)
+        if output.delta:
+            delta["content"] = output.delta
+        calls = []
+        for index, call in enumerate(output.tool_calls):
+            if index == len(self.arguments):
+                self.arguments.append(len(call.arguments))
+                calls.append({"index": index, **_call(call)})
+            elif len(call.arguments) > self.arguments[index]:
+                new = call.arguments[self.arguments[index] :]
+                self.arguments[index] = len(call.arguments)
+                calls.append({"index": index, "function": {"arguments": new}})
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+
 async def chat_events(answer: Answer, choices: Choices) -> AsyncGenerator[str, None]:
     """The stream's events (``[DONE]`` excluded)."""
     cursors = [LogprobsCursor() for _ in range(len(choices))]
+    sent = [SentParts() for _ in range(len(choices))]
     for index in range(len(choices)):
         yield _chunk(answer, index, {"role": "assistant", "content": ""}, ())
     async with contextlib.aclosing(choices.outputs()) as outputs:
         async for index, output in outputs:
-            if output.delta:
-                yield _chunk(answer, index, {"content": output.delta}, cursors[index].take(output))
+            delta = sent[index].delta(output)
+            if delta:
+                yield _chunk(answer, index, delta, cursors[index].take(output))
             if output.finished:
                 yield _chunk(answer, index, {}, cursors[index].take(output), output)
     if answer.include_usage:

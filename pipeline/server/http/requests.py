@@ -19,6 +19,7 @@ never holds the event loop here.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -37,10 +38,12 @@ from pipeline.server.http.schema import (
     ChatMessageBody,
     CompletionRequest,
     GenerationBody,
+    ToolBody,
 )
 from pipeline.server.http.structured import structured_outputs_from
-from stages.messages import ChatMessage
+from stages.messages import ChatMessage, ToolCall, ToolSpec
 from stages.params import MAX_LOGPROBS, SamplingParams
+from stages.tools import ToolUse
 
 __all__ = [
     "SEED_RANGE",
@@ -49,6 +52,7 @@ __all__ = [
     "check_extras",
     "plan_chat",
     "plan_completion",
+    "tool_use",
 ]
 
 #: seeds are in [0, SEED_RANGE) (:func:`stages.params.validate_sampling`); choice j's seed is
@@ -60,7 +64,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": bool,
     "best_of": lambda value: value not in (None, 1),
     "suffix": bool,
-    "tools": bool,
 }
 #: body fields that are SamplingParams fields of the same name
 _SAMPLING_FIELDS = (
@@ -75,12 +78,13 @@ class Plan:
     """The engine requests answering one HTTP request: each choice's prompt and parameters
     (choice ``prompt_index * per_prompt + j``), how many choices each prompt has, how many
     top logprobs each token carries (None: no logprobs), and whether a stream ends with a
-    usage chunk."""
+    usage chunk. ``tools``: the functions a chat offers (None: none)."""
 
     choices: tuple[tuple[Prompt, SamplingParams], ...]
     per_prompt: int
     logprobs: int | None
     include_usage: bool
+    tools: ToolUse | None = None
 
 
 def plan_completion(body: CompletionRequest) -> Plan:
@@ -110,7 +114,7 @@ def plan_chat(body: ChatCompletionRequest) -> Plan:
     limits = (body.max_completion_tokens, body.max_tokens)
     max_tokens = next((limit for limit in limits if limit is not None), None)
     params = _sampling(body, max_tokens, _chat_logprobs(body))
-    return _plan(body, [messages], params, n)
+    return dataclasses.replace(_plan(body, [messages], params, n), tools=tool_use(body))
 
 
 def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParams, n: int) -> Plan:
@@ -166,11 +170,34 @@ def _check_body_extras(body: GenerationBody, accepted: dict[str, tuple[object, .
     if body.stream_options is not None:
         check_extras(body.stream_options.model_extra, STREAM_OPTIONS_ACCEPTED_AT, "stream_options.")
     if isinstance(body, ChatCompletionRequest):
-        for index, message in enumerate(body.messages):
-            check_extras(message.model_extra, {"name": (None,)}, f"messages[{index}].")
-            if isinstance(message.content, list):
-                for part_index, part in enumerate(message.content):
-                    check_extras(part.model_extra, {}, f"messages[{index}].content[{part_index}].")
+        check_message_extras(body.messages, body.tools)
+        if not isinstance(body.tool_choice, str | None):
+            check_extras(body.tool_choice.model_extra, {}, "tool_choice.")
+            check_extras(body.tool_choice.function.model_extra, {}, "tool_choice.function.")
+
+
+def check_message_extras(
+    messages: Sequence[ChatMessageBody], tools: Sequence[ToolBody] | None = None
+) -> None:
+    """Refuse the fields of chat ``messages`` (their parts and calls) and ``tools`` that
+    their models do not declare (:func:`check_extras`).
+
+    Raises:
+        ApiError: 400 ``unsupported_value`` naming the first such field.
+    """
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]."
+        check_extras(message.model_extra, {"name": (None,)}, where)
+        for call_index, call in enumerate(message.tool_calls or ()):
+            call_where = f"{where}tool_calls[{call_index}]."
+            check_extras(call.model_extra, {}, call_where)
+            check_extras(call.function.model_extra, {}, f"{call_where}function.")
+        if isinstance(message.content, list):
+            for part_index, part in enumerate(message.content):
+                check_extras(part.model_extra, {}, f"{where}content[{part_index}].")
+    for index, tool in enumerate(tools or ()):
+        check_extras(tool.model_extra, {}, f"tools[{index}].")
+        check_extras(tool.function.model_extra, {}, f"tools[{index}].function.")
 
 
 def _check_supported(body: GenerationBody) -> None:
@@ -282,5 +309,82 @@ def chat_messages(bodies: Sequence[ChatMessageBody]) -> tuple[ChatMessage, ...]:
                     code="unsupported_value",
                 )
             content = "".join(part.text or "" for part in content)
-        messages.append(ChatMessage(role, content or ""))
+        calls = []
+        for call_index, call in enumerate(message.tool_calls or ()):
+            if call.type != "function":
+                raise ApiError(
+                    400,
+                    f"type {call.type!r:.40} is not supported; only function calls are",
+                    param=f"messages[{index}].tool_calls[{call_index}].type",
+                    code="invalid_value",
+                )
+            calls.append(ToolCall(call.id, call.function.name, call.function.arguments))
+        messages.append(ChatMessage(role, content or "", tuple(calls), message.tool_call_id or ""))
     return tuple(messages)
+
+
+def tool_specs(tools: Sequence[ToolBody] | None) -> tuple[ToolSpec, ...]:
+    """The functions of a body's ``tools``.
+
+    Raises:
+        ApiError: 400 naming a tool that is not a function.
+    """
+    specs = []
+    for index, tool in enumerate(tools or ()):
+        if tool.type != "function":
+            raise ApiError(
+                400,
+                f"tools[{index}].type: {tool.type!r:.40} is not supported; only function tools are",
+                param=f"tools[{index}].type",
+                code="invalid_value",
+            )
+        function = tool.function
+        parameters = "" if function.parameters is None else json.dumps(function.parameters)
+        specs.append(ToolSpec(function.name, function.description or "", parameters))
+    return tuple(specs)
+
+
+def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
+    """The body's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` for the engine
+    (None: none of them given); the engine's validation core checks names and schemas.
+
+    Raises:
+        ApiError: 400 naming a tool that is not a function, a ``tool_choice`` object that
+            does not name a function, or ``strict`` asked of a choice that is not enforced.
+    """
+    if body.tools is None and body.tool_choice is None and body.parallel_tool_calls is None:
+        return None
+    specs = tool_specs(body.tools)
+    choice = body.tool_choice
+    if choice is None:
+        name = "auto" if specs else "none"
+    elif isinstance(choice, str):
+        name = choice
+        if name not in ("none", "auto", "required"):
+            raise ApiError(
+                400,
+                f"tool_choice: must be none, auto, required or a function object, got {name!r:.40}",
+                param="tool_choice",
+                code="invalid_value",
+            )
+    else:
+        if choice.type != "function":
+            raise ApiError(
+                400,
+                f"tool_choice.type: must be 'function', got {choice.type!r:.40}",
+                param="tool_choice.type",
+                code="invalid_value",
+            )
+        name = choice.function.name
+    for index, tool in enumerate(body.tools or ()):
+        if tool.function.strict and name in ("none", "auto"):
+            # NOTE: auto's calls are parsed from what the model wrote, not enforced
+            raise ApiError(
+                400,
+                f"tools[{index}].function.strict: true is enforced only with tool_choice "
+                "required or a named function",
+                param=f"tools[{index}].function.strict",
+                code="unsupported_value",
+            )
+    parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
+    return ToolUse(specs, name, parallel)

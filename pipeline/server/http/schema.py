@@ -41,15 +41,22 @@ __all__ = [
     "CompletionRequest",
     "ContentPart",
     "DetokenizeRequest",
+    "FunctionBody",
+    "FunctionCallBody",
     "GenerationBody",
+    "NamedFunction",
+    "NamedToolChoice",
     "StreamOptions",
     "TokenizeRequest",
+    "ToolBody",
+    "ToolCallBody",
     "describe_problem",
     "param_of",
 ]
 
 #: chat roles the model's chat template understands ("developer" is OpenAI's new "system")
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+              "tool": "tool"}  # fmt: skip
 #: OpenAI's default ``max_tokens`` for /v1/completions
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 #: the most choices (``n``) per prompt
@@ -68,8 +75,6 @@ ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "store": (False, None),
     "service_tier": ("auto", "default", None),
     "metadata": (None,),
-    # without tools, parallel_tool_calls asks for nothing
-    "parallel_tool_calls": (None, True),
     # vLLM's defaults: completions add the tokenizer's special tokens, chat adds the
     # generation prompt and continues no message; spaces between special tokens
     "spaces_between_special_tokens": (True, None),
@@ -85,7 +90,6 @@ ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "truncate_prompt_tokens": (None,),
     "chat_template": (None,),
     "chat_template_kwargs": (None,),
-    "tool_choice": (None, "none"),
     "functions": (None,),
     "function_call": (None, "none"),
     "logits_processors": (None,),
@@ -172,13 +176,73 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallBody(BaseModel):
+    """The function of a tool call: its name and its arguments (JSON text)."""
+
+    model_config = _BODY
+
+    name: str
+    arguments: str
+
+
+class ToolCallBody(BaseModel):
+    """A call an assistant message made (OpenAI's ``tool_calls[i]``)."""
+
+    model_config = _BODY
+
+    id: str
+    type: str = "function"
+    function: FunctionCallBody
+
+
 class ChatMessageBody(BaseModel):
-    """One chat message: its role and its content (text, or a list of text parts)."""
+    """One chat message: its role and its content (text, or a list of text parts); an
+    assistant's ``tool_calls``, a tool message's ``tool_call_id``. (``name`` is refused: a
+    chat template may ignore it.)"""
 
     model_config = _BODY
 
     role: str
     content: str | FailFast[ContentPart] | None = None
+    tool_calls: FailFast[ToolCallBody] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionBody(BaseModel):
+    """A function the model may call: its name, what it does, its parameters' JSON schema
+    (``strict``: OpenAI's flag; the arguments follow the schema when ``tool_choice``
+    enforces them, see docs/serving.md)."""
+
+    model_config = _BODY
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolBody(BaseModel):
+    """One of ``tools``: a function tool (the only type)."""
+
+    model_config = _BODY
+
+    type: str
+    function: FunctionBody
+
+
+class NamedFunction(BaseModel):
+    model_config = _BODY
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the one function to call."""
+
+    model_config = _BODY
+
+    type: str
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -188,7 +252,9 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: FailFast[Any] | None = None
+    tools: FailFast[ToolBody] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -200,6 +266,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: FailFast[ChatMessageBody] | None = None
+    tools: FailFast[ToolBody] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -219,7 +286,8 @@ class DetokenizeRequest(BaseModel):
 _FIELD_NAMES = frozenset(
     name
     for model in (CompletionRequest, ChatCompletionRequest, ChatMessageBody, ContentPart,
-                  StreamOptions, TokenizeRequest, DetokenizeRequest)
+                  StreamOptions, TokenizeRequest, DetokenizeRequest, ToolBody, FunctionBody,
+                  ToolCallBody, FunctionCallBody, NamedToolChoice, NamedFunction)
     for name in model.model_fields
 )  # fmt: skip
 

@@ -20,6 +20,7 @@ from pipeline.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, check_logprob_en
 from stages.errors import RequestError
 from stages.messages import RequestOutput
 from stages.params import SamplingParams
+from stages.tools import ToolUse
 
 __all__ = ["HttpService"]
 
@@ -82,7 +83,11 @@ class HttpService:
         return self.texts
 
     def check(
-        self, request_id: str, choices: Sequence[tuple[Prompt, SamplingParams]], tenant: str
+        self,
+        request_id: str,
+        choices: Sequence[tuple[Prompt, SamplingParams]],
+        tenant: str,
+        tools: ToolUse | None = None,
     ) -> list[CheckedPrompt]:
         """Every choice through the engine's validation core, once, before any starts
         (docs/architecture.md §7.1): a value no stage or link could carry is a 400 naming
@@ -96,7 +101,7 @@ class HttpService:
         """
         try:
             checked = [
-                self.engine.check(prompt, params, request_id=request_id, tenant=tenant)
+                self.engine.check(prompt, params, request_id=request_id, tenant=tenant, tools=tools)
                 for prompt, params in choices
             ]
         except RequestError as exc:

@@ -10,17 +10,24 @@ a large prompt (up to the body cap) never holds the event loop.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 from pipeline.server.http.errors import SERVER_ERROR, ApiError
-from pipeline.server.http.requests import chat_messages, check_extras
+from pipeline.server.http.requests import (
+    chat_messages,
+    check_extras,
+    check_message_extras,
+    tool_specs,
+)
 from pipeline.server.http.schema import DetokenizeRequest, TokenizeRequest
 from pipeline.server.http.state import HttpService
 from stages.errors import RequestError
-from stages.tokenize import render_chat
+from stages.tokenize import render_messages
+from stages.tools import check_tool_messages
 
 __all__ = ["detokenize", "tokenize", "version"]
 
@@ -62,13 +69,27 @@ async def tokenize(service: HttpService, body: TokenizeRequest) -> dict[str, Any
                     param="add_special_tokens",
                     code="unsupported_value",
                 )
-            for index, message in enumerate(body.messages):
-                check_extras(message.model_extra, {"name": (None,)}, f"messages[{index}].")
-            messages = [(m.role, m.content) for m in chat_messages(body.messages)]
+            check_message_extras(body.messages)
+            messages = chat_messages(body.messages)
+            check_tool_messages(messages, "tokenize")
+            tools = tool_specs(body.tools)
             ids = await run_in_threadpool(
-                render_chat, tokenizer, messages, body.add_generation_prompt
+                functools.partial(
+                    render_messages,
+                    tokenizer,
+                    messages,
+                    tools,
+                    add_generation_prompt=body.add_generation_prompt,
+                )
             )
         else:
+            if body.tools:
+                raise ApiError(
+                    400,
+                    "tools: only with messages (the chat template renders them)",
+                    param="tools",
+                    code="invalid_value",
+                )
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = tuple(
                 await run_in_threadpool(tokenizer.encode, body.prompt, add_special_tokens=special)

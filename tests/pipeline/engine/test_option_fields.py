@@ -77,8 +77,10 @@ def _configs() -> dict[str, type]:
     from stages.route import RouterConfig
     from stages.schedule import ScheduleConfig
     from stages.scheduler import SchedulerConfig
+    from stages.tokenize import TokenizeConfig
 
     return {
+        "tokenize": TokenizeConfig,
         "execute": ExecuteConfig,
         "scheduler": SchedulerConfig,
         "schedule": ScheduleConfig,
@@ -104,9 +106,12 @@ def test_the_built_pipeline_carries_the_copies() -> None:
         dtype="bfloat16", num_blocks=64, max_num_seqs=7, max_num_batched_tokens=99,
         scheduler="priority", max_queued_requests=11, seed=5, block_size=32,
         data_parallel_size=2, router="prefix-affinity", compression="zstd",
-        start_timeout=12.0, tune_gc=False, heartbeat_timeout=3.0,
+        start_timeout=12.0, tune_gc=False, heartbeat_timeout=3.0, tool_call_parser="mistral",
+        reasoning_parser="qwen3",
     )  # fmt: skip
     stages = llm_pipeline(options).stages
+    tokenize = stages["tokenize"].config
+    assert (tokenize.tool_call_parser, tokenize.reasoning_parser) == ("mistral", "qwen3")
     execute, schedule = stages["execute"].config, stages["schedule"].config
     assert (execute.dtype, execute.num_blocks, execute.seed, execute.block_size) == (
         "bfloat16", 64, 5, 32,
@@ -168,3 +173,9 @@ def test_one_option_added_end_to_end_as_one_field() -> None:
     assert flag_problems(old, extended, "generate") == [
         "max_logprobs: generate has no flag --max-logprobs"
     ]
+
+
+@pytest.mark.parametrize("field", ["tool_call_parser", "reasoning_parser"])
+def test_an_unknown_parser_is_refused_naming_the_option(field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field}: no actorline.*no-such"):
+        EngineOptions(**{field: "no-such"})

@@ -119,10 +119,11 @@ def test_usage_chunk_only_with_stream_options() -> None:
         (completion, {"echo": True}, "echo"),
         (completion, {"suffix": "x"}, "suffix"),
         (chat, {"messages": []}, "messages"),
-        (chat, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        (chat, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content"),
-        (chat, {"tools": [{"type": "function"}]}, "tools"),
+        (chat, {"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
+        (chat, {"tool_choice": "sometimes"}, "tool_choice"),
         (chat, {"response_format": {"type": "yaml"}}, "response_format.type"),
     ],
 )  # fmt: skip

@@ -88,7 +88,7 @@ def test_tokenize_and_detokenize_agree_with_the_tokenizer(
     [
         ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
         ("/tokenize", {}, "prompt"),
-        ("/tokenize", {"prompt": "a", "tools": []}, "tools"),
+        ("/tokenize", {"prompt": "a", "colour": []}, "colour"),
         ("/detokenize", {"tokens": [10**9]}, "tokens[0]"),
     ],
     ids=["both-forms", "no-form", "unknown-field", "not-a-token"],
