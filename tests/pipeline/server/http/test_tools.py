@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +187,8 @@ def test_bad_tools_are_400s_naming_the_field(
 
 
 def test_langchain_bind_tools_and_structured_output(openai_serve: ServeProcess) -> None:
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai  # installed by the dev extra (pyproject.toml)
+
     chat = langchain_openai.ChatOpenAI(
         base_url=openai_serve.http_url, api_key=API_KEY, model=MODEL, max_tokens=60,
         temperature=1.0, seed=2,
@@ -203,7 +205,11 @@ def test_langchain_bind_tools_and_structured_output(openai_serve: ServeProcess) 
 
 
 def test_litellm_tools(openai_serve: ServeProcess) -> None:
-    litellm = pytest.importorskip("litellm")
+    # NOTE: litellm fetches a price list from GitHub at import unless told to use its own
+    # copy; the machine has no network beyond the package registries
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm  # installed by the dev extra (pyproject.toml)
+
     response = litellm.completion(
         model=f"openai/{MODEL}", api_base=openai_serve.http_url, api_key=API_KEY,
         messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=80, seed=3,
