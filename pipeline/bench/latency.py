@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.http_load import StreamTrace, stream_completion
-from pipeline.bench.llamacpp_peer import FORMATS, LLAMACPP_VERSION, LlamaFormat
+from pipeline.bench.llamacpp_peer import FORMATS, LLAMACPP_VERSION, LlamaFormat, parse_timings
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
 
 __all__ = [
@@ -172,6 +172,7 @@ def summarize(system: str, fmt: str, traces: Sequence[StreamTrace]) -> WorkloadR
 
     Raises:
         ValueError: no traces, or a stream without any text event.
+        pipeline.bench.llamacpp_peer.LlamaPeerError: malformed server timings.
     """
     if not traces:
         raise ValueError("no streams to summarize")
@@ -185,9 +186,9 @@ def summarize(system: str, fmt: str, traces: Sequence[StreamTrace]) -> WorkloadR
         span = trace.token_times[-1] - trace.token_times[0]
         rates.append((count - 1) / span if span > 0 and count > 1 else 0.0)
     server = [
-        1000.0 * float(t.timings["predicted_n"]) / float(t.timings["predicted_ms"])
-        for t in traces
-        if t.timings and t.timings.get("predicted_ms")
+        timings.predicted_per_second
+        for timings in (parse_timings({"timings": t.timings}) for t in traces if t.timings)
+        if timings is not None
     ]
     return WorkloadRun(
         system=system,

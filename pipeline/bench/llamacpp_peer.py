@@ -158,17 +158,15 @@ def format_of(dtype: str, quantization: str | None) -> LlamaFormat:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerTimings:
     """llama.cpp's own account of one request (its ``timings`` object): prompt tokens
-    evaluated and their milliseconds, tokens predicted and theirs."""
+    evaluated and their milliseconds, tokens predicted and theirs, and its decode rate
+    (``predicted_per_second``: the decode steps after the first token over their time,
+    ``tools/server/server-common.h``, ``n_gen_tps``)."""
 
     prompt_tokens: int
     prompt_ms: float
     predicted_tokens: int
     predicted_ms: float
-
-    @property
-    def predicted_per_second(self) -> float:
-        """Generated tokens per second of decoding, as llama.cpp counts them."""
-        return 1000.0 * self.predicted_tokens / self.predicted_ms if self.predicted_ms else 0.0
+    predicted_per_second: float
 
 
 def parse_timings(event: Mapping[str, Any]) -> ServerTimings | None:
@@ -186,6 +184,7 @@ def parse_timings(event: Mapping[str, Any]) -> ServerTimings | None:
             float(timings["prompt_ms"]),
             int(timings["predicted_n"]),
             float(timings["predicted_ms"]),
+            float(timings["predicted_per_second"]),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise LlamaPeerError(f"llama-server's timings are malformed: {error!r}") from None

@@ -60,11 +60,19 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipeline.bench.offline_peers import OfflinePeers
-from pipeline.bench.offline_report import STRUCTURED_TARGET_RATIO, format_offline
+from pipeline.bench.offline_report import (
+    STRUCTURED_TARGET_RATIO,
+    DefaultBudgetRun,
+    GrammarCompileTimes,
+    GreedyCheck,
+    OfflineResult,
+    SystemResult,
+    format_offline,
+)
 from pipeline.bench.process import peak_rss_bytes, rss_bytes
 from pipeline.bench.profile import Profile, build_profile, take_snapshot
 from pipeline.bench.report import add_common_arguments, print_result, run_main
-from pipeline.bench.roof import Roof, RoofConfig, run_roof
+from pipeline.bench.roof import RoofConfig, run_roof
 from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload, prompt_ids
 
 if TYPE_CHECKING:
@@ -174,87 +182,6 @@ class OfflineConfig:
         }
         values.update(overrides)
         return cls(**values)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SystemResult:
-    """One system on the workload (its best run of ``runs``): generated tokens in
-    ``seconds``; ``roof_share`` the roof's seconds over ``seconds`` (None without a roof)."""
-
-    name: str
-    seconds: float
-    generated_tokens: int
-    tokens_per_second: float
-    roof_share: float | None = None
-    runs: tuple[float, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GreedyCheck:
-    """A system's greedy outputs against HF ``generate`` run request by request.
-
-    ``identical``: requests whose tokens are equal; ``first_mismatch`` per differing request:
-    (index in the workload, first differing position).
-    """
-
-    system: str
-    requests_checked: int
-    identical: int
-    first_mismatch: tuple[tuple[int, int], ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DefaultBudgetRun:
-    """The zmq engine on the same workload with its default KV budget: ``num_blocks`` KV
-    blocks, the engine process's peak and final resident memory, the scheduler's preemptions
-    and the throughput (information only; the comparison uses the sized run)."""
-
-    num_blocks: int
-    peak_rss_bytes: int | None
-    final_rss_bytes: int | None
-    preemptions: int
-    tokens_per_second: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OfflineResult:
-    """The systems' throughputs, actorline's ratios to every other system, the roof, the
-    greedy checks, the engine process's peak RSS and, with ``--profile``, where actorline's
-    time went."""
-
-    model: str
-    num_requests: int
-    prompt_tokens: int
-    requested_tokens: int
-    systems: tuple[SystemResult, ...]
-    ratios: dict[str, float]
-    greedy_checks: tuple[GreedyCheck, ...]
-    engine_peak_rss_bytes: int | None
-    engine_final_rss_bytes: int | None
-    rss_target_bytes: int
-    default_budget: DefaultBudgetRun | None
-    profiles: dict[str, Profile]
-    load_average: tuple[float, float, float]
-    load_average_end: tuple[float, float, float]
-    cpu_count: int
-    roof: Roof | None = None
-    repeats: int = 1
-    peer_versions: dict[str, str] = dataclasses.field(default_factory=dict)
-    quantization: str | None = None
-    # the engine's model weights as loaded (EngineInfo.weight_bytes), from the zmq run
-    weight_bytes: int | None = None
-    grammar_compile: GrammarCompileTimes | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GrammarCompileTimes:
-    """The structured run's schema through the engine's own grammar code, in this process:
-    loading the backend (wrapping the tokenizer, once per engine), the first compile (cold)
-    and a second one of the same schema (cached), in milliseconds."""
-
-    backend_load_ms: float
-    cold_ms: float
-    cached_ms: float
 
 
 def run_offline(config: OfflineConfig) -> OfflineResult:

@@ -4,15 +4,32 @@ format actorline runs), each run in a process of its own on the same workload.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pipeline.bench.roof import kv_bytes_per_token
 from pipeline.bench.workload import blocks_to_hold
 
-if TYPE_CHECKING:
-    from pipeline.bench.offline import OfflineConfig
+__all__ = ["OfflinePeers", "PeerOptions"]
 
-__all__ = ["OfflinePeers"]
+
+class PeerOptions(Protocol):
+    """What the peers read of the offline run's configuration
+    (:class:`pipeline.bench.offline.OfflineConfig`)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def quantization(self) -> str | None: ...
+    @property
+    def vllm_variants(self) -> tuple[str, ...]: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def llamacpp(self) -> bool: ...
+    @property
+    def llamacpp_threads(self) -> int | None: ...
 
 
 class OfflinePeers:
@@ -21,7 +38,7 @@ class OfflinePeers:
 
     def __init__(
         self,
-        config: OfflineConfig,
+        config: PeerOptions,
         model_dir: Any,
         prompts: list[list[int]],
         max_tokens: list[int],
