@@ -15,6 +15,9 @@ applied once, when the tokenizer has one). In one run:
   environment, made on first use) on the same converted model directory, in each of its
   variants (its default, and every core for the model), engine start-up and one short warm-up
   request excluded as for actorline;
+- with ``--peer llamacpp``, llama.cpp's ``llama-server`` (:mod:`pipeline.bench.llamacpp_peer`:
+  built on first use) in actorline's format (``--dtype``, or the wheel's Q4_1 GGUF with
+  ``--quantization gguf``), every request at once with a slot each, over its ``/completion``;
 - HF ``generate`` in static batches of 16 (left padding, each batch to its longest request;
   only each request's own ``max_tokens`` count as generated);
 - HF continuous batching (a ``ContinuousBatchingManager`` with per-request ``max_new_tokens``).
@@ -38,7 +41,8 @@ With ``--quantization gguf|int8`` actorline runs 4/8-bit weights (docs/models.md
 baselines and the greedy check keep the fp32 checkpoint (for ``gguf`` that is the same weights,
 dequantized; for ``int8`` the check then measures the quantization itself).
 
-    actorline bench offline [--peer vllm] [--repeats N] [--quick] [--json] [--profile]
+    actorline bench offline [--peer vllm] [--peer llamacpp] [--dtype bfloat16] [--repeats N]
+        [--quick] [--json] [--profile]
     actorline bench offline --structured [--quick] [--json]
     actorline bench offline --quantization gguf|int8 [--quick] [--json] [--profile]
     actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
