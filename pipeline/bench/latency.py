@@ -261,7 +261,14 @@ def _run_server(
         await measure_streams(bound, prompts[:1], _WARMUP_TOKENS)
         runs = []
         for batch, limit in _workloads(config, prompts):
-            runs.append(summarize(system, fmt.name, await measure_streams(bound, batch, limit)))
+            run = summarize(system, fmt.name, await measure_streams(bound, batch, limit))
+            print(
+                f"latency: {system} {fmt.name} @ {run.streams}: {run.headline:.1f} tokens/s, "
+                f"TTFT {run.ttft_ms:.0f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
+            runs.append(run)
         return runs
 
     with serve_process(command, None, port) as bound:
