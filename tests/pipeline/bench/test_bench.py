@@ -64,7 +64,10 @@ def test_poisson_arrivals_and_percentiles() -> None:
 
 def test_cli_lists_every_benchmark() -> None:
     parser = bench_parser()
-    names = ("offline", "online", "ceiling", "roof", "quantization", "coldstart", "transports")
+    names = (
+        "offline", "online", "latency", "ceiling", "roof", "quantization", "coldstart",
+        "transports",
+    )  # fmt: skip
     for name in names:
         args = parser.parse_args(["bench", name, "--quick", "--json"])
         assert args.benchmark == name and args.quick and args.json and callable(args.run)

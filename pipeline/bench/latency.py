@@ -1,0 +1,456 @@
+"""Single-stream latency and small-batch throughput: ``actorline serve --http-port`` against
+llama.cpp's ``llama-server`` (:mod:`pipeline.bench.llamacpp_peer`: built on first use) over
+their OpenAI-style HTTP APIs, on the same weights, in each format (:data:`FORMATS`: fp32,
+bf16, the default model's own Q4_1 GGUF).
+
+Each round runs, per format, each server in its own fresh process, one at a time (the order
+alternates between rounds), with the same number of slots (the largest stream count) and the
+same context per slot. Each server gets one short warm-up request, then the workloads: one
+stream of ``--tokens`` tokens (256), then ``--streams`` concurrent streams (4 and 16) of
+``--concurrent-tokens`` tokens (128) each. Every request is the offline benchmark's kind of
+prompt (:mod:`pipeline.bench.workload`; chat template applied, sent as token ids; a different
+prompt per stream, the same ones for both servers), greedy (``temperature`` 0) with
+``ignore_eos``, streamed from ``/v1/completions`` by
+:func:`~pipeline.bench.http_load.stream_completion`. Measured from the client:
+
+- one stream: tokens/s after the first token (the tokens after the first over the time from
+  the first text event to the last) and TTFT (send to first text event);
+- N streams: aggregate tokens/s (every stream's tokens over the time from the first send to
+  the last stream's end) and the median TTFT.
+
+Each figure keeps its best round; the ratio actorline / llama.cpp is printed per format and
+workload (the targets of issue 36: >= 1.0x at one stream, >= 1.5x at 4 and 16). llama.cpp runs
+with ``--llamacpp-threads`` threads (every core by default), actorline with its own default
+(torch's, every core).
+
+    actorline bench latency [--peer llamacpp] [--formats fp32 bf16 q4_1] [--rounds N]
+        [--tokens 256] [--streams 4 16] [--llamacpp-threads N] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench.http_load import StreamTrace, stream_completion
+from pipeline.bench.llamacpp_peer import FORMATS, LLAMACPP_VERSION, LlamaFormat, parse_timings
+from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
+
+__all__ = [
+    "ACTORLINE",
+    "LLAMACPP",
+    "PEERS",
+    "LatencyConfig",
+    "LatencyResult",
+    "WorkloadRun",
+    "actorline_command",
+    "add_arguments",
+    "format_latency",
+    "main",
+    "measure_streams",
+    "ratios",
+    "run_from_args",
+    "run_latency",
+    "summarize",
+]
+
+ACTORLINE = "actorline"
+LLAMACPP = "llama.cpp"
+PEERS = ("llamacpp",)
+SERVED_NAME = "bench-model"
+_WARMUP_TOKENS = 8
+_HOST = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LatencyConfig:
+    """The run: which formats, how many rounds, the single stream's tokens, the concurrent
+    stream counts and their tokens, llama.cpp's threads (None: every core) and the context
+    each slot holds.
+
+    Raises:
+        ValueError: an unknown format or peer, or a count that is not positive.
+    """
+
+    model: str = "smollm2-135m"
+    formats: tuple[str, ...] = ("fp32", "bf16", "q4_1")
+    peers: tuple[str, ...] = PEERS
+    rounds: int = 2
+    tokens: int = 256
+    streams: tuple[int, ...] = (4, 16)
+    concurrent_tokens: int = 128
+    llamacpp_threads: int | None = None
+    context_per_slot: int = 1024
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.formats if name not in FORMATS]
+        if unknown or not self.formats:
+            raise ValueError(f"formats must be among {list(FORMATS)}, got {list(self.formats)}")
+        if any(peer not in PEERS for peer in self.peers):
+            raise ValueError(f"peers must be among {list(PEERS)}, got {list(self.peers)}")
+        counts = (self.rounds, self.tokens, self.concurrent_tokens, self.context_per_slot)
+        if min(counts) < 1 or any(count < 1 for count in self.streams):
+            raise ValueError("rounds, tokens, streams and context_per_slot must be >= 1")
+        if self.llamacpp_threads is not None and self.llamacpp_threads < 1:
+            raise ValueError(f"llamacpp_threads must be >= 1, got {self.llamacpp_threads}")
+
+    @property
+    def slots(self) -> int:
+        """The parallel sequences each server is sized for."""
+        return max((1, *self.streams))
+
+    @property
+    def threads(self) -> int:
+        """llama.cpp's threads."""
+        return self.llamacpp_threads or os.cpu_count() or 1
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> LatencyConfig:
+        """A smoke-test run: fp32, one round, 32 tokens, 4 streams of 16."""
+        values: dict[str, Any] = {
+            "formats": ("fp32",),
+            "rounds": 1,
+            "tokens": 32,
+            "streams": (4,),
+            "concurrent_tokens": 16,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkloadRun:
+    """One system on one workload in one format: ``streams`` requests at once, ``tokens``
+    generated in ``seconds`` (first send to last end), the aggregate ``tokens_per_second``,
+    the mean per-stream ``decode_tokens_per_second`` after the first token, the median
+    ``ttft_ms``, and the server's own decode rate where it reports one (llama.cpp's
+    ``timings``, mean over streams)."""
+
+    system: str
+    format: str
+    streams: int
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    decode_tokens_per_second: float
+    ttft_ms: float
+    server_tokens_per_second: float | None = None
+
+    @property
+    def headline(self) -> float:
+        """The figure compared: tokens/s after the first token at one stream, aggregate
+        tokens/s at several."""
+        return self.decode_tokens_per_second if self.streams == 1 else self.tokens_per_second
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LatencyResult:
+    """The best run per (format, streams, system), every round's headline figures, the
+    ratios actorline / llama.cpp (``"<format> @ <streams>"``) and the conditions."""
+
+    model: str
+    best: tuple[WorkloadRun, ...]
+    rounds: dict[str, list[float]]
+    ratios: dict[str, float]
+    llamacpp_version: str
+    llamacpp_threads: int
+    load_average: tuple[float, float, float]
+    load_average_end: tuple[float, float, float]
+    cpu_count: int
+
+
+def summarize(system: str, fmt: str, traces: Sequence[StreamTrace]) -> WorkloadRun:
+    """One workload's figures out of its streams' traces (see the module docstring).
+
+    Raises:
+        ValueError: no traces, or a stream without any text event.
+        pipeline.bench.llamacpp_peer.LlamaPeerError: malformed server timings.
+    """
+    if not traces:
+        raise ValueError("no streams to summarize")
+    if any(not trace.token_times for trace in traces):
+        raise ValueError(f"{system} ({fmt}): a stream ended without any text")
+    counts = [trace.usage_tokens or len(trace.token_times) for trace in traces]
+    began = min(trace.sent for trace in traces)
+    seconds = max(trace.finished for trace in traces) - began
+    rates = []
+    for trace, count in zip(traces, counts):
+        span = trace.token_times[-1] - trace.token_times[0]
+        rates.append((count - 1) / span if span > 0 and count > 1 else 0.0)
+    server = [
+        timings.predicted_per_second
+        for timings in (parse_timings({"timings": t.timings}) for t in traces if t.timings)
+        if timings is not None
+    ]
+    return WorkloadRun(
+        system=system,
+        format=fmt,
+        streams=len(traces),
+        tokens=sum(counts),
+        seconds=seconds,
+        tokens_per_second=sum(counts) / seconds if seconds > 0 else 0.0,
+        decode_tokens_per_second=statistics.fmean(rates),
+        ttft_ms=1000.0 * statistics.median(t.token_times[0] - t.sent for t in traces),
+        server_tokens_per_second=statistics.fmean(server) if server else None,
+    )
+
+
+def _payload(prompt: Sequence[int], max_tokens: int) -> dict[str, object]:
+    return {
+        "model": SERVED_NAME,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def measure_streams(
+    port: int, prompts: Sequence[Sequence[int]], max_tokens: int
+) -> list[StreamTrace]:
+    """Stream one request per prompt from ``127.0.0.1:port``, all at once; their traces."""
+    return list(
+        await asyncio.gather(
+            *(stream_completion(_HOST, port, _payload(p, max_tokens)) for p in prompts)
+        )
+    )
+
+
+def actorline_command(model: str, fmt: LlamaFormat, config: LatencyConfig) -> list[str]:
+    """``actorline serve`` on a free HTTP port in ``fmt``, sized like the peer."""
+    return [
+        sys.executable, "-m", "pipeline.cli", "serve", "--model", model, "--http-port", "0",
+        "--served-model-name", SERVED_NAME, "--max-num-seqs", str(config.slots),
+        "--max-model-len", str(config.context_per_slot), *fmt.actorline_arguments(),
+    ]  # fmt: skip
+
+
+def _workloads(
+    config: LatencyConfig, prompts: list[list[int]]
+) -> list[tuple[list[list[int]], int]]:
+    """(prompts, max_tokens) per workload: one stream, then each stream count; a different
+    prompt for every stream of a server's life."""
+    plan = [(prompts[1:2], config.tokens)]
+    start = 2
+    for count in config.streams:
+        plan.append((prompts[start : start + count], config.concurrent_tokens))
+        start += count
+    return plan
+
+
+def _run_server(
+    system: str,
+    fmt: LlamaFormat,
+    command: list[str],
+    port: int | None,
+    config: LatencyConfig,
+    prompts: list[list[int]],
+) -> list[WorkloadRun]:
+    from pipeline.bench.online_http import serve_process
+
+    async def measure(bound: int) -> list[WorkloadRun]:
+        await measure_streams(bound, prompts[:1], _WARMUP_TOKENS)
+        runs = []
+        for batch, limit in _workloads(config, prompts):
+            run = summarize(system, fmt.name, await measure_streams(bound, batch, limit))
+            print(
+                f"latency: {system} {fmt.name} @ {run.streams}: {run.headline:.1f} tokens/s, "
+                f"TTFT {run.ttft_ms:.0f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
+            runs.append(run)
+        return runs
+
+    with serve_process(command, None, port) as bound:
+        return asyncio.run(measure(bound))
+
+
+def ratios(best: Sequence[WorkloadRun]) -> dict[str, float]:
+    """actorline's headline over llama.cpp's per format and stream count."""
+    ours = {(r.format, r.streams): r for r in best if r.system == ACTORLINE}
+    theirs = {(r.format, r.streams): r for r in best if r.system == LLAMACPP}
+    return {
+        f"{fmt} @ {streams}": ours[(fmt, streams)].headline / run.headline
+        for (fmt, streams), run in theirs.items()
+        if (fmt, streams) in ours and run.headline > 0
+    }
+
+
+def run_latency(config: LatencyConfig) -> LatencyResult:
+    """Every round, format and server in turn (see the module docstring).
+
+    Raises:
+        pipeline.bench.llamacpp_peer.LlamaPeerError: llama.cpp could not be built or
+            converted to.
+        RuntimeError: a server did not start.
+    """
+    from pipeline.bench import llamacpp_peer
+    from pipeline.bench.online_http import free_port
+    from pipeline.bench.workload import WorkloadSpec, make_workload, prompt_ids
+    from stages.models import resolve_model
+    from stages.tokenize import load_tokenizer
+
+    resolved = resolve_model(config.model)
+    tokenizer = load_tokenizer(config.model)
+    count = 2 + sum(config.streams)
+    workload = make_workload(WorkloadSpec(num_requests=count, seed=config.seed))
+    prompts = [prompt_ids(tokenizer, request.prompt) for request in workload]
+    binary: Path | None = None
+    ggufs: dict[str, Path] = {}
+    if "llamacpp" in config.peers:
+        binary = llamacpp_peer.ensure_llama_server()
+        for name in config.formats:
+            ggufs[name] = llamacpp_peer.ensure_gguf(FORMATS[name], resolved.path, resolved.gguf)
+    load_average = os.getloadavg()
+    best: dict[tuple[str, int, str], WorkloadRun] = {}
+    rounds: dict[str, list[float]] = {}
+    for index in range(config.rounds):
+        for name in config.formats:
+            fmt = FORMATS[name]
+            systems: list[tuple[str, list[str], int | None]] = [
+                (ACTORLINE, actorline_command(config.model, fmt, config), None)
+            ]
+            if binary is not None:
+                port = free_port()
+                command = llamacpp_peer.server_command(
+                    binary,
+                    ggufs[name],
+                    port,
+                    threads=config.threads,
+                    slots=config.slots,
+                    context_per_slot=config.context_per_slot,
+                    repack=fmt.repack,
+                )
+                systems.append((LLAMACPP, command, port))
+            if index % 2:
+                systems.reverse()
+            for system, command, known_port in systems:
+                for run in _run_server(system, fmt, command, known_port, config, prompts):
+                    key = (run.format, run.streams, run.system)
+                    rounds.setdefault(f"{key[0]} @ {key[1]} {key[2]}", []).append(run.headline)
+                    if key not in best or run.headline > best[key].headline:
+                        best[key] = run
+    ordered = tuple(best[key] for key in sorted(best, key=_order(config)))
+    return LatencyResult(
+        model=config.model,
+        best=ordered,
+        rounds=rounds,
+        ratios=ratios(ordered),
+        llamacpp_version=LLAMACPP_VERSION,
+        llamacpp_threads=config.threads,
+        load_average=load_average,
+        load_average_end=os.getloadavg(),
+        cpu_count=os.cpu_count() or 0,
+    )
+
+
+def _order(config: LatencyConfig) -> Any:
+    systems = (ACTORLINE, LLAMACPP)
+    return lambda key: (config.formats.index(key[0]), key[1], systems.index(key[2]))
+
+
+def format_latency(result: LatencyResult) -> str:
+    """The readable report: one row per format, stream count and system, then the ratios."""
+    rows = []
+    for run in result.best:
+        key = f"{run.format} @ {run.streams} {run.system}"
+        rows.append(
+            [
+                run.format,
+                run.streams,
+                run.system,
+                run.headline,
+                run.ttft_ms,
+                run.tokens_per_second,
+                run.server_tokens_per_second,
+                " ".join(f"{rate:.1f}" for rate in result.rounds.get(key, ())),
+            ]
+        )
+    table = format_table(
+        ["format", "streams", "system", "tokens/s", "TTFT ms", "aggregate", "server's", "rounds"],
+        rows,
+        title=f"latency over HTTP: {result.model}, streamed /v1/completions (greedy, "
+        f"ignore_eos); tokens/s is after the first token at 1 stream, aggregate at N; "
+        f"llama.cpp {result.llamacpp_version} with {result.llamacpp_threads} threads; "
+        f"{result.cpu_count} CPUs, load average {result.load_average[0]:.2f} at start, "
+        f"{result.load_average_end[0]:.2f} at the end",
+    )
+    lines = [table]
+    for key, ratio in result.ratios.items():
+        target = 1.0 if key.endswith("@ 1") else 1.5
+        verdict = "met" if ratio >= target else "not met"
+        lines.append(f"ratio actorline / llama.cpp, {key} streams: {ratio:.2f}x "
+                     f"(target >= {target}x: {verdict})")  # fmt: skip
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The latency benchmark's command-line options."""
+    add_common_arguments(parser, profile=False)
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=PEERS,
+        help="the peer to compare with (llamacpp: llama-server built on first use under the "
+        "cache directory; the default)",
+    )
+    parser.add_argument(
+        "--formats", nargs="+", choices=tuple(FORMATS), default=None, help="formats (all three)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="alternating rounds, best kept (2)"
+    )
+    parser.add_argument("--tokens", type=int, default=None, help="the single stream's tokens (256)")
+    parser.add_argument(
+        "--streams", type=int, nargs="+", default=None, help="concurrent stream counts (4 16)"
+    )
+    parser.add_argument(
+        "--concurrent-tokens", type=int, default=None, help="tokens per concurrent stream (128)"
+    )
+    parser.add_argument(
+        "--llamacpp-threads", type=int, default=None, help="llama-server's -t (every core)"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> LatencyConfig:
+    """The configuration the options ask for (``--quick`` shrinks the defaults).
+
+    Raises:
+        ValueError: an option is out of range (see :class:`LatencyConfig`).
+    """
+    base = LatencyConfig.quick() if args.quick else LatencyConfig()
+    given = {
+        "formats": tuple(args.formats) if args.formats else None,
+        "rounds": args.rounds,
+        "tokens": args.tokens,
+        "streams": tuple(args.streams) if args.streams else None,
+        "concurrent_tokens": args.concurrent_tokens,
+        "llamacpp_threads": args.llamacpp_threads,
+        "peers": tuple(dict.fromkeys(args.peer)) or None,
+    }
+    return dataclasses.replace(
+        base, model=args.model, **{k: v for k, v in given.items() if v is not None}
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run with parsed options and print the result; the exit status."""
+    result = run_latency(config_from_args(args))
+    print_result(result, format_latency(result), args.json)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``actorline bench latency``."""
+    return run_main(__doc__, add_arguments, run_from_args, argv)
