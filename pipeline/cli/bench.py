@@ -6,9 +6,27 @@ are not installed: they run from a checkout as ``python -m benchmarks.NAME``
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["add_commands"]
+
+
+def _usage_errors(
+    parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
+    """``run``, with a value its configuration refuses (``--rounds 0``: the config's
+    ``ValueError``, raised before anything runs) answered as argparse answers a bad argument:
+    one line on stderr and exit status 2, not a traceback."""
+
+    def checked(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except ValueError as error:
+            parser.error(str(error))
+
+    return checked
 
 
 def add_commands(commands: Any) -> None:
@@ -41,4 +59,4 @@ def add_commands(commands: Any) -> None:
     for name, module, help_text in benchmarks:
         parser = names.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(parser)
-        parser.set_defaults(run=module.run_from_args)
+        parser.set_defaults(run=_usage_errors(parser, module.run_from_args))

@@ -163,6 +163,19 @@ def test_the_latency_cli_parses() -> None:
         LatencyConfig(formats=("fp16",))
 
 
+def test_a_value_a_bench_config_refuses_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--rounds 0`` is one line and exit status 2, as argparse answers a bad argument."""
+    parser = bench_parser()
+    args = parser.parse_args(["bench", "latency", "--rounds", "0"])
+    with pytest.raises(SystemExit) as exited:
+        args.run(args)
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "rounds" in error and "Traceback" not in error
+
+
 def test_offline_takes_llamacpp_as_a_peer_in_actorlines_format() -> None:
     from pipeline.bench.offline import OfflineConfig
     from pipeline.bench.offline import config_from_args as offline_config
