@@ -1,6 +1,6 @@
 """The CPU step graph: a decode-only step of actorline's own Llama (every row one new token, up
 to :data:`MAX_ROWS` rows) run as ONE native call, ``kernels/step_graph.c`` — the CPU analogue of
-the CUDA graphs of :mod:`stages.execute.cuda_graphs` (docs/architecture.md §6).
+the CUDA graphs of :mod:`stages.execute.cuda_graphs` (docs/architecture.md §6.5).
 
 At one stream the module path's forward is mostly Python: ~15 module calls and as many ctypes
 calls per layer, each a few microseconds, against a step whose weights take ~4 ms to read

@@ -1,5 +1,5 @@
 /* The CPU step graph: a whole decode step of actorline's own Llama (every row one new token)
- * in one call, the CPU analogue of a captured CUDA graph (docs/architecture.md §6; Python side:
+ * in one call, the CPU analogue of a captured CUDA graph (docs/architecture.md §6.5; Python side:
  * stages/execute/step_graph.py, which records the plan once and fills its small input buffers
  * per step).
  *
