@@ -182,7 +182,7 @@ class StepGraph:
     def __init__(self) -> None:  # use build()
         self.max_rows = 0
         self.vocab_size = 0
-        #: decode steps run so far
+        #: the engine's decode steps run so far
         self.steps = 0
         self._library: ctypes.CDLL | None = None
         self._plan = _Plan()
@@ -459,6 +459,7 @@ def check_step_graph(
         expected = module_path(last, lengths, len(lengths))
         try:
             got = graph.run([row[-1] for row in tokens], last, tables, range(len(lengths)))
+            graph.steps -= 1  # counts the engine's steps, not the probe
         except (ValueError, NativeKernelError) as refusal:
             raise StepGraphUnsupported(f"it refused the probe step ({refusal})") from refusal
     finally:
