@@ -414,7 +414,7 @@ def check_step_graph(
     probe_name: str,
 ) -> None:
     """Run one decode step of up to three rows (contexts 3, one block + 2 and two blocks + 1:
-    across block boundaries) through the module path and through ``graph``, on blocks
+    across block boundaries; fewer where the cache has fewer free blocks) through the module path and through ``graph``, on blocks
     allocated for the probe (as ``probe_name0``, ...) and freed after; their logits must agree.
 
     Raises:
@@ -424,6 +424,10 @@ def check_step_graph(
     block_size = kv_cache.block_size
     lengths = [n for n in (3, block_size + 2, 2 * block_size + 1) if n <= max_model_len]
     lengths = lengths[: graph.max_rows]
+    while sum(-(-n // block_size) for n in lengths) > allocator.num_free_blocks:
+        lengths.pop()  # a small cache: fewer rows
+    if not lengths:
+        raise StepGraphUnsupported("the KV cache has no block free for its probe step")
     names = [f"{probe_name}{index}" for index in range(len(lengths))]
     vocab = graph.vocab_size
     tokens = [[(31 * i + 7 * row + 5) % vocab for i in range(n)] for row, n in enumerate(lengths)]

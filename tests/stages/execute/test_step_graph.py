@@ -150,3 +150,17 @@ def test_without_a_c_compiler_the_module_path_serves(tiny_model_dir: Path) -> No
     assert runner.step_graph is None
     report = drive(runner, make_requests(random_prompts((4,), seed=11), PARAMS))
     assert len(report.outputs["r0"]) == PARAMS.max_tokens
+
+
+def test_a_small_cache_checks_the_plan_on_fewer_rows(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runner_module, "checks_passed", lambda *_: False)
+    runner = load(tiny_model_dir, num_blocks=2, block_size=16)  # room for one probe row
+    assert runner.step_graph is not None
+    requests = make_requests(random_prompts((5,), seed=12), PARAMS)
+    expected = drive(
+        load(tiny_model_dir, num_blocks=2, block_size=16, use_cuda_graphs=False), requests
+    )
+    assert logprobs_of(drive(runner, requests)) == logprobs_of(expected)
+    assert runner.step_graph.steps == PARAMS.max_tokens - 1
