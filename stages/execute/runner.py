@@ -513,11 +513,7 @@ class ModelRunner:
 
     def _make_step_graph(self, layers: dict[int, LayerShape], *, verify: bool) -> StepGraph | None:
         """The CPU step graph of this model, checked against the module path on a probe step
-        (``verify``); None where it does not serve the model (reason logged).
-
-        Raises:
-            UnsupportedModelError: the module path itself fails the probe step.
-        """
+        (``verify``); None where it does not serve the model or disagrees (reason logged)."""
         if not self._wants_step_graph:
             return None
         assert self.kv_cache is not None and self.allocator is not None
@@ -739,7 +735,11 @@ class ModelRunner:
         decode = order[:num_decode]
 
         step_graph = self._step_graph
-        if num_decode == len(order) and step_graph is not None and num_decode <= MAX_ROWS:
+        if (
+            num_decode == len(order)
+            and step_graph is not None
+            and num_decode <= step_graph.max_rows
+        ):
             rows = {id(w): index for index, w in enumerate(decode)}
             return step_graph.run(
                 tokens,

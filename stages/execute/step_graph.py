@@ -414,8 +414,9 @@ def check_step_graph(
     probe_name: str,
 ) -> None:
     """Run one decode step of up to three rows (contexts 3, one block + 2 and two blocks + 1:
-    across block boundaries; fewer where the cache has fewer free blocks) through the module path and through ``graph``, on blocks
-    allocated for the probe (as ``probe_name0``, ...) and freed after; their logits must agree.
+    across block boundaries; fewer where the cache has fewer free blocks) through the module
+    path and through ``graph``, on blocks allocated for the probe (as ``probe_name0``, ...) and
+    freed after; their logits must agree.
 
     Raises:
         StepGraphUnsupported: they disagree (the error says by how much), or ``graph.run``
