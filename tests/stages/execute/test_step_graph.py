@@ -41,6 +41,7 @@ def decode_only_steps(report: DriveReport, bound: int) -> int:
     )
 
 
+@pytest.mark.slow
 def test_decode_batches_match_the_module_path_bit_for_bit(tiny_model_dir: Path) -> None:
     fields = dict(num_blocks=256, block_size=4)
     on, off = load(tiny_model_dir, **fields), load(tiny_model_dir, use_cuda_graphs=False, **fields)
@@ -73,6 +74,7 @@ def test_rows_that_do_not_sample_preemption_and_prefix_hits(tiny_model_dir: Path
     assert logprobs_of(rest) == logprobs_of(rest_off)
 
 
+@pytest.mark.slow
 def test_batches_over_the_bound_take_the_module_path(tiny_model_dir: Path) -> None:
     prompts = random_prompts(tuple(range(3, 3 + MAX_ROWS + 4)), seed=7)
     requests = make_requests(prompts, PARAMS)
