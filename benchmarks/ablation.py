@@ -44,6 +44,9 @@ VARIANTS: Mapping[str, Mapping[str, object]] = {
     "decode_attention=grouped (gather + SDPA)": {"decode_attention": "grouped"},
     "decode_attention=per_sequence": {"decode_attention": "per_sequence"},
     "decode_attention=padded": {"decode_attention": "padded"},
+    "use_cuda_graphs=False (no CPU step graph: decode steps module by module)": {
+        "use_cuda_graphs": False
+    },
     "enable_prefix_caching=False": {"enable_prefix_caching": False},
     "model_impl=transformers (transformers' LlamaForCausalLM)": {"model_impl": "transformers"},
     "no C compiler (every fallback)": {

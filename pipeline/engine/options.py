@@ -153,8 +153,11 @@ class EngineOptions:
     #: no flag: generate's --seed is the request's sampling seed
     seed: int = option(0, help="the engine's random seed", feeds=("execute",), commands=_NO_FLAG,
                        flag="--engine-seed")  # fmt: skip
-    use_cuda_graphs: bool = option(True, help="capture decode steps as CUDA graphs", kind="bool",
-                                   feeds=("execute",), commands=_NO_FLAG)  # fmt: skip
+    use_cuda_graphs: bool = option(
+        True, kind="bool", feeds=("execute",), commands=_NO_FLAG,
+        help="capture decode steps as CUDA graphs (on CPU: small decode steps as one native "
+        "call, the step graph of stages.execute.step_graph)",
+    )  # fmt: skip
     attention_backend: str = option(
         "auto", choices=ATTENTION_BACKENDS, feeds=("execute",),
         help="how attention reads the paged KV cache: gather + SDPA (auto) or FlexAttention "

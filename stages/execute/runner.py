@@ -73,6 +73,13 @@ from stages.execute.native import (
 from stages.execute.probe_cache import checks_passed, probe_key, record_passed
 from stages.execute.quant.apply import quantize_model, weight_bytes
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
+from stages.execute.step_graph import (
+    MAX_ROWS,
+    StepGraph,
+    StepGraphUnsupported,
+    check_step_graph,
+    step_graph_library,
+)
 from stages.execute.tensor_parallel import (
     Rendezvous,
     ShardStep,
@@ -207,6 +214,7 @@ class ModelRunner:
         self._flex = False  # attention_backend "flex" (stages.execute.flex)
         self._window: int | None = None  # bounds every layer: blocks behind it are freed
         self._decode_graphs: Any = None  # stages.execute.cuda_graphs.DecodeGraphs
+        self._step_graph: StepGraph | None = None  # CPU decode steps in one native call
 
     # ----------------------------------------------------------------- loading
     def load(self) -> EngineInfo:
@@ -361,6 +369,10 @@ class ModelRunner:
         self._flex = use_flex(config.attention_backend, self.device, config.block_size)
         if expected is not None:
             self._probe(probe_ids, expected, num_layers)
+        self._step_graph = self._make_step_graph(layers, verify=expected is not None)
+        # NOTE: a refused step graph records nothing: the next load checks everything again
+        # rather than trusting a plan it would build unchecked.
+        if expected is not None and (self._step_graph is not None or not self._wants_step_graph):
             record_passed(settings.cache_dir(), key, resolved.path)
         self._sampler = Sampler(
             vocab_size, self.device, argmax=fused.argmax if fused is not None else None
@@ -405,6 +417,9 @@ class ModelRunner:
                 kernel = build() if used else None
                 if kernel is not None:
                     libraries.append(kernel.path)
+            graph_library = step_graph_library() if config.use_cuda_graphs else None
+            if graph_library is not None:
+                libraries.append(graph_library.path)
         fields = (
             "cpu_linears",
             "native_linears",
@@ -416,6 +431,7 @@ class ModelRunner:
             "tensor_parallel_size",
             "quantization",
             "model_impl",
+            "use_cuda_graphs",
         )
         versions = {
             "python": sys.version,
@@ -474,6 +490,55 @@ class ModelRunner:
                     )
         finally:
             allocator.free(_PROBE_REQUEST)
+
+    @property
+    def step_graph(self) -> StepGraph | None:
+        """The CPU step graph serving this runner's small decode steps (None: the module path
+        serves every step; the load's log says why)."""
+        return self._step_graph
+
+    @property
+    def _wants_step_graph(self) -> bool:
+        """Whether this load would serve decode steps by the CPU step graph, were the model
+        one it serves (stages.execute.step_graph)."""
+        return (
+            self.device.type == "cpu"
+            and self.config.use_cuda_graphs
+            and self.config.tensor_parallel_size == 1
+            and self.dtype == torch.float32
+            and self._decode_mode == "native"
+            and not self._flex
+            and not self._force_static_decode
+        )
+
+    def _make_step_graph(self, layers: dict[int, LayerShape], *, verify: bool) -> StepGraph | None:
+        """The CPU step graph of this model, checked against the module path on a probe step
+        (``verify``); None where it does not serve the model or disagrees (reason logged)."""
+        if not self._wants_step_graph:
+            return None
+        assert self.kv_cache is not None and self.allocator is not None
+        variants = [s for s in layers.values() if s.window or s.softcap or s.has_sinks]
+        try:
+            if self._window is not None or variants:
+                raise StepGraphUnsupported("sliding windows, soft caps and sinks")
+            graph = StepGraph.build(
+                self.model, self.kv_cache, max_rows=MAX_ROWS, max_model_len=self.max_model_len
+            )
+            if verify:
+                check_step_graph(
+                    graph,
+                    self.model,
+                    self.kv_cache,
+                    self.allocator,
+                    decode_mode=self._decode_mode,
+                    max_model_len=self.max_model_len,
+                    probe_name=_PROBE_REQUEST,
+                )
+        except StepGraphUnsupported as reason:
+            logger.info("execute: decode steps take the module path (step graph: %s)", reason)
+            return None
+        logger.info("execute: decode steps of up to %d rows run as one native call", MAX_ROWS)
+        return graph
 
     def _make_decode_graphs(self) -> Any:
         if self.config.tensor_parallel_size > 1:
@@ -668,6 +733,20 @@ class ModelRunner:
         order, tokens, num_decode = packed.order, packed.token_ids, packed.num_decode
         block_tables = packed.block_tables
         decode = order[:num_decode]
+
+        step_graph = self._step_graph
+        if (
+            num_decode == len(order)
+            and step_graph is not None
+            and num_decode <= step_graph.max_rows
+        ):
+            rows = {id(w): index for index, w in enumerate(decode)}
+            return step_graph.run(
+                tokens,
+                [w.start for w in decode],
+                block_tables,
+                [rows[id(w)] for w in sampling],
+            )  # [S, V]
 
         graphs = self._decode_graphs
         if (

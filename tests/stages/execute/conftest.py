@@ -9,6 +9,7 @@ import pytest
 
 from stages.execute.native import fused_ops_kernel, packed_gemm_kernel, paged_decode_kernel
 from stages.execute.quant.kernel import quant_gemm_kernel
+from stages.execute.step_graph import step_graph_library
 
 
 def _forget_kernels() -> None:
@@ -16,6 +17,7 @@ def _forget_kernels() -> None:
     packed_gemm_kernel.cache_clear()
     fused_ops_kernel.cache_clear()
     quant_gemm_kernel.cache_clear()
+    step_graph_library.cache_clear()
 
 
 @pytest.fixture

@@ -1,0 +1,168 @@
+"""The CPU step graph (stages.execute.step_graph): small decode steps in one native call give the
+module path's logits, and whatever it does not serve takes the module path."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+import stages.execute.runner as runner_module
+from stages.execute.config import ExecuteConfig
+from stages.execute.runner import ModelRunner
+from stages.execute.step_graph import MAX_ROWS, StepGraph
+from stages.params import SamplingParams
+from tests.stages.execute.driving import DriveReport, drive
+from tests.stages.execute.test_runner import make_requests, random_prompts
+
+# Logprobs carry the logits out: equal top-3 logprobs at every step mean equal logits there.
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
+
+
+def load(model: Path | str, **fields: object) -> ModelRunner:
+    runner = ModelRunner(ExecuteConfig(model=str(model), **fields))  # type: ignore[arg-type]
+    runner.load()
+    return runner
+
+
+def logprobs_of(report: DriveReport) -> list[object]:
+    return [(r.logprob_request_ids, r.logprobs, r.request_ids, r.token_ids) for r in report.results]
+
+
+def decode_only_steps(report: DriveReport, bound: int) -> int:
+    """Steps whose every chunk computes one token, with at most ``bound`` of them."""
+    return sum(
+        1
+        for step in report.steps
+        if step.chunks
+        and all(chunk.num_tokens == 1 for chunk in step.chunks)
+        and len(step.chunks) <= bound
+    )
+
+
+@pytest.mark.slow
+def test_decode_batches_match_the_module_path_bit_for_bit(tiny_model_dir: Path) -> None:
+    fields = dict(num_blocks=256, block_size=4)
+    on, off = load(tiny_model_dir, **fields), load(tiny_model_dir, use_cuda_graphs=False, **fields)
+    assert on.step_graph is not None and off.step_graph is None
+    for batch, seed in ((1, 1), (3, 2), (8, 3), (MAX_ROWS, 4)):
+        prompts = random_prompts(tuple(3 + 5 * i for i in range(batch)), seed=seed)
+        requests = make_requests(prompts, PARAMS, prefix=f"b{batch}-")
+        before = on.step_graph.steps
+        got, expected = drive(on, requests), drive(off, requests)
+        assert logprobs_of(got) == logprobs_of(expected)
+        assert on.step_graph.steps - before == decode_only_steps(got, MAX_ROWS) > 0
+
+
+def test_rows_that_do_not_sample_preemption_and_prefix_hits(tiny_model_dir: Path) -> None:
+    """Prompts fed one token a step (decode-shaped rows that sample nothing), a preempted
+    request recomputed, and prompts sharing a cached prefix."""
+    shared = random_prompts((20,), seed=5)[0]
+    prompts = [shared + tail for tail in random_prompts((1, 6, 13), seed=6)]
+    requests = make_requests(prompts, PARAMS)
+    reports = []
+    for use_graph in (True, False):
+        runner = load(tiny_model_dir, num_blocks=64, block_size=4, use_cuda_graphs=use_graph)
+        first = drive(runner, requests[:1], chunk_size=1)
+        rest = drive(runner, requests[1:], chunk_size=3, preempt_after={"r2": 4})
+        reports.append((first, rest, runner.step_graph))
+    (first, rest, graph), (first_off, rest_off, _) = reports
+    assert graph is not None and graph.steps >= len(prompts[0])
+    assert max(rest.cached_tokens.values()) >= 16
+    assert logprobs_of(first) == logprobs_of(first_off)
+    assert logprobs_of(rest) == logprobs_of(rest_off)
+
+
+@pytest.mark.slow
+def test_batches_over_the_bound_take_the_module_path(tiny_model_dir: Path) -> None:
+    prompts = random_prompts(tuple(range(3, 3 + MAX_ROWS + 4)), seed=7)
+    requests = make_requests(prompts, PARAMS)
+    on = load(tiny_model_dir, num_blocks=256)
+    got = drive(on, requests)
+    expected = drive(load(tiny_model_dir, num_blocks=256, use_cuda_graphs=False), requests)
+    assert logprobs_of(got) == logprobs_of(expected)
+    assert on.step_graph is not None
+    assert decode_only_steps(got, 1 << 20) > decode_only_steps(got, MAX_ROWS)
+    assert on.step_graph.steps == decode_only_steps(got, MAX_ROWS)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "gguf"])
+def test_quantized_weights_give_the_module_paths_tokens(
+    tiny_model_dir: Path, tiny_gguf: Path, quantization: str
+) -> None:
+    model = tiny_gguf if quantization == "gguf" else tiny_model_dir
+    # NOTE: the tiny GGUF model has 512 tokens
+    prompts = [[token % 509 + 3 for token in prompt] for prompt in random_prompts((4, 11, 19), 8)]
+    requests = make_requests(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    on = load(model, num_blocks=64, quantization=quantization)
+    off = load(model, num_blocks=64, quantization=quantization, use_cuda_graphs=False)
+    assert on.step_graph is not None and off.step_graph is None
+    got, expected = drive(on, requests), drive(off, requests)
+    assert got.outputs == expected.outputs
+    assert on.step_graph.steps == decode_only_steps(got, MAX_ROWS) > 0
+
+
+def test_a_disagreeing_plan_is_refused(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    build = StepGraph.build
+
+    def wrong_scale(*args: object, **kwargs: object) -> StepGraph:
+        graph = build(*args, **kwargs)  # type: ignore[arg-type]
+        graph._plan.scale *= 2.0  # attention scaled otherwise than the model's
+        return graph
+
+    monkeypatch.setattr(StepGraph, "build", wrong_scale)
+    monkeypatch.setattr(runner_module, "checks_passed", lambda *_: False)
+    with caplog.at_level(logging.INFO, logger="actorline.execute"):
+        runner = load(tiny_model_dir, num_blocks=64)
+    assert runner.step_graph is None
+    assert "step graph disagrees with the module path" in caplog.text
+    requests = make_requests(random_prompts((5, 9), seed=9), PARAMS)
+    monkeypatch.undo()
+    expected = drive(load(tiny_model_dir, num_blocks=64, use_cuda_graphs=False), requests)
+    assert logprobs_of(drive(runner, requests)) == logprobs_of(expected)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"use_cuda_graphs": False},
+        {"fused_ops": False},
+        {"model_impl": "transformers"},
+        {"decode_attention": "grouped"},
+    ],
+)
+def test_what_the_plan_does_not_serve_takes_the_module_path(
+    tiny_model_dir: Path, fields: dict[str, object], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="actorline.execute"):
+        runner = load(tiny_model_dir, num_blocks=64, **fields)
+    assert runner.step_graph is None
+    if fields.get("fused_ops") is False:
+        assert "decode steps take the module path (step graph: " in caplog.text
+    report = drive(runner, make_requests(random_prompts((4, 7), seed=10), PARAMS))
+    assert all(len(tokens) == PARAMS.max_tokens for tokens in report.outputs.values())
+
+
+@pytest.mark.usefixtures("no_c_compiler")
+def test_without_a_c_compiler_the_module_path_serves(tiny_model_dir: Path) -> None:
+    runner = load(tiny_model_dir, num_blocks=64)
+    assert runner.step_graph is None
+    report = drive(runner, make_requests(random_prompts((4,), seed=11), PARAMS))
+    assert len(report.outputs["r0"]) == PARAMS.max_tokens
+
+
+def test_a_small_cache_checks_the_plan_on_fewer_rows(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runner_module, "checks_passed", lambda *_: False)
+    runner = load(tiny_model_dir, num_blocks=2, block_size=16)  # room for one probe row
+    assert runner.step_graph is not None
+    requests = make_requests(random_prompts((5,), seed=12), PARAMS)
+    expected = drive(
+        load(tiny_model_dir, num_blocks=2, block_size=16, use_cuda_graphs=False), requests
+    )
+    assert logprobs_of(drive(runner, requests)) == logprobs_of(expected)
+    assert runner.step_graph.steps == PARAMS.max_tokens - 1
