@@ -8,6 +8,7 @@ variants alternating in one process, µs and the ratio to fp32.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -66,14 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             times: dict[str, float] = {}
             for _ in range(2):  # two alternating rounds
                 runs: dict[str, Callable[[], object]] = {
-                    "fp32": lambda x=x, p=packed: packed_kernel(x, p, None)
+                    "fp32": functools.partial(packed_kernel, x, packed, None)
                 }
                 for fmt, quantized in formats.items():
                     for int8 in (False, True):
-                        runs[f"{fmt}{'/i8' if int8 else ''}"] = (
-                            lambda x=x, q=quantized, f=fmt, i=int8: quant.gemm(
-                                x, q.blocks, f, None, i
-                            )
+                        key = f"{fmt}{'/i8' if int8 else ''}"
+                        runs[key] = functools.partial(
+                            quant.gemm, x, quantized.blocks, fmt, None, int8
                         )
                 for key, run in runs.items():
                     times[key] = min(times.get(key, float("inf")), _best(run, repeats))
