@@ -10,7 +10,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.engine.option_fields import check_options, option
-from stages.execute.config import ATTENTION_BACKENDS, DTYPES, MODEL_IMPLS, QUANTIZATIONS
+from stages.execute.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    MODEL_IMPLS,
+    QUANT_ACTIVATIONS,
+    QUANTIZATIONS,
+)
 
 __all__ = ["MAX_RESTART_BACKOFF", "TRANSPORTS", "EngineOptions"]
 
@@ -59,6 +65,12 @@ class EngineOptions:
         None, choices=QUANTIZATIONS, feeds=("execute",),
         help="weight-only 4/8-bit weights on CPU: a GGUF model's own (gguf) or int8 at load "
         "(docs/models.md)",
+    )  # fmt: skip
+    quant_activations: str = option(
+        "auto", choices=QUANT_ACTIVATIONS, feeds=("execute",),
+        help="the quantized linears' inputs: int8 (Q8_0 blocks, integer dot products, as "
+        "llama.cpp), fp32 (weight-only, exact) or auto (int8 where the CPU has VNNI; "
+        "docs/models.md)",
     )  # fmt: skip
     model_impl: str = option(
         "auto", choices=MODEL_IMPLS, feeds=("execute",),
@@ -262,6 +274,11 @@ class EngineOptions:
                     load_parser(group, value)
                 except plugins.PluginError as exc:
                     raise ValueError(f"{name}: {exc}") from None
+        if self.quantization is None and self.quant_activations != "auto":
+            raise ValueError(
+                f"quant_activations {self.quant_activations!r} applies to quantized weights: "
+                "set quantization ('gguf' or 'int8') or leave it 'auto'"
+            )
         if self.ray_num_gpus > 0 and self.device == "cpu":
             raise ValueError(
                 f"ray_num_gpus {self.ray_num_gpus:g} reserves GPUs for the engine's hosts, but "

@@ -10,6 +10,7 @@ __all__ = [
     "DTYPES",
     "MODEL_IMPLS",
     "QUANTIZATIONS",
+    "QUANT_ACTIVATIONS",
     "ExecuteConfig",
     "ExecuteConfigError",
 ]
@@ -19,6 +20,7 @@ DEFAULT_KV_CACHE_MEMORY = 384 * 1024 * 1024
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 QUANTIZATIONS = ("gguf", "int8")
+QUANT_ACTIVATIONS = ("auto", "int8", "fp32")
 MODEL_IMPLS = ("auto", "native", "transformers")
 ATTENTION_BACKENDS = ("auto", "gather_sdpa", "flex")
 _DECODE_ATTENTION_MODES = ("auto", "native", "grouped", "padded", "per_sequence")
@@ -75,6 +77,11 @@ class ExecuteConfig:
       Q8_0/Q4_0/Q4_1/Q4_K weights as they are) or ``"int8"`` (quantize any checkpoint's
       linears to int8 at load); weight-only, fp32 activations and KV, CPU fp32 only
       (:mod:`stages.execute.quant.apply`).
+    - ``quant_activations``: what the quantized linears multiply their weights with:
+      ``int8`` (each input row rounded to llama.cpp's Q8_0 blocks, integer dot products, as
+      llama.cpp runs its 4/8-bit matrices), ``fp32`` (weight-only: exact up to fp32 rounding)
+      or ``auto`` (default: ``int8`` where the quantized GEMM was compiled with VNNI, AVX512-VNNI
+      or AVX-VNNI, else ``fp32``). Only with ``quantization`` set.
     - ``model_impl``: ``auto`` (default: actorline's own model class where it serves the
       checkpoint, :mod:`stages.execute.llama`, else transformers'), ``native`` (actorline's own,
       refused where it does not serve the checkpoint) or ``transformers`` (always
@@ -109,6 +116,7 @@ class ExecuteConfig:
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 30.0
     quantization: str | None = None
+    quant_activations: str = "auto"
     model_impl: str = "auto"
     attention_backend: str = "auto"
 
@@ -161,6 +169,17 @@ class ExecuteConfig:
                 "quantization",
                 f"({self.quantization!r}) does not shard: it runs with tensor_parallel_size 1, "
                 f"got {self.tensor_parallel_size}",
+            )
+        if self.quant_activations not in QUANT_ACTIVATIONS:
+            raise ExecuteConfigError(
+                "quant_activations",
+                f"must be one of {QUANT_ACTIVATIONS}, got {self.quant_activations!r}",
+            )
+        if self.quantization is None and self.quant_activations != "auto":
+            raise ExecuteConfigError(
+                "quant_activations",
+                f"({self.quant_activations!r}) applies to quantized weights: set quantization "
+                "('gguf' or 'int8') or leave it 'auto'",
             )
         if self.decode_attention not in _DECODE_ATTENTION_MODES:
             raise ExecuteConfigError(

@@ -270,7 +270,7 @@ class ModelRunner:
                     f"({config.quantization!r}) serves fp32 models on CPU (weight-only, fp32 "
                     f"activations); got {self.dtype} on {self.device}",
                 )
-            quantize_model(model, config.quantization, resolved.gguf)
+            quantize_model(model, config.quantization, resolved.gguf, config.quant_activations)
         row_parallel = shard_model(model, self.rank, parallel) if parallel > 1 else []
         key = self._probe_key(resolved.path)
         verify = not checks_passed(settings.cache_dir(), key)
@@ -430,6 +430,7 @@ class ModelRunner:
             "max_model_len",
             "tensor_parallel_size",
             "quantization",
+            "quant_activations",
             "model_impl",
             "use_cuda_graphs",
         )

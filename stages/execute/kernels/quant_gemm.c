@@ -1,27 +1,38 @@
-/* Weight-only quantized GEMM for CPU linears: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x and y
- * fp32, W in 4 or 8 bits, dequantized inside the GEMM (docs/architecture.md §6.3). Built and
- * loaded by stages/execute/quant_kernel.py; the layouts are packed by
- * stages/execute/quantized.py.
+/* Quantized GEMM for CPU linears: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x and y fp32, W in 4 or
+ * 8 bits (docs/architecture.md §6.3). Built and loaded by stages/execute/quant/kernel.py; the
+ * layouts are packed from llama.cpp's blocks by actorline_quant_pack below.
  *
  * W is cut into panels of NR = 16 output columns and groups of G = 32 inputs; each (panel,
- * group) is one block record, the quants first, then one scale (and one offset) per column:
- *   Q8:  int8 q[32][16], fp16 d[16]                 w = d * q         (544 bytes, 8.5 bits)
- *   Q4:  uint8 q[16][16], fp16 d[16], fp16 m[16]    w = d * q + m     (320 bytes, 5 bits)
+ * group) is one block record, the quants first, in chunks of 64 bytes (16 columns x 4 bytes),
+ * then one scale (and one offset) per column:
+ *   Q8:  int8 q[8][16][4], fp16 d[16]               w = d * q         (544 bytes, 8.5 bits)
+ *   Q4:  uint8 q[4][16][4], fp16 d[16], fp16 m[16]  w = d * q + m     (320 bytes, 5 bits)
  *   Q4F: the same with fp32 d[16], m[16]                              (384 bytes, 6 bits)
- * In a Q4 quant byte q[kk][j] column j holds input 2kk in its low nibble and 2kk + 1 in its high
- * one. These are llama.cpp's Q8_0, Q4_1 and (with m = -8d) Q4_0 blocks of 32, transposed so that
- * one 16-byte load feeds 16 columns; Q4F holds Q4_K's sub-blocks, whose scales (d * sc, a
- * product of an fp16 and a 6-bit integer) need more than fp16.
+ * Q8 chunk c holds inputs 4c..4c+3 of each column in 4 consecutive bytes; Q4 chunk c holds
+ * inputs 8c+t in the low nibble of byte t and 8c+4+t in its high one. One 64-byte load then
+ * feeds 16 columns, as 16 int32 lanes of 4 inputs each: what VNNI's vpdpbusd multiplies with 4
+ * int8 activations (llama.cpp's ggml-cpu/arch/x86/quants.c interleaves its repacked blocks the
+ * same way), and what shifts widen to floats elsewhere. These are llama.cpp's Q8_0, Q4_1 and
+ * (with m = -8d) Q4_0 blocks of 32, transposed; Q4F holds Q4_K's sub-blocks, whose scales
+ * (d * sc, a product of an fp16 and a 6-bit integer) need more than fp16.
  *
- * Few rows (decode, M <= DIRECT_ROWS): each row block of up to ROWS rows (8 with AVX-512's 32
- * vector registers, else 4) streams the panel's blocks once, widening the quants to float in registers and accumulating per group
- * sum_k x[k] q[k]; a group then adds d * that + m * sum_k x[k] (the row sums per group are
- * computed once per call). Weights are read once per call at 5 or 8.5 bits instead of 32, which
- * is what decode, bound by memory bandwidth, gains. More rows (prefill, big batches): each thread
- * dequantizes a panel into a [K][16] fp32 buffer that stays in L2, then runs a 6 x 16
- * register-blocked micro-kernel over the rows, as the fp32 packed GEMM does, so the dequant is
- * paid once per panel and row block. Threads split the panels. GCC vector extensions: one
- * source compiles to AVX-512, AVX2 or NEON. */
+ * Two kinds of activations, chosen per call by the ACT_Q8 bit of the format code:
+ * - fp32 (weight-only; exact up to fp32 rounding): few rows (decode, M <= DIRECT_ROWS): each row
+ *   block of up to ROWS rows streams the panel's blocks once, widening the quants to float in
+ *   registers and accumulating per group sum_k x[k] q[k]; a group then adds d * that + m *
+ *   sum_k x[k]. More rows: each thread dequantizes a panel into a [K][16] fp32 buffer that
+ *   stays in L2, then runs an MR x 16 register-blocked micro-kernel over the rows (14 x 16
+ *   with AVX-512's 32 registers, else 6 x 16), as the fp32 packed GEMM does.
+ * - int8 (ACT_Q8), llama.cpp's way (ggml-quants.c quantize_row_q8_0_ref, then vec_dot_q8_0_q8_0
+ *   and vec_dot_q4_1_q8_1): each row of x is quantized once per call to int8 blocks of 32 with
+ *   an fp16 scale dx (d = max|x| / 127, q = roundf(x / d)), the dot products are integer (4
+ *   inputs per int32 lane: vpdpbusd with AVX512-VNNI or AVX-VNNI, plain integer vectors
+ *   elsewhere, the same sums), and each group adds d dx isum (+ m dx sum_k q_x[k]) in fp32.
+ *   Rows go in blocks of ROWS against a panel (at any M: the panel stays in L1, x's int8 rows
+ *   in L2 by blocks of QMB rows).
+ * Threads split the panels. GCC vector extensions: one source compiles to AVX-512, AVX2 or
+ * NEON (little-endian: a chunk's bytes are read as int32 lanes). */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,11 +40,15 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "quant_gemm.c reads its 64-byte chunks as little-endian int32 lanes"
+#endif
 /* The 64-byte vectors are passed between inlined helpers only; no ABI crosses them. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 #define NR 16
 #define GROUP 32
+#define CHUNK 64 /* bytes of 16 columns x 4 */
 #if defined(__AVX512F__)
 #define ROWS 8 /* rows per block on the direct path: 2 x 8 accumulators of AVX-512's 32 */
 #else
@@ -45,16 +60,19 @@
  * layers, Q8 at 1 / 8 rows 7.4 -> 5.0 / 11.0 -> 8.9 ms; Q4, bound by widening its nibbles,
  * level (docs/performance.md §4). */
 #define PREFETCH_BLOCKS 8
-#define MR 6
-#define MB 768 /* rows per block on the panel path (x stays in cache) */
+#if defined(__AVX512F__)
+#define MR 14 /* rows per micro-tile on the panel path: 14 accumulators, as packed_gemm.c's */
+#else
+#define MR 6 /* BLIS's Haswell 6 x 16: 12 ymm accumulators */
+#endif
+#define MB 768  /* rows per block on the panel path (x stays in cache) */
+#define QMB 256 /* rows per block on the int8 path (their int8 rows stay in L2) */
 
-enum { FORMAT_Q8 = 0, FORMAT_Q4 = 1, FORMAT_Q4F = 2 };
+enum { FORMAT_Q8 = 0, FORMAT_Q4 = 1, FORMAT_Q4F = 2, FORMAT_MASK = 15, ACT_Q8 = 16 };
 
 typedef float vf __attribute__((vector_size(NR * sizeof(float)), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(NR * sizeof(int32_t)), aligned(4)));
 typedef uint32_t vu __attribute__((vector_size(NR * sizeof(uint32_t)), aligned(4)));
-typedef uint8_t vb __attribute__((vector_size(NR), aligned(1)));
-typedef int8_t vsb __attribute__((vector_size(NR), aligned(1)));
 typedef uint16_t vh __attribute__((vector_size(NR * sizeof(uint16_t)), aligned(2)));
 
 int64_t actorline_quant_block_bytes(int format) {
@@ -66,35 +84,46 @@ int64_t actorline_quant_block_bytes(int format) {
     }
 }
 
-/* 16 bytes widened to 16 int32 lanes, zero- or sign-extended. GCC lowers a generic
- * __builtin_convertvector of bytes to 16 scalar loads, so x86 gets its widening loads. */
-static inline vi widen_u8(const uint8_t *p) {
-#if defined(__AVX512F__)
-    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    vi out;
-    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    memcpy(&out, &lo, sizeof lo);
-    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
-    return out;
+/* 1 where the int8 dot products run on VNNI instructions (compiled in), else 0 (they run on
+ * plain integer vectors: the same sums, slower). */
+int actorline_quant_vnni(void) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || defined(__AVXVNNI__)
+    return 1;
 #else
-    return __builtin_convertvector(*(const vb *)p, vi);
+    return 0;
 #endif
 }
 
-static inline vi widen_s8(const uint8_t *p) {
-#if defined(__AVX512F__)
-    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    vi out;
-    const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    memcpy(&out, &lo, sizeof lo);
-    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
-    return out;
+/* Byte offsets of input kk of column j in a record's quants. */
+static inline int q8_at(int kk, int j) { return (kk >> 2) * CHUNK + j * 4 + (kk & 3); }
+static inline int q4_at(int kk, int j) { return (kk >> 3) * CHUNK + j * 4 + (kk & 3); }
+
+static inline vi load_chunk(const uint8_t *p) {
+    vi v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Byte t of each lane, sign-extended (Q8 quants) or a nibble of it (Q4). */
+static inline vf q8_input(vi v, int t) { return __builtin_convertvector((v << (24 - 8 * t)) >> 24, vf); }
+static inline vf q4_input(vi v, int t) { return __builtin_convertvector((v >> (8 * (t & 3) + 4 * (t >> 2))) & 15, vf); }
+
+/* acc + per int32 lane, the sum over its 4 bytes of a's (unsigned) times b's (signed). */
+static inline vi dot4(vi acc, vi a, vi b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+#elif defined(__AVXVNNI__)
+    __m256i acc2[2], a2[2], b2[2];
+    memcpy(acc2, &acc, sizeof acc);
+    memcpy(a2, &a, sizeof a);
+    memcpy(b2, &b, sizeof b);
+    acc2[0] = _mm256_dpbusd_avx_epi32(acc2[0], a2[0], b2[0]);
+    acc2[1] = _mm256_dpbusd_avx_epi32(acc2[1], a2[1], b2[1]);
+    memcpy(&acc, acc2, sizeof acc);
+    return acc;
 #else
-    return __builtin_convertvector(*(const vsb *)p, vi);
+    for (int t = 0; t < 4; ++t) acc += ((a >> (8 * t)) & 255) * ((b << (24 - 8 * t)) >> 24);
+    return acc;
 #endif
 }
 
@@ -126,19 +155,22 @@ direct(const float *restrict x, int64_t ldx, const float *restrict sums, int64_t
         vf part[ROWS];
         for (int i = 0; i < mr; ++i) part[i] = (vf){0};
         if (format == FORMAT_Q8) {
-            for (int kk = 0; kk < GROUP; ++kk) {
-                const vf w = __builtin_convertvector(widen_s8(block + kk * NR), vf);
-                for (int i = 0; i < mr; ++i) part[i] += xg[i * ldx + kk] * w;
+            for (int c = 0; c < GROUP / 4; ++c) {
+                const vi v = load_chunk(block + c * CHUNK);
+                for (int t = 0; t < 4; ++t) {
+                    const vf w = q8_input(v, t);
+                    for (int i = 0; i < mr; ++i) part[i] += xg[i * ldx + 4 * c + t] * w;
+                }
             }
             const vf d = halves(block + GROUP * NR);
             for (int i = 0; i < mr; ++i) acc[i] += part[i] * d;
         } else {
-            for (int kk = 0; kk < GROUP / 2; ++kk) {
-                const vi wide = widen_u8(block + kk * NR);
-                const vf lo = __builtin_convertvector(wide & 15, vf);
-                const vf hi = __builtin_convertvector(wide >> 4, vf);
-                for (int i = 0; i < mr; ++i)
-                    part[i] += xg[i * ldx + 2 * kk] * lo + xg[i * ldx + 2 * kk + 1] * hi;
+            for (int c = 0; c < GROUP / 8; ++c) {
+                const vi v = load_chunk(block + c * CHUNK);
+                for (int t = 0; t < 8; ++t) {
+                    const vf w = q4_input(v, t);
+                    for (int i = 0; i < mr; ++i) part[i] += xg[i * ldx + 8 * c + t] * w;
+                }
             }
             const int fp32 = format == FORMAT_Q4F;
             const uint8_t *s = block + GROUP / 2 * NR;
@@ -149,12 +181,69 @@ direct(const float *restrict x, int64_t ldx, const float *restrict sums, int64_t
     for (int i = 0; i < mr; ++i) *(vf *)(y + i * ldy) = acc[i];
 }
 
-#define DIRECT_CASE(MRV)                                                                      \
-    case MRV:                                                                                 \
-        if (format == FORMAT_Q8) DIRECT(MRV, FORMAT_Q8);                                       \
-        else if (format == FORMAT_Q4) DIRECT(MRV, FORMAT_Q4);                                  \
-        else DIRECT(MRV, FORMAT_Q4F);                                                          \
-        break
+/* The int8 path: mr (<= ROWS) rows of quantized x (xq, ldq bytes apart; scales dx and, for Q4's
+ * offsets, sx = dx * sum of the group's quants) against one panel's blocks. */
+static inline __attribute__((always_inline)) void
+direct_q(const int8_t *restrict xq, int64_t ldq, const float *restrict dx,
+         const float *restrict sx, int64_t groups, const uint8_t *restrict blocks,
+         int64_t block_bytes, const float *restrict bias, float *restrict y, int64_t ldy,
+         const int mr, const int format) {
+    vf acc[ROWS];
+    for (int i = 0; i < mr; ++i) acc[i] = bias ? *(const vf *)bias : (vf){0};
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t *block = blocks + g * block_bytes;
+        for (int64_t c = 0; c < block_bytes; c += 64)
+            __builtin_prefetch(block + PREFETCH_BLOCKS * block_bytes + c, 0, 2);
+        const int8_t *xg = xq + g * GROUP;
+        vi isum[ROWS];
+        for (int i = 0; i < mr; ++i) isum[i] = (vi){0};
+        if (format == FORMAT_Q8) {
+            /* vpdpbusd multiplies unsigned by signed bytes: x comes in as x + 128 (quantize_rows
+             * flipped its sign bits), and 128 times the column's sum of quants comes off. */
+            vi wsum = (vi){0};
+            const vi ones = (vi){0} + 0x01010101;
+            for (int c = 0; c < GROUP / 4; ++c) {
+                const vi w = load_chunk(block + c * CHUNK);
+                wsum = dot4(wsum, ones, w);
+                for (int i = 0; i < mr; ++i) {
+                    int32_t word; /* x + 128, as quantize_rows stored it */
+                    memcpy(&word, xg + i * ldq + 4 * c, 4);
+                    isum[i] = dot4(isum[i], (vi){0} + word, w);
+                }
+            }
+            const vf d = halves(block + GROUP * NR);
+            for (int i = 0; i < mr; ++i)
+                acc[i] += __builtin_convertvector(isum[i] - (wsum << 7), vf) * (d * dx[i * groups + g]);
+        } else {
+            for (int c = 0; c < GROUP / 8; ++c) {
+                const vi v = load_chunk(block + c * CHUNK);
+                const vi lo = v & 0x0f0f0f0f, hi = (v >> 4) & 0x0f0f0f0f;
+                for (int i = 0; i < mr; ++i) {
+                    int32_t low, high;
+                    memcpy(&low, xg + i * ldq + 8 * c, 4);
+                    memcpy(&high, xg + i * ldq + 8 * c + 4, 4);
+                    isum[i] = dot4(dot4(isum[i], lo, (vi){0} + low), hi, (vi){0} + high);
+                }
+            }
+            const int fp32 = format == FORMAT_Q4F;
+            const uint8_t *s = block + GROUP / 2 * NR;
+            const vf d = scales(s, fp32), m = scales(s + NR * (fp32 ? 4 : 2), fp32);
+            for (int i = 0; i < mr; ++i)
+                acc[i] += __builtin_convertvector(isum[i], vf) * (d * dx[i * groups + g]) +
+                          sx[i * groups + g] * m;
+        }
+    }
+    for (int i = 0; i < mr; ++i) *(vf *)(y + i * ldy) = acc[i];
+}
+
+#define ROW_CASES(CALL)                                                                      \
+    CALL(1) CALL(2) CALL(3) CALL(4)                                                           \
+    ROW_CASES_WIDE(CALL)
+#if ROWS > 4
+#define ROW_CASES_WIDE(CALL) CALL(5) CALL(6) CALL(7) CALL(8)
+#else
+#define ROW_CASES_WIDE(CALL)
+#endif
 
 static void direct_rows(const float *x, int64_t rows, int64_t k, const float *sums,
                         const uint8_t *blocks, int64_t block_bytes, const float *bias, float *y,
@@ -163,22 +252,120 @@ static void direct_rows(const float *x, int64_t rows, int64_t k, const float *su
     for (int64_t i = 0; i < rows; i += ROWS) {
         const float *xi = x + i * k, *si = sums + i * groups;
         float *yi = y + i * n;
-#define DIRECT(MRV, FMT) direct(xi, k, si, groups, blocks, block_bytes, bias, yi, n, MRV, FMT)
-        switch (rows - i < ROWS ? (int)(rows - i) : ROWS) {
-#if ROWS > 4
-            DIRECT_CASE(8);
-            DIRECT_CASE(7);
-            DIRECT_CASE(6);
-            DIRECT_CASE(5);
-#endif
-            DIRECT_CASE(4);
-            DIRECT_CASE(3);
-            DIRECT_CASE(2);
-            DIRECT_CASE(1);
+        const int mr = rows - i < ROWS ? (int)(rows - i) : ROWS;
+#define DIRECT(MRV)                                                                           \
+    case MRV:                                                                                 \
+        if (format == FORMAT_Q8)                                                              \
+            direct(xi, k, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q8);      \
+        else if (format == FORMAT_Q4)                                                         \
+            direct(xi, k, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4);      \
+        else                                                                                  \
+            direct(xi, k, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4F);     \
+        break;
+        switch (mr) {
+            ROW_CASES(DIRECT)
         default: break;
         }
 #undef DIRECT
     }
+}
+
+static void direct_rows_q(const int8_t *xq, const float *dx, const float *sx, int64_t rows,
+                          int64_t k, const uint8_t *blocks, int64_t block_bytes,
+                          const float *bias, float *y, int64_t n, int format) {
+    const int64_t groups = k / GROUP;
+    for (int64_t i = 0; i < rows; i += ROWS) {
+        const int8_t *xi = xq + i * k;
+        const float *di = dx + i * groups, *si = sx + i * groups;
+        float *yi = y + i * n;
+        const int mr = rows - i < ROWS ? (int)(rows - i) : ROWS;
+#define DIRECT_Q(MRV)                                                                          \
+    case MRV:                                                                                  \
+        if (format == FORMAT_Q8)                                                               \
+            direct_q(xi, k, di, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q8); \
+        else if (format == FORMAT_Q4)                                                          \
+            direct_q(xi, k, di, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4); \
+        else                                                                                   \
+            direct_q(xi, k, di, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4F);\
+        break;
+        switch (mr) {
+            ROW_CASES(DIRECT_Q)
+        default: break;
+        }
+#undef DIRECT_Q
+    }
+}
+
+/* fp32 to the nearest fp16 value (ties to even), back in fp32: d >= 0 and finite. */
+static inline float round_to_half(float d) {
+    if (d < 0x1p-14f) return rintf(d * 0x1p24f) * 0x1p-24f; /* fp16 subnormals: steps of 2^-24 */
+    if (d >= 65520.0f) return INFINITY;
+    uint32_t u;
+    memcpy(&u, &d, 4);
+    u += 0xfffu + ((u >> 13) & 1u);
+    u &= ~0x1fffu;
+    memcpy(&d, &u, 4);
+    return d;
+}
+
+/* Horizontal sum and maximum of 16 lanes (the maximum of non-negative lanes: floats' bits). */
+static inline int32_t lanes_sum(vi v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
+static inline vi lanes_larger(vi a, vi b) {
+    const vi larger = a > b;
+    return (a & larger) | (b & ~larger);
+}
+
+static inline int32_t lanes_max(vi v) {
+    v = lanes_larger(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = lanes_larger(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = lanes_larger(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = lanes_larger(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+
+/* Rows of x quantized as llama.cpp's quantize_row_q8_0_ref: per group of 32, d = max|x| / 127,
+ * q = roundf(x * (1 / d)) (halves away from zero), the scale kept as fp16 (dx); sx = dx * sum q
+ * (Q4_1's offset term, as q8_1's s but in fp32). With flip, the quants are stored as q + 128
+ * (unsigned: their sign bit flipped), as the Q8 weights' dot products take them. */
+static void quantize_rows(const float *x, int64_t rows, int64_t k, int flip, int8_t *xq,
+                          float *dx, float *sx) {
+    typedef int8_t vq __attribute__((vector_size(NR), aligned(1)));
+    const int64_t groups = k / GROUP;
+    const vq flip_bits = (vq){0} + (int8_t)(flip ? -128 : 0);
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t g = 0; g < groups; ++g) {
+            const float *xg = x + i * k + g * GROUP;
+            vf half_x[2];
+            memcpy(half_x, xg, sizeof half_x);
+            const vi abs_bits[2] = {(vi)half_x[0] & 0x7fffffff, (vi)half_x[1] & 0x7fffffff};
+            const int32_t top = lanes_max(lanes_larger(abs_bits[0], abs_bits[1]));
+            float amax;
+            memcpy(&amax, &top, 4);
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            vi total = {0};
+            int8_t *q = xq + i * k + g * GROUP;
+            for (int half = 0; half < 2; ++half) {
+                const vf v = half_x[half] * id, mag = (vf)((vi)v & 0x7fffffff);
+                const vi whole = __builtin_convertvector(mag, vi); /* truncated: floor here */
+                const vi up = (mag - __builtin_convertvector(whole, vf)) >= 0.5f;
+                const vi rounded = whole - up; /* a true lane is -1 */
+                const vi negative = (vi)v < 0;
+                const vi signed_q = (rounded ^ negative) - negative;
+                total += signed_q;
+                const vq bytes = __builtin_convertvector(signed_q, vq) ^ flip_bits;
+                memcpy(q + half * NR, &bytes, sizeof bytes);
+            }
+            const float dh = round_to_half(d);
+            dx[i * groups + g] = dh;
+            sx[i * groups + g] = dh * (float)lanes_sum(total);
+        }
 }
 
 /* One panel's blocks as fp32 [K][16] in panel. */
@@ -189,16 +376,18 @@ static void dequantize_panel(const uint8_t *blocks, int64_t block_bytes, int64_t
         float *out = panel + g * GROUP * NR;
         if (format == FORMAT_Q8) {
             const vf d = halves(block + GROUP * NR);
-            for (int kk = 0; kk < GROUP; ++kk)
-                *(vf *)(out + kk * NR) = __builtin_convertvector(widen_s8(block + kk * NR), vf) * d;
+            for (int c = 0; c < GROUP / 4; ++c) {
+                const vi v = load_chunk(block + c * CHUNK);
+                for (int t = 0; t < 4; ++t) *(vf *)(out + (4 * c + t) * NR) = q8_input(v, t) * d;
+            }
         } else {
             const int fp32 = format == FORMAT_Q4F;
             const uint8_t *s = block + GROUP / 2 * NR;
             const vf d = scales(s, fp32), m = scales(s + NR * (fp32 ? 4 : 2), fp32);
-            for (int kk = 0; kk < GROUP / 2; ++kk) {
-                const vi wide = widen_u8(block + kk * NR);
-                *(vf *)(out + 2 * kk * NR) = __builtin_convertvector(wide & 15, vf) * d + m;
-                *(vf *)(out + (2 * kk + 1) * NR) = __builtin_convertvector(wide >> 4, vf) * d + m;
+            for (int c = 0; c < GROUP / 8; ++c) {
+                const vi v = load_chunk(block + c * CHUNK);
+                for (int t = 0; t < 8; ++t)
+                    *(vf *)(out + (8 * c + t) * NR) = q4_input(v, t) * d + m;
             }
         }
     }
@@ -220,26 +409,61 @@ static void panel_rows(const float *x, int64_t rows, int64_t k, const float *pan
                        const float *bias, float *y, int64_t n) {
     int64_t i = 0;
     for (; i + MR <= rows; i += MR) micro(x + i * k, k, panel, k, bias, y + i * n, n, MR);
+#define MICRO_TAIL(r)                                                                         \
+    case r: micro(x + i * k, k, panel, k, bias, y + i * n, n, r); break;
     switch ((int)(rows - i)) {
-    case 5: micro(x + i * k, k, panel, k, bias, y + i * n, n, 5); break;
-    case 4: micro(x + i * k, k, panel, k, bias, y + i * n, n, 4); break;
-    case 3: micro(x + i * k, k, panel, k, bias, y + i * n, n, 3); break;
-    case 2: micro(x + i * k, k, panel, k, bias, y + i * n, n, 2); break;
-    case 1: micro(x + i * k, k, panel, k, bias, y + i * n, n, 1); break;
+        MICRO_TAIL(1) MICRO_TAIL(2) MICRO_TAIL(3) MICRO_TAIL(4) MICRO_TAIL(5)
+#if MR > 6
+        MICRO_TAIL(6) MICRO_TAIL(7) MICRO_TAIL(8) MICRO_TAIL(9) MICRO_TAIL(10) MICRO_TAIL(11)
+        MICRO_TAIL(12) MICRO_TAIL(13)
+#endif
     default: break;
     }
+#undef MICRO_TAIL
 }
 
-/* y[M, N] = x[M, K] @ W^T (+ bias). blocks: [N / 16][K / 32] block records of the format.
- * Returns 0 on success, 1 when scratch memory could not be allocated, 2 on arguments it
- * cannot serve. */
-int actorline_quant_gemm(const float *x, int64_t m, int64_t k, const uint8_t *blocks, int format,
-                         const float *bias, int64_t n, float *y, int num_threads) {
+/* The int8 path (see the top): x quantized by blocks of QMB rows, each block against every
+ * panel. */
+static int gemm_q8_activations(const float *x, int64_t m, int64_t k, const uint8_t *blocks,
+                               int format, const float *bias, int64_t n, float *y,
+                               int num_threads) {
     const int64_t block_bytes = actorline_quant_block_bytes(format);
-    if (block_bytes < 0 || m < 0 || k <= 0 || k % GROUP != 0 || n <= 0 || n % NR != 0)
+    const int64_t groups = k / GROUP, panels = n / NR, panel_bytes = groups * block_bytes;
+    const int64_t block_rows = m < QMB ? m : QMB;
+    int8_t *xq = (int8_t *)malloc((size_t)(block_rows * k));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(2 * block_rows * groups));
+    if (xq == NULL || dx == NULL) {
+        free(xq);
+        free(dx);
+        return 1;
+    }
+    float *sx = dx + block_rows * groups;
+    for (int64_t r0 = 0; r0 < m; r0 += QMB) {
+        const int64_t rows = m - r0 < QMB ? m - r0 : QMB;
+        quantize_rows(x + r0 * k, rows, k, format == FORMAT_Q8, xq, dx, sx);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t p = 0; p < panels; ++p)
+            direct_rows_q(xq, dx, sx, rows, k, blocks + p * panel_bytes, block_bytes,
+                          bias ? bias + p * NR : NULL, y + r0 * n + p * NR, n, format);
+    }
+    free(xq);
+    free(dx);
+    return 0;
+}
+
+/* y[M, N] = x[M, K] @ W^T (+ bias). blocks: [N / 16][K / 32] block records of the format;
+ * format | ACT_Q8 runs the int8 activations path. Returns 0 on success, 1 when scratch memory
+ * could not be allocated, 2 on arguments it cannot serve. */
+int actorline_quant_gemm(const float *x, int64_t m, int64_t k, const uint8_t *blocks, int code,
+                         const float *bias, int64_t n, float *y, int num_threads) {
+    const int format = code & FORMAT_MASK;
+    const int64_t block_bytes = actorline_quant_block_bytes(format);
+    if ((code & ~(FORMAT_MASK | ACT_Q8)) != 0 || block_bytes < 0 || m < 0 || k <= 0 ||
+        k % GROUP != 0 || n <= 0 || n % NR != 0)
         return 2;
     if (m == 0) return 0;
     if (num_threads < 1) num_threads = 1;
+    if (code & ACT_Q8) return gemm_q8_activations(x, m, k, blocks, format, bias, n, y, num_threads);
     const int64_t groups = k / GROUP, panels = n / NR;
     const int64_t panel_bytes = groups * block_bytes;
     if (m <= DIRECT_ROWS) {
@@ -290,7 +514,8 @@ __attribute__((optimize("fp-contract=off"))) int actorline_quant_rows(const uint
         if (ids[i] < 0 || ids[i] >= n) return 2;
     const int64_t groups = k / GROUP;
     for (int64_t i = 0; i < count; ++i) {
-        const int64_t p = ids[i] / NR, column = ids[i] % NR;
+        const int64_t p = ids[i] / NR;
+        const int column = (int)(ids[i] % NR);
         const uint8_t *panel = blocks + p * groups * block_bytes;
         float *row = out + i * k;
         for (int64_t g = 0; g < groups; ++g) {
@@ -299,16 +524,16 @@ __attribute__((optimize("fp-contract=off"))) int actorline_quant_rows(const uint
             if (format == FORMAT_Q8) {
                 *(vf *)lanes = halves(block + GROUP * NR);
                 for (int kk = 0; kk < GROUP; ++kk)
-                    row[g * GROUP + kk] = (float)(int8_t)block[kk * NR + column] * lanes[column];
+                    row[g * GROUP + kk] = (float)(int8_t)block[q8_at(kk, column)] * lanes[column];
             } else {
                 const int fp32 = format == FORMAT_Q4F;
                 const uint8_t *s = block + GROUP / 2 * NR;
                 *(vf *)lanes = scales(s, fp32);
                 *(vf *)offsets = scales(s + NR * (fp32 ? 4 : 2), fp32);
-                for (int kk = 0; kk < GROUP / 2; ++kk) {
-                    const uint8_t byte = block[kk * NR + column];
-                    row[g * GROUP + 2 * kk] = (float)(byte & 15) * lanes[column] + offsets[column];
-                    row[g * GROUP + 2 * kk + 1] = (float)(byte >> 4) * lanes[column] + offsets[column];
+                for (int kk = 0; kk < GROUP; ++kk) {
+                    const uint8_t byte = block[q4_at(kk, column)];
+                    const int value = kk & 4 ? byte >> 4 : byte & 15;
+                    row[g * GROUP + kk] = (float)value * lanes[column] + offsets[column];
                 }
             }
         }
@@ -380,7 +605,7 @@ actorline_quant_pack(const uint8_t *raw, int ggml_type, int64_t n, int64_t k, ui
             uint8_t values[GROUP];
             if (ggml_type == GGML_Q8_0) {
                 const uint8_t *src = row + g * 34;
-                for (int kk = 0; kk < GROUP; ++kk) block[kk * NR + j] = src[2 + kk];
+                for (int kk = 0; kk < GROUP; ++kk) block[q8_at(kk, (int)j)] = src[2 + kk];
                 write_u16(block + GROUP * NR + 2 * j, read_u16(src));
                 continue;
             }
@@ -428,8 +653,8 @@ actorline_quant_pack(const uint8_t *raw, int ggml_type, int64_t n, int64_t k, ui
                     values[kk + 16] = qs[kk] >> 4;
                 }
             }
-            for (int kk = 0; kk < GROUP / 2; ++kk)
-                block[kk * NR + j] = (uint8_t)(values[2 * kk] | (values[2 * kk + 1] << 4));
+            for (int kk = 0; kk < GROUP; ++kk)
+                block[q4_at(kk, (int)j)] |= (uint8_t)(values[kk] << (kk & 4));
         }
     }
     return 0;

@@ -16,6 +16,12 @@ The linears are ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2's, transposed)
 whose inputs are not a multiple of 32, or whose tensor the file holds in another type, stays
 fp32 (and then runs on the packed fp32 GEMM). The kernel is checked once per format and
 shape against ``F.linear`` over the dequantized weight before it serves.
+
+``ExecuteConfig.quant_activations`` says what the weights multiply: ``"int8"`` rounds each
+input row to llama.cpp's Q8_0 blocks inside the kernel (integer dot products; the probe then
+compares with ``F.linear`` over :func:`~stages.execute.quant.layers.q8_0_activations` of its
+inputs), ``"fp32"`` keeps them (weight-only), ``"auto"`` is ``"int8"`` where the kernel has
+VNNI (:attr:`~stages.execute.quant.kernel.QuantGemmKernel.vnni`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from stages.execute.quant.layers import (
     QuantizedWeight,
     QuantLinear,
     dequantize,
+    q8_0_activations,
     quantize_int8,
 )
 
@@ -48,7 +55,7 @@ __all__ = ["QuantizationReport", "quantize_model", "weight_bytes"]
 
 logger = logging.getLogger("actorline.execute")
 
-_PROBE_ROWS = (1, 3, 9, 17, 40)  # both kernel paths (direct and dequantized panels)
+_PROBE_ROWS = (1, 3, 9, 17, 40)  # every kernel path (direct, dequantized panels, int8 blocks)
 _PROBE_TOLERANCE = 1e-4  # relative to the largest output: rounding is ~1e-6
 _PROBE_PANELS = 16  # panels of a big weight the probe runs (256 columns)
 _CHECKED_ROWS = 16  # rows of each GGUF weight compared with the checkpoint's
@@ -56,12 +63,13 @@ _CHECKED_ROWS = 16  # rows of each GGUF weight compared with the checkpoint's
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QuantizationReport:
-    """What :func:`quantize_model` did: modules per format (``q8``, ``q4``, ``q4f``), and the
-    linears and embeddings left fp32."""
+    """What :func:`quantize_model` did: modules per format (``q8``, ``q4``, ``q4f``), the
+    linears and embeddings left fp32, and whether the linears take int8 activations."""
 
     mode: str
     formats: dict[str, int]
     kept: tuple[str, ...]
+    int8_activations: bool = False
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -78,9 +86,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def quantize_model(model: Any, mode: str, gguf: Path | None) -> QuantizationReport:
+def quantize_model(
+    model: Any, mode: str, gguf: Path | None, activations: str = "fp32"
+) -> QuantizationReport:
     """Replace ``model``'s fp32 CPU linears and input embeddings by quantized ones (see the
-    module docstring), one at a time (the fp32 weight's file pages are dropped as each goes).
+    module docstring), one at a time (the fp32 weight's file pages are dropped as each goes);
+    ``activations`` is ``ExecuteConfig.quant_activations``.
 
     Raises:
         ExecuteConfigError: ``quantization`` cannot be served here (``"gguf"`` for a model
@@ -94,6 +105,7 @@ def quantize_model(model: Any, mode: str, gguf: Path | None) -> QuantizationRepo
             f"({mode!r}) needs the native quantized GEMM kernel, which could not be built "
             "here (see the log): install a C compiler or leave quantization unset",
         )
+    int8_activations = activations == "int8" or (activations == "auto" and kernel.vnni)
     source: GGUFWeights | None = None
     if mode == "gguf":
         if gguf is None:
@@ -126,7 +138,7 @@ def quantize_model(model: Any, mode: str, gguf: Path | None) -> QuantizationRepo
         if weight is None:
             kept.append(name)
             continue
-        linear = QuantLinear(weight, module.bias, kernel)
+        linear = QuantLinear(weight, module.bias, kernel, int8_activations=int8_activations)
         key = (weight.format, weight.out_features, weight.in_features, module.bias is not None)
         if key not in probed:
             _probe(linear, kernel)
@@ -147,8 +159,12 @@ def quantize_model(model: Any, mode: str, gguf: Path | None) -> QuantizationRepo
             model.set_input_embeddings(replacement)
             formats[replacement.format] += 1
             release_file_pages(embeddings.weight, file_ranges)
-    report = QuantizationReport(mode, dict(formats), tuple(kept))
-    logger.info("execute: quantization %s: %s, kept fp32: %s", mode, report.formats, kept)
+    report = QuantizationReport(mode, dict(formats), tuple(kept), int8_activations)
+    logger.info(
+        "execute: quantization %s: %s, kept fp32: %s, activations %s (quant_activations %r%s)",
+        mode, report.formats, kept, "int8" if int8_activations else "fp32", activations,
+        ", VNNI" if kernel.vnni else ", no VNNI",
+    )  # fmt: skip
     return report
 
 
@@ -229,20 +245,22 @@ def _quantized_embeddings(
 
 def _probe(linear: QuantLinear, kernel: QuantGemmKernel) -> None:
     """Check the kernel against ``F.linear`` over the dequantized weight on a few row
-    counts (the leading panels of a big weight).
+    counts (the leading panels of a big weight), over the inputs rounded to Q8_0 where the
+    linear takes int8 activations.
 
     Raises:
         NativeKernelError: it disagrees.
     """
     weight = linear.weight_data.leading_rows(_PROBE_PANELS)
     bias = linear.bias.detach()[: weight.out_features] if linear.bias is not None else None
-    probe = QuantLinear(weight, bias, kernel)
+    probe = QuantLinear(weight, bias, kernel, int8_activations=linear.int8_activations)
     dense = dequantize(weight, kernel).double()
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for rows in _PROBE_ROWS:
             x = torch.randn(rows, weight.in_features, generator=generator)
-            expected = F.linear(x.double(), dense, bias.double() if bias is not None else None)
+            seen = q8_0_activations(x) if linear.int8_activations else x
+            expected = F.linear(seen.double(), dense, bias.double() if bias is not None else None)
             error = (probe(x).double() - expected).abs().max().item()
             if not error <= _PROBE_TOLERANCE * max(expected.abs().max().item(), 1.0):
                 raise NativeKernelError(

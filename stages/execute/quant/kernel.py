@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 QUANT_SOURCE = Path(__file__).parents[1] / "kernels" / "quant_gemm.c"  # stages/execute/kernels/
 # The kernel's format codes (kernels/quant_gemm.c: FORMAT_Q8, FORMAT_Q4, FORMAT_Q4F).
 _FORMAT_CODES = {"q8": 0, "q4": 1, "q4f": 2}
+_INT8_ACTIVATIONS = 16  # kernels/quant_gemm.c: ACT_Q8
 
 
 class QuantGemmKernel:
@@ -56,10 +57,16 @@ class QuantGemmKernel:
         self._format_of = lib.actorline_quant_format_of
         self._format_of.argtypes = [i32]
         self._format_of.restype = i32
+        #: whether the int8-activation dot products run on VNNI instructions (AVX512-VNNI or
+        #: AVX-VNNI, compiled in under ``-march=native``); elsewhere they run on plain integer
+        #: vectors, the same sums, slower
+        self.vnni = bool(lib.actorline_quant_vnni())
 
-    def format_code(self, fmt: str) -> int:
-        """The kernel's code for ``fmt`` (the ``format`` argument of its GEMM)."""
-        return _FORMAT_CODES[fmt]
+    def format_code(self, fmt: str, int8_activations: bool = False) -> int:
+        """The kernel's code for ``fmt`` (the ``format`` argument of its GEMM), with the bit
+        that quantizes the activations to int8 blocks (llama.cpp's Q8_0) when
+        ``int8_activations``."""
+        return _FORMAT_CODES[fmt] | (_INT8_ACTIVATIONS if int8_activations else 0)
 
     def block_bytes(self, fmt: str) -> int:
         """Bytes of one (16 columns x 32 inputs) block record of ``fmt``."""
@@ -112,8 +119,11 @@ class QuantGemmKernel:
         blocks: torch.Tensor,  # [N / 16, K / 32, block bytes] uint8 contiguous
         fmt: str,
         bias: torch.Tensor | None,  # [N] fp32 contiguous
+        int8_activations: bool = False,
     ) -> torch.Tensor:
-        """``[M, N]`` outputs.
+        """``[M, N]`` outputs; with ``int8_activations`` each row of ``x`` is first rounded to
+        llama.cpp's Q8_0 blocks (:func:`~stages.execute.quant.layers.q8_0_activations`) and
+        the dot products are integer.
 
         Raises:
             NativeKernelError: the kernel refused the arguments or ran out of memory.
@@ -136,7 +146,7 @@ class QuantGemmKernel:
             )
         out = torch.empty(rows, n)
         status = self._gemm(
-            x.data_ptr(), rows, k, blocks.data_ptr(), _FORMAT_CODES[fmt],
+            x.data_ptr(), rows, k, blocks.data_ptr(), self.format_code(fmt, int8_activations),
             bias.data_ptr() if bias is not None else None, n, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip

@@ -36,6 +36,7 @@ __all__ = [
     "QuantizedWeight",
     "dequantize",
     "pack_gguf",
+    "q8_0_activations",
     "quantize_int8",
 ]
 
@@ -99,32 +100,63 @@ def quantize_int8(weight: torch.Tensor, kernel: QuantGemmKernel) -> QuantizedWei
     out_features, in_features = weight.shape
     if in_features % GROUP:
         raise ValueError(f"int8 quantization needs inputs in groups of 32, got {in_features}")
-    groups = weight.detach().float().reshape(out_features, in_features // GROUP, GROUP)
-    scale = groups.abs().amax(dim=2, keepdim=True) / 127  # [N, G, 1] fp32
-    inverse = torch.where(scale == 0, 0.0, 1 / scale)
-    scaled = groups * inverse
-    magnitude = scaled.abs()
-    floored = magnitude.floor()
-    quants = (scaled.sign() * (floored + (2 * (magnitude - floored)).floor())).to(torch.int8)
+    scale, quants = _q8_0(weight.detach().float())
     raw = torch.cat(
         [scale.half().view(torch.uint8), quants.view(torch.uint8)], dim=2
     )  # [N, G, 34]: Q8_0 blocks
     return pack_gguf(raw.reshape(out_features, -1).contiguous(), Q8_0, in_features, kernel)
 
 
+def _q8_0(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 of ``matrix [R, K]`` (``quantize_row_q8_0_ref``): the fp32 scales
+    ``[R, K / 32, 1]`` (stored as fp16) and the int8 quants ``[R, K / 32, 32]``."""
+    rows, columns = matrix.shape
+    groups = matrix.reshape(rows, columns // GROUP, GROUP)
+    scale = groups.abs().amax(dim=2, keepdim=True) / 127  # [R, G, 1] fp32
+    inverse = torch.where(scale == 0, 0.0, 1 / scale)
+    scaled = groups * inverse
+    magnitude = scaled.abs()
+    floored = magnitude.floor()
+    quants = (scaled.sign() * (floored + (2 * (magnitude - floored)).floor())).to(torch.int8)
+    return scale, quants
+
+
+def q8_0_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` (fp32) as the quantized GEMM's int8 path sees it: each row rounded to
+    llama.cpp's Q8_0 blocks (an fp16 scale per 32 inputs, int8 quants) and dequantized. The
+    reference for that path: ``F.linear(q8_0_activations(x), dequantize(W))``.
+
+    Raises:
+        ValueError: ``K`` is not a multiple of 32.
+    """
+    columns = x.shape[-1]
+    if columns % GROUP:
+        raise ValueError(f"Q8_0 activations need inputs in groups of 32, got {columns}")
+    scale, quants = _q8_0(x.detach().float().reshape(-1, columns))
+    return (quants.float() * scale.half().float()).reshape(x.shape)
+
+
 class QuantLinear(torch.nn.Module):
     """A linear over a :class:`QuantizedWeight` (fp32 in, fp32 out), run by the quantized
-    GEMM kernel. It holds no fp32 weight."""
+    GEMM kernel. It holds no fp32 weight. With ``int8_activations`` its inputs are rounded to
+    llama.cpp's Q8_0 blocks inside the kernel and the dot products are integer (VNNI where the
+    CPU has it): :func:`q8_0_activations` says what it computes."""
 
     blocks: torch.Tensor
 
     def __init__(
-        self, weight: QuantizedWeight, bias: torch.Tensor | None, kernel: QuantGemmKernel
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        kernel: QuantGemmKernel,
+        *,
+        int8_activations: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.format = weight.format
+        self.int8_activations = int8_activations
         self.register_buffer("blocks", weight.blocks, persistent=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), False)
         self._kernel = kernel
@@ -142,19 +174,22 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         flat = input.reshape(-1, self.in_features).contiguous()
-        output = self._kernel.gemm(flat, self.blocks, self.format, self._padded_bias)
+        output = self._kernel.gemm(
+            flat, self.blocks, self.format, self._padded_bias, self.int8_activations
+        )
         if output.shape[1] != self.out_features:
             output = output[:, : self.out_features]
         return output.reshape(*input.shape[:-1], self.out_features)
 
     def native_gemm(self) -> NativeGemm:
         """This linear as C code calls it (:class:`~stages.execute.native.NativeGemm`): its
-        rows are ``blocks.shape[0] * 16`` wide, padded past ``out_features``."""
+        rows are ``blocks.shape[0] * 16`` wide, padded past ``out_features``; the format
+        code carries the int8-activation bit where this linear uses it."""
         bias = self._padded_bias
         return NativeGemm(
             function=self._kernel.gemm_address,
             weights=self.blocks.data_ptr(),
-            format=self._kernel.format_code(self.format),
+            format=self._kernel.format_code(self.format, self.int8_activations),
             bias=0 if bias is None else bias.data_ptr(),
             n=int(self.blocks.shape[0]) * PANEL,
             k=self.in_features,
@@ -164,7 +199,7 @@ class QuantLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"format={self.format}"
+            f"format={self.format}, int8_activations={self.int8_activations}"
         )
 
 

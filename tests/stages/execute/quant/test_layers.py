@@ -20,6 +20,7 @@ from stages.execute.quant.layers import (
     QuantLinear,
     dequantize,
     pack_gguf,
+    q8_0_activations,
     quantize_int8,
 )
 
@@ -87,6 +88,36 @@ def test_gemm_matches_linear_over_the_dequantized_weight(
             expected = F.linear(x.double(), dense, bias.double() if with_bias else None)
             got = linear(x)
             assert got.shape == (2, rows, out_features)
+            error = (got.double() - expected).abs().max().item()
+            assert error <= 1e-5 * max(expected.abs().max().item(), 1.0), (rows, error)
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_int8_activations_match_linear_over_q8_0_rounded_inputs(
+    kernel: QuantGemmKernel, name: str
+) -> None:
+    """The int8-activation path (VNNI where compiled in) against ``F.linear`` over the inputs
+    rounded to llama.cpp's Q8_0 (the gguf package's quantizer) and the dequantized weight:
+    integer dot products are exact, so only fp32 scaling and summing differ."""
+    out_features, in_features = 72, 512
+    raw = gguf_rows(name, out_features, in_features, seed=5)
+    weight = pack_gguf(raw, int(GGMLQuantizationType[name]), in_features, kernel)
+    dense = reference(name, raw, in_features).double()
+    generator = torch.Generator().manual_seed(1)
+    bias = torch.randn(out_features, generator=generator)
+    for with_bias in (False, True):
+        linear = QuantLinear(weight, bias if with_bias else None, kernel, int8_activations=True)
+        # 1..17 rows: blocks of 4 or 8 rows and their tails; 300: two blocks of 256 rows
+        for rows in (*range(1, 18), 300):
+            x = torch.randn(rows, in_features, generator=generator) * 3
+            x[0, :32] = 0.0  # an all-zero group: scale 0
+            x[-1, 40] = 100.0  # an outlier: its group's other inputs round to few levels
+            rounded = q8_0_activations(x)
+            theirs = gguf_quantize(x.numpy(), GGMLQuantizationType.Q8_0)
+            as_gguf = reference("Q8_0", torch.from_numpy(theirs), in_features)
+            assert torch.equal(rounded, as_gguf)
+            expected = F.linear(rounded.double(), dense, bias.double() if with_bias else None)
+            got = linear(x)
             error = (got.double() - expected).abs().max().item()
             assert error <= 1e-5 * max(expected.abs().max().item(), 1.0), (rows, error)
 
