@@ -59,9 +59,10 @@ class StepCostConfig:
     sleep_forward_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "repeats"):
-            if getattr(self, name) < 3:
-                raise ValueError(f"{name} must be >= 3, got {getattr(self, name)}")
+        if self.max_tokens < 3:  # two decode steps make one gap
+            raise ValueError(f"max_tokens must be >= 3, got {self.max_tokens}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.sleep_forward_ms < 0:
             raise ValueError(f"sleep_forward_ms must be >= 0, got {self.sleep_forward_ms}")
 

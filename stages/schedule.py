@@ -23,12 +23,14 @@ refused, a limit of the grammar engine hit mid-way) ends its request with a type
 The step itself (plan, execute, update) is :class:`~stages.engine_core.EngineCore`'s, in
 :mod:`stages.engine_core` (``docs/architecture.md`` §2.7). Where the execute stage linked to
 ``execute`` runs on this stage's host and offers ``execute_step`` (the default placement:
-admit, schedule and execute in one engine host), a loop in this stage calls
-:meth:`EngineCore.step` with it, directly (:meth:`~pipeline.runtime.stage.Stage.call`: counted
-as execute's work, its failure execute's); otherwise each step goes out on ``execute`` and its
-StepResult comes back on ``result``. Either way exactly one step is in flight, and requests,
-aborts and compiled grammars are taken in while it runs. On the message path the next step is
-sent to execute *before* the outputs go to the frontend.
+admit, schedule and execute in one engine host), a loop in this stage runs
+:meth:`EngineCore.step`'s plan, execute and update with it, directly
+(:meth:`~pipeline.runtime.stage.Stage.call`: counted as execute's work, its failure
+execute's); otherwise each step goes out on ``execute`` and its StepResult comes back on
+``result``. Either way exactly one step is in flight, and requests, aborts and compiled
+grammars are taken in while it runs. On both paths the next step is started *before* the
+outputs go to the frontend, so their sending (and detokenize and stop-check on a shared host)
+overlaps the next forward pass.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from stages.recovery import rejection
 from stages.scheduler import Scheduler, SchedulerConfig
 from stages.structured.backend import CompiledGrammar, load_grammar_backend
 from stages.structured.manager import CompileThread, GrammarConfig, GrammarManager
+from transports.tasks import TaskSet
 
 __all__ = ["ScheduleConfig", "ScheduleStage"]
 
@@ -83,6 +86,7 @@ class ScheduleStage(Stage):
         self._execute: Execute | None = None
         self._running = False
         self._stepping = False
+        self._steps = TaskSet("schedule steps")  # the engine loop's step in flight
         self._wake = asyncio.Event()
         self._early_aborts = EarlyAborts()
         # requests whose grammar compiles in the background, and their compile thread
@@ -105,6 +109,7 @@ class ScheduleStage(Stage):
             self._execute = functools.partial(self.call, execute, execute_step)
 
     async def stop(self) -> None:
+        self._steps.cancel()
         if self._compile_pool is not None:
             self._compile_pool.shutdown(wait=False, cancel_futures=True)
             self._compile_pool = None
@@ -159,9 +164,10 @@ class ScheduleStage(Stage):
         outputs (:meth:`_publish`; detokenize and stop-check run then where they share this
         host, the zmq link encodes them where they do not); then :meth:`EngineCore.update`
         with its result. The next step is planned only after the previous one's update, as
-        :meth:`EngineCore.step` does; only the sending moved (as vLLM's engine core overlaps
-        its output processing with the next step, ``vllm/v1/engine/core.py``:
-        ``step_with_batch_queue``). Waits for work when there is none (the handlers wake
+        :meth:`EngineCore.step` does; only the sending moved (vLLM's engine core hands a
+        step's outputs to a thread that serializes and sends them while its busy loop runs
+        the next step: ``vllm/v1/engine/core.py``, ``EngineCoreProc.process_output_sockets``).
+        Waits for work when there is none (the handlers wake
         it); the previous step's outputs go out before it waits.
 
         Raises:
@@ -185,7 +191,7 @@ class ScheduleStage(Stage):
                 self._stepping = True
                 continue
             working = clock() - began
-            running = asyncio.ensure_future(execute(plan.step))
+            running = self._steps.spawn(execute(plan.step))
             try:
                 # NOTE: one turn of the event loop starts the step on execute's thread (and
                 # gives the host a turn between steps: an execute that answers without
