@@ -172,7 +172,7 @@ def run_stepcost(config: StepCostConfig) -> StepCostResult:
         clock.wrap(runner.model)
         return info
 
-    runner_module.ModelRunner.load = timed_load  # type: ignore[method-assign]
+    runner_module.ModelRunner.load = timed_load  # type: ignore[method-assign,assignment]
     try:
         return asyncio.run(_measure(config, clock))
     finally:

@@ -49,6 +49,7 @@ from stages.messages import (
     EngineInfo,
     EngineRequest,
     RequestRejected,
+    SchedulerStep,
     StepResult,
 )
 from stages.policies import load_policy
@@ -191,7 +192,7 @@ class ScheduleStage(Stage):
                 self._stepping = True
                 continue
             working = clock() - began
-            running = self._steps.spawn(execute(plan.step))
+            running = self._steps.spawn(_execute(execute, plan.step))
             try:
                 # NOTE: one turn of the event loop starts the step on execute's thread (and
                 # gives the host a turn between steps: an execute that answers without
@@ -341,6 +342,11 @@ class ScheduleStage(Stage):
         if self._compiling or self._stepping:
             return False
         return self.scheduler is None or not (self.scheduler.has_work() or self.scheduler.in_flight)
+
+
+async def _execute(execute: Execute, step: SchedulerStep) -> StepResult:
+    """``execute(step)`` as a coroutine, for the engine loop's task."""
+    return await execute(step)
 
 
 def _consume_failure(task: asyncio.Future[StepResult]) -> None:
