@@ -13,7 +13,8 @@ asyncio. The schedule stage (:mod:`stages.schedule`) owns one and decides how ``
 reached: where its execute stage runs on the same host (the default placement: admit,
 schedule and execute in one engine host) it calls the stage's :meth:`execute_step` directly
 (:meth:`pipeline.runtime.stage.Stage.call`, counted as that stage's work), in a loop of
-:meth:`step`; where it runs elsewhere (another host or process, or a user's execute stage
+:meth:`plan`, execute and :meth:`update` that sends a step's outputs while the next step
+runs; where it runs elsewhere (another host or process, or a user's execute stage
 without :meth:`execute_step`) the step goes out on the ``execute`` port and
 :meth:`update` runs when the :class:`~stages.messages.StepResult` comes back. Either way one
 step is in flight at a time, and requests, aborts and compiled grammars are taken in while it

@@ -23,12 +23,14 @@ refused, a limit of the grammar engine hit mid-way) ends its request with a type
 The step itself (plan, execute, update) is :class:`~stages.engine_core.EngineCore`'s, in
 :mod:`stages.engine_core` (``docs/architecture.md`` §2.7). Where the execute stage linked to
 ``execute`` runs on this stage's host and offers ``execute_step`` (the default placement:
-admit, schedule and execute in one engine host), a loop in this stage calls
-:meth:`EngineCore.step` with it, directly (:meth:`~pipeline.runtime.stage.Stage.call`: counted
-as execute's work, its failure execute's); otherwise each step goes out on ``execute`` and its
-StepResult comes back on ``result``. Either way exactly one step is in flight, and requests,
-aborts and compiled grammars are taken in while it runs. On the message path the next step is
-sent to execute *before* the outputs go to the frontend.
+admit, schedule and execute in one engine host), a loop in this stage runs
+:meth:`EngineCore.step`'s plan, execute and update with it, directly
+(:meth:`~pipeline.runtime.stage.Stage.call`: counted as execute's work, its failure
+execute's); otherwise each step goes out on ``execute`` and its StepResult comes back on
+``result``. Either way exactly one step is in flight, and requests, aborts and compiled
+grammars are taken in while it runs. On both paths the next step is started *before* the
+outputs go to the frontend, so their sending (and detokenize and stop-check on a shared host)
+overlaps the next forward pass.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from stages.recovery import rejection
 from stages.scheduler import Scheduler, SchedulerConfig
 from stages.structured.backend import CompiledGrammar, load_grammar_backend
 from stages.structured.manager import CompileThread, GrammarConfig, GrammarManager
+from transports.tasks import TaskSet
 
 __all__ = ["ScheduleConfig", "ScheduleStage"]
 
@@ -84,7 +87,7 @@ class ScheduleStage(Stage):
         self._execute: Execute | None = None
         self._running = False
         self._stepping = False
-        self._executing = 0.0  # seconds of the current step spent in execute
+        self._steps = TaskSet("schedule steps")  # the engine loop's step in flight
         self._wake = asyncio.Event()
         self._early_aborts = EarlyAborts()
         # requests whose grammar compiles in the background, and their compile thread
@@ -104,18 +107,10 @@ class ScheduleStage(Stage):
         execute = self.colocated("execute")
         execute_step = getattr(execute, "execute_step", None)
         if execute is not None and callable(execute_step):
-            call = functools.partial(self.call, execute, execute_step)
-
-            async def execute_timed(step: SchedulerStep) -> StepResult:
-                began = time.perf_counter()
-                try:
-                    return await call(step)
-                finally:
-                    self._executing += time.perf_counter() - began
-
-            self._execute = execute_timed
+            self._execute = functools.partial(self.call, execute, execute_step)
 
     async def stop(self) -> None:
+        self._steps.cancel()
         if self._compile_pool is not None:
             self._compile_pool.shutdown(wait=False, cancel_futures=True)
             self._compile_pool = None
@@ -128,7 +123,7 @@ class ScheduleStage(Stage):
             self.grammars.set_engine_info(info.vocab_size, info.eos_token_ids)
         self._info_known.set()
         if self._execute is not None and not self._running:
-            self._running = True
+            self._running = self._stepping = True
             self.spawn(self._run_steps(self._execute))
         await self._dispatch_step()
 
@@ -165,30 +160,58 @@ class ScheduleStage(Stage):
         await self._publish(update)
 
     async def _run_steps(self, execute: Execute) -> None:
-        """The engine loop where execute is colocated: one :meth:`EngineCore.step` after
-        another, waiting for work when there is none (the handlers wake it)."""
+        """The engine loop where execute is colocated: :meth:`EngineCore.plan` a step, start
+        it, and while the model runs it on execute's worker thread send the previous step's
+        outputs (:meth:`_publish`; detokenize and stop-check run then where they share this
+        host, the zmq link encodes them where they do not); then :meth:`EngineCore.update`
+        with its result. The next step is planned only after the previous one's update, as
+        :meth:`EngineCore.step` does; only the sending moved (vLLM's engine core hands a
+        step's outputs to a thread that serializes and sends them while its busy loop runs
+        the next step: ``vllm/v1/engine/core.py``, ``EngineCoreProc.process_output_sockets``).
+        Waits for work when there is none (the handlers wake
+        it); the previous step's outputs go out before it waits.
+
+        Raises:
+            what :meth:`EngineCore.step` raises, once the previous step's outputs are out.
+        """
         core = self.core
         assert core is not None
         clock = time.perf_counter
+        done: StepUpdate | None = None  # the last step's update, its outputs not sent yet
         while True:
-            self._stepping = True  # not idle until the step's outputs are out
-            began, self._executing = clock(), 0.0
-            try:
-                update = await core.step(execute)
-                if update is not None:
-                    await self._publish(update)
-            finally:
-                self._stepping = False
-            if update is None:
+            began = clock()
+            plan = core.plan()
+            if plan is None:
+                if done is not None:
+                    await self._publish(done)
+                    done = None
+                    self.record_work(clock() - began)
+                self._stepping = False  # idle only with the outputs out and no work
                 await self._wake.wait()
                 self._wake.clear()
+                self._stepping = True
                 continue
-            # this stage's part of the step, as a result's handler counted it
-            self.record_work(clock() - began - self._executing)
-            # NOTE: one turn of the event loop between steps: an execute that answers
-            # without suspending (the null model) would otherwise run step after step while
-            # nothing else on this host runs: no request taken in, no heartbeat sent.
-            await asyncio.sleep(0)
+            working = clock() - began
+            running = self._steps.spawn(_execute(execute, plan.step))
+            try:
+                # NOTE: one turn of the event loop starts the step on execute's thread (and
+                # gives the host a turn between steps: an execute that answers without
+                # suspending, the null model's, would otherwise run step after step while
+                # nothing else on this host runs: no request taken in, no heartbeat sent)
+                await asyncio.sleep(0)
+                if done is not None:
+                    began = clock()
+                    await self._publish(done)
+                    working += clock() - began
+            except BaseException:
+                running.cancel()
+                running.add_done_callback(_consume_failure)
+                raise
+            result = await running
+            began = clock()
+            done = core.update(result, plan)
+            # this stage's part of the step (plan, update, sending), as a handler counts it
+            self.record_work(working + clock() - began)
 
     async def _publish(self, update: StepUpdate) -> None:
         """Send a step's outputs to the frontend, its failed requests' errors, its stats."""
@@ -319,3 +342,15 @@ class ScheduleStage(Stage):
         if self._compiling or self._stepping:
             return False
         return self.scheduler is None or not (self.scheduler.has_work() or self.scheduler.in_flight)
+
+
+async def _execute(execute: Execute, step: SchedulerStep) -> StepResult:
+    """``execute(step)`` as a coroutine, for the engine loop's task."""
+    return await execute(step)
+
+
+def _consume_failure(task: asyncio.Future[StepResult]) -> None:
+    """Retrieve a step's failure that nobody awaits any more (the loop stopped while the step
+    ran); the colocated call has reported it as execute's already."""
+    if not task.cancelled():
+        task.exception()

@@ -610,15 +610,30 @@ def build_step_metadata(
         [[*table, *[RESERVED_BLOCK_ID] * (width - len(table))] for table in block_tables],
         dtype=torch.long,
     ).reshape(num_sequences, width)  # [R, max_blocks]
-    lengths = torch.tensor(query_lens, dtype=torch.long)  # [R]
     starts = torch.tensor(query_starts, dtype=torch.long)  # [R]
-    num_tokens = sum(query_lens)
-    row_of_token = torch.repeat_interleave(torch.arange(num_sequences), lengths)  # [T]
-    first_token = torch.cumsum(lengths, 0) - lengths  # [R] packed index of each row's start
-    positions = torch.arange(num_tokens) - first_token[row_of_token] + starts[row_of_token]  # [T]
-    slot_mapping = (
-        tables[row_of_token, positions // block_size] * block_size + positions % block_size
-    )  # [T]
+    if num_decode == num_sequences:
+        # NOTE: a decode-only step (each row one token: every step of a stream after its
+        # prompt): a row's position is its start and its slot one lookup in its own table,
+        # so the per-token index arithmetic below (ten small tensor ops) is not needed
+        positions = starts  # [T == R]
+        slot_mapping = torch.tensor(
+            [
+                table[start // block_size] * block_size + start % block_size
+                for table, start in zip(block_tables, query_starts, strict=True)
+            ],
+            dtype=torch.long,
+        )  # [T]
+    else:
+        num_tokens = sum(query_lens)
+        lengths = torch.tensor(query_lens, dtype=torch.long)  # [R]
+        row_of_token = torch.repeat_interleave(torch.arange(num_sequences), lengths)  # [T]
+        first_token = torch.cumsum(lengths, 0) - lengths  # [R] packed index of each row start
+        positions = (
+            torch.arange(num_tokens) - first_token[row_of_token] + starts[row_of_token]
+        )  # [T]
+        slot_mapping = (
+            tables[row_of_token, positions // block_size] * block_size + positions % block_size
+        )  # [T]
 
     decode_groups: list[DecodeGroup] = []
     decode_lens = context_lens[:num_decode]

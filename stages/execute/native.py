@@ -418,10 +418,14 @@ class FusedOpsKernel:
             or not 0 < logits.shape[1] < 2**31
         ):
             raise NativeKernelError("native argmax: needs fp32 CPU [rows, V] with contiguous rows")
-        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        rows = logits.shape[0]
+        out = torch.empty(rows, dtype=torch.int64)
+        # NOTE: the kernel splits rows over threads; more threads than rows only wake idle
+        # ones and wait for them at the region's end (a one-row greedy step waited ms for a
+        # descheduled thread on a loaded machine)
         self._argmax(
-            logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-            out.data_ptr(), torch.get_num_threads(),
+            logits.data_ptr(), rows, logits.shape[1], logits.stride(0),
+            out.data_ptr(), min(rows, torch.get_num_threads()),
         )  # fmt: skip
         return out
 

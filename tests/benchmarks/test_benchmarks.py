@@ -13,11 +13,12 @@ from types import ModuleType
 
 import pytest
 
-from benchmarks import ablation, grammars, http_body, micro, soak, split
+from benchmarks import ablation, grammars, http_body, micro, soak, split, stepcost
 from benchmarks.ablation import ALL_ON, AblationConfig, format_ablation, run_ablation
 from benchmarks.http_body import HttpBodyConfig, format_http_body, run_http_body
 from benchmarks.soak import SoakConfig, format_soak, run_soak
 from benchmarks.split import SplitConfig, format_split, run_split
+from benchmarks.stepcost import StepCostConfig, format_stepcost, run_stepcost
 from pipeline.bench.workload import make_workload
 from tests.pipeline.bench.test_bench import bench_parser
 
@@ -29,6 +30,7 @@ EXPERIMENTS = {
     "micro": micro,
     "soak": soak,
     "split": split,
+    "stepcost": stepcost,
 }
 
 
@@ -92,6 +94,18 @@ def test_split_quick(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.slow
+def test_stepcost_quick(tiny_model_dir: Path) -> None:
+    """One stream of the tiny model with a sleeping forward pass: every decode step is timed,
+    and the stream's figures are positive."""
+    config = StepCostConfig.quick(model=str(tiny_model_dir), sleep_forward_ms=2.0)
+    result = run_stepcost(config)
+    assert result.tokens_per_second > 0 and result.ms_per_token > 0
+    assert result.forward_ms > 0 and 0 < result.min_gap_ms <= result.gap_ms
+    assert "gap between forward passes" in format_stepcost(result)
+    with pytest.raises(ValueError, match="memory"):
+        run_stepcost(StepCostConfig.quick(transport="zmq", sleep_forward_ms=2.0))
+
+
 def test_http_body_quick(tiny_model_dir: Path) -> None:
     config = HttpBodyConfig(model=str(tiny_model_dir), bodies=2, body_mb=1.2, bystander_tokens=32)
     result = run_http_body(config)

@@ -246,6 +246,47 @@ def test_slot_mapping_writes_each_token_to_its_block() -> None:
     ]
 
 
+@pytest.mark.parametrize("decode_mode", ["grouped", "native"])
+def test_a_decode_only_step_has_the_slots_and_groups_of_the_general_path(decode_mode: str) -> None:
+    """A step of only decode rows takes a shortcut to its positions and slots; they are the
+    ones the general path computes for the same rows with a prefill chunk after them."""
+    cache = new_cache()
+    tables = [[4], [9, 2], [6, 3, 8]]
+    starts = [
+        BLOCK // 2,
+        BLOCK,
+        2 * BLOCK + 1,
+    ]  # a block's middle, a block's first slot, a third block
+
+    def build(rows: int, with_prefill: bool) -> tuple[Any, torch.Tensor]:
+        return build_step_metadata(
+            kv_cache=cache,
+            block_tables=tables[:rows] + ([[5]] if with_prefill else []),
+            query_starts=starts[:rows] + ([0] if with_prefill else []),
+            query_lens=[1] * rows + ([3] if with_prefill else []),
+            num_decode=rows,
+            decode_mode=decode_mode,  # type: ignore[arg-type]
+            max_model_len=1024,
+            device=torch.device("cpu"),
+        )
+
+    for rows in (1, 3):
+        fast, fast_positions = build(rows, with_prefill=False)
+        general, general_positions = build(rows, with_prefill=True)
+        assert fast_positions.tolist() == general_positions[:rows].tolist() == starts[:rows]
+        assert fast.slot_mapping.tolist() == general.slot_mapping[:rows].tolist()
+        assert fast.slot_mapping.tolist() == [
+            table[start // BLOCK] * BLOCK + start % BLOCK
+            for table, start in zip(tables[:rows], starts[:rows], strict=True)
+        ]
+        assert fast.slot_mapping.dtype == fast_positions.dtype == torch.long
+        assert len(fast.decode_groups) == len(general.decode_groups)
+        for one, other in zip(fast.decode_groups, general.decode_groups, strict=True):
+            assert (one.start, one.end, one.key_len) == (other.start, other.end, other.key_len)
+            assert one.key_blocks.tolist() == other.key_blocks.tolist()
+        assert not fast.prefills
+
+
 def test_gather_blocks_and_padding_mask() -> None:
     cache = torch.arange(8 * BLOCK, dtype=torch.float32).view(8 * BLOCK, 1, 1)
     tables = torch.tensor([[3, 4], [6, 0]])
