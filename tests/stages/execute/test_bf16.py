@@ -166,8 +166,9 @@ def test_dtype_auto_picks_bf16_where_the_cpu_multiplies_it(tiny_model_dir: Path)
 @pytest.mark.slow
 @pytest.mark.model
 def test_smollm2_in_bf16_greedy_parity(default_model_dir: Path) -> None:
-    """32 greedy tokens of four prompts against transformers' model in bf16 and against the
-    emulating reference (see docs/performance.md for why both)."""
+    """32 greedy tokens of four prompts against transformers' model in bf16 (measured: one
+    prompt identical, three part at HF-bf16 margins of 0, 1 and 2 bf16 steps, where HF's own
+    rounding decides) and against the emulating reference (see docs/performance.md §13)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
@@ -182,10 +183,13 @@ def test_smollm2_in_bf16_greedy_parity(default_model_dir: Path) -> None:
     emulating = emulating_reference(default_model_dir)
     for index, prompt in enumerate(prompts):
         got = report.outputs[f"r{index}"]
-        for reference in (hf_bf16.eval(), emulating):
-            tokens, margins = greedy(reference, prompt, 32)
-            first = next((i for i, (a, b) in enumerate(zip(got, tokens)) if a != b), None)
-            if first is None:
-                assert len(got) == len(tokens), index
-            else:  # only at a near tie of the reference
-                assert margins[first] < 0.25, (index, first, margins[first])
+        # HF in bf16 rounds every activation and its logits to bf16 (8 bits): where its top two
+        # logits are within two bf16 steps of each other, greedy may go either way.
+        tokens, margins = greedy(hf_bf16.eval(), prompt, 32)
+        first = next((i for i, (a, b) in enumerate(zip(got, tokens, strict=False)) if a != b), None)
+        if first is not None:
+            assert margins[first] <= 0.25, (index, first, margins[first])
+        # The emulating reference computes what we compute (up to summation order).
+        tokens, margins = greedy(emulating, prompt, 32)
+        close = next((step for step, m in enumerate(margins) if m < _BF16_NOISE), len(tokens))
+        assert got[:close] == tokens[:close], (index, close)
