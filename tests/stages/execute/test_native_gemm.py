@@ -48,7 +48,7 @@ def test_packed_and_quantized_linears_called_from_c_match_their_forward() -> Non
     with torch.no_grad():
         linear.weight.copy_(torch.randn(40, 64, generator=generator) * 0.1)
         linear.bias.copy_(torch.randn(40, generator=generator))
-    modules = [
+    modules: list[PackedLinear | QuantLinear | BF16Linear] = [
         PackedLinear.from_linear(torch.nn.Linear(64, 48), packed_kernel),
         QuantLinear(quantize_int8(linear.weight.detach(), quant_kernel), linear.bias, quant_kernel),
         BF16Linear.from_linear(torch.nn.Linear(63, 48), bf16_kernel),
