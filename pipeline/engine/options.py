@@ -58,8 +58,11 @@ class EngineOptions:
         "smollm2-135m", help="alias, HF directory or .gguf file", kind="name",
         phrase="a non-empty alias or path", feeds=("execute",),
     )  # fmt: skip
-    dtype: str = option("float32", help="the weights' and activations' dtype", choices=DTYPES,
-                        feeds=("execute",))  # fmt: skip
+    dtype: str = option(
+        "float32", choices=DTYPES, feeds=("execute",),
+        help="the weights' dtype (auto: bfloat16 on a CPU that multiplies it natively, else "
+        "float32; the checkpoint's on CUDA)",
+    )  # fmt: skip
     device: str = option("cpu", help="cpu, cuda, cuda:N or auto", feeds=("execute",))
     quantization: str | None = option(
         None, choices=QUANTIZATIONS, feeds=("execute",),

@@ -43,8 +43,12 @@ class ExecuteConfig:
     """How the execute stage loads and runs its model.
 
     - ``model``: an alias (``smollm2-135m``), a local HF directory or a ``.gguf`` file.
-    - ``dtype``: ``float32`` (default), ``bfloat16``, ``float16`` or ``auto`` (the
-      checkpoint's dtype). ``device``: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``.
+    - ``dtype``: ``float32`` (default), ``bfloat16``, ``float16`` or ``auto`` (on CPU
+      ``bfloat16`` where the CPU multiplies bf16 natively, AVX512-BF16 or AMX-BF16, and the
+      native bf16 GEMM builds, else ``float32``; on CUDA the checkpoint's dtype; the choice
+      and its reason are logged). On CPU, ``bfloat16`` with the native linears on keeps the
+      linears' and LM head's weights in bf16 and computes in fp32 (:mod:`stages.execute.bf16`).
+      ``device``: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``.
     - KV cache: ``block_size`` tokens per block; ``num_blocks`` blocks usable by requests
       (exact; one more, the reserved padding block, is allocated), else as many as fit in
       ``kv_cache_memory`` bytes (default 384 MiB: ~8,700 tokens of SmolLM2-135M in fp32,

@@ -112,10 +112,17 @@ def _cpu_signature() -> str:
     return f"{platform.machine()}|{features}"
 
 
-def build_library(source: Path, *, cache: Path | None = None, compiler: str | None = None) -> Path:
+def build_library(
+    source: Path,
+    *,
+    cache: Path | None = None,
+    compiler: str | None = None,
+    defines: tuple[str, ...] = (),
+) -> Path:
     """Compile ``source`` into a shared library in the kernel cache, or return the cached one.
 
     Tries ``-march=native`` first, then portable flags (a compiler that lacks it).
+    ``defines``: preprocessor names defined for the build (``-DNAME``; part of the cache key).
 
     Raises:
         NativeKernelError: no compiler, or the source does not compile; the message has the
@@ -132,14 +139,15 @@ def build_library(source: Path, *, cache: Path | None = None, compiler: str | No
     directory.mkdir(parents=True, exist_ok=True)
     errors: list[str] = []
     for extra in (_NATIVE_FLAGS, ()):
-        flags = (*_FLAGS, *extra)
+        flags = (*_FLAGS, *extra, *(f"-D{name}" for name in defines))
         identity = (" ".join(compiler_command), " ".join(flags), _cpu_signature())
         digest = hashlib.sha256(b"\0".join([text, *(part.encode() for part in identity)]))
         key = digest.hexdigest()[:16]
-        target = directory / f"{source.stem}-{key}.so"
+        stem = "-".join((source.stem, *(name.lower() for name in defines)))
+        target = directory / f"{stem}-{key}.so"
         if target.exists():
             return target
-        handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{source.stem}-", suffix=".so")
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{stem}-", suffix=".so")
         os.close(handle)
         try:
             try:

@@ -46,6 +46,13 @@ from stages.execute.attention import (
     forward_context,
     survey_layers,
 )
+from stages.execute.bf16 import (
+    BF16GemmKernel,
+    bf16_gemm_kernel,
+    choose_cpu_dtype,
+    cpu_flags,
+    use_bf16_linears,
+)
 from stages.execute.bookkeeping import (
     PlanReport,
     StepError,
@@ -205,7 +212,8 @@ class ModelRunner:
         self.allocator: BlockAllocator | None = None
         self.info: EngineInfo | None = None
         self.device = torch.device("cpu")
-        self.dtype = torch.float32
+        self.dtype = torch.float32  # activations and the KV cache
+        self._bf16: BF16GemmKernel | None = None  # bf16 weights on CPU (stages.execute.bf16)
         self.max_model_len = 0
         self._sampler: Sampler | None = None
         self._requests: dict[str, _Request] = {}
@@ -244,7 +252,12 @@ class ModelRunner:
             )
         check_model_config(hf_config, config.max_model_len)
         check_tensor_parallel(hf_config, parallel, resolved.name)
-        self.dtype = _resolve_dtype(config.dtype, hf_config)
+        self.dtype = _resolve_dtype(config.dtype, hf_config, self.device)
+        self._bf16 = self._native_bf16()
+        if self._bf16 is not None:
+            # NOTE: loaded in bf16 (the weights rounded as transformers rounds them), computed
+            # in fp32 over bf16 linears (stages.execute.bf16).
+            logger.info("execute: bf16 weights on the native bf16 GEMM, fp32 activations")
         model: Any
         if isinstance(hf_config, NativeConfig):
             model = load_native_llama(resolved.path, hf_config, self.dtype)
@@ -259,6 +272,9 @@ class ModelRunner:
             )
         model.eval()
         model.to(self.device)
+        if self._bf16 is not None:
+            model.float()
+            self.dtype = torch.float32
         self.model = model
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -286,6 +302,8 @@ class ModelRunner:
         if on_cpu and config.cpu_linears:
             # NOTE: before the KV cache exists: repacking holds one weight twice for a moment.
             use_cpu_linears(model, native=config.native_linears, verify=verify)
+        if self._bf16 is not None and not use_bf16_linears(model, self._bf16, verify=verify):
+            raise ExecuteConfigError("dtype", "'bfloat16': the native bf16 GEMM failed its check")
         if parallel > 1:
             # NOTE: every rank has loaded its shard before the group forms, so the first
             # collective never waits on a slow load (the group's timeout is for steps).
@@ -353,7 +371,7 @@ class ModelRunner:
             usable_blocks + 1,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            extra_hash_key=f"{resolved.path}|{self.dtype}".encode(),
+            extra_hash_key=f"{resolved.path}|{self.dtype}|{self._bf16 is not None}".encode(),
         )
         self._decode_mode = _decode_mode(
             config.decode_attention,
@@ -388,7 +406,7 @@ class ModelRunner:
             eos_token_ids=self._eos_token_ids,
             num_blocks=usable_blocks,
             block_size=config.block_size,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype="bfloat16" if self._bf16 is not None else str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             kv_cache_bytes=self.kv_cache.nbytes,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -403,6 +421,20 @@ class ModelRunner:
         logger.info("execute: loaded %s (%s)", resolved.name, self.info)
         return self.info
 
+    def _native_bf16(self) -> BF16GemmKernel | None:
+        """The bf16 GEMM where this load runs bf16 weights natively on CPU (``dtype``
+        bfloat16, the packed linears on, no quantization, the kernels built), else None."""
+        config = self.config
+        if (
+            self.device.type != "cpu"
+            or self.dtype != torch.bfloat16
+            or not (config.cpu_linears and config.native_linears)
+            or config.quantization is not None
+            or packed_gemm_kernel() is None
+        ):
+            return None
+        return bf16_gemm_kernel()
+
     def _probe_key(self, model_dir: Path) -> str:
         """The key under which this load's checks are remembered (stages.execute.probe_cache)."""
         config = self.config
@@ -412,6 +444,7 @@ class ModelRunner:
                 (packed_gemm_kernel, config.cpu_linears and config.native_linears),
                 (fused_ops_kernel, config.fused_ops),
                 (paged_decode_kernel, config.decode_attention in ("auto", "native")),
+                (bf16_gemm_kernel, self._bf16 is not None),
             )
             for build, used in wanted:
                 kernel = build() if used else None
@@ -440,7 +473,12 @@ class ModelRunner:
             "transformers": _library_version("transformers"),
         }
         settings_used: dict[str, object] = {name: getattr(config, name) for name in fields}
-        settings_used.update(dtype=str(self.dtype), device=str(self.device), rank=self.rank)
+        settings_used.update(
+            dtype=str(self.dtype),
+            bf16_weights=self._bf16 is not None,
+            device=str(self.device),
+            rank=self.rank,
+        )
         return probe_key(model_dir, versions, libraries, settings_used)
 
     def _probe(self, input_ids: torch.Tensor, expected: torch.Tensor, num_layers: int) -> None:
@@ -479,7 +517,10 @@ class ModelRunner:
                         "attention through transformers' attention interface"
                     )
                 reference = expected[start:end]
-                tolerance = _PROBE_TOLERANCE.get(self.dtype, 5e-2)
+                # NOTE: bf16 weights round the activations to bf16 at each linear, so float
+                # noise between two attention paths can flip a rounding: bf16's tolerance.
+                weights = torch.bfloat16 if self._bf16 is not None else self.dtype
+                tolerance = _PROBE_TOLERANCE.get(weights, 5e-2)
                 error = (logits.float() - reference).abs().max().item()
                 scale = max(reference.abs().max().item(), 1.0)
                 if not error <= tolerance * scale:
@@ -855,9 +896,15 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:
+def _resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    """``dtype`` as a torch dtype; ``auto``: on CPU what :func:`stages.execute.bf16.
+    choose_cpu_dtype` picks for this CPU (logged with its reason), elsewhere the checkpoint's."""
     if dtype != "auto":
         return _DTYPES[dtype]
+    if device.type == "cpu":
+        chosen, reason = choose_cpu_dtype(cpu_flags(), bf16_gemm_kernel())
+        logger.info("execute: dtype auto -> %s: %s", chosen, reason)
+        return _DTYPES[chosen]
     declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(declared, torch.dtype):
         return declared

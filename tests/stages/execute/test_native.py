@@ -229,9 +229,21 @@ def test_runner_uses_the_kernel_by_default_and_refuses_it_where_it_cannot_run(
     runner = ModelRunner(ExecuteConfig(model=str(tiny_model_dir), num_blocks=16))
     runner.load()
     assert runner._decode_mode == "native"
-    bf16 = ModelRunner(
+    # bf16 weights on the native bf16 GEMM keep fp32 activations: the kernel serves them
+    native_bf16 = ModelRunner(
         ExecuteConfig(
             model=str(tiny_model_dir), num_blocks=16, dtype="bfloat16", decode_attention="native"
+        )
+    )
+    native_bf16.load()
+    assert native_bf16._decode_mode == "native"
+    bf16 = ModelRunner(
+        ExecuteConfig(
+            model=str(tiny_model_dir),
+            num_blocks=16,
+            dtype="bfloat16",
+            decode_attention="native",
+            native_linears=False,  # torch's bf16 path: bf16 activations and KV cache
         )
     )
     with pytest.raises(ExecuteConfigError, match=r"decode_attention.*fp32 models on CPU"):

@@ -7,6 +7,7 @@ import ctypes
 
 import torch
 
+from stages.execute.bf16 import BF16Linear, bf16_gemm_kernel
 from stages.execute.cpu import PackedLinear
 from stages.execute.native import NativeGemm, packed_gemm_kernel
 from stages.execute.quant.kernel import quant_gemm_kernel
@@ -39,20 +40,23 @@ def call(gemm: NativeGemm, x: torch.Tensor) -> torch.Tensor:
 
 def test_packed_and_quantized_linears_called_from_c_match_their_forward() -> None:
     packed_kernel, quant_kernel = packed_gemm_kernel(), quant_gemm_kernel()
+    bf16_kernel = bf16_gemm_kernel()
     assert packed_kernel is not None and quant_kernel is not None, "the C compiler should work"
+    assert bf16_kernel is not None
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(64, 40, bias=True)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(40, 64, generator=generator) * 0.1)
         linear.bias.copy_(torch.randn(40, generator=generator))
-    modules = [
+    modules: list[PackedLinear | QuantLinear | BF16Linear] = [
         PackedLinear.from_linear(torch.nn.Linear(64, 48), packed_kernel),
         QuantLinear(quantize_int8(linear.weight.detach(), quant_kernel), linear.bias, quant_kernel),
+        BF16Linear.from_linear(torch.nn.Linear(63, 48), bf16_kernel),
     ]
     for module in modules:
         gemm = module.native_gemm()
         for rows in (1, 3, 17):
-            x = torch.randn(rows, 64, generator=generator)
+            x = torch.randn(rows, gemm.k, generator=generator)
             with torch.inference_mode():
                 expected = module(x)
             got = call(gemm, x)[:, : expected.shape[1]]

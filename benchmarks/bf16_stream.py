@@ -1,0 +1,95 @@
+"""fp32 against bf16 weights on CPU (docs/performance.md §12.2): for each variant, a fresh
+process loads the default model, prefills a 1,000-token prompt, then runs one stream's decode
+steps through ``ModelRunner.execute``; the variants alternate, best of ``--rounds``.
+
+    python -m benchmarks.bf16_stream --rounds 3 --decode 256
+
+Variants: ``fp32``; ``bf16-torch`` (dtype bfloat16 on torch's kernels, as before the native
+bf16 GEMM: ``native_linears`` off); ``bf16-native`` (dtype bfloat16). Prints one line per run
+and the best per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+VARIANTS: dict[str, dict[str, object]] = {
+    "fp32": {},
+    "bf16-torch": {"dtype": "bfloat16", "native_linears": False},
+    "bf16-native": {"dtype": "bfloat16"},
+}
+PROMPT_TOKENS = 1000
+
+
+def run_one(variant: str, decode: int) -> tuple[float, float]:
+    """In this process: prefill tokens/s and decode tokens/s of ``variant``."""
+    import torch
+
+    from stages.execute.config import ExecuteConfig
+    from stages.execute.runner import ModelRunner
+    from stages.messages import EngineRequest, SamplingParams, ScheduledChunk, SchedulerStep
+
+    runner = ModelRunner(ExecuteConfig(model="smollm2-135m", num_blocks=128, **VARIANTS[variant]))  # type: ignore[arg-type]
+    runner.load()
+    prompt = torch.randint(3, 49152, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
+    step = 0
+
+    def timed(request_id: str, tokens: list[int], steps: int) -> tuple[float, float]:
+        nonlocal step
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0)
+        request = EngineRequest(request_id, tuple(tokens), params)
+        start = time.perf_counter()
+        chunk = ScheduledChunk(request_id, 0, len(tokens))
+        runner.execute(SchedulerStep(step, (request,), (chunk,)))
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        for index in range(steps):
+            step += 1
+            chunk = ScheduledChunk(request_id, len(tokens) + index, 1)
+            runner.execute(SchedulerStep(step, (), (chunk,)))
+        step += 1
+        runner.execute(SchedulerStep(step, finished=(request_id,)))
+        step += 1
+        return prefill, time.perf_counter() - start
+
+    timed("warm", prompt[:16].tolist(), 8)
+    prefill, _ = timed("prefill", prompt.tolist(), 0)
+    _, decode_s = timed("decode", prompt[:16].tolist(), decode)
+    return PROMPT_TOKENS / prefill, decode / decode_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode", type=int, default=256, help="decode steps of the stream")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        prefill, decode = run_one(args.one, args.decode)
+        print(f"{prefill:.2f} {decode:.2f}")
+        return
+    variants = args.variants.split(",")
+    best: dict[str, tuple[float, float]] = {}
+    for round_index in range(args.rounds):
+        for variant in variants:
+            command = [sys.executable, "-m", "benchmarks.bf16_stream", "--one", variant]
+            command += ["--decode", str(args.decode)]
+            output = subprocess.run(
+                command, capture_output=True, text=True, check=True, env=os.environ.copy()
+            ).stdout.split()
+            prefill, decode = float(output[-2]), float(output[-1])
+            print(f"round {round_index} {variant}: prefill {prefill:.1f} tok/s, decode "
+                  f"{decode:.1f} tok/s", flush=True)  # fmt: skip
+            old = best.get(variant, (0.0, 0.0))
+            best[variant] = (max(old[0], prefill), max(old[1], decode))
+    for variant, (prefill, decode) in best.items():
+        print(f"best {variant}: prefill {prefill:.1f} tok/s, decode {decode:.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

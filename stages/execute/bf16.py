@@ -1,0 +1,329 @@
+"""Native bf16 weights on CPU: linears whose weights are bf16 panels, activations fp32.
+
+A model loaded with ``dtype="bfloat16"`` on CPU, where ``kernels/bf16_gemm.c`` builds, keeps
+its linears' and LM head's weights in bf16 (half the bytes a decode step reads) and computes
+everything else in fp32: activations, norms, the residual stream, rotary embeddings, attention
+and the KV cache, as llama.cpp runs a BF16 GGUF (its BF16 matmul converts the activation row to
+bf16 and accumulates in fp32; norms and attention stay fp32). So the fp32 fused kernels and the
+native paged decode attention keep serving the model.
+
+The model is loaded in bf16 (every weight rounded as transformers rounds it), widened to fp32,
+put on the fp32 packed linears (:func:`stages.execute.cpu.use_cpu_linears`, after
+:func:`stages.execute.fused.use_fused_ops`), then :func:`use_bf16_linears` turns each
+:class:`~stages.execute.cpu.PackedLinear` into a :class:`BF16Linear` (its panels narrowed to
+bf16, exact: the values were bf16) and the tied input embeddings into a :class:`BF16Embedding`
+reading their rows from the bf16 head.
+
+``dtype="auto"`` on CPU picks bf16 where :func:`choose_cpu_dtype` says the CPU multiplies bf16
+natively (AVX512-BF16 or AMX-BF16 in ``/proc/cpuinfo`` and the kernel built on VDPBF16PS),
+else fp32 (bf16 emulated would be slower than fp32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from stages.execute.cpu import PackedEmbedding, PackedLinear
+from stages.execute.native import (
+    GEMM_PANEL,
+    NativeGemm,
+    NativeKernelError,
+    build_library,
+)
+
+__all__ = [
+    "BF16_FEATURES",
+    "BF16_SOURCE",
+    "BF16Embedding",
+    "BF16GemmKernel",
+    "BF16Linear",
+    "bf16_gemm_kernel",
+    "choose_cpu_dtype",
+    "cpu_flags",
+    "use_bf16_linears",
+]
+
+logger = logging.getLogger("actorline.execute")
+
+BF16_SOURCE = Path(__file__).with_name("kernels") / "bf16_gemm.c"
+BF16_FEATURES = ("avx512_bf16", "amx_bf16")
+"""CPU flags (``/proc/cpuinfo``) under which bf16 is multiplied natively."""
+_PORTABLE_DEFINE = "ACTORLINE_BF16_PORTABLE"
+# The kernel is checked at load against F.linear on bf16-rounded operands: the two differ by
+# summation order only (~1e-6 relative to the largest output); a wrong kernel is far off.
+_PROBE_TOLERANCE = 1e-4
+_PROBE_ROWS = (1, 3, 13, 40)
+TORCH_ROWS = 128
+"""From this many rows on (prefill) :class:`BF16Linear` multiplies with torch's bf16 matmul
+(oneDNN: AMX where the CPU has it) over the weight unpacked from its panels for the call (a
+transient ``[N, K]`` bf16 copy, small beside the GEMM of so many rows), its output rounded to
+bf16 as torch's is; below, the native kernel. Measured on SmolLM2-135M's shapes, 2 Xeon cores
+with AMX (docs/performance.md): the native kernel wins at decode's few rows (it reads half
+fp32's bytes), oneDNN's AMX tiles win at 1,000 rows (1.3-2x the native kernel's time there)."""
+
+
+class BF16GemmKernel:
+    """``y = x @ W^T + b`` on CPU with ``W`` packed once into bf16 panels ``[N / 16, ceil(K /
+    2), 16, 2]``, ``x`` and ``y`` fp32 (``x`` rounded to bf16 inside, fp32 accumulation); see
+    ``kernels/bf16_gemm.c``. ``native``: whether this build multiplies with AVX512-BF16's
+    VDPBF16PS (else the portable widen-and-FMA path)."""
+
+    def __init__(self, library: Path) -> None:
+        self.path = library
+        lib = ctypes.CDLL(str(library))
+        self.native = bool(lib.actorline_bf16_native())
+        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._gemm = lib.actorline_bf16_gemm_f32
+        self._gemm.argtypes = [pointer, i64, i64, pointer, pointer, i64, pointer, ctypes.c_int]
+        self._gemm.restype = ctypes.c_int
+        #: the GEMM's address under :class:`~stages.execute.native.NativeGemm`'s convention
+        self.gemm_address = ctypes.cast(lib.actorline_bf16_gemm, ctypes.c_void_p).value or 0
+
+    @staticmethod
+    def pack(*weights: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` (fp32 or bf16, CPU, N a multiple of 16) rounded to bf16 as panels
+        ``[N / 16, ceil(K / 2), 16, 2]``; several weights of one K are packed one after another
+        (a fused gate/up projection).
+
+        Raises:
+            NativeKernelError: no weight, or one cannot be packed, or their K differ.
+        """
+        if not weights:
+            raise NativeKernelError("no weight to pack")
+        k = weights[0].shape[-1]
+        for weight in weights:
+            if (
+                weight.dim() != 2
+                or weight.dtype not in (torch.float32, torch.bfloat16)
+                or weight.device.type != "cpu"
+                or weight.shape[0] % GEMM_PANEL != 0
+                or weight.shape[1] != k
+            ):
+                raise NativeKernelError(
+                    f"cannot pack a {weight.dtype} {weight.device.type} weight of shape "
+                    f"{tuple(weight.shape)} as bf16: needs fp32/bf16 on CPU with rows a "
+                    f"multiple of {GEMM_PANEL} (and one K for all)"
+                )
+        pairs = (k + 1) // 2
+        total = sum(weight.shape[0] for weight in weights)
+        packed = torch.empty(total // GEMM_PANEL, pairs, GEMM_PANEL, 2, dtype=torch.bfloat16)
+        panel = 0
+        for weight in weights:
+            panels = weight.shape[0] // GEMM_PANEL
+            source = F.pad(weight.detach().to(torch.bfloat16), (0, 2 * pairs - k))  # [N, 2P]
+            packed[panel : panel + panels] = source.view(panels, GEMM_PANEL, pairs, 2).transpose(
+                1, 2
+            )
+            panel += panels
+        return packed
+
+    @staticmethod
+    def from_panels(panels: torch.Tensor) -> torch.Tensor:
+        """fp32 panels ``[N / 16, K, 16]`` (:class:`~stages.execute.native.PackedGemmKernel`'s
+        layout) as bf16 panels, without unpacking to ``[N, K]``."""
+        count, k, _ = panels.shape
+        narrow = F.pad(panels.detach().to(torch.bfloat16), (0, 0, 0, k % 2))  # [P, 2Q, 16]
+        return narrow.view(count, (k + 1) // 2, 2, GEMM_PANEL).transpose(2, 3).contiguous()
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, k: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [M, K]`` (contiguous fp32) times the packed weight: ``[M, N]`` fp32.
+
+        Raises:
+            NativeKernelError: the kernel refused its arguments or could not allocate.
+        """
+        rows = x.shape[0]
+        n = packed.shape[0] * GEMM_PANEL
+        out = torch.empty(rows, n)
+        if rows == 0:
+            return out
+        status = self._gemm(
+            x.data_ptr(), rows, k, packed.data_ptr(),
+            bias.data_ptr() if bias is not None else None, n, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            reason = "out of memory" if status == 1 else "arguments it cannot serve"
+            raise NativeKernelError(f"bf16 GEMM kernel failed: {reason}")
+        return out
+
+
+@functools.cache
+def bf16_gemm_kernel(portable: bool = False) -> BF16GemmKernel | None:
+    """The bf16 GEMM kernel, built or loaded once per process (``portable``: the widen-and-FMA
+    path even where the CPU has AVX512-BF16); ``None`` (reason logged) where it cannot be
+    built."""
+    defines = (_PORTABLE_DEFINE,) if portable else ()
+    try:
+        return BF16GemmKernel(build_library(BF16_SOURCE, defines=defines))
+    except (NativeKernelError, OSError) as error:
+        logger.warning("native bf16_gemm unavailable, using torch's bf16 kernels: %s", error)
+        return None
+
+
+class BF16Linear(torch.nn.Module):
+    """A CPU linear over bf16 panels (:class:`BF16GemmKernel`): fp32 in, fp32 out."""
+
+    def __init__(
+        self, packed: torch.Tensor, in_features: int, bias: torch.Tensor | None, kernel: Any
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = int(packed.shape[0] * GEMM_PANEL)
+        self.packed = torch.nn.Parameter(packed, requires_grad=False)
+        self.bias = bias
+        self._kernel: BF16GemmKernel = kernel
+
+    @classmethod
+    def from_packed(cls, linear: PackedLinear, kernel: BF16GemmKernel) -> BF16Linear:
+        """``linear``'s weights (already bf16 values, else rounded to them) as bf16 panels."""
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls(kernel.from_panels(linear.packed), linear.in_features, bias, kernel)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, kernel: BF16GemmKernel) -> BF16Linear:
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        return cls(kernel.pack(linear.weight), linear.in_features, bias, kernel)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        flat = input.reshape(-1, self.in_features).float().contiguous()  # [M, K]
+        bias = self.bias.detach() if self.bias is not None else None
+        if flat.shape[0] >= TORCH_ROWS:
+            weight = self.weight_view()  # [N, K] bf16
+            output = F.linear(flat.bfloat16(), weight).float()
+            if bias is not None:
+                output += bias
+        else:
+            output = self._kernel(flat, self.packed, self.in_features, bias)  # [M, N]
+        return output.view(*input.shape[:-1], self.out_features)
+
+    def weight_view(self) -> torch.Tensor:
+        """The weight ``[N, K]`` in bf16, unpacked from the panels (a new tensor)."""
+        packed = self.packed.detach()
+        return packed.transpose(1, 2).reshape(self.out_features, -1)[:, : self.in_features]
+
+    def native_gemm(self) -> NativeGemm:
+        """This linear as C code calls it (:class:`~stages.execute.native.NativeGemm`)."""
+        bias = self.bias.detach().contiguous() if self.bias is not None else None
+        return NativeGemm(
+            function=self._kernel.gemm_address,
+            weights=self.packed.data_ptr(),
+            format=0,
+            bias=0 if bias is None else bias.data_ptr(),
+            n=self.out_features,
+            k=self.in_features,
+            owner=(self.packed, bias),
+        )
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (bf16 panels)"
+
+
+class BF16Embedding(torch.nn.Module):
+    """Input embeddings tied to a :class:`BF16Linear` LM head: row ``v`` is column ``v`` of the
+    bf16 panels (``packed[v // 16, :, v % 16, :]``), widened to fp32 and scaled by ``scale``
+    where given (Gemma's ``embed_scale``)."""
+
+    def __init__(self, head: BF16Linear, scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.head = head
+        self.num_embeddings = head.out_features
+        self.embedding_dim = head.in_features
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., K]
+        packed = self.head.packed
+        pairs = packed[input_ids // GEMM_PANEL, :, input_ids % GEMM_PANEL]  # [..., Q, 2]
+        rows = pairs.flatten(-2)[..., : self.embedding_dim].float()
+        return rows if self.scale is None else rows * self.scale
+
+
+def use_bf16_linears(model: Any, kernel: BF16GemmKernel, *, verify: bool = True) -> int:
+    """Turn every :class:`~stages.execute.cpu.PackedLinear` of ``model`` (the fused gate/up
+    projections and the LM head included) into a :class:`BF16Linear`, and input embeddings
+    read from a packed head into a :class:`BF16Embedding`; ``verify``: check the kernel first
+    against ``F.linear`` on bf16-rounded operands, once per distinct K.
+
+    Returns:
+        How many linears were converted (none where the kernel disagreed).
+    """
+    places: list[tuple[torch.nn.Module, str, PackedLinear]] = []
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, PackedLinear):
+                places.append((parent, child_name, child))
+    if verify:
+        for width in sorted({linear.in_features for _, _, linear in places}):
+            if not _kernel_agrees(kernel, width):
+                return 0
+    converted: dict[int, BF16Linear] = {}
+    for parent, child_name, linear in places:
+        if isinstance(parent, PackedEmbedding):
+            continue  # replaced whole below
+        if id(linear) not in converted:
+            converted[id(linear)] = BF16Linear.from_packed(linear, kernel)
+        setattr(parent, child_name, converted[id(linear)])
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(embeddings, PackedEmbedding):
+        head = converted.get(id(embeddings.head))
+        if head is None:
+            head = converted[id(embeddings.head)] = BF16Linear.from_packed(embeddings.head, kernel)
+        model.set_input_embeddings(BF16Embedding(head, embeddings.scale))
+    return len(converted)
+
+
+def _kernel_agrees(kernel: BF16GemmKernel, width: int) -> bool:
+    """Whether the kernel matches ``F.linear`` on bf16-rounded operands of inner size
+    ``width`` (a random 48-column weight with bias, a few row counts)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, width, generator=generator).bfloat16().float()
+    bias = torch.randn(48, generator=generator)
+    packed = kernel.pack(weight)
+    with torch.inference_mode():
+        for rows in _PROBE_ROWS:
+            x = torch.randn(rows, width, generator=generator)
+            expected = F.linear(x.bfloat16().float(), weight, bias)
+            try:
+                got = kernel(x, packed, width, bias)
+            except RuntimeError as error:
+                logger.info("execute: bf16 linears unavailable (%s)", error)
+                return False
+            scale = max(expected.abs().max().item(), 1.0)
+            if not (got - expected).abs().max().item() <= _PROBE_TOLERANCE * scale:
+                logger.warning("execute: the bf16 GEMM disagrees with F.linear; not used")
+                return False
+    return True
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as ``/proc/cpuinfo`` lists them (empty where unreadable)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def choose_cpu_dtype(flags: Iterable[str], kernel: BF16GemmKernel | None) -> tuple[str, str]:
+    """What ``dtype="auto"`` means on this CPU: ``("bfloat16", why)`` where it has AVX512-BF16
+    or AMX-BF16 (``flags``) and the bf16 kernel built on VDPBF16PS, else ``("float32", why)``."""
+    present = [flag for flag in BF16_FEATURES if flag in set(flags)]
+    if not present:
+        return "float32", "the CPU has neither AVX512-BF16 nor AMX-BF16 (bf16 would be emulated)"
+    if kernel is None:
+        return "float32", f"the CPU has {'/'.join(present)} but the bf16 kernel did not build"
+    if not kernel.native:
+        return "float32", (
+            f"the CPU has {'/'.join(present)} but the compiler did not target AVX512-BF16"
+        )
+    return "bfloat16", f"the CPU has {'/'.join(present)} and the native bf16 kernel built"
