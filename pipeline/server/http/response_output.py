@@ -13,8 +13,8 @@ per item ``response.output_item.added``, its deltas (``response.reasoning_text.d
 ``response.content_part.added`` and ``response.output_text.delta``;
 ``response.function_call_arguments.delta``), their ``.done`` events and
 ``response.output_item.done``, and last ``response.completed`` carrying the whole response
-(its ``status`` ``incomplete`` when the token limit cut it). An item is closed when the next one starts (the parse stage
-writes reasoning, then text, then calls).
+(its ``status`` ``incomplete`` when the token limit cut it). An item is closed when the next
+one starts (the parse stage writes reasoning, then text, then calls).
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ def whole_response(shape: ResponseShape, output: RequestOutput) -> dict[str, Any
     items: list[dict[str, Any]] = []
     if output.reasoning:
         items.append(_reasoning_item(_new_id("rs"), output.reasoning, status))
-    if output.text.strip() or not output.tool_calls:
+    # NOTE: as a stream opens them: a message where text was written, else only when there
+    # is no other item (an empty answer is one empty message)
+    if output.text or not (output.reasoning or output.tool_calls):
         items.append(_message_item(_new_id("msg"), output.text, status))
     for call in output.tool_calls:
         items.append(_call_item(_new_id("fc"), call, call.arguments, status))

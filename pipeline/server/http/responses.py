@@ -19,8 +19,8 @@ The translation (docs/serving.md, "Responses API"):
 Nothing is stored: ``store: true``, ``previous_response_id``, ``conversation`` and
 ``background: true`` are 400s naming the field, as is any field not served (the same rule as
 the other endpoints: nothing sent is silently ignored). A refusal planning or checking the
-chat body names the Responses field (``max_output_tokens``, ``tools[0].strict``,
-``input[2]``).
+chat body names the Responses field (``max_output_tokens``, ``tools[0].strict``; ``input``
+for a message's).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ RESPONSES_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "previous_response_id": (None,),
     "conversation": (None,),
     "background": (False, None),
-    "include": (None,),
-    "metadata": (None,),
+    "include": ([], None),
+    "metadata": ({}, None),
     "reasoning": (None,),
     "truncation": ("disabled", None),
     "service_tier": ("auto", "default", None),
@@ -206,7 +206,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 raise _refuse(
                     f"{where}.role", f"must be one of {', '.join(_ROLES)}, got {role!r:.40}"
                 )
-            _check_item(item, ("type", "role", "content"), where)
+            _check_item(item, ("type", "role", "content"), where, echoed)
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             _check_item(item, ("type", "call_id", "name", "arguments"), where, echoed)

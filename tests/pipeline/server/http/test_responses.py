@@ -9,6 +9,7 @@ rendered as chat completions render it, structured outputs, LangChain's
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,8 +17,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.pipeline.server.http.conftest import API_KEY, MODEL
-from tests.pipeline.server.http.test_tools import TOOLS, WEATHER_SCHEMA
+from tests.pipeline.server.http.conftest import API_KEY, MODEL, openai_serve_arguments
+from tests.pipeline.server.http.test_tools import TOOLS
 from tests.pipeline.server.serving import ServeProcess, bearer
 
 #: the chat tools in the Responses shape (flat)
@@ -112,9 +113,7 @@ def test_a_streamed_call_reassembles_to_its_final_item(client: openai.OpenAI) ->
         events = list(stream)
         final = stream.get_final_response()
     (call,) = check_calls(final.output, {"get_time"})
-    deltas = "".join(
-        e.delta for e in events if e.type == "response.function_call_arguments.delta"
-    )
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert deltas == done[0].arguments == call.arguments
     added = [e.item for e in events if e.type == "response.output_item.added"]
@@ -204,7 +203,11 @@ def test_an_unknown_model_is_a_404(client: openai.OpenAI) -> None:
 
 
 def test_langchain_use_responses_api(openai_serve: ServeProcess) -> None:
+    """LangChain's ``ChatOpenAI(use_responses_api=True)``: invoke and stream answer the
+    openai client's text; a named tool call, then its result (LangChain sends the call and
+    the answer's items back) and a text answer (sent back in the next turn)."""
     import langchain_openai  # installed by the dev extra (pyproject.toml)
+    from langchain_core.messages import HumanMessage, ToolMessage
 
     chat = langchain_openai.ChatOpenAI(
         base_url=openai_serve.http_url, api_key=API_KEY, model=MODEL, max_tokens=8,
@@ -215,8 +218,50 @@ def test_langchain_use_responses_api(openai_serve: ServeProcess) -> None:
         model=MODEL, input="Hello there", max_output_tokens=8, temperature=0.0
     )
     assert message.text == expected.output_text
+    streamed = "".join(chunk.text for chunk in chat.stream("Hello there"))
+    assert streamed == expected.output_text
     longer = chat.model_copy(update={"max_tokens": 60, "temperature": 1.0})
-    bound = longer.bind_tools(TOOLS, tool_choice="get_time")
-    called = bound.invoke(QUESTION)
+    called = longer.bind_tools(TOOLS, tool_choice="get_time").invoke(QUESTION)
     assert called.tool_calls and called.tool_calls[0]["name"] == "get_time", called
     jsonschema.validate(called.tool_calls[0]["args"], SCHEMAS["get_time"])
+    history: Any = [
+        HumanMessage(QUESTION),
+        called,
+        ToolMessage("12:00", tool_call_id=called.tool_calls[0]["id"]),
+    ]
+    answer = chat.bind_tools(TOOLS).invoke(history)
+    assert answer.usage_metadata is not None and answer.usage_metadata["output_tokens"] > 0
+    again = chat.bind_tools(TOOLS).invoke([*history, answer, HumanMessage("And tomorrow?")])
+    assert again.usage_metadata is not None
+    assert again.usage_metadata["input_tokens"] > answer.usage_metadata["input_tokens"]
+
+
+@pytest.mark.slow
+def test_reasoning_items_whole_and_streamed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``actorline serve --reasoning-parser deepseek_r1`` (a random model writes no
+    ``</think>``, so all it writes is reasoning): one ``reasoning`` item whose
+    ``reasoning_text`` the stream's deltas reassemble (greedy, so the same text)."""
+    serve = ServeProcess(
+        openai_serve_arguments(tiny_model_dir, "--num-blocks", "64", "--reasoning-parser",
+                               "deepseek_r1", grpc=False),
+        tmp_path / "stderr.txt",
+    )  # fmt: skip
+    try:
+        with openai.OpenAI(base_url=serve.http_url, api_key="none", max_retries=0) as client:
+            fields: Any = dict(model=MODEL, input=QUESTION, max_output_tokens=10,
+                               temperature=0.0)  # fmt: skip
+            whole = client.responses.create(**fields)
+            (item,) = whole.output
+            assert item.type == "reasoning" and item.content and item.content[0].text
+            with client.responses.stream(**fields) as stream:
+                events = list(stream)
+                final = stream.get_final_response()
+            deltas = "".join(
+                getattr(event, "delta", "") for event in events
+                if event.type == "response.reasoning_text.delta"
+            )  # fmt: skip
+            assert deltas == item.content[0].text
+            assert [i.type for i in final.output] == ["reasoning"]
+            assert final.output[0].content[0].text == deltas
+    finally:
+        serve.kill()
