@@ -93,7 +93,7 @@ def test_a_required_or_named_function_is_called_with_arguments_that_follow_its_s
 ) -> None:
     required = client.responses.create(
         model=MODEL, input=QUESTION, tools=[TIME_TOOL], tool_choice="required",
-        max_output_tokens=60, temperature=1.0,
+        max_output_tokens=100, temperature=1.0, parallel_tool_calls=False,
     )  # fmt: skip
     check_calls(required.output, {"get_time"})
     named = client.responses.create(
@@ -107,8 +107,8 @@ def test_a_required_or_named_function_is_called_with_arguments_that_follow_its_s
 @pytest.mark.slow
 def test_a_streamed_call_reassembles_to_its_final_item(client: openai.OpenAI) -> None:
     with client.responses.stream(
-        model=MODEL, input=QUESTION, tools=FLAT_TOOLS, max_output_tokens=60, temperature=1.0,
-        tool_choice={"type": "function", "name": "get_time"},
+        model=MODEL, input=QUESTION, tools=FLAT_TOOLS, max_output_tokens=100, temperature=1.0,
+        tool_choice={"type": "function", "name": "get_time"}, parallel_tool_calls=False,
     ) as stream:  # fmt: skip
         events = list(stream)
         final = stream.get_final_response()
@@ -220,7 +220,7 @@ def test_langchain_use_responses_api(openai_serve: ServeProcess) -> None:
     assert message.text == expected.output_text
     streamed = "".join(chunk.text for chunk in chat.stream("Hello there"))
     assert streamed == expected.output_text
-    longer = chat.model_copy(update={"max_tokens": 60, "temperature": 1.0})
+    longer = chat.model_copy(update={"max_tokens": 100, "temperature": 1.0})
     called = longer.bind_tools(TOOLS, tool_choice="get_time").invoke(QUESTION)
     assert called.tool_calls and called.tool_calls[0]["name"] == "get_time", called
     jsonschema.validate(called.tool_calls[0]["args"], SCHEMAS["get_time"])
