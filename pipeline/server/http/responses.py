@@ -9,7 +9,8 @@ The translation (docs/serving.md, "Responses API"):
 - ``instructions`` → a first ``system`` message; ``input`` a string → one ``user`` message;
   ``input`` a list of items → ``message`` items (roles ``user``, ``system``, ``developer``,
   ``assistant``; content a string or ``input_text`` / ``output_text`` parts), consecutive
-  ``function_call`` items → one assistant message's ``tool_calls`` (``call_id`` its id),
+  ``function_call`` items → the ``tool_calls`` (``call_id`` the id) of one assistant message
+  (the assistant message just before them, if there is one),
   ``function_call_output`` → a ``tool`` message;
 - ``max_output_tokens`` → ``max_completion_tokens``; ``temperature``, ``top_p``,
   ``parallel_tool_calls``, ``stream`` as they are; ``tools`` (flat function tools) and
@@ -219,8 +220,9 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 },
             }
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            # NOTE: an answer's text and calls are one assistant turn (as chat's message)
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":

@@ -61,6 +61,23 @@ def test_a_body_plans_to_the_chat_body_it_means() -> None:
     assert planned.tools is not None and planned.tools.choice == "get_time"
 
 
+def test_an_answers_text_and_calls_are_one_assistant_turn() -> None:
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    planned = plan_responses(parse_responses_body({"input": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Let me look.", "id": "msg_1", "status": "completed"},
+        call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "done"},
+    ]}))  # fmt: skip
+    expected = plan_chat(ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+    ]}))  # fmt: skip
+    assert planned == expected
+
+
 def test_a_string_input_and_a_json_schema_format() -> None:
     schema = {"type": "string"}
     planned = plan_responses(parse_responses_body({
