@@ -2,7 +2,9 @@
 :class:`~pipeline.server.http.state.HttpService`.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``"stream": true``: server-sent events), vLLM's ``POST /tokenize``, ``POST /detokenize`` and
+(``"stream": true``: server-sent events), OpenAI's ``POST /v1/responses``
+(:mod:`~pipeline.server.http.responses`, stateless), vLLM's ``POST /tokenize``,
+``POST /detokenize`` and
 ``GET /version`` (:mod:`~pipeline.server.http.tokens`), ``GET /health`` (200 while the engine
 serves, with data parallelism each replica's state beside it; 503 once it died or the server
 is shutting down) and ``GET /metrics`` (Prometheus text, when a registry is given). ``/v1/``
@@ -18,19 +20,20 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pipeline.server.auth import ApiKeys
-from pipeline.server.http import chat, completions, tokens
+from pipeline.server.http import chat, completions, responses, tokens
 from pipeline.server.http.answers import Answer
 from pipeline.server.http.defaults import DEFAULT_MAX_REQUEST_BYTES
-from pipeline.server.http.errors import add_error_handlers
+from pipeline.server.http.errors import ApiError, add_error_handlers
 from pipeline.server.http.gate import Gate, tenant_of
 from pipeline.server.http.requests import plan_chat, plan_completion
+from pipeline.server.http.response_output import ResponseShape, response_events, whole_response
 from pipeline.server.http.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -197,5 +200,23 @@ def create_app(
             chat.chat_response,
             chat.chat_events,
         )
+
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(request: Request, raw: Annotated[Any, Body()]) -> Response:
+        body = responses.parse_responses_body(raw)
+        service.check_model(body.model)
+        plan = responses.plan_responses(body)
+        request_id = f"resp_{uuid.uuid4().hex}"
+        tenant = tenant_of(request.scope)
+        try:
+            checked = service.check(request_id, plan.choices, tenant, plan.tools)
+        except ApiError as exc:
+            raise responses.renamed(exc) from None
+        shape = ResponseShape(request_id, service.model_name, responses.echoed(body))
+        started = await service.start(request_id, checked, tenant, request.receive)
+        if not body.stream:
+            (output,) = await service.collect(started)
+            return JsonAnswer(whole_response(shape, output))
+        return EventStream(started, response_events(shape, started))
 
     return app
