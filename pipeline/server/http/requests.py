@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -40,7 +41,7 @@ from pipeline.server.http.schema import (
     GenerationBody,
     ToolBody,
 )
-from pipeline.server.http.structured import structured_outputs_from
+from pipeline.server.http.structured import GUIDED_ALIASES, structured_outputs_from
 from stages.messages import ChatMessage, ToolCall, ToolSpec
 from stages.params import MAX_LOGPROBS, SamplingParams
 from stages.tools import ToolUse
@@ -54,6 +55,8 @@ __all__ = [
     "plan_completion",
     "tool_use",
 ]
+
+_log = logging.getLogger(__name__)
 
 #: seeds are in [0, SEED_RANGE) (:func:`stages.params.validate_sampling`); choice j's seed is
 #: the request's + j, modulo this
@@ -78,13 +81,15 @@ class Plan:
     """The engine requests answering one HTTP request: each choice's prompt and parameters
     (choice ``prompt_index * per_prompt + j``), how many choices each prompt has, how many
     top logprobs each token carries (None: no logprobs), and whether a stream ends with a
-    usage chunk. ``tools``: the functions a chat offers (None: none)."""
+    usage chunk. ``tools``: the functions a chat offers (None: none). ``deprecated``: the
+    deprecated fields the body used (vLLM's ``guided_*``), for a ``Warning`` header."""
 
     choices: tuple[tuple[Prompt, SamplingParams], ...]
     per_prompt: int
     logprobs: int | None
     include_usage: bool
     tools: ToolUse | None = None
+    deprecated: tuple[str, ...] = ()
 
 
 def plan_completion(body: CompletionRequest) -> Plan:
@@ -136,7 +141,15 @@ def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParam
         each = [params] * n
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     choices = tuple((prompt, choice) for prompt in prompts for choice in each)
-    return Plan(choices, n, params.logprobs, include_usage)
+    deprecated = tuple(name for name in GUIDED_ALIASES if getattr(body, name) is not None)
+    if deprecated:
+        # as vLLM does (vllm/entrypoints/openai/protocol.py, the guided_* fields)
+        _log.warning(
+            "%s: deprecated; use structured_outputs (%s)",
+            ", ".join(deprecated),
+            ", ".join(f"{name} -> {GUIDED_ALIASES[name]}" for name in deprecated),
+        )
+    return Plan(choices, n, params.logprobs, include_usage, deprecated=deprecated)
 
 
 def check_extras(
@@ -228,7 +241,8 @@ def _sampling(body: GenerationBody, max_tokens: int | None, logprobs: int | None
         values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     if body.stop_token_ids is not None:
         values["stop_token_ids"] = tuple(body.stop_token_ids)
-    constraint = structured_outputs_from(body.response_format, body.structured_outputs)
+    guided = {name: getattr(body, name) for name in GUIDED_ALIASES}
+    constraint = structured_outputs_from(body.response_format, body.structured_outputs, guided)
     if constraint is not None:
         values["structured_outputs"] = constraint
     # NOTE: not validated here: the engine's validation core checks every choice once,

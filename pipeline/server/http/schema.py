@@ -152,6 +152,11 @@ class GenerationBody(BaseModel):
     # structured outputs (pipeline.server.http.structured): OpenAI's and vLLM's extra
     response_format: Any = None
     structured_outputs: Any = None
+    # vLLM's legacy aliases of structured_outputs' keys (deprecated: a log line and a header)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(GenerationBody):
