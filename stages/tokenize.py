@@ -42,6 +42,7 @@ from stages.tools import (
 __all__ = [
     "TokenizeConfig",
     "TokenizeStage",
+    "bad_words_token_ids",
     "load_tokenizer",
     "longest_token_chars",
     "prefetch_tokenizer",
@@ -249,6 +250,7 @@ class TokenizeStage(Stage):
             request.arrival_time,
             request.prompt,
             parsing,
+            bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else (),
         )
         await self.emit("track", engine_request)
         await self.emit("out", engine_request)
@@ -316,6 +318,22 @@ class TokenizeStage(Stage):
 
     def _apply_chat_template(self, messages: list[tuple[str, str]]) -> tuple[int, ...]:
         return render_chat(self.tokenizer, messages)
+
+
+def bad_words_token_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences the sampler bans for ``words`` (``bad_words``), as vLLM builds
+    them (``vllm/sampling_params.py``, ``update_from_tokenizer``): each word without its
+    leading spaces, and with one space before it where that gives other tokens of the same
+    count (the word in the middle of a text); no special tokens."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if bare:
+            sequences.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            sequences.append(spaced)
+    return tuple(dict.fromkeys(sequences))
 
 
 def render_chat(

@@ -241,6 +241,12 @@ def _sampling(body: GenerationBody, max_tokens: int | None, logprobs: int | None
         values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     if body.stop_token_ids is not None:
         values["stop_token_ids"] = tuple(body.stop_token_ids)
+    if body.logit_bias:
+        values["logit_bias"] = _logit_bias(body.logit_bias)
+    if body.allowed_token_ids is not None:
+        values["allowed_token_ids"] = tuple(body.allowed_token_ids)
+    if body.bad_words:
+        values["bad_words"] = tuple(body.bad_words)
     guided = {name: getattr(body, name) for name in GUIDED_ALIASES}
     constraint = structured_outputs_from(body.response_format, body.structured_outputs, guided)
     if constraint is not None:
@@ -248,6 +254,25 @@ def _sampling(body: GenerationBody, max_tokens: int | None, logprobs: int | None
     # NOTE: not validated here: the engine's validation core checks every choice once,
     # before any starts (HttpService.check, docs/architecture.md §7.1).
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+
+
+def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys, strings) as (id, bias) pairs.
+
+    Raises:
+        ApiError: 400 naming ``logit_bias`` for a key that is not a token id.
+    """
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 19):
+            raise ApiError(
+                400,
+                f"logit_bias: keys must be token ids, got {key!r:.40}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def _choices_per_prompt(body: GenerationBody) -> int:

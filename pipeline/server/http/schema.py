@@ -84,9 +84,6 @@ ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "return_tokens_as_token_ids": (False, None),
     "return_token_ids": (False, None),
     "prompt_logprobs": (None,),
-    "logit_bias": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None,),
     "truncate_prompt_tokens": (None,),
     "chat_template": (None,),
     "chat_template_kwargs": (None,),
@@ -152,6 +149,10 @@ class GenerationBody(BaseModel):
     # structured outputs (pipeline.server.http.structured): OpenAI's and vLLM's extra
     response_format: Any = None
     structured_outputs: Any = None
+    # OpenAI's logit_bias (token id as a string → bias), vLLM's allowed_token_ids, bad_words
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: FailFast[int] | None = None
+    bad_words: FailFast[str] | None = None
     # vLLM's legacy aliases of structured_outputs' keys (deprecated: a log line and a header)
     guided_json: Any = None
     guided_regex: Any = None

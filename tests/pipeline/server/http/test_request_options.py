@@ -1,14 +1,20 @@
 """Request options of vLLM and OpenAI that change what is generated, through the real HTTP
 front end with the official ``openai`` client (the shared server of
 :mod:`tests.pipeline.server.http.conftest`), and their translation and refusals (pure: no
-engine): vLLM's legacy ``guided_*`` aliases of ``structured_outputs``."""
+engine): vLLM's legacy ``guided_*`` aliases of ``structured_outputs``; OpenAI's
+``logit_bias``, vLLM's ``allowed_token_ids`` and ``bad_words``."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from pipeline.engine.prompts import check_prompt
 from pipeline.server.http.errors import ApiError
@@ -16,7 +22,9 @@ from pipeline.server.http.requests import plan_chat, plan_completion
 from pipeline.server.http.schema import ChatCompletionRequest, CompletionRequest
 from stages.errors import InvalidRequestError
 from stages.structured.params import StructuredOutputsParams
-from tests.pipeline.server.http.conftest import MODEL
+from stages.tokenize import bad_words_token_ids
+from tests.pipeline.server.http.conftest import API_KEY, MODEL
+from tests.pipeline.server.serving import ServeProcess, bearer
 
 MESSAGES: Any = [{"role": "user", "content": "Hi"}]
 
@@ -89,3 +97,124 @@ def test_guided_choice_over_http_constrains_and_warns(client: openai.OpenAI) -> 
         assert "guided_regex" in streamed.headers["warning"]
         text = "".join(chunk.choices[0].text for chunk in streamed.parse() if chunk.choices)
     assert text in ("yes", "no")
+
+
+# ---------------------------------------------------------------- logit_bias, token rules
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def one_token(tokenizer: Any, text: str) -> int:
+    """The id of the one token that spells ``text``."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == 1 and tokenizer.decode(ids) == text, (text, ids)
+    return int(ids[0])
+
+
+def greedy_text(client: openai.OpenAI, max_tokens: int, **extra: Any) -> str:
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0.0,
+        extra_body={"ignore_eos": True, **extra},
+    )  # fmt: skip
+    return completion.choices[0].text
+
+
+PROMPT = "The colour of the sky is"
+
+
+def test_logit_bias_bans_and_forces_over_http(client: openai.OpenAI, tokenizer: Any) -> None:
+    """-100 on the greedy token changes it; +100 on a token makes every token that one."""
+    first = greedy_text(client, 1)
+    greedy_id = one_token(tokenizer, first)
+    banned = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0.0,
+        logit_bias={str(greedy_id): -100},
+    )  # fmt: skip
+    assert banned.choices[0].text != first
+    forced_id = one_token(tokenizer, " blue")
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=1.0, seed=2,
+        logit_bias={str(forced_id): 100}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert chat.choices[0].message.content == " blue" * 5
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"5": 101})
+    assert caught.value.body["param"] == "logit_bias"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"1000000": 1})
+    assert "vocabulary" in caught.value.message
+
+
+def test_allowed_token_ids_restrict_every_token_over_http(
+    client: openai.OpenAI, tokenizer: Any
+) -> None:
+    allowed = [one_token(tokenizer, "a"), one_token(tokenizer, "b")]
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=4, seed=5,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )  # fmt: skip
+    texts = [choice.text for choice in completion.choices]
+    assert all(len(text) == 8 and set(text) <= {"a", "b"} for text in texts), texts
+    assert completion.usage is not None and completion.usage.completion_tokens == 32
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"allowed_token_ids": []})
+    assert caught.value.body["param"] == "allowed_token_ids"  # type: ignore[index]
+
+
+def test_bad_words_are_not_generated_over_http(client: openai.OpenAI, tokenizer: Any) -> None:
+    """Among the allowed tokens "a" and "b", the bad word "a" leaves only "b" (sampled)."""
+    allowed = [one_token(tokenizer, "a"), one_token(tokenizer, "b")]
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, n=3, seed=9,
+        extra_body={"allowed_token_ids": allowed, "bad_words": ["a"], "ignore_eos": True},
+    )  # fmt: skip
+    assert [choice.text for choice in completion.choices] == ["bbbbbb"] * 3
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=PROMPT, extra_body={"bad_words": [" "]})
+    assert caught.value.body["param"] == "bad_words"  # type: ignore[index]
+
+
+def test_bad_words_tokenize_as_vllms(tokenizer: Any) -> None:
+    """vLLM's rule (``update_from_tokenizer``): the word without leading spaces, and with one
+    space where that is as many tokens but others."""
+    a, spaced_a = one_token(tokenizer, "a"), one_token(tokenizer, " a")
+    assert bad_words_token_ids(tokenizer, ["a", "  a"]) == ((a,), (spaced_a,))
+    bare = tuple(tokenizer.encode("coincides", add_special_tokens=False))
+    assert len(bare) > 1 and len(tokenizer.encode(" coincides", add_special_tokens=False)) == 1
+    assert bad_words_token_ids(tokenizer, [" coincides"]) == (bare,)
+
+
+def test_token_rules_over_grpc(openai_serve: ServeProcess, tokenizer: Any) -> None:
+    """The Generation service carries them too: allowed ids with one banned by a bad word
+    and another biased down; a logit bias outside [-100, 100] is INVALID_ARGUMENT naming it."""
+    from pipeline.server import generation_pb2 as pb
+    from pipeline.server import generation_pb2_grpc
+
+    a, b, c = (one_token(tokenizer, letter) for letter in "abc")
+    params = pb.SamplingParams(
+        max_tokens=5, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=[a, b, c],
+        bad_words=["a"], logit_bias={c: -100.0},
+    )  # fmt: skip
+    metadata = bearer(API_KEY)
+
+    async def main() -> tuple[list[Any], grpc.aio.AioRpcError]:
+        assert openai_serve.address is not None
+        async with grpc.aio.insecure_channel(openai_serve.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = pb.GenerateRequest(text=PROMPT, sampling_params=params)
+            responses = [r async for r in stub.Generate(request, metadata=metadata)]
+            bad = pb.GenerateRequest(
+                text=PROMPT, sampling_params=pb.SamplingParams(logit_bias={a: 200.0})
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in stub.Generate(bad, metadata=metadata):
+                    pass
+            return responses, caught.value
+
+    responses, refused = asyncio.run(main())
+    assert "".join(r.delta for r in responses) == "bbbbb"
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logit_bias" in (refused.details() or "")
