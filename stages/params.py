@@ -50,6 +50,8 @@ class SamplingParams:
     pairs, stored as pairs sorted by id. ``allowed_token_ids`` (vLLM's): only these tokens may
     be sampled (None: any). ``bad_words`` (vLLM's): words whose tokens must not be generated
     (with and without a leading space, as vLLM tokenizes them: the tokenize stage does).
+    ``truncate_prompt_tokens`` (vLLM's): keep only the prompt's last k tokens (after the
+    chat template), -1 the last ``max_model_len``; None: the whole prompt.
     """
 
     max_tokens: int | None = 16
@@ -73,6 +75,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Accept what vLLM's SamplingParams accepts (vllm/sampling_params.py: ``stop: str |
@@ -212,6 +215,12 @@ def validate_sampling(
         if not isinstance(params.allowed_token_ids, tuple):
             fail("allowed_token_ids", f"must be a list, got {describe(params.allowed_token_ids)}")
     _check_bad_words(params.bad_words, rid)
+    if params.truncate_prompt_tokens is not None:
+        check_int(
+            "truncate_prompt_tokens", params.truncate_prompt_tokens, minimum=-1, request_id=rid
+        )
+        if params.truncate_prompt_tokens == 0:
+            fail("truncate_prompt_tokens", "must be -1 (the model's length) or at least 1, got 0")
     for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         check_bool(flag, getattr(params, flag), request_id=rid)
 

@@ -196,6 +196,7 @@ class TokenizeStage(Stage):
         # Set once the engine reports its length: text longer than this has more tokens than
         # the model's length holds, so it is refused without tokenizing it.
         self.max_prompt_chars: int | None = None
+        self._max_model_len: int | None = None
 
     async def start(self) -> None:
         self.tokenizer = await self.run_in_thread(load_tokenizer, self.config.model)
@@ -211,6 +212,7 @@ class TokenizeStage(Stage):
 
     @handles(EngineInfo)
     async def on_engine_info(self, info: EngineInfo) -> None:
+        self._max_model_len = info.max_model_len
         if self._token_chars is not None:
             self.max_prompt_chars = info.max_model_len * self._token_chars
 
@@ -232,6 +234,13 @@ class TokenizeStage(Stage):
             )
             return
         params = request.params
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            # vLLM's rule: the last k tokens; -1: as many as the model's length holds
+            # (vllm/entrypoints/renderer.py: a negative value is max_model_len)
+            if keep == -1:
+                keep = self._max_model_len if self._max_model_len is not None else len(token_ids)
+            token_ids = token_ids[-keep:]
         constraint = tool_constraint(
             request.tools, request.tool_choice, request.parallel_tool_calls
         )

@@ -72,7 +72,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-    "skip_special_tokens",
+    "skip_special_tokens", "truncate_prompt_tokens",
 )  # fmt: skip
 
 

@@ -84,7 +84,6 @@ ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "return_tokens_as_token_ids": (False, None),
     "return_token_ids": (False, None),
     "prompt_logprobs": (None,),
-    "truncate_prompt_tokens": (None,),
     "chat_template": (None,),
     "chat_template_kwargs": (None,),
     "functions": (None,),
@@ -153,6 +152,7 @@ class GenerationBody(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: FailFast[int] | None = None
     bad_words: FailFast[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # vLLM's legacy aliases of structured_outputs' keys (deprecated: a log line and a header)
     guided_json: Any = None
     guided_regex: Any = None

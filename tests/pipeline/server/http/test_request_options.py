@@ -218,3 +218,38 @@ def test_token_rules_over_grpc(openai_serve: ServeProcess, tokenizer: Any) -> No
     assert "".join(r.delta for r in responses) == "bbbbb"
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "logit_bias" in (refused.details() or "")
+
+
+# ---------------------------------------------------------------- truncate_prompt_tokens
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(
+    client: openai.OpenAI, tokenizer: Any
+) -> None:
+    """The prompt's last k tokens are the prompt: usage counts k, and the answer is the one
+    of those k tokens sent alone (greedy); chat truncates the rendered template."""
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    assert len(ids) > 3
+    truncated = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0,
+        extra_body={"truncate_prompt_tokens": 3, "ignore_eos": True},
+    )  # fmt: skip
+    alone = client.completions.create(
+        model=MODEL, prompt=ids[-3:], max_tokens=4, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert truncated.usage is not None and truncated.usage.prompt_tokens == 3
+    assert truncated.choices[0].text == alone.choices[0].text
+    longer = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"truncate_prompt_tokens": 1000}
+    )
+    assert longer.usage is not None and longer.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"truncate_prompt_tokens": 2}
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 2
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, extra_body={"truncate_prompt_tokens": 0}
+        )
+    assert caught.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
