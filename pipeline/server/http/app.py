@@ -166,6 +166,7 @@ def create_app(
             service.token_texts(plan.logprobs),
             plan.include_usage,
             plan.per_prompt,
+            plan.continuous_usage,
         )
         started = await service.start(request_id, checked, tenant, request.receive)
         headers = {}

@@ -90,6 +90,7 @@ class Plan:
     include_usage: bool
     tools: ToolUse | None = None
     deprecated: tuple[str, ...] = ()
+    continuous_usage: bool = False
 
 
 def plan_completion(body: CompletionRequest) -> Plan:
@@ -140,6 +141,16 @@ def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParam
     else:
         each = [params] * n
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    if continuous and not include_usage:
+        # NOTE: vLLM ignores it then (vllm/entrypoints/openai/serving_chat.py,
+        # include_continuous_usage); here it is refused rather than ignored
+        raise ApiError(
+            400,
+            "stream_options.continuous_usage_stats: needs stream_options.include_usage true",
+            param="stream_options.continuous_usage_stats",
+            code="invalid_value",
+        )
     choices = tuple((prompt, choice) for prompt in prompts for choice in each)
     deprecated = tuple(name for name in GUIDED_ALIASES if getattr(body, name) is not None)
     if deprecated:
@@ -149,7 +160,10 @@ def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParam
             ", ".join(deprecated),
             ", ".join(f"{name} -> {GUIDED_ALIASES[name]}" for name in deprecated),
         )
-    return Plan(choices, n, params.logprobs, include_usage, deprecated=deprecated)
+    return Plan(
+        choices, n, params.logprobs, include_usage, deprecated=deprecated,
+        continuous_usage=continuous,
+    )  # fmt: skip
 
 
 def check_extras(

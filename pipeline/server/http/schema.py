@@ -103,19 +103,19 @@ CHAT_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "echo": (False, None),
 }
 #: ``stream_options`` fields accepted at these values only
-STREAM_OPTIONS_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
-    "continuous_usage_stats": (False, None)
-}
+STREAM_OPTIONS_ACCEPTED_AT: dict[str, tuple[object, ...]] = {}
 #: a list that stops at its first bad item
 FailFast = Annotated[list[_Item], Field(fail_fast=True)]
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: with ``include_usage``, a stream ends with a usage chunk."""
+    """``stream_options``: with ``include_usage``, a stream ends with a usage chunk; with
+    vLLM's ``continuous_usage_stats`` too, every chunk carries its choice's usage so far."""
 
     model_config = _BODY
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class GenerationBody(BaseModel):

@@ -253,3 +253,45 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(
             model=MODEL, prompt=PROMPT, extra_body={"truncate_prompt_tokens": 0}
         )
     assert caught.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
+# ---------------------------------------------------------------- continuous usage
+
+
+def test_continuous_usage_stats_on_every_chunk(client: openai.OpenAI) -> None:
+    """Each chunk carries its choice's usage so far (the chat's opening chunk: no tokens
+    yet); the counts grow to the final usage chunk's, which is unchanged."""
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=5, n=2, seed=1, stream=True,
+            stream_options=options, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    *body, final = chunks
+    assert final.choices == [] and final.usage is not None
+    assert final.usage.completion_tokens == 10
+    seen = {0: 0, 1: 0}
+    for chunk in body:
+        (choice,) = chunk.choices
+        assert chunk.usage is not None
+        assert chunk.usage.prompt_tokens == final.usage.prompt_tokens
+        assert chunk.usage.completion_tokens >= seen[choice.index]
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+        seen[choice.index] = chunk.usage.completion_tokens
+    assert seen == {0: 5, 1: 5}
+    chat = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=3, stream=True, stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    counts = [chunk.usage.completion_tokens for chunk in chat[:-1] if chunk.usage]
+    assert len(counts) == len(chat) - 1 and counts[0] == 0 and counts[-1] == 3
+    assert chat[-1].usage is not None and chat[-1].usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, stream=True,
+            stream_options={"continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )  # fmt: skip
+    assert caught.value.body["param"] == "stream_options.continuous_usage_stats"  # type: ignore[index]
