@@ -17,6 +17,7 @@ from stages.structured.params import StructuredOutputsParams, validate_structure
 from transports.codec import message
 
 __all__ = [
+    "MAX_ALLOWED_TOKEN_IDS",
     "MAX_BAD_WORDS",
     "MAX_BAD_WORD_LENGTH",
     "MAX_LOGIT_BIAS",
@@ -127,6 +128,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 #: logit_bias values are in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range)
 LOGIT_BIAS_LIMIT = 100.0
+#: allowed_token_ids per request (more than any vocabulary served; each is checked once)
+MAX_ALLOWED_TOKEN_IDS = 2**18
 #: bad words per request, and characters per word: every step compares each one's tokens
 #: with the output's last tokens
 MAX_BAD_WORDS = 128
@@ -209,6 +212,14 @@ def validate_sampling(
     validate_structured_outputs(params.structured_outputs, request_id=rid)
     _check_logit_bias(params.logit_bias, vocab_size, rid)
     if params.allowed_token_ids is not None:
+        if isinstance(params.allowed_token_ids, tuple) and (
+            len(params.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS
+        ):
+            fail(
+                "allowed_token_ids",
+                f"may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                f"got {len(params.allowed_token_ids)}",
+            )
         check_token_ids(
             "allowed_token_ids", params.allowed_token_ids, vocab_size=vocab_size, request_id=rid
         )
