@@ -129,7 +129,8 @@ class GenerateRequest:
 class EngineRequest:
     """A tokenized request, from tokenize to admit and schedule (and to detokenize, which
     registers the request's text state). ``parsing``: how the parse stage reads its output
-    (None: it passes through)."""
+    (None: it passes through). ``bad_words_token_ids``: the token sequences of
+    ``params.bad_words``, tokenized by the tokenize stage (vLLM's ``_bad_words_token_ids``)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -138,6 +139,7 @@ class EngineRequest:
     arrival_time: float = 0.0
     prompt: str | None = None
     parsing: OutputParsing | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @message()

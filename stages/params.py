@@ -17,6 +17,10 @@ from stages.structured.params import StructuredOutputsParams, validate_structure
 from transports.codec import message
 
 __all__ = [
+    "MAX_ALLOWED_TOKEN_IDS",
+    "MAX_BAD_WORDS",
+    "MAX_BAD_WORD_LENGTH",
+    "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_LENGTH",
@@ -42,6 +46,13 @@ class SamplingParams:
     prompt), as vLLM's ``max_tokens=None``; admit replaces it with that number.
     ``stop`` takes a list of strings or one string, ``stop_token_ids`` a list of ids; None
     means none for both (vLLM's defaults). They are stored as tuples.
+    ``logit_bias`` (OpenAI's): token id → a bias in [-100, 100] added to the token's logit
+    before sampling (-100 in effect bans it, +100 in effect forces it); a dict or (id, bias)
+    pairs, stored as pairs sorted by id. ``allowed_token_ids`` (vLLM's): only these tokens may
+    be sampled (None: any). ``bad_words`` (vLLM's): words whose tokens must not be generated
+    (with and without a leading space, as vLLM tokenizes them: the tokenize stage does).
+    ``truncate_prompt_tokens`` (vLLM's): keep only the prompt's last k tokens (after the
+    chat template), -1 the last ``max_model_len``; None: the whole prompt.
     """
 
     max_tokens: int | None = 16
@@ -62,6 +73,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Accept what vLLM's SamplingParams accepts (vllm/sampling_params.py: ``stop: str |
@@ -77,6 +92,23 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", ())
         elif isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # vLLM's ``logit_bias: dict[int, float] | None``, ``allowed_token_ids: list[int] |
+        # None``, ``bad_words: list[str] | None``
+        if self.logit_bias is None:
+            object.__setattr__(self, "logit_bias", ())
+        elif isinstance(self.logit_bias, dict):
+            pairs = list(self.logit_bias.items())
+            if all(type(token_id) is int for token_id, _ in pairs):
+                pairs.sort()
+            object.__setattr__(self, "logit_bias", tuple(pairs))
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(map(_pair, self.logit_bias)))
+        if isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.bad_words is None:
+            object.__setattr__(self, "bad_words", ())
+        elif isinstance(self.bad_words, list):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
 
     @property
     def greedy(self) -> bool:
@@ -87,7 +119,21 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+def _pair(item: object) -> object:
+    return tuple(item) if isinstance(item, list) else item
+
+
 MAX_LOGPROBS = 20
+#: logit_bias entries per request (OpenAI allows 300; each is one write per step)
+MAX_LOGIT_BIAS = 1024
+#: logit_bias values are in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range)
+LOGIT_BIAS_LIMIT = 100.0
+#: allowed_token_ids per request (more than any vocabulary served; each is checked once)
+MAX_ALLOWED_TOKEN_IDS = 2**18
+#: bad words per request, and characters per word: every step compares each one's tokens
+#: with the output's last tokens
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_LENGTH = 256
 #: stop strings per request, and characters per stop string: every step checks each one
 #: against the new text, so a request must not make that cost (or the hold-back index, which
 #: grows with their length) unbounded for everyone on the frontend
@@ -164,6 +210,28 @@ def validate_sampling(
         check_int("logprobs", params.logprobs, minimum=0, maximum=MAX_LOGPROBS, request_id=rid)
     check_int("priority", params.priority, request_id=rid)
     validate_structured_outputs(params.structured_outputs, request_id=rid)
+    _check_logit_bias(params.logit_bias, vocab_size, rid)
+    if params.allowed_token_ids is not None:
+        if isinstance(params.allowed_token_ids, tuple) and (
+            len(params.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS
+        ):
+            fail(
+                "allowed_token_ids",
+                f"may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                f"got {len(params.allowed_token_ids)}",
+            )
+        check_token_ids(
+            "allowed_token_ids", params.allowed_token_ids, vocab_size=vocab_size, request_id=rid
+        )
+        if not isinstance(params.allowed_token_ids, tuple):
+            fail("allowed_token_ids", f"must be a list, got {describe(params.allowed_token_ids)}")
+    _check_bad_words(params.bad_words, rid)
+    if params.truncate_prompt_tokens is not None:
+        check_int(
+            "truncate_prompt_tokens", params.truncate_prompt_tokens, minimum=-1, request_id=rid
+        )
+        if params.truncate_prompt_tokens == 0:
+            fail("truncate_prompt_tokens", "must be -1 (the model's length) or at least 1, got 0")
     for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         check_bool(flag, getattr(params, flag), request_id=rid)
 
@@ -196,3 +264,70 @@ def _check_stop(stop: object, request_id: str | None) -> None:
             request_id=request_id,
             where=f"stop[{index}]",
         )
+
+
+def _check_logit_bias(bias: object, vocab_size: int | None, request_id: str | None) -> None:
+    """``logit_bias``: at most MAX_LOGIT_BIAS (token id, bias) pairs of distinct ids, each
+    bias a finite number in [-100, 100].
+
+    Raises:
+        InvalidRequestError: naming ``logit_bias``.
+    """
+
+    def fail(problem: str) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"logit_bias {problem}", field="logit_bias", request_id=request_id
+        )
+
+    if not isinstance(bias, tuple) or not all(
+        isinstance(pair, tuple) and len(pair) == 2 for pair in bias
+    ):
+        raise fail(f"must map token ids to biases, got {describe(bias)}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise fail(f"may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    token_ids = [token_id for token_id, _ in bias]
+    check_token_ids(
+        "logit_bias", token_ids, vocab_size=vocab_size, allow_empty=True, request_id=request_id
+    )
+    if len(set(token_ids)) != len(token_ids):
+        raise fail("names a token id twice")
+    for token_id, value in bias:
+        number = check_number("logit_bias", value, request_id=request_id)
+        if not -LOGIT_BIAS_LIMIT <= number <= LOGIT_BIAS_LIMIT:
+            raise fail(f"of token {token_id} must be in [-100, 100], got {value}")
+
+
+def _check_bad_words(words: object, request_id: str | None) -> None:
+    """``bad_words``: at most MAX_BAD_WORDS non-empty strings of at most MAX_BAD_WORD_LENGTH
+    characters.
+
+    Raises:
+        InvalidRequestError: naming ``bad_words``.
+    """
+    if not isinstance(words, tuple):
+        raise InvalidRequestError(
+            f"bad_words must be a list of strings, got {describe(words)}",
+            field="bad_words",
+            request_id=request_id,
+        )
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequestError(
+            f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}",
+            field="bad_words",
+            request_id=request_id,
+        )
+    for index, word in enumerate(words):
+        check_text(
+            "bad_words",
+            word,
+            max_length=MAX_BAD_WORD_LENGTH,
+            allow_empty=False,
+            request_id=request_id,
+            where=f"bad_words[{index}]",
+        )
+        if not word.strip():
+            raise InvalidRequestError(
+                f"bad_words[{index}] must not be only whitespace",
+                field="bad_words",
+                request_id=request_id,
+            )

@@ -42,6 +42,7 @@ from stages.tools import (
 __all__ = [
     "TokenizeConfig",
     "TokenizeStage",
+    "bad_words_token_ids",
     "load_tokenizer",
     "longest_token_chars",
     "prefetch_tokenizer",
@@ -195,6 +196,7 @@ class TokenizeStage(Stage):
         # Set once the engine reports its length: text longer than this has more tokens than
         # the model's length holds, so it is refused without tokenizing it.
         self.max_prompt_chars: int | None = None
+        self._max_model_len: int | None = None
 
     async def start(self) -> None:
         self.tokenizer = await self.run_in_thread(load_tokenizer, self.config.model)
@@ -210,6 +212,7 @@ class TokenizeStage(Stage):
 
     @handles(EngineInfo)
     async def on_engine_info(self, info: EngineInfo) -> None:
+        self._max_model_len = info.max_model_len
         if self._token_chars is not None:
             self.max_prompt_chars = info.max_model_len * self._token_chars
 
@@ -231,6 +234,13 @@ class TokenizeStage(Stage):
             )
             return
         params = request.params
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            # vLLM's rule: the last k tokens; -1: as many as the model's length holds
+            # (vllm/entrypoints/renderer.py: a negative value is max_model_len)
+            if keep == -1:
+                keep = self._max_model_len if self._max_model_len is not None else len(token_ids)
+            token_ids = token_ids[-keep:]
         constraint = tool_constraint(
             request.tools, request.tool_choice, request.parallel_tool_calls
         )
@@ -249,6 +259,7 @@ class TokenizeStage(Stage):
             request.arrival_time,
             request.prompt,
             parsing,
+            bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else (),
         )
         await self.emit("track", engine_request)
         await self.emit("out", engine_request)
@@ -316,6 +327,22 @@ class TokenizeStage(Stage):
 
     def _apply_chat_template(self, messages: list[tuple[str, str]]) -> tuple[int, ...]:
         return render_chat(self.tokenizer, messages)
+
+
+def bad_words_token_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences the sampler bans for ``words`` (``bad_words``), as vLLM builds
+    them (``vllm/sampling_params.py``, ``update_from_tokenizer``): each word without its
+    leading spaces, and with one space before it where that gives other tokens of the same
+    count (the word in the middle of a text); no special tokens."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if bare:
+            sequences.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            sequences.append(spaced)
+    return tuple(dict.fromkeys(sequences))
 
 
 def render_chat(

@@ -113,6 +113,23 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "skip_special_tokens": st.one_of(st.booleans(), JUNK),
     "priority": st.one_of(st.integers(-5, 5), INTS, JUNK),
     "structured_outputs": STRUCTURED,
+    "logit_bias": st.one_of(
+        st.none(),
+        st.dictionaries(st.integers(0, 60), st.floats(-100.0, 100.0), max_size=3),
+        st.dictionaries(INTS, st.one_of(FLOATS, JUNK), max_size=2),
+        st.lists(st.lists(st.one_of(INTS, FLOATS, JUNK), max_size=3), max_size=2),
+        JUNK,
+    ),
+    "allowed_token_ids": st.one_of(
+        st.none(),
+        st.lists(st.integers(0, 60), min_size=1, max_size=4),
+        st.lists(INTS, max_size=3),
+        st.lists(JUNK, max_size=2),
+        _HUGE_LIST,
+        JUNK,
+    ),
+    "truncate_prompt_tokens": st.one_of(st.none(), st.integers(-1, 8), INTS, JUNK),
+    "bad_words": st.one_of(st.none(), st.lists(TEXT, max_size=3), st.lists(JUNK, max_size=2), JUNK),
 }
 assert set(FIELD_VALUES) == {field.name for field in dataclasses.fields(SamplingParams)}, (
     "every SamplingParams field is fuzzed"

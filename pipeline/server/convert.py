@@ -33,7 +33,7 @@ __all__ = [
 SAMPLING_FIELDS: dict[str, object] = {
     field.name: field.default for field in dataclasses.fields(SamplingParams)
 }
-_REPEATED_FIELDS = ("stop", "stop_token_ids")
+_REPEATED_FIELDS = ("stop", "stop_token_ids", "bad_words")
 _MESSAGE_FIELDS = ("structured_outputs",)
 
 #: engine finish reason → proto enum value
@@ -71,6 +71,10 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
                     message.structured_outputs.CopyFrom(structured_outputs_to_proto(value))
             elif name in _REPEATED_FIELDS:
                 getattr(message, name).extend(value)
+            elif name == "logit_bias":
+                message.logit_bias.update(dict(value))
+            elif name == "allowed_token_ids":
+                message.allowed_token_ids.extend(value or ())
             elif value is not None and value != default:
                 setattr(message, name, value)
         except (TypeError, ValueError) as exc:
@@ -94,6 +98,10 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
                 values[name] = structured_outputs_from_proto(message.structured_outputs)
         elif name in _REPEATED_FIELDS:
             values[name] = tuple(getattr(message, name))
+        elif name == "logit_bias":
+            values[name] = tuple(sorted(message.logit_bias.items()))
+        elif name == "allowed_token_ids":
+            values[name] = tuple(message.allowed_token_ids) or None
         elif message.HasField(name):
             values[name] = getattr(message, name)
     if message.until_model_len:

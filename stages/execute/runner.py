@@ -741,7 +741,12 @@ class ModelRunner:
 
     def _register(self, request: EngineRequest) -> None:
         sampling = new_sampling_state(
-            request.params, request.prompt_token_ids, self._eos_token_ids, self.device
+            request.params,
+            request.prompt_token_ids,
+            self._eos_token_ids,
+            self.device,
+            vocab_size=None if self._sampler is None else self._sampler.vocab_size,
+            bad_words_token_ids=request.bad_words_token_ids,
         )
         self._requests[request.request_id] = _Request(request.request_id, sampling)
 

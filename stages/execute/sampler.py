@@ -9,6 +9,11 @@ sampling trick, per-request generators), ``vllm/model_executor/layers/utils.py``
    (:mod:`stages.execute.grammar_mask`), before anything else as in vLLM;
 1. raw logprobs, if any row asked (log-softmax of the unmodified logits, fp32);
 2. logits to fp32;
+2b. token rules, only for the rows that have them: ``allowed_token_ids`` (every other token
+   -inf), ``bad_words`` (a word's last token -inf when the output ends with the rest of it,
+   as vLLM's ``vllm/v1/sample/ops/bad_words.py``), then ``logit_bias`` added, as vLLM applies
+   them (``vllm/v1/sample/sampler.py``, ``apply_logits_processors``: allowed ids and bad
+   words, then the logits processors) and OpenAI defines the bias (added to the logits);
 3. min_tokens: EOS and stop ids masked while a request has fewer than ``min_tokens`` outputs,
    except in a constrained row whose grammar allows nothing else (a complete JSON value, one of
    the choices): there the grammar wins, the row keeps them, and the scheduler ends the
@@ -54,7 +59,10 @@ class SamplingState:
 
     ``output_token_ids``: the runner appends every sampled token. ``generator``: the request's
     own random generator when ``params.seed`` is set. ``min_tokens_blocked``: token ids masked
-    while ``len(output_token_ids) < params.min_tokens``.
+    while ``len(output_token_ids) < params.min_tokens``. ``disallowed``: True for every
+    token ``allowed_token_ids`` leaves out (None: any token). ``bias_ids``/``bias_values``:
+    ``logit_bias`` as tensors (None: no bias). ``bad_words_token_ids``: the token sequences of
+    ``bad_words`` (the tokenize stage's).
     """
 
     params: SamplingParams
@@ -62,6 +70,19 @@ class SamplingState:
     output_token_ids: list[int]
     generator: torch.Generator | None
     min_tokens_blocked: tuple[int, ...]
+    disallowed: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def has_token_rules(self) -> bool:
+        """Whether step 2b (allowed ids, bad words, logit bias) touches this row."""
+        return (
+            self.disallowed is not None
+            or self.bias_ids is not None
+            or bool(self.bad_words_token_ids)
+        )
 
 
 def new_sampling_state(
@@ -69,22 +90,42 @@ def new_sampling_state(
     prompt_token_ids: Sequence[int],
     eos_token_ids: Sequence[int],
     device: torch.device,
+    *,
+    vocab_size: int | None = None,
+    bad_words_token_ids: Sequence[Sequence[int]] = (),
 ) -> SamplingState:
     """A fresh state for a request: its generator seeded from ``params.seed`` (if any) on
     ``device``; EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` blocked until
-    ``min_tokens`` tokens are out."""
+    ``min_tokens`` tokens are out; ``allowed_token_ids`` as a mask over ``vocab_size`` tokens
+    and ``logit_bias`` as tensors, built once; ``bad_words_token_ids``: the token sequences
+    of ``params.bad_words`` (the tokenize stage's). Ids outside the vocabulary (which the
+    engine's validation refuses) are left out."""
     generator = None
     if params.seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed)
     blocked = () if params.ignore_eos else tuple(eos_token_ids)
     blocked = tuple(dict.fromkeys(blocked + tuple(params.stop_token_ids)))
+    disallowed = None
+    if params.allowed_token_ids is not None and vocab_size is not None:
+        disallowed = torch.ones(vocab_size, dtype=torch.bool, device=device)
+        allowed = [t for t in params.allowed_token_ids if 0 <= t < vocab_size]
+        disallowed[torch.tensor(allowed, dtype=torch.long, device=device)] = False
+    bias_ids = bias_values = None
+    bias = [(t, b) for t, b in params.logit_bias if vocab_size is None or 0 <= t < vocab_size]
+    if bias:
+        bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=device)
+        bias_values = torch.tensor([float(b) for _, b in bias], dtype=torch.float32, device=device)
     return SamplingState(
         params=params,
         prompt_token_ids=tuple(prompt_token_ids),
         output_token_ids=[],
         generator=generator,
         min_tokens_blocked=blocked,
+        disallowed=disallowed,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        bad_words_token_ids=tuple(tuple(word) for word in bad_words_token_ids if word),
     )
 
 
@@ -178,10 +219,13 @@ class Sampler:
             if len(state.output_token_ids) < state.params.min_tokens and state.min_tokens_blocked
         ]
         penalized = [i for i, p in enumerate(params) if _uses_penalties(p)]
-        if blocking or penalized:
+        ruled = [i for i, state in enumerate(states) if state.has_token_rules]
+        if blocking or penalized or ruled:
             # NOTE: one fp32 copy that the in-place edits below may change; the caller's
             # logits stay untouched.
             logits = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            if ruled:
+                self._apply_token_rules_(logits, states, ruled)
             self._apply_min_tokens_(logits, [states[i] for i in blocking], blocking, grammar)
             self._apply_penalties_(logits, [states[i] for i in penalized], penalized)
 
@@ -213,6 +257,45 @@ class Sampler:
     def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=device)
 
+    def _apply_token_rules_(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], rows: Sequence[int]
+    ) -> None:
+        """Apply, in place, step 2b to ``rows``: mask what ``allowed_token_ids`` leaves out and
+        the bad words' next tokens, then add ``logit_bias``; one batched write for each."""
+        device = logits.device
+        allowed_rows = [row for row in rows if states[row].disallowed is not None]
+        if allowed_rows:
+            index = self._index(allowed_rows, device)
+            masks = torch.stack([states[row].disallowed for row in allowed_rows])  # type: ignore[misc]
+            logits[index] = logits.index_select(0, index).masked_fill(masks, float("-inf"))
+        banned_rows: list[int] = []
+        banned_tokens: list[int] = []
+        for row in rows:
+            state = states[row]
+            output = state.output_token_ids
+            for word in state.bad_words_token_ids:
+                # vLLM's rule: ban the word's last token when the output ends with the rest
+                prefix = len(word) - 1
+                if prefix > len(output):
+                    continue
+                matches = prefix == 0 or tuple(output[-prefix:]) == word[:-1]
+                if matches and 0 <= word[-1] < self.vocab_size:
+                    banned_rows.append(row)
+                    banned_tokens.append(word[-1])
+        if banned_rows:
+            logits[self._index(banned_rows, device), self._index(banned_tokens, device)] = float(
+                "-inf"
+            )
+        biased = [row for row in rows if states[row].bias_ids is not None]
+        if biased:
+            ids = [states[row].bias_ids for row in biased]
+            row_index = torch.cat(
+                [torch.full_like(t, row) for row, t in zip(biased, ids, strict=True)]  # type: ignore[arg-type]
+            )
+            token_index = torch.cat(ids)  # type: ignore[arg-type]
+            values = torch.cat([states[row].bias_values for row in biased])  # type: ignore[misc]
+            logits.index_put_((row_index, token_index), values, accumulate=True)
+
     def _apply_min_tokens_(
         self,
         logits: torch.Tensor,
@@ -221,8 +304,8 @@ class Sampler:
         grammar: GrammarRows | None,
     ) -> None:
         """Mask, in place, the blocked ids of ``rows`` (requests short of ``min_tokens``),
-        except in the rows ``grammar`` constrains to nothing but blocked ids (step 3 of the
-        module docstring): those keep their logits."""
+        except in the rows ``grammar`` (or their token rules) constrain to nothing but blocked
+        ids (step 3 of the module docstring): those keep their logits."""
         row_ids: list[int] = []
         token_ids: list[int] = []
         for row, state in zip(rows, states, strict=True):
@@ -233,10 +316,14 @@ class Sampler:
             return
         device = logits.device
         row_index, token_index = self._index(row_ids, device), self._index(token_ids, device)
-        # NOTE: only constrained rows can be left with nothing (a model's logits are finite),
-        # so only they are checked, and their blocked logits kept to put back: one [C, V]
-        # comparison, and only while some constrained request is short of min_tokens.
-        constrained = sorted(set(rows).intersection(grammar.rows)) if grammar is not None else []
+        # NOTE: only constrained rows (a grammar, or allowed_token_ids / bad words) can be
+        # left with nothing (a model's logits are finite), so only they are checked, and their
+        # blocked logits kept to put back: one [C, V] comparison, and only while some
+        # constrained request is short of min_tokens.
+        ruled = {row for row, state in zip(rows, states, strict=True) if state.has_token_rules}
+        if grammar is not None:
+            ruled.update(set(rows).intersection(grammar.rows))
+        constrained = sorted(ruled)
         if not constrained:
             logits[row_index, token_index] = float("-inf")
             return

@@ -34,13 +34,15 @@ def usage(outputs: Sequence[RequestOutput], per_prompt: int) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Answer:
     """How to shape the answer to one request: its ``head`` fields, the token decoder when
-    logprobs were asked for (else None), whether a stream ends with a usage chunk, and how
-    many choices each prompt has (``n``)."""
+    logprobs were asked for (else None), whether a stream ends with a usage chunk, how
+    many choices each prompt has (``n``), and whether every chunk carries its choice's usage
+    so far (vLLM's ``stream_options.continuous_usage_stats``)."""
 
     head: dict[str, Any]
     texts: TokenTexts | None
     include_usage: bool
     per_prompt: int
+    continuous_usage: bool = False
 
     @classmethod
     def create(
@@ -51,9 +53,10 @@ class Answer:
         texts: TokenTexts | None,
         include_usage: bool,
         per_prompt: int,
+        continuous_usage: bool = False,
     ) -> Answer:
         head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
-        return cls(head, texts, include_usage, per_prompt)
+        return cls(head, texts, include_usage, per_prompt, continuous_usage)
 
     def response(
         self, choices: list[dict[str, Any]], outputs: Sequence[RequestOutput]
@@ -61,9 +64,21 @@ class Answer:
         """A whole (not streamed) response."""
         return {**self.head, "choices": choices, "usage": self.usage(outputs)}
 
-    def chunk(self, choice: dict[str, Any]) -> str:
-        """A stream event carrying one choice's chunk."""
-        extra = {"usage": None} if self.include_usage else {}
+    def chunk(
+        self, choice: dict[str, Any], output: RequestOutput | None = None, *, started: bool = True
+    ) -> str:
+        """A stream event carrying one choice's chunk; with continuous usage, the usage of
+        the choice's ``output`` so far, as vLLM counts it (its prompt and its tokens;
+        ``started`` False: none yet, the chat stream's opening chunk)."""
+        extra: dict[str, Any] = {"usage": None} if self.include_usage else {}
+        if self.continuous_usage and output is not None:
+            completion = len(output.token_ids) if started else 0
+            prompt = output.num_prompt_tokens
+            extra["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
         return event({**self.head, "choices": [choice], **extra})
 
     def usage(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:

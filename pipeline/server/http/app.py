@@ -169,11 +169,17 @@ def create_app(
             service.token_texts(plan.logprobs),
             plan.include_usage,
             plan.per_prompt,
+            plan.continuous_usage,
         )
         started = await service.start(request_id, checked, tenant, request.receive)
+        headers = {}
+        if plan.deprecated:
+            # RFC 7234's 299 "miscellaneous persistent warning"
+            fields = ", ".join(plan.deprecated)
+            headers["Warning"] = f'299 - "{fields}: deprecated; use structured_outputs"'
         if not stream:
-            return JsonAnswer(respond(answer, await service.collect(started)))
-        return EventStream(started, events(answer, started))
+            return JsonAnswer(respond(answer, await service.collect(started)), headers=headers)
+        return EventStream(started, events(answer, started), headers)
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

@@ -74,9 +74,13 @@ def _chunk(
     delta: dict[str, Any],
     entries: Sequence[Logprobs],
     last: RequestOutput | None = None,
+    output: RequestOutput | None = None,
+    *,
+    started: bool = True,
 ) -> str:
     """A chunk of choice ``index``: ``delta`` with the logprobs of ``entries``; ``last``:
-    the finished output whose reasons it carries (None: not the choice's last chunk)."""
+    the finished output whose reasons it carries (None: not the choice's last chunk);
+    ``output``: the choice's latest, for continuous usage (``started``: :meth:`Answer.chunk`)."""
     choice = {
         "index": index,
         "delta": delta,
@@ -84,7 +88,7 @@ def _chunk(
         "finish_reason": last.finish_reason if last else None,
         "stop_reason": last.stop_reason if last else None,
     }
-    return answer.chunk(choice)
+    return answer.chunk(choice, last or output, started=started)
 
 
 class SentParts:
@@ -124,12 +128,14 @@ async def chat_events(answer: Answer, choices: Choices) -> AsyncGenerator[str, N
     cursors = [LogprobsCursor() for _ in range(len(choices))]
     sent = [SentParts() for _ in range(len(choices))]
     for index in range(len(choices)):
-        yield _chunk(answer, index, {"role": "assistant", "content": ""}, ())
+        first = choices.latest[index] if choices.latest else None
+        yield _chunk(answer, index, {"role": "assistant", "content": ""}, (), None, first,
+                     started=False)  # fmt: skip
     async with contextlib.aclosing(choices.outputs()) as outputs:
         async for index, output in outputs:
             delta = sent[index].delta(output)
             if delta:
-                yield _chunk(answer, index, delta, cursors[index].take(output))
+                yield _chunk(answer, index, delta, cursors[index].take(output), None, output)
             if output.finished:
                 yield _chunk(answer, index, {}, cursors[index].take(output), output)
     if answer.include_usage:

@@ -74,6 +74,6 @@ async def completion_events(answer: Answer, choices: Choices) -> AsyncGenerator[
                 choice, cursor.offset = _choice(
                     answer, index, output, output.delta, cursor.take(output), cursor.offset
                 )
-                yield answer.chunk(choice)
+                yield answer.chunk(choice, output)
     if answer.include_usage:
         yield answer.usage_chunk(choices.latest)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -40,7 +41,7 @@ from pipeline.server.http.schema import (
     GenerationBody,
     ToolBody,
 )
-from pipeline.server.http.structured import structured_outputs_from
+from pipeline.server.http.structured import GUIDED_ALIASES, structured_outputs_from
 from stages.messages import ChatMessage, ToolCall, ToolSpec
 from stages.params import MAX_LOGPROBS, SamplingParams
 from stages.tools import ToolUse
@@ -54,6 +55,8 @@ __all__ = [
     "plan_completion",
     "tool_use",
 ]
+
+_log = logging.getLogger(__name__)
 
 #: seeds are in [0, SEED_RANGE) (:func:`stages.params.validate_sampling`); choice j's seed is
 #: the request's + j, modulo this
@@ -69,7 +72,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-    "skip_special_tokens",
+    "skip_special_tokens", "truncate_prompt_tokens",
 )  # fmt: skip
 
 
@@ -78,13 +81,16 @@ class Plan:
     """The engine requests answering one HTTP request: each choice's prompt and parameters
     (choice ``prompt_index * per_prompt + j``), how many choices each prompt has, how many
     top logprobs each token carries (None: no logprobs), and whether a stream ends with a
-    usage chunk. ``tools``: the functions a chat offers (None: none)."""
+    usage chunk. ``tools``: the functions a chat offers (None: none). ``deprecated``: the
+    deprecated fields the body used (vLLM's ``guided_*``), for a ``Warning`` header."""
 
     choices: tuple[tuple[Prompt, SamplingParams], ...]
     per_prompt: int
     logprobs: int | None
     include_usage: bool
     tools: ToolUse | None = None
+    deprecated: tuple[str, ...] = ()
+    continuous_usage: bool = False
 
 
 def plan_completion(body: CompletionRequest) -> Plan:
@@ -135,8 +141,29 @@ def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParam
     else:
         each = [params] * n
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    if continuous and not include_usage:
+        # NOTE: vLLM ignores it then (vllm/entrypoints/openai/serving_chat.py,
+        # include_continuous_usage); here it is refused rather than ignored
+        raise ApiError(
+            400,
+            "stream_options.continuous_usage_stats: needs stream_options.include_usage true",
+            param="stream_options.continuous_usage_stats",
+            code="invalid_value",
+        )
     choices = tuple((prompt, choice) for prompt in prompts for choice in each)
-    return Plan(choices, n, params.logprobs, include_usage)
+    deprecated = tuple(name for name in GUIDED_ALIASES if getattr(body, name) is not None)
+    if deprecated:
+        # as vLLM does (vllm/entrypoints/openai/protocol.py, the guided_* fields)
+        _log.warning(
+            "%s: deprecated; use structured_outputs (%s)",
+            ", ".join(deprecated),
+            ", ".join(f"{name} -> {GUIDED_ALIASES[name]}" for name in deprecated),
+        )
+    return Plan(
+        choices, n, params.logprobs, include_usage, deprecated=deprecated,
+        continuous_usage=continuous,
+    )  # fmt: skip
 
 
 def check_extras(
@@ -228,12 +255,38 @@ def _sampling(body: GenerationBody, max_tokens: int | None, logprobs: int | None
         values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     if body.stop_token_ids is not None:
         values["stop_token_ids"] = tuple(body.stop_token_ids)
-    constraint = structured_outputs_from(body.response_format, body.structured_outputs)
+    if body.logit_bias:
+        values["logit_bias"] = _logit_bias(body.logit_bias)
+    if body.allowed_token_ids is not None:
+        values["allowed_token_ids"] = tuple(body.allowed_token_ids)
+    if body.bad_words:
+        values["bad_words"] = tuple(body.bad_words)
+    guided = {name: getattr(body, name) for name in GUIDED_ALIASES}
+    constraint = structured_outputs_from(body.response_format, body.structured_outputs, guided)
     if constraint is not None:
         values["structured_outputs"] = constraint
     # NOTE: not validated here: the engine's validation core checks every choice once,
     # before any starts (HttpService.check, docs/architecture.md §7.1).
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+
+
+def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys, strings) as (id, bias) pairs.
+
+    Raises:
+        ApiError: 400 naming ``logit_bias`` for a key that is not a token id.
+    """
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 19):
+            raise ApiError(
+                400,
+                f"logit_bias: keys must be token ids, got {key!r:.40}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def _choices_per_prompt(body: GenerationBody) -> int:

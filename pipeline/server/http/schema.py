@@ -84,10 +84,6 @@ ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "return_tokens_as_token_ids": (False, None),
     "return_token_ids": (False, None),
     "prompt_logprobs": (None,),
-    "logit_bias": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None,),
-    "truncate_prompt_tokens": (None,),
     "chat_template": (None,),
     "chat_template_kwargs": (None,),
     "functions": (None,),
@@ -107,19 +103,19 @@ CHAT_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "echo": (False, None),
 }
 #: ``stream_options`` fields accepted at these values only
-STREAM_OPTIONS_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
-    "continuous_usage_stats": (False, None)
-}
+STREAM_OPTIONS_ACCEPTED_AT: dict[str, tuple[object, ...]] = {}
 #: a list that stops at its first bad item
 FailFast = Annotated[list[_Item], Field(fail_fast=True)]
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: with ``include_usage``, a stream ends with a usage chunk."""
+    """``stream_options``: with ``include_usage``, a stream ends with a usage chunk; with
+    vLLM's ``continuous_usage_stats`` too, every chunk carries its choice's usage so far."""
 
     model_config = _BODY
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class GenerationBody(BaseModel):
@@ -152,6 +148,16 @@ class GenerationBody(BaseModel):
     # structured outputs (pipeline.server.http.structured): OpenAI's and vLLM's extra
     response_format: Any = None
     structured_outputs: Any = None
+    # OpenAI's logit_bias (token id as a string → bias), vLLM's allowed_token_ids, bad_words
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: FailFast[int] | None = None
+    bad_words: FailFast[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # vLLM's legacy aliases of structured_outputs' keys (deprecated: a log line and a header)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(GenerationBody):

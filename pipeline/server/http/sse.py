@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from starlette.responses import Response
@@ -42,11 +42,16 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, choices: Choices, events: AsyncGenerator[str, None]) -> None:
+    def __init__(
+        self,
+        choices: Choices,
+        events: AsyncGenerator[str, None],
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         # NOTE: no Response.__init__: it would render a body and set Content-Length
         self.status_code = 200
         self.background = None
-        self.init_headers(_HEADERS)
+        self.init_headers({**_HEADERS, **(headers or {})})
         self._choices = choices
         self._events = events
 

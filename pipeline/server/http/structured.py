@@ -11,9 +11,15 @@ As vLLM's server reads them (``vllm/entrypoints/openai/protocol.py``):
   text), ``json_object``, ``regex``, ``choice`` (a list of strings), ``grammar`` (Lark or
   GBNF), and optionally ``disable_any_whitespace`` and ``disable_additional_properties``.
 
-Both on one request, an unknown key, or a value of the wrong shape is a 400 naming the field
-(``response_format`` or ``structured_outputs``, and the key); what the grammar engine refuses
-(an unsupported schema keyword, a regex with look-ahead) is the engine's 400, naming
+- vLLM's legacy fields ``guided_json``, ``guided_regex``, ``guided_choice`` and
+  ``guided_grammar``: aliases of ``structured_outputs``' ``json``, ``regex``, ``choice`` and
+  ``grammar`` (deprecated in vLLM, which logs a warning: ``vllm/entrypoints/openai/protocol.py``;
+  the server logs one and answers with a ``Warning`` header).
+
+Two of these ways on one request (or two legacy fields), an unknown key, or a value of the
+wrong shape is a 400 naming the field (``response_format`` or ``structured_outputs``, and the
+key); what the grammar engine refuses (an unsupported schema keyword, a regex with
+look-ahead) is the engine's 400, naming
 ``structured_outputs.<kind>``. See ``docs/structured-outputs.md``.
 """
 
@@ -25,11 +31,14 @@ from typing import Any
 from pipeline.server.http.errors import ApiError
 from stages.structured.params import StructuredOutputsParams
 
-__all__ = ["structured_outputs_from"]
+__all__ = ["GUIDED_ALIASES", "structured_outputs_from"]
 
 #: the keys of vLLM's ``structured_outputs`` object that are served
 _KEYS = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace",
          "disable_additional_properties")  # fmt: skip
+#: vLLM's legacy request fields → the key of ``structured_outputs`` each one stands for
+GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}  # fmt: skip
 #: keys of a ``json_schema`` response format beside ``schema`` that change nothing here
 _SCHEMA_NOTES = ("name", "description", "strict")
 
@@ -86,17 +95,40 @@ def _from_extra(value: Any) -> StructuredOutputsParams:
     return StructuredOutputsParams(**values)
 
 
+def _from_guided(guided: Mapping[str, Any]) -> StructuredOutputsParams | None:
+    given = {name: value for name, value in guided.items() if value is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        names = sorted(given)
+        raise _refuse(names[1], f"give one of {', '.join(GUIDED_ALIASES)}, got {', '.join(names)}")
+    ((name, value),) = given.items()
+    try:
+        return _from_extra({GUIDED_ALIASES[name]: value})
+    except ApiError as error:
+        raise _refuse(name, error.message.split(": ", 1)[-1]) from None
+
+
 def structured_outputs_from(
-    response_format: Any, structured_outputs: Any
+    response_format: Any, structured_outputs: Any, guided: Mapping[str, Any] | None = None
 ) -> StructuredOutputsParams | None:
-    """The constraint a body asks for with ``response_format`` or ``structured_outputs``
-    (None: none). Its shape is checked later, with the other sampling parameters.
+    """The constraint a body asks for with ``response_format``, ``structured_outputs`` or
+    one of vLLM's legacy ``guided_*`` fields (``guided``: their values by field name, None
+    for not given); None: none. Its shape is checked later, with the other sampling
+    parameters.
 
     Raises:
-        ApiError: 400 naming the field: both given, an unknown key, a malformed value.
+        ApiError: 400 naming the field: two of these given, an unknown key, a malformed value.
     """
     from_format = None if response_format is None else _from_response_format(response_format)
     from_extra = None if structured_outputs is None else _from_extra(structured_outputs)
     if from_format is not None and from_extra is not None:
         raise _refuse("structured_outputs", "give response_format or structured_outputs, not both")
+    from_guided = _from_guided(guided or {})
+    if from_guided is not None:
+        if response_format is not None or structured_outputs is not None:
+            name = next(name for name in GUIDED_ALIASES if (guided or {}).get(name) is not None)
+            other = "response_format" if response_format is not None else "structured_outputs"
+            raise _refuse(name, f"give {name} (deprecated) or {other}, not both")
+        return from_guided
     return from_format if from_format is not None else from_extra

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from starlette.responses import Response
@@ -95,12 +95,19 @@ class JsonAnswer(Response):
 
     media_type = "application/json"
 
-    def __init__(self, content: Any, status_code: int = 200) -> None:
+    def __init__(
+        self, content: Any, status_code: int = 200, headers: Mapping[str, str] | None = None
+    ) -> None:
         # NOTE: no Response.__init__: it would render the whole body
         self.status_code = status_code
         self.background = None
         self.init_headers()
         self._content = content
+        self._raw = [
+            *_HEADERS,
+            *((name.lower().encode("latin-1"), value.encode("latin-1"))
+              for name, value in (headers or {}).items()),
+        ]  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pieces = json_pieces(self._content)
@@ -117,7 +124,7 @@ class JsonAnswer(Response):
                 if not started:
                     await send(
                         {"type": "http.response.start", "status": self.status_code,
-                         "headers": _HEADERS}
+                         "headers": self._raw}
                     )  # fmt: skip
                     started = True
                 await send({"type": "http.response.body", "body": body, "more_body": True})
@@ -126,7 +133,7 @@ class JsonAnswer(Response):
                 began = time.perf_counter()
         body = "".join(buffer).encode()
         if not started:
-            headers = [*_HEADERS, (b"content-length", str(len(body)).encode())]
+            headers = [*self._raw, (b"content-length", str(len(body)).encode())]
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": headers})  # fmt: skip
         await send({"type": "http.response.body", "body": body, "more_body": False})

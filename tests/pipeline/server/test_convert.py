@@ -34,8 +34,23 @@ def test_every_sampling_field_has_a_proto_field_with_presence() -> None:
     assert not proto_fields.pop("until_model_len").has_presence  # max_tokens=None
     assert set(proto_fields) == set(SAMPLING_FIELDS)
     for name, field in proto_fields.items():
-        repeated = name in ("stop", "stop_token_ids")
+        repeated = name in ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids",
+                            "bad_words")  # fmt: skip
         assert field.has_presence != repeated, name
+
+
+@given(
+    bias=st.dictionaries(INT64, FLOATS, max_size=4),
+    allowed=st.lists(INT64, max_size=4),
+    words=st.lists(st.text(max_size=5), max_size=3),
+)
+def test_token_rules_round_trip(
+    bias: dict[int, float], allowed: list[int], words: list[str]
+) -> None:
+    """``logit_bias`` (a map), ``allowed_token_ids`` (none: empty) and ``bad_words``."""
+    params = SamplingParams(logit_bias=bias, allowed_token_ids=allowed or None, bad_words=words)
+    message = pb.SamplingParams.FromString(sampling_to_proto(params).SerializeToString())
+    assert sampling_from_proto(message) == params
 
 
 def test_unset_fields_are_the_vllm_defaults() -> None:
