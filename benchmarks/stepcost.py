@@ -92,15 +92,16 @@ class StepCostResult:
 
 
 class _ForwardClock:
-    """Wraps a loaded runner's model forward: records each call's start and end, and with
-    ``sleep`` > 0 sleeps instead of computing once two real calls gave logits to return."""
+    """Wraps a loaded runner's forward pass (``ModelRunner._forward``: the module path and
+    the CPU step graph alike): records each call's start and end, and with ``sleep`` > 0
+    sleeps instead of computing once two real calls gave logits to return."""
 
     def __init__(self, sleep: float) -> None:
         self.sleep = sleep
         self.marks: list[tuple[float, float]] = []
 
-    def wrap(self, model: Any) -> None:
-        real = model.forward
+    def wrap(self, runner: Any) -> None:
+        real = runner._forward
         last: list[Any] = []
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -114,7 +115,7 @@ class _ForwardClock:
             self.marks.append((began, time.perf_counter()))
             return output
 
-        model.forward = forward
+        runner._forward = forward
 
 
 async def _measure(config: StepCostConfig, clock: _ForwardClock) -> StepCostResult:
@@ -169,7 +170,7 @@ def run_stepcost(config: StepCostConfig) -> StepCostResult:
 
     def timed_load(runner: Any) -> Any:
         info = load(runner)
-        clock.wrap(runner.model)
+        clock.wrap(runner)
         return info
 
     runner_module.ModelRunner.load = timed_load  # type: ignore[method-assign,assignment]

@@ -120,7 +120,9 @@ class DecodeRun:
 class AccuracyRun:
     """One quantized system against HF on the same dequantized weights (``deq``) and on the
     fp32 checkpoint (``fp32``): prompts whose greedy tokens are all identical, the share of
-    tokens before the first difference, and teacher-forced logit differences."""
+    tokens before the first difference, and teacher-forced logit differences.
+    ``int8_activations``: the linears rounded their inputs to Q8_0 (``quant_activations``
+    ``auto`` on a CPU with VNNI), so ``deq`` differs from HF by that rounding too."""
 
     system: str
     prompts: int
@@ -133,6 +135,7 @@ class AccuracyRun:
     max_logit_diff_deq: float
     mean_logit_diff_fp32: float
     top1_agreement_fp32: float
+    int8_activations: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -415,6 +418,7 @@ def _accuracy_worker(model: str, system: str, prompts: list[list[int]], tokens: 
         tokens=tokens,
         identical_deq=identical_deq,
         agreement_deq=agreement_deq,
+        int8_activations=kernel.vnni,
         identical_fp32=identical_fp32,
         agreement_fp32=agreement_fp32,
         mean_logit_diff_deq=mean_deq,
@@ -484,7 +488,8 @@ def format_quantization(result: QuantizationResult) -> str:
         lines.append(f"{system} / fp32: " + "; ".join(parts))
     for run in result.accuracy:
         lines.append(
-            f"accuracy {run.system} ({run.prompts} prompts x {run.tokens} greedy tokens): vs HF "
+            f"accuracy {run.system} ({run.prompts} prompts x {run.tokens} greedy tokens"
+            f"{', int8 activations' if run.int8_activations else ''}): vs HF "
             f"on the same dequantized weights {run.identical_deq}/{run.prompts} identical, "
             f"{run.agreement_deq:.1%} of tokens before a difference, mean |logit diff| "
             f"{run.mean_logit_diff_deq:.2e} (max {run.max_logit_diff_deq:.2e}); vs the fp32 "

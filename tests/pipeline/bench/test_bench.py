@@ -105,7 +105,9 @@ def test_ceiling_quick_via_the_cli(
     assert result["target_tokens_per_second"] == 50_000
     profile = result["profile"]
     stages = {row["stage"]: row for row in profile["stages"] if row["stage"] != "transport"}
-    assert set(stages) == {"tokenize", "admit", "schedule", "execute", "detokenize", "stop_check"}
+    assert set(stages) == {
+        "tokenize", "admit", "schedule", "execute", "detokenize", "stop_check", "parse"
+    }  # fmt: skip
     # each host's cross-host links: encoding and decoding, measured in the links
     transport = {row["host"]: row for row in profile["stages"] if row["stage"] == "transport"}
     assert set(transport) == {"main", "engine"}
@@ -193,9 +195,14 @@ def test_quantization_quick(tiny_model_dir: Path) -> None:
         assert summary.decode_peak_rss_bytes and summary.engine_peak_rss_bytes
     assert set(result.ratios["int8"]) == {"weight memory", "batch-1 decode", "offline throughput"}
     (accuracy,) = result.accuracy
-    # the same dequantized weights: the runner's greedy tokens are HF's
-    assert accuracy.identical_deq == accuracy.prompts == 2
-    assert accuracy.mean_logit_diff_deq < 1e-3
+    assert accuracy.prompts == 2
+    if accuracy.int8_activations:
+        # int8 activations (a CPU with VNNI) round each linear's inputs too: close, not equal
+        assert accuracy.mean_logit_diff_deq < 0.05 and accuracy.agreement_deq > 0
+    else:
+        # the same dequantized weights: the runner's greedy tokens are HF's
+        assert accuracy.identical_deq == accuracy.prompts
+        assert accuracy.mean_logit_diff_deq < 1e-3
     text = format_quantization(result)
     assert "int8 / fp32" in text and "accuracy int8" in text
 

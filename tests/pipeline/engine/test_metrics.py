@@ -57,7 +57,7 @@ EXPECTED = {
     "actorline_stage_messages_handled": "counter",
     "actorline_stage_handle_seconds": "histogram",
 }
-STAGES = ("tokenize", "admit", "schedule", "execute", "detokenize", "stop_check")
+STAGES = ("tokenize", "admit", "schedule", "execute", "detokenize", "stop_check", "parse")
 BLOCK_SIZE = 16
 #: KV blocks of the test engine: six 60-token requests need 24, so some are preempted
 NUM_BLOCKS = 20
