@@ -214,15 +214,8 @@ class BF16Linear(torch.nn.Module):
 
     def native_gemm(self) -> NativeGemm:
         """This linear as C code calls it (:class:`~stages.execute.native.NativeGemm`)."""
-        bias = self.bias.detach().contiguous() if self.bias is not None else None
-        return NativeGemm(
-            function=self._kernel.gemm_address,
-            weights=self.packed.data_ptr(),
-            format=0,
-            bias=0 if bias is None else bias.data_ptr(),
-            n=self.out_features,
-            k=self.in_features,
-            owner=(self.packed, bias),
+        return NativeGemm.of_panels(
+            self._kernel.gemm_address, self.packed, self.bias, self.out_features, self.in_features
         )
 
     def extra_repr(self) -> str:

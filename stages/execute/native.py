@@ -99,6 +99,23 @@ class NativeGemm:
     k: int
     owner: object
 
+    @classmethod
+    def of_panels(
+        cls, function: int, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int
+    ) -> NativeGemm:
+        """A linear over weight panels ``packed`` (format 0: the kernel knows its layout) and
+        an optional ``bias`` ``[n]``, computed by the GEMM at ``function``."""
+        bias = bias.detach().contiguous() if bias is not None else None
+        return cls(
+            function=function,
+            weights=packed.data_ptr(),
+            format=0,
+            bias=0 if bias is None else bias.data_ptr(),
+            n=n,
+            k=k,
+            owner=(packed, bias),
+        )
+
 
 @functools.cache
 def _cpu_signature() -> str:
