@@ -236,34 +236,55 @@ def validate_sampling(
         check_bool(flag, getattr(params, flag), request_id=rid)
 
 
+def _check_strings(
+    field: str, values: object, *, most: int, noun: str, max_length: int, request_id: str | None
+) -> tuple[str, ...]:
+    """A request's list of strings ``field``: a tuple of at most ``most`` non-empty strings
+    (``noun`` names them in the message) with a UTF-8 form, each of at most ``max_length``
+    characters.
+
+    Raises:
+        InvalidRequestError: naming ``field``.
+    """
+    if not isinstance(values, tuple):
+        raise InvalidRequestError(
+            f"{field} must be a list of strings, got {describe(values)}",
+            field=field,
+            request_id=request_id,
+        )
+    if len(values) > most:
+        raise InvalidRequestError(
+            f"{field} may hold at most {most} {noun}, got {len(values)}",
+            field=field,
+            request_id=request_id,
+        )
+    for index, text in enumerate(values):
+        check_text(
+            field,
+            text,
+            max_length=max_length,
+            allow_empty=False,
+            request_id=request_id,
+            where=f"{field}[{index}]",
+        )
+    return values
+
+
 def _check_stop(stop: object, request_id: str | None) -> None:
-    """Stop strings: a tuple of at most MAX_STOP_STRINGS non-empty strings with a UTF-8
-    form, each of at most MAX_STOP_STRING_LENGTH characters.
+    """Stop strings: at most MAX_STOP_STRINGS, each of at most MAX_STOP_STRING_LENGTH
+    characters (:func:`_check_strings`).
 
     Raises:
         InvalidRequestError: naming ``stop``.
     """
-    if not isinstance(stop, tuple):
-        raise InvalidRequestError(
-            f"stop must be a list of strings, got {describe(stop)}",
-            field="stop",
-            request_id=request_id,
-        )
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(
-            f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
-            field="stop",
-            request_id=request_id,
-        )
-    for index, text in enumerate(stop):
-        check_text(
-            "stop",
-            text,
-            max_length=MAX_STOP_STRING_LENGTH,
-            allow_empty=False,
-            request_id=request_id,
-            where=f"stop[{index}]",
-        )
+    _check_strings(
+        "stop",
+        stop,
+        most=MAX_STOP_STRINGS,
+        noun="strings",
+        max_length=MAX_STOP_STRING_LENGTH,
+        request_id=request_id,
+    )
 
 
 def _check_logit_bias(bias: object, vocab_size: int | None, request_id: str | None) -> None:
@@ -298,33 +319,21 @@ def _check_logit_bias(bias: object, vocab_size: int | None, request_id: str | No
 
 
 def _check_bad_words(words: object, request_id: str | None) -> None:
-    """``bad_words``: at most MAX_BAD_WORDS non-empty strings of at most MAX_BAD_WORD_LENGTH
-    characters.
+    """``bad_words``: at most MAX_BAD_WORDS words of at most MAX_BAD_WORD_LENGTH characters
+    (:func:`_check_strings`), none only whitespace.
 
     Raises:
         InvalidRequestError: naming ``bad_words``.
     """
-    if not isinstance(words, tuple):
-        raise InvalidRequestError(
-            f"bad_words must be a list of strings, got {describe(words)}",
-            field="bad_words",
-            request_id=request_id,
-        )
-    if len(words) > MAX_BAD_WORDS:
-        raise InvalidRequestError(
-            f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}",
-            field="bad_words",
-            request_id=request_id,
-        )
-    for index, word in enumerate(words):
-        check_text(
-            "bad_words",
-            word,
-            max_length=MAX_BAD_WORD_LENGTH,
-            allow_empty=False,
-            request_id=request_id,
-            where=f"bad_words[{index}]",
-        )
+    checked = _check_strings(
+        "bad_words",
+        words,
+        most=MAX_BAD_WORDS,
+        noun="words",
+        max_length=MAX_BAD_WORD_LENGTH,
+        request_id=request_id,
+    )
+    for index, word in enumerate(checked):
         if not word.strip():
             raise InvalidRequestError(
                 f"bad_words[{index}] must not be only whitespace",
