@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.metadata
 import logging
-import sys
 import time
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,8 +46,6 @@ from stages.execute.attention import (
 from stages.execute.bf16 import (
     BF16GemmKernel,
     bf16_gemm_kernel,
-    choose_cpu_dtype,
-    cpu_flags,
     use_bf16_linears,
 )
 from stages.execute.bookkeeping import (
@@ -69,15 +64,24 @@ from stages.execute.flex import use_flex
 from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import grammar_rows
 from stages.execute.llama import load_native_llama
+from stages.execute.loading import (
+    PROBE_REQUEST,
+    check_paged_attention,
+    decode_mode,
+    layer_shape,
+    load_key,
+    probe_token_ids,
+    resolve_device,
+    resolve_dtype,
+)
 from stages.execute.model_impl import NativeConfig, eos_token_ids, model_config
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import (
     PagedDecodeKernel,
     fused_ops_kernel,
     packed_gemm_kernel,
-    paged_decode_kernel,
 )
-from stages.execute.probe_cache import checks_passed, probe_key, record_passed
+from stages.execute.probe_cache import checks_passed, record_passed
 from stages.execute.quant.apply import quantize_model, weight_bytes
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.execute.step_graph import (
@@ -85,7 +89,6 @@ from stages.execute.step_graph import (
     StepGraph,
     StepGraphUnsupported,
     check_step_graph,
-    step_graph_library,
 )
 from stages.execute.tensor_parallel import (
     Rendezvous,
@@ -108,13 +111,6 @@ from stages.models import quiet_transformers, resolve_model
 __all__ = ["ModelRunner", "PreparedStep", "StepError"]
 
 logger = logging.getLogger("actorline.execute")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The load-time probe: tokens computed as prefill, prefix chunk and decode, checked against the
-# model's own attention. Relative tolerance on the logits per dtype.
-_PROBE_TOKENS = 8
-_PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
-_PROBE_REQUEST = "__actorline_probe__"
 
 
 @dataclasses.dataclass(slots=True)
@@ -240,7 +236,7 @@ class ModelRunner:
         config = self.config
         parallel = config.tensor_parallel_size
         resolved = resolve_model(config.model)
-        self.device = rank_device(_resolve_device(config.device), self.rank)
+        self.device = rank_device(resolve_device(config.device), self.rank)
         on_cpu = self.device.type == "cpu"
         if on_cpu and config.tune_allocator:
             tune_allocator()
@@ -252,7 +248,7 @@ class ModelRunner:
             )
         check_model_config(hf_config, config.max_model_len)
         check_tensor_parallel(hf_config, parallel, resolved.name)
-        self.dtype = _resolve_dtype(config.dtype, hf_config, self.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self._bf16 = self._native_bf16()
         if self._bf16 is not None:
             # NOTE: loaded in bf16 (the weights rounded as transformers rounds them), computed
@@ -288,7 +284,10 @@ class ModelRunner:
                 )
             quantize_model(model, config.quantization, resolved.gguf, config.quant_activations)
         row_parallel = shard_model(model, self.rank, parallel) if parallel > 1 else []
-        key = self._probe_key(resolved.path)
+        key = load_key(
+            config, resolved.path, device=self.device, dtype=self.dtype,
+            bf16_weights=self._bf16 is not None, rank=self.rank,
+        )  # fmt: skip
         verify = not checks_passed(settings.cache_dir(), key)
         fused = None
         if on_cpu and config.fused_ops and self.dtype == torch.float32:
@@ -320,10 +319,7 @@ class ModelRunner:
             verify = self.group.any(verify)
         text_config = model.config.get_text_config()
         vocab_size = int(text_config.vocab_size)
-        probe_ids = torch.tensor(
-            [[(17 * index + 3) % vocab_size for index in range(_PROBE_TOKENS)]],
-            device=self.device,
-        )
+        probe_ids = probe_token_ids(vocab_size, self.device)
         expected: torch.Tensor | None = None
         if verify:
             with torch.inference_mode():
@@ -331,7 +327,7 @@ class ModelRunner:
                 expected = model(input_ids=probe_ids, use_cache=False).logits[0].float()  # [8, V]
         enable_paged_attention(model)
         layers = survey_layers(model, probe_ids, config.max_model_len or (1 << 62))
-        shape = _layer_shape(layers, text_config)
+        shape = layer_shape(layers, text_config)
         num_layers, num_heads = int(text_config.num_hidden_layers), shape.num_heads
         num_kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
         block_bytes = KVCache.bytes_per_block(
@@ -373,7 +369,7 @@ class ModelRunner:
             enable_prefix_caching=config.enable_prefix_caching,
             extra_hash_key=f"{resolved.path}|{self.dtype}|{self._bf16 is not None}".encode(),
         )
-        self._decode_mode = _decode_mode(
+        self._decode_mode = decode_mode(
             config.decode_attention,
             self.device,
             PagedDecodeKernel.supports(
@@ -386,7 +382,12 @@ class ModelRunner:
         )
         self._flex = use_flex(config.attention_backend, self.device, config.block_size)
         if expected is not None:
-            self._probe(probe_ids, expected, num_layers)
+            check_paged_attention(
+                model, self.kv_cache, self.allocator, probe_ids, expected,
+                num_layers=num_layers, decode_attention=self._decode_mode, flex=self._flex,
+                max_model_len=self.max_model_len, device=self.device,
+                weights_dtype=torch.bfloat16 if self._bf16 is not None else self.dtype,
+            )  # fmt: skip
         self._step_graph = self._make_step_graph(layers, verify=expected is not None)
         # NOTE: a refused step graph records nothing: the next load checks everything again
         # rather than trusting a plan it would build unchecked.
@@ -435,104 +436,6 @@ class ModelRunner:
             return None
         return bf16_gemm_kernel()
 
-    def _probe_key(self, model_dir: Path) -> str:
-        """The key under which this load's checks are remembered (stages.execute.probe_cache)."""
-        config = self.config
-        libraries: list[Path] = []
-        if self.device.type == "cpu":
-            wanted = (
-                (packed_gemm_kernel, config.cpu_linears and config.native_linears),
-                (fused_ops_kernel, config.fused_ops),
-                (paged_decode_kernel, config.decode_attention in ("auto", "native")),
-                (bf16_gemm_kernel, self._bf16 is not None),
-            )
-            for build, used in wanted:
-                kernel = build() if used else None
-                if kernel is not None:
-                    libraries.append(kernel.path)
-            graph_library = step_graph_library() if config.use_cuda_graphs else None
-            if graph_library is not None:
-                libraries.append(graph_library.path)
-        fields = (
-            "cpu_linears",
-            "native_linears",
-            "fused_ops",
-            "decode_attention",
-            "attention_backend",
-            "block_size",
-            "max_model_len",
-            "tensor_parallel_size",
-            "quantization",
-            "quant_activations",
-            "model_impl",
-            "use_cuda_graphs",
-        )
-        versions = {
-            "python": sys.version,
-            "torch": torch.__version__,
-            "transformers": _library_version("transformers"),
-        }
-        settings_used: dict[str, object] = {name: getattr(config, name) for name in fields}
-        settings_used.update(
-            dtype=str(self.dtype),
-            bf16_weights=self._bf16 is not None,
-            device=str(self.device),
-            rank=self.rank,
-        )
-        return probe_key(model_dir, versions, libraries, settings_used)
-
-    def _probe(self, input_ids: torch.Tensor, expected: torch.Tensor, num_layers: int) -> None:
-        """Check paged attention (the model is switched to it) against the model's own
-        attention (``expected`` logits of ``input_ids [1, 8]``) on the same tokens, run as a
-        prefill, a prefix chunk and a decode step; refuse the model on any mismatch."""
-        assert self.kv_cache is not None and self.allocator is not None
-        model = self.model
-        allocator = self.allocator
-        allocator.allocate(_PROBE_REQUEST, _PROBE_TOKENS)
-        table = allocator.block_table(_PROBE_REQUEST)
-        try:
-            pieces = ((0, 4), (4, _PROBE_TOKENS - 1), (_PROBE_TOKENS - 1, _PROBE_TOKENS))
-            for start, end in pieces:
-                metadata, positions = build_step_metadata(
-                    kv_cache=self.kv_cache,
-                    block_tables=[table],
-                    query_starts=[start],
-                    query_lens=[end - start],
-                    num_decode=1 if end - start == 1 else 0,
-                    decode_mode=self._decode_mode,
-                    flex=self._flex,
-                    max_model_len=self.max_model_len,
-                    device=self.device,
-                )
-                with torch.inference_mode(), forward_context(metadata):
-                    logits = model(
-                        input_ids=input_ids[:, start:end],
-                        position_ids=positions.unsqueeze(0),
-                        use_cache=False,
-                    ).logits[0]  # [n, V]
-                if metadata.calls != num_layers:
-                    raise UnsupportedModelError(
-                        f"{type(model).__name__} called paged attention {metadata.calls} "
-                        f"times for {num_layers} layers; it does not route every layer's "
-                        "attention through transformers' attention interface"
-                    )
-                reference = expected[start:end]
-                # NOTE: bf16 weights round the activations to bf16 at each linear, so float
-                # noise between two attention paths can flip a rounding: bf16's tolerance.
-                weights = torch.bfloat16 if self._bf16 is not None else self.dtype
-                tolerance = _PROBE_TOLERANCE.get(weights, 5e-2)
-                error = (logits.float() - reference).abs().max().item()
-                scale = max(reference.abs().max().item(), 1.0)
-                if not error <= tolerance * scale:
-                    raise UnsupportedModelError(
-                        f"{type(model).__name__}: paged attention disagrees with the model's "
-                        f"own attention (max logit error {error:.3g} at positions "
-                        f"{start}..{end - 1}); the model needs an attention feature this path "
-                        "does not implement"
-                    )
-        finally:
-            allocator.free(_PROBE_REQUEST)
-
     @property
     def step_graph(self) -> StepGraph | None:
         """The CPU step graph serving this runner's small decode steps (None: the module path
@@ -574,7 +477,7 @@ class ModelRunner:
                     self.allocator,
                     decode_mode=self._decode_mode,
                     max_model_len=self.max_model_len,
-                    probe_name=_PROBE_REQUEST,
+                    probe_name=PROBE_REQUEST,
                 )
         except StepGraphUnsupported as reason:
             logger.info("execute: decode steps take the module path (step graph: %s)", reason)
@@ -842,41 +745,6 @@ class ModelRunner:
         return list(self._requests[request_id].sampling.output_token_ids)
 
 
-def _layer_shape(layers: dict[int, LayerShape], text_config: Any) -> LayerShape:
-    """The one shape every layer's KV cache takes, read from the modules' attention calls.
-
-    Raises:
-        UnsupportedModelError: the layers do not all call attention, or differ in KV heads
-            or head size (the cache holds one shape for all).
-    """
-    num_layers = int(text_config.num_hidden_layers)
-    if sorted(layers) != list(range(num_layers)):
-        raise UnsupportedModelError(
-            f"the model's config states {num_layers} layers but attention was called for "
-            f"layers {sorted(layers)}; it does not route every layer's attention through "
-            "transformers' attention interface"
-        )
-    shapes = {(s.num_heads, s.num_kv_heads, s.head_dim) for s in layers.values()}
-    if len(shapes) != 1:
-        raise UnsupportedModelError(
-            "the model's layers differ in (query heads, KV heads, head size): "
-            f"{sorted(shapes)}; the paged KV cache holds one shape for every layer"
-        )
-    first = layers[0]
-    stated_heads = int(getattr(text_config, "num_attention_heads", first.num_heads))
-    stated_kv = int(getattr(text_config, "num_key_value_heads", None) or stated_heads)
-    if (stated_heads, stated_kv) != (first.num_heads, first.num_kv_heads):
-        logger.info(
-            "execute: the config states %d query and %d KV heads, the attention modules have "
-            "%d and %d; the KV cache follows the modules",
-            stated_heads,
-            stated_kv,
-            first.num_heads,
-            first.num_kv_heads,
-        )
-    return first
-
-
 def _shard_step(step_id: int, packed: _Packed) -> ShardStep:
     """The other ranks' copy of ``packed`` (block tables padded to one width)."""
     width = max(len(table) for table in packed.block_tables)
@@ -891,64 +759,3 @@ def _shard_step(step_id: int, packed: _Packed) -> ShardStep:
         num_decode=packed.num_decode,
         block_tables=tables,
     )
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ExecuteConfigError("device", f"is {device!r} but no CUDA device is available")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    """``dtype`` as a torch dtype; ``auto``: on CPU what :func:`stages.execute.bf16.
-    choose_cpu_dtype` picks for this CPU (logged with its reason), elsewhere the checkpoint's."""
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cpu":
-        chosen, reason = choose_cpu_dtype(cpu_flags(), bf16_gemm_kernel())
-        logger.info("execute: dtype auto -> %s: %s", chosen, reason)
-        return _DTYPES[chosen]
-    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(declared, torch.dtype):
-        return declared
-    if isinstance(declared, str) and declared in _DTYPES:
-        return _DTYPES[declared]
-    return torch.float32
-
-
-def _decode_mode(requested: str, device: torch.device, native_fits: bool) -> DecodeAttentionMode:
-    """Resolve ``ExecuteConfig.decode_attention``; ``native_fits``: the model's dtype, device
-    and head shapes are ones the native kernel serves.
-
-    Raises:
-        ExecuteConfigError: ``native`` asked for where it cannot run.
-    """
-    if requested == "native" or (requested == "auto" and native_fits):
-        if not native_fits:
-            raise ExecuteConfigError(
-                "decode_attention",
-                "'native' serves fp32 models on CPU with head_dim a multiple of 8 (<= 256) "
-                "and at most 16 query heads per KV head",
-            )
-        if paged_decode_kernel() is not None:
-            return "native"
-        if requested == "native":
-            raise ExecuteConfigError(
-                "decode_attention",
-                "'native' is unavailable: the kernel could not be built (see the log)",
-            )
-    if requested == "auto":
-        # NOTE: on a GPU one padded call is best; CPU caches favour length groups.
-        return "padded" if device.type == "cuda" else "grouped"
-    return cast(DecodeAttentionMode, requested)
-
-
-def _library_version(name: str) -> str:
-    """An installed distribution's version, read without importing it (transformers' import
-    takes seconds, and an engine serving a native model never needs it)."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"

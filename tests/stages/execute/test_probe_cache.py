@@ -60,13 +60,13 @@ def test_a_second_load_skips_the_checks(
 
     monkeypatch.setenv("ACTORLINE_CACHE_DIR", str(tmp_path / "cache"))
     probes: list[int] = []
-    original = ModelRunner._probe
+    original = runner_module.check_paged_attention
 
-    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         probes.append(1)
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(ModelRunner, "_probe", counting)
+    monkeypatch.setattr(runner_module, "check_paged_attention", counting)
     config = ExecuteConfig(model=str(tiny_model_dir), num_blocks=16)
     ModelRunner(config).load()
     assert len(probes) == 1 and len(list((tmp_path / "cache" / "probes").iterdir())) == 1
