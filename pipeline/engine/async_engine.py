@@ -54,6 +54,7 @@ from pipeline.runtime.running import RunningPipeline
 from stages.errors import ENGINE_DEAD, InvalidRequestError, RequestError, error_from_kind
 from stages.messages import (
     AbortRequests,
+    ChatRendering,
     EngineInfo,
     EngineStats,
     GenerateRequest,
@@ -348,6 +349,7 @@ class AsyncEngine:
         tenant: str = "",
         chat_template: bool = False,
         tools: ToolUse | None = None,
+        rendering: ChatRendering | None = None,
     ) -> CheckedPrompt:
         """``prompt`` and ``sampling_params`` checked by the validation core, as
         :meth:`generate` checks them, for a front end that checks a batch before any of it
@@ -366,6 +368,7 @@ class AsyncEngine:
             vocab_size=info.vocab_size if info is not None else None,
             request_id=request_id,
             tools=tools,
+            rendering=rendering,
         )
 
     async def generate(
@@ -377,6 +380,7 @@ class AsyncEngine:
         tenant: str = "",
         chat_template: bool = False,
         tools: ToolUse | None = None,
+        rendering: ChatRendering | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding outputs as tokens arrive (the last one has a
         ``finish_reason``).
@@ -388,7 +392,10 @@ class AsyncEngine:
         give none of them here) and is not checked again. ``tools``: the functions a chat may
         call, the tool choice and whether calls may be parallel
         (:class:`~stages.tools.ToolUse`; the output's ``tool_calls`` then holds the calls
-        parsed from it). ``request_id``: a non-empty string,
+        parsed from it). ``rendering``: how the chat template renders a chat
+        (:class:`~stages.messages.ChatRendering`: a template of its own, its variables,
+        ``add_generation_prompt``, ``continue_final_message``; None: the model's template
+        with the generation prompt). ``request_id``: a non-empty string,
         unique among this engine's running requests (default: a fresh uuid).
 
         Raises:
@@ -416,6 +423,7 @@ class AsyncEngine:
             vocab_size=info.vocab_size if info is not None else None,
             request_id=request_id,
             tools=tools,
+            rendering=rendering,
         )
         request = dataclasses.replace(
             checked.request, request_id=engine_id, arrival_time=time.time()

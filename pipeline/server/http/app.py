@@ -161,7 +161,7 @@ def create_app(
         """Start ``plan``'s choices and answer them whole (``respond``) or streamed
         (``events``): the part both endpoints share."""
         tenant = tenant_of(request.scope)
-        checked = service.check(request_id, plan.choices, tenant, plan.tools)
+        checked = service.check(request_id, plan.choices, tenant, plan.tools, plan.rendering)
         answer = Answer.create(
             request_id,
             object_name,
