@@ -388,6 +388,10 @@ class RequestOutput:
     parse stage), ``text``/``delta`` hold its content only, ``reasoning`` the reasoning text so
     far and ``tool_calls`` the calls so far (the last one's arguments possibly still growing),
     both cumulative: a stream's deltas are what is new since the previous output.
+    ``prompt_token_ids``: the prompt's token ids, as the tokenize stage made them (chat
+    template applied): stop-check puts them on a request's first output only, and the
+    engine's caller finds them on every output it reads (vLLM's
+    ``RequestOutput.prompt_token_ids``).
     """
 
     request_id: str
@@ -403,6 +407,7 @@ class RequestOutput:
     scheduler_times: tuple[float, float, str] | None = None
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    prompt_token_ids: tuple[int, ...] | None = None
 
     @property
     def finished(self) -> bool:

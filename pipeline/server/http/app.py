@@ -170,6 +170,7 @@ def create_app(
             plan.include_usage,
             plan.per_prompt,
             plan.continuous_usage,
+            plan.token_ids,
         )
         started = await service.start(request_id, checked, tenant, request.receive)
         headers = {}

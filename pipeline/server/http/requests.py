@@ -87,7 +87,9 @@ class Plan:
     top logprobs each token carries (None: no logprobs), and whether a stream ends with a
     usage chunk. ``tools``: the functions a chat offers (None: none). ``deprecated``: the
     deprecated fields the body used (vLLM's ``guided_*``), for a ``Warning`` header.
-    ``rendering``: a chat's template options (None: the model's template as it is)."""
+    ``rendering``: a chat's template options (None: the model's template as it is).
+    ``token_ids``: the answer carries the prompt's and each choice's token ids (vLLM's
+    ``return_token_ids``)."""
 
     choices: tuple[tuple[Prompt, SamplingParams], ...]
     per_prompt: int
@@ -97,6 +99,7 @@ class Plan:
     deprecated: tuple[str, ...] = ()
     continuous_usage: bool = False
     rendering: ChatRendering | None = None
+    token_ids: bool = False
 
 
 def plan_completion(body: CompletionRequest) -> Plan:
@@ -187,7 +190,7 @@ def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParam
         )
     return Plan(
         choices, n, params.logprobs, include_usage, deprecated=deprecated,
-        continuous_usage=continuous,
+        continuous_usage=continuous, token_ids=bool(body.return_token_ids),
     )  # fmt: skip
 
 

@@ -81,7 +81,6 @@ ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "use_beam_search": (False, None),
     "length_penalty": (1.0, 1, None),
     "return_tokens_as_token_ids": (False, None),
-    "return_token_ids": (False, None),
     "prompt_logprobs": (None,),
     "functions": (None,),
     "function_call": (None, "none"),
@@ -156,6 +155,8 @@ class GenerationBody(BaseModel):
     allowed_token_ids: FailFast[int] | None = None
     bad_words: FailFast[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the prompt's and each choice's token ids beside the text
+    return_token_ids: bool | None = None
     # vLLM's legacy aliases of structured_outputs' keys (deprecated: a log line and a header)
     guided_json: Any = None
     guided_regex: Any = None
