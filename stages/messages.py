@@ -130,7 +130,10 @@ class GenerateRequest:
     ``"none"``, ``"auto"``, ``"required"`` or the name of the one function to call ("" with no
     tools); ``parallel_tool_calls``: whether several calls may be made at once.
     ``rendering``: how the chat template renders (None: the model's template, with the
-    generation prompt)."""
+    generation prompt). ``parent_id`` and ``n``: the request is one of the ``n`` choices of
+    the caller's request ``parent_id`` ("" and 1: a request of its own), as vLLM's parallel
+    sampling children (``vllm/v1/engine/parallel_sampling.py``); metrics count the parent
+    once (``vllm:request_params_n``)."""
 
     request_id: str
     params: SamplingParams
@@ -144,6 +147,8 @@ class GenerateRequest:
     tool_choice: str = ""
     parallel_tool_calls: bool = True
     rendering: ChatRendering | None = None
+    parent_id: str = ""
+    n: int = 1
 
 
 @message()

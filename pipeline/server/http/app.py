@@ -172,7 +172,7 @@ def create_app(
             plan.continuous_usage,
             plan.token_ids,
         )
-        started = await service.start(request_id, checked, tenant, request.receive)
+        started = await service.start(request_id, checked, tenant, request.receive, plan.per_prompt)
         headers = {}
         if plan.deprecated:
             # RFC 7234's 299 "miscellaneous persistent warning"

@@ -149,9 +149,10 @@ class HttpService:
         choices: Sequence[CheckedPrompt],
         tenant: str,
         receive: Receive,
+        per_prompt: int = 1,
     ) -> Choices:
         """Start one engine request per checked choice (:meth:`check`) and wait for each
-        one's first output.
+        one's first output; ``per_prompt``: the choices of each prompt (``n``).
 
         Raises:
             ApiError: the engine refused a choice (400, 429, 503...) or cannot serve.
@@ -159,7 +160,7 @@ class HttpService:
         problem = self.problem()
         if problem is not None:
             raise problem
-        started = Choices(self.engine, request_id, choices, tenant, self.running)
+        started = Choices(self.engine, request_id, choices, tenant, self.running, per_prompt)
         try:
             await started.start(receive)
         except Exception as exc:

@@ -1,8 +1,8 @@
 """The shared server of the HTTP tests: ``actorline serve`` serving gRPC and the
 OpenAI-compatible API from one engine (the tiny model, served as ``tiny``), with API keys
-from a key file (some with tiny rate limits), trusting requests' own chat templates. Tests that share it leave it as they found it
-(no request running). Its teardown stops it with SIGINT: exit status 0, no engine process
-left, no traceback."""
+from a key file (some with tiny rate limits), trusting requests' own chat templates. Tests
+that share it leave it as they found it (no request running). Its teardown stops it with
+SIGINT: exit status 0, no engine process left, no traceback."""
 
 from __future__ import annotations
 
