@@ -73,8 +73,10 @@ class HttpService:
 
     def check_model(self, model: str | None) -> None:
         """Raises ApiError 404 unless ``model`` is the model served (None, left out: it is,
-        as vLLM takes it)."""
-        if model is not None and model != self.model_name:
+        as vLLM takes it): its served name, or the ``root`` its model card names (the path
+        or alias it was started with, which ``vllm bench serve`` sends when it found the
+        model from ``/v1/models``: ``vllm/benchmarks/serve.py``, its prompt alignment)."""
+        if model is not None and model not in (self.model_name, self.engine.options.model):
             raise ApiError(
                 404,
                 f"the model {model!r:.80} does not exist; this server serves {self.model_name!r}",
