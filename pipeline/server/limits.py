@@ -118,7 +118,7 @@ class ListenerLimits:
     trust_request_chat_template: bool = option(
         False, kind="bool", commands=("serve",), group=LIMITS_GROUP,
         help="accept a request's own chat_template (rendered in jinja2's sandbox, but free to "
-        "loop for long: trusted clients only); off, such an HTTP request is a 400 naming it",
+        "loop for long: trusted clients only); off, such a request is 400 / INVALID_ARGUMENT",
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -2,27 +2,33 @@
 ``add_generation_prompt``, ``continue_final_message``) through the real HTTP front end (the
 shared server of :mod:`tests.pipeline.server.http.conftest`, which trusts requests' own
 templates) with the official ``openai`` client, checked against ``/tokenize`` given the same
-fields and against the tokenizer itself; their refusals, each a 400 naming its field; and a
-server that does not trust a request's template refusing it."""
+fields and against the tokenizer itself; their refusals, each a 400 naming its field; a
+server that does not trust a request's template refusing it; the same over gRPC."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from pipeline.engine.async_engine import AsyncEngine
+from pipeline.server import generation_pb2 as pb
+from pipeline.server import generation_pb2_grpc
+from pipeline.server.convert import rendering_from_proto, request_to_proto
 from pipeline.server.http.errors import ApiError
 from pipeline.server.http.state import HttpService
 from stages.chat_template import make_rendering
 from stages.params import SamplingParams
-from tests.pipeline.server.http.conftest import MODEL
+from tests.pipeline.server.http.conftest import API_KEY, MODEL
 from tests.pipeline.server.http.test_vllm_surface import call
-from tests.pipeline.server.serving import ServeProcess
+from tests.pipeline.server.serving import ServeProcess, bearer
 
 pytestmark = pytest.mark.slow
 
@@ -137,3 +143,42 @@ def test_a_server_that_does_not_trust_templates_refuses_them(tiny_model_dir: Pat
     with pytest.raises(ApiError) as caught:
         HttpService(engine, MODEL).check("r", choices, "", None, make_rendering(None, None, False))
     assert caught.value.status == 503
+
+
+def test_the_options_round_trip_through_the_proto() -> None:
+    rendering = make_rendering(TEMPLATE, {"shout": True}, False, True)
+    request = request_to_proto(MESSAGES, rendering=rendering)
+    assert rendering_from_proto(request) == rendering
+    assert rendering_from_proto(request_to_proto(MESSAGES)) is None
+    defaults = pb.GenerateRequest(chat_template_options=pb.ChatTemplateOptions())
+    assert rendering_from_proto(defaults) is None  # add_generation_prompt unset: true
+
+
+def test_options_over_grpc(openai_serve: ServeProcess, tiny_model_dir: Path) -> None:
+    """The Generation service takes the same options (``chat_template_options``): the
+    prompt's token count is the tokenizer's rendering's; bad options are INVALID_ARGUMENT
+    naming the field."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, chat_template=TEMPLATE, shout=True, add_generation_prompt=True
+    )
+    expected = len(tokenizer.encode(text, add_special_tokens=False))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    good = request_to_proto(MESSAGES, params, rendering=make_rendering(TEMPLATE, {"shout": True}))
+    bad = request_to_proto(MESSAGES, params, rendering=make_rendering(None, None, True, True))
+
+    async def main() -> tuple[list[Any], grpc.aio.AioRpcError]:
+        assert openai_serve.address is not None
+        async with grpc.aio.insecure_channel(openai_serve.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            responses = [r async for r in stub.Generate(good, metadata=bearer(API_KEY))]
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in stub.Generate(bad, metadata=bearer(API_KEY)):
+                    pass
+            return responses, caught.value
+
+    responses, refused = asyncio.run(main())
+    assert responses[-1].usage.prompt_tokens == expected
+    assert responses[-1].usage.completion_tokens == 2
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "continue_final_message" in (refused.details() or "")
