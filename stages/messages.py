@@ -28,6 +28,7 @@ from transports.codec import message
 __all__ = [
     "AbortRequests",
     "ChatMessage",
+    "ChatRendering",
     "EngineInfo",
     "EngineOutputs",
     "EngineRequest",
@@ -85,6 +86,24 @@ class ChatMessage:
 
 @message()
 @dataclasses.dataclass(frozen=True, slots=True)
+class ChatRendering:
+    """How the chat template renders a request's messages, as vLLM's request fields
+    (``vllm/entrypoints/openai/chat_completion/protocol.py``, ``ChatCompletionRequest``):
+    ``template``, a Jinja chat template used instead of the model's ("": the model's);
+    ``template_kwargs``, a JSON object (text; "": none) whose keys the template reads as
+    variables (``enable_thinking``); ``add_generation_prompt``, end with the assistant's
+    opening; ``continue_final_message``, leave the last message open for the model to
+    continue (not with ``add_generation_prompt``). Checked by
+    :func:`stages.chat_template.check_rendering`."""
+
+    template: str = ""
+    template_kwargs: str = ""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+@message()
+@dataclasses.dataclass(frozen=True, slots=True)
 class OutputParsing:
     """How the parse stage reads a request's output (docs/architecture.md §2.8):
     ``tool_parser``, the tool-call parser plugin (``actorline.tool_parsers``; "" none);
@@ -109,7 +128,12 @@ class GenerateRequest:
     ``messages`` (always) or to a plain ``prompt`` (when True). ``tools``: the functions the
     model may call (rendered into the prompt by the chat template); ``tool_choice``:
     ``"none"``, ``"auto"``, ``"required"`` or the name of the one function to call ("" with no
-    tools); ``parallel_tool_calls``: whether several calls may be made at once."""
+    tools); ``parallel_tool_calls``: whether several calls may be made at once.
+    ``rendering``: how the chat template renders (None: the model's template, with the
+    generation prompt). ``parent_id`` and ``n``: the request is one of the ``n`` choices of
+    the caller's request ``parent_id`` ("" and 1: a request of its own), as vLLM's parallel
+    sampling children (``vllm/v1/engine/parallel_sampling.py``); metrics count the parent
+    once (``vllm:request_params_n``)."""
 
     request_id: str
     params: SamplingParams
@@ -122,6 +146,9 @@ class GenerateRequest:
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str = ""
     parallel_tool_calls: bool = True
+    rendering: ChatRendering | None = None
+    parent_id: str = ""
+    n: int = 1
 
 
 @message()
@@ -366,6 +393,10 @@ class RequestOutput:
     parse stage), ``text``/``delta`` hold its content only, ``reasoning`` the reasoning text so
     far and ``tool_calls`` the calls so far (the last one's arguments possibly still growing),
     both cumulative: a stream's deltas are what is new since the previous output.
+    ``prompt_token_ids``: the prompt's token ids, as the tokenize stage made them (chat
+    template applied): stop-check puts them on a request's first output only, and the
+    engine's caller finds them on every output it reads (vLLM's
+    ``RequestOutput.prompt_token_ids``).
     """
 
     request_id: str
@@ -381,6 +412,7 @@ class RequestOutput:
     scheduler_times: tuple[float, float, str] | None = None
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    prompt_token_ids: tuple[int, ...] | None = None
 
     @property
     def finished(self) -> bool:

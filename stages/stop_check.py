@@ -49,6 +49,7 @@ class _Tracked:
         "logprobs",
         "num_cached_tokens",
         "num_prompt_tokens",
+        "prompt_token_ids",
         "text",
         "token_ids",
     )
@@ -71,6 +72,8 @@ class _Tracked:
         self.logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_tokens = 0
+        # sent with the first output only (None after it): the caller's collector keeps them
+        self.prompt_token_ids: tuple[int, ...] | None = request.prompt_token_ids
 
     def output(
         self,
@@ -81,6 +84,7 @@ class _Tracked:
         scheduler_times: tuple[float, float, str] | None = None,
     ) -> RequestOutput:
         """The request's output now, ``delta`` already added to its text."""
+        prompt_token_ids, self.prompt_token_ids = self.prompt_token_ids, None
         return RequestOutput(
             request_id,
             self.text,
@@ -93,6 +97,7 @@ class _Tracked:
             self.num_cached_tokens,
             None,
             scheduler_times,
+            prompt_token_ids=prompt_token_ids,
         )
 
 

@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.runtime.stage import Stage, handles
+from stages.chat_template import check_template_kwargs, template_arguments
 from stages.errors import InvalidRequestError, PromptTooLongError, RequestError
 from stages.messages import (
     ChatMessage,
+    ChatRendering,
     EngineInfo,
     EngineRequest,
     GenerateRequest,
@@ -311,22 +313,25 @@ class TokenizeStage(Stage):
             return tuple(request.prompt_token_ids)
         if request.messages is not None:
             return render_messages(
-                self.tokenizer, request.messages, request.tools, renders_tools=self._renders_tools
+                self.tokenizer,
+                request.messages,
+                request.tools,
+                rendering=request.rendering,
+                renders_tools=self._renders_tools,
             )
         prompt = request.prompt
         assert prompt is not None  # exactly one input (the validation core)
         # NOTE: as vLLM, whitespace is a prompt like any other; only a prompt without tokens
         # is refused (the model needs at least one position to compute).
         if request.chat_template:
-            ids = self._apply_chat_template([("user", prompt)])
+            ids = render_messages(
+                self.tokenizer, (ChatMessage("user", prompt),), (), rendering=request.rendering
+            )
         else:
             ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=True))
         if not ids:
             raise InvalidRequestError(f"prompt {prompt!r:.40} has no tokens", field="prompt")
         return ids
-
-    def _apply_chat_template(self, messages: list[tuple[str, str]]) -> tuple[int, ...]:
-        return render_chat(self.tokenizer, messages)
 
 
 def bad_words_token_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -355,7 +360,8 @@ def render_chat(
         InvalidRequestError: the model has no chat template.
     """
     chat = tuple(ChatMessage(role, content) for role, content in messages)
-    return render_messages(tokenizer, chat, (), add_generation_prompt=add_generation_prompt)
+    rendering = None if add_generation_prompt else ChatRendering(add_generation_prompt=False)
+    return render_messages(tokenizer, chat, (), rendering=rendering)
 
 
 def render_messages(
@@ -363,25 +369,38 @@ def render_messages(
     messages: Sequence[ChatMessage],
     tools: Sequence[ToolSpec],
     *,
-    add_generation_prompt: bool = True,
+    rendering: ChatRendering | None = None,
     renders_tools: bool | None = None,
 ) -> tuple[int, ...]:
     """The token ids of chat ``messages`` and the ``tools`` they may call, rendered by the
-    tokenizer's chat template (transformers hands ``tools`` to it). A template that ignores
-    tools (``renders_tools`` False; None: find out, :func:`template_renders_tools`) gets them
-    as the default preamble instead, its calls and results written in the ``<tool_call>``
-    format (:func:`stages.tools.fallback_messages`; docs/serving.md, "Tool calling").
+    tokenizer's chat template (transformers hands ``tools`` to it), or by ``rendering``'s
+    own template, with its variables, generation prompt and continuation
+    (:class:`~stages.messages.ChatRendering`, checked by the validation core; None: the
+    model's template with the generation prompt). transformers renders in jinja2's sandbox
+    (:mod:`stages.chat_template`). A template that ignores tools (``renders_tools`` False;
+    None: find out, :func:`template_renders_tools`) gets them as the default preamble
+    instead, its calls and results written in the ``<tool_call>`` format
+    (:func:`stages.tools.fallback_messages`; docs/serving.md, "Tool calling").
 
     Raises:
-        InvalidRequestError: the model has no chat template, or it refused the messages.
+        InvalidRequestError: the model has no chat template and the request brings none
+            (field ``messages``); the template refused the messages or failed (field
+            ``chat_template`` for the request's own template, else ``messages``); a
+            ``chat_template_kwargs`` key the template does not read; nothing to continue
+            (field ``continue_final_message``).
     """
-    if not getattr(tokenizer, "chat_template", None):
+    own = rendering.template if rendering is not None else ""
+    template = own or getattr(tokenizer, "chat_template", None)
+    if not template or not isinstance(template, str):
         raise InvalidRequestError(
-            "this model has no chat template; send a plain prompt", field="messages"
+            "this model has no chat template; send a plain prompt (or a chat_template)",
+            field="messages",
         )
+    if rendering is not None:
+        check_template_kwargs(template, rendering)
     needs_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
-    if needs_tools and renders_tools is None:
-        renders_tools = template_renders_tools(tokenizer)
+    if needs_tools and (renders_tools is None or own):
+        renders_tools = template_renders_tools(tokenizer, own or None)
     extra: dict[str, Any] = {}
     if needs_tools and not renders_tools:
         dicts = fallback_messages(messages, tools)
@@ -389,14 +408,26 @@ def render_messages(
         dicts = message_dicts(messages)
         if tools:
             extra["tools"] = tool_dicts(tools)
-    try:
-        rendered = tokenizer.apply_chat_template(
-            dicts, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
-        )
-    except Exception as error:  # the template's own raise_exception, a missing key
+    arguments = {**template_arguments(rendering), **extra}
+    if arguments.get("continue_final_message") and not (dicts and dicts[-1].get("content")):
+        # NOTE: transformers needs text in the last message to find where it ends
         raise InvalidRequestError(
-            f"the model's chat template refused these messages: {error}", field="messages"
+            "continue_final_message: the last message has no text to continue",
+            field="continue_final_message",
+        )
+    try:
+        rendered = tokenizer.apply_chat_template(dicts, tokenize=False, **arguments)
+    except Exception as error:  # the template's own raise_exception, a missing key, syntax
+        whose, field = ("the request's chat_template", "chat_template") if own else (
+            "the model's chat template", "messages")  # fmt: skip
+        raise InvalidRequestError(
+            f"{whose} failed on these messages: {type(error).__name__}: {error!s:.300}",
+            field=field,
         ) from None
+    if not isinstance(rendered, str):
+        raise InvalidRequestError(
+            "the chat template did not render text", field="chat_template" if own else "messages"
+        )
     return tuple(tokenizer.encode(rendered, add_special_tokens=False))
 
 
@@ -414,14 +445,17 @@ _PROBE_TOOLS = [
 ]
 
 
-def template_renders_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template renders ``tools``: a conversation rendered with
-    a tool and without one comes out different (a template that ignores them gets the
-    default preamble, :func:`render_messages`)."""
+def template_renders_tools(tokenizer: Any, template: str | None = None) -> bool:
+    """Whether the tokenizer's chat template (or ``template``) renders ``tools``: a
+    conversation rendered with a tool and without one comes out different (a template that
+    ignores them gets the default preamble, :func:`render_messages`)."""
+    own = {"chat_template": template} if template else {}
     try:
-        without = tokenizer.apply_chat_template(_PROBE, add_generation_prompt=True, tokenize=False)
+        without = tokenizer.apply_chat_template(
+            _PROBE, add_generation_prompt=True, tokenize=False, **own
+        )
         with_tools = tokenizer.apply_chat_template(
-            _PROBE, add_generation_prompt=True, tokenize=False, tools=_PROBE_TOOLS
+            _PROBE, add_generation_prompt=True, tokenize=False, tools=_PROBE_TOOLS, **own
         )
     except Exception:  # a template that fails on the probe: treat it as ignoring tools
         return False

@@ -21,6 +21,7 @@ See docs/architecture.md §7.1, "Validate at the boundary".
 
 from __future__ import annotations
 
+from stages.chat_template import check_rendering
 from stages.checks import check_bool, check_number, check_text, check_token_ids, describe
 from stages.errors import InvalidRequestError, PromptTooLongError
 from stages.messages import ChatMessage, GenerateRequest
@@ -63,7 +64,8 @@ def check_request_id(value: object, *, max_length: int = MAX_REQUEST_ID_LENGTH) 
 def validate_generate_request(request: GenerateRequest, *, vocab_size: int | None = None) -> None:
     """Check every field of ``request`` against what every stage and transport can carry:
     its id and tenant, exactly one input (a non-empty prompt, chat messages with a role and
-    a content each, or token ids), the chat-template flag and the sampling parameters. With
+    a content each, or token ids), the chat-template flag and options
+    (:func:`stages.chat_template.check_rendering`) and the sampling parameters. With
     ``vocab_size`` token ids are checked against the vocabulary. (Whether the prompt fits the
     model is admit's to say, once it is tokenized: :func:`stages.admit.validate_request`.)
 
@@ -103,6 +105,8 @@ def validate_generate_request(request: GenerateRequest, *, vocab_size: int | Non
         )
     validate_sampling(request.params, vocab_size=vocab_size, request_id=request_id)
     check_tool_use(request, request_id)
+    chat = request.messages is not None or (request.prompt is not None and request.chat_template)
+    check_rendering(request.rendering, has_messages=chat, request_id=request_id)
 
 
 def room_after_prompt(

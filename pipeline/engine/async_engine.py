@@ -51,9 +51,11 @@ from pipeline.runtime.errors import (
 from pipeline.runtime.graph import Pipeline
 from pipeline.runtime.replicas import ReplicaLost, ReplicaStatus
 from pipeline.runtime.running import RunningPipeline
+from stages.checks import check_text
 from stages.errors import ENGINE_DEAD, InvalidRequestError, RequestError, error_from_kind
 from stages.messages import (
     AbortRequests,
+    ChatRendering,
     EngineInfo,
     EngineStats,
     GenerateRequest,
@@ -63,7 +65,7 @@ from stages.messages import (
 )
 from stages.params import SamplingParams
 from stages.tools import ToolUse
-from stages.validation import check_request_id
+from stages.validation import MAX_REQUEST_ID_LENGTH, check_request_id
 from transports.tasks import TaskSet
 
 __all__ = ["AsyncEngine", "EngineObserver"]
@@ -348,6 +350,7 @@ class AsyncEngine:
         tenant: str = "",
         chat_template: bool = False,
         tools: ToolUse | None = None,
+        rendering: ChatRendering | None = None,
     ) -> CheckedPrompt:
         """``prompt`` and ``sampling_params`` checked by the validation core, as
         :meth:`generate` checks them, for a front end that checks a batch before any of it
@@ -366,6 +369,7 @@ class AsyncEngine:
             vocab_size=info.vocab_size if info is not None else None,
             request_id=request_id,
             tools=tools,
+            rendering=rendering,
         )
 
     async def generate(
@@ -377,6 +381,8 @@ class AsyncEngine:
         tenant: str = "",
         chat_template: bool = False,
         tools: ToolUse | None = None,
+        rendering: ChatRendering | None = None,
+        parent: tuple[str, int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding outputs as tokens arrive (the last one has a
         ``finish_reason``).
@@ -388,8 +394,14 @@ class AsyncEngine:
         give none of them here) and is not checked again. ``tools``: the functions a chat may
         call, the tool choice and whether calls may be parallel
         (:class:`~stages.tools.ToolUse`; the output's ``tool_calls`` then holds the calls
-        parsed from it). ``request_id``: a non-empty string,
-        unique among this engine's running requests (default: a fresh uuid).
+        parsed from it). ``rendering``: how the chat template renders a chat
+        (:class:`~stages.messages.ChatRendering`: a template of its own, its variables,
+        ``add_generation_prompt``, ``continue_final_message``; None: the model's template
+        with the generation prompt). ``parent``: ``(parent_id, n)`` when this request is
+        one of the ``n`` choices of the caller's request ``parent_id`` (an HTTP request's
+        ``n``), which metrics count once (:class:`~stages.messages.GenerateRequest`).
+        ``request_id``: a non-empty string, unique among this engine's running requests
+        (default: a fresh uuid).
 
         Raises:
             InvalidRequestError: a bad prompt, sampling parameter or request id (the field is
@@ -416,10 +428,14 @@ class AsyncEngine:
             vocab_size=info.vocab_size if info is not None else None,
             request_id=request_id,
             tools=tools,
+            rendering=rendering,
         )
         request = dataclasses.replace(
             checked.request, request_id=engine_id, arrival_time=time.time()
         )
+        if parent is not None:
+            parent_id, n = _check_parent(parent, request_id)
+            request = dataclasses.replace(request, parent_id=parent_id, n=n)
         running = self._check_usable()
         if request_id in self._engine_ids:
             raise InvalidRequestError(
@@ -833,3 +849,31 @@ def _preflight(options: EngineOptions) -> None:
     resolve_model(options.model)
     load_policy(options.scheduler)
     check_parallelism(options)
+
+
+def _check_parent(parent: object, request_id: str) -> tuple[str, int]:
+    """``generate``'s ``parent``: a (non-empty id, n >= 1) pair.
+
+    Raises:
+        InvalidRequestError: naming ``parent``.
+    """
+    if (
+        isinstance(parent, tuple)
+        and len(parent) == 2
+        and isinstance(parent[0], str)
+        and type(parent[1]) is int
+        and parent[1] >= 1
+    ):
+        check_text(
+            "parent",
+            parent[0],
+            allow_empty=False,
+            max_length=MAX_REQUEST_ID_LENGTH,
+            request_id=request_id,
+        )
+        return parent[0], parent[1]
+    raise InvalidRequestError(
+        f"parent must be a (request id, n >= 1) pair, got {parent!r:.60}",
+        field="parent",
+        request_id=request_id,
+    )

@@ -25,6 +25,7 @@ class OutputCollector:
         "last",
         "metrics",
         "pending",
+        "prompt_token_ids",
         "request_id",
         "stop_strings",
         "waiter",
@@ -46,6 +47,8 @@ class OutputCollector:
         # NOTE: the metrics of a running request change only at its first token and at its
         # end, so one object serves every output in between (outputs are immutable).
         self.metrics: RequestMetrics | None = None
+        #: the prompt's token ids, from the first output that carries them (stop-check's)
+        self.prompt_token_ids: tuple[int, ...] | None = None
 
     def put(self, output: RequestOutput) -> None:
         if self.aborting and output.finish_reason not in (None, "abort"):
@@ -72,7 +75,9 @@ class OutputCollector:
         else:  # merged: the first token's scheduler times stay on the output that has it
             delta = pending.delta + output.delta
             times = output.scheduler_times or pending.scheduler_times
-        output = with_metrics(output, self.request_id, delta, metrics, times)
+        if output.prompt_token_ids is not None:
+            self.prompt_token_ids = output.prompt_token_ids
+        output = with_metrics(output, self.request_id, delta, metrics, times, self.prompt_token_ids)
         self.pending = self.last = output
         self._wake()
 
@@ -107,9 +112,10 @@ def with_metrics(
     delta: str,
     metrics: RequestMetrics,
     scheduler_times: tuple[float, float, str] | None = None,
+    prompt_token_ids: tuple[int, ...] | None = None,
 ) -> RequestOutput:
-    """``output`` with ``request_id``, ``delta``, ``metrics`` and ``scheduler_times``
-    replaced.
+    """``output`` with ``request_id``, ``delta``, ``metrics``, ``scheduler_times`` and
+    ``prompt_token_ids`` replaced.
 
     NOTE: calls the constructor with every field of RequestOutput, in order: half the cost of
     ``dataclasses.replace``, which runs once per token per stream. A new RequestOutput field
@@ -129,4 +135,5 @@ def with_metrics(
         scheduler_times,
         output.reasoning,
         output.tool_calls,
+        prompt_token_ids,
     )

@@ -22,8 +22,9 @@ from pipeline.engine.loop_thread import LoopThread
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.prompts import CheckedPrompt, Prompt, is_prompt_dict
 from pipeline.runtime.errors import PipelineClosedError
+from stages.chat_template import make_rendering
 from stages.errors import InvalidRequestError, OverloadedError, RateLimitedError
-from stages.messages import ChatMessage, RequestOutput, ToolSpec
+from stages.messages import ChatMessage, ChatRendering, RequestOutput, ToolSpec
 from stages.params import SamplingParams
 from stages.tools import ToolUse, tool_specs_of
 from transports.tasks import TaskSet
@@ -78,9 +79,12 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: bool = False,
         tools: ToolUse | None = None,
+        rendering: ChatRendering | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished output per prompt, in order.
-        ``tools``: the functions every conversation may call (:class:`~stages.tools.ToolUse`).
+        ``tools``: the functions every conversation may call (:class:`~stages.tools.ToolUse`);
+        ``rendering``: how the chat template renders every conversation
+        (:class:`~stages.messages.ChatRendering`; :meth:`chat` makes it).
 
         ``prompts``: one prompt or a list of them; a prompt is a string, a chat conversation,
         a list of token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
@@ -111,7 +115,9 @@ class LLM:
         # NOTE: every prompt through the validation core before anything is sent, once:
         # generate() takes the checked prompts as they are (docs/architecture.md §7.1).
         checked = [
-            self._engine.check(prompt, sampling, chat_template=chat_template, tools=tools)
+            self._engine.check(
+                prompt, sampling, chat_template=chat_template, tools=tools, rendering=rendering
+            )
             for prompt, sampling in zip(batch, per_prompt)
         ]
         show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
@@ -126,6 +132,10 @@ class LLM:
         tools: Sequence[Mapping[str, Any] | ToolSpec] | None = None,
         tool_choice: str = "auto",
         parallel_tool_calls: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to chat conversations (lists of ``{"role", "content"}`` mappings,
         OpenAI's shape with ``tool_calls`` / ``tool_call_id``, or
@@ -134,8 +144,15 @@ class LLM:
         :class:`~stages.messages.ToolSpec`), with ``tool_choice`` (``none``, ``auto``,
         ``required`` or a function's name) and ``parallel_tool_calls``, as vLLM's ``LLM.chat``;
         the outputs' ``tool_calls`` hold the calls (docs/serving.md, "Tool calling").
+        ``chat_template`` (a Jinja template used instead of the model's),
+        ``chat_template_kwargs`` (variables it reads, such as ``enable_thinking``),
+        ``add_generation_prompt`` and ``continue_final_message`` (the last message left
+        open for the model to continue; not with ``add_generation_prompt``) as vLLM's
+        ``LLM.chat`` takes them (docs/serving.md, "Chat templates").
 
-        Raises: as :meth:`generate`.
+        Raises: as :meth:`generate`; InvalidRequestError names ``chat_template`` for a
+            template that is not valid Jinja or fails, ``chat_template_kwargs`` for a
+            variable the template does not read.
         """
         self._check_open()
         if conversations and _is_chat_message(conversations[0]):
@@ -143,7 +160,12 @@ class LLM:
         use = None
         if tools is not None:
             use = ToolUse(tool_specs_of(tools), tool_choice, parallel_tool_calls)
-        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm, tools=use)
+        rendering = make_rendering(
+            chat_template, chat_template_kwargs, add_generation_prompt, continue_final_message
+        )
+        return self.generate(
+            list(conversations), sampling_params, use_tqdm=use_tqdm, tools=use, rendering=rendering
+        )
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stages.errors import InvalidRequestError
-from stages.messages import ChatMessage, GenerateRequest
+from stages.messages import ChatMessage, ChatRendering, GenerateRequest
 from stages.params import SamplingParams
 from stages.tools import ToolUse, message_from_dict
 from stages.validation import validate_generate_request
@@ -75,8 +75,10 @@ def make_request(
     tenant: str,
     chat_template: bool,
     tools: ToolUse | None = None,
+    rendering: ChatRendering | None = None,
 ) -> GenerateRequest:
-    """The pipeline's request for ``prompt`` (``tools``: the functions a chat may call).
+    """The pipeline's request for ``prompt`` (``tools``: the functions a chat may call;
+    ``rendering``: how its chat template renders).
 
     Raises:
         InvalidRequestError: a prompt of no accepted form (the field is named).
@@ -85,7 +87,7 @@ def make_request(
     use = tools or ToolUse(choice="")
     # NOTE: tools go on every form, so the validation core refuses them beside a plain prompt
     offered: dict[str, Any] = {"tools": use.tools, "tool_choice": use.choice,
-               "parallel_tool_calls": use.parallel}  # fmt: skip
+               "parallel_tool_calls": use.parallel, "rendering": rendering}  # fmt: skip
     if isinstance(prompt, Mapping):
         prompt = _from_prompt_dict(prompt, request_id)
     if isinstance(prompt, str):
@@ -140,6 +142,7 @@ def checked_request(
     *,
     vocab_size: int | None = None,
     tools: ToolUse | None = None,
+    rendering: ChatRendering | None = None,
 ) -> GenerateRequest:
     """The pipeline's request for ``prompt``, checked whole (every field, every prompt form)
     by :func:`~stages.validation.validate_generate_request`; ``params`` None: the defaults.
@@ -153,7 +156,7 @@ def checked_request(
         raise InvalidRequestError(
             "params must be a SamplingParams", field="params", request_id=request_id
         )
-    request = make_request(request_id, prompt, params, tenant, chat_template, tools)
+    request = make_request(request_id, prompt, params, tenant, chat_template, tools, rendering)
     validate_generate_request(request, vocab_size=vocab_size)
     return request
 
@@ -192,6 +195,7 @@ def check_prompt(
     vocab_size: int | None = None,
     request_id: str | None = None,
     tools: ToolUse | None = None,
+    rendering: ChatRendering | None = None,
 ) -> CheckedPrompt:
     """``prompt`` and ``params`` checked once by the validation core (as
     :func:`checked_request`), for :meth:`~pipeline.engine.AsyncEngine.generate` to send
@@ -204,7 +208,7 @@ def check_prompt(
     try:
         request = checked_request(
             _STAND_IN_ID, prompt, params, tenant, chat_template, vocab_size=vocab_size,
-            tools=tools,
+            tools=tools, rendering=rendering,
         )  # fmt: skip
     except InvalidRequestError as exc:
         exc.request_id = request_id
@@ -221,6 +225,7 @@ def as_checked(
     vocab_size: int | None = None,
     request_id: str | None = None,
     tools: ToolUse | None = None,
+    rendering: ChatRendering | None = None,
 ) -> CheckedPrompt:
     """``prompt`` as it is if the core checked it already (it carries its parameters,
     tenant and chat-template flag: give none of its own), else :func:`check_prompt`.
@@ -238,8 +243,10 @@ def as_checked(
             vocab_size=vocab_size,
             request_id=request_id,
             tools=tools,
+            rendering=rendering,
         )
-    if params is not None or chat_template or tools or tenant not in ("", prompt.tenant):
+    given = params is not None or chat_template or tools or rendering
+    if given or tenant not in ("", prompt.tenant):
         raise InvalidRequestError(
             "a checked prompt carries its sampling parameters, tenant and chat template "
             "flag; give them to check(), not to generate()",

@@ -27,8 +27,12 @@ What is measured where (the table in ``docs/serving.md``, "Metrics and health"):
   under the older ``gpu_cache_usage_perc``), prefix-cache queries and hits, preemptions, and
   ``cache_config_info``.
 
-Each of an HTTP request's ``n`` choices runs as its own engine request, so
-``vllm:request_params_n`` observes 1 per engine request.
+Each of an HTTP request's ``n`` choices runs as its own engine request, one of its
+parent's (:class:`~stages.messages.GenerateRequest`'s ``parent_id`` and ``n``), as vLLM's
+parallel sampling makes children of one parent (``vllm/v1/engine/parallel_sampling.py``,
+``observe_finished_request``): ``vllm:request_params_n`` (the parent's ``n``) and
+``vllm:request_max_num_generation_tokens`` (its longest choice) are observed once per parent,
+when its last choice ends; every other per-request metric once per choice, as vLLM's.
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ class _Request:
 
     sent: float
     max_tokens: int | None
+    parent_id: str = ""
+    n: int = 1
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
@@ -165,6 +171,9 @@ class _VllmRequestObserver(EngineObserver):
     def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
         self._requests: dict[str, _Request] = {}
         self._steps: dict[str, int] = {}  # replica -> num_steps last observed
+        # parent id -> [its choices still running, the most tokens one of them generated
+        # (-1: none finished without an error)]
+        self._parents: dict[str, list[int]] = {}
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> _Family[Histogram]:
             metric = Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=registry)
@@ -264,7 +273,11 @@ class _VllmRequestObserver(EngineObserver):
     # -- hooks ----------------------------------------------------------------------------------
 
     def request_sent(self, request: GenerateRequest) -> None:
-        self._requests[request.request_id] = _Request(time.monotonic(), request.params.max_tokens)
+        self._requests[request.request_id] = _Request(
+            time.monotonic(), request.params.max_tokens, request.parent_id, request.n
+        )
+        if request.n > 1:
+            self._parents.setdefault(request.parent_id, [request.n, -1])
 
     def output_received(self, output: RequestOutput) -> None:
         request = self._requests.get(output.request_id)
@@ -298,7 +311,9 @@ class _VllmRequestObserver(EngineObserver):
             self._finish(output.request_id, output.finish_reason, now)
 
     def request_rejected(self, rejected: RequestRejected) -> None:
-        self._requests.pop(rejected.request_id, None)
+        request = self._requests.pop(rejected.request_id, None)
+        if request is not None:
+            self._choice_ended(request, None)
 
     def request_ended(self, request_id: str, error: BaseException | None) -> None:
         if request_id in self._requests:  # no finish output and no rejection was seen
@@ -319,12 +334,12 @@ class _VllmRequestObserver(EngineObserver):
         engine = request.engine
         self._success.labels(self._model_name, engine, reason).inc()
         if reason == "error":  # the engine failed it: no latency to speak of (as actorline's)
+            self._choice_ended(request, None)
             return
         self.e2e(engine).observe(now - request.sent)
         self.request_prompt_tokens(engine).observe(request.num_prompt_tokens)
         self.request_generation_tokens(engine).observe(request.num_tokens)
-        self.request_max_generation_tokens(engine).observe(request.num_tokens)
-        self.params_n(engine).observe(1)
+        self._choice_ended(request, request.num_tokens)
         if request.max_tokens is not None:
             self.params_max_tokens(engine).observe(request.max_tokens)
         if times is None or request.first_token is None or request.last_token is None:
@@ -339,6 +354,28 @@ class _VllmRequestObserver(EngineObserver):
             self.request_time_per_output_token(engine).observe(
                 decode_seconds / (request.num_tokens - 1)
             )
+
+    def _choice_ended(self, request: _Request, num_tokens: int | None) -> None:
+        """Count a request's end toward its parent (``num_tokens`` None: it ended without
+        an answer); a parent is observed once, when its last choice ends, if any of them
+        answered."""
+        if request.n <= 1:
+            if num_tokens is not None:
+                self.request_max_generation_tokens(request.engine).observe(num_tokens)
+                self.params_n(request.engine).observe(1)
+            return
+        parent = self._parents.get(request.parent_id)
+        if parent is None:
+            return
+        parent[0] -= 1
+        if num_tokens is not None:
+            parent[1] = max(parent[1], num_tokens)
+        if parent[0] > 0:
+            return
+        del self._parents[request.parent_id]
+        if parent[1] >= 0:
+            self.request_max_generation_tokens(request.engine).observe(parent[1])
+            self.params_n(request.engine).observe(request.n)
 
 
 class _VllmSnapshotCollector(Collector):

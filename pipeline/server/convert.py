@@ -10,7 +10,15 @@ from collections.abc import Mapping, Sequence
 from pipeline.engine.prompts import Prompt
 from pipeline.server import generation_pb2 as pb
 from stages.errors import InvalidRequestError
-from stages.messages import ChatMessage, EngineInfo, Logprobs, RequestOutput, ToolCall, ToolSpec
+from stages.messages import (
+    ChatMessage,
+    ChatRendering,
+    EngineInfo,
+    Logprobs,
+    RequestOutput,
+    ToolCall,
+    ToolSpec,
+)
 from stages.params import SamplingParams
 from stages.structured.params import StructuredOutputsParams, validate_structured_outputs
 from stages.tools import ToolUse
@@ -21,6 +29,7 @@ __all__ = [
     "finish_reason_name",
     "model_info_to_proto",
     "prompt_from_proto",
+    "rendering_from_proto",
     "request_to_proto",
     "response_from_output",
     "sampling_from_proto",
@@ -159,14 +168,21 @@ def request_to_proto(
     *,
     request_id: str | None = None,
     chat_template: bool = False,
+    rendering: ChatRendering | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest for a text, a conversation (ChatMessage or role/content mappings)
-    or token ids.
+    or token ids; ``rendering``: how the chat template renders it (None: the model's).
 
     Raises:
         InvalidRequestError: a prompt of another shape, or an unsendable parameter.
     """
     request = pb.GenerateRequest(chat_template=chat_template)
+    if rendering is not None:
+        options = request.chat_template_options
+        options.chat_template = rendering.template
+        options.chat_template_kwargs = rendering.template_kwargs
+        options.add_generation_prompt = rendering.add_generation_prompt
+        options.continue_final_message = rendering.continue_final_message
     if request_id is not None:
         request.request_id = request_id
     if params is not None:
@@ -264,6 +280,19 @@ def tools_from_proto(request: pb.GenerateRequest) -> ToolUse | None:
     choice = request.tool_choice or ("auto" if tools else "none")
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     return ToolUse(tools, choice, parallel)
+
+
+def rendering_from_proto(request: pb.GenerateRequest) -> ChatRendering | None:
+    """The request's chat template options (None: not set, or all at their defaults); the
+    engine's validation core checks them."""
+    if not request.HasField("chat_template_options"):
+        return None
+    options = request.chat_template_options
+    add = options.add_generation_prompt if options.HasField("add_generation_prompt") else True
+    rendering = ChatRendering(
+        options.chat_template, options.chat_template_kwargs, add, options.continue_final_message
+    )
+    return None if rendering == ChatRendering() else rendering
 
 
 def response_from_output(

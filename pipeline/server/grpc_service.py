@@ -30,11 +30,16 @@ from pipeline.server.auth import AUTHORIZATION_KEY, ApiKeys, AuthenticationError
 from pipeline.server.convert import (
     model_info_to_proto,
     prompt_from_proto,
+    rendering_from_proto,
     response_from_output,
     sampling_from_proto,
     tools_from_proto,
 )
-from pipeline.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, check_logprob_entries
+from pipeline.server.limits import (
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    check_logprob_entries,
+    check_request_template,
+)
 from pipeline.server.status import ServiceUnavailableError, status_for
 from stages.errors import InvalidRequestError, RequestError
 from stages.messages import RequestOutput
@@ -52,7 +57,9 @@ class GenerationService(pb_grpc.GenerationServicer):
     """Serves Generate, Abort and GetModelInfo from ``engine`` (started, not owned: the caller
     closes it). ``api_keys``: the accepted keys (none: authentication is off);
     ``max_logprob_entries``: the logprobs one call may ask for (INVALID_ARGUMENT over it,
-    :func:`~pipeline.server.limits.check_logprob_entries`)."""
+    :func:`~pipeline.server.limits.check_logprob_entries`); ``trust_request_chat_template``:
+    whether a call may bring its own chat template
+    (:func:`~pipeline.server.limits.check_request_template`)."""
 
     def __init__(
         self,
@@ -60,9 +67,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         api_keys: ApiKeys | None = None,
         *,
         max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self._engine = engine
         self._max_logprob_entries = max_logprob_entries
+        self._trust_request_chat_template = trust_request_chat_template
         self._api_keys = api_keys if api_keys is not None else ApiKeys()
         self._running: set[str] = set()
         self._shutting_down = False
@@ -87,6 +96,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             prompt = prompt_from_proto(request)
             params = sampling_from_proto(request.sampling_params)
             tools = tools_from_proto(request)
+            rendering = rendering_from_proto(request)
+            check_request_template(rendering, self._trust_request_chat_template)
             info = self._engine.info
             if info is not None:
                 check_logprob_entries(
@@ -115,6 +126,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     tenant=tenant,
                     chat_template=request.chat_template,
                     tools=tools,
+                    rendering=rendering,
                 ),
             )
             async with contextlib.aclosing(outputs):

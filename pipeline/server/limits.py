@@ -1,6 +1,7 @@
 """What one client may hold on the servers' listeners: connections, how long a request's head
 and body may take to arrive, how long an idle connection is kept, concurrent gRPC streams, and
-how many logprobs one request may ask for (docs/serving.md, "Connection limits").
+how many logprobs one request may ask for, whether a request may bring its own chat template
+(docs/serving.md, "Connection limits").
 
 :class:`ListenerLimits` is one frozen value passed to ``serve()``, the HTTP server and the gRPC
 server alike. Importable without uvicorn, FastAPI or gRPC (the CLI shows the defaults in its
@@ -20,6 +21,7 @@ from typing import Any
 
 from pipeline.engine.option_fields import check_options, option
 from stages.errors import InvalidRequestError
+from stages.messages import ChatRendering
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
@@ -34,6 +36,7 @@ __all__ = [
     "RESERVED_DESCRIPTORS",
     "ListenerLimits",
     "check_logprob_entries",
+    "check_request_template",
     "connection_cap",
 ]
 
@@ -112,6 +115,11 @@ class ListenerLimits:
         "logprobs one request may ask for (choices x max_tokens x (1 + top logprobs)); more is "
         "400 / INVALID_ARGUMENT",
     )  # fmt: skip
+    trust_request_chat_template: bool = option(
+        False, kind="bool", commands=("serve",), group=LIMITS_GROUP,
+        help="accept a request's own chat_template (rendered in jinja2's sandbox, but free to "
+        "loop for long: trusted clients only); off, such a request is 400 / INVALID_ARGUMENT",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -126,6 +134,23 @@ def connection_cap(limits: ListenerLimits, listeners: int = 2) -> int:
         return limits.max_connections
     room = (soft - RESERVED_DESCRIPTORS) // max(1, listeners)
     return max(16, min(limits.max_connections, room))
+
+
+def check_request_template(rendering: ChatRendering | None, trusted: bool) -> None:
+    """Refuse a request that brings its own chat template to a server that does not trust
+    them (vLLM's ``--trust-request-chat-template``, ``vllm/entrypoints/launchers/cli_args.py``:
+    a sandboxed template can still spend the tokenizer's time on purpose). Pure.
+
+    Raises:
+        InvalidRequestError: naming ``chat_template``.
+    """
+    if rendering is not None and rendering.template and not trusted:
+        raise InvalidRequestError(
+            "chat_template: this server does not accept a request's own chat template (start "
+            "it with actorline serve --trust-request-chat-template to allow trusted clients "
+            "to send one)",
+            field="chat_template",
+        )
 
 
 def check_logprob_entries(

@@ -117,7 +117,10 @@ class GenerationServer:
         self.tls = tls
         self.limits = limits if limits is not None else ListenerLimits()
         self.service = GenerationService(
-            engine, api_keys, max_logprob_entries=self.limits.max_logprob_entries
+            engine,
+            api_keys,
+            max_logprob_entries=self.limits.max_logprob_entries,
+            trust_request_chat_template=self.limits.trust_request_chat_template,
         )
         self.health = health.aio.HealthServicer()
         self._grpc_options = (

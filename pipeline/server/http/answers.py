@@ -35,14 +35,17 @@ def usage(outputs: Sequence[RequestOutput], per_prompt: int) -> dict[str, Any]:
 class Answer:
     """How to shape the answer to one request: its ``head`` fields, the token decoder when
     logprobs were asked for (else None), whether a stream ends with a usage chunk, how
-    many choices each prompt has (``n``), and whether every chunk carries its choice's usage
-    so far (vLLM's ``stream_options.continuous_usage_stats``)."""
+    many choices each prompt has (``n``), whether every chunk carries its choice's usage
+    so far (vLLM's ``stream_options.continuous_usage_stats``), and whether the answer
+    carries token ids (vLLM's ``return_token_ids``: the prompt's, and each choice's, in a
+    stream each chunk's new ones)."""
 
     head: dict[str, Any]
     texts: TokenTexts | None
     include_usage: bool
     per_prompt: int
     continuous_usage: bool = False
+    token_ids: bool = False
 
     @classmethod
     def create(
@@ -54,9 +57,10 @@ class Answer:
         include_usage: bool,
         per_prompt: int,
         continuous_usage: bool = False,
+        token_ids: bool = False,
     ) -> Answer:
         head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
-        return cls(head, texts, include_usage, per_prompt, continuous_usage)
+        return cls(head, texts, include_usage, per_prompt, continuous_usage, token_ids)
 
     def response(
         self, choices: list[dict[str, Any]], outputs: Sequence[RequestOutput]
@@ -65,12 +69,18 @@ class Answer:
         return {**self.head, "choices": choices, "usage": self.usage(outputs)}
 
     def chunk(
-        self, choice: dict[str, Any], output: RequestOutput | None = None, *, started: bool = True
+        self,
+        choice: dict[str, Any],
+        output: RequestOutput | None = None,
+        *,
+        started: bool = True,
+        extra: dict[str, Any] | None = None,
     ) -> str:
         """A stream event carrying one choice's chunk; with continuous usage, the usage of
         the choice's ``output`` so far, as vLLM counts it (its prompt and its tokens;
-        ``started`` False: none yet, the chat stream's opening chunk)."""
-        extra: dict[str, Any] = {"usage": None} if self.include_usage else {}
+        ``started`` False: none yet, the chat stream's opening chunk). ``extra``: fields of
+        the chunk beside its choices (the chat stream's ``prompt_token_ids``)."""
+        extra = {**(extra or {}), **({"usage": None} if self.include_usage else {})}
         if self.continuous_usage and output is not None:
             completion = len(output.token_ids) if started else 0
             prompt = output.num_prompt_tokens

@@ -161,7 +161,7 @@ def create_app(
         """Start ``plan``'s choices and answer them whole (``respond``) or streamed
         (``events``): the part both endpoints share."""
         tenant = tenant_of(request.scope)
-        checked = service.check(request_id, plan.choices, tenant, plan.tools)
+        checked = service.check(request_id, plan.choices, tenant, plan.tools, plan.rendering)
         answer = Answer.create(
             request_id,
             object_name,
@@ -170,8 +170,9 @@ def create_app(
             plan.include_usage,
             plan.per_prompt,
             plan.continuous_usage,
+            plan.token_ids,
         )
-        started = await service.start(request_id, checked, tenant, request.receive)
+        started = await service.start(request_id, checked, tenant, request.receive, plan.per_prompt)
         headers = {}
         if plan.deprecated:
             # RFC 7234's 299 "miscellaneous persistent warning"

@@ -7,7 +7,12 @@ A request whose output the parse stage read (docs/serving.md, "Tool calling") an
 ``message.reasoning_content`` and ``message.tool_calls`` (ids ``call_...``, arguments as
 JSON text; ``content`` null when the model only called); its stream carries
 ``delta.reasoning_content`` and ``delta.tool_calls``: a call's first delta has its ``index``,
-``id``, ``type`` and name, the next ones its arguments as they are generated."""
+``id``, ``type`` and name, the next ones its arguments as they are generated.
+
+With vLLM's ``return_token_ids`` the response carries ``prompt_token_ids`` and each choice its
+``token_ids`` (``vllm/entrypoints/openai/chat_completion/protocol.py``,
+``ChatCompletionResponse``, ``ChatCompletionResponseChoice``); in a stream the opening chunks
+carry ``prompt_token_ids`` and every later chunk its choice's new ``token_ids``."""
 
 from __future__ import annotations
 
@@ -62,10 +67,19 @@ def chat_response(answer: Answer, outputs: Sequence[RequestOutput]) -> dict[str,
             else None,
             "finish_reason": output.finish_reason,
             "stop_reason": output.stop_reason,
+            **({"token_ids": list(output.token_ids)} if answer.token_ids else {}),
         }
         for index, output in enumerate(outputs)
     ]
-    return answer.response(choices, outputs)
+    response = answer.response(choices, outputs)
+    if answer.token_ids:
+        response["prompt_token_ids"] = _prompt_token_ids(outputs[0] if outputs else None)
+    return response
+
+
+def _prompt_token_ids(output: RequestOutput | None) -> list[int] | None:
+    ids = output.prompt_token_ids if output is not None else None
+    return list(ids) if ids is not None else None
 
 
 def _chunk(
@@ -77,18 +91,26 @@ def _chunk(
     output: RequestOutput | None = None,
     *,
     started: bool = True,
+    token_ids: Sequence[int] | None = None,
 ) -> str:
     """A chunk of choice ``index``: ``delta`` with the logprobs of ``entries``; ``last``:
     the finished output whose reasons it carries (None: not the choice's last chunk);
-    ``output``: the choice's latest, for continuous usage (``started``: :meth:`Answer.chunk`)."""
-    choice = {
+    ``output``: the choice's latest, for continuous usage (``started``: :meth:`Answer.chunk`);
+    ``token_ids``: its new tokens, when the answer carries them (the opening chunk: none, and
+    the prompt's beside the choice)."""
+    choice: dict[str, Any] = {
         "index": index,
         "delta": delta,
         "logprobs": _logprobs(answer, entries),
         "finish_reason": last.finish_reason if last else None,
         "stop_reason": last.stop_reason if last else None,
     }
-    return answer.chunk(choice, last or output, started=started)
+    extra = None
+    if answer.token_ids:
+        choice["token_ids"] = list(token_ids or ())
+        if not started:
+            extra = {"prompt_token_ids": _prompt_token_ids(output)}
+    return answer.chunk(choice, last or output, started=started, extra=extra)
 
 
 class SentParts:
@@ -127,6 +149,13 @@ async def chat_events(answer: Answer, choices: Choices) -> AsyncGenerator[str, N
     """The stream's events (``[DONE]`` excluded)."""
     cursors = [LogprobsCursor() for _ in range(len(choices))]
     sent = [SentParts() for _ in range(len(choices))]
+    tokens = [0] * len(choices)  # per choice, the token ids sent
+
+    def new_tokens(index: int, output: RequestOutput) -> Sequence[int]:
+        new = output.token_ids[tokens[index] :]
+        tokens[index] = len(output.token_ids)
+        return new
+
     for index in range(len(choices)):
         first = choices.latest[index] if choices.latest else None
         yield _chunk(answer, index, {"role": "assistant", "content": ""}, (), None, first,
@@ -135,8 +164,14 @@ async def chat_events(answer: Answer, choices: Choices) -> AsyncGenerator[str, N
         async for index, output in outputs:
             delta = sent[index].delta(output)
             if delta:
-                yield _chunk(answer, index, delta, cursors[index].take(output), None, output)
+                yield _chunk(
+                    answer, index, delta, cursors[index].take(output), None, output,
+                    token_ids=new_tokens(index, output),
+                )  # fmt: skip
             if output.finished:
-                yield _chunk(answer, index, {}, cursors[index].take(output), output)
+                yield _chunk(
+                    answer, index, {}, cursors[index].take(output), output,
+                    token_ids=new_tokens(index, output),
+                )  # fmt: skip
     if answer.include_usage:
         yield answer.usage_chunk(choices.latest)

@@ -50,7 +50,8 @@ class RunningRequests:
 
 class Choices:
     """The engine requests of one HTTP request (a choice's index is its position), started
-    with :meth:`start`; :attr:`latest` holds each choice's latest output."""
+    with :meth:`start`; :attr:`latest` holds each choice's latest output. ``per_prompt``:
+    the choices of each prompt (``n``)."""
 
     def __init__(
         self,
@@ -59,18 +60,25 @@ class Choices:
         choices: Sequence[CheckedPrompt],
         tenant: str,
         running: RunningRequests,
+        per_prompt: int = 1,
     ) -> None:
         self.request_id = request_id
         self.engine_ids = [f"{request_id}-{index}" for index in range(len(choices))]
+        # NOTE: each prompt's n choices are one parent request to the metrics (vLLM's
+        # parallel sampling); a choice of its own has none
+        parents = [
+            (f"{request_id}/{index // per_prompt}", per_prompt) if per_prompt > 1 else None
+            for index in range(len(choices))
+        ]
         self._engine = engine
         self._running = running
         # NOTE: generate() is an async generator; closing it aborts a running request
         self._streams = [
             cast(
                 AsyncGenerator[RequestOutput, None],
-                engine.generate(checked, request_id=engine_id, tenant=tenant),
+                engine.generate(checked, request_id=engine_id, tenant=tenant, parent=parent),
             )
-            for engine_id, checked in zip(self.engine_ids, choices)
+            for engine_id, checked, parent in zip(self.engine_ids, choices, parents)
         ]
         self.latest: list[RequestOutput] = []
         self._readers: list[asyncio.Task[Any]] = []

@@ -39,10 +39,13 @@ from pipeline.server.http.schema import (
     ChatMessageBody,
     CompletionRequest,
     GenerationBody,
+    TokenizeRequest,
     ToolBody,
 )
 from pipeline.server.http.structured import GUIDED_ALIASES, structured_outputs_from
-from stages.messages import ChatMessage, ToolCall, ToolSpec
+from stages.chat_template import make_rendering
+from stages.errors import RequestError
+from stages.messages import ChatMessage, ChatRendering, ToolCall, ToolSpec
 from stages.params import MAX_LOGPROBS, SamplingParams
 from stages.tools import ToolUse
 
@@ -53,6 +56,7 @@ __all__ = [
     "check_extras",
     "plan_chat",
     "plan_completion",
+    "rendering_of",
     "tool_use",
 ]
 
@@ -82,7 +86,10 @@ class Plan:
     (choice ``prompt_index * per_prompt + j``), how many choices each prompt has, how many
     top logprobs each token carries (None: no logprobs), and whether a stream ends with a
     usage chunk. ``tools``: the functions a chat offers (None: none). ``deprecated``: the
-    deprecated fields the body used (vLLM's ``guided_*``), for a ``Warning`` header."""
+    deprecated fields the body used (vLLM's ``guided_*``), for a ``Warning`` header.
+    ``rendering``: a chat's template options (None: the model's template as it is).
+    ``token_ids``: the answer carries the prompt's and each choice's token ids (vLLM's
+    ``return_token_ids``)."""
 
     choices: tuple[tuple[Prompt, SamplingParams], ...]
     per_prompt: int
@@ -91,6 +98,8 @@ class Plan:
     tools: ToolUse | None = None
     deprecated: tuple[str, ...] = ()
     continuous_usage: bool = False
+    rendering: ChatRendering | None = None
+    token_ids: bool = False
 
 
 def plan_completion(body: CompletionRequest) -> Plan:
@@ -120,7 +129,26 @@ def plan_chat(body: ChatCompletionRequest) -> Plan:
     limits = (body.max_completion_tokens, body.max_tokens)
     max_tokens = next((limit for limit in limits if limit is not None), None)
     params = _sampling(body, max_tokens, _chat_logprobs(body))
-    return dataclasses.replace(_plan(body, [messages], params, n), tools=tool_use(body))
+    plan = _plan(body, [messages], params, n)
+    return dataclasses.replace(plan, tools=tool_use(body), rendering=rendering_of(body))
+
+
+def rendering_of(body: ChatCompletionRequest | TokenizeRequest) -> ChatRendering | None:
+    """The chat template options of a chat or ``/tokenize`` body (None: the defaults); the
+    engine's validation core checks them.
+
+    Raises:
+        ApiError: 400 naming ``chat_template_kwargs`` when it holds what is not JSON.
+    """
+    try:
+        return make_rendering(
+            body.chat_template,
+            body.chat_template_kwargs,
+            body.add_generation_prompt,
+            body.continue_final_message,
+        )
+    except RequestError as error:
+        raise ApiError.from_error(error) from None
 
 
 def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParams, n: int) -> Plan:
@@ -162,7 +190,7 @@ def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParam
         )
     return Plan(
         choices, n, params.logprobs, include_usage, deprecated=deprecated,
-        continuous_usage=continuous,
+        continuous_usage=continuous, token_ids=bool(body.return_token_ids),
     )  # fmt: skip
 
 

@@ -78,14 +78,10 @@ ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     # vLLM's defaults: completions add the tokenizer's special tokens, chat adds the
     # generation prompt and continues no message; spaces between special tokens
     "spaces_between_special_tokens": (True, None),
-    "continue_final_message": (False, None),
     "use_beam_search": (False, None),
     "length_penalty": (1.0, 1, None),
     "return_tokens_as_token_ids": (False, None),
-    "return_token_ids": (False, None),
     "prompt_logprobs": (None,),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None,),
     "functions": (None,),
     "function_call": (None, "none"),
     "logits_processors": (None,),
@@ -96,10 +92,16 @@ ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "priority": (0, None),
 }
 #: the same for fields whose default differs by endpoint (vLLM's defaults of each)
-COMPLETION_ACCEPTED_AT: dict[str, tuple[object, ...]] = {"add_special_tokens": (True, None)}
+COMPLETION_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
+    "add_special_tokens": (True, None),
+    # chat fields (vLLM's completions do not have them): no template renders a prompt
+    "chat_template": (None,),
+    "chat_template_kwargs": (None,),
+    "add_generation_prompt": (True, None),
+    "continue_final_message": (False, None),
+}
 CHAT_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "add_special_tokens": (False, None),
-    "add_generation_prompt": (True, None),
     "echo": (False, None),
 }
 #: ``stream_options`` fields accepted at these values only
@@ -153,6 +155,8 @@ class GenerationBody(BaseModel):
     allowed_token_ids: FailFast[int] | None = None
     bad_words: FailFast[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the prompt's and each choice's token ids beside the text
+    return_token_ids: bool | None = None
     # vLLM's legacy aliases of structured_outputs' keys (deprecated: a log line and a header)
     guided_json: Any = None
     guided_regex: Any = None
@@ -261,6 +265,11 @@ class ChatCompletionRequest(GenerationBody):
     tools: FailFast[ToolBody] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template options (stages.chat_template)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(BaseModel):
@@ -275,6 +284,9 @@ class TokenizeRequest(BaseModel):
     tools: FailFast[ToolBody] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

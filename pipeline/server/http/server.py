@@ -91,7 +91,10 @@ class HttpServer:
         self.tls = tls
         self.limits = limits if limits is not None else ListenerLimits()
         self.service = HttpService(
-            engine, model_name or engine.options.model, self.limits.max_logprob_entries
+            engine,
+            model_name or engine.options.model,
+            self.limits.max_logprob_entries,
+            self.limits.trust_request_chat_template,
         )
         self._owns_metrics = metrics is None
         self.metrics = (

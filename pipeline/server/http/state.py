@@ -16,9 +16,13 @@ from pipeline.engine.prompts import CheckedPrompt, Prompt
 from pipeline.server.http.choices import Choices, RunningRequests
 from pipeline.server.http.errors import SERVER_ERROR, ApiError
 from pipeline.server.http.logprobs import TokenTexts
-from pipeline.server.limits import DEFAULT_MAX_LOGPROB_ENTRIES, check_logprob_entries
+from pipeline.server.limits import (
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    check_logprob_entries,
+    check_request_template,
+)
 from stages.errors import RequestError
-from stages.messages import RequestOutput
+from stages.messages import ChatRendering, RequestOutput
 from stages.params import SamplingParams
 from stages.tools import ToolUse
 
@@ -29,17 +33,21 @@ class HttpService:
     """Serves the API's requests from ``engine`` under the model id ``model_name``.
     ``texts`` decodes logprobs' tokens (None until the tokenizer is loaded);
     ``max_logprob_entries``: the logprobs one request may ask for
-    (:func:`~pipeline.server.limits.check_logprob_entries`)."""
+    (:func:`~pipeline.server.limits.check_logprob_entries`);
+    ``trust_request_chat_template``: whether a request may bring its own ``chat_template``
+    (:func:`~pipeline.server.limits.check_request_template`)."""
 
     def __init__(
         self,
         engine: AsyncEngine,
         model_name: str,
         max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_logprob_entries = max_logprob_entries
+        self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
         self.texts: TokenTexts | None = None
         #: the engine's HF tokenizer, for /tokenize and /detokenize (None until loaded)
@@ -65,8 +73,10 @@ class HttpService:
 
     def check_model(self, model: str | None) -> None:
         """Raises ApiError 404 unless ``model`` is the model served (None, left out: it is,
-        as vLLM takes it)."""
-        if model is not None and model != self.model_name:
+        as vLLM takes it): its served name, or the ``root`` its model card names (the path
+        or alias it was started with, which ``vllm bench serve`` sends when it found the
+        model from ``/v1/models``: ``vllm/benchmarks/serve.py``, its prompt alignment)."""
+        if model is not None and model not in (self.model_name, self.engine.options.model):
             raise ApiError(
                 404,
                 f"the model {model!r:.80} does not exist; this server serves {self.model_name!r}",
@@ -88,6 +98,7 @@ class HttpService:
         choices: Sequence[tuple[Prompt, SamplingParams]],
         tenant: str,
         tools: ToolUse | None = None,
+        rendering: ChatRendering | None = None,
     ) -> list[CheckedPrompt]:
         """Every choice through the engine's validation core, once, before any starts
         (docs/architecture.md §7.1): a value no stage or link could carry is a 400 naming
@@ -97,11 +108,21 @@ class HttpService:
         Raises:
             ApiError: 400 naming the field that is invalid; 503 while nothing can be
                 served; 400 ``invalid_value`` (param ``logprobs``) for an answer that could
-                carry more logprobs than ``max_logprob_entries``.
+                carry more logprobs than ``max_logprob_entries``; 400 (param
+                ``chat_template``) for a request's own template on a server that does not
+                trust them.
         """
         try:
+            check_request_template(rendering, self.trust_request_chat_template)
             checked = [
-                self.engine.check(prompt, params, request_id=request_id, tenant=tenant, tools=tools)
+                self.engine.check(
+                    prompt,
+                    params,
+                    request_id=request_id,
+                    tenant=tenant,
+                    tools=tools,
+                    rendering=rendering,
+                )
                 for prompt, params in choices
             ]
         except RequestError as exc:
@@ -130,9 +151,10 @@ class HttpService:
         choices: Sequence[CheckedPrompt],
         tenant: str,
         receive: Receive,
+        per_prompt: int = 1,
     ) -> Choices:
         """Start one engine request per checked choice (:meth:`check`) and wait for each
-        one's first output.
+        one's first output; ``per_prompt``: the choices of each prompt (``n``).
 
         Raises:
             ApiError: the engine refused a choice (400, 429, 503...) or cannot serve.
@@ -140,7 +162,7 @@ class HttpService:
         problem = self.problem()
         if problem is not None:
             raise problem
-        started = Choices(self.engine, request_id, choices, tenant, self.running)
+        started = Choices(self.engine, request_id, choices, tenant, self.running, per_prompt)
         try:
             await started.start(receive)
         except Exception as exc:

@@ -21,10 +21,13 @@ from pipeline.server.http.requests import (
     chat_messages,
     check_extras,
     check_message_extras,
+    rendering_of,
     tool_specs,
 )
 from pipeline.server.http.schema import DetokenizeRequest, TokenizeRequest
 from pipeline.server.http.state import HttpService
+from pipeline.server.limits import check_request_template
+from stages.chat_template import check_rendering
 from stages.errors import RequestError
 from stages.tokenize import render_messages
 from stages.tools import check_tool_messages
@@ -43,14 +46,17 @@ def _tokenizer(service: HttpService) -> Any:
 
 async def tokenize(service: HttpService, body: TokenizeRequest) -> dict[str, Any]:
     """``{"count", "max_model_len", "tokens", "token_strs"}`` of ``body``'s prompt or chat
-    messages (vLLM's defaults: special tokens added to a prompt, not to rendered messages).
+    messages (vLLM's defaults: special tokens added to a prompt, not to rendered messages),
+    the messages rendered with the body's chat template options as a chat request's are.
 
     Raises:
-        ApiError: 400 for neither or both of ``prompt`` and ``messages``, or a field this
-            form does not take; 404 for another model; 503 while nothing is served.
+        ApiError: 400 for neither or both of ``prompt`` and ``messages``, a field this form
+            does not take, or chat template options that are invalid (or a template of the
+            request's own on a server that does not trust them); 404 for another model;
+            503 while nothing is served.
     """
     service.check_model(body.model)
-    check_extras(body.model_extra, {"continue_final_message": (False, None)})
+    check_extras(body.model_extra, {})
     tokenizer = _tokenizer(service)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(
@@ -73,21 +79,29 @@ async def tokenize(service: HttpService, body: TokenizeRequest) -> dict[str, Any
             messages = chat_messages(body.messages)
             check_tool_messages(messages, "tokenize")
             tools = tool_specs(body.tools)
+            rendering = rendering_of(body)
+            check_request_template(rendering, service.trust_request_chat_template)
+            check_rendering(rendering, has_messages=True)
             ids = await run_in_threadpool(
-                functools.partial(
-                    render_messages,
-                    tokenizer,
-                    messages,
-                    tools,
-                    add_generation_prompt=body.add_generation_prompt,
-                )
+                functools.partial(render_messages, tokenizer, messages, tools, rendering=rendering)
             )
         else:
-            if body.tools:
+            chat_only = ("tools", "chat_template", "chat_template_kwargs")
+            for name in chat_only:
+                if getattr(body, name) is not None:
+                    raise ApiError(
+                        400,
+                        f"{name}: only with messages (the chat template renders them)",
+                        param=name,
+                        code="invalid_value",
+                    )
+            if not body.add_generation_prompt or body.continue_final_message:
+                name = "continue_final_message" if body.continue_final_message else (
+                    "add_generation_prompt")  # fmt: skip
                 raise ApiError(
                     400,
-                    "tools: only with messages (the chat template renders them)",
-                    param="tools",
+                    f"{name}: only with messages (the chat template renders them)",
+                    param=name,
                     code="invalid_value",
                 )
             special = True if body.add_special_tokens is None else body.add_special_tokens

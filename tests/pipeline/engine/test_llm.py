@@ -199,3 +199,55 @@ def test_vllm_prompt_dicts_and_keyword(tiny_model_dir: Path) -> None:
         assert caught.value.field == "prompt"
         with pytest.raises(InvalidRequestError, match="prompt_token_ids must be a list"):
             llm.generate({"prompt_token_ids": "5 6 7"}, params)
+
+
+def test_chat_takes_vllms_template_options(tiny_model_dir: Path) -> None:
+    """``LLM.chat`` with vLLM's ``chat_template``, ``chat_template_kwargs``,
+    ``add_generation_prompt`` and ``continue_final_message``: the prompt is what the
+    tokenizer renders with them (the outputs' ``prompt_token_ids``); bad ones are refused by
+    name and the LLM goes on."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content | upper if shout else m.content }}"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    chat = [{"role": "user", "content": "Hi there"}]
+    history = [*chat, {"role": "assistant", "content": "Hello, I am"}]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def expected(messages: Any, add_generation_prompt: bool = True, **options: Any) -> Any:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **options
+        )
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    with LLM(str(tiny_model_dir), transport="memory") as llm:
+        (own,) = llm.chat(
+            chat, params, use_tqdm=False, chat_template=template,
+            chat_template_kwargs={"shout": True},
+        )  # fmt: skip
+        assert own.prompt_token_ids == expected(chat, chat_template=template, shout=True)
+        assert tokenizer.decode(own.prompt_token_ids) == "<user>HI THERE<assistant>"
+        assert len(own.token_ids) == 2
+        (plain,) = llm.chat(chat, params, use_tqdm=False, add_generation_prompt=False)
+        assert plain.prompt_token_ids == expected(chat, add_generation_prompt=False)
+        (continued,) = llm.chat(
+            history, params, use_tqdm=False, add_generation_prompt=False,
+            continue_final_message=True,
+        )  # fmt: skip
+        assert continued.prompt_token_ids == expected(
+            history, add_generation_prompt=False, continue_final_message=True
+        )
+        with pytest.raises(InvalidRequestError, match="add_generation_prompt") as caught:
+            llm.chat(chat, params, continue_final_message=True)
+        assert caught.value.field == "continue_final_message"
+        with pytest.raises(InvalidRequestError, match="does not read") as caught:
+            llm.chat(chat, params, chat_template_kwargs={"enable_thinking": True})
+        assert caught.value.field == "chat_template_kwargs"
+        with pytest.raises(InvalidRequestError, match="nope") as caught:
+            llm.chat(chat, params, chat_template="{{ raise_exception('nope') }}")
+        assert caught.value.field == "chat_template"
+        (again,) = llm.chat(chat, params, use_tqdm=False)
+        assert again.prompt_token_ids == expected(chat, add_generation_prompt=True)

@@ -1,8 +1,8 @@
 """The shared server of the HTTP tests: ``actorline serve`` serving gRPC and the
 OpenAI-compatible API from one engine (the tiny model, served as ``tiny``), with API keys
-from a key file (some with tiny rate limits). Tests that share it leave it as they found it
-(no request running). Its teardown stops it with SIGINT: exit status 0, no engine process
-left, no traceback."""
+from a key file (some with tiny rate limits), trusting requests' own chat templates. Tests
+that share it leave it as they found it (no request running). Its teardown stops it with
+SIGINT: exit status 0, no engine process left, no traceback."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def openai_serve(
     key_file.write_text("\n".join([API_KEY, *(f"{key} 0.001 -" for key in limited)]) + "\n")
     serve = ServeProcess(
         openai_serve_arguments(tiny_model_dir, "--num-blocks", "128", "--api-key-file",
-                               str(key_file)),
+                               str(key_file), "--trust-request-chat-template"),
         directory / "stderr.txt",
     )  # fmt: skip
     try:

@@ -240,3 +240,35 @@ def test_counts_follow_the_requests(scrapes: tuple[Scrape, Scrape, int, int]) ->
     info = [s for s in after.samples if s.name == "vllm:cache_config_info"]
     assert len(info) == 1 and info[0].value == 1
     assert info[0].labels["num_gpu_blocks"] == "128"
+
+
+def test_n_is_the_requests_and_counted_once_per_prompt(
+    openai_serve: ServeProcess, client: openai.OpenAI
+) -> None:
+    """vLLM observes a parent's ``n`` and its longest choice once, when its last choice
+    ends; every choice's own metrics once per choice."""
+    before = Scrape(openai_serve)
+    answer = client.completions.create(
+        model=MODEL, prompt=["one", "two"], n=3, max_tokens=4, seed=1, extra_body=IGNORE_EOS
+    )
+    assert len(answer.choices) == 6
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=3,
+        extra_body=IGNORE_EOS,
+    )  # fmt: skip
+    assert len(chat.choices) == 2
+    after = Scrape(openai_serve)
+
+    def moved(name: str) -> float:
+        return after.value(name) - before.value(name)
+
+    # three parents: each prompt of the completion (n=3), the chat (n=2)
+    assert moved("vllm:request_params_n_count") == 3
+    assert moved("vllm:request_params_n_sum") == 3 + 3 + 2
+    assert moved("vllm:request_max_num_generation_tokens_count") == 3
+    assert moved("vllm:request_max_num_generation_tokens_sum") == 4 + 4 + 3
+    # per choice, as vLLM's children
+    assert moved("vllm:request_params_max_tokens_count") == 8
+    assert moved("vllm:request_params_max_tokens_sum") == 6 * 4 + 2 * 3
+    assert moved("vllm:request_generation_tokens_count") == 8
+    assert moved("vllm:e2e_request_latency_seconds_count") == 8

@@ -57,6 +57,18 @@ def test_model_may_be_left_out(openai_serve: ServeProcess) -> None:
     assert body["model"] == MODEL and body["usage"]["completion_tokens"] == 2
 
 
+def test_model_may_be_named_by_its_root(openai_serve: ServeProcess, client: openai.OpenAI) -> None:
+    """``vllm bench serve`` without ``--model`` sends the card's ``root`` to ``/tokenize``."""
+    root = (client.models.list().data[0].model_extra or {})["root"]
+    status, body = call(openai_serve, "/tokenize", {"model": root, "prompt": "Hi"})
+    assert status == 200 and body["count"] > 0, body
+    body = {"model": root, "prompt": "Hi", "max_tokens": 1}
+    status, answer = call(openai_serve, "/v1/completions", body)
+    assert status == 200 and answer["model"] == MODEL, answer
+    status, answer = call(openai_serve, "/v1/completions", body | {"model": "other"})
+    assert status == 404 and answer["error"]["code"] == "model_not_found", answer
+
+
 def test_tokenize_and_detokenize_agree_with_the_tokenizer(
     openai_serve: ServeProcess, tiny_model_dir: Any, client: openai.OpenAI
 ) -> None:
@@ -78,7 +90,9 @@ def test_tokenize_and_detokenize_agree_with_the_tokenizer(
         status, chat = call(openai_serve, "/tokenize", {"messages": messages})
         assert status == 200, chat
         answer = client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=1  # type: ignore[arg-type]
+            model=MODEL,
+            messages=messages,
+            max_tokens=1,  # type: ignore[arg-type]
         )
         assert answer.usage is not None and answer.usage.prompt_tokens == chat["count"]
 
@@ -120,13 +134,12 @@ def test_unknown_paths_and_methods_have_a_code(openai_serve: ServeProcess) -> No
         ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors"),
         ("/v1/completions", {"cache_salt": "x"}, "cache_salt"),
-        ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
         ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
         ("/v1/completions", {"no_such_field": 1}, "no_such_field"),
         ("/v1/completions", {"store": True}, "store"),
         ("/v1/completions", {"priority": 3}, "priority"),
-        ("/v1/chat/completions", {"chat_template": "{{ x }}"}, "chat_template"),
-        ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
+        ("/v1/completions", {"chat_template": "{{ x }}"}, "chat_template"),
+        ("/v1/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
         ("/v1/chat/completions", {"stream": True, "stream_options": {"x": True}},
          "stream_options.x"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "name": "x"}]},
