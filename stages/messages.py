@@ -257,7 +257,10 @@ class StepResult:
     prefixes), how many; freeing it frees only its other blocks. Prefix-cache counters are
     cumulative, in tokens. ``communication_seconds``: time rank 0 spent in tensor-parallel
     collectives this step (waiting for the slowest rank included; 0 without tensor
-    parallelism).
+    parallelism). ``prompt_logprobs``: for each request that asked for them
+    (``params.prompt_logprobs``) and sampled its first token this step, the scores of its
+    prompt tokens after the first (one entry per token, in order; computed over the steps
+    its prompt took).
     """
 
     step_id: int
@@ -276,6 +279,7 @@ class StepResult:
     num_computed_tokens: int = 0
     forward_seconds: float = 0.0
     communication_seconds: float = 0.0
+    prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -310,7 +314,9 @@ class EngineOutputs:
     with ``stop_reasons[i]`` (the stop token id, if a stop token ended it).
     ``scheduler_times``: for each request whose first token this is, ``(queue_seconds,
     prefill_seconds)`` on the scheduler's clock: from its arrival at the scheduler to its first
-    scheduled chunk, and from there to this token (vLLM's queued and prefill intervals)."""
+    scheduled chunk, and from there to this token (vLLM's queued and prefill intervals).
+    ``prompt_logprobs``: with a request's first token, its prompt's scores when it asked for
+    them (:class:`StepResult`)."""
 
     request_ids: tuple[str, ...]
     new_token_ids: tuple[tuple[int, ...], ...]
@@ -320,6 +326,7 @@ class EngineOutputs:
     num_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: EngineStats | None = None
     scheduler_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -337,6 +344,7 @@ class TextOutputs:
     num_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: EngineStats | None = None
     scheduler_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -366,6 +374,10 @@ class RequestOutput:
     parse stage), ``text``/``delta`` hold its content only, ``reasoning`` the reasoning text so
     far and ``tool_calls`` the calls so far (the last one's arguments possibly still growing),
     both cumulative: a stream's deltas are what is new since the previous output.
+    ``prompt_token_ids``: the prompt as the engine ran it (vLLM's field). ``prompt_logprobs``
+    (when ``params.prompt_logprobs`` was set; vLLM's field): one entry per prompt token, None
+    for the first (nothing comes before it), then each token's :class:`Logprobs` given the
+    tokens before it; None until the first token's output, and on every output after it.
     """
 
     request_id: str
@@ -381,6 +393,8 @@ class RequestOutput:
     scheduler_times: tuple[float, float, str] | None = None
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -49,6 +49,8 @@ class _Tracked:
         "logprobs",
         "num_cached_tokens",
         "num_prompt_tokens",
+        "prompt_logprobs",
+        "prompt_token_ids",
         "text",
         "token_ids",
     )
@@ -70,6 +72,9 @@ class _Tracked:
         self.token_ids: list[int] = []
         self.logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
         self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.prompt_token_ids = request.prompt_token_ids
+        # None first: the first prompt token has no score (as vLLM's RequestOutput)
+        self.prompt_logprobs: tuple[Logprobs | None, ...] | None = None
         self.num_cached_tokens = 0
 
     def output(
@@ -93,6 +98,8 @@ class _Tracked:
             self.num_cached_tokens,
             None,
             scheduler_times,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -140,6 +147,9 @@ class StopCheckStage(Stage):
                 tracked.text += delta
                 if tracked.logprobs is not None:
                     tracked.logprobs.extend(batch.logprobs.get(request_id, ()))
+                scores = batch.prompt_logprobs.get(request_id)
+                if scores is not None:
+                    tracked.prompt_logprobs = (None, *scores)
                 times = batch.scheduler_times.get(request_id)
                 outputs.append(
                     tracked.output(

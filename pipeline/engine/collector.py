@@ -129,4 +129,6 @@ def with_metrics(
         scheduler_times,
         output.reasoning,
         output.tool_calls,
+        output.prompt_token_ids,
+        output.prompt_logprobs,
     )
