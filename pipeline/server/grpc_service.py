@@ -95,6 +95,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     params.logprobs,
                     info.max_model_len,
                     self._max_logprob_entries,
+                    params.prompt_logprobs,
                 )
             if engine_id in self._running:
                 raise InvalidRequestError(

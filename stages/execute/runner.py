@@ -857,8 +857,9 @@ class ModelRunner:
             device=self.device,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device)  # [T]
-        rows = [w.packed_end - 1 for w in sampling] + list(extra_rows)
-        keep = torch.tensor(rows, dtype=torch.long)
+        keep = torch.tensor(
+            [w.packed_end - 1 for w in sampling] + list(extra_rows), dtype=torch.long
+        )
         with torch.inference_mode(), forward_context(metadata):
             output = self.model(
                 input_ids=input_ids.unsqueeze(0),

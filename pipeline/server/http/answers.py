@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.server.http.echo import Echo
 from pipeline.server.http.logprobs import TokenTexts
 from pipeline.server.http.sse import event
 from stages.messages import RequestOutput
@@ -36,13 +37,18 @@ class Answer:
     """How to shape the answer to one request: its ``head`` fields, the token decoder when
     logprobs were asked for (else None), whether a stream ends with a usage chunk, how
     many choices each prompt has (``n``), and whether every chunk carries its choice's usage
-    so far (vLLM's ``stream_options.continuous_usage_stats``)."""
+    so far (vLLM's ``stream_options.continuous_usage_stats``). ``echo``: a completion's
+    choices start with their prompt (:mod:`~pipeline.server.http.echo`);
+    ``prompt_logprobs``: the token decoder when vLLM's ``prompt_logprobs`` field was asked for
+    (None: not asked)."""
 
     head: dict[str, Any]
     texts: TokenTexts | None
     include_usage: bool
     per_prompt: int
     continuous_usage: bool = False
+    echo: Echo | None = None
+    prompt_logprobs: TokenTexts | None = None
 
     @classmethod
     def create(
@@ -54,9 +60,12 @@ class Answer:
         include_usage: bool,
         per_prompt: int,
         continuous_usage: bool = False,
+        *,
+        echo: Echo | None = None,
+        prompt_logprobs: TokenTexts | None = None,
     ) -> Answer:
         head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
-        return cls(head, texts, include_usage, per_prompt, continuous_usage)
+        return cls(head, texts, include_usage, per_prompt, continuous_usage, echo, prompt_logprobs)
 
     def response(
         self, choices: list[dict[str, Any]], outputs: Sequence[RequestOutput]

@@ -170,6 +170,8 @@ def create_app(
             plan.include_usage,
             plan.per_prompt,
             plan.continuous_usage,
+            echo=service.echo(plan),
+            prompt_logprobs=service.token_texts(plan.prompt_logprobs),
         )
         started = await service.start(request_id, checked, tenant, request.receive)
         headers = {}
@@ -178,7 +180,10 @@ def create_app(
             fields = ", ".join(plan.deprecated)
             headers["Warning"] = f'299 - "{fields}: deprecated; use structured_outputs"'
         if not stream:
-            return JsonAnswer(respond(answer, await service.collect(started)), headers=headers)
+            outputs = await service.collect(started)
+            if answer.echo is not None:
+                await answer.echo.prepare(outputs)
+            return JsonAnswer(respond(answer, outputs), headers=headers)
         return EventStream(started, events(answer, started), headers)
 
     @app.post("/v1/completions", response_model=None)

@@ -7,7 +7,8 @@ A request whose output the parse stage read (docs/serving.md, "Tool calling") an
 ``message.reasoning_content`` and ``message.tool_calls`` (ids ``call_...``, arguments as
 JSON text; ``content`` null when the model only called); its stream carries
 ``delta.reasoning_content`` and ``delta.tool_calls``: a call's first delta has its ``index``,
-``id``, ``type`` and name, the next ones its arguments as they are generated."""
+``id``, ``type`` and name, the next ones its arguments as they are generated. vLLM's
+``prompt_logprobs`` (the rendered prompt's scores) sit at a whole answer's top level."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 
 from pipeline.server.http.answers import Answer
 from pipeline.server.http.choices import Choices
+from pipeline.server.http.echo import lazy_prompt_logprobs
 from pipeline.server.http.logprobs import LogprobsCursor, chat_logprobs, lazy_chat_logprobs
 from stages.messages import Logprobs, RequestOutput, ToolCall
 
@@ -65,7 +67,11 @@ def chat_response(answer: Answer, outputs: Sequence[RequestOutput]) -> dict[str,
         }
         for index, output in enumerate(outputs)
     ]
-    return answer.response(choices, outputs)
+    response = answer.response(choices, outputs)
+    if answer.prompt_logprobs is not None and outputs:
+        # vLLM's place: the response's top level (every choice has the same prompt)
+        response["prompt_logprobs"] = lazy_prompt_logprobs(outputs[0], answer.prompt_logprobs)
+    return response
 
 
 def _chunk(

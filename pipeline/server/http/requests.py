@@ -64,7 +64,6 @@ SEED_RANGE = 2**63
 
 #: body fields accepted only at a value that asks for nothing this server lacks
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "echo": bool,
     "best_of": lambda value: value not in (None, 1),
     "suffix": bool,
 }
@@ -72,7 +71,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-    "skip_special_tokens", "truncate_prompt_tokens",
+    "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -82,7 +81,10 @@ class Plan:
     (choice ``prompt_index * per_prompt + j``), how many choices each prompt has, how many
     top logprobs each token carries (None: no logprobs), and whether a stream ends with a
     usage chunk. ``tools``: the functions a chat offers (None: none). ``deprecated``: the
-    deprecated fields the body used (vLLM's ``guided_*``), for a ``Warning`` header."""
+    deprecated fields the body used (vLLM's ``guided_*``), for a ``Warning`` header.
+    ``echo``: a completion's answer starts with its prompt (``echo_only``: and holds nothing
+    else: ``max_tokens`` 0); ``prompt_logprobs``: the body asked for the prompt's scores in
+    the answer (vLLM's field; None: not asked)."""
 
     choices: tuple[tuple[Prompt, SamplingParams], ...]
     per_prompt: int
@@ -91,6 +93,9 @@ class Plan:
     tools: ToolUse | None = None
     deprecated: tuple[str, ...] = ()
     continuous_usage: bool = False
+    echo: bool = False
+    echo_only: bool = False
+    prompt_logprobs: int | None = None
 
 
 def plan_completion(body: CompletionRequest) -> Plan:
@@ -103,8 +108,16 @@ def plan_completion(body: CompletionRequest) -> Plan:
     _check_supported(body)
     n = _choices_per_prompt(body)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = _sampling(body, max_tokens, body.logprobs)
-    return _plan(body, _prompts(body.prompt), params, n)
+    echo = bool(body.echo)
+    # NOTE: as vLLM (vllm/entrypoints/openai/completion/protocol.py, to_sampling_params):
+    # echo with logprobs scores the prompt with the same top count unless prompt_logprobs
+    # says otherwise; echo with max_tokens 0 runs one token and answers the prompt only
+    echo_only = echo and max_tokens == 0
+    params = _sampling(body, 1 if echo_only else max_tokens, body.logprobs)
+    if echo and body.logprobs is not None and body.prompt_logprobs is None:
+        params = params.replace(prompt_logprobs=body.logprobs)
+    plan = _plan(body, _prompts(body.prompt), params, n)
+    return dataclasses.replace(plan, echo=echo, echo_only=echo_only)
 
 
 def plan_chat(body: ChatCompletionRequest) -> Plan:
@@ -162,7 +175,7 @@ def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParam
         )
     return Plan(
         choices, n, params.logprobs, include_usage, deprecated=deprecated,
-        continuous_usage=continuous,
+        continuous_usage=continuous, prompt_logprobs=body.prompt_logprobs,
     )  # fmt: skip
 
 
@@ -234,6 +247,15 @@ def _check_supported(body: GenerationBody) -> None:
             "stream_options: only allowed when stream is true",
             param="stream_options",
             code="invalid_value",
+        )
+    if body.stream and body.prompt_logprobs is not None:
+        # vLLM's rule (vllm/entrypoints/openai/completion/protocol.py, check_logprobs)
+        raise ApiError(
+            400,
+            "prompt_logprobs: not available when stream is true (a stream of /v1/completions "
+            "with echo and logprobs carries the prompt's scores in its first chunk)",
+            param="prompt_logprobs",
+            code="unsupported_value",
         )
     for field, asks_too_much in _UNSUPPORTED.items():
         value = getattr(body, field, None)

@@ -83,7 +83,6 @@ ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "length_penalty": (1.0, 1, None),
     "return_tokens_as_token_ids": (False, None),
     "return_token_ids": (False, None),
-    "prompt_logprobs": (None,),
     "chat_template": (None,),
     "chat_template_kwargs": (None,),
     "functions": (None,),
@@ -153,6 +152,8 @@ class GenerationBody(BaseModel):
     allowed_token_ids: FailFast[int] | None = None
     bad_words: FailFast[str] | None = None
     truncate_prompt_tokens: int | None = None
+    #: vLLM's: score the prompt's tokens too, with this many top alternatives (-1: all)
+    prompt_logprobs: int | None = None
     # vLLM's legacy aliases of structured_outputs' keys (deprecated: a log line and a header)
     guided_json: Any = None
     guided_regex: Any = None
@@ -165,6 +166,7 @@ class CompletionRequest(GenerationBody):
 
     #: one prompt or several (OpenAI's four forms: text, texts, token ids, token-id lists)
     prompt: str | FailFast[str] | FailFast[int] | FailFast[FailFast[int]]
+    #: the answer's text (and logprobs) start with the prompt's
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None

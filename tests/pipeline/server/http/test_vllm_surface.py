@@ -117,7 +117,7 @@ def test_unknown_paths_and_methods_have_a_code(openai_serve: ServeProcess) -> No
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors"),
         ("/v1/completions", {"cache_salt": "x"}, "cache_salt"),
         ("/v1/completions", {"return_token_ids": True}, "return_token_ids"),
