@@ -6,8 +6,10 @@ refused naming the field."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,12 +20,17 @@ from stages.messages import Logprobs, RequestOutput
 TOP = 2
 
 
+@functools.lru_cache(maxsize=2)
+def _hf_model(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def hf_logprobs(model_dir: Path, prompt: Sequence[int]) -> torch.Tensor:
     """``[len(prompt) - 1, V]``: HF's log-softmax of the distribution of each token after
     the first."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _hf_model(model_dir)
     with torch.inference_mode():
         logits = model(torch.tensor([list(prompt)])).logits[0].float()
     return logits[:-1].log_softmax(dim=-1)
