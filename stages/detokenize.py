@@ -116,6 +116,7 @@ class DetokenizeStage(Stage):
                 outputs.num_cached_tokens,
                 outputs.stats,
                 outputs.scheduler_times,
+                outputs.prompt_logprobs,
             ),
         )
         for rejected in failed:

@@ -284,7 +284,10 @@ class StepResult:
     prefixes), how many; freeing it frees only its other blocks. Prefix-cache counters are
     cumulative, in tokens. ``communication_seconds``: time rank 0 spent in tensor-parallel
     collectives this step (waiting for the slowest rank included; 0 without tensor
-    parallelism).
+    parallelism). ``prompt_logprobs``: for each request that asked for them
+    (``params.prompt_logprobs``) and sampled its first token this step, the scores of its
+    prompt tokens after the first (one entry per token, in order; computed over the steps
+    its prompt took).
     """
 
     step_id: int
@@ -303,6 +306,7 @@ class StepResult:
     num_computed_tokens: int = 0
     forward_seconds: float = 0.0
     communication_seconds: float = 0.0
+    prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -337,7 +341,9 @@ class EngineOutputs:
     with ``stop_reasons[i]`` (the stop token id, if a stop token ended it).
     ``scheduler_times``: for each request whose first token this is, ``(queue_seconds,
     prefill_seconds)`` on the scheduler's clock: from its arrival at the scheduler to its first
-    scheduled chunk, and from there to this token (vLLM's queued and prefill intervals)."""
+    scheduled chunk, and from there to this token (vLLM's queued and prefill intervals).
+    ``prompt_logprobs``: with a request's first token, its prompt's scores when it asked for
+    them (:class:`StepResult`)."""
 
     request_ids: tuple[str, ...]
     new_token_ids: tuple[tuple[int, ...], ...]
@@ -347,6 +353,7 @@ class EngineOutputs:
     num_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: EngineStats | None = None
     scheduler_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -364,6 +371,7 @@ class TextOutputs:
     num_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: EngineStats | None = None
     scheduler_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -394,9 +402,12 @@ class RequestOutput:
     far and ``tool_calls`` the calls so far (the last one's arguments possibly still growing),
     both cumulative: a stream's deltas are what is new since the previous output.
     ``prompt_token_ids``: the prompt's token ids, as the tokenize stage made them (chat
-    template applied): stop-check puts them on a request's first output only, and the
-    engine's caller finds them on every output it reads (vLLM's
-    ``RequestOutput.prompt_token_ids``).
+    template applied). ``prompt_logprobs`` (when ``params.prompt_logprobs`` was set;
+    vLLM's field): one entry per prompt token, None for the first (nothing comes before
+    it), then each token's :class:`Logprobs` given the tokens before it. Stop-check puts
+    each on one output only (the ids on the first, the scores on the first token's), and
+    the engine's caller finds them on every output it reads (vLLM's
+    ``RequestOutput.prompt_token_ids`` / ``prompt_logprobs``).
     """
 
     request_id: str
@@ -413,6 +424,7 @@ class RequestOutput:
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     prompt_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

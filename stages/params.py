@@ -53,6 +53,13 @@ class SamplingParams:
     (with and without a leading space, as vLLM tokenizes them: the tokenize stage does).
     ``truncate_prompt_tokens`` (vLLM's): keep only the prompt's last k tokens (after the
     chat template), -1 the last ``max_model_len``; None: the whole prompt.
+    ``prompt_logprobs`` (vLLM's): score the prompt too: for each prompt token after the first,
+    its log-probability given the tokens before it, plus this many top alternatives (0: only
+    the token's own; -1: the whole vocabulary, allowed only where it is at most
+    :data:`MAX_LOGPROBS` tokens, as vLLM bounds it by ``max_logprobs``). The output's
+    ``prompt_logprobs`` then holds them (None first, for the first token). Such a request
+    reads nothing from the prefix cache while its prompt is scored (as vLLM v1), so every
+    position is computed and scored.
     """
 
     max_tokens: int | None = 16
@@ -77,6 +84,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept what vLLM's SamplingParams accepts (vllm/sampling_params.py: ``stop: str |
@@ -208,6 +216,8 @@ def validate_sampling(
         )
     if params.logprobs is not None:
         check_int("logprobs", params.logprobs, minimum=0, maximum=MAX_LOGPROBS, request_id=rid)
+    if params.prompt_logprobs is not None:
+        _check_prompt_logprobs(params.prompt_logprobs, vocab_size, rid)
     check_int("priority", params.priority, request_id=rid)
     validate_structured_outputs(params.structured_outputs, request_id=rid)
     _check_logit_bias(params.logit_bias, vocab_size, rid)
@@ -234,6 +244,24 @@ def validate_sampling(
             fail("truncate_prompt_tokens", "must be -1 (the model's length) or at least 1, got 0")
     for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         check_bool(flag, getattr(params, flag), request_id=rid)
+
+
+def _check_prompt_logprobs(value: int, vocab_size: int | None, request_id: str | None) -> None:
+    """``prompt_logprobs``: -1 (the whole vocabulary) or 0 to :data:`MAX_LOGPROBS` top
+    alternatives; -1 only where the vocabulary (when known) is at most that many tokens, as
+    vLLM's processor bounds it by ``max_logprobs`` (``vllm/v1/engine/processor.py``).
+
+    Raises:
+        InvalidRequestError: naming ``prompt_logprobs``.
+    """
+    check_int("prompt_logprobs", value, minimum=-1, maximum=MAX_LOGPROBS, request_id=request_id)
+    if value == -1 and vocab_size is not None and vocab_size > MAX_LOGPROBS:
+        raise InvalidRequestError(
+            f"prompt_logprobs -1 asks for the whole vocabulary ({vocab_size} tokens) at every "
+            f"prompt position; at most {MAX_LOGPROBS} are returned per position",
+            field="prompt_logprobs",
+            request_id=request_id,
+        )
 
 
 def _check_strings(

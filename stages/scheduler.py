@@ -656,6 +656,7 @@ class Scheduler:
         finish_reasons: list[str | None] = []
         stop_reasons: list[int | None] = []
         logprobs: dict[str, tuple[Logprobs, ...]] = {}
+        prompt_logprobs: dict[str, tuple[Logprobs, ...]] = {}
         cached_tokens: dict[str, int] = {}
         scheduler_times: dict[str, tuple[float, float]] = {}
         now = self._clock()
@@ -681,6 +682,8 @@ class Scheduler:
             stop_reasons.append(None if stop is None else stop[1])
             if request_id in logprobs_by_id:
                 logprobs[request_id] = (logprobs_by_id[request_id],)
+            if request_id in result.prompt_logprobs:
+                prompt_logprobs[request_id] = result.prompt_logprobs[request_id]
             if not state.cached_tokens_reported:
                 state.cached_tokens_reported = True
                 if state.num_cached_tokens > 0:
@@ -716,4 +719,5 @@ class Scheduler:
             num_cached_tokens=cached_tokens,
             stats=self.stats(),
             scheduler_times=scheduler_times,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -49,6 +49,7 @@ class _Tracked:
         "logprobs",
         "num_cached_tokens",
         "num_prompt_tokens",
+        "prompt_logprobs",
         "prompt_token_ids",
         "text",
         "token_ids",
@@ -71,6 +72,9 @@ class _Tracked:
         self.token_ids: list[int] = []
         self.logprobs: list[Logprobs] | None = [] if params.logprobs is not None else None
         self.num_prompt_tokens = len(request.prompt_token_ids)
+        # None first: the first prompt token has no score (as vLLM's RequestOutput); sent with
+        # the output they arrive for only (None after it), as the ids below
+        self.prompt_logprobs: tuple[Logprobs | None, ...] | None = None
         self.num_cached_tokens = 0
         # sent with the first output only (None after it): the caller's collector keeps them
         self.prompt_token_ids: tuple[int, ...] | None = request.prompt_token_ids
@@ -85,6 +89,7 @@ class _Tracked:
     ) -> RequestOutput:
         """The request's output now, ``delta`` already added to its text."""
         prompt_token_ids, self.prompt_token_ids = self.prompt_token_ids, None
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         return RequestOutput(
             request_id,
             self.text,
@@ -98,6 +103,7 @@ class _Tracked:
             None,
             scheduler_times,
             prompt_token_ids=prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -145,6 +151,9 @@ class StopCheckStage(Stage):
                 tracked.text += delta
                 if tracked.logprobs is not None:
                     tracked.logprobs.extend(batch.logprobs.get(request_id, ()))
+                scores = batch.prompt_logprobs.get(request_id)
+                if scores is not None:
+                    tracked.prompt_logprobs = (None, *scores)
                 times = batch.scheduler_times.get(request_id)
                 outputs.append(
                     tracked.output(

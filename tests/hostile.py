@@ -130,6 +130,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     ),
     "truncate_prompt_tokens": st.one_of(st.none(), st.integers(-1, 8), INTS, JUNK),
     "bad_words": st.one_of(st.none(), st.lists(TEXT, max_size=3), st.lists(JUNK, max_size=2), JUNK),
+    "prompt_logprobs": st.one_of(st.none(), st.integers(-1, 20), INTS, JUNK),
 }
 assert set(FIELD_VALUES) == {field.name for field in dataclasses.fields(SamplingParams)}, (
     "every SamplingParams field is fuzzed"

@@ -531,6 +531,8 @@ class AsyncEngine:
             last.logprobs if last else None,
             last.num_prompt_tokens if last else 0,
             last.num_cached_tokens if last else 0,
+            prompt_token_ids=last.prompt_token_ids if last else (),
+            prompt_logprobs=last.prompt_logprobs if last else None,
         )
         if self._observers:
             self._notify(lambda observer: observer.output_received(aborted))

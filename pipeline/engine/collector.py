@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import time
 
-from stages.messages import RequestMetrics, RequestOutput
+from stages.messages import Logprobs, RequestMetrics, RequestOutput
 
 __all__ = ["OutputCollector", "with_metrics"]
 
@@ -25,6 +25,7 @@ class OutputCollector:
         "last",
         "metrics",
         "pending",
+        "prompt_logprobs",
         "prompt_token_ids",
         "request_id",
         "stop_strings",
@@ -49,6 +50,8 @@ class OutputCollector:
         self.metrics: RequestMetrics | None = None
         #: the prompt's token ids, from the first output that carries them (stop-check's)
         self.prompt_token_ids: tuple[int, ...] | None = None
+        #: the prompt's scores, from the output that carries them (the first token's)
+        self.prompt_logprobs: tuple[Logprobs | None, ...] | None = None
 
     def put(self, output: RequestOutput) -> None:
         if self.aborting and output.finish_reason not in (None, "abort"):
@@ -77,7 +80,12 @@ class OutputCollector:
             times = output.scheduler_times or pending.scheduler_times
         if output.prompt_token_ids is not None:
             self.prompt_token_ids = output.prompt_token_ids
-        output = with_metrics(output, self.request_id, delta, metrics, times, self.prompt_token_ids)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        output = with_metrics(
+            output, self.request_id, delta, metrics, times,
+            self.prompt_token_ids, self.prompt_logprobs,
+        )  # fmt: skip
         self.pending = self.last = output
         self._wake()
 
@@ -113,9 +121,10 @@ def with_metrics(
     metrics: RequestMetrics,
     scheduler_times: tuple[float, float, str] | None = None,
     prompt_token_ids: tuple[int, ...] | None = None,
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None,
 ) -> RequestOutput:
-    """``output`` with ``request_id``, ``delta``, ``metrics``, ``scheduler_times`` and
-    ``prompt_token_ids`` replaced.
+    """``output`` with ``request_id``, ``delta``, ``metrics``, ``scheduler_times``,
+    ``prompt_token_ids`` and ``prompt_logprobs`` replaced.
 
     NOTE: calls the constructor with every field of RequestOutput, in order: half the cost of
     ``dataclasses.replace``, which runs once per token per stream. A new RequestOutput field
@@ -136,4 +145,5 @@ def with_metrics(
         output.reasoning,
         output.tool_calls,
         prompt_token_ids,
+        prompt_logprobs,
     )

@@ -73,7 +73,9 @@ class StreamedOutput:
     """One response of a ``generate`` stream: the new text and token ids since the previous
     one; the last has ``finish_reason`` ("stop", "length", "abort", "error"), the
     ``stop_reason`` (stop string or token id, if one ended it) and ``usage``. ``logprobs``:
-    one entry per new token when the request asked for them."""
+    one entry per new token when the request asked for them. ``prompt_token_ids`` and
+    ``prompt_logprobs`` (vLLM's shape: None for the first token, then each token's score),
+    when the request asked for ``prompt_logprobs``: on the output with the first token only."""
 
     request_id: str
     delta: str
@@ -82,6 +84,8 @@ class StreamedOutput:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     logprobs: tuple[Logprobs, ...] | None = None
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -119,16 +123,10 @@ def _output_from_proto(response: pb.GenerateResponse) -> StreamedOutput:
         )
     logprobs = None
     if response.logprobs:
-        logprobs = tuple(
-            Logprobs(
-                entry.token_id,
-                entry.logprob,
-                entry.rank,
-                tuple(entry.top_token_ids),
-                tuple(entry.top_logprobs),
-            )
-            for entry in response.logprobs
-        )
+        logprobs = tuple(_logprobs_from_proto(entry) for entry in response.logprobs)
+    prompt_logprobs = None
+    if response.prompt_token_ids:
+        prompt_logprobs = (None, *map(_logprobs_from_proto, response.prompt_logprobs))
     return StreamedOutput(
         response.request_id,
         response.delta,
@@ -137,6 +135,18 @@ def _output_from_proto(response: pb.GenerateResponse) -> StreamedOutput:
         stop_reason,
         usage,
         logprobs,
+        tuple(response.prompt_token_ids),
+        prompt_logprobs,
+    )
+
+
+def _logprobs_from_proto(entry: pb.TokenLogprob) -> Logprobs:
+    return Logprobs(
+        entry.token_id,
+        entry.logprob,
+        entry.rank,
+        tuple(entry.top_token_ids),
+        tuple(entry.top_logprobs),
     )
 
 

@@ -296,12 +296,18 @@ def rendering_from_proto(request: pb.GenerateRequest) -> ChatRendering | None:
 
 
 def response_from_output(
-    output: RequestOutput, request_id: str, num_sent_tokens: int, num_sent_reasoning: int = 0
+    output: RequestOutput,
+    request_id: str,
+    num_sent_tokens: int,
+    num_sent_reasoning: int = 0,
+    *,
+    with_prompt: bool = False,
 ) -> pb.GenerateResponse:
     """The response for one engine output of a request whose first ``num_sent_tokens``
     tokens (and ``num_sent_reasoning`` characters of reasoning) were already sent: the new
     text, the new token ids (and their logprobs), the new reasoning and the calls so far, and
-    on the last output the finish reason, stop reason and usage."""
+    on the last output the finish reason, stop reason and usage. ``with_prompt``: the
+    prompt's token ids and scores too, when the output has them (send them once)."""
     response = pb.GenerateResponse(
         request_id=request_id,
         delta=output.delta,
@@ -316,6 +322,11 @@ def response_from_output(
     if output.logprobs:
         response.logprobs.extend(
             _logprob_to_proto(entry) for entry in output.logprobs[num_sent_tokens:]
+        )
+    if with_prompt and output.prompt_logprobs is not None:
+        response.prompt_token_ids.extend(output.prompt_token_ids)
+        response.prompt_logprobs.extend(
+            _logprob_to_proto(entry) for entry in output.prompt_logprobs if entry is not None
         )
     if output.finish_reason is not None:
         response.finish_reason = FINISH_REASONS.get(output.finish_reason, pb.FINISH_REASON_ERROR)  # type: ignore[assignment]

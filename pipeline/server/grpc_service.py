@@ -106,6 +106,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     params.logprobs,
                     info.max_model_len,
                     self._max_logprob_entries,
+                    params.prompt_logprobs,
                 )
             if engine_id in self._running:
                 raise InvalidRequestError(
@@ -116,6 +117,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._running.add(engine_id)
         try:
             sent = sent_reasoning = 0
+            prompt_sent = False
             # NOTE: generate is an async generator (annotated as an iterator)
             outputs = cast(
                 AsyncGenerator[RequestOutput, None],
@@ -135,9 +137,13 @@ class GenerationService(pb_grpc.GenerationServicer):
                         raise ServiceUnavailableError(
                             "the server is shutting down; the request was aborted"
                         )
+                    with_prompt = not prompt_sent and output.prompt_logprobs is not None
                     await context.write(
-                        response_from_output(output, client_id, sent, sent_reasoning)
+                        response_from_output(
+                            output, client_id, sent, sent_reasoning, with_prompt=with_prompt
+                        )
                     )
+                    prompt_sent = prompt_sent or with_prompt
                     sent = len(output.token_ids)
                     sent_reasoning = len(output.reasoning)
         except Exception as error:

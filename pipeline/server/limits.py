@@ -22,6 +22,7 @@ from typing import Any
 from pipeline.engine.option_fields import check_options, option
 from stages.errors import InvalidRequestError
 from stages.messages import ChatRendering
+from stages.params import MAX_LOGPROBS
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
@@ -159,28 +160,42 @@ def check_logprob_entries(
     logprobs: int | None,
     max_model_len: int,
     limit: int,
+    prompt_logprobs: int | None = None,
 ) -> None:
     """Refuse a request whose answer could carry more than ``limit`` logprobs: ``choices``
     choices of up to ``max_tokens`` tokens (None: up to ``max_model_len``), each token with
-    itself and ``logprobs`` alternatives (None: no logprobs asked, nothing to check). Pure.
+    itself and ``logprobs`` alternatives (None: no logprobs asked, nothing to check). With
+    ``prompt_logprobs`` (the prompt's tokens scored too, -1: the whole vocabulary, at most
+    :data:`~stages.params.MAX_LOGPROBS`), the prompt and the output together count as up to
+    ``max_model_len`` tokens with the larger of the two top counts. Pure.
 
     Raises:
-        InvalidRequestError: over the limit (field ``logprobs``), naming the bound.
+        InvalidRequestError: over the limit (field ``logprobs``, or ``prompt_logprobs`` when
+            the prompt's scores are what was asked), naming the bound.
     """
-    if logprobs is None:
+    if logprobs is None and prompt_logprobs is None:
         return
-    tokens = max_tokens if max_tokens is not None else max_model_len
-    entries = choices * tokens * (1 + logprobs)
-    if entries > limit:
+    if prompt_logprobs is None:
+        assert logprobs is not None
+        tokens = max_tokens if max_tokens is not None else max_model_len
+        top = logprobs
         spelled = (
             f"max_tokens {max_tokens}"
             if max_tokens is not None
             else (f"up to the model's {max_model_len} tokens (no max_tokens)")
         )
+        field = "logprobs"
+    else:
+        tokens = max_model_len
+        top = max(logprobs or 0, MAX_LOGPROBS if prompt_logprobs == -1 else prompt_logprobs)
+        spelled = f"up to the model's {max_model_len} prompt and output tokens"
+        field = "logprobs" if logprobs is not None else "prompt_logprobs"
+    entries = choices * tokens * (1 + top)
+    if entries > limit:
         raise InvalidRequestError(
             f"the answer could carry {entries} logprobs ({choices} choice(s) x {spelled} x "
-            f"(1 + {logprobs} top logprobs)); this server sends at most {limit} per request "
+            f"(1 + {top} top logprobs)); this server sends at most {limit} per request "
             "(actorline serve --max-logprob-entries): ask for fewer choices, tokens or top "
             "logprobs",
-            field="logprobs",
+            field=field,
         )

@@ -70,6 +70,12 @@ class TrackedRequest(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False while the request must compute every position itself (its prompt is being
+        scored: stages/execute/prompt_scores.py); it still publishes its blocks."""
+        ...
+
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]: ...
 
 
@@ -210,7 +216,11 @@ def plan_chunk(
         and request.num_computed == chunk.start
         and (request.num_tokens - 1) // size > chunk.start // size
     )
-    if allocator.enable_prefix_caching and (chunk.start == 0 or continues_hits):
+    if (
+        allocator.enable_prefix_caching
+        and (chunk.start == 0 or continues_hits)
+        and request.reads_prefix_cache
+    ):
         hit = allocator.match_prefix(request_id, request.tokens(), end, spare_blocks)
         request.num_computed += hit
         request.num_cached += hit
@@ -276,6 +286,7 @@ def step_result(
     report: PlanReport,
     num_computed_tokens: int,
     forward_seconds: float,
+    prompt_logprobs: dict[str, tuple[Logprobs, ...]] | None = None,
 ) -> StepResult:
     """The step's :class:`StepResult`, with the allocator's free blocks and prefix-cache
     counters as they are now."""
@@ -296,4 +307,5 @@ def step_result(
         prefix_cache_hits=stats.hits,
         num_computed_tokens=num_computed_tokens,
         forward_seconds=forward_seconds,
+        prompt_logprobs=prompt_logprobs or {},
     )

@@ -84,10 +84,15 @@ class _Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # leading tokens whose (virtual) K/V is in the cache
     num_cached: int = 0  # of those, served by the prefix cache since the request started
+    owes_prompt_logprobs: bool = False  # asked for them, and they were not sent yet
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        return not self.owes_prompt_logprobs
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
         """Known tokens ``[start, end)`` (prompt then outputs)."""
@@ -237,6 +242,7 @@ class NullRunner:
         request_ids: list[str] = []
         logprob_ids: list[str] = []
         logprobs: list[Logprobs] = []
+        prompt_logprobs: dict[str, tuple[Logprobs, ...]] = {}
         token_ids: list[int] = []
         if sampling:
             drawn = self._token_ids[self._rng.integers(0, self._token_ids.size, len(sampling))]
@@ -249,6 +255,13 @@ class NullRunner:
                     # NOTE: every sampleable token is equally likely: all tie for rank 1.
                     logprob_ids.append(request.request_id)
                     logprobs.append(Logprobs(token_id, self._uniform_logprob, 1))
+                if request.owes_prompt_logprobs:
+                    # the same uniform distribution at every prompt position
+                    request.owes_prompt_logprobs = False
+                    prompt_logprobs[request.request_id] = tuple(
+                        Logprobs(prompt_token, self._uniform_logprob, 1)
+                        for prompt_token in request.prompt_token_ids[1:]
+                    )
         return step_result(
             step,
             allocator,
@@ -259,6 +272,7 @@ class NullRunner:
             report=report,
             num_computed_tokens=sum(end - start for _, start, end in planned),
             forward_seconds=time.perf_counter() - began,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _constrain(
@@ -285,6 +299,7 @@ class NullRunner:
             request.request_id,
             tuple(request.prompt_token_ids),
             request.params.logprobs is not None,
+            owes_prompt_logprobs=request.params.prompt_logprobs is not None,
         )
 
     # ----------------------------------------------------------------- inspection

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,12 @@ from stages.execute.native import (
     packed_gemm_kernel,
 )
 from stages.execute.probe_cache import checks_passed, record_passed
+from stages.execute.prompt_scores import (
+    PromptScores,
+    new_prompt_scores,
+    prompt_rows,
+    score_prompt_rows,
+)
 from stages.execute.quant.apply import quantize_model, weight_bytes
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.execute.step_graph import (
@@ -119,10 +126,16 @@ class _Request:
     sampling: SamplingState
     num_computed: int = 0  # leading tokens whose K/V is in the cache
     num_cached: int = 0  # of those, served by the prefix cache since the request started
+    prompt_scores: PromptScores | None = None  # its prompt logprobs, when it asked
 
     @property
     def num_tokens(self) -> int:
         return len(self.sampling.prompt_token_ids) + len(self.sampling.output_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Not while its prompt is being scored (stages/execute/prompt_scores.py)."""
+        return self.prompt_scores is None or not self.prompt_scores.owed
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
         """Known tokens ``[start, end)`` (prompt then outputs)."""
@@ -561,12 +574,19 @@ class ModelRunner:
         token_ids: list[int] = []
         logprob_ids: list[str] = []
         logprobs: list[Logprobs] = []
+        prompt_logprobs: dict[str, tuple[Logprobs, ...]] = {}
         forward_seconds = 0.0
         num_computed = sum(work.end - work.start for work in works)
         if prepared.packed is not None:
             began = time.perf_counter()
             sampling = [work for work in works if work.samples]
-            logits = self._forward(prepared.packed, sampling)  # [len(sampling), V]
+            scored = prompt_rows(
+                [(w.request.prompt_scores, w.start, w.end, w.packed_end) for w in works]
+            )
+            logits = self._forward(prepared.packed, sampling, scored.packed_rows)  # [S + E, V]
+            if scored.packed_rows:
+                score_prompt_rows(logits[len(sampling) :], scored)
+                logits = logits[: len(sampling)]  # [S, V]
             grammar = grammar_rows(
                 prepared.step,
                 [work.request.request_id for work in sampling],
@@ -584,6 +604,9 @@ class ModelRunner:
                 if token_logprobs is not None:
                     logprob_ids.append(work.request.request_id)
                     logprobs.append(token_logprobs)
+                prompt_scores = work.request.prompt_scores
+                if prompt_scores is not None and (entries := prompt_scores.take()) is not None:
+                    prompt_logprobs[work.request.request_id] = entries
             for work in works:
                 commit_chunk(allocator, work.request, work.end)
             assert self.kv_cache is not None
@@ -602,6 +625,7 @@ class ModelRunner:
             report=prepared.report,
             num_computed_tokens=num_computed,
             forward_seconds=forward_seconds,
+            prompt_logprobs=prompt_logprobs,
         )
         if self.group is not None:
             seconds = self.group.take_seconds()
@@ -651,7 +675,11 @@ class ModelRunner:
             vocab_size=None if self._sampler is None else self._sampler.vocab_size,
             bad_words_token_ids=request.bad_words_token_ids,
         )
-        self._requests[request.request_id] = _Request(request.request_id, sampling)
+        assert self._sampler is not None
+        scores = new_prompt_scores(
+            request.params, request.prompt_token_ids, self._sampler.vocab_size
+        )
+        self._requests[request.request_id] = _Request(request.request_id, sampling, 0, 0, scores)
 
     def _pack(self, works: list[_Work]) -> _Packed:
         """Pack the step's chunks: decode rows first, by ascending context length (attention
@@ -673,11 +701,15 @@ class ModelRunner:
             [self.allocator.block_table(w.request.request_id) for w in order],
         )
 
-    def _forward(self, packed: _Packed, sampling: list[_Work]) -> torch.Tensor:
-        """Run the model over the packed batch; logits of the sampling rows, in their order.
+    def _forward(
+        self, packed: _Packed, sampling: list[_Work], extra_rows: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """Run the model over the packed batch; logits of the sampling rows, in their order,
+        then of the packed rows ``extra_rows`` (prompt logprobs: only the module path
+        computes them, the decode graphs keep no other row).
 
         Returns:
-            ``[len(sampling), V]`` logits.
+            ``[len(sampling) + len(extra_rows), V]`` logits.
         """
         assert self.allocator is not None and self.kv_cache is not None
         order, tokens, num_decode = packed.order, packed.token_ids, packed.num_decode
@@ -687,6 +719,7 @@ class ModelRunner:
         step_graph = self._step_graph
         if (
             num_decode == len(order)
+            and not extra_rows
             and step_graph is not None
             and num_decode <= step_graph.max_rows
         ):
@@ -701,6 +734,7 @@ class ModelRunner:
         graphs = self._decode_graphs
         if (
             num_decode == len(order)
+            and not extra_rows
             and graphs is not None
             and graphs.can_run(len(decode), decode[-1].end)
         ):
@@ -726,7 +760,9 @@ class ModelRunner:
             device=self.device,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device)  # [T]
-        keep = torch.tensor([w.packed_end - 1 for w in sampling], dtype=torch.long)
+        keep = torch.tensor(
+            [w.packed_end - 1 for w in sampling] + list(extra_rows), dtype=torch.long
+        )
         with torch.inference_mode(), forward_context(metadata):
             output = self.model(
                 input_ids=input_ids.unsqueeze(0),

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.server.http.echo import Echo
 from pipeline.server.http.logprobs import TokenTexts
 from pipeline.server.http.sse import event
 from stages.messages import RequestOutput
@@ -38,14 +39,25 @@ class Answer:
     many choices each prompt has (``n``), whether every chunk carries its choice's usage
     so far (vLLM's ``stream_options.continuous_usage_stats``), and whether the answer
     carries token ids (vLLM's ``return_token_ids``: the prompt's, and each choice's, in a
-    stream each chunk's new ones)."""
+    stream each chunk's new ones). ``echo``: a completion's choices start with their prompt
+    (:mod:`~pipeline.server.http.echo`); ``prompt_logprobs``: the token decoder when vLLM's
+    ``prompt_logprobs`` field was asked for (None: not asked)."""
 
     head: dict[str, Any]
     texts: TokenTexts | None
     include_usage: bool
     per_prompt: int
     continuous_usage: bool = False
-    token_ids: bool = False
+        token_ids: bool = False,
+        *,
+        echo: Echo | None = None,
+        prompt_logprobs: TokenTexts | None = None,
+    ) -> Answer:
+        head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
+        return cls(
+            head, texts, include_usage, per_prompt, continuous_usage, token_ids, echo,
+            prompt_logprobs,
+        )  # fmt: skip
 
     @classmethod
     def create(
@@ -58,9 +70,15 @@ class Answer:
         per_prompt: int,
         continuous_usage: bool = False,
         token_ids: bool = False,
+        *,
+        echo: Echo | None = None,
+        prompt_logprobs: TokenTexts | None = None,
     ) -> Answer:
         head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
-        return cls(head, texts, include_usage, per_prompt, continuous_usage, token_ids)
+        return cls(
+            head, texts, include_usage, per_prompt, continuous_usage, token_ids, echo,
+            prompt_logprobs,
+        )  # fmt: skip
 
     def response(
         self, choices: list[dict[str, Any]], outputs: Sequence[RequestOutput]

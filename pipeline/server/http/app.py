@@ -171,6 +171,8 @@ def create_app(
             plan.per_prompt,
             plan.continuous_usage,
             plan.token_ids,
+            echo=service.echo(plan),
+            prompt_logprobs=service.token_texts(plan.prompt_logprobs),
         )
         started = await service.start(request_id, checked, tenant, request.receive, plan.per_prompt)
         headers = {}
@@ -179,7 +181,10 @@ def create_app(
             fields = ", ".join(plan.deprecated)
             headers["Warning"] = f'299 - "{fields}: deprecated; use structured_outputs"'
         if not stream:
-            return JsonAnswer(respond(answer, await service.collect(started)), headers=headers)
+            outputs = await service.collect(started)
+            if answer.echo is not None:
+                await answer.echo.prepare(outputs)
+            return JsonAnswer(respond(answer, outputs), headers=headers)
         return EventStream(started, events(answer, started), headers)
 
     @app.post("/v1/completions", response_model=None)

@@ -12,7 +12,8 @@ JSON text; ``content`` null when the model only called); its stream carries
 With vLLM's ``return_token_ids`` the response carries ``prompt_token_ids`` and each choice its
 ``token_ids`` (``vllm/entrypoints/openai/chat_completion/protocol.py``,
 ``ChatCompletionResponse``, ``ChatCompletionResponseChoice``); in a stream the opening chunks
-carry ``prompt_token_ids`` and every later chunk its choice's new ``token_ids``."""
+carry ``prompt_token_ids`` and every later chunk its choice's new ``token_ids``. vLLM's
+``prompt_logprobs`` (the rendered prompt's scores) sit at a whole answer's top level."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from pipeline.server.http.answers import Answer
 from pipeline.server.http.choices import Choices
+from pipeline.server.http.echo import lazy_prompt_logprobs
 from pipeline.server.http.logprobs import LogprobsCursor, chat_logprobs, lazy_chat_logprobs
 from stages.messages import Logprobs, RequestOutput, ToolCall
 
@@ -74,6 +76,9 @@ def chat_response(answer: Answer, outputs: Sequence[RequestOutput]) -> dict[str,
     response = answer.response(choices, outputs)
     if answer.token_ids:
         response["prompt_token_ids"] = _prompt_token_ids(outputs[0] if outputs else None)
+    if answer.prompt_logprobs is not None and outputs:
+        # vLLM's place: the response's top level (every choice has the same prompt)
+        response["prompt_logprobs"] = lazy_prompt_logprobs(outputs[0], answer.prompt_logprobs)
     return response
 
 

@@ -82,49 +82,67 @@ def lazy_chat_logprobs(entries: Sequence[Logprobs], texts: TokenTexts) -> dict[s
     return {"content": LazyArray(_chat_entries(entries, texts))}
 
 
-def lazy_completion_logprobs(entries: Sequence[Logprobs], texts: TokenTexts) -> dict[str, Any]:
+def _top(entry: Logprobs, texts: TokenTexts) -> dict[str, float]:
+    return {
+        texts(token_id): _floor(logprob)
+        for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs)
+    }
+
+
+def lazy_completion_logprobs(
+    entries: Sequence[Logprobs], texts: TokenTexts, unscored_first: int | None = None
+) -> dict[str, Any]:
     """:func:`completion_logprobs` of a whole choice (offsets from 0), its arrays made as
     they are written."""
-    tokens = (texts(entry.token_id) for entry in entries)
+    ids = [] if unscored_first is None else [unscored_first]
+    lead: list[None] = [] if unscored_first is None else [None]
+    count = len(ids) + len(entries)
     return {
-        "tokens": LazyArray(tokens),
-        "token_logprobs": LazyArray(_floor(entry.logprob) for entry in entries),
-        "top_logprobs": LazyArray(
-            {
-                texts(token_id): _floor(logprob)
-                for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs)
-            }
-            for entry in entries
+        "tokens": LazyArray(
+            texts(token_id)
+            for token_id in itertools.chain(ids, (entry.token_id for entry in entries))
         ),
+        "token_logprobs": LazyArray(
+            itertools.chain(lead, (_floor(entry.logprob) for entry in entries))
+        ),
+        "top_logprobs": LazyArray(itertools.chain(lead, (_top(entry, texts) for entry in entries))),
         "text_offset": LazyArray(
             itertools.islice(
-                itertools.accumulate((len(texts(entry.token_id)) for entry in entries), initial=0),
-                len(entries),
+                itertools.accumulate(
+                    (
+                        len(texts(token_id))
+                        for token_id in itertools.chain(ids, (e.token_id for e in entries))
+                    ),
+                    initial=0,
+                ),
+                count,
             )
         ),
     }
 
 
 def completion_logprobs(
-    entries: Sequence[Logprobs], texts: TokenTexts, offset: int = 0
+    entries: Sequence[Logprobs],
+    texts: TokenTexts,
+    offset: int = 0,
+    unscored_first: int | None = None,
 ) -> tuple[dict[str, Any], int]:
     """The completions ``logprobs`` of ``entries`` (``top_logprobs`` as token → logprob
-    dicts), text offsets counted from ``offset``; and the offset after the last token."""
-    tokens = [texts(entry.token_id) for entry in entries]
+    dicts), text offsets counted from ``offset``; and the offset after the last token.
+    ``unscored_first``: a token before them that has no score (a prompt's first, echoed):
+    its ``token_logprobs`` and ``top_logprobs`` entries are null, as OpenAI and vLLM send
+    them."""
+    lead = [] if unscored_first is None else [unscored_first]
+    tokens = [texts(token_id) for token_id in lead] + [texts(e.token_id) for e in entries]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
+    nulls: list[None] = [None] * len(lead)
     payload = {
         "tokens": tokens,
-        "token_logprobs": [_floor(entry.logprob) for entry in entries],
-        "top_logprobs": [
-            {
-                texts(token_id): _floor(logprob)
-                for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs)
-            }
-            for entry in entries
-        ],
+        "token_logprobs": [*nulls, *(_floor(entry.logprob) for entry in entries)],
+        "top_logprobs": [*nulls, *(_top(entry, texts) for entry in entries)],
         "text_offset": offsets,
     }
     return payload, offset

@@ -68,7 +68,6 @@ SEED_RANGE = 2**63
 
 #: body fields accepted only at a value that asks for nothing this server lacks
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "echo": bool,
     "best_of": lambda value: value not in (None, 1),
     "suffix": bool,
 }
@@ -76,7 +75,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-    "skip_special_tokens", "truncate_prompt_tokens",
+    "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -89,7 +88,10 @@ class Plan:
     deprecated fields the body used (vLLM's ``guided_*``), for a ``Warning`` header.
     ``rendering``: a chat's template options (None: the model's template as it is).
     ``token_ids``: the answer carries the prompt's and each choice's token ids (vLLM's
-    ``return_token_ids``)."""
+    ``return_token_ids``).
+    ``echo``: a completion's answer starts with its prompt (``echo_only``: and holds nothing
+    else: ``max_tokens`` 0); ``prompt_logprobs``: the body asked for the prompt's scores in
+    the answer (vLLM's field; None: not asked)."""
 
     choices: tuple[tuple[Prompt, SamplingParams], ...]
     per_prompt: int
@@ -100,6 +102,9 @@ class Plan:
     continuous_usage: bool = False
     rendering: ChatRendering | None = None
     token_ids: bool = False
+    echo: bool = False
+    echo_only: bool = False
+    prompt_logprobs: int | None = None
 
 
 def plan_completion(body: CompletionRequest) -> Plan:
@@ -112,8 +117,16 @@ def plan_completion(body: CompletionRequest) -> Plan:
     _check_supported(body)
     n = _choices_per_prompt(body)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = _sampling(body, max_tokens, body.logprobs)
-    return _plan(body, _prompts(body.prompt), params, n)
+    echo = bool(body.echo)
+    # NOTE: as vLLM (vllm/entrypoints/openai/completion/protocol.py, to_sampling_params):
+    # echo with logprobs scores the prompt with the same top count unless prompt_logprobs
+    # says otherwise; echo with max_tokens 0 runs one token and answers the prompt only
+    echo_only = echo and max_tokens == 0
+    params = _sampling(body, 1 if echo_only else max_tokens, body.logprobs)
+    if echo and body.logprobs is not None and body.prompt_logprobs is None:
+        params = params.replace(prompt_logprobs=body.logprobs)
+    plan = _plan(body, _prompts(body.prompt), params, n)
+    return dataclasses.replace(plan, echo=echo, echo_only=echo_only)
 
 
 def plan_chat(body: ChatCompletionRequest) -> Plan:
@@ -191,6 +204,7 @@ def _plan(body: GenerationBody, prompts: Sequence[Prompt], params: SamplingParam
     return Plan(
         choices, n, params.logprobs, include_usage, deprecated=deprecated,
         continuous_usage=continuous, token_ids=bool(body.return_token_ids),
+        prompt_logprobs=body.prompt_logprobs,
     )  # fmt: skip
 
 
@@ -262,6 +276,15 @@ def _check_supported(body: GenerationBody) -> None:
             "stream_options: only allowed when stream is true",
             param="stream_options",
             code="invalid_value",
+        )
+    if body.stream and body.prompt_logprobs is not None:
+        # vLLM's rule (vllm/entrypoints/openai/completion/protocol.py, check_logprobs)
+        raise ApiError(
+            400,
+            "prompt_logprobs: not available when stream is true (a stream of /v1/completions "
+            "with echo and logprobs carries the prompt's scores in its first chunk)",
+            param="prompt_logprobs",
+            code="unsupported_value",
         )
     for field, asks_too_much in _UNSUPPORTED.items():
         value = getattr(body, field, None)

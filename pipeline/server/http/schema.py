@@ -81,7 +81,6 @@ ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "use_beam_search": (False, None),
     "length_penalty": (1.0, 1, None),
     "return_tokens_as_token_ids": (False, None),
-    "prompt_logprobs": (None,),
     "functions": (None,),
     "function_call": (None, "none"),
     "logits_processors": (None,),
@@ -157,6 +156,8 @@ class GenerationBody(BaseModel):
     truncate_prompt_tokens: int | None = None
     # vLLM's: the prompt's and each choice's token ids beside the text
     return_token_ids: bool | None = None
+    #: vLLM's: score the prompt's tokens too, with this many top alternatives (-1: all)
+    prompt_logprobs: int | None = None
     # vLLM's legacy aliases of structured_outputs' keys (deprecated: a log line and a header)
     guided_json: Any = None
     guided_regex: Any = None
@@ -169,6 +170,7 @@ class CompletionRequest(GenerationBody):
 
     #: one prompt or several (OpenAI's four forms: text, texts, token ids, token-id lists)
     prompt: str | FailFast[str] | FailFast[int] | FailFast[FailFast[int]]
+    #: the answer's text (and logprobs) start with the prompt's
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None

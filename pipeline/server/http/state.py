@@ -9,13 +9,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive
 
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.prompts import CheckedPrompt, Prompt
 from pipeline.server.http.choices import Choices, RunningRequests
+from pipeline.server.http.echo import Echo
 from pipeline.server.http.errors import SERVER_ERROR, ApiError
 from pipeline.server.http.logprobs import TokenTexts
+from pipeline.server.http.requests import Plan
 from pipeline.server.limits import (
     DEFAULT_MAX_LOGPROB_ENTRIES,
     check_logprob_entries,
@@ -92,6 +95,21 @@ class HttpService:
             raise ApiError(503, "the tokenizer is not loaded", error_type=SERVER_ERROR)
         return self.texts
 
+    def echo(self, plan: Plan) -> Echo | None:
+        """What ``plan``'s ``echo`` asks (None: no echo)."""
+        if not plan.echo:
+            return None
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ApiError(503, "the tokenizer is not loaded", error_type=SERVER_ERROR)
+
+        async def decode(token_ids: Sequence[int]) -> str:
+            return str(await run_in_threadpool(tokenizer.decode, list(token_ids)))
+
+        prompts = [prompt for prompt, _ in plan.choices]
+        truncated = any(params.truncate_prompt_tokens is not None for _, params in plan.choices)
+        return Echo(prompts, decode, decode_all=truncated, only=plan.echo_only)
+
     def check(
         self,
         request_id: str,
@@ -140,6 +158,7 @@ class HttpService:
                     params.logprobs,
                     info.max_model_len,
                     self.max_logprob_entries,
+                    params.prompt_logprobs,
                 )
             except RequestError as exc:
                 raise ApiError.from_error(exc) from None

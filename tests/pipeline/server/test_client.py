@@ -123,6 +123,19 @@ def test_logprobs_are_returned_per_token(served: ServedEngine) -> None:
         assert all(len(entry.top_token_ids) == 3 and entry.rank >= 1 for entry in output.logprobs)
 
 
+def test_prompt_logprobs_come_with_the_first_token(served: ServedEngine) -> None:
+    params = GREEDY.replace(max_tokens=3, prompt_logprobs=2)
+    with Client(served.address, api_key=KEY) as client:
+        outputs = list(client.generate("Hello there, friend", params))
+    first, *rest = outputs
+    assert first.prompt_logprobs is not None and first.prompt_logprobs[0] is None
+    assert len(first.prompt_logprobs) == len(first.prompt_token_ids) > 2
+    scored = first.prompt_logprobs[1:]
+    assert [entry.token_id for entry in scored if entry] == list(first.prompt_token_ids[1:])
+    assert all(entry and len(entry.top_token_ids) == 2 for entry in scored)
+    assert all(output.prompt_logprobs is None for output in rest)
+
+
 def test_abort_ends_the_stream_with_abort(served: ServedEngine) -> None:
     async def body() -> None:
         async with AsyncClient(served.address, api_key=KEY) as client:

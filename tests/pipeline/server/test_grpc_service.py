@@ -231,6 +231,33 @@ def test_logprobs_come_with_each_new_token(served: ServedEngine) -> None:
     served.run(body())
 
 
+def test_prompt_logprobs_come_once_with_the_first_token(served: ServedEngine) -> None:
+    """vLLM's prompt_logprobs over gRPC: the prompt's ids and the score of each token after
+    the first, once, equal to the engine's own (the Python API's)."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    request = pb.GenerateRequest(text=TEXT, sampling_params=sampling_to_proto(params))
+    assert request.sampling_params.prompt_logprobs == 1
+
+    async def body() -> None:
+        reference = await last_engine_output(served, TEXT, params)
+        async with plain_channel(served) as channel:
+            responses = await generate(pb_grpc.GenerationStub(channel), request)
+        with_prompt = [r for r in responses if r.prompt_token_ids]
+        assert len(with_prompt) == 1 and with_prompt[0].token_ids  # with the first token
+        (first,) = with_prompt
+        assert tuple(first.prompt_token_ids) == reference.prompt_token_ids
+        assert reference.prompt_logprobs is not None
+        expected = [entry for entry in reference.prompt_logprobs if entry is not None]
+        assert len(first.prompt_logprobs) == len(expected) == len(first.prompt_token_ids) - 1
+        for entry, wanted in zip(first.prompt_logprobs, expected):
+            assert (entry.token_id, entry.rank) == (wanted.token_id, wanted.rank)
+            assert entry.logprob == pytest.approx(wanted.logprob, abs=1e-5)
+            assert list(entry.top_token_ids) == list(wanted.top_token_ids)
+        assert not any(r.prompt_logprobs for r in responses if r is not first)
+
+    served.run(body())
+
+
 def test_fifty_concurrent_streams_get_their_own_outputs(served: ServedEngine) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [f"Story {i}:" + " once" * (i % 9) for i in range(50)]
@@ -581,6 +608,7 @@ INVALID: dict[str, tuple[pb.GenerateRequest, str, str]] = {
     "stop_token_ids": (_request(stop_token_ids=[10**6]), "stop_token_ids", "invalid"),
     "min_tokens": (_request(min_tokens=20, max_tokens=10), "min_tokens", "invalid"),
     "logprobs": (_request(logprobs=21), "logprobs", "invalid"),
+    "prompt_logprobs": (_request(prompt_logprobs=-2), "prompt_logprobs", "invalid"),
     "token id": (
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])),
         "prompt_token_ids",

@@ -64,3 +64,17 @@ def test_the_logprobs_cap_names_the_count_and_the_bound() -> None:
     assert "120 logprobs" in str(refused.value) and "at most 100" in str(refused.value)
     with pytest.raises(InvalidRequestError, match="model's 1024 tokens"):
         check_logprob_entries(1, None, 0, 1024, 1000)
+
+
+def test_the_logprobs_cap_counts_the_prompts_scores() -> None:
+    """With prompt_logprobs the prompt and the output count as up to the model's length,
+    with the larger top count (-1, the whole vocabulary, as the most allowed: 20)."""
+    check_logprob_entries(2, 1, None, 100, 400, prompt_logprobs=1)  # 2 x 100 x 2 = 400
+    with pytest.raises(InvalidRequestError) as refused:
+        check_logprob_entries(2, 1, None, 100, 399, prompt_logprobs=1)
+    assert refused.value.field == "prompt_logprobs"
+    with pytest.raises(InvalidRequestError) as refused:
+        check_logprob_entries(1, 1, 3, 100, 399, prompt_logprobs=0)  # 100 x (1 + 3)
+    assert refused.value.field == "logprobs"
+    with pytest.raises(InvalidRequestError, match="1 \\+ 20 top"):
+        check_logprob_entries(1, 1, None, 100, 2000, prompt_logprobs=-1)

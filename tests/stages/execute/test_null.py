@@ -221,6 +221,27 @@ def test_logprobs_are_the_uniform_distribution(tiny_model_dir: Path, tokenizer: 
     assert logprob.logprob == pytest.approx(-math.log(len(sampleable_token_ids(tokenizer))))
 
 
+def test_prompt_logprobs_are_uniform_and_skip_the_cache(
+    tiny_model_dir: Path, tokenizer: object
+) -> None:
+    """As the model runner: scores for each prompt token after the first, once with the
+    first token, and no prefix-cache read for a request that asked."""
+    import math
+
+    runner = make_runner(tiny_model_dir, tokenizer, num_blocks=16)
+    prompt = list(range(200, 240))
+    runner.execute(SchedulerStep(0, (request("a", prompt),), (ScheduledChunk("a", 0, 40),)))
+    scored = request("b", prompt, prompt_logprobs=0)
+    result = runner.execute(SchedulerStep(1, (scored,), (ScheduledChunk("b", 0, 40),)))
+    assert result.cached_tokens == {} and result.num_computed_tokens == 40
+    entries = result.prompt_logprobs["b"]
+    assert [entry.token_id for entry in entries] == prompt[1:]
+    uniform = -math.log(len(sampleable_token_ids(tokenizer)))
+    assert all(entry.logprob == pytest.approx(uniform) for entry in entries)
+    result = runner.execute(SchedulerStep(2, chunks=(ScheduledChunk("b", 40, 1),)))
+    assert result.request_ids == ("b",) and result.prompt_logprobs == {}
+
+
 def test_rejects_inconsistent_steps(tiny_model_dir: Path, tokenizer: object) -> None:
     runner = make_runner(tiny_model_dir, tokenizer, num_blocks=8)
     with pytest.raises(NullStepError, match="unknown request"):

@@ -116,7 +116,7 @@ def test_usage_chunk_only_with_stream_options() -> None:
         (completion, {"prompt": ["x"] * (MAX_CHOICES + 1)}, "prompt"),
         (completion, {"prompt": []}, "prompt"),
         (completion, {"best_of": 2}, "best_of"),
-        (completion, {"echo": True}, "echo"),
+        (completion, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         (completion, {"suffix": "x"}, "suffix"),
         (chat, {"messages": []}, "messages"),
         (chat, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),

@@ -131,7 +131,7 @@ def test_unknown_paths_and_methods_have_a_code(openai_serve: ServeProcess) -> No
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors"),
         ("/v1/completions", {"cache_salt": "x"}, "cache_salt"),
         ("/v1/completions", {"add_special_tokens": False}, "add_special_tokens"),
