@@ -413,7 +413,7 @@ async def measure_ray(
     )
     runs: list[PlacementRun] = []
     outputs: dict[str, list[tuple[int, ...]]] = {}
-    async with local, on_ray:
+    async with on_ray, local:  # (on Ray first: a cluster that refuses, before any work)
         warmup = [params[0]]
         for engine in (local, on_ray):
             await _generate_all(engine, prompts[:1], warmup)

@@ -47,6 +47,7 @@ __all__ = [
     "PROBE_TIMEOUT",
     "RayConnectionError",
     "RayUnavailableError",
+    "check_versions",
     "connect_ray",
     "default_token_path",
     "import_ray",
@@ -281,7 +282,7 @@ def _probe(gcs: str) -> None:
         ) from None
     mode_set = AUTH_MODE_ENV in os.environ
     metadata = _ask_gcs(gcs, can_retry_with_token=not mode_set)
-    _check_versions(gcs, metadata)
+    check_versions(gcs, metadata)
 
 
 #: the probe, run by a fresh interpreter (see :func:`_ask_gcs`): argv is the GCS address and
@@ -383,8 +384,9 @@ def _ask_gcs(gcs: str, *, can_retry_with_token: bool) -> dict[str, Any]:
     )
 
 
-def _check_versions(gcs: str, metadata: dict[str, Any]) -> None:
-    """Refuse a cluster whose Ray or Python version this process does not have, as Ray does
+def check_versions(gcs: str, metadata: dict[str, Any]) -> None:
+    """Refuse the cluster at ``gcs`` whose ``metadata`` (as its GCS publishes it) names a Ray or
+    Python version this process does not have, as Ray does
     (``ray._private.utils.check_version_info``), in one line.
 
     Raises:
