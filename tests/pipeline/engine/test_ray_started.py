@@ -180,6 +180,35 @@ def test_serve_joins_a_token_cluster_with_the_users_token(
 
 
 @pytest.mark.slow
+def test_serve_joins_with_the_token_in_the_environment_as_on_kuberay(
+    tiny_model_dir: Path,
+    token_cluster: StartedRay,
+    local_tokens: list[tuple[int, ...]],
+    tmp_path: Path,
+) -> None:
+    # deploy/kuberay/raycluster.yaml's frontend: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN from
+    # the cluster's Secret, no token file anywhere
+    token = (token_cluster.home / ".ray" / "auth_token").read_text().strip()
+    elsewhere = tmp_path / "home"
+    elsewhere.mkdir()
+    env = {**token_cluster.environment(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
+           "HOME": str(elsewhere)}  # fmt: skip
+    arguments = serve_arguments(tiny_model_dir, "--ray", token_cluster.address)
+    serve = ServeProcess([*arguments, "--ray-num-cpus", "0.5"], tmp_path / "stderr.txt", env=env)
+    try:
+        assert serve.address is not None
+        with Client(serve.address) as client:
+            tokens = [t for out in client.generate(PROMPTS[2], GREEDY) for t in out.token_ids]
+        assert tuple(tokens) == local_tokens[2]
+        serve.process.send_signal(signal.SIGTERM)
+        assert serve.process.wait(60) == 0, serve.stderr[-3000:]
+    finally:
+        serve.kill()
+    assert token not in serve.stderr
+    wait_no_host_actor(token_cluster)
+
+
+@pytest.mark.slow
 def test_a_wrong_or_missing_token_is_one_line_and_exit_status_2(
     tiny_model_dir: Path, token_cluster: StartedRay, tmp_path: Path
 ) -> None:
