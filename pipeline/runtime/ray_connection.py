@@ -137,10 +137,14 @@ def connect_ray(address: str | None, auth_token_file: str | None = None) -> bool
         _use_token_file(auth_token_file)
     _check_token_path_variable()
     target = address if address is not None else os.environ.get(RAY_ADDRESS_ENV) or None
+    gcs = None
     if target is not None and not target.startswith("ray://"):
-        _probe(_gcs_address(target))
+        gcs = _gcs_address(target)
+        _probe(gcs)
     try:
-        ray.init(address=address, log_to_driver=False)
+        # NOTE: the GCS found, not "auto": given "auto", ray.init would turn token mode on
+        # wherever a token exists, asked for or not (ray/_private/worker.py)
+        ray.init(address=gcs or address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:
         where = f"the Ray cluster at {target}" if target else "a new local Ray cluster"
         raise RayConnectionError(f"cannot connect to {where}: {_first_line(exc)}") from exc
