@@ -1,9 +1,10 @@
 """deploy/: the KubeRay RayCluster manifest and the container image recipe, parsed (no cluster
 here): the manifest is a well-formed RayCluster whose head pod runs `actorline serve --ray` as a
-Ray driver beside Ray's head (sharing its session directory and process namespace), every flag
-of its command line is one the real CLI parser defines, the ports it serves are the ones the
-pod and the Service expose, its Ray version is the one the image installs, and the image builds
-from what the repository holds (docs/parallelism.md, "KubeRay")."""
+Ray driver beside Ray's head (sharing its session directory and process namespace, joining with
+the token KubeRay makes for the cluster), every flag of its command line is one the real CLI
+parser defines, the ports it serves are the ones the pod and the Service expose, its Ray version
+is the one the image installs, and the image builds from what the repository holds
+(docs/parallelism.md, "KubeRay")."""
 
 from __future__ import annotations
 
@@ -108,6 +109,23 @@ def test_the_frontend_is_a_driver_of_the_heads_ray() -> None:
     for container in pod["containers"]:
         mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
         assert mounts.get(RAY_SESSION_DIR) == volume["name"], container["name"]
+
+
+def test_the_frontend_joins_with_the_token_kuberay_makes() -> None:
+    cluster, _ = documents()
+    # KubeRay (1.5.1+) makes the Secret, named after the cluster (ray-operator's CheckName keeps
+    # a name of 50 characters or fewer that starts with a letter), with the token under
+    # `auth_token`, and sets these variables on Ray's own container of each pod only
+    assert cluster["spec"]["authOptions"] == {"mode": "token"}
+    name = cluster["metadata"]["name"]
+    assert len(name) <= 50 and name[0].isalpha()
+    ray_head, frontend = head_pod()["containers"]
+    env = {variable["name"]: variable for variable in frontend["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": name, "key": "auth_token"}
+    assert "RAY_AUTH_TOKEN" not in {v["name"] for v in ray_head.get("env", [])}  # KubeRay's
+    # the serve command takes the token from the environment, as Ray's CLI does: no file flag
+    assert parse_actorline(serve_command()).ray_auth_token_file is None
 
 
 def test_the_ports_served_are_the_ones_exposed() -> None:

@@ -177,6 +177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ADDRESS",
         help="also run the engine's hosts on Ray and compare with local processes",
     )
+    add_option_argument(parser, EngineOptions, "ray_auth_token_file")
     parser.add_argument(
         "--data-parallel-size",
         type=int,
@@ -206,7 +207,14 @@ def config_from_args(args: argparse.Namespace) -> CeilingConfig:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run with parsed options and print the result; the exit status."""
+    """Run with parsed options and print the result; the exit status.
+
+    Raises:
+        ValueError: ``--ray-auth-token-file`` without ``--ray``, or the Ray cluster refuses
+            this process (RayConnectionError), among the configuration's own refusals.
+    """
+    if args.ray is None and args.ray_auth_token_file is not None:
+        raise ValueError("--ray-auth-token-file is the token of a Ray cluster: give --ray too")
     if args.ray is not None:
         from pipeline.bench.parallel import format_ray, run_ray
         from stages.params import SamplingParams
@@ -227,6 +235,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             params,
             repeats=config.repeats,
             ray_address=args.ray or None,
+            ray_auth_token_file=args.ray_auth_token_file,
         )
         print_result(ray_result, format_ray(ray_result), args.json)
         return 0

@@ -78,6 +78,8 @@ from pipeline.bench.profile import Profile, build_profile, take_snapshot
 from pipeline.bench.report import add_common_arguments, print_result, run_main
 from pipeline.bench.roof import RoofConfig, run_roof
 from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload, prompt_ids
+from pipeline.engine.option_fields import add_option_argument
+from pipeline.engine.options import EngineOptions
 
 if TYPE_CHECKING:
     from pipeline.engine.loop_thread import LoopThread
@@ -601,6 +603,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ADDRESS",
         help="run the workload with the engine's hosts on Ray against local processes",
     )
+    add_option_argument(parser, EngineOptions, "ray_auth_token_file")
 
 
 _SKIP_NAMES = {
@@ -645,7 +648,14 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run with parsed options and print the result; the exit status."""
+    """Run with parsed options and print the result; the exit status.
+
+    Raises:
+        ValueError: ``--ray-auth-token-file`` without ``--ray``, or the Ray cluster refuses
+            this process (RayConnectionError), among the configuration's own refusals.
+    """
+    if args.ray is None and args.ray_auth_token_file is not None:
+        raise ValueError("--ray-auth-token-file is the token of a Ray cluster: give --ray too")
     if args.ray is not None:
         from pipeline.bench.parallel import format_ray, run_ray
         from stages.params import SamplingParams
@@ -670,6 +680,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             params,
             repeats=args.repeats,
             ray_address=args.ray or None,
+            ray_auth_token_file=args.ray_auth_token_file,
         )
         print_result(ray_result, format_ray(ray_result), args.json)
         return 0

@@ -388,21 +388,32 @@ async def measure_ray(
     *,
     repeats: int = 2,
     ray_address: str | None = None,
+    ray_auth_token_file: str | None = None,
 ) -> RayResult:
     """Run ``prompts`` (strings or token ids, each with its ``params``) on an engine with
-    ``options`` on local processes and on one whose hosts are Ray actors, alternating,
-    ``repeats`` times each (see the module docstring)."""
+    ``options`` on local processes and on one whose hosts are Ray actors (on the cluster at
+    ``ray_address``, joined with ``ray_auth_token_file``'s token where it wants one),
+    alternating, ``repeats`` times each (see the module docstring).
+
+    Raises:
+        RayConnectionError: the cluster cannot be reached or refuses this process.
+    """
     from pipeline.engine.async_engine import AsyncEngine
 
     load_average = os.getloadavg()
     ray_num_cpus = _local_cpus_on_ray()
     local = AsyncEngine(model, **options)
     on_ray = AsyncEngine(
-        model, **options, ray=True, ray_address=ray_address, ray_num_cpus=ray_num_cpus
+        model,
+        **options,
+        ray=True,
+        ray_address=ray_address,
+        ray_auth_token_file=ray_auth_token_file,
+        ray_num_cpus=ray_num_cpus,
     )
     runs: list[PlacementRun] = []
     outputs: dict[str, list[tuple[int, ...]]] = {}
-    async with local, on_ray:
+    async with on_ray, local:  # (on Ray first: a cluster that refuses, before any work)
         warmup = [params[0]]
         for engine in (local, on_ray):
             await _generate_all(engine, prompts[:1], warmup)

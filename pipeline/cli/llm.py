@@ -243,6 +243,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pipeline.engine.async_engine import AsyncEngine
     from pipeline.engine.prompts import check_prompt
     from pipeline.runtime.errors import PipelineError
+    from pipeline.runtime.ray_connection import RayConnectionError
     from stages.errors import RequestError
     from stages.models import has_chat_template
 
@@ -278,7 +279,7 @@ def _generate(args: argparse.Namespace) -> int:
         # killed by SIGPIPE, as the shell tools in the pipeline do.
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except RequestError as exc:
+    except (RequestError, RayConnectionError) as exc:
         raise CliError(str(exc), 2) from exc
     except PipelineError as exc:
         raise CliError(str(exc), 1) from exc
@@ -320,6 +321,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from pipeline.runtime import settings
     from pipeline.runtime.errors import PipelineError
+    from pipeline.runtime.ray_connection import RayConnectionError
     from pipeline.server.auth import ApiKeys
     from pipeline.server.serve import SERVICE_NAME, ServerTLS, serve
 
@@ -397,6 +399,8 @@ def _serve(args: argparse.Namespace) -> int:
                 limits=limits,
             )
         )
+    except RayConnectionError as exc:  # the cluster given refuses: an argument error
+        raise CliError(str(exc), 2) from exc
     except (OSError, PipelineError) as exc:
         raise CliError(str(exc), 1) from exc
     return 0

@@ -224,6 +224,12 @@ class EngineOptions:
         help="the Ray cluster (implies ray; None: RAY_ADDRESS, else a new local one; the CLI's "
         "--ray ADDRESS)",
     )  # fmt: skip
+    ray_auth_token_file: str | None = option(
+        None, kind="name", phrase="a file name", feeds=("start",), group=_PARALLEL,
+        metavar="FILE",
+        help="file holding the Ray cluster's token, where the cluster authenticates (default: "
+        "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token, as Ray's CLI finds it)",
+    )  # fmt: skip
     ray_num_cpus: float = option(1.0, help="CPUs each engine host takes on Ray",
                                  kind="number>=0", group=_PARALLEL)  # fmt: skip
     ray_num_gpus: float = option(
@@ -286,6 +292,11 @@ class EngineOptions:
             raise ValueError(
                 f"ray_num_gpus {self.ray_num_gpus:g} reserves GPUs for the engine's hosts, but "
                 "device is 'cpu': give device 'cuda' (or 'auto') to compute on them"
+            )
+        if self.ray_auth_token_file is not None and not self.on_ray:
+            raise ValueError(
+                "ray_auth_token_file is the token of a Ray cluster, but the engine's hosts are "
+                "not on Ray: give ray (--ray [ADDRESS]) or ray_address too"
             )
         if self.on_ray and not self.split_processes:
             raise ValueError(

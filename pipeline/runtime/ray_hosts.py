@@ -29,7 +29,9 @@ cluster by changing start options only (``docs/architecture.md`` §9)::
   started itself is shut down with it.
 
 Ray is an optional extra (``pip install actorline[ray]``); without it a Ray host is refused
-with :class:`RayUnavailableError` before anything starts.
+with :class:`RayUnavailableError` before anything starts. Connecting (the cluster's token
+included) is :mod:`pipeline.runtime.ray_connection`'s: a cluster that refuses this process is
+:class:`RayConnectionError`, one line saying why.
 """
 
 from __future__ import annotations
@@ -46,10 +48,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.runtime.control import HostFailure, HostPlan, HostStatistics, LinkLost
-from pipeline.runtime.errors import GraphError, HostDiedError, PipelineClosedError
+from pipeline.runtime.errors import HostDiedError, PipelineClosedError
 from pipeline.runtime.gc_policy import freeze_startup_heap
 from pipeline.runtime.host import FailureCallback, LinkLostCallback, LocalHost
 from pipeline.runtime.processes import error_from_failure, failure_message
+from pipeline.runtime.ray_connection import (
+    RayConnectionError,
+    RayUnavailableError,
+    connect_ray,
+    import_ray,
+    require_ray,
+)
 from pipeline.runtime.replicas import ReplicaLost
 from transports.tasks import TaskSet
 
@@ -58,6 +67,7 @@ __all__ = [
     "NODE_IP_ENV",
     "PLACEMENT_STRATEGIES",
     "RayActorHost",
+    "RayConnectionError",
     "RayHost",
     "RayPlacementGroup",
     "RayUnavailableError",
@@ -84,10 +94,6 @@ _DEATH_WAIT = 10.0
 NODE_IP_ENV = "ACTORLINE_RAY_NODE_IP"
 #: set in a Ray host's process: the ids of the GPUs Ray assigned it, comma-separated
 GPU_IDS_ENV = "ACTORLINE_RAY_GPU_IDS"
-
-
-class RayUnavailableError(GraphError):
-    """A host was placed on Ray, but Ray is not installed (``pip install actorline[ray]``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,52 +150,15 @@ class RayPlacementGroup:
             )
 
 
-def require_ray() -> None:
-    """Check that Ray can be imported.
-
-    Raises:
-        RayUnavailableError: it cannot (the message says how to install it).
-    """
-    _ray()
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise RayUnavailableError(
-            "a host is placed on Ray, but Ray is not installed: pip install 'actorline[ray]'"
-        ) from exc
-    return ray
-
-
-def connect_ray(address: str | None) -> bool:
-    """Connect this process to Ray: to the cluster at ``address`` ("auto": the one running
-    here; None: ``RAY_ADDRESS`` if set, else a new local cluster), unless it is connected
-    already.
-
-    Returns:
-        Whether this call started the connection (its owner shuts it down).
-
-    Raises:
-        RayUnavailableError: Ray is not installed.
-    """
-    ray = _ray()
-    if ray.is_initialized():
-        return False
-    ray.init(address=address, log_to_driver=False)
-    return True
-
-
 def largest_node_cpus() -> float:
     """The most CPUs any live node of the connected Ray cluster has (0 when none says)."""
-    nodes = _ray().nodes()
+    nodes = import_ray().nodes()
     return max((node["Resources"].get("CPU", 0.0) for node in nodes if node["Alive"]), default=0.0)
 
 
 def node_ip() -> str:
     """The IP address other Ray nodes reach this node on."""
-    return str(_ray().util.get_node_ip_address())
+    return str(import_ray().util.get_node_ip_address())
 
 
 def host_node_ip() -> str | None:
@@ -233,7 +202,7 @@ class _HostActor:
         ip = self._ip = node_ip()
         # what the host's stages learn of where they run (host_node_ip, host_gpu_ids)
         os.environ[NODE_IP_ENV] = ip
-        os.environ[GPU_IDS_ENV] = ",".join(str(gpu) for gpu in _ray().get_gpu_ids())
+        os.environ[GPU_IDS_ENV] = ",".join(str(gpu) for gpu in import_ray().get_gpu_ids())
         self._plan = reachable_plan(plan, ip)
         self._events: asyncio.Queue[HostFailure | LinkLost] | None = None
         self._built: asyncio.Event | None = None
@@ -313,7 +282,7 @@ _ACTOR_CLASSES: dict[str, Any] = {}
 
 def _actor_class() -> Any:
     if "host" not in _ACTOR_CLASSES:
-        _ACTOR_CLASSES["host"] = _ray().remote(_HostActor)
+        _ACTOR_CLASSES["host"] = import_ray().remote(_HostActor)
     return _ACTOR_CLASSES["host"]
 
 
@@ -357,7 +326,7 @@ class RayActorHost:
 
     async def spawn(self) -> None:
         """Create the actor (placed as :class:`RayHost` says) and start watching it."""
-        ray = _ray()
+        ray = import_ray()
         placement = self.placement
         options: dict[str, Any] = {
             "num_cpus": placement.num_cpus,
@@ -394,7 +363,7 @@ class RayActorHost:
         self._watch = self._tasks.spawn(self._watch_events(), name=f"ray-watch:{self.name}")
 
     async def _watch_events(self) -> None:
-        ray = _ray()
+        ray = import_ray()
         while True:
             try:
                 event = await self.actor.next_event.remote()
@@ -417,7 +386,7 @@ class RayActorHost:
             self._on_failure(HostDiedError(self.name, None, detail))
 
     async def _call(self, method: Any, *args: Any, timeout: float | None = None) -> Any:
-        ray = _ray()
+        ray = import_ray()
         if self._gone.is_set():
             if self._stopping:
                 raise PipelineClosedError(f"host {self.name!r} is stopped")
@@ -488,7 +457,7 @@ class RayActorHost:
         self._stopping = True
         if self.actor is not None:
             with contextlib.suppress(Exception):
-                _ray().kill(self.actor, no_restart=True)
+                import_ray().kill(self.actor, no_restart=True)
 
     async def kill(self) -> None:
         """Kill the actor and wait (bounded) until Ray reports it dead. Idempotent."""
@@ -510,7 +479,7 @@ async def create_placement_group(name: str, group: RayPlacementGroup, timeout: f
     Raises:
         TimeoutError: the cluster could not reserve the bundles within ``timeout``.
     """
-    ray = _ray()
+    ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
 
     created = placement_group(
@@ -543,4 +512,4 @@ def remove_placement_groups(groups: list[Any]) -> None:
 def shutdown_ray() -> None:
     """Disconnect this process from Ray (stopping a local cluster it started)."""
     with contextlib.suppress(Exception):
-        _ray().shutdown()
+        import_ray().shutdown()

@@ -107,7 +107,9 @@ class StartOptions:
     spawned processes; ``placement_groups``: Ray placement groups to create for them (name →
     :class:`RayPlacementGroup`); ``ray_address``: the cluster to connect to ("auto": the one
     running here; None: ``RAY_ADDRESS``, else a new local one) unless this process is
-    connected already (see :mod:`pipeline.runtime.ray_hosts`).
+    connected already (see :mod:`pipeline.runtime.ray_hosts`); ``ray_auth_token_file``: a
+    file holding the cluster's token (None: where Ray finds one; see
+    :mod:`pipeline.runtime.ray_connection`).
     """
 
     transport: str = "zmq"
@@ -124,6 +126,7 @@ class StartOptions:
     hosts: Mapping[str, RayHost] = dataclasses.field(default_factory=dict)
     placement_groups: Mapping[str, RayPlacementGroup] = dataclasses.field(default_factory=dict)
     ray_address: str | None = None
+    ray_auth_token_file: str | None = None
 
     def link_options(self) -> LinkOptions:
         return LinkOptions(
@@ -324,11 +327,14 @@ class RunningPipeline:
         Raises:
             GraphError: a Ray placement names the main host, an unknown host or an unknown
                 placement group (or Ray is not installed: RayUnavailableError).
+            RayConnectionError: the cluster cannot be reached or refuses this process.
         """
         options = self.options
         if not options.hosts:
             if options.placement_groups:
                 raise GraphError("placement_groups are for hosts on Ray; no host is (hosts=)")
+            if options.ray_auth_token_file is not None:
+                raise GraphError("ray_auth_token_file is for hosts on Ray; no host is (hosts=)")
             return {}
         for name, placement in options.hosts.items():
             if name == MAIN_HOST or name not in plans:
@@ -342,7 +348,9 @@ class RunningPipeline:
                     f"host {name!r} is placed in placement group {wanted!r}, which "
                     f"placement_groups does not define"
                 )
-        self._ray_owned = await asyncio.to_thread(connect_ray, options.ray_address)
+        self._ray_owned = await asyncio.to_thread(
+            connect_ray, options.ray_address, options.ray_auth_token_file
+        )
         groups: dict[str, Any] = {}
         for name, group in options.placement_groups.items():
             created = await create_placement_group(

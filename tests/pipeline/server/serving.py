@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -332,7 +332,8 @@ class ServeProcess:
     printed its ready lines: :attr:`address` (gRPC ``host:port``; None when only
     ``--http-port`` is given) and :attr:`http_url` (the HTTP API's base URL, with
     ``--http-port``; else None). :meth:`kill` it when done. ``preexec_fn`` runs in the child
-    before it executes (e.g. to lower its resource limits).
+    before it executes (e.g. to lower its resource limits); ``env``: its environment (default:
+    this process's), with this checkout first on its path.
 
     Raises (from the constructor): AssertionError when a ready line does not come (the
     process is killed, the message shows its stderr).
@@ -343,8 +344,9 @@ class ServeProcess:
         arguments: list[str],
         stderr_path: Path,
         preexec_fn: Callable[[], None] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
+        env = {**(os.environ if env is None else env), "PYTHONPATH": str(REPOSITORY)}
         self._stderr = stderr_path.open("w")
         self.process = subprocess.Popen(
             [*actorline_command(), "serve", *arguments],
