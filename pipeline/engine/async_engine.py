@@ -531,7 +531,7 @@ class AsyncEngine:
             last.logprobs if last else None,
             last.num_prompt_tokens if last else 0,
             last.num_cached_tokens if last else 0,
-            prompt_token_ids=last.prompt_token_ids if last else (),
+            prompt_token_ids=last.prompt_token_ids if last else None,
             prompt_logprobs=last.prompt_logprobs if last else None,
         )
         if self._observers:

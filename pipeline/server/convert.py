@@ -324,7 +324,7 @@ def response_from_output(
             _logprob_to_proto(entry) for entry in output.logprobs[num_sent_tokens:]
         )
     if with_prompt and output.prompt_logprobs is not None:
-        response.prompt_token_ids.extend(output.prompt_token_ids)
+        response.prompt_token_ids.extend(output.prompt_token_ids or ())
         response.prompt_logprobs.extend(
             _logprob_to_proto(entry) for entry in output.prompt_logprobs if entry is not None
         )

@@ -48,16 +48,9 @@ class Answer:
     include_usage: bool
     per_prompt: int
     continuous_usage: bool = False
-        token_ids: bool = False,
-        *,
-        echo: Echo | None = None,
-        prompt_logprobs: TokenTexts | None = None,
-    ) -> Answer:
-        head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
-        return cls(
-            head, texts, include_usage, per_prompt, continuous_usage, token_ids, echo,
-            prompt_logprobs,
-        )  # fmt: skip
+    token_ids: bool = False
+    echo: Echo | None = None
+    prompt_logprobs: TokenTexts | None = None
 
     @classmethod
     def create(

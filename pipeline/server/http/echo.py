@@ -55,7 +55,7 @@ class Echo:
             if isinstance(prompt, str) and not self.decode_all:
                 text = prompt
             else:
-                text = await self.decode(output.prompt_token_ids)
+                text = await self.decode(output.prompt_token_ids or ())
             self.texts[index] = text
         return text
 
