@@ -116,6 +116,7 @@ class DetokenizeStage(Stage):
                 outputs.num_cached_tokens,
                 outputs.stats,
                 outputs.scheduler_times,
+                outputs.embeddings,
             ),
         )
         for rejected in failed:

@@ -23,6 +23,7 @@ import numpy as np
 
 from stages.errors import RequestError
 from stages.params import SamplingParams
+from stages.pooling import PoolingParams
 from transports.codec import message
 
 __all__ = [
@@ -109,7 +110,9 @@ class GenerateRequest:
     ``messages`` (always) or to a plain ``prompt`` (when True). ``tools``: the functions the
     model may call (rendered into the prompt by the chat template); ``tool_choice``:
     ``"none"``, ``"auto"``, ``"required"`` or the name of the one function to call ("" with no
-    tools); ``parallel_tool_calls``: whether several calls may be made at once."""
+    tools); ``parallel_tool_calls``: whether several calls may be made at once. ``pooling``:
+    an embedding request (prefill only: its output carries the pooled vector, no tokens;
+    docs/architecture.md §12); None: a generation request."""
 
     request_id: str
     params: SamplingParams
@@ -122,6 +125,7 @@ class GenerateRequest:
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str = ""
     parallel_tool_calls: bool = True
+    pooling: PoolingParams | None = None
 
 
 @message()
@@ -130,7 +134,8 @@ class EngineRequest:
     """A tokenized request, from tokenize to admit and schedule (and to detokenize, which
     registers the request's text state). ``parsing``: how the parse stage reads its output
     (None: it passes through). ``bad_words_token_ids``: the token sequences of
-    ``params.bad_words``, tokenized by the tokenize stage (vLLM's ``_bad_words_token_ids``)."""
+    ``params.bad_words``, tokenized by the tokenize stage (vLLM's ``_bad_words_token_ids``).
+    ``pooling``: an embedding request (see :class:`GenerateRequest`)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -140,6 +145,7 @@ class EngineRequest:
     prompt: str | None = None
     parsing: OutputParsing | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    pooling: PoolingParams | None = None
 
 
 @message()
@@ -194,6 +200,12 @@ class EngineInfo:
     # the model's weights as loaded (docs/architecture.md §6.3).
     quantization: str | None = None
     weight_bytes: int = 0
+    # Embeddings (docs/architecture.md §12): the size of the pooled vector (the hidden size;
+    # 0: this engine computes none), how it pools, and the sizes a request's `dimensions` may
+    # take (None: not a Matryoshka model; (): any size up to embedding_size).
+    embedding_size: int = 0
+    pooling_type: str = ""
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 @message()
@@ -257,7 +269,8 @@ class StepResult:
     prefixes), how many; freeing it frees only its other blocks. Prefix-cache counters are
     cumulative, in tokens. ``communication_seconds``: time rank 0 spent in tensor-parallel
     collectives this step (waiting for the slowest rank included; 0 without tensor
-    parallelism).
+    parallelism). ``embeddings``: the pooled vector (``float32 [dimensions]``) of each
+    embedding request whose last chunk ran this step, instead of a token.
     """
 
     step_id: int
@@ -276,6 +289,7 @@ class StepResult:
     num_computed_tokens: int = 0
     forward_seconds: float = 0.0
     communication_seconds: float = 0.0
+    embeddings: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -310,7 +324,9 @@ class EngineOutputs:
     with ``stop_reasons[i]`` (the stop token id, if a stop token ended it).
     ``scheduler_times``: for each request whose first token this is, ``(queue_seconds,
     prefill_seconds)`` on the scheduler's clock: from its arrival at the scheduler to its first
-    scheduled chunk, and from there to this token (vLLM's queued and prefill intervals)."""
+    scheduled chunk, and from there to this token (vLLM's queued and prefill intervals).
+    ``embeddings``: the vector of each embedding request that finished this step (with no
+    new tokens and ``"stop"``)."""
 
     request_ids: tuple[str, ...]
     new_token_ids: tuple[tuple[int, ...], ...]
@@ -320,6 +336,7 @@ class EngineOutputs:
     num_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: EngineStats | None = None
     scheduler_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    embeddings: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -337,6 +354,7 @@ class TextOutputs:
     num_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: EngineStats | None = None
     scheduler_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    embeddings: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -366,6 +384,7 @@ class RequestOutput:
     parse stage), ``text``/``delta`` hold its content only, ``reasoning`` the reasoning text so
     far and ``tool_calls`` the calls so far (the last one's arguments possibly still growing),
     both cumulative: a stream's deltas are what is new since the previous output.
+    ``embedding``: an embedding request's vector (``float32``), on its one, final output.
     """
 
     request_id: str
@@ -381,6 +400,7 @@ class RequestOutput:
     scheduler_times: tuple[float, float, str] | None = None
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    embedding: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

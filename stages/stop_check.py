@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.messages import (
     AbortRequests,
@@ -79,6 +81,7 @@ class _Tracked:
         finish_reason: str | None,
         stop_reason: int | str | None,
         scheduler_times: tuple[float, float, str] | None = None,
+        embedding: np.ndarray | None = None,
     ) -> RequestOutput:
         """The request's output now, ``delta`` already added to its text."""
         return RequestOutput(
@@ -93,6 +96,7 @@ class _Tracked:
             self.num_cached_tokens,
             None,
             scheduler_times,
+            embedding=embedding,
         )
 
 
@@ -148,6 +152,7 @@ class StopCheckStage(Stage):
                         finish_reason,
                         stop_reason,
                         None if times is None else (*times, replica),
+                        batch.embeddings.get(request_id),
                     )
                 )
             except Exception as error:

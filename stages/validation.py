@@ -25,6 +25,7 @@ from stages.checks import check_bool, check_number, check_text, check_token_ids,
 from stages.errors import InvalidRequestError, PromptTooLongError
 from stages.messages import ChatMessage, GenerateRequest
 from stages.params import SamplingParams, validate_sampling
+from stages.pooling import validate_pooling
 from stages.tools import check_tool_messages, check_tool_use
 
 __all__ = [
@@ -103,6 +104,12 @@ def validate_generate_request(request: GenerateRequest, *, vocab_size: int | Non
         )
     validate_sampling(request.params, vocab_size=vocab_size, request_id=request_id)
     check_tool_use(request, request_id)
+    if request.pooling is not None:
+        if request.tools:
+            raise InvalidRequestError(
+                "tools: an embedding request calls no tools", field="tools", request_id=request_id
+            )
+        validate_pooling(request.pooling, request.params, request_id=request_id)
 
 
 def room_after_prompt(

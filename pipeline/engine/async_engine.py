@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pipeline.engine.collector import OutputCollector
+from pipeline.engine.embeddings import EmbeddingRequestOutput, as_embedding, embedding_result
 from pipeline.engine.errors import EngineCrashLoopError, EngineDeadError, WrongEventLoopError
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import (
@@ -62,6 +63,7 @@ from stages.messages import (
     RequestRejected,
 )
 from stages.params import SamplingParams
+from stages.pooling import PoolingParams, embedding_sampling_params
 from stages.tools import ToolUse
 from stages.validation import check_request_id
 from transports.tasks import TaskSet
@@ -465,6 +467,63 @@ class AsyncEngine:
                 observer.request_ended(engine_id, error)
             except Exception:
                 logger.exception("engine observer %r failed", observer)
+
+    def check_embedding(
+        self,
+        prompt: Prompt,
+        pooling_params: PoolingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str = "",
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> CheckedPrompt:
+        """``prompt`` checked as an embedding request (as :meth:`check`), for :meth:`embed`
+        or :meth:`generate` (whose one output then carries ``embedding``).
+
+        Raises:
+            InvalidRequestError: a bad prompt or pooling parameter (the field is named).
+        """
+        params = embedding_sampling_params(truncate_prompt_tokens, priority)
+        checked = self.check(prompt, params, request_id=request_id, tenant=tenant)
+        return as_embedding(checked, pooling_params)
+
+    async def embed(
+        self,
+        prompt: Prompt | CheckedPrompt,
+        pooling_params: PoolingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str = "",
+        truncate_prompt_tokens: int | None = None,
+    ) -> EmbeddingRequestOutput:
+        """The embedding of one prompt (vLLM's ``encode``/``embed``): the engine's pooling
+        (``pooling_type``, ``pooling_normalize``) over the final hidden states of the prompt's
+        tokens, prefill only, batched with whatever else runs (docs/serving.md, "Embeddings").
+        ``prompt``: as :meth:`generate` takes it, or from :meth:`check_embedding`.
+
+        Raises: as :meth:`generate`; InvalidRequestError also for ``dimensions`` the model
+        does not allow, or an engine that computes no embeddings (the null model).
+        """
+        if not isinstance(prompt, CheckedPrompt):
+            prompt = self.check_embedding(
+                prompt,
+                pooling_params,
+                request_id=request_id,
+                tenant=tenant,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+            )
+        elif prompt.request.pooling is None or pooling_params is not None:
+            raise InvalidRequestError(
+                "embed() takes a prompt checked by check_embedding(), which carries its "
+                "pooling parameters (give them there)",
+                field="pooling_params",
+                request_id=request_id,
+            )
+        last = None
+        async for output in self.generate(prompt, request_id=request_id):
+            last = output
+        return embedding_result(request_id or "", last)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request: its stream ends with ``finish_reason="abort"`` and its KV

@@ -129,4 +129,5 @@ def with_metrics(
         scheduler_times,
         output.reasoning,
         output.tool_calls,
+        output.embedding,
     )

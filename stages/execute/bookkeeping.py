@@ -66,6 +66,7 @@ class TrackedRequest(Protocol):
     request_id: str
     num_computed: int
     num_cached: int  # of num_computed, tokens served by the prefix cache since its start
+    prefix_cache: bool  # whether its prefix may come from the cache (not: mean/cls pooling)
 
     @property
     def num_tokens(self) -> int: ...
@@ -210,7 +211,11 @@ def plan_chunk(
         and request.num_computed == chunk.start
         and (request.num_tokens - 1) // size > chunk.start // size
     )
-    if allocator.enable_prefix_caching and (chunk.start == 0 or continues_hits):
+    if (
+        allocator.enable_prefix_caching
+        and request.prefix_cache
+        and (chunk.start == 0 or continues_hits)
+    ):
         hit = allocator.match_prefix(request_id, request.tokens(), end, spare_blocks)
         request.num_computed += hit
         request.num_cached += hit

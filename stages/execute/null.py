@@ -84,6 +84,7 @@ class _Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # leading tokens whose (virtual) K/V is in the cache
     num_cached: int = 0  # of those, served by the prefix cache since the request started
+    prefix_cache: bool = True  # (admit refuses embedding requests: the null model pools none)
 
     @property
     def num_tokens(self) -> int:

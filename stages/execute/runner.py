@@ -77,6 +77,7 @@ from stages.execute.native import (
     packed_gemm_kernel,
     paged_decode_kernel,
 )
+from stages.execute.pooling import Pooler, capture_hidden_states, matryoshka_dimensions
 from stages.execute.probe_cache import checks_passed, probe_key, record_passed
 from stages.execute.quant.apply import quantize_model, weight_bytes
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
@@ -104,6 +105,7 @@ from stages.messages import (
     StepResult,
 )
 from stages.models import quiet_transformers, resolve_model
+from stages.pooling import PoolingParams
 
 __all__ = ["ModelRunner", "PreparedStep", "StepError"]
 
@@ -123,6 +125,8 @@ class _Request:
     sampling: SamplingState
     num_computed: int = 0  # leading tokens whose K/V is in the cache
     num_cached: int = 0  # of those, served by the prefix cache since the request started
+    pooling: PoolingParams | None = None  # an embedding request (stages.execute.pooling)
+    prefix_cache: bool = True  # whether its prefix may come from the cache
 
     @property
     def num_tokens(self) -> int:
@@ -223,6 +227,7 @@ class ModelRunner:
         self._window: int | None = None  # bounds every layer: blocks behind it are freed
         self._decode_graphs: Any = None  # stages.execute.cuda_graphs.DecodeGraphs
         self._step_graph: StepGraph | None = None  # CPU decode steps in one native call
+        self._pooler = Pooler(config.pooling_type, config.pooling_normalize)
 
     # ----------------------------------------------------------------- loading
     def load(self) -> EngineInfo:
@@ -413,6 +418,9 @@ class ModelRunner:
             sliding_window=self._window,
             quantization=config.quantization,
             weight_bytes=weight_bytes(model),
+            embedding_size=int(text_config.hidden_size),
+            pooling_type=config.pooling_type,
+            matryoshka_dimensions=matryoshka_dimensions(resolved.path),
         )
         if on_cpu and config.tune_allocator:
             release_free_memory()
@@ -634,6 +642,7 @@ class ModelRunner:
             raise RuntimeError(f"rank {self.rank} runs ShardSteps (run_shard), not steps")
         validate_step(step, self._requests, self.max_model_len)
         release(allocator, self._requests, step)
+        self._pooler.forget((*step.finished, *step.preempted))
         for new_request in step.new_requests:
             self._register(new_request)
 
@@ -658,22 +667,33 @@ class ModelRunner:
         token_ids: list[int] = []
         logprob_ids: list[str] = []
         logprobs: list[Logprobs] = []
+        embeddings: dict[str, np.ndarray] = {}
         forward_seconds = 0.0
         num_computed = sum(work.end - work.start for work in works)
         if prepared.packed is not None:
             began = time.perf_counter()
-            sampling = [work for work in works if work.samples]
-            logits = self._forward(prepared.packed, sampling)  # [len(sampling), V]
+            # NOTE: embedding requests pool instead of sampling (stages.execute.pooling): a
+            # step with any runs the module path, whose decoder output is captured
+            pooled = [work for work in works if work.request.pooling is not None]
+            sampling = [work for work in works if work.samples and work.request.pooling is None]
+            with capture_hidden_states(self.model, enabled=bool(pooled)) as hidden:
+                logits = self._forward(prepared.packed, sampling or pooled[:1], bool(pooled))
+            if pooled:
+                embeddings = self._pooler.pool(hidden, [(w.request, w) for w in pooled])
             grammar = grammar_rows(
                 prepared.step,
                 [work.request.request_id for work in sampling],
                 sampler.vocab_size,
                 self.device,
             )
-            result = sampler.sample(logits, [work.request.sampling for work in sampling], grammar)
+            tokens_of = [work.request.sampling for work in sampling]
+            result = sampler.sample(logits, tokens_of, grammar) if sampling else None
             forward_seconds = time.perf_counter() - began
             for work, token_id, token_logprobs in zip(
-                sampling, result.token_ids, result.logprobs, strict=True
+                sampling,
+                result.token_ids if result else (),
+                result.logprobs if result else (),
+                strict=True,
             ):
                 work.request.sampling.output_token_ids.append(token_id)
                 request_ids.append(work.request.request_id)
@@ -703,6 +723,8 @@ class ModelRunner:
         if self.group is not None:
             seconds = self.group.take_seconds()
             result_message = dataclasses.replace(result_message, communication_seconds=seconds)
+        if embeddings:
+            result_message = dataclasses.replace(result_message, embeddings=embeddings)
         return result_message
 
     def run_shard(self, shard: ShardStep) -> None:
@@ -748,7 +770,13 @@ class ModelRunner:
             vocab_size=None if self._sampler is None else self._sampler.vocab_size,
             bad_words_token_ids=request.bad_words_token_ids,
         )
-        self._requests[request.request_id] = _Request(request.request_id, sampling)
+        pooling = request.pooling
+        self._requests[request.request_id] = _Request(
+            request.request_id,
+            sampling,
+            pooling=pooling,
+            prefix_cache=pooling is None or self._pooler.uses_prefix_cache(),
+        )
 
     def _pack(self, works: list[_Work]) -> _Packed:
         """Pack the step's chunks: decode rows first, by ascending context length (attention
@@ -770,8 +798,12 @@ class ModelRunner:
             [self.allocator.block_table(w.request.request_id) for w in order],
         )
 
-    def _forward(self, packed: _Packed, sampling: list[_Work]) -> torch.Tensor:
+    def _forward(
+        self, packed: _Packed, sampling: list[_Work], module_path: bool = False
+    ) -> torch.Tensor:
         """Run the model over the packed batch; logits of the sampling rows, in their order.
+        ``module_path``: through the model's modules even where a step graph or CUDA graph
+        could run the step (a pooled step's hidden states are captured from them).
 
         Returns:
             ``[len(sampling), V]`` logits.
@@ -783,7 +815,8 @@ class ModelRunner:
 
         step_graph = self._step_graph
         if (
-            num_decode == len(order)
+            not module_path
+            and num_decode == len(order)
             and step_graph is not None
             and num_decode <= step_graph.max_rows
         ):
@@ -797,7 +830,8 @@ class ModelRunner:
 
         graphs = self._decode_graphs
         if (
-            num_decode == len(order)
+            not module_path
+            and num_decode == len(order)
             and graphs is not None
             and graphs.can_run(len(decode), decode[-1].end)
         ):
