@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pipeline.engine.collector import OutputCollector
-from pipeline.engine.embeddings import EmbeddingRequestOutput, as_embedding, embedding_result
+from pipeline.engine.embeddings import EmbeddingRequestOutput, check_embedding, embed
 from pipeline.engine.errors import EngineCrashLoopError, EngineDeadError, WrongEventLoopError
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import (
@@ -63,7 +63,7 @@ from stages.messages import (
     RequestRejected,
 )
 from stages.params import SamplingParams
-from stages.pooling import PoolingParams, embedding_sampling_params
+from stages.pooling import PoolingParams
 from stages.tools import ToolUse
 from stages.validation import check_request_id
 from transports.tasks import TaskSet
@@ -478,15 +478,16 @@ class AsyncEngine:
         truncate_prompt_tokens: int | None = None,
         priority: int = 0,
     ) -> CheckedPrompt:
-        """``prompt`` checked as an embedding request (as :meth:`check`), for :meth:`embed`
-        or :meth:`generate` (whose one output then carries ``embedding``).
+        """``prompt`` checked as an embedding request (:func:`~pipeline.engine.embeddings.
+        check_embedding`), for :meth:`embed` or :meth:`generate`.
 
         Raises:
             InvalidRequestError: a bad prompt or pooling parameter (the field is named).
         """
-        params = embedding_sampling_params(truncate_prompt_tokens, priority)
-        checked = self.check(prompt, params, request_id=request_id, tenant=tenant)
-        return as_embedding(checked, pooling_params)
+        return check_embedding(
+            self, prompt, pooling_params, request_id=request_id, tenant=tenant,
+            truncate_prompt_tokens=truncate_prompt_tokens, priority=priority,
+        )  # fmt: skip
 
     async def embed(
         self,
@@ -497,33 +498,16 @@ class AsyncEngine:
         tenant: str = "",
         truncate_prompt_tokens: int | None = None,
     ) -> EmbeddingRequestOutput:
-        """The embedding of one prompt (vLLM's ``encode``/``embed``): the engine's pooling
-        (``pooling_type``, ``pooling_normalize``) over the final hidden states of the prompt's
-        tokens, prefill only, batched with whatever else runs (docs/serving.md, "Embeddings").
-        ``prompt``: as :meth:`generate` takes it, or from :meth:`check_embedding`.
+        """The embedding of one prompt (vLLM's ``embed``), batched with whatever else runs:
+        :func:`~pipeline.engine.embeddings.embed` (docs/serving.md, "Embeddings").
 
         Raises: as :meth:`generate`; InvalidRequestError also for ``dimensions`` the model
         does not allow, or an engine that computes no embeddings (the null model).
         """
-        if not isinstance(prompt, CheckedPrompt):
-            prompt = self.check_embedding(
-                prompt,
-                pooling_params,
-                request_id=request_id,
-                tenant=tenant,
-                truncate_prompt_tokens=truncate_prompt_tokens,
-            )
-        elif prompt.request.pooling is None or pooling_params is not None:
-            raise InvalidRequestError(
-                "embed() takes a prompt checked by check_embedding(), which carries its "
-                "pooling parameters (give them there)",
-                field="pooling_params",
-                request_id=request_id,
-            )
-        last = None
-        async for output in self.generate(prompt, request_id=request_id):
-            last = output
-        return embedding_result(request_id or "", last)
+        return await embed(
+            self, prompt, pooling_params, request_id=request_id, tenant=tenant,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )  # fmt: skip
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request: its stream ends with ``finish_reason="abort"`` and its KV
