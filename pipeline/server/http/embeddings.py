@@ -30,13 +30,10 @@ from pipeline.engine.prompts import CheckedPrompt, Prompt
 from pipeline.server.http.errors import ApiError
 from pipeline.server.http.gate import tenant_of
 from pipeline.server.http.requests import check_extras
-from pipeline.server.http.schema import (
-    EMBEDDINGS_ACCEPTED_AT,
-    MAX_EMBEDDING_INPUTS,
-    EmbeddingRequest,
-)
+from pipeline.server.http.schema import EMBEDDINGS_ACCEPTED_AT, EmbeddingRequest
 from pipeline.server.http.state import HttpService
 from pipeline.server.http.whole import JsonAnswer, LazyArray
+from pipeline.server.limits import MAX_EMBEDDING_INPUTS
 from stages.errors import RequestError
 from stages.messages import RequestOutput
 from stages.pooling import PoolingParams

@@ -35,7 +35,6 @@ __all__ = [
     "COMPLETION_ACCEPTED_AT",
     "EMBEDDINGS_ACCEPTED_AT",
     "MAX_CHOICES",
-    "MAX_EMBEDDING_INPUTS",
     "MAX_N",
     "STREAM_OPTIONS_ACCEPTED_AT",
     "ChatCompletionRequest",
@@ -112,8 +111,6 @@ EMBEDDINGS_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
     "add_special_tokens": (True, None),
     "priority": (0, None),
 }
-#: the most inputs of one ``/v1/embeddings`` request (OpenAI's bound), each an engine request
-MAX_EMBEDDING_INPUTS = 2048
 #: a list that stops at its first bad item
 FailFast = Annotated[list[_Item], Field(fail_fast=True)]
 

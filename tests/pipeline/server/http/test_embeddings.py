@@ -20,6 +20,8 @@ import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
 
+from pipeline import InvalidRequestError
+from pipeline.server.client import Client
 from tests.pipeline.server.http.conftest import API_KEY, IGNORE_EOS, MODEL
 from tests.pipeline.server.serving import ServeProcess
 
@@ -176,3 +178,28 @@ def test_key_model_and_truncation(openai_serve: ServeProcess) -> None:
     )
     assert status == 200, answer
     assert answer["usage"]["prompt_tokens"] == 100
+
+
+def test_grpc_embed_with_the_python_client(
+    openai_serve: ServeProcess, reference: dict[str, Any]
+) -> None:
+    """The same vectors over gRPC (``Embed``), and its refusals naming the field."""
+    assert openai_serve.address is not None
+    ids = reference["tokenizer"](TEXTS[0]).input_ids
+    with Client(openai_serve.address, api_key=API_KEY) as grpc_client:
+        vectors = grpc_client.embed([*TEXTS, ids])
+        for vector, text in zip(vectors[:3], TEXTS, strict=True):
+            assert_close(vector, hf_vector(reference, text))
+        assert_close(vectors[3], reference["embed"](ids))
+        (raw,) = grpc_client.embed(TEXTS[0], normalize=False)
+        assert abs(float(np.linalg.norm(raw)) - 1.0) > 1e-3
+        assert_close(np.asarray(raw) / np.linalg.norm(raw), hf_vector(reference, TEXTS[0]))
+        for inputs, options, field in (
+            ([], {}, "inputs"),
+            (["fine", ""], {}, "inputs[1]"),
+            ("x", {"dimensions": 8}, "dimensions"),
+            ([[5] * 1500], {}, "prompt"),
+        ):
+            with pytest.raises(InvalidRequestError) as refused:
+                grpc_client.embed(inputs, **options)
+            assert refused.value.field == field, refused.value
