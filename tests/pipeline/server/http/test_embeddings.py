@@ -22,7 +22,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from pipeline import InvalidRequestError
 from pipeline.server.client import Client
-from tests.pipeline.server.http.conftest import API_KEY, IGNORE_EOS, MODEL
+from tests.pipeline.server.http.conftest import API_KEY, IGNORE_EOS, MODEL, metrics
 from tests.pipeline.server.serving import ServeProcess
 
 TEXTS = ["Hello world, this is a test.", "Embeddings for retrieval", "A"]
@@ -203,3 +203,22 @@ def test_grpc_embed_with_the_python_client(
             with pytest.raises(InvalidRequestError) as refused:
                 grpc_client.embed(inputs, **options)
             assert refused.value.field == field, refused.value
+
+
+def test_an_embedding_counts_its_prompt_tokens(
+    openai_serve: ServeProcess, client: openai.OpenAI
+) -> None:
+    """Both metric families count an embedding's prompt (nothing generated), and vLLM's
+    success counter its finish."""
+    before = metrics(openai_serve)
+    answer = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    after = metrics(openai_serve)
+
+    def moved(name: str, **labels: str) -> float:
+        key = (name, frozenset(labels.items()))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    tokens = answer.usage.prompt_tokens
+    assert moved("actorline_prompt_tokens_total") == tokens
+    assert moved("vllm:prompt_tokens_total", model_name=MODEL, engine="0") == tokens
+    assert moved("actorline_generation_tokens_total") == 0
