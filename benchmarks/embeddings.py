@@ -23,7 +23,20 @@ from stages.models import resolve_model
 
 def texts(count: int) -> list[str]:
     """``count`` different sentences of 8 to 60 words."""
-    words = "the model pools each prompt into one vector for retrieval and search".split()
+    words = [
+        "the",
+        "model",
+        "pools",
+        "each",
+        "prompt",
+        "into",
+        "one",
+        "vector",
+        "for",
+        "retrieval",
+        "and",
+        "search",
+    ]
     return [
         " ".join(words[(index + k) % len(words)] for k in range(8 + index % 53))
         for index in range(count)
