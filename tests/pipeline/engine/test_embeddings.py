@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -135,6 +137,51 @@ def test_embeddings_share_steps_with_generation(tiny_model_dir: Path) -> None:
     assert together == alone
     for got, expected in zip(vectors, want + want, strict=True):
         assert_close(got, expected)
+
+
+def test_embeddings_preempted_under_block_pressure_still_match(tiny_model_dir: Path) -> None:
+    """A KV cache of 8 blocks, 16-token chunks: two generations running when two long
+    mean-pooled embeddings (6 blocks each) arrive. The generations' growth preempts the
+    embeddings (the latest arrivals), which are recomputed, and every vector is still HF's (a
+    preempted embedding starts its running sum over); every block is free afterwards."""
+    long_text = TEXTS[1] * 2
+    want = hf_embeddings(tiny_model_dir, [long_text], "mean", True)[0]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[np.ndarray], Any]:
+        async with AsyncEngine(
+            str(tiny_model_dir), transport="memory", pooling_type="mean", num_blocks=8,
+            max_num_batched_tokens=16,
+        ) as engine:  # fmt: skip
+            started = asyncio.Event()
+
+            async def generate(prompt: str) -> int:
+                count = 0
+                async for output in engine.generate(prompt, params):
+                    count = len(output.token_ids)
+                    if count >= 8:
+                        started.set()
+                return count
+
+            async def embed_later() -> np.ndarray:
+                await started.wait()
+                return (await engine.embed(long_text)).outputs.data
+
+            results = await asyncio.gather(
+                generate("one two three"), generate("four five six"), embed_later(),
+                embed_later(),
+            )  # fmt: skip
+            assert results[:2] == [60, 60]
+            deadline = time.monotonic() + 10
+            while (stats := engine.stats) is None or stats.kv_blocks_free != 8:
+                assert time.monotonic() < deadline, stats
+                await asyncio.sleep(0.02)
+            return list(results[2:]), stats
+
+    vectors, stats = asyncio.run(run())
+    assert stats.num_preemptions > 0, stats
+    for got in vectors:
+        assert_close(got, want)
 
 
 def test_refusals_name_the_field_and_the_engine_goes_on(tiny_model_dir: Path) -> None:
