@@ -106,6 +106,7 @@ def test_engine_without_normalization_and_a_request_that_asks_for_it(
     assert_close(asked.outputs.data, normalized[0])
 
 
+@pytest.mark.slow
 def test_embeddings_share_steps_with_generation(tiny_model_dir: Path) -> None:
     """Embedding requests started among running generations (over the zmq engine process)
     get HF's vectors, and the generations the tokens they get alone."""
