@@ -151,7 +151,7 @@ async def embed(
     last = None
     async for output in engine.generate(prompt, request_id=request_id):
         last = output
-    return embedding_result(request_id or "", last)
+    return embedding_result(last.request_id if last is not None else request_id or "", last)
 
 
 def embedding_result(request_id: str, output: RequestOutput | None) -> EmbeddingRequestOutput:

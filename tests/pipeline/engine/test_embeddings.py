@@ -125,6 +125,9 @@ def test_embeddings_share_steps_with_generation(tiny_model_dir: Path) -> None:
                 return list(last.token_ids)
 
             alone = [await generate(p) for p in ("one two three", "four five")]
+            named = await engine.embed(TEXTS[0], request_id="mine")
+            assert named.request_id == "mine" and named.finished
+            assert (await engine.embed(TEXTS[0])).request_id  # a fresh id
             mixed = await asyncio.gather(
                 generate("one two three"),
                 *(engine.embed(text) for text in TEXTS),
