@@ -188,6 +188,16 @@ def test_embeddings_preempted_under_block_pressure_still_match(tiny_model_dir: P
         assert_close(got, want)
 
 
+@pytest.mark.slow
+def test_data_parallel_replicas_embed(tiny_model_dir: Path) -> None:
+    """Two engine replicas behind the router: embeddings spread over both, HF's vectors."""
+    want = hf_embeddings(tiny_model_dir, TEXTS, "mean", True)
+    with LLM(str(tiny_model_dir), data_parallel_size=2, pooling_type="mean") as llm:
+        got = llm.embed(TEXTS * 3, use_tqdm=False)
+    for output, expected in zip(got, want * 3, strict=True):
+        assert_close(output.outputs.data, expected)
+
+
 def test_refusals_name_the_field_and_the_engine_goes_on(tiny_model_dir: Path) -> None:
     with LLM(str(tiny_model_dir), transport="memory", max_model_len=64) as llm:
         with pytest.raises(InvalidRequestError) as empty:
