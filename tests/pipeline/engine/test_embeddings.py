@@ -189,10 +189,12 @@ def test_embeddings_preempted_under_block_pressure_still_match(tiny_model_dir: P
 
 
 @pytest.mark.slow
-def test_data_parallel_replicas_embed(tiny_model_dir: Path) -> None:
-    """Two engine replicas behind the router: embeddings spread over both, HF's vectors."""
+@pytest.mark.parametrize("parallel", ["data_parallel_size", "tensor_parallel_size"])
+def test_parallel_engines_embed(tiny_model_dir: Path, parallel: str) -> None:
+    """Two engine replicas behind the router (the vectors pass through it), or the model
+    split over two ranks (rank 0 pools the all-reduced hidden states): HF's vectors."""
     want = hf_embeddings(tiny_model_dir, TEXTS, "mean", True)
-    with LLM(str(tiny_model_dir), data_parallel_size=2, pooling_type="mean") as llm:
+    with LLM(str(tiny_model_dir), pooling_type="mean", **{parallel: 2}) as llm:
         got = llm.embed(TEXTS * 3, use_tqdm=False)
     for output, expected in zip(got, want * 3, strict=True):
         assert_close(output.outputs.data, expected)
