@@ -45,6 +45,8 @@ _LAZY = {
     "WrongEventLoopError": "pipeline.engine",
     "SamplingParams": "stages.params",
     "StructuredOutputsParams": "stages.structured.params",
+    "PoolingParams": "stages.pooling",
+    "EmbeddingRequestOutput": "pipeline.engine.embeddings",
     "ChatMessage": "stages.messages",
     "Logprobs": "stages.messages",
     "RequestError": "stages.errors",

@@ -31,6 +31,7 @@ from stages.errors import (
     RequestError,
 )
 from stages.messages import EngineInfo, EngineRequest, EngineStats, RequestRejected
+from stages.pooling import check_dimensions
 from stages.recovery import rejection, request_id_of
 from stages.token_bucket import TokenBucket
 from stages.validation import resolve_max_tokens, room_after_prompt
@@ -88,7 +89,8 @@ def validate_request(request: EngineRequest, info: EngineInfo) -> None:
         PromptTooLongError: the prompt leaves no room for one generated token in the model's
             length or in the whole KV cache.
         InvalidRequestError: an empty prompt, or a prompt or stop token id outside the
-            vocabulary (the error names the field).
+            vocabulary; an embedding request to an engine without embeddings, or with
+            ``dimensions`` the model does not allow (the error names the field).
     """
     ids = request.prompt_token_ids
     if not ids:
@@ -110,6 +112,14 @@ def validate_request(request: EngineRequest, info: EngineInfo) -> None:
         raise InvalidRequestError(
             f"token id {bad} is outside the vocabulary [0, {vocab})",
             field="prompt_token_ids",
+            request_id=request.request_id,
+        )
+    if request.pooling is not None:
+        check_dimensions(
+            request.pooling,
+            model=info.model,
+            embedding_size=info.embedding_size,
+            matryoshka_dimensions=info.matryoshka_dimensions,
             request_id=request.request_id,
         )
     # NOTE: the façade checks stop token ids against the vocabulary only once it knows it

@@ -117,6 +117,7 @@ class DetokenizeStage(Stage):
                 outputs.stats,
                 outputs.scheduler_times,
                 outputs.prompt_logprobs,
+                outputs.embeddings,
             ),
         )
         for rejected in failed:

@@ -23,6 +23,7 @@ import numpy as np
 
 from stages.errors import RequestError
 from stages.params import SamplingParams
+from stages.pooling import PoolingParams
 from transports.codec import message
 
 __all__ = [
@@ -133,7 +134,9 @@ class GenerateRequest:
     generation prompt). ``parent_id`` and ``n``: the request is one of the ``n`` choices of
     the caller's request ``parent_id`` ("" and 1: a request of its own), as vLLM's parallel
     sampling children (``vllm/v1/engine/parallel_sampling.py``); metrics count the parent
-    once (``vllm:request_params_n``)."""
+    once (``vllm:request_params_n``). ``pooling``: an embedding
+    request (prefill only: its output carries the pooled vector, no tokens;
+    docs/architecture.md §12); None: a generation request."""
 
     request_id: str
     params: SamplingParams
@@ -149,6 +152,7 @@ class GenerateRequest:
     rendering: ChatRendering | None = None
     parent_id: str = ""
     n: int = 1
+    pooling: PoolingParams | None = None
 
 
 @message()
@@ -157,7 +161,8 @@ class EngineRequest:
     """A tokenized request, from tokenize to admit and schedule (and to detokenize, which
     registers the request's text state). ``parsing``: how the parse stage reads its output
     (None: it passes through). ``bad_words_token_ids``: the token sequences of
-    ``params.bad_words``, tokenized by the tokenize stage (vLLM's ``_bad_words_token_ids``)."""
+    ``params.bad_words``, tokenized by the tokenize stage (vLLM's ``_bad_words_token_ids``).
+    ``pooling``: an embedding request (see :class:`GenerateRequest`)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -167,6 +172,7 @@ class EngineRequest:
     prompt: str | None = None
     parsing: OutputParsing | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    pooling: PoolingParams | None = None
 
 
 @message()
@@ -221,6 +227,12 @@ class EngineInfo:
     # the model's weights as loaded (docs/architecture.md §6.3).
     quantization: str | None = None
     weight_bytes: int = 0
+    # Embeddings (docs/architecture.md §12): the size of the pooled vector (the hidden size;
+    # 0: this engine computes none), how it pools, and the sizes a request's `dimensions` may
+    # take (None: not a Matryoshka model; (): any size up to embedding_size).
+    embedding_size: int = 0
+    pooling_type: str = ""
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 @message()
@@ -288,6 +300,8 @@ class StepResult:
     (``params.prompt_logprobs``) and sampled its first token this step, the scores of its
     prompt tokens after the first (one entry per token, in order; computed over the steps
     its prompt took).
+    ``embeddings``: the pooled vector (``float32 [dimensions]``) of each embedding request
+    whose last chunk ran this step, instead of a token.
     """
 
     step_id: int
@@ -307,6 +321,7 @@ class StepResult:
     forward_seconds: float = 0.0
     communication_seconds: float = 0.0
     prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
+    embeddings: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -343,7 +358,9 @@ class EngineOutputs:
     prefill_seconds)`` on the scheduler's clock: from its arrival at the scheduler to its first
     scheduled chunk, and from there to this token (vLLM's queued and prefill intervals).
     ``prompt_logprobs``: with a request's first token, its prompt's scores when it asked for
-    them (:class:`StepResult`)."""
+    them (:class:`StepResult`).
+    ``embeddings``: the vector of each embedding request that finished this step (with no
+    new tokens and ``"stop"``)."""
 
     request_ids: tuple[str, ...]
     new_token_ids: tuple[tuple[int, ...], ...]
@@ -354,6 +371,7 @@ class EngineOutputs:
     stats: EngineStats | None = None
     scheduler_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
+    embeddings: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -372,6 +390,7 @@ class TextOutputs:
     stats: EngineStats | None = None
     scheduler_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
+    embeddings: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -408,6 +427,7 @@ class RequestOutput:
     each on one output only (the ids on the first, the scores on the first token's), and
     the engine's caller finds them on every output it reads (vLLM's
     ``RequestOutput.prompt_token_ids`` / ``prompt_logprobs``).
+    ``embedding``: an embedding request's vector (``float32``), on its one, final output.
     """
 
     request_id: str
@@ -425,6 +445,7 @@ class RequestOutput:
     tool_calls: tuple[ToolCall, ...] = ()
     prompt_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+    embedding: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

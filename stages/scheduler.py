@@ -42,6 +42,7 @@ import dataclasses
 import enum
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from stages.errors import InvalidRequestError
 from stages.execute.windows import blocks_behind_window, window_blocks_needed
@@ -668,6 +669,10 @@ class Scheduler:
                 )
             expected.discard(request_id)
             state = in_flight.states[request_id]
+            if state.request.pooling is not None:
+                raise SchedulerError(
+                    f"execute sampled a token for {request_id!r}, an embedding request"
+                )
             if state.status is not _Status.RUNNING:
                 continue  # aborted while the step was in flight
             state.output_token_ids.append(token_id)
@@ -691,6 +696,31 @@ class Scheduler:
             if stop is not None:
                 del self._running[request_id]
                 self._finish(state)
+        embeddings: dict[str, Any] = {}
+        for request_id, embedding in result.embeddings.items():
+            # An embedding request's last chunk pooled instead of sampling: it is done
+            # (docs/architecture.md §12).
+            if request_id not in expected or in_flight.states[request_id].request.pooling is None:
+                raise SchedulerError(
+                    f"execute pooled {request_id!r}, which is no embedding request whose chunk "
+                    "ends its prompt"
+                )
+            expected.discard(request_id)
+            state = in_flight.states[request_id]
+            if state.status is not _Status.RUNNING:
+                continue  # aborted while the step was in flight
+            if state.scheduled_time is not None:
+                scheduled = state.scheduled_time
+                scheduler_times[request_id] = (scheduled - state.arrival_time, now - scheduled)
+            ids.append(request_id)
+            new_tokens.append(())
+            finish_reasons.append(_FINISH_STOP)
+            stop_reasons.append(None)
+            embeddings[request_id] = embedding
+            if state.num_cached_tokens > 0:
+                cached_tokens[request_id] = state.num_cached_tokens
+            del self._running[request_id]
+            self._finish(state)
         if expected:
             raise SchedulerError(f"execute returned no token for {sorted(expected)}")
         for state in self._unrunnable:
@@ -720,4 +750,5 @@ class Scheduler:
             stats=self.stats(),
             scheduler_times=scheduler_times,
             prompt_logprobs=prompt_logprobs,
+            embeddings=embeddings,
         )

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.messages import (
     AbortRequests,
@@ -86,6 +88,7 @@ class _Tracked:
         finish_reason: str | None,
         stop_reason: int | str | None,
         scheduler_times: tuple[float, float, str] | None = None,
+        embedding: np.ndarray | None = None,
     ) -> RequestOutput:
         """The request's output now, ``delta`` already added to its text."""
         prompt_token_ids, self.prompt_token_ids = self.prompt_token_ids, None
@@ -104,6 +107,7 @@ class _Tracked:
             scheduler_times,
             prompt_token_ids=prompt_token_ids,
             prompt_logprobs=prompt_logprobs,
+            embedding=embedding,
         )
 
 
@@ -162,6 +166,7 @@ class StopCheckStage(Stage):
                         finish_reason,
                         stop_reason,
                         None if times is None else (*times, replica),
+                        batch.embeddings.get(request_id),
                     )
                 )
             except Exception as error:

@@ -242,6 +242,8 @@ class TokenizeStage(Stage):
             # (vllm/entrypoints/renderer.py: a negative value is max_model_len)
             if keep == -1:
                 keep = self._max_model_len if self._max_model_len is not None else len(token_ids)
+                if request.pooling is not None:
+                    keep -= 1  # an embedding's prompt leaves the one token admit requires
             token_ids = token_ids[-keep:]
         constraint = tool_constraint(
             request.tools, request.tool_choice, request.parallel_tool_calls
@@ -249,7 +251,7 @@ class TokenizeStage(Stage):
         if constraint is not None:
             params = params.replace(structured_outputs=constraint)
         parsing = None
-        if request.messages is not None:
+        if request.messages is not None and request.pooling is None:
             parsing = output_parsing(
                 request, self._tool_parser or "generic", self.config.reasoning_parser
             )
@@ -262,6 +264,7 @@ class TokenizeStage(Stage):
             request.prompt,
             parsing,
             bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else (),
+            request.pooling,
         )
         await self.emit("track", engine_request)
         await self.emit("out", engine_request)

@@ -26,6 +26,7 @@ from stages.checks import check_bool, check_number, check_text, check_token_ids,
 from stages.errors import InvalidRequestError, PromptTooLongError
 from stages.messages import ChatMessage, GenerateRequest
 from stages.params import SamplingParams, validate_sampling
+from stages.pooling import validate_pooling
 from stages.tools import check_tool_messages, check_tool_use
 
 __all__ = [
@@ -107,6 +108,12 @@ def validate_generate_request(request: GenerateRequest, *, vocab_size: int | Non
     check_tool_use(request, request_id)
     chat = request.messages is not None or (request.prompt is not None and request.chat_template)
     check_rendering(request.rendering, has_messages=chat, request_id=request_id)
+    if request.pooling is not None:
+        if request.tools:
+            raise InvalidRequestError(
+                "tools: an embedding request calls no tools", field="tools", request_id=request_id
+            )
+        validate_pooling(request.pooling, request.params, request_id=request_id)
 
 
 def room_after_prompt(

@@ -42,6 +42,7 @@ PURE_MODULES = (
     "stages.detokenizer",
     "stages.token_bucket",
     "stages.params",
+    "stages.pooling",
     "stages.messages",
     "stages.early_aborts",
     "stages.execute.model_length",

@@ -67,6 +67,7 @@ WIRE_TAGS: Mapping[str, int] = MappingProxyType(
         "stages.messages.OutputParsing": 119,
         "stages.structured.params.StructuredOutputsParams": 120,
         "stages.messages.ChatRendering": 127,
+        "stages.pooling.PoolingParams": 121,
         "stages.execute.rank_messages.Rendezvous": 140,
         "stages.execute.rank_messages.ShardStep": 141,
         # the conformance kit's samples (transports/_kit_samples.py)

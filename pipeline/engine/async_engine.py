@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pipeline.engine.collector import OutputCollector
+from pipeline.engine.embeddings import EmbeddingRequestOutput, check_embedding, embed
 from pipeline.engine.errors import EngineCrashLoopError, EngineDeadError, WrongEventLoopError
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import (
@@ -64,6 +65,7 @@ from stages.messages import (
     RequestRejected,
 )
 from stages.params import SamplingParams
+from stages.pooling import PoolingParams
 from stages.tools import ToolUse
 from stages.validation import MAX_REQUEST_ID_LENGTH, check_request_id
 from transports.tasks import TaskSet
@@ -481,6 +483,47 @@ class AsyncEngine:
                 observer.request_ended(engine_id, error)
             except Exception:
                 logger.exception("engine observer %r failed", observer)
+
+    def check_embedding(
+        self,
+        prompt: Prompt,
+        pooling_params: PoolingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str = "",
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> CheckedPrompt:
+        """``prompt`` checked as an embedding request (:func:`~pipeline.engine.embeddings.
+        check_embedding`), for :meth:`embed` or :meth:`generate`.
+
+        Raises:
+            InvalidRequestError: a bad prompt or pooling parameter (the field is named).
+        """
+        return check_embedding(
+            self, prompt, pooling_params, request_id=request_id, tenant=tenant,
+            truncate_prompt_tokens=truncate_prompt_tokens, priority=priority,
+        )  # fmt: skip
+
+    async def embed(
+        self,
+        prompt: Prompt | CheckedPrompt,
+        pooling_params: PoolingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str = "",
+        truncate_prompt_tokens: int | None = None,
+    ) -> EmbeddingRequestOutput:
+        """The embedding of one prompt (vLLM's ``embed``), batched with whatever else runs:
+        :func:`~pipeline.engine.embeddings.embed` (docs/serving.md, "Embeddings").
+
+        Raises: as :meth:`generate`; InvalidRequestError also for ``dimensions`` the model
+        does not allow, or an engine that computes no embeddings (the null model).
+        """
+        return await embed(
+            self, prompt, pooling_params, request_id=request_id, tenant=tenant,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )  # fmt: skip
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request: its stream ends with ``finish_reason="abort"`` and its KV

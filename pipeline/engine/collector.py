@@ -146,4 +146,5 @@ def with_metrics(
         output.tool_calls,
         prompt_token_ids,
         prompt_logprobs,
+        output.embedding,
     )

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from pipeline.engine.async_engine import AsyncEngine
+from pipeline.engine.embeddings import EmbeddingRequestOutput, embedding_result
 from pipeline.engine.loop_thread import LoopThread
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.prompts import CheckedPrompt, Prompt, is_prompt_dict
@@ -26,6 +27,7 @@ from stages.chat_template import make_rendering
 from stages.errors import InvalidRequestError, OverloadedError, RateLimitedError
 from stages.messages import ChatMessage, ChatRendering, RequestOutput, ToolSpec
 from stages.params import SamplingParams
+from stages.pooling import PoolingParams
 from stages.tools import ToolUse, tool_specs_of
 from transports.tasks import TaskSet
 
@@ -122,6 +124,34 @@ class LLM:
         ]
         show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
         return self._loop.run(self._generate_all(checked, show))
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt, in order (vLLM's ``LLM.embed``): each output's
+        ``outputs.embedding`` is the vector the engine's pooling (``pooling_type``,
+        ``pooling_normalize``) makes of the prompt's final hidden states; ``pooling_params``
+        (``dimensions``, ``normalize``) applies to all. Batches run as :meth:`generate`'s.
+
+        Raises: as :meth:`generate`; InvalidRequestError also for ``dimensions`` the model
+        does not allow.
+        """
+        self._check_open()
+        batch = _as_batch(prompts)
+        checked = [
+            self._engine.check_embedding(
+                prompt, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens
+            )
+            for prompt in batch
+        ]
+        show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
+        outputs = self._loop.run(self._generate_all(checked, show))
+        return [embedding_result(output.request_id, output) for output in outputs]
 
     def chat(
         self,

@@ -207,6 +207,10 @@ class _RequestObserver(EngineObserver):
             timing.num_tokens = len(output.token_ids)
             self.generation_tokens.inc(new_tokens)
             self._generated_total += new_tokens
+        elif output.embedding is not None and not timing.prompt_counted:
+            # an embedding: its prompt was computed, nothing generated (docs/serving.md)
+            self.prompt_tokens.inc(output.num_prompt_tokens)
+            timing.prompt_counted = True
         if output.finish_reason is not None:
             self._finish(output.request_id, output.finish_reason, now)
 

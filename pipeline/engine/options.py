@@ -17,6 +17,7 @@ from stages.execute.config import (
     QUANT_ACTIVATIONS,
     QUANTIZATIONS,
 )
+from stages.pooling import POOLING_TYPES
 
 __all__ = ["MAX_RESTART_BACKOFF", "TRANSPORTS", "EngineOptions"]
 
@@ -135,6 +136,16 @@ class EngineOptions:
         "", help="reasoning parser plugin (actorline.reasoning_parsers: deepseek_r1, qwen3) "
         "that moves <think> text into reasoning_content; empty: none", feeds=("tokenize",),
         metavar="NAME",
+    )  # fmt: skip
+    # -- embeddings (docs/serving.md, "Embeddings")
+    pooling_type: str = option(
+        "last", choices=POOLING_TYPES, feeds=("execute",),
+        help="how an embedding pools the prompt's final hidden states: the last token's "
+        "(causal embedding models), their mean, or the first token's (cls)",
+    )  # fmt: skip
+    pooling_normalize: bool = option(
+        True, kind="bool", feeds=("execute",),
+        help="L2-normalize embeddings (a request's normalize field overrides it)",
     )  # fmt: skip
     # -- topology
     transport: str = option(

@@ -307,6 +307,9 @@ class _VllmRequestObserver(EngineObserver):
             request.last_token = now
             request.num_tokens = len(output.token_ids)
             generated.inc(new_tokens)
+        elif output.embedding is not None:  # an embedding: its prompt computed, no tokens
+            request.num_prompt_tokens = output.num_prompt_tokens
+            self.prompt_tokens(request.engine).inc(output.num_prompt_tokens)
         if output.finish_reason is not None:
             self._finish(output.request_id, output.finish_reason, now)
 

@@ -261,6 +261,42 @@ class AsyncClient:
         )
         return bool(response.aborted)
 
+    async def embed(
+        self,
+        inputs: str | Sequence[int] | Sequence[str | Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[list[float]]:
+        """The embedding of each input (a text, token ids, or a list of either), in order,
+        pooled as the server's ``--pooling-type`` says (docs/serving.md, "Embeddings").
+
+        Raises:
+            InvalidRequestError: a bad input or field (named), ``dimensions`` the model does
+                not allow; RateLimitedError, OverloadedError, ServiceUnavailableError as
+                :meth:`generate`.
+        """
+        batch: Sequence[object] = inputs
+        if isinstance(inputs, str) or (inputs and all(type(t) is int for t in inputs)):
+            batch = [inputs]
+        items = [
+            pb.EmbedInput(text=item)
+            if isinstance(item, str)
+            else pb.EmbedInput(token_ids=pb.TokenIds(ids=list(item)))  # type: ignore[call-overload]
+            for item in batch
+        ]
+        request = pb.EmbedRequest(
+            inputs=items,
+            dimensions=dimensions,
+            normalize=normalize,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        response = await self._unary(
+            self._generation().Embed(request, metadata=self._metadata, timeout=self.timeout)
+        )
+        return [list(embedding.values) for embedding in response.embeddings]
+
     async def model_info(self) -> ModelInfo:
         """The served model, its KV cache and scheduler."""
         response = await self._unary(
@@ -375,6 +411,14 @@ class Client:
     def abort(self, request_id: str) -> bool:
         """See :meth:`AsyncClient.abort`."""
         return self._run(self._client.abort(request_id))
+
+    def embed(
+        self,
+        inputs: str | Sequence[int] | Sequence[str | Sequence[int]],
+        **options: Any,
+    ) -> list[list[float]]:
+        """See :meth:`AsyncClient.embed`."""
+        return self._run(self._client.embed(inputs, **options))
 
     def model_info(self) -> ModelInfo:
         """See :meth:`AsyncClient.model_info`."""

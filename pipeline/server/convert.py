@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from pipeline.engine.prompts import Prompt
 from pipeline.server import generation_pb2 as pb
+from pipeline.server.limits import MAX_EMBEDDING_INPUTS
 from stages.errors import InvalidRequestError
 from stages.messages import (
     ChatMessage,
@@ -26,6 +27,7 @@ from stages.tools import ToolUse
 __all__ = [
     "FINISH_REASONS",
     "SAMPLING_FIELDS",
+    "embed_inputs_from_proto",
     "finish_reason_name",
     "model_info_to_proto",
     "prompt_from_proto",
@@ -220,6 +222,33 @@ def _chat_fields(item: object) -> tuple[str, str]:
         "a prompt list must hold token ids or chat messages ({'role': ..., 'content': ...})",
         field="prompt",
     )
+
+
+def embed_inputs_from_proto(request: pb.EmbedRequest) -> list[Prompt]:
+    """The engine prompts of an Embed request's inputs (each checked by the engine later).
+
+    Raises:
+        InvalidRequestError: no inputs, more than :data:`~pipeline.server.limits.
+            MAX_EMBEDDING_INPUTS`, or an input with nothing set or empty (field
+            ``inputs[i]``).
+    """
+    if not request.inputs:
+        raise InvalidRequestError("inputs must hold at least one input", field="inputs")
+    if len(request.inputs) > MAX_EMBEDDING_INPUTS:
+        raise InvalidRequestError(
+            f"inputs may hold at most {MAX_EMBEDDING_INPUTS}, got {len(request.inputs)}",
+            field="inputs",
+        )
+    prompts: list[Prompt] = []
+    for index, item in enumerate(request.inputs):
+        which = item.WhichOneof("input")
+        prompt: Prompt = item.text if which == "text" else list(item.token_ids.ids)
+        if which is None or not prompt:
+            raise InvalidRequestError(
+                f"inputs[{index}] must be a non-empty text or token_ids", field=f"inputs[{index}]"
+            )
+        prompts.append(prompt)
+    return prompts
 
 
 def prompt_from_proto(request: pb.GenerateRequest) -> Prompt:

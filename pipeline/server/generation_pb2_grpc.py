@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=pipeline_dot_server_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pipeline_dot_server_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/actorline.v1.Generation/Embed',
+                request_serializer=pipeline_dot_server_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pipeline_dot_server_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -80,6 +85,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns the embedding of each input: the final hidden states of its tokens pooled
+        as the server's --pooling-type says (docs/serving.md, "Embeddings"). All inputs are
+        checked before any runs; they run together, batched with everything else.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +111,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pipeline_dot_server_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pipeline_dot_server_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pipeline_dot_server_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=pipeline_dot_server_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +200,33 @@ class Generation:
             '/actorline.v1.Generation/GetModelInfo',
             pipeline_dot_server_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             pipeline_dot_server_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/actorline.v1.Generation/Embed',
+            pipeline_dot_server_dot_generation__pb2.EmbedRequest.SerializeToString,
+            pipeline_dot_server_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,6 +28,7 @@ from pipeline.server import generation_pb2 as pb
 from pipeline.server import generation_pb2_grpc as pb_grpc
 from pipeline.server.auth import AUTHORIZATION_KEY, ApiKeys, AuthenticationError
 from pipeline.server.convert import (
+    embed_inputs_from_proto,
     model_info_to_proto,
     prompt_from_proto,
     rendering_from_proto,
@@ -43,6 +44,8 @@ from pipeline.server.limits import (
 from pipeline.server.status import ServiceUnavailableError, status_for
 from stages.errors import InvalidRequestError, RequestError
 from stages.messages import RequestOutput
+from stages.pooling import PoolingParams
+from transports.tasks import TaskSet
 
 __all__ = ["MAX_REQUEST_ID_LENGTH", "GenerationService"]
 
@@ -54,8 +57,8 @@ _ENGINE_ID_SEPARATOR = "/"
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    """Serves Generate, Abort and GetModelInfo from ``engine`` (started, not owned: the caller
-    closes it). ``api_keys``: the accepted keys (none: authentication is off);
+    """Serves Generate, Abort, Embed and GetModelInfo from ``engine`` (started, not owned: the
+    caller closes it). ``api_keys``: the accepted keys (none: authentication is off);
     ``max_logprob_entries``: the logprobs one call may ask for (INVALID_ARGUMENT over it,
     :func:`~pipeline.server.limits.check_logprob_entries`); ``trust_request_chat_template``:
     whether a call may bring its own chat template
@@ -169,6 +172,66 @@ class GenerationService(pb_grpc.GenerationServicer):
         except Exception as error:
             await _end_call(context, error)
         return pb.AbortResponse(aborted=aborted)
+
+    async def Embed(
+        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
+        """Every input's embedding (docs/serving.md, "Embeddings"): all checked before any
+        runs, then run together; one refused or failed input fails the call (and aborts the
+        others)."""
+        tenant = await self._authenticate(context)
+        engine = self._engine
+        call_id = uuid.uuid4().hex
+        try:
+            self._check_serving()
+            prompts = embed_inputs_from_proto(request)
+            pooling = PoolingParams(
+                dimensions=request.dimensions if request.HasField("dimensions") else None,
+                normalize=request.normalize if request.HasField("normalize") else None,
+            )
+            truncate = (
+                request.truncate_prompt_tokens
+                if request.HasField("truncate_prompt_tokens")
+                else None
+            )
+            checked = []
+            for index, prompt in enumerate(prompts):
+                try:
+                    checked.append(
+                        engine.check_embedding(
+                            prompt, pooling, tenant=tenant, truncate_prompt_tokens=truncate
+                        )
+                    )
+                except InvalidRequestError as error:
+                    if error.field in ("prompt", "prompt_token_ids"):
+                        error.field = f"inputs[{index}]"
+                    raise
+            engine_ids = [
+                self._engine_request_id(tenant, f"embed-{call_id}-{index}")
+                for index in range(len(checked))
+            ]
+            self._running.update(engine_ids)
+            try:
+                # NOTE: leaving the block on an error cancels the other inputs and waits
+                async with TaskSet("embed") as tasks:
+                    running = [
+                        tasks.spawn(engine.embed(prompt, request_id=engine_id))
+                        for prompt, engine_id in zip(checked, engine_ids, strict=True)
+                    ]
+                    results = [await task for task in running]
+            finally:
+                self._running.difference_update(engine_ids)
+        except Exception as error:
+            await _end_call(context, error)
+        return pb.EmbedResponse(
+            embeddings=[
+                pb.Embedding(
+                    values=result.outputs.data.tolist(), prompt_tokens=result.num_prompt_tokens
+                )
+                for result in results
+            ],
+            prompt_tokens=sum(item.num_prompt_tokens for item in results),
+        )
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -305,6 +368,11 @@ def add_to_server(service: GenerationService, server: grpc.aio.Server) -> None:
             _or_refuse(service, service.Abort),
             request_deserializer=_lenient(pb.AbortRequest),
             response_serializer=pb.AbortResponse.SerializeToString,
+        ),
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            _or_refuse(service, service.Embed),
+            request_deserializer=_lenient(pb.EmbedRequest),
+            response_serializer=pb.EmbedResponse.SerializeToString,
         ),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             _or_refuse(service, service.GetModelInfo),

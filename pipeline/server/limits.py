@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_MAX_STREAMS",
     "DEFAULT_MAX_STREAMS_PER_CONNECTION",
     "LIMITS_GROUP",
+    "MAX_EMBEDDING_INPUTS",
     "RESERVED_DESCRIPTORS",
     "ListenerLimits",
     "check_logprob_entries",
@@ -61,6 +62,8 @@ DEFAULT_MAX_STREAMS = 1024
 #: 2**20, a whole chat answer of about 60 MiB of JSON at the bound (64 choices of 780 tokens
 #: with 20 alternatives each)
 DEFAULT_MAX_LOGPROB_ENTRIES = 2**20
+#: the inputs of one embeddings request, HTTP or gRPC (OpenAI's bound), each an engine request
+MAX_EMBEDDING_INPUTS = 2048
 #: descriptors kept for everything but the listeners' connections: the engine's links and
 #: pipes, the model's files, the tokenizer, logs
 RESERVED_DESCRIPTORS = 128

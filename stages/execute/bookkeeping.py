@@ -73,7 +73,8 @@ class TrackedRequest(Protocol):
     @property
     def reads_prefix_cache(self) -> bool:
         """False while the request must compute every position itself (its prompt is being
-        scored: stages/execute/prompt_scores.py); it still publishes its blocks."""
+        scored: stages/execute/prompt_scores.py; it pools mean or CLS rows:
+        stages/execute/pooling.py); it still publishes its blocks."""
         ...
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]: ...

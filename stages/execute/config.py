@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from stages.pooling import POOLING_TYPES
+
 __all__ = [
     "ATTENTION_BACKENDS",
     "DEFAULT_KV_CACHE_MEMORY",
@@ -96,6 +98,10 @@ class ExecuteConfig:
       a cached prefix, :mod:`stages.execute.flex`; compiled on CUDA, eager on CPU) or
       ``auto`` (default: ``gather_sdpa`` everywhere until a GPU measurement shows flex faster,
       docs/architecture.md §6.4). ``flex`` takes ``decode_attention`` ``auto`` only.
+    - ``pooling_type``: how an embedding request's final-norm hidden states become one vector
+      (:data:`stages.pooling.POOLING_TYPES`: ``last`` (default), ``mean`` or ``cls``), and
+      ``pooling_normalize`` whether it is L2-normalized (default on; a request may say
+      otherwise), as vLLM's pooler config (docs/architecture.md §12).
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -123,6 +129,8 @@ class ExecuteConfig:
     quant_activations: str = "auto"
     model_impl: str = "auto"
     attention_backend: str = "auto"
+    pooling_type: str = "last"
+    pooling_normalize: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -154,6 +162,7 @@ class ExecuteConfig:
             "native_linears",
             "fused_ops",
             "tune_allocator",
+            "pooling_normalize",
         ):
             if type(getattr(self, flag)) is not bool:
                 raise ExecuteConfigError(flag, "must be a boolean")
@@ -191,6 +200,10 @@ class ExecuteConfig:
                 f"must be one of {_DECODE_ATTENTION_MODES}, got {self.decode_attention!r}",
             )
 
+        if self.pooling_type not in POOLING_TYPES:
+            raise ExecuteConfigError(
+                "pooling_type", f"must be one of {POOLING_TYPES}, got {self.pooling_type!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ExecuteConfigError(
                 "attention_backend",

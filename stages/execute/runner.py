@@ -82,6 +82,7 @@ from stages.execute.native import (
     fused_ops_kernel,
     packed_gemm_kernel,
 )
+from stages.execute.pooling import Pooler, capture_hidden_states, matryoshka_dimensions
 from stages.execute.probe_cache import checks_passed, record_passed
 from stages.execute.prompt_scores import (
     PromptScores,
@@ -114,6 +115,7 @@ from stages.messages import (
     StepResult,
 )
 from stages.models import quiet_transformers, resolve_model
+from stages.pooling import PoolingParams
 
 __all__ = ["ModelRunner", "PreparedStep", "StepError"]
 
@@ -127,6 +129,8 @@ class _Request:
     num_computed: int = 0  # leading tokens whose K/V is in the cache
     num_cached: int = 0  # of those, served by the prefix cache since the request started
     prompt_scores: PromptScores | None = None  # its prompt logprobs, when it asked
+    pooling: PoolingParams | None = None  # an embedding request (stages.execute.pooling)
+    prefix_cache: bool = True  # whether its prefix may come from the cache
 
     @property
     def num_tokens(self) -> int:
@@ -134,8 +138,9 @@ class _Request:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """Not while its prompt is being scored (stages/execute/prompt_scores.py)."""
-        return self.prompt_scores is None or not self.prompt_scores.owed
+        """Not while its prompt is being scored (stages/execute/prompt_scores.py), nor when it
+        pools rows the cache would skip (stages/execute/pooling.py)."""
+        return self.prefix_cache and (self.prompt_scores is None or not self.prompt_scores.owed)
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
         """Known tokens ``[start, end)`` (prompt then outputs)."""
@@ -232,6 +237,7 @@ class ModelRunner:
         self._window: int | None = None  # bounds every layer: blocks behind it are freed
         self._decode_graphs: Any = None  # stages.execute.cuda_graphs.DecodeGraphs
         self._step_graph: StepGraph | None = None  # CPU decode steps in one native call
+        self._pooler = Pooler(config.pooling_type, config.pooling_normalize)
 
     # ----------------------------------------------------------------- loading
     def load(self) -> EngineInfo:
@@ -427,6 +433,9 @@ class ModelRunner:
             sliding_window=self._window,
             quantization=config.quantization,
             weight_bytes=weight_bytes(model),
+            embedding_size=int(text_config.hidden_size),
+            pooling_type=config.pooling_type,
+            matryoshka_dimensions=matryoshka_dimensions(resolved.path),
         )
         if on_cpu and config.tune_allocator:
             release_free_memory()
@@ -550,6 +559,7 @@ class ModelRunner:
             raise RuntimeError(f"rank {self.rank} runs ShardSteps (run_shard), not steps")
         validate_step(step, self._requests, self.max_model_len)
         release(allocator, self._requests, step)
+        self._pooler.forget((*step.finished, *step.preempted))
         for new_request in step.new_requests:
             self._register(new_request)
 
@@ -575,28 +585,42 @@ class ModelRunner:
         logprob_ids: list[str] = []
         logprobs: list[Logprobs] = []
         prompt_logprobs: dict[str, tuple[Logprobs, ...]] = {}
+        embeddings: dict[str, np.ndarray] = {}
         forward_seconds = 0.0
         num_computed = sum(work.end - work.start for work in works)
         if prepared.packed is not None:
             began = time.perf_counter()
-            sampling = [work for work in works if work.samples]
+            # NOTE: embedding requests pool instead of sampling (stages.execute.pooling): a
+            # step with any runs the module path, whose decoder output is captured
+            pooled = [work for work in works if work.request.pooling is not None]
+            sampling = [work for work in works if work.samples and work.request.pooling is None]
+            kept = sampling or pooled[:1]
             scored = prompt_rows(
                 [(w.request.prompt_scores, w.start, w.end, w.packed_end) for w in works]
             )
-            logits = self._forward(prepared.packed, sampling, scored.packed_rows)  # [S + E, V]
+            with capture_hidden_states(self.model, enabled=bool(pooled)) as hidden:
+                logits = self._forward(
+                    prepared.packed, kept, scored.packed_rows, module_path=bool(pooled)
+                )  # [K + E, V]
+            if pooled:
+                embeddings = self._pooler.pool(hidden, [(w.request, w) for w in pooled])
             if scored.packed_rows:
-                score_prompt_rows(logits[len(sampling) :], scored)
-                logits = logits[: len(sampling)]  # [S, V]
+                score_prompt_rows(logits[len(kept) :], scored)
+                logits = logits[: len(kept)]  # [K, V]
             grammar = grammar_rows(
                 prepared.step,
                 [work.request.request_id for work in sampling],
                 sampler.vocab_size,
                 self.device,
             )
-            result = sampler.sample(logits, [work.request.sampling for work in sampling], grammar)
+            tokens_of = [work.request.sampling for work in sampling]
+            result = sampler.sample(logits, tokens_of, grammar) if sampling else None
             forward_seconds = time.perf_counter() - began
             for work, token_id, token_logprobs in zip(
-                sampling, result.token_ids, result.logprobs, strict=True
+                sampling,
+                result.token_ids if result else (),
+                result.logprobs if result else (),
+                strict=True,
             ):
                 work.request.sampling.output_token_ids.append(token_id)
                 request_ids.append(work.request.request_id)
@@ -630,6 +654,8 @@ class ModelRunner:
         if self.group is not None:
             seconds = self.group.take_seconds()
             result_message = dataclasses.replace(result_message, communication_seconds=seconds)
+        if embeddings:
+            result_message = dataclasses.replace(result_message, embeddings=embeddings)
         return result_message
 
     def run_shard(self, shard: ShardStep) -> None:
@@ -679,7 +705,14 @@ class ModelRunner:
         scores = new_prompt_scores(
             request.params, request.prompt_token_ids, self._sampler.vocab_size
         )
-        self._requests[request.request_id] = _Request(request.request_id, sampling, 0, 0, scores)
+        pooling = request.pooling
+        self._requests[request.request_id] = _Request(
+            request.request_id,
+            sampling,
+            prompt_scores=scores,
+            pooling=pooling,
+            prefix_cache=pooling is None or self._pooler.uses_prefix_cache(),
+        )
 
     def _pack(self, works: list[_Work]) -> _Packed:
         """Pack the step's chunks: decode rows first, by ascending context length (attention
@@ -702,11 +735,17 @@ class ModelRunner:
         )
 
     def _forward(
-        self, packed: _Packed, sampling: list[_Work], extra_rows: Sequence[int] = ()
+        self,
+        packed: _Packed,
+        sampling: list[_Work],
+        extra_rows: Sequence[int] = (),
+        module_path: bool = False,
     ) -> torch.Tensor:
         """Run the model over the packed batch; logits of the sampling rows, in their order,
         then of the packed rows ``extra_rows`` (prompt logprobs: only the module path
-        computes them, the decode graphs keep no other row).
+        computes them, the decode graphs keep no other row). ``module_path``: through the
+        model's modules even where a step graph or CUDA graph could run the step (a pooled
+        step's hidden states are captured from them).
 
         Returns:
             ``[len(sampling) + len(extra_rows), V]`` logits.
@@ -718,8 +757,9 @@ class ModelRunner:
 
         step_graph = self._step_graph
         if (
-            num_decode == len(order)
+            not module_path
             and not extra_rows
+            and num_decode == len(order)
             and step_graph is not None
             and num_decode <= step_graph.max_rows
         ):
@@ -733,8 +773,9 @@ class ModelRunner:
 
         graphs = self._decode_graphs
         if (
-            num_decode == len(order)
+            not module_path
             and not extra_rows
+            and num_decode == len(order)
             and graphs is not None
             and graphs.can_run(len(decode), decode[-1].end)
         ):

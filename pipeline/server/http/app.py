@@ -3,7 +3,8 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (``"stream": true``: server-sent events), OpenAI's ``POST /v1/responses``
-(:mod:`~pipeline.server.http.responses`, stateless), vLLM's ``POST /tokenize``,
+(:mod:`~pipeline.server.http.responses`, stateless), ``POST /v1/embeddings``
+(:mod:`~pipeline.server.http.embeddings`), vLLM's ``POST /tokenize``,
 ``POST /detokenize`` and
 ``GET /version`` (:mod:`~pipeline.server.http.tokens`), ``GET /health`` (200 while the engine
 serves, with data parallelism each replica's state beside it; 503 once it died or the server
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pipeline.server.auth import ApiKeys
-from pipeline.server.http import chat, completions, responses, tokens
+from pipeline.server.http import chat, completions, embeddings, responses, tokens
 from pipeline.server.http.answers import Answer
 from pipeline.server.http.defaults import DEFAULT_MAX_REQUEST_BYTES
 from pipeline.server.http.errors import ApiError, add_error_handlers
@@ -38,6 +39,7 @@ from pipeline.server.http.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from pipeline.server.http.sse import EventStream
@@ -212,6 +214,10 @@ def create_app(
             chat.chat_response,
             chat.chat_events,
         )
+
+    @app.post("/v1/embeddings", response_model=None)
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings.create_embeddings(service, body, request)
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(request: Request, raw: Annotated[Any, Body()]) -> Response:

@@ -33,6 +33,7 @@ __all__ = [
     "CHAT_ROLES",
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "COMPLETION_ACCEPTED_AT",
+    "EMBEDDINGS_ACCEPTED_AT",
     "MAX_CHOICES",
     "MAX_N",
     "STREAM_OPTIONS_ACCEPTED_AT",
@@ -41,6 +42,7 @@ __all__ = [
     "CompletionRequest",
     "ContentPart",
     "DetokenizeRequest",
+    "EmbeddingRequest",
     "FunctionBody",
     "FunctionCallBody",
     "GenerationBody",
@@ -105,6 +107,11 @@ CHAT_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
 }
 #: ``stream_options`` fields accepted at these values only
 STREAM_OPTIONS_ACCEPTED_AT: dict[str, tuple[object, ...]] = {}
+#: the same for ``/v1/embeddings`` (vLLM's defaults there)
+EMBEDDINGS_ACCEPTED_AT: dict[str, tuple[object, ...]] = {
+    "add_special_tokens": (True, None),
+    "priority": (0, None),
+}
 #: a list that stops at its first bad item
 FailFast = Annotated[list[_Item], Field(fail_fast=True)]
 
@@ -301,13 +308,31 @@ class DetokenizeRequest(BaseModel):
     tokens: FailFast[int]
 
 
+class EmbeddingRequest(BaseModel):
+    """The body of ``POST /v1/embeddings`` (OpenAI's fields, and vLLM's ``normalize`` and
+    ``truncate_prompt_tokens``)."""
+
+    model_config = _BODY
+
+    model: str | None = None
+    #: one input or several (OpenAI's four forms: text, texts, token ids, token-id lists)
+    input: str | FailFast[str] | FailFast[int] | FailFast[FailFast[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    #: accepted and ignored: rate limits follow the API key, not a client-chosen name
+    user: str | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+
 #: every field name of the request bodies (a validation error's location also holds the
 #: members of unions, which are not)
 _FIELD_NAMES = frozenset(
     name
     for model in (CompletionRequest, ChatCompletionRequest, ChatMessageBody, ContentPart,
                   StreamOptions, TokenizeRequest, DetokenizeRequest, ToolBody, FunctionBody,
-                  ToolCallBody, FunctionCallBody, NamedToolChoice, NamedFunction)
+                  ToolCallBody, FunctionCallBody, NamedToolChoice, NamedFunction,
+                  EmbeddingRequest)
     for name in model.model_fields
 )  # fmt: skip
 

@@ -405,7 +405,7 @@ def test_reflection_lists_and_describes_the_service(served: ServedEngine) -> Non
         for file in files
         for service in file.service
     }
-    assert services[SERVICE_NAME] == ["Generate", "Abort", "GetModelInfo"]
+    assert services[SERVICE_NAME] == ["Generate", "Abort", "GetModelInfo", "Embed"]
 
 
 def test_a_client_built_from_reflection_alone_streams_a_generation(served: ServedEngine) -> None:
