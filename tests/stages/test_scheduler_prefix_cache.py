@@ -42,7 +42,7 @@ class _Tracked:
     known: list[int]
     num_computed: int = 0
     num_cached: int = 0
-    prefix_cache: bool = True
+    reads_prefix_cache: bool = True
 
     @property
     def num_tokens(self) -> int:
