@@ -194,6 +194,9 @@ class EngineInfo:
     # the model's weights as loaded (docs/architecture.md §6.3).
     quantization: str | None = None
     weight_bytes: int = 0
+    # What the KV cache stores ("float32", "bfloat16", ...; kv_cache_dtype resolved): with
+    # native bf16 weights on CPU the activations are fp32 and the cache bf16.
+    kv_cache_dtype: str = "float32"
 
 
 @message()

@@ -212,7 +212,8 @@ class ModelRunner:
         self.allocator: BlockAllocator | None = None
         self.info: EngineInfo | None = None
         self.device = torch.device("cpu")
-        self.dtype = torch.float32  # activations and the KV cache
+        self.dtype = torch.float32  # activations
+        self.kv_dtype = torch.float32  # the KV cache (kv_cache_dtype resolved at load)
         self._bf16: BF16GemmKernel | None = None  # bf16 weights on CPU (stages.execute.bf16)
         self.max_model_len = 0
         self._sampler: Sampler | None = None
@@ -334,12 +335,13 @@ class ModelRunner:
         shape = _layer_shape(layers, text_config)
         num_layers, num_heads = int(text_config.num_hidden_layers), shape.num_heads
         num_kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
+        self.kv_dtype = self._resolve_kv_dtype()
         block_bytes = KVCache.bytes_per_block(
             num_layers=num_layers,
             block_size=config.block_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
         )
         if config.num_blocks is not None:
             usable_blocks = config.num_blocks
@@ -364,14 +366,16 @@ class ModelRunner:
             block_size=config.block_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         self.allocator = BlockAllocator(
             usable_blocks + 1,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            extra_hash_key=f"{resolved.path}|{self.dtype}|{self._bf16 is not None}".encode(),
+            extra_hash_key=(
+                f"{resolved.path}|{self.dtype}|{self._bf16 is not None}|{self.kv_dtype}".encode()
+            ),
         )
         self._decode_mode = _decode_mode(
             config.decode_attention,
@@ -382,6 +386,7 @@ class ModelRunner:
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
+                kv_dtype=self.kv_dtype,
             ),
         )
         self._flex = use_flex(config.attention_backend, self.device, config.block_size)
@@ -413,6 +418,7 @@ class ModelRunner:
             sliding_window=self._window,
             quantization=config.quantization,
             weight_bytes=weight_bytes(model),
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
         )
         if on_cpu and config.tune_allocator:
             release_free_memory()
@@ -420,6 +426,15 @@ class ModelRunner:
             self.group.steady()
         logger.info("execute: loaded %s (%s)", resolved.name, self.info)
         return self.info
+
+    def _resolve_kv_dtype(self) -> torch.dtype:
+        """``kv_cache_dtype`` as a torch dtype: ``auto`` is the model's dtype, which for native
+        bf16 weights on CPU is bf16 (their activations are fp32; vLLM's ``auto`` is the
+        model's dtype too, vllm/utils/torch_utils.py ``kv_cache_dtype_str_to_dtype``)."""
+        requested = self.config.kv_cache_dtype
+        if requested != "auto":
+            return _DTYPES[requested]
+        return torch.bfloat16 if self._bf16 is not None else self.dtype
 
     def _native_bf16(self) -> BF16GemmKernel | None:
         """The bf16 GEMM where this load runs bf16 weights natively on CPU (``dtype``
@@ -475,6 +490,7 @@ class ModelRunner:
         settings_used: dict[str, object] = {name: getattr(config, name) for name in fields}
         settings_used.update(
             dtype=str(self.dtype),
+            kv_cache_dtype=str(self._resolve_kv_dtype()),
             bf16_weights=self._bf16 is not None,
             device=str(self.device),
             rank=self.rank,
@@ -518,9 +534,14 @@ class ModelRunner:
                     )
                 reference = expected[start:end]
                 # NOTE: bf16 weights round the activations to bf16 at each linear, so float
-                # noise between two attention paths can flip a rounding: bf16's tolerance.
+                # noise between two attention paths can flip a rounding: bf16's tolerance. A
+                # cache in another dtype than the activations rounds K/V (the model's own
+                # attention does not): the looser of the two.
                 weights = torch.bfloat16 if self._bf16 is not None else self.dtype
-                tolerance = _PROBE_TOLERANCE.get(weights, 5e-2)
+                tolerance = max(
+                    _PROBE_TOLERANCE.get(weights, 5e-2),
+                    _PROBE_TOLERANCE.get(self.kv_dtype, 5e-2) if self.kv_dtype != weights else 0,
+                )
                 error = (logits.float() - reference).abs().max().item()
                 scale = max(reference.abs().max().item(), 1.0)
                 if not error <= tolerance * scale:
