@@ -63,7 +63,7 @@ class ExecuteConfig:
       CPU included, whose activations are fp32), ``bfloat16`` or ``float32``. A bf16 cache
       takes half the bytes, so a ``kv_cache_memory`` budget holds twice the blocks; K/V are
       rounded to bf16 as they are written and widened to fp32 where fp32 activations attend
-      (docs/architecture.md §6). vLLM's fp8 caches are refused.
+      (docs/architecture.md §3.1). vLLM's fp8 caches are refused.
     - ``max_model_len``: longest sequence (prompt + output); default the model's
       ``max_position_embeddings``, capped by what the cache holds.
     - ``seed``: seeds torch's global generator (requests without their own seed).
