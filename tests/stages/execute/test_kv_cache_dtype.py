@@ -110,6 +110,17 @@ def test_module_path_decode_modes_agree_over_a_bf16_cache(
     assert drive(runner, make_requests(prompts, GREEDY)).outputs == reference.outputs
 
 
+@pytest.mark.slow
+def test_flex_attends_a_bf16_cache_in_place(tiny_model_dir: Path) -> None:
+    """FlexAttention reads the cache layer in place: its queries take the cache's dtype."""
+    prompts = random_prompts((3, 20, 40), seed=2)
+    fields = dict(dtype="bfloat16", num_blocks=64, use_cuda_graphs=False)
+    reference = drive(load(tiny_model_dir, **fields), make_requests(prompts, GREEDY))
+    runner = load(tiny_model_dir, attention_backend="flex", **fields)
+    assert runner.info is not None and runner.info.kv_cache_dtype == "bfloat16"
+    assert drive(runner, make_requests(prompts, GREEDY)).outputs == reference.outputs
+
+
 def top_logprobs(report: DriveReport) -> dict[str, list[tuple[float, ...]]]:
     """Each request's top logprobs, step by step."""
     tops: dict[str, list[tuple[float, ...]]] = {}
