@@ -11,7 +11,7 @@ the cache and attends:
 - **decode rows** (one query token each) come first in the packed batch, ordered by context
   length. On CPU in fp32 ("native", the default there) one call of the compiled kernel of
   :mod:`stages.execute.native` attends them all, reading keys and values in place through
-  the block tables. Otherwise ("grouped", "padded", "per_sequence") they are attended in
+  the block tables (an fp32 or a bf16 cache). Otherwise ("grouped", "padded", "per_sequence") they are attended in
   groups, each one batched SDPA call over the group's padded context (whole blocks gathered with
   one ``index_select``, a length mask for uneven rows), viewing each query ``[Hq]`` as ``[Hkv,
   Hq/Hkv]`` so GQA needs no key expansion. One group over the whole batch ("padded") has static
@@ -24,6 +24,12 @@ the cache and attends:
   each prefill chunk over a cached prefix are attended by FlexAttention reading the cache in
   place through their block tables instead (:mod:`stages.execute.flex`; docs/architecture.md
   §6.4); a chunk that is its whole context keeps causal SDPA over its own keys.
+
+The cache may hold another dtype than the activations (``kv_cache_dtype``: bf16 under native
+bf16 weights' fp32 activations): K/V are rounded to it as they are written and widened back as
+they are read, and a prefill chunk's own fresh keys are rounded the same way, so a prompt
+computed whole and one that reads its prefix back from the cache see the same keys
+(docs/architecture.md §3.1).
 
 Every path also serves the variants of :mod:`stages.execute.variants` (docs/architecture.md
 §6.1): a layer's sliding window masks keys before it (and a windowed prefill
