@@ -11,13 +11,13 @@ the cache and attends:
 - **decode rows** (one query token each) come first in the packed batch, ordered by context
   length. On CPU in fp32 ("native", the default there) one call of the compiled kernel of
   :mod:`stages.execute.native` attends them all, reading keys and values in place through
-  the block tables (an fp32 or a bf16 cache). Otherwise ("grouped", "padded", "per_sequence") they are attended in
-  groups, each one batched SDPA call over the group's padded context (whole blocks gathered with
-  one ``index_select``, a length mask for uneven rows), viewing each query ``[Hq]`` as ``[Hkv,
-  Hq/Hkv]`` so GQA needs no key expansion. One group over the whole batch ("padded") has static
-  shapes for a padded batch size and is what CUDA graphs capture; on CPU, big or uneven batches
-  are split into smaller groups (down to one per sequence), which keeps the gathered keys in cache
-  (see :func:`plan_decode_groups`).
+  the block tables (an fp32 or a bf16 cache). Otherwise ("grouped", "padded",
+  "per_sequence") they are attended in groups, each one batched SDPA call over the group's
+  padded context (whole blocks gathered with one ``index_select``, a length mask for uneven
+  rows), viewing each query ``[Hq]`` as ``[Hkv, Hq/Hkv]`` so GQA needs no key expansion. One
+  group over the whole batch ("padded") has static shapes for a padded batch size and is what
+  CUDA graphs capture; on CPU, big or uneven batches are split into smaller groups (down to one
+  per sequence), which keeps the gathered keys in cache (see :func:`plan_decode_groups`).
 - **prefill rows** (chunks, prefix hits) are attended per sequence with a causal mask aligned
   lower-right: the queries are the *last* ``n`` of the ``L`` context positions.
 - with ``attention_backend="flex"`` (``build_step_metadata(flex=True)``), the decode rows and
