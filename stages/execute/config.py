@@ -23,7 +23,9 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 """``kv_cache_dtype`` values: vLLM's name and its ``auto`` (the model's dtype)."""
 # vLLM's other cache dtypes (vllm/config/cache.py, CacheDType): quantized caches for GPUs.
-_UNSUPPORTED_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+_UNSUPPORTED_KV_CACHE_DTYPES = (
+    "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "int8", "nvfp4",
+)  # fmt: skip
 QUANTIZATIONS = ("gguf", "int8")
 QUANT_ACTIVATIONS = ("auto", "int8", "fp32")
 MODEL_IMPLS = ("auto", "native", "transformers")
@@ -154,7 +156,7 @@ class ExecuteConfig:
             raise ExecuteConfigError(
                 "kv_cache_dtype",
                 f"{self.kv_cache_dtype!r} is not supported: actorline's KV cache stores "
-                f"{' or '.join(KV_CACHE_DTYPES[1:])} (fp8 caches are vLLM's, on GPUs)",
+                f"{' or '.join(KV_CACHE_DTYPES[1:])} (quantized caches are vLLM's, on GPUs)",
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ExecuteConfigError(

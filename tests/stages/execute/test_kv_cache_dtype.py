@@ -162,11 +162,11 @@ def test_a_prefix_hit_on_a_bf16_cache_gives_the_tokens_of_a_whole_prompt(
 
 
 def test_unsupported_cache_dtypes_are_refused_by_name() -> None:
-    for value in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+    for value in ("fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
         with pytest.raises(ExecuteConfigError, match=f"'{value}' is not supported") as caught:
             ExecuteConfig(kv_cache_dtype=value)
         assert caught.value.field == "kv_cache_dtype"
-    for value in ("float16", "int8", "", None, 2):
+    for value in ("float16", "bf16", "", None, 2):
         with pytest.raises(ExecuteConfigError, match="kv_cache_dtype must be one of") as caught:
             ExecuteConfig(kv_cache_dtype=value)  # type: ignore[arg-type]
         assert caught.value.field == "kv_cache_dtype"
