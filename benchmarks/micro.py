@@ -52,8 +52,10 @@ _FUSED = frozenset({"gate_proj", "up_proj"})  # the runner packs these two as on
 class MicroConfig:
     """What to time: the model whose shapes are used, the GEMM row counts, the attention cases
     (``(rows, context)``: each row attends ``context / 2 .. context`` tokens), the KV block
-    size, the KV cache's dtype (``float32`` or ``bfloat16``), the rounds (best kept) and the
-    threads (``None``: torch's default).
+    size, the KV cache's dtype (``float32`` or ``bfloat16``), the rounds (best kept), the
+    threads (``None``: torch's default) and whether the attention cases are timed by the
+    process's CPU time (``cpu_clock``: with one thread on a machine shared with other work, the
+    time the kernel ran rather than the time it waited) instead of wall time.
 
     Raises:
         ValueError: no case at all, a count below 1, or no rounds.
@@ -66,6 +68,7 @@ class MicroConfig:
     rounds: int = 5
     threads: int | None = None
     kv_dtype: str = "float32"
+    cpu_clock: bool = False
 
     def __post_init__(self) -> None:
         if not self.rows and not self.attention:
@@ -132,16 +135,22 @@ class MicroResult:
     load_average: tuple[float, float, float]
     cpu_count: int
     kv_dtype: str = "float32"
+    cpu_clock: bool = False
 
 
-def _best_of(rounds: int, runs: Sequence[Callable[[], object]]) -> list[float]:
-    """Each of ``runs``' best seconds over ``rounds`` rounds in which they take turns."""
+def _best_of(
+    rounds: int,
+    runs: Sequence[Callable[[], object]],
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """Each of ``runs``' best seconds over ``rounds`` rounds in which they take turns, by
+    ``clock`` (wall time, or the process's CPU time)."""
     best = [float("inf")] * len(runs)
     for _ in range(rounds):
         for index, run in enumerate(runs):
-            began = time.perf_counter()
+            began = clock()
             run()
-            best[index] = min(best[index], time.perf_counter() - began)
+            best[index] = min(best[index], clock() - began)
     return best
 
 
@@ -257,7 +266,8 @@ def _time_attention(
             )
             for layer_caches in (caches, [caches[0]] * layers)
         ]
-        cold_s, warm_s = _best_of(config.rounds, runs)
+        clock = time.process_time if config.cpu_clock else time.perf_counter
+        cold_s, warm_s = _best_of(config.rounds, runs, clock)
         kv_bytes = int(lengths.sum()) * kv_heads * head_dim * element * 2
         timings.append(
             AttentionTiming(rows, context, cold_s / layers * 1e3, warm_s / layers * 1e3, kv_bytes)
@@ -293,6 +303,7 @@ def measure_micro(config: MicroConfig) -> MicroResult:
         load_average=load_average,
         cpu_count=os.cpu_count() or 0,
         kv_dtype=config.kv_dtype,
+        cpu_clock=config.cpu_clock,
     )
 
 
@@ -325,7 +336,7 @@ def format_micro(result: MicroResult) -> str:
                     for t in result.attention
                 ],
                 title="paged decode attention, one layer (contexts of L/2..L tokens; "
-                f"{result.kv_dtype} cache): " + header,
+                f"{result.kv_dtype} cache{'; CPU time' if result.cpu_clock else ''}): " + header,
             )
         )
     return "\n\n".join(parts)
@@ -360,6 +371,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="float32",
         help="the attention cases' KV cache dtype",
     )
+    parser.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="time the attention cases by the process's CPU time (with --threads 1 on a "
+        "shared machine)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -373,6 +390,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         rounds=base.rounds if args.rounds is None else args.rounds,
         threads=args.threads,
         kv_dtype=args.kv_dtype,
+        cpu_clock=args.cpu_clock,
     )
     result = measure_micro(config)
     print_result(result, format_micro(result), args.json)
