@@ -30,6 +30,11 @@ from .test_runner import PROMPT_LENGTHS, SMOLLM_PROMPTS, make_requests, random_p
 ROWS = (1, 2, 3, 4, 5, 11, 12, 13, 24, 25, 37, 100)
 # Logit margins under this are within the noise bf16-rounded activations add (tiny model).
 _BF16_NOISE = 2e-2
+# ... and with K/V rounded to bf16 too (SmolLM2-135M): rounding amplifies float noise between
+# two correct paths into whole bf16 steps of K/V. Measured: the one step where the engine and the
+# emulating reference part (prompt 3, step 21; the engine the same over an fp32 and a bf16
+# cache) has a reference margin of 0.003 without K/V rounding and 0.021 with it.
+_BF16_KV_NOISE = 5e-2
 SHAPES = ((16, 1), (32, 7), (48, 33), (80, 64), (96, 577), (160, 1536))  # (N, K): tails, panels
 
 
@@ -253,7 +258,7 @@ def test_smollm2_in_bf16_greedy_parity(default_model_dir: Path) -> None:
         hf_tokens, hf_margins = greedy(hf_bf16.eval(), prompt, 32)
         # The emulating reference computes what we compute (up to summation order).
         tokens, margins = greedy(emulating, prompt, 32)
-        close = next((step for step, m in enumerate(margins) if m < _BF16_NOISE), len(tokens))
+        close = next((step for step, m in enumerate(margins) if m < _BF16_KV_NOISE), len(tokens))
         for path, output in zip(("step graph", "module path"), outputs, strict=True):
             got = output[f"r{index}"]
             pairs = zip(got, hf_tokens, strict=False)
