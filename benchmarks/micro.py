@@ -10,13 +10,15 @@ streams them) against warm (one layer's reused, so they stay in the caches).
 - **Paged decode attention, one layer**: ``B`` rows attending random contexts of ``L / 2 .. L``
   tokens in random blocks, timed over as many layers as the model has, each with a KV cache of
   its own (cold) against layer 0's cache for every layer (warm); the keys and values read over
-  the seconds is the rate the kernel reads them at.
+  the seconds is the rate the kernel reads them at. ``--kv-dtype bfloat16``: over a bf16 cache
+  (``kv_cache_dtype``), half the bytes.
 
 Random weights and caches of the model's shapes (no checkpoint is read beyond its config); the
 threads are torch's; each figure is the best of ``--rounds`` rounds, cold and warm taking
 turns. Needs a C compiler (the kernels are actorline's own).
 
-    python -m benchmarks.micro [--rows 1 12 64 ...] [--attention 16x250 64x500 ...] [--json]
+    python -m benchmarks.micro [--rows 1 12 64 ...] [--attention 16x250 64x500 ...]
+        [--kv-dtype bfloat16] [--json]
 """
 
 from __future__ import annotations
@@ -50,7 +52,10 @@ _FUSED = frozenset({"gate_proj", "up_proj"})  # the runner packs these two as on
 class MicroConfig:
     """What to time: the model whose shapes are used, the GEMM row counts, the attention cases
     (``(rows, context)``: each row attends ``context / 2 .. context`` tokens), the KV block
-    size, the rounds (best kept) and the threads (``None``: torch's default).
+    size, the KV cache's dtype (``float32`` or ``bfloat16``), the rounds (best kept), the
+    threads (``None``: torch's default) and whether the attention cases are timed by the
+    process's CPU time (``cpu_clock``: with one thread on a machine shared with other work, the
+    time the kernel ran rather than the time it waited) instead of wall time.
 
     Raises:
         ValueError: no case at all, a count below 1, or no rounds.
@@ -62,6 +67,8 @@ class MicroConfig:
     block_size: int = 16
     rounds: int = 5
     threads: int | None = None
+    kv_dtype: str = "float32"
+    cpu_clock: bool = False
 
     def __post_init__(self) -> None:
         if not self.rows and not self.attention:
@@ -72,6 +79,8 @@ class MicroConfig:
             raise ValueError(f"attention cases need rows >= 1 and context >= 2: {self.attention}")
         if self.rounds < 1 or self.block_size < 1:
             raise ValueError("rounds and block_size must be >= 1")
+        if self.kv_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"kv_dtype must be float32 or bfloat16, got {self.kv_dtype!r}")
 
     @classmethod
     def quick(cls, **overrides: Any) -> MicroConfig:
@@ -125,16 +134,23 @@ class MicroResult:
     attention: tuple[AttentionTiming, ...]
     load_average: tuple[float, float, float]
     cpu_count: int
+    kv_dtype: str = "float32"
+    cpu_clock: bool = False
 
 
-def _best_of(rounds: int, runs: Sequence[Callable[[], object]]) -> list[float]:
-    """Each of ``runs``' best seconds over ``rounds`` rounds in which they take turns."""
+def _best_of(
+    rounds: int,
+    runs: Sequence[Callable[[], object]],
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """Each of ``runs``' best seconds over ``rounds`` rounds in which they take turns, by
+    ``clock`` (wall time, or the process's CPU time)."""
     best = [float("inf")] * len(runs)
     for _ in range(rounds):
         for index, run in enumerate(runs):
-            began = time.perf_counter()
+            began = clock()
             run()
-            best[index] = min(best[index], time.perf_counter() - began)
+            best[index] = min(best[index], clock() - began)
     return best
 
 
@@ -223,6 +239,8 @@ def _time_attention(
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     block = config.block_size
+    kv_dtype = getattr(torch, config.kv_dtype)
+    element = torch.empty((), dtype=kv_dtype).element_size()
     generator = torch.Generator().manual_seed(1)
     timings = []
     for rows, context in config.attention:
@@ -231,10 +249,11 @@ def _time_attention(
         num_blocks = rows * per_row
         # Each row's blocks at random places of the cache, as a long-running engine has them.
         tables = torch.randperm(num_blocks, generator=generator).view(rows, per_row)
+        shape = (num_blocks * block, kv_heads, head_dim)
         caches = [
             (
-                torch.randn(num_blocks * block, kv_heads, head_dim, generator=generator),
-                torch.randn(num_blocks * block, kv_heads, head_dim, generator=generator),
+                torch.randn(shape, generator=generator).to(kv_dtype),
+                torch.randn(shape, generator=generator).to(kv_dtype),
             )
             for _ in range(layers)
         ]
@@ -247,8 +266,9 @@ def _time_attention(
             )
             for layer_caches in (caches, [caches[0]] * layers)
         ]
-        cold_s, warm_s = _best_of(config.rounds, runs)
-        kv_bytes = int(lengths.sum()) * kv_heads * head_dim * 4 * 2
+        clock = time.process_time if config.cpu_clock else time.perf_counter
+        cold_s, warm_s = _best_of(config.rounds, runs, clock)
+        kv_bytes = int(lengths.sum()) * kv_heads * head_dim * element * 2
         timings.append(
             AttentionTiming(rows, context, cold_s / layers * 1e3, warm_s / layers * 1e3, kv_bytes)
         )
@@ -282,6 +302,8 @@ def measure_micro(config: MicroConfig) -> MicroResult:
         attention=attention,
         load_average=load_average,
         cpu_count=os.cpu_count() or 0,
+        kv_dtype=config.kv_dtype,
+        cpu_clock=config.cpu_clock,
     )
 
 
@@ -313,7 +335,8 @@ def format_micro(result: MicroResult) -> str:
                     [f"{t.rows} x {t.context}", t.cold_ms * 1e3, t.warm_ms * 1e3, t.cold_gbs]
                     for t in result.attention
                 ],
-                title="paged decode attention, one layer (contexts of L/2..L tokens): " + header,
+                title="paged decode attention, one layer (contexts of L/2..L tokens; "
+                f"{result.kv_dtype} cache{'; CPU time' if result.cpu_clock else ''}): " + header,
             )
         )
     return "\n\n".join(parts)
@@ -342,6 +365,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rounds", type=int, default=None, help="rounds, best kept (5)")
     parser.add_argument("--threads", type=int, default=None, help="threads (torch's default)")
+    parser.add_argument(
+        "--kv-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the attention cases' KV cache dtype",
+    )
+    parser.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="time the attention cases by the process's CPU time (with --threads 1 on a "
+        "shared machine)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -354,6 +389,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         attention=base.attention if args.attention is None else tuple(args.attention),
         rounds=base.rounds if args.rounds is None else args.rounds,
         threads=args.threads,
+        kv_dtype=args.kv_dtype,
+        cpu_clock=args.cpu_clock,
     )
     result = measure_micro(config)
     print_result(result, format_micro(result), args.json)

@@ -233,6 +233,9 @@ class EngineInfo:
     embedding_size: int = 0
     pooling_type: str = ""
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # What the KV cache stores ("float32", "bfloat16", ...; kv_cache_dtype resolved): with
+    # native bf16 weights on CPU the activations are fp32 and the cache bf16.
+    kv_cache_dtype: str = "float32"
 
 
 @message()

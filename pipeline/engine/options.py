@@ -13,6 +13,7 @@ from pipeline.engine.option_fields import check_options, option
 from stages.execute.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    KV_CACHE_DTYPES,
     MODEL_IMPLS,
     QUANT_ACTIVATIONS,
     QUANTIZATIONS,
@@ -91,6 +92,11 @@ class EngineOptions:
     kv_cache_memory: int | None = option(
         None, help="KV cache bytes (None: the execute stage's default)", feeds=("execute",)
     )
+    kv_cache_dtype: str = option(
+        "auto", choices=KV_CACHE_DTYPES, feeds=("execute",),
+        help="what the KV cache stores (auto: the model's dtype, bf16 for bf16 weights; bf16 "
+        "halves its bytes, doubling the blocks a kv_cache_memory holds)",
+    )  # fmt: skip
     enable_prefix_caching: bool = option(
         True, kind="bool", flag="--no-prefix-caching", feeds=("execute",),
         help="reuse the KV blocks of a prompt's cached prefix (the flag turns it off)",

@@ -457,7 +457,7 @@ class _VllmSnapshotCollector(Collector):
                 "block_size": str(info.block_size),
                 "num_gpu_blocks": str(info.num_blocks),
                 "enable_prefix_caching": str(info.enable_prefix_caching),
-                "cache_dtype": info.dtype,
+                "cache_dtype": info.kv_cache_dtype,
                 "sliding_window": str(info.sliding_window),
             }
             cache_info = GaugeMetricFamily(

@@ -109,6 +109,7 @@ class ModelInfo:
     scheduler: str
     prefix_caching: bool
     eos_token_ids: tuple[int, ...]
+    kv_cache_dtype: str = ""  # empty from a server older than the field
 
 
 def _output_from_proto(response: pb.GenerateResponse) -> StreamedOutput:

@@ -384,4 +384,5 @@ def model_info_to_proto(info: EngineInfo, scheduler: str) -> pb.ModelInfo:
         scheduler=scheduler,
         prefix_caching=info.enable_prefix_caching,
         eos_token_ids=info.eos_token_ids,
+        kv_cache_dtype=info.kv_cache_dtype,
     )

@@ -11,19 +11,25 @@ the cache and attends:
 - **decode rows** (one query token each) come first in the packed batch, ordered by context
   length. On CPU in fp32 ("native", the default there) one call of the compiled kernel of
   :mod:`stages.execute.native` attends them all, reading keys and values in place through
-  the block tables. Otherwise ("grouped", "padded", "per_sequence") they are attended in
-  groups, each one batched SDPA call over the group's padded context (whole blocks gathered with
-  one ``index_select``, a length mask for uneven rows), viewing each query ``[Hq]`` as ``[Hkv,
-  Hq/Hkv]`` so GQA needs no key expansion. One group over the whole batch ("padded") has static
-  shapes for a padded batch size and is what CUDA graphs capture; on CPU, big or uneven batches
-  are split into smaller groups (down to one per sequence), which keeps the gathered keys in cache
-  (see :func:`plan_decode_groups`).
+  the block tables (an fp32 or a bf16 cache). Otherwise ("grouped", "padded",
+  "per_sequence") they are attended in groups, each one batched SDPA call over the group's
+  padded context (whole blocks gathered with one ``index_select``, a length mask for uneven
+  rows), viewing each query ``[Hq]`` as ``[Hkv, Hq/Hkv]`` so GQA needs no key expansion. One
+  group over the whole batch ("padded") has static shapes for a padded batch size and is what
+  CUDA graphs capture; on CPU, big or uneven batches are split into smaller groups (down to one
+  per sequence), which keeps the gathered keys in cache (see :func:`plan_decode_groups`).
 - **prefill rows** (chunks, prefix hits) are attended per sequence with a causal mask aligned
   lower-right: the queries are the *last* ``n`` of the ``L`` context positions.
 - with ``attention_backend="flex"`` (``build_step_metadata(flex=True)``), the decode rows and
   each prefill chunk over a cached prefix are attended by FlexAttention reading the cache in
   place through their block tables instead (:mod:`stages.execute.flex`; docs/architecture.md
   §6.4); a chunk that is its whole context keeps causal SDPA over its own keys.
+
+The cache may hold another dtype than the activations (``kv_cache_dtype``: bf16 under native
+bf16 weights' fp32 activations): K/V are rounded to it as they are written and widened back as
+they are read, and a prefill chunk's own fresh keys are rounded the same way, so a prompt
+computed whole and one that reads its prefix back from the cache see the same keys
+(docs/architecture.md §3.1).
 
 Every path also serves the variants of :mod:`stages.execute.variants` (docs/architecture.md
 §6.1): a layer's sliding window masks keys before it (and a windowed prefill
@@ -381,9 +387,13 @@ def paged_attention_forward(
     group_size = num_heads // num_kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
 
-    # Write this step's K/V first, so reads below see the whole context.
-    key_cache.index_copy_(0, metadata.slot_mapping, key[0].transpose(0, 1))
-    value_cache.index_copy_(0, metadata.slot_mapping, value[0].transpose(0, 1))
+    # Write this step's K/V first, so reads below see the whole context. NOTE: the cache may
+    # hold another dtype than the activations (kv_cache_dtype: bf16 under fp32 activations):
+    # K/V are rounded to it as they are written, and every read below widens what it reads
+    # back to the query's dtype, so the arithmetic stays in the activations' precision.
+    cache_dtype = key_cache.dtype
+    key_cache.index_copy_(0, metadata.slot_mapping, key[0].transpose(0, 1).to(cache_dtype))
+    value_cache.index_copy_(0, metadata.slot_mapping, value[0].transpose(0, 1).to(cache_dtype))
 
     block_size = metadata.kv_cache.block_size
     output = query.new_empty(num_tokens, num_heads, head_dim)  # [T, Hq, D]
@@ -391,8 +401,10 @@ def paged_attention_forward(
     window = variant.window
     if metadata.flex_decode is not None:
         rows = metadata.flex_decode.tables.shape[0]
+        # NOTE: FlexAttention reads the cache layer in place, so its queries take the cache's
+        # dtype (a bf16 cache under fp32 activations attends in bf16 here).
         attended = flex_paged_attention(
-            query[0, :, :rows].transpose(0, 1).unsqueeze(2),  # [B, Hq, 1, D]
+            query[0, :, :rows].transpose(0, 1).unsqueeze(2).to(cache_dtype),  # [B, Hq, 1, D]
             key_cache,
             value_cache,
             metadata.flex_decode,
@@ -401,7 +413,7 @@ def paged_attention_forward(
             softcap=variant.softcap,
             sinks=variant.sinks,
         )  # [B, Hq, 1, D]
-        output[:rows] = attended[:, :, 0]
+        output[:rows] = attended[:, :, 0].to(output.dtype)
     for group in metadata.decode_groups:
         if kernel is not None and group.context_lens is not None:
             sinks = variant.sinks.float().contiguous() if variant.sinks is not None else None
@@ -426,8 +438,8 @@ def paged_attention_forward(
         group_query = group_query.reshape(rows, num_kv_heads, group_size, head_dim)
         keys = gather_blocks(key_cache, group.key_blocks, block_size)  # [g, nb*bs, Hkv, D]
         values = gather_blocks(value_cache, group.key_blocks, block_size)
-        group_keys = keys[:, : group.key_len].transpose(1, 2)  # [g, Hkv, L, D]
-        group_values = values[:, : group.key_len].transpose(1, 2)  # [g, Hkv, L, D]
+        group_keys = keys[:, : group.key_len].transpose(1, 2).to(query.dtype)  # [g, Hkv, L, D]
+        group_values = values[:, : group.key_len].transpose(1, 2).to(query.dtype)
         if variant.needs_eager:
             attended = eager_attention(
                 group_query,
@@ -449,7 +461,7 @@ def paged_attention_forward(
         count = end - start
         if sequence.flex is not None:
             attended = flex_paged_attention(
-                sequence_query,
+                sequence_query.to(cache_dtype),
                 key_cache,
                 value_cache,
                 sequence.flex,
@@ -458,7 +470,7 @@ def paged_attention_forward(
                 softcap=variant.softcap,
                 sinks=variant.sinks,
             )  # [1, Hq, n, D]
-            output[start:end] = attended[0].transpose(0, 1)
+            output[start:end] = attended[0].transpose(0, 1).to(output.dtype)
             continue
         mask = sequence.causal_mask
         if window is not None and sequence.context_len > window:
@@ -467,11 +479,17 @@ def paged_attention_forward(
             first_block = 0
         if sequence.key_blocks is None:
             keys, values = key[:, :, start:end], value[:, :, start:end]  # [1, Hkv, n, D]
+            if cache_dtype != key.dtype:
+                # NOTE: rounded as the cache holds them, so a prompt computed whole attends
+                # the keys a prefix-cache hit on it would read back (the same tokens).
+                keys = keys.to(cache_dtype).to(key.dtype)
+                values = values.to(cache_dtype).to(value.dtype)
         else:
             blocks = sequence.key_blocks[first_block:]
             length = sequence.context_len - first_block * block_size
             keys = gather_blocks(key_cache, blocks, block_size)[:length]  # [L, Hkv, D]
             values = gather_blocks(value_cache, blocks, block_size)[:length]
+            keys, values = keys.to(query.dtype), values.to(query.dtype)
             keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             values = values.transpose(0, 1).unsqueeze(0)
         if variant.needs_eager:

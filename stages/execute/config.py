@@ -10,6 +10,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "DEFAULT_KV_CACHE_MEMORY",
     "DTYPES",
+    "KV_CACHE_DTYPES",
     "MODEL_IMPLS",
     "QUANTIZATIONS",
     "QUANT_ACTIVATIONS",
@@ -21,6 +22,12 @@ DEFAULT_KV_CACHE_MEMORY = 384 * 1024 * 1024
 """KV cache size in bytes when neither ``num_blocks`` nor ``kv_cache_memory`` is given."""
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+"""``kv_cache_dtype`` values: vLLM's name and its ``auto`` (the model's dtype)."""
+# vLLM's other cache dtypes (vllm/config/cache.py, CacheDType): quantized caches for GPUs.
+_UNSUPPORTED_KV_CACHE_DTYPES = (
+    "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "int8", "nvfp4",
+)  # fmt: skip
 QUANTIZATIONS = ("gguf", "int8")
 QUANT_ACTIVATIONS = ("auto", "int8", "fp32")
 MODEL_IMPLS = ("auto", "native", "transformers")
@@ -55,6 +62,12 @@ class ExecuteConfig:
       (exact; one more, the reserved padding block, is allocated), else as many as fit in
       ``kv_cache_memory`` bytes (default 384 MiB: ~8,700 tokens of SmolLM2-135M in fp32,
       and the engine process stays under 1.5 GB resident).
+    - ``kv_cache_dtype``: what the KV cache stores, as vLLM's ``--kv-cache-dtype``: ``auto``
+      (default: the model's dtype, so ``bfloat16`` where the weights are bf16, native bf16 on
+      CPU included, whose activations are fp32), ``bfloat16`` or ``float32``. A bf16 cache
+      takes half the bytes, so a ``kv_cache_memory`` budget holds twice the blocks; K/V are
+      rounded to bf16 as they are written and widened to fp32 where fp32 activations attend
+      (docs/architecture.md §3.1). vLLM's fp8 caches are refused.
     - ``max_model_len``: longest sequence (prompt + output); default the model's
       ``max_position_embeddings``, capped by what the cache holds.
     - ``seed``: seeds torch's global generator (requests without their own seed).
@@ -113,6 +126,7 @@ class ExecuteConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int | None = 0
@@ -146,6 +160,17 @@ class ExecuteConfig:
             self._check_positive("num_blocks", self.num_blocks)
         if self.kv_cache_memory is not None:
             self._check_positive("kv_cache_memory", self.kv_cache_memory)
+        if self.kv_cache_dtype in _UNSUPPORTED_KV_CACHE_DTYPES:
+            raise ExecuteConfigError(
+                "kv_cache_dtype",
+                f"{self.kv_cache_dtype!r} is not supported: actorline's KV cache stores "
+                f"{' or '.join(KV_CACHE_DTYPES[1:])} (quantized caches are vLLM's, on GPUs)",
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ExecuteConfigError(
+                "kv_cache_dtype",
+                f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+            )
         if self.max_model_len is not None:
             self._check_positive("max_model_len", self.max_model_len)
         self._check_positive("cuda_graph_max_batch_size", self.cuda_graph_max_batch_size)

@@ -41,6 +41,7 @@ __all__ = [
     "probe_token_ids",
     "resolve_device",
     "resolve_dtype",
+    "resolve_kv_dtype",
 ]
 
 logger = logging.getLogger("actorline.execute")
@@ -83,6 +84,16 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
     if isinstance(declared, str) and declared in _DTYPES:
         return _DTYPES[declared]
     return torch.float32
+
+
+def resolve_kv_dtype(requested: str, dtype: torch.dtype, bf16_weights: bool) -> torch.dtype:
+    """``kv_cache_dtype`` as a torch dtype: ``auto`` is the model's dtype (``dtype``, the
+    activations'), which for native bf16 weights on CPU is bf16 (their activations are fp32;
+    vLLM's ``auto`` is the model's dtype too, vllm/utils/torch_utils.py
+    ``kv_cache_dtype_str_to_dtype``)."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    return torch.bfloat16 if bf16_weights else dtype
 
 
 def decode_mode(requested: str, device: torch.device, native_fits: bool) -> DecodeAttentionMode:
@@ -153,6 +164,7 @@ def load_key(
     *,
     device: torch.device,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     bf16_weights: bool,
     rank: int,
 ) -> str:
@@ -218,10 +230,11 @@ def check_paged_attention(
     max_model_len: int,
     device: torch.device,
     weights_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
 ) -> None:
-    """Check paged attention (``model`` is switched to it) against the model's own attention
-    (``expected`` logits of ``input_ids [1, PROBE_TOKENS]``) on the same tokens, run as a
-    prefill, a prefix chunk and a decode step.
+    """Check paged attention (``model`` is switched to it, its cache in ``kv_dtype``) against
+    the model's own attention (``expected`` logits of ``input_ids [1, PROBE_TOKENS]``) on the
+    same tokens, run as a prefill, a prefix chunk and a decode step.
 
     Raises:
         UnsupportedModelError: a layer does not call paged attention, or the logits disagree
@@ -257,8 +270,13 @@ def check_paged_attention(
                 )
             reference = expected[start:end]
             # NOTE: bf16 weights round the activations to bf16 at each linear, so float
-            # noise between two attention paths can flip a rounding: bf16's tolerance.
-            tolerance = _PROBE_TOLERANCE.get(weights_dtype, 5e-2)
+            # noise between two attention paths can flip a rounding: bf16's tolerance. A
+            # cache in another dtype than the activations rounds K/V (the model's own
+            # attention does not): the looser of the two.
+            tolerance = max(
+                _PROBE_TOLERANCE.get(weights_dtype, 5e-2),
+                _PROBE_TOLERANCE.get(kv_dtype, 5e-2) if kv_dtype != weights_dtype else 0,
+            )
             error = (logits.float() - reference).abs().max().item()
             scale = max(reference.abs().max().item(), 1.0)
             if not error <= tolerance * scale:

@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -192,27 +192,40 @@ def build_library(
 class PagedDecodeKernel:
     """Decode attention over a token-major paged KV cache, read in place (no gather).
 
-    Serves fp32 CPU tensors with ``head_dim`` a multiple of 8 (up to 256) and at most 16
-    query heads per KV head: :meth:`supports` says whether a model's shapes qualify.
+    Serves fp32 CPU queries over an fp32 or bf16 cache (``kv_cache_dtype``; bf16 is widened
+    to fp32 as it is read, the arithmetic fp32 either way), with ``head_dim`` a multiple of 8
+    (up to 256) and at most 16 query heads per KV head: :meth:`supports` says whether a model's
+    shapes qualify.
     """
+
+    #: the cache dtypes the kernel reads, and each one's entry point
+    ENTRY_POINTS = {
+        torch.float32: "actorline_paged_decode_f32",
+        torch.bfloat16: "actorline_paged_decode_f32_bf16kv",
+    }
 
     def __init__(self, library: Path) -> None:
         self.path = library
         lib = ctypes.CDLL(str(library))
-        function = lib.actorline_paged_decode_f32
         pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        function.argtypes = [
-            pointer, i64, i64,  # query, row stride, head stride
-            pointer, pointer,  # key cache, value cache
-            pointer, i64, i64,  # block tables, table stride, table width
-            pointer,  # context lengths
-            pointer, i64, i64,  # out, row stride, head stride
-            i32, i32, i32, i32, i32,  # rows, heads, kv heads, head dim, block size
-            i64, ctypes.c_float, i32,  # cache blocks, scale, threads
-            i64, ctypes.c_float, pointer,  # window, softcap, sinks
-        ]  # fmt: skip
-        function.restype = ctypes.c_int
-        self._function = function
+        self._functions: dict[torch.dtype, Any] = {}
+        #: each cache dtype's entry point's address (the step graph calls it from C)
+        self.addresses: dict[torch.dtype, int] = {}
+        for dtype, name in self.ENTRY_POINTS.items():
+            function = getattr(lib, name)
+            function.argtypes = [
+                pointer, i64, i64,  # query, row stride, head stride
+                pointer, pointer,  # key cache, value cache
+                pointer, i64, i64,  # block tables, table stride, table width
+                pointer,  # context lengths
+                pointer, i64, i64,  # out, row stride, head stride
+                i32, i32, i32, i32, i32,  # rows, heads, kv heads, head dim, block size
+                i64, ctypes.c_float, i32,  # cache blocks, scale, threads
+                i64, ctypes.c_float, pointer,  # window, softcap, sinks
+            ]  # fmt: skip
+            function.restype = ctypes.c_int
+            self._functions[dtype] = function
+            self.addresses[dtype] = ctypes.cast(function, ctypes.c_void_p).value or 0
 
     @staticmethod
     def supports(
@@ -222,9 +235,13 @@ class PagedDecodeKernel:
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
+        kv_dtype: torch.dtype | None = None,
     ) -> bool:
+        """Whether the kernel serves ``dtype`` activations over a ``kv_dtype`` cache (None:
+        ``dtype``) on ``device`` with these shapes."""
         return (
             dtype == torch.float32
+            and (kv_dtype or dtype) in PagedDecodeKernel.ENTRY_POINTS
             and device.type == "cpu"
             and num_kv_heads > 0
             and num_heads % num_kv_heads == 0
@@ -235,9 +252,9 @@ class PagedDecodeKernel:
 
     def __call__(
         self,
-        query: torch.Tensor,  # [Hq, B, D] (any strides with D contiguous)
-        key_cache: torch.Tensor,  # [num_slots, Hkv, D] contiguous
-        value_cache: torch.Tensor,  # [num_slots, Hkv, D] contiguous
+        query: torch.Tensor,  # [Hq, B, D] fp32 (any strides with D contiguous)
+        key_cache: torch.Tensor,  # [num_slots, Hkv, D] fp32 or bf16, contiguous
+        value_cache: torch.Tensor,  # [num_slots, Hkv, D] as key_cache
         block_tables: torch.Tensor,  # [B, max_blocks] int64, rows contiguous
         context_lens: torch.Tensor,  # [B] int64 contiguous
         out: torch.Tensor,  # [B, Hq, D] (any row/head strides with D contiguous)
@@ -270,7 +287,9 @@ class PagedDecodeKernel:
             or value_cache.shape != key_cache.shape
             or key_cache.shape[2] != head_dim
             or out.shape != (num_rows, num_heads, head_dim)
-            or any(t.dtype != torch.float32 for t in (query, key_cache, value_cache, out))
+            or any(t.dtype != torch.float32 for t in (query, out))
+            or key_cache.dtype not in self._functions
+            or value_cache.dtype != key_cache.dtype
             or not context_lens.is_contiguous()
             or block_tables.dtype != torch.int64
             or context_lens.dtype != torch.int64
@@ -288,7 +307,7 @@ class PagedDecodeKernel:
             raise NativeKernelError(
                 f"paged decode kernel: window ({window}) and softcap ({softcap}) must be positive"
             )
-        status = self._function(
+        status = self._functions[key_cache.dtype](
             query.data_ptr(), query.stride(1), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],

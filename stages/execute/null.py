@@ -167,9 +167,10 @@ class NullRunner:
         num_kv_heads = int(text_config.get("num_key_value_heads") or num_heads)
         head_dim = int(text_config.get("head_dim") or int(text_config["hidden_size"]) // num_heads)
         dtype = _dtype_name(config.dtype, text_config)
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         # Same size as stages.execute.attention.KVCache.bytes_per_block (keys and values).
         block_bytes = (
-            2 * num_layers * config.block_size * num_kv_heads * head_dim * _ELEMENT_BYTES[dtype]
+            2 * num_layers * config.block_size * num_kv_heads * head_dim * _ELEMENT_BYTES[kv_dtype]
         )
         if config.num_blocks is not None:
             usable_blocks = config.num_blocks
@@ -206,6 +207,7 @@ class NullRunner:
             kv_cache_bytes=0,
             enable_prefix_caching=config.enable_prefix_caching,
             sliding_window=self._window,
+            kv_cache_dtype=kv_dtype,
         )
         logger.info("execute (null model): %s", self.info)
         return self.info

@@ -74,6 +74,7 @@ from stages.execute.loading import (
     probe_token_ids,
     resolve_device,
     resolve_dtype,
+    resolve_kv_dtype,
 )
 from stages.execute.model_impl import NativeConfig, eos_token_ids, model_config
 from stages.execute.model_length import resolve_model_length
@@ -226,7 +227,8 @@ class ModelRunner:
         self.allocator: BlockAllocator | None = None
         self.info: EngineInfo | None = None
         self.device = torch.device("cpu")
-        self.dtype = torch.float32  # activations and the KV cache
+        self.dtype = torch.float32  # activations
+        self.kv_dtype = torch.float32  # the KV cache (kv_cache_dtype resolved at load)
         self._bf16: BF16GemmKernel | None = None  # bf16 weights on CPU (stages.execute.bf16)
         self.max_model_len = 0
         self._sampler: Sampler | None = None
@@ -305,6 +307,7 @@ class ModelRunner:
         row_parallel = shard_model(model, self.rank, parallel) if parallel > 1 else []
         key = load_key(
             config, resolved.path, device=self.device, dtype=self.dtype,
+            kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self._bf16 is not None),
             bf16_weights=self._bf16 is not None, rank=self.rank,
         )  # fmt: skip
         verify = not checks_passed(settings.cache_dir(), key)
@@ -349,12 +352,13 @@ class ModelRunner:
         shape = layer_shape(layers, text_config)
         num_layers, num_heads = int(text_config.num_hidden_layers), shape.num_heads
         num_kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self._bf16 is not None)
         block_bytes = KVCache.bytes_per_block(
             num_layers=num_layers,
             block_size=config.block_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
         )
         if config.num_blocks is not None:
             usable_blocks = config.num_blocks
@@ -379,14 +383,16 @@ class ModelRunner:
             block_size=config.block_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         self.allocator = BlockAllocator(
             usable_blocks + 1,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            extra_hash_key=f"{resolved.path}|{self.dtype}|{self._bf16 is not None}".encode(),
+            extra_hash_key=(
+                f"{resolved.path}|{self.dtype}|{self._bf16 is not None}|{self.kv_dtype}".encode()
+            ),
         )
         self._decode_mode = decode_mode(
             config.decode_attention,
@@ -397,6 +403,7 @@ class ModelRunner:
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
+                kv_dtype=self.kv_dtype,
             ),
         )
         self._flex = use_flex(config.attention_backend, self.device, config.block_size)
@@ -406,6 +413,7 @@ class ModelRunner:
                 num_layers=num_layers, decode_attention=self._decode_mode, flex=self._flex,
                 max_model_len=self.max_model_len, device=self.device,
                 weights_dtype=torch.bfloat16 if self._bf16 is not None else self.dtype,
+                kv_dtype=self.kv_dtype,
             )  # fmt: skip
         self._step_graph = self._make_step_graph(layers, verify=expected is not None)
         # NOTE: a refused step graph records nothing: the next load checks everything again
@@ -436,6 +444,7 @@ class ModelRunner:
             embedding_size=int(text_config.hidden_size),
             pooling_type=config.pooling_type,
             matryoshka_dimensions=matryoshka_dimensions(resolved.path),
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
         )
         if on_cpu and config.tune_allocator:
             release_free_memory()

@@ -8,7 +8,9 @@ calls per layer, each a few microseconds, against a step whose weights take ~4 m
 :class:`~stages.execute.native.NativeGemm` (whatever kind of linear: packed fp32, GGUF / int8
 blocks, anything with ``native_gemm()``), its norms and KV cache tensors, the kernels of
 ``fused_cpu.c`` and ``paged_decode.c`` as function pointers, fp32 workspaces of ``max_rows``
-rows, a rotary cos/sin table over every position, and small input buffers. A step fills the
+rows, a rotary cos/sin table over every position, and small input buffers. The KV cache may
+hold fp32 or bf16 (``kv_cache_dtype``): the C code rounds each new K/V row to the cache's type
+as it writes it and calls the decode attention entry point that reads that type. A step fills the
 input buffers (token ids, positions, block tables, the rows that sample) and makes one ctypes
 call, which releases the GIL for its whole length. Unlike a CUDA graph nothing is captured per
 batch size: the C executor takes the row count, so one plan serves every bucket up to
@@ -55,6 +57,7 @@ from stages.execute.native import (
     KERNEL_SOURCE,
     NativeGemm,
     NativeKernelError,
+    PagedDecodeKernel,
     build_library,
     fused_ops_kernel,
 )
@@ -108,7 +111,7 @@ class _Plan(ctypes.Structure):
                                     "block_size", "num_cache_blocks", "table_width", "max_rows",
                                     "num_layers")),
         ("scale", _f32), ("final_eps", _f32),
-        ("rms", _p), ("silu", _p), ("rope", _p), ("attn", _p),
+        ("rms", _p), ("silu", _p), ("rope", _p), ("attn", _p), ("kv_bf16", _i64),
         ("emb", _p), ("emb_panel", _i64), ("emb_panel_stride", _i64), ("emb_lane_stride", _i64),
         ("emb_elem_stride", _i64),
         ("cos_table", _p), ("sin_table", _p), ("table_rows", _i64),
@@ -209,8 +212,9 @@ class StepGraph:
             raise StepGraphUnsupported("the native kernels do not build here")
         if type(model) is not NativeLlamaForCausalLM:
             raise StepGraphUnsupported(f"{type(model).__name__} is not actorline's own Llama")
-        if kv_cache.key[0].dtype != torch.float32 or kv_cache.key[0].device.type != "cpu":
-            raise StepGraphUnsupported("the KV cache is not fp32 on CPU")
+        kv_dtype = kv_cache.key[0].dtype
+        if kv_dtype not in PagedDecodeKernel.ENTRY_POINTS or kv_cache.key[0].device.type != "cpu":
+            raise StepGraphUnsupported(f"the KV cache is {kv_dtype} on CPU, not fp32 or bf16")
         config = model.config
         hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
         kv_heads, head_dim = int(config.num_key_value_heads), int(config.head_dim)
@@ -278,7 +282,10 @@ class StepGraph:
         plan.rms = _address(library_fused, "actorline_rms_norm_f32")
         plan.silu = _address(library_fused, "actorline_silu_mul_f32")
         plan.rope = _address(library_fused, "actorline_rope_f32")
-        plan.attn = _address(library_attention, "actorline_paged_decode_f32")
+        # NOTE: the entry point for the cache's type; the C code rounds K/V rows to bf16 as it
+        # writes them where kv_bf16 is set (the bits the module path's index_copy_ writes).
+        plan.attn = _address(library_attention, PagedDecodeKernel.ENTRY_POINTS[kv_dtype])
+        plan.kv_bf16 = int(kv_dtype == torch.bfloat16)
         block_size = kv_cache.block_size
         table_width = -(-max_model_len // block_size)
         for name, value in (("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),

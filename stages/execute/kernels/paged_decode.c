@@ -25,7 +25,13 @@
  * a row's last ``window`` positions (its leading blocks may be freed, so they are never
  * touched); soft-capped logits become ``softcap * tanh(score / softcap)`` (Gemma 2); a sink
  * (gpt-oss, one logit per query head) joins the softmax's max and denominator and adds no
- * value, as transformers' eager attention does. */
+ * value, as transformers' eager attention does.
+ *
+ * The cache holds fp32 or bf16 (kv_cache_dtype, docs/architecture.md §6): the bf16 entry point
+ * runs the same code with each key and value vector widened to fp32 as it is loaded (a bf16 is
+ * the high half of an fp32: zero-extend and shift), so the dot products, the softmax and the
+ * weighted sum stay in fp32 and only the bytes read halve. Queries and outputs are fp32 in
+ * both. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -39,6 +45,23 @@
 typedef float vf __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
 
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
+
+/* LANES cache elements from element ``index`` of ``base`` as fp32: fp32 as they are, bf16
+ * widened (bf16 0xABCD is the fp32 0xABCD0000, exactly). ``bf16`` is a constant at every
+ * call (attend is instantiated per cache type), so the test folds away. */
+static inline __attribute__((always_inline)) vf load_kv(const void *base, int64_t index,
+                                                        const int bf16) {
+    if (bf16) {
+        const vu wide = __builtin_convertvector(*(const vh *)((const uint16_t *)base + index), vu)
+                        << 16;
+        vf out;
+        __builtin_memcpy(&out, &wide, sizeof out);
+        return out;
+    }
+    return *(const vf *)((const float *)base + index);
+}
 
 static inline float hsum(vf v) {
 #if defined(__clang__) || __GNUC__ >= 12
@@ -124,32 +147,38 @@ static inline void softmax_rows(float *scores, int rows, int64_t count, const fl
     }
 }
 
-/* Ask for the next block's rows (the item's slice of each: width floats) while this block's are
- * worked on: blocks lie anywhere in the cache, so the hardware prefetcher starts cold at each
- * one, and the first touch of a block otherwise waits on memory. */
-static inline void prefetch_block(const float *cache, const int64_t *blocks, int64_t j,
+/* Ask for the next block's rows (the item's slice of each: width elements of element_size bytes)
+ * while this block's are worked on: blocks lie anywhere in the cache, so the hardware
+ * prefetcher starts cold at each one, and the first touch of a block otherwise waits on
+ * memory. */
+static inline void prefetch_block(const void *cache, const int64_t *blocks, int64_t j,
                                   int64_t context_len, int block_size, int64_t row_stride,
-                                  int64_t width) {
+                                  int64_t width, int64_t element_size) {
     const int64_t next = (j / block_size + 1) * block_size;
     if (next >= context_len) return;
     const int64_t rows = context_len - next < block_size ? context_len - next : block_size;
-    const float *base = cache + blocks[next / block_size] * block_size * row_stride;
+    const char *base =
+        (const char *)cache + blocks[next / block_size] * block_size * row_stride * element_size;
     for (int64_t o = 0; o < rows; ++o)
-        for (int64_t f = 0; f < width; f += 16) __builtin_prefetch(base + o * row_stride + f);
+        for (int64_t f = 0; f < width * element_size; f += 64)
+            __builtin_prefetch(base + o * row_stride * element_size + f);
 }
 
 /* One work item: the kv_heads * group query heads at query attend to positions
  * [first, context_len) of blocks. key_cache/value_cache point at the item's first KV head; a
- * token's row is row_stride floats long (all KV heads), of which the item reads kv_heads * D.
+ * token's row is row_stride elements long (all KV heads; floats, or bf16 where ``bf16``), of
+ * which the item reads kv_heads * D.
  * scores holds heads * (context_len - first) floats, acc heads * vectors vectors. softcap 0:
  * no capping; sinks: the item's heads' sink logits, or NULL. */
 static inline __attribute__((always_inline)) void
-attend(const float *restrict query, int64_t q_head_stride, const float *restrict key_cache,
-       const float *restrict value_cache, const int64_t *restrict blocks, int64_t first,
+attend(const float *restrict query, int64_t q_head_stride, const void *restrict key_cache,
+       const void *restrict value_cache, const int64_t *restrict blocks, int64_t first,
        int64_t context_len, int64_t row_stride, int kv_heads, int group, const int vectors,
        int block_size, float scale, float softcap, const float *restrict sinks,
-       float *restrict scores, vf *restrict acc, float *restrict out, int64_t out_head_stride) {
+       float *restrict scores, vf *restrict acc, float *restrict out, int64_t out_head_stride,
+       const int bf16) {
     const int heads = kv_heads * group;
+    const int64_t element_size = bf16 ? 2 : 4;
     const int64_t count = context_len - first;
     /* Pass 1: scores[h][j - first] = scale * <q_h, k_j>, capped. Head by head over a run of
      * a block's rows: the head's query stays in registers, eight rows' dot products are
@@ -158,29 +187,32 @@ attend(const float *restrict query, int64_t q_head_stride, const float *restrict
         const int64_t offset = j % block_size;
         const int64_t run = block_size - offset < context_len - j ? block_size - offset
                                                                   : context_len - j;
-        const float *k = key_cache + (blocks[j / block_size] * block_size + offset) * row_stride;
+        /* the run's first row, in elements from key_cache */
+        const int64_t k = (blocks[j / block_size] * block_size + offset) * row_stride;
         prefetch_block(key_cache, blocks, j, context_len, block_size, row_stride,
-                       (int64_t)kv_heads * vectors * LANES);
+                       (int64_t)kv_heads * vectors * LANES, element_size);
         for (int h = 0; h < heads; ++h) {
             vf q[MAX_VECTORS];
             for (int i = 0; i < vectors; ++i)
                 q[i] = *(const vf *)(query + h * q_head_stride + i * LANES);
-            const float *kh = k + (h / group) * vectors * LANES;
+            const int64_t kh = k + (h / group) * vectors * LANES;
             float *s = scores + h * count + j - first;
             int64_t o = 0;
             for (; o + LANES <= run; o += LANES) {
                 vf d[LANES];
                 for (int t = 0; t < LANES; ++t) {
-                    const float *row = kh + (o + t) * row_stride;
-                    d[t] = q[0] * *(const vf *)row;
-                    for (int i = 1; i < vectors; ++i) d[t] += q[i] * *(const vf *)(row + i * LANES);
+                    const int64_t row = kh + (o + t) * row_stride;
+                    d[t] = q[0] * load_kv(key_cache, row, bf16);
+                    for (int i = 1; i < vectors; ++i)
+                        d[t] += q[i] * load_kv(key_cache, row + i * LANES, bf16);
                 }
                 *(vf *)(s + o) = dot8(d) * scale;
             }
             for (; o < run; ++o) {
-                const float *row = kh + o * row_stride;
-                vf dot = q[0] * *(const vf *)row;
-                for (int i = 1; i < vectors; ++i) dot += q[i] * *(const vf *)(row + i * LANES);
+                const int64_t row = kh + o * row_stride;
+                vf dot = q[0] * load_kv(key_cache, row, bf16);
+                for (int i = 1; i < vectors; ++i)
+                    dot += q[i] * load_kv(key_cache, row + i * LANES, bf16);
                 s[o] = hsum(dot) * scale;
             }
             if (softcap > 0.0f)
@@ -196,19 +228,19 @@ attend(const float *restrict query, int64_t q_head_stride, const float *restrict
         const int64_t offset = j % block_size;
         const int64_t run = block_size - offset < context_len - j ? block_size - offset
                                                                   : context_len - j;
-        const float *v = value_cache + (blocks[j / block_size] * block_size + offset) * row_stride;
+        const int64_t v = (blocks[j / block_size] * block_size + offset) * row_stride;
         prefetch_block(value_cache, blocks, j, context_len, block_size, row_stride,
-                       (int64_t)kv_heads * vectors * LANES);
+                       (int64_t)kv_heads * vectors * LANES, element_size);
         /* Head by head over the run's rows, each head's accumulator held in registers (the
          * run's value rows, a few KiB, stay in L1 for the group's other heads). */
         for (int h = 0; h < heads; ++h) {
             const float *p = scores + h * count + j - first;
-            const float *vh = v + (h / group) * vectors * LANES;
+            const int64_t vh = v + (h / group) * vectors * LANES;
             vf a[MAX_VECTORS];
             for (int i = 0; i < vectors; ++i) a[i] = acc[h * vectors + i];
             for (int64_t o = 0; o < run; ++o)
                 for (int i = 0; i < vectors; ++i)
-                    a[i] += p[o] * *(const vf *)(vh + o * row_stride + i * LANES);
+                    a[i] += p[o] * load_kv(value_cache, vh + o * row_stride + i * LANES, bf16);
             for (int i = 0; i < vectors; ++i) acc[h * vectors + i] = a[i];
         }
         j += run;
@@ -218,45 +250,50 @@ attend(const float *restrict query, int64_t q_head_stride, const float *restrict
             *(vf *)(out + h * out_head_stride + i * LANES) = acc[h * vectors + i] * inv_sum[h];
 }
 
-/* attend() with constant vector counts for the common head sizes, so the D loops unroll. */
-static void attend_item(const float *query, int64_t q_head_stride, const float *key_cache,
-                        const float *value_cache, const int64_t *blocks, int64_t first,
-                        int64_t context_len, int64_t row_stride, int kv_heads, int group,
-                        int vectors, int block_size, float scale, float softcap,
-                        const float *sinks, float *scores, vf *acc, float *out,
-                        int64_t out_head_stride) {
-    if (vectors == 8)
-        attend(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,
-               row_stride, kv_heads, group, 8, block_size, scale, softcap, sinks, scores, acc,
-               out, out_head_stride);
-    else if (vectors == 16)
-        attend(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,
-               row_stride, kv_heads, group, 16, block_size, scale, softcap, sinks, scores, acc,
-               out, out_head_stride);
-    else
-        attend(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,
-               row_stride, kv_heads, group, vectors, block_size, scale, softcap, sinks, scores,
-               acc, out, out_head_stride);
-}
+/* attend() with constant vector counts for the common head sizes, so the D loops unroll, and
+ * the cache's type a constant (one instance per type). */
+#define ATTEND_ITEM(NAME, BF16)                                                                  \
+    static void NAME(const float *query, int64_t q_head_stride, const void *key_cache,          \
+                     const void *value_cache, const int64_t *blocks, int64_t first,            \
+                     int64_t context_len, int64_t row_stride, int kv_heads, int group,         \
+                     int vectors, int block_size, float scale, float softcap,                  \
+                     const float *sinks, float *scores, vf *acc, float *out,                   \
+                     int64_t out_head_stride) {                                                \
+        if (vectors == 8)                                                                      \
+            attend(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,   \
+                   row_stride, kv_heads, group, 8, block_size, scale, softcap, sinks, scores,  \
+                   acc, out, out_head_stride, BF16);                                           \
+        else if (vectors == 16)                                                                \
+            attend(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,   \
+                   row_stride, kv_heads, group, 16, block_size, scale, softcap, sinks, scores, \
+                   acc, out, out_head_stride, BF16);                                           \
+        else                                                                                   \
+            attend(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,   \
+                   row_stride, kv_heads, group, vectors, block_size, scale, softcap, sinks,    \
+                   scores, acc, out, out_head_stride, BF16);                                   \
+    }
+ATTEND_ITEM(attend_item_f32, 0)
+ATTEND_ITEM(attend_item_bf16, 1)
 
 /* Returns 0 on success, 1 when the scratch allocation failed, 2 on arguments it cannot serve.
  *
  * query: row r, head h at query + r * q_row_stride + h * q_head_stride (D contiguous).
  * out:   row r, head h at out + r * out_row_stride + h * out_head_stride (D contiguous).
- * key_cache, value_cache: [num_slots, num_kv_heads, head_dim] contiguous.
+ * key_cache, value_cache: [num_slots, num_kv_heads, head_dim] contiguous, fp32
+ * (actorline_paged_decode_f32) or bf16 (actorline_paged_decode_f32_bf16kv).
  * block_tables: [num_rows, table_width] block ids (< num_cache_blocks), rows table_stride
  * apart; context_lens: [num_rows], each >= 1 and within its row of the table.
  * window: each row attends its last ``window`` positions only (0: all); blocks before them
  * are never read. softcap: cap of the scores (0: none). sinks: [num_heads] sink logits, or
  * NULL. */
-int actorline_paged_decode_f32(const float *query, int64_t q_row_stride, int64_t q_head_stride,
-                               const float *key_cache, const float *value_cache,
-                               const int64_t *block_tables, int64_t table_stride,
-                               int64_t table_width, const int64_t *context_lens, float *out,
-                               int64_t out_row_stride, int64_t out_head_stride, int num_rows,
-                               int num_heads, int num_kv_heads, int head_dim, int block_size,
-                               int64_t num_cache_blocks, float scale, int num_threads,
-                               int64_t window, float softcap, const float *sinks) {
+static int paged_decode(const float *query, int64_t q_row_stride, int64_t q_head_stride,
+                        const void *key_cache, const void *value_cache,
+                        const int64_t *block_tables, int64_t table_stride, int64_t table_width,
+                        const int64_t *context_lens, float *out, int64_t out_row_stride,
+                        int64_t out_head_stride, int num_rows, int num_heads, int num_kv_heads,
+                        int head_dim, int block_size, int64_t num_cache_blocks, float scale,
+                        int num_threads, int64_t window, float softcap, const float *sinks,
+                        const int bf16) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0 ||
         head_dim <= 0 || head_dim % LANES != 0 || head_dim / LANES > MAX_VECTORS ||
         window < 0 || !(softcap >= 0.0f))
@@ -298,13 +335,45 @@ int actorline_paged_decode_f32(const float *query, int64_t q_row_stride, int64_t
         vf *acc = (vf *)(scores + (size_t)item_heads * (size_t)longest);
         const int64_t length = context_lens[r];
         const int64_t first = window > 0 && length > window ? length - window : 0;
-        attend_item(query + r * q_row_stride + h * group * q_head_stride, q_head_stride,
-                    key_cache + h * head_dim, value_cache + h * head_dim,
-                    block_tables + r * table_stride, first, length, row_stride, item_kv_heads,
-                    group, vectors, block_size, scale, softcap,
-                    sinks != NULL ? sinks + h * group : NULL, scores, acc,
-                    out + r * out_row_stride + h * group * out_head_stride, out_head_stride);
+        const int64_t head_offset = h * head_dim * (bf16 ? 2 : 4); /* bytes */
+        (bf16 ? attend_item_bf16 : attend_item_f32)(
+            query + r * q_row_stride + h * group * q_head_stride, q_head_stride,
+            (const char *)key_cache + head_offset, (const char *)value_cache + head_offset,
+            block_tables + r * table_stride, first, length, row_stride, item_kv_heads, group,
+            vectors, block_size, scale, softcap, sinks != NULL ? sinks + h * group : NULL, scores,
+            acc, out + r * out_row_stride + h * group * out_head_stride, out_head_stride);
     }
     free(scratch);
     return 0;
+}
+
+int actorline_paged_decode_f32(const float *query, int64_t q_row_stride, int64_t q_head_stride,
+                               const void *key_cache, const void *value_cache,
+                               const int64_t *block_tables, int64_t table_stride,
+                               int64_t table_width, const int64_t *context_lens, float *out,
+                               int64_t out_row_stride, int64_t out_head_stride, int num_rows,
+                               int num_heads, int num_kv_heads, int head_dim, int block_size,
+                               int64_t num_cache_blocks, float scale, int num_threads,
+                               int64_t window, float softcap, const float *sinks) {
+    return paged_decode(query, q_row_stride, q_head_stride, key_cache, value_cache, block_tables,
+                        table_stride, table_width, context_lens, out, out_row_stride,
+                        out_head_stride, num_rows, num_heads, num_kv_heads, head_dim, block_size,
+                        num_cache_blocks, scale, num_threads, window, softcap, sinks, 0);
+}
+
+/* The same over a bf16 cache (uint16 bit patterns), fp32 queries and outputs. */
+int actorline_paged_decode_f32_bf16kv(const float *query, int64_t q_row_stride,
+                                      int64_t q_head_stride, const void *key_cache,
+                                      const void *value_cache, const int64_t *block_tables,
+                                      int64_t table_stride, int64_t table_width,
+                                      const int64_t *context_lens, float *out,
+                                      int64_t out_row_stride, int64_t out_head_stride,
+                                      int num_rows, int num_heads, int num_kv_heads, int head_dim,
+                                      int block_size, int64_t num_cache_blocks, float scale,
+                                      int num_threads, int64_t window, float softcap,
+                                      const float *sinks) {
+    return paged_decode(query, q_row_stride, q_head_stride, key_cache, value_cache, block_tables,
+                        table_stride, table_width, context_lens, out, out_row_stride,
+                        out_head_stride, num_rows, num_heads, num_kv_heads, head_dim, block_size,
+                        num_cache_blocks, scale, num_threads, window, softcap, sinks, 1);
 }

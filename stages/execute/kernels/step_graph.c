@@ -25,7 +25,7 @@ typedef void (*rope_fn)(float *q, int64_t q_stride, int q_heads, float *k, int64
                         int k_heads, int64_t rows, int head_dim, const float *cos,
                         const float *sin, int threads);
 typedef int (*attn_fn)(const float *query, int64_t q_row_stride, int64_t q_head_stride,
-                       const float *key_cache, const float *value_cache,
+                       const void *key_cache, const void *value_cache,
                        const int64_t *block_tables, int64_t table_stride, int64_t table_width,
                        const int64_t *context_lens, float *out, int64_t out_row_stride,
                        int64_t out_head_stride, int num_rows, int num_heads, int num_kv_heads,
@@ -48,7 +48,7 @@ typedef struct {
     sg_gemm gate; /* the fused gate/up projection (gate's columns, then up's) when up is absent */
     sg_gemm up;
     sg_gemm down;
-    float *key_cache, *value_cache; /* [num_slots, kv_heads, head_dim] */
+    void *key_cache, *value_cache; /* [num_slots, kv_heads, head_dim], fp32 or bf16 (kv_bf16) */
 } sg_layer;
 
 typedef struct {
@@ -58,7 +58,8 @@ typedef struct {
     rms_fn rms;
     silu_fn silu;
     rope_fn rope;
-    attn_fn attn;
+    attn_fn attn; /* paged_decode.c's entry point for the cache's type */
+    int64_t kv_bf16; /* the KV cache holds bf16: rows are rounded to it as they are written */
     /* Embedding row v: emb + (v / emb_panel) * emb_panel_stride + (v % emb_panel) *
      * emb_lane_stride, its elements emb_elem_stride apart (a [V, H] table: 1, H, 0, 1; a packed
      * LM head's panels: 16, 16 H, 1, 16). NULL: the caller writes the rows into h. */
@@ -88,6 +89,27 @@ static void residual(float *restrict h, const float *restrict add, int64_t rows,
                      int64_t add_stride) {
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < hidden; ++j) h[r * hidden + j] += add[r * add_stride + j];
+}
+
+/* fp32 -> bf16, rounding to nearest even (NaN: the quiet NaN 0x7fc0), as torch's
+ * Tensor.to(torch.bfloat16) rounds (c10/util/BFloat16.h, round_to_nearest_even), so the step
+ * graph writes the very bits the module path's index_copy_ of a bf16 tensor writes. */
+static inline uint16_t to_bf16(float value) {
+    if (value != value) return 0x7fc0u;
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* One token's K or V row (width floats) into slot ``slot`` of a cache layer, as it is stored. */
+static void store_kv_row(void *cache, int64_t slot, const float *row, int64_t width, int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + slot * width, row, sizeof(float) * width);
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + slot * width;
+    for (int64_t j = 0; j < width; ++j) out[j] = to_bf16(row[j]);
 }
 
 /* Returns 0; 2: arguments out of range (a token, position or slot outside the plan); 3: a
@@ -124,10 +146,9 @@ int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threa
         p->rope(p->q, L->q.n, (int)p->heads, p->kb, L->k.n, (int)p->kv_heads, rows, (int)D, p->cos,
                 p->sin, threads);
         for (int64_t r = 0; r < rows; ++r) {
-            memcpy(L->key_cache + p->slots[r] * kv_width, p->kb + r * L->k.n,
-                   sizeof(float) * kv_width);
-            memcpy(L->value_cache + p->slots[r] * kv_width, p->vb + r * L->v.n,
-                   sizeof(float) * kv_width);
+            store_kv_row(L->key_cache, p->slots[r], p->kb + r * L->k.n, kv_width, (int)p->kv_bf16);
+            store_kv_row(L->value_cache, p->slots[r], p->vb + r * L->v.n, kv_width,
+                         (int)p->kv_bf16);
         }
         if (p->attn(p->q, L->q.n, D, L->key_cache, L->value_cache, p->block_tables,
                     p->table_width, p->table_width, p->context_lens, p->attn_out, p->heads * D, D,

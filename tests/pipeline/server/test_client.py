@@ -107,6 +107,7 @@ def test_sync_client_is_the_same_client(served: ServedEngine) -> None:
         assert (info.vocab_size, info.max_model_len, info.kv_cache_blocks) == (49152, 1024, 128)
         assert info.kv_cache_tokens == 128 * info.block_size
         assert info.scheduler == "fcfs" and info.eos_token_ids == (2,)
+        assert info.kv_cache_dtype == "float32"
         assert client.abort("not-running") is False
     with pytest.raises(ServiceUnavailableError, match="closed"):
         client.health()

@@ -367,6 +367,7 @@ def test_model_info_describes_the_engine(served: ServedEngine) -> None:
     assert info.kv_cache_tokens == engine.num_blocks * engine.block_size
     assert info.kv_cache_bytes == engine.kv_cache_bytes > 0
     assert (info.dtype, info.device, info.scheduler) == ("float32", "cpu", "fcfs")
+    assert info.kv_cache_dtype == engine.kv_cache_dtype == "float32"
     assert info.prefix_caching and tuple(info.eos_token_ids) == engine.eos_token_ids
 
 

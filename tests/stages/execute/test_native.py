@@ -1,5 +1,6 @@
 """Tests of stages/execute/native.py: the compiled paged decode kernel against attention in
-float64 over gathered keys, its build cache, and the fallback when it cannot be built."""
+float64 over gathered keys (over an fp32 and a bf16 cache), its build cache, and the fallback
+when it cannot be built."""
 
 from __future__ import annotations
 
@@ -72,7 +73,13 @@ def two_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+KV_DTYPES = pytest.mark.parametrize(
+    "kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32-cache", "bf16-cache"]
+)
+
+
 @pytest.mark.usefixtures("two_threads")
+@KV_DTYPES
 @pytest.mark.parametrize("repeat", [1, 6], ids=["per-head-items", "whole-sequence-items"])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
@@ -85,14 +92,18 @@ def test_kernel_matches_attention_over_gathered_keys(
     head_dim: int,
     block_size: int,
     repeat: int,
+    kv_dtype: torch.dtype,
 ) -> None:
+    """A bf16 cache is widened exactly as it is read: the reference attends the same bf16
+    values in float64, to fp32's tolerance."""
     generator = torch.Generator().manual_seed(num_heads * head_dim + block_size)
     # 7 rows (fewer than 4 per thread: one item per KV head) or 42 (one item per sequence).
     lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 50, 97, 2] * repeat)
     width = -(-int(lens.max()) // block_size)
     num_blocks = len(lens) * width + 1
-    key_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
-    value_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
+    shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(kv_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(kv_dtype)
     # Blocks in shuffled order, as an allocator hands them out; block 0 is never used.
     tables = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: len(lens) * width]
     tables = tables.view(len(lens), width)
@@ -111,6 +122,7 @@ def test_kernel_matches_attention_over_gathered_keys(
 
 
 @pytest.mark.usefixtures("two_threads")
+@KV_DTYPES
 @pytest.mark.parametrize("repeat", [1, 6], ids=["per-head-items", "whole-sequence-items"])
 @pytest.mark.parametrize(
     ("window", "softcap", "with_sinks"),
@@ -122,6 +134,7 @@ def test_kernel_attention_variants(
     softcap: float | None,
     with_sinks: bool,
     repeat: int,
+    kv_dtype: torch.dtype,
 ) -> None:
     """Windows (whose out-of-window blocks hold NaN, as a freed and reused block might:
     the kernel must never read them), capped scores and sinks, against the reference."""
@@ -130,8 +143,9 @@ def test_kernel_attention_variants(
     lens = torch.tensor([1, 3, 4, 5, 9, 16, 33] * repeat)
     width = -(-int(lens.max()) // block_size)
     num_blocks = len(lens) * width + 1
-    key_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
-    value_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=generator)
+    shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(kv_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(kv_dtype)
     tables = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: len(lens) * width]
     tables = tables.view(len(lens), width).clone()
     if window is not None:
@@ -166,6 +180,14 @@ def test_kernel_refuses_unsupported_layouts(kernel: PagedDecodeKernel) -> None:
         kernel(query, cache.transpose(0, 1), cache, tables, torch.tensor([3]), out, 16, 1.0)
     with pytest.raises(NativeKernelError, match="cannot serve"):
         kernel(query, cache, cache, tables, torch.tensor([0]), out, 16, 1.0)
+    # Keys and values of two dtypes, an fp16 cache, bf16 queries: refused.
+    with pytest.raises(NativeKernelError, match="layout or dtype"):
+        kernel(query, cache.bfloat16(), cache, tables, torch.tensor([3]), out, 16, 1.0)
+    with pytest.raises(NativeKernelError, match="layout or dtype"):
+        kernel(query, cache.half(), cache.half(), tables, torch.tensor([3]), out, 16, 1.0)
+    bf16 = cache.bfloat16()
+    with pytest.raises(NativeKernelError, match="layout or dtype"):
+        kernel(query.bfloat16(), bf16, bf16, tables, torch.tensor([3]), out, 16, 1.0)
     # Block ids outside the cache, or a table too short for the context: refused, not read.
     with pytest.raises(NativeKernelError, match="cannot serve"):
         kernel(query, cache, cache, torch.tensor([[2]]), torch.tensor([3]), out, 16, 1.0)

@@ -157,6 +157,27 @@ def test_tiny_model_at_tp2_gives_the_greedy_tokens_of_tp1(tiny_model_dir: Path) 
 
 
 @pytest.mark.slow
+def test_a_bf16_kv_cache_at_tp2_gives_the_greedy_tokens_of_tp1(tiny_model_dir: Path) -> None:
+    """Each rank holds its KV heads' shard of the cache in bf16 (kv_cache_dtype), through
+    preemptions and prefix hits."""
+    model = str(tiny_model_dir)
+    expected, _ = run(outputs_of(model, num_blocks=512, kv_cache_dtype="bfloat16"))
+
+    async def tp2() -> tuple[list[tuple[int, ...]], Any, Any]:
+        options = dict(tensor_parallel_size=2, num_blocks=24, kv_cache_dtype="bfloat16")
+        async with AsyncEngine(model, **options) as engine:
+            first = await generate_all(engine, PROMPTS[:1])
+            rest = await generate_all(engine, PROMPTS[1:])
+            return first + rest, engine.stats, engine.info
+
+    got, stats, info = run(tp2())
+    assert info.kv_cache_dtype == "bfloat16"
+    assert got == expected
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+
+
+@pytest.mark.slow
 @pytest.mark.model
 def test_default_model_at_tp3_gives_the_greedy_tokens_of_tp1() -> None:
     prompts = PROMPTS[:3]

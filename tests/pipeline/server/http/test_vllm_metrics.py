@@ -240,6 +240,7 @@ def test_counts_follow_the_requests(scrapes: tuple[Scrape, Scrape, int, int]) ->
     info = [s for s in after.samples if s.name == "vllm:cache_config_info"]
     assert len(info) == 1 and info[0].value == 1
     assert info[0].labels["num_gpu_blocks"] == "128"
+    assert info[0].labels["cache_dtype"] == "float32"  # the KV cache's (kv_cache_dtype auto)
 
 
 def test_n_is_the_requests_and_counted_once_per_prompt(
