@@ -11,8 +11,31 @@
  * decoder layers of stages/execute/llama.py over the fused and packed modules), so its logits
  * are those of the module path bit for bit; new here are only copies (embedding rows, cos/sin
  * rows of the rotary table, the KV write at the slot mapping, the sampled rows) and the
- * residual adds, all exact. */
+ * residual adds, all exact.
+ *
+ * Threads: ONE OpenMP region per step (step_threaded), its threads kept across the layer loop
+ * and synchronized by five barriers a layer, where the per-op form (step_per_op) opened a
+ * region per GEMM and fused op (~8 fork/joins a layer, and the fused ops of a few rows on one
+ * thread while the others waited). Each thread computes its share of every GEMM's columns
+ * through the linear's ``part`` entry (NativeGemm.part: the same micro-kernels on a column
+ * range, no region of its own), and whatever depends only on its own columns right after:
+ *   1. the input RMSNorm into a buffer of its own (every thread the whole rows: a few KiB, less
+ *      than a barrier), its heads of q, k and v (ranges of whole heads, 32 columns aligned),
+ *      their rotary embeddings, and its K/V heads written into the cache;      barrier
+ *   2. attention: its share of the step's (row, query head) pairs;           barrier
+ *   3. its columns of o_proj and of the residual add;                        barrier
+ *   4. the post-attention RMSNorm (its own buffer again), its gate columns and the matching
+ *      up columns of the fused gate/up projection, and SiLU-and-mul of those columns; barrier
+ *   5. its columns of down_proj and of the residual add;                     barrier
+ * then the final norm (its own buffer) and its columns of the LM head. Every element is
+ * computed by the same code in the same order as in the per-op form, so the logits are the
+ * same bit for bit. The per-op form stays for plans whose linears have no part entry or
+ * whose shapes the column ranges cannot split (a head_dim not a multiple of 16, a fused
+ * gate/up whose halves do not meet at a multiple of 32 columns), and as the reference the
+ * tests compare against. */
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef int (*gemm_fn)(const float *x, int64_t m, int64_t k, const void *weights, int format,
@@ -24,6 +47,20 @@ typedef void (*silu_fn)(const float *gate_up, int64_t rows, int64_t inter, float
 typedef void (*rope_fn)(float *q, int64_t q_stride, int q_heads, float *k, int64_t k_stride,
                         int k_heads, int64_t rows, int head_dim, const float *cos,
                         const float *sin, int threads);
+typedef int (*gemm_part_fn)(const float *x, int64_t m, int64_t k, const void *weights,
+                            int format, const float *bias, int64_t n, float *y, int64_t col0,
+                            int64_t col1);
+typedef void (*rms_rows_fn)(const float *x, int64_t x_stride, const float *weight, float *out,
+                            int64_t out_stride, int64_t rows, int64_t dim, float eps);
+typedef void (*silu_cols_fn)(const float *gate, const float *up, int64_t in_stride, float *out,
+                             int64_t out_stride, int64_t rows, int64_t inter, int64_t first,
+                             int64_t last);
+typedef void (*rope_heads_fn)(float *x, int heads, int head_dim, const float *cos,
+                              const float *sin);
+typedef int (*attn_heads_fn)(const float *query, int64_t q_head_stride, const float *key_cache,
+                             const float *value_cache, int64_t row_stride, const int64_t *blocks,
+                             int64_t context_len, float *out, int64_t out_head_stride, int count,
+                             int head_dim, int block_size, float scale);
 typedef int (*attn_fn)(const float *query, int64_t q_row_stride, int64_t q_head_stride,
                        const float *key_cache, const float *value_cache,
                        const int64_t *block_tables, int64_t table_stride, int64_t table_width,
@@ -32,9 +69,11 @@ typedef int (*attn_fn)(const float *query, int64_t q_row_stride, int64_t q_head_
                        int head_dim, int block_size, int64_t num_cache_blocks, float scale,
                        int num_threads, int64_t window, float softcap, const float *sinks);
 
-/* One linear under NativeGemm's convention; function 0: absent. */
+/* One linear under NativeGemm's convention; function 0: absent; part: its column-range entry
+ * (0: none). */
 typedef struct {
     void *function;
+    void *part;
     const void *weights;
     int64_t format;
     const float *bias;
@@ -59,6 +98,12 @@ typedef struct {
     silu_fn silu;
     rope_fn rope;
     attn_fn attn;
+    /* the same kernels' entries for one thread's share (step_threaded) */
+    rms_rows_fn rms_rows;
+    silu_cols_fn silu_cols;
+    rope_heads_fn rope_heads;
+    attn_heads_fn attn_heads;
+    int64_t threaded; /* 1: one region per step (step_threaded); 0: step_per_op */
     /* Embedding row v: emb + (v / emb_panel) * emb_panel_stride + (v % emb_panel) *
      * emb_lane_stride, its elements emb_elem_stride apart (a [V, H] table: 1, H, 0, 1; a packed
      * LM head's panels: 16, 16 H, 1, 16). NULL: the caller writes the rows into h. */
@@ -90,31 +135,24 @@ static void residual(float *restrict h, const float *restrict add, int64_t rows,
         for (int64_t j = 0; j < hidden; ++j) h[r * hidden + j] += add[r * add_stride + j];
 }
 
-/* Returns 0; 2: arguments out of range (a token, position or slot outside the plan); 3: a
- * kernel refused its arguments or could not allocate. */
-int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threads) {
-    if (rows < 1 || rows > p->max_rows || keep < 0 || keep > rows) return 2;
-    const int64_t H = p->hidden, D = p->head_dim, kv_width = p->kv_heads * D;
-    const int64_t num_slots = p->num_cache_blocks * p->block_size;
+/* The K and V of heads [first, last) of every row into the cache at the rows' slots. */
+static void write_kv_heads(const sg_plan *p, const sg_layer *L, int64_t rows, const float *k_rows,
+                           int64_t k_stride, const float *v_rows, int64_t v_stride,
+                           int64_t first, int64_t last) {
+    const int64_t D = p->head_dim, kv_width = p->kv_heads * D;
     for (int64_t r = 0; r < rows; ++r) {
-        if (p->positions[r] < 0 || p->positions[r] >= p->table_rows || p->slots[r] < 0 ||
-            p->slots[r] >= num_slots || p->context_lens[r] != p->positions[r] + 1)
-            return 2;
-        if (p->emb != NULL && (p->tokens[r] < 0 || p->tokens[r] >= p->vocab)) return 2;
+        if (k_rows != NULL)
+            memcpy(L->key_cache + p->slots[r] * kv_width + first * D, k_rows + r * k_stride + first * D,
+                   sizeof(float) * (size_t)((last - first) * D));
+        if (v_rows != NULL)
+            memcpy(L->value_cache + p->slots[r] * kv_width + first * D,
+                   v_rows + r * v_stride + first * D, sizeof(float) * (size_t)((last - first) * D));
     }
-    for (int64_t i = 0; i < keep; ++i)
-        if (p->keep[i] < 0 || p->keep[i] >= rows) return 2;
-    if (p->emb != NULL)
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t v = p->tokens[r];
-            const float *row =
-                p->emb + v / p->emb_panel * p->emb_panel_stride + v % p->emb_panel * p->emb_lane_stride;
-            for (int64_t j = 0; j < H; ++j) p->h[r * H + j] = row[j * p->emb_elem_stride];
-        }
-    for (int64_t r = 0; r < rows; ++r) {
-        memcpy(p->cos + r * D, p->cos_table + p->positions[r] * D, sizeof(float) * D);
-        memcpy(p->sin + r * D, p->sin_table + p->positions[r] * D, sizeof(float) * D);
-    }
+}
+
+/* The layers one op at a time, each kernel with its own OpenMP region. Returns 0 or 3. */
+static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads) {
+    const int64_t H = p->hidden, D = p->head_dim;
     for (int64_t index = 0; index < p->num_layers; ++index) {
         const sg_layer *L = p->layers + index;
         p->rms(p->h, H, L->norm1, p->xn, rows, H, L->eps1, threads);
@@ -123,12 +161,7 @@ int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threa
             return 3;
         p->rope(p->q, L->q.n, (int)p->heads, p->kb, L->k.n, (int)p->kv_heads, rows, (int)D, p->cos,
                 p->sin, threads);
-        for (int64_t r = 0; r < rows; ++r) {
-            memcpy(L->key_cache + p->slots[r] * kv_width, p->kb + r * L->k.n,
-                   sizeof(float) * kv_width);
-            memcpy(L->value_cache + p->slots[r] * kv_width, p->vb + r * L->v.n,
-                   sizeof(float) * kv_width);
-        }
+        write_kv_heads(p, L, rows, p->kb, L->k.n, p->vb, L->v.n, 0, p->kv_heads);
         if (p->attn(p->q, L->q.n, D, L->key_cache, L->value_cache, p->block_tables,
                     p->table_width, p->table_width, p->context_lens, p->attn_out, p->heads * D, D,
                     (int)rows, (int)p->heads, (int)p->kv_heads, (int)D, (int)p->block_size,
@@ -164,4 +197,221 @@ int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threa
     for (int64_t i = 0; i < keep; ++i)
         memcpy(p->kept + i * H, p->xn + p->keep[i] * H, sizeof(float) * H);
     return gemm(&p->head, p->kept, keep, p->logits, threads) ? 3 : 0;
+}
+
+/* ------------------------------------------------------------ one region per step */
+
+#define UNIT 32 /* columns: a pair of 16-column panels (the fp32 GEMM pairs them) */
+
+typedef struct {
+    int64_t first, last;
+} span;
+
+/* Thread t's contiguous share of count units. */
+static inline span share(int64_t count, int t, int threads) {
+    return (span){count * t / threads, count * (t + 1) / threads};
+}
+
+/* Thread t's columns of a GEMM of n outputs, in units of 32 (the last thread's end: n). */
+static inline span columns(int64_t n, int t, int threads) {
+    const int64_t units = (n + UNIT - 1) / UNIT;
+    const span s = share(units, t, threads);
+    return (span){s.first * UNIT, s.last == units ? n : s.last * UNIT};
+}
+
+static inline int part(const sg_gemm *g, const float *x, int64_t rows, float *y, span cols) {
+    if (cols.first >= cols.last) return 0;
+    return ((gemm_part_fn)g->part)(x, rows, g->k, g->weights, (int)g->format, g->bias, g->n, y,
+                                   cols.first, cols.last);
+}
+
+/* h[r, cols] += add[r, cols] over the columns of cols below hidden. */
+static void residual_cols(float *restrict h, const float *restrict add, int64_t rows,
+                          int64_t hidden, int64_t add_stride, span cols) {
+    const int64_t last = cols.last < hidden ? cols.last : hidden;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = cols.first; j < last; ++j) h[r * hidden + j] += add[r * add_stride + j];
+}
+
+/* A buffer of the calling thread's own of at least floats floats, kept between steps. */
+static float *thread_floats(size_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (floats > capacity) {
+        float *bigger = (float *)realloc(buffer, sizeof(float) * floats);
+        if (bigger == NULL) return NULL;
+        buffer = bigger;
+        capacity = floats;
+    }
+    return buffer;
+}
+
+/* Heads [first, last) of one of q, k, v (unit u of units: 32 / gcd(D, 32) heads each, so
+ * that a range of them starts at a multiple of 32 columns), and the GEMM columns they take
+ * (the last one's end: the GEMM's n). */
+static span head_range(span units, int64_t base, int64_t count, int64_t per_unit) {
+    const int64_t total = (count + per_unit - 1) / per_unit;
+    int64_t first = units.first - base, last = units.last - base;
+    first = first < 0 ? 0 : first > total ? total : first;
+    last = last < 0 ? 0 : last > total ? total : last;
+    const int64_t h0 = first * per_unit, h1 = last * per_unit < count ? last * per_unit : count;
+    return (span){h0, h1 > h0 ? h1 : h0};
+}
+
+static inline span head_columns(span heads, int64_t count, int64_t D, int64_t n) {
+    if (heads.first >= heads.last) return (span){0, 0};
+    return (span){heads.first * D, heads.last == count ? n : heads.last * D};
+}
+
+/* Thread t of threads: its share of every layer (see the top). Every thread passes the same
+ * barriers whatever happens; a failing kernel only marks *failed (a thread without its
+ * buffer marks *no_memory, and then every thread returns before the first layer). */
+static void step_threaded(const sg_plan *p, int64_t rows, int64_t keep, int t, int threads,
+                          int *failed, int *no_memory) {
+    const int64_t H = p->hidden, D = p->head_dim, I = p->inter;
+    const int64_t heads = p->heads, kv_heads = p->kv_heads, group = heads / kv_heads;
+    const int64_t kv_width = kv_heads * D;
+    const int64_t per_unit = D % UNIT == 0 ? 1 : UNIT / 16; /* D a multiple of 16 */
+    const int64_t q_units = (heads + per_unit - 1) / per_unit;
+    const int64_t kv_units = (kv_heads + per_unit - 1) / per_unit;
+    const span mine = share(q_units + 2 * kv_units, t, threads);
+    const span q_heads = head_range(mine, 0, heads, per_unit);
+    const span k_heads = head_range(mine, q_units, kv_heads, per_unit);
+    const span v_heads = head_range(mine, q_units + kv_units, kv_heads, per_unit);
+    const span pairs = share(rows * heads, t, threads); /* (row, query head) */
+    const span gate_cols = columns(I, t, threads);
+    float *xn = thread_floats((size_t)(p->max_rows * H));
+    if (xn == NULL) {
+#pragma omp atomic write
+        *no_memory = 1;
+    }
+#pragma omp barrier
+    int stop;
+#pragma omp atomic read
+    stop = *no_memory; /* written before the barrier only: every thread reads the same */
+    if (stop) return;
+    int error = 0;
+    for (int64_t index = 0; index < p->num_layers; ++index) {
+        const sg_layer *L = p->layers + index;
+        /* 1: norm, q/k/v heads, rotary, the K/V cache */
+        p->rms_rows(p->h, H, L->norm1, xn, H, rows, H, L->eps1);
+        error |= part(&L->q, xn, rows, p->q, head_columns(q_heads, heads, D, L->q.n));
+        error |= part(&L->k, xn, rows, p->kb, head_columns(k_heads, kv_heads, D, L->k.n));
+        error |= part(&L->v, xn, rows, p->vb, head_columns(v_heads, kv_heads, D, L->v.n));
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *c = p->cos + r * D, *s = p->sin + r * D;
+            if (q_heads.last > q_heads.first)
+                p->rope_heads(p->q + r * L->q.n + q_heads.first * D,
+                              (int)(q_heads.last - q_heads.first), (int)D, c, s);
+            if (k_heads.last > k_heads.first)
+                p->rope_heads(p->kb + r * L->k.n + k_heads.first * D,
+                              (int)(k_heads.last - k_heads.first), (int)D, c, s);
+        }
+        write_kv_heads(p, L, rows, p->kb, L->k.n, NULL, 0, k_heads.first, k_heads.last);
+        write_kv_heads(p, L, rows, NULL, 0, p->vb, L->v.n, v_heads.first, v_heads.last);
+#pragma omp barrier
+        /* 2: attention, runs of query heads of one row that share a KV head */
+        for (int64_t e = pairs.first; e < pairs.last;) {
+            const int64_t r = e / heads, h = e % heads, g = h / group;
+            const int64_t group_end = r * heads + (g + 1) * group;
+            const int64_t end = group_end < pairs.last ? group_end : pairs.last;
+            error |= p->attn_heads(p->q + r * L->q.n + h * D, D, L->key_cache + g * D,
+                                   L->value_cache + g * D, kv_width,
+                                   p->block_tables + r * p->table_width, p->context_lens[r],
+                                   p->attn_out + r * heads * D + h * D, D, (int)(end - e),
+                                   (int)D, (int)p->block_size, p->scale);
+            e = end;
+        }
+#pragma omp barrier
+        /* 3: o_proj and the residual */
+        const span o_cols = columns(L->o.n, t, threads);
+        error |= part(&L->o, p->attn_out, rows, p->o, o_cols);
+        residual_cols(p->h, p->o, rows, H, L->o.n, o_cols);
+#pragma omp barrier
+        /* 4: norm, gate/up and SiLU-and-mul of this thread's columns */
+        p->rms_rows(p->h, H, L->norm2, xn, H, rows, H, L->eps2);
+        const float *gate = p->gate_buf, *up;
+        int64_t stride;
+        if (L->up.function == NULL) { /* gate's columns, then up's, in one GEMM */
+            error |= part(&L->gate, xn, rows, p->gate_buf, gate_cols);
+            if (gate_cols.last > gate_cols.first) {
+                const span up_cols = {I + gate_cols.first,
+                                      gate_cols.last == I ? L->gate.n : I + gate_cols.last};
+                error |= part(&L->gate, xn, rows, p->gate_buf, up_cols);
+            }
+            up = p->gate_buf + I;
+            stride = L->gate.n;
+        } else if (gate_cols.last > gate_cols.first) {
+            const span g_cols = {gate_cols.first, gate_cols.last == I ? L->gate.n : gate_cols.last};
+            const span u_cols = {gate_cols.first, gate_cols.last == I ? L->up.n : gate_cols.last};
+            error |= part(&L->gate, xn, rows, p->gate_buf, g_cols);
+            error |= part(&L->up, xn, rows, p->up_buf, u_cols);
+            up = p->up_buf;
+            stride = L->gate.n;
+        } else {
+            up = p->up_buf;
+            stride = L->gate.n;
+        }
+        if (gate_cols.last > gate_cols.first)
+            p->silu_cols(gate, up, stride, p->act, I, rows, I, gate_cols.first, gate_cols.last);
+#pragma omp barrier
+        /* 5: down_proj and the residual */
+        const span down_cols = columns(L->down.n, t, threads);
+        error |= part(&L->down, p->act, rows, p->down, down_cols);
+        residual_cols(p->h, p->down, rows, H, L->down.n, down_cols);
+#pragma omp barrier
+    }
+    if (keep > 0) {
+        for (int64_t i = 0; i < keep; ++i)
+            p->rms_rows(p->h + p->keep[i] * H, H, p->final_norm, xn + i * H, H, 1, H, p->final_eps);
+        error |= part(&p->head, xn, keep, p->logits, columns(p->head.n, t, threads));
+    }
+    if (error) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+}
+
+/* Returns 0; 2: arguments out of range (a token, position, slot or block id outside the
+ * plan); 3: a kernel refused its arguments or could not allocate. */
+int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threads) {
+    if (rows < 1 || rows > p->max_rows || keep < 0 || keep > rows) return 2;
+    const int64_t H = p->hidden, D = p->head_dim;
+    const int64_t num_slots = p->num_cache_blocks * p->block_size;
+    for (int64_t r = 0; r < rows; ++r) {
+        if (p->positions[r] < 0 || p->positions[r] >= p->table_rows || p->slots[r] < 0 ||
+            p->slots[r] >= num_slots || p->context_lens[r] != p->positions[r] + 1)
+            return 2;
+        if (p->emb != NULL && (p->tokens[r] < 0 || p->tokens[r] >= p->vocab)) return 2;
+        /* every block the row attends lies in the cache (paged_decode.c checks it per call) */
+        const int64_t blocks = (p->context_lens[r] + p->block_size - 1) / p->block_size;
+        if (blocks > p->table_width) return 2;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t block = p->block_tables[r * p->table_width + b];
+            if (block < 0 || block >= p->num_cache_blocks) return 2;
+        }
+    }
+    for (int64_t i = 0; i < keep; ++i)
+        if (p->keep[i] < 0 || p->keep[i] >= rows) return 2;
+    if (p->emb != NULL)
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t v = p->tokens[r];
+            const float *row =
+                p->emb + v / p->emb_panel * p->emb_panel_stride + v % p->emb_panel * p->emb_lane_stride;
+            for (int64_t j = 0; j < H; ++j) p->h[r * H + j] = row[j * p->emb_elem_stride];
+        }
+    for (int64_t r = 0; r < rows; ++r) {
+        memcpy(p->cos + r * D, p->cos_table + p->positions[r] * D, sizeof(float) * D);
+        memcpy(p->sin + r * D, p->sin_table + p->positions[r] * D, sizeof(float) * D);
+    }
+    if (!p->threaded) return step_per_op(p, rows, keep, threads);
+    int failed = 0, no_memory = 0;
+    if (threads <= 1) {
+        step_threaded(p, rows, keep, 0, 1, &failed, &no_memory);
+    } else {
+#pragma omp parallel num_threads(threads)
+        step_threaded(p, rows, keep, omp_get_thread_num(), omp_get_num_threads(), &failed,
+                      &no_memory);
+    }
+    return failed || no_memory ? 3 : 0;
 }
