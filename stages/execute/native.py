@@ -95,11 +95,13 @@ class NativeGemm:
     ``[col0, col1)`` and run on the calling thread, without an OpenMP region of its own:
 
     ``int f(const float *x, int64_t m, int64_t k, const void *weights, int format,
-    const float *bias, int64_t n, float *y, int64_t col0, int64_t col1)``
+    const float *bias, int64_t n, float *y, int64_t col0, int64_t col1, int same_x)``
 
     (``col0`` a multiple of 32, ``col1`` one of 32 or ``n``; ``y`` is still ``[m, n]``, only
-    its columns in the range are written, each exactly as the whole call writes it). The CPU
-    step graph's threads each call it for their share inside the one OpenMP region of a step
+    its columns in the range are written, each exactly as the whole call writes it; ``same_x``
+    nonzero: ``x`` holds the rows it held at this thread's last call of ``f``, so what the
+    kernel derived from them then, int8 blocks or bf16 pairs, may serve again). The CPU step
+    graph's threads each call it for their chunks inside the one OpenMP region of a step
     (``kernels/step_graph.c``)."""
 
     function: int

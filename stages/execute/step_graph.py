@@ -14,6 +14,12 @@ call, which releases the GIL for its whole length. Unlike a CUDA graph nothing i
 batch size: the C executor takes the row count, so one plan serves every bucket up to
 ``max_rows``.
 
+A step is one OpenMP region (``step_threaded`` in the C file): its threads stay alive across
+the layers and claim chunks of each phase (columns of a linear through
+:attr:`~stages.execute.native.NativeGemm.part`, (row, head) pairs of attention), a phase
+starting once the one before it has finished; :attr:`StepGraph.threaded` ``False`` runs the
+per-op form (a region per kernel), which plans whose linears or shapes do not split keep.
+
 The step graph calls the very kernels the module path calls, in the same order with the same
 arguments, so the logits are equal bit for bit where the module path runs the fused forms
 (:mod:`stages.execute.fused`); where it runs torch's SiLU (a gated MLP whose projections are

@@ -223,15 +223,18 @@ int actorline_bf16_gemm(const float *x, int64_t m, int64_t k, const void *packed
 /* Output columns [col0, col1) of the same GEMM on the calling thread, no OpenMP region: the CPU
  * step graph's threads each compute their share inside the one region of a step (stages/
  * execute/native.py: NativeGemm.part); col0 and col1 multiples of 16 (col1 at most n). Each
- * thread rounds the rows to bf16 pairs itself, into a buffer of its own kept between calls
- * (at a decode step's few rows, less than the cost of a barrier); the same results as the
- * whole call's, bit for bit (each column's sums do not depend on its neighbours). Returns 0;
- * 1 when out of memory; 2 on a range or shape it cannot serve. */
+ * thread rounds the rows to bf16 pairs itself, into a buffer of its own kept between calls,
+ * and with same_x (the caller's word that x holds the rows of this thread's last call) takes
+ * the pairs of that call when it had the same x, m and k; the same results as the whole
+ * call's, bit for bit (each column's sums do not depend on its neighbours). Returns 0; 1 when
+ * out of memory; 2 on a range or shape it cannot serve. */
 int actorline_bf16_gemm_part(const float *x, int64_t m, int64_t k, const void *weights,
                              int format, const float *bias, int64_t n, float *y, int64_t col0,
-                             int64_t col1) {
+                             int64_t col1, int same_x) {
     static __thread uint32_t *pairs_buffer = NULL;
     static __thread size_t capacity = 0;
+    static __thread const float *rounded_x = NULL; /* the rows the buffer holds: x, m, k */
+    static __thread int64_t rounded_m = -1, rounded_k = -1;
     (void)format;
     if (n % NR != 0 || k < 1 || m < 0 || col0 < 0 || col1 > n || col0 > col1 ||
         col0 % NR != 0 || col1 % NR != 0)
@@ -245,9 +248,13 @@ int actorline_bf16_gemm_part(const float *x, int64_t m, int64_t k, const void *w
         if (!bigger) return 1;
         pairs_buffer = bigger;
         capacity = need;
+        rounded_x = NULL;
     }
     uint32_t *xp = pairs_buffer;
-    round_rows(x, m, k, kp, xp);
+    if (!(same_x && rounded_x == x && rounded_m == m && rounded_k == k)) {
+        round_rows(x, m, k, kp, xp);
+        rounded_x = x, rounded_m = m, rounded_k = k;
+    }
     int64_t mb = 256 * 1024 / 4 / kp / MR * MR;
     if (mb < 4 * MR) mb = 4 * MR;
     for (int64_t m0 = 0; m0 < m; m0 += mb) {

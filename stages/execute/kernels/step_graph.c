@@ -13,27 +13,27 @@
  * rows of the rotary table, the KV write at the slot mapping, the sampled rows) and the
  * residual adds, all exact.
  *
- * Threads: ONE OpenMP region per step (step_threaded), its threads kept across the layer loop
- * and synchronized by five barriers a layer, where the per-op form (step_per_op) opened a
- * region per GEMM and fused op (~8 fork/joins a layer, and the fused ops of a few rows on one
- * thread while the others waited). Each thread computes its share of every GEMM's columns
- * through the linear's ``part`` entry (NativeGemm.part: the same micro-kernels on a column
- * range, no region of its own), and whatever depends only on its own columns right after:
- *   1. the input RMSNorm into a buffer of its own (every thread the whole rows: a few KiB, less
- *      than a barrier), its heads of q, k and v (ranges of whole heads, 32 columns aligned),
- *      their rotary embeddings, and its K/V heads written into the cache;      barrier
- *   2. attention: its share of the step's (row, query head) pairs;           barrier
- *   3. its columns of o_proj and of the residual add;                        barrier
- *   4. the post-attention RMSNorm (its own buffer again), its gate columns and the matching
- *      up columns of the fused gate/up projection, and SiLU-and-mul of those columns; barrier
- *   5. its columns of down_proj and of the residual add;                     barrier
- * then the final norm (its own buffer) and its columns of the LM head. Every element is
- * computed by the same code in the same order as in the per-op form, so the logits are the
- * same bit for bit. The per-op form stays for plans whose linears have no part entry or
- * whose shapes the column ranges cannot split (a head_dim not a multiple of 16, a fused
- * gate/up whose halves do not meet at a multiple of 32 columns), and as the reference the
- * tests compare against. */
+ * Threads: ONE OpenMP region per step (step_threaded), its threads kept across the layer loop,
+ * where the per-op form (step_per_op) opened a region per GEMM and fused op (~8 fork/joins a
+ * layer, and the fused ops of a few rows on one thread while the others waited). A layer is
+ * five phases, each cut into chunks that the threads claim (sg_phase):
+ *   1. the input RMSNorm into a buffer of the thread's own (every thread the whole rows: a few
+ *      KiB), then per chunk a range of whole heads of q, k and v (32-column aligned), their
+ *      rotary embeddings and the K/V heads written into the cache;
+ *   2. attention: a range of the step's (row, query head) pairs;
+ *   3. a range of o_proj's columns and of the residual add;
+ *   4. the post-attention RMSNorm (the thread's buffer again), then per chunk a range of gate
+ *      columns, the matching up columns of the fused gate/up projection, SiLU-and-mul of them;
+ *   5. a range of down_proj's columns and of the residual add;
+ * then the final norm and ranges of the LM head's columns. A linear's range goes through its
+ * ``part`` entry (NativeGemm.part: the same micro-kernels on a column range, no region of its
+ * own). Every element is computed by the same code in the same order as in the per-op form,
+ * so the logits are the same bit for bit. The per-op form stays for plans whose linears have
+ * no part entry or whose shapes the column ranges cannot split (a head_dim not a multiple of
+ * 16, a fused gate/up whose halves do not meet at a multiple of 32 columns), and as the
+ * reference the tests compare against. */
 #include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,7 +49,7 @@ typedef void (*rope_fn)(float *q, int64_t q_stride, int q_heads, float *k, int64
                         const float *sin, int threads);
 typedef int (*gemm_part_fn)(const float *x, int64_t m, int64_t k, const void *weights,
                             int format, const float *bias, int64_t n, float *y, int64_t col0,
-                            int64_t col1);
+                            int64_t col1, int same_x);
 typedef void (*rms_rows_fn)(const float *x, int64_t x_stride, const float *weight, float *out,
                             int64_t out_stride, int64_t rows, int64_t dim, float eps);
 typedef void (*silu_cols_fn)(const float *gate, const float *up, int64_t in_stride, float *out,
@@ -219,10 +219,22 @@ static inline span columns(int64_t n, int t, int threads) {
     return (span){s.first * UNIT, s.last == units ? n : s.last * UNIT};
 }
 
-static inline int part(const sg_gemm *g, const float *x, int64_t rows, float *y, span cols) {
+/* The last part entry a thread called in the current phase and its rows: within a phase the
+ * rows a linear reads do not change, so a call of the same entry on the same rows tells the
+ * kernel so (same_x) and it keeps what it derived from them (int8 blocks, bf16 pairs) instead
+ * of deriving it again for every chunk and every projection. Reset at each phase. */
+typedef struct {
+    void *entry;
+    const float *x;
+} sg_last;
+
+static inline int part(const sg_gemm *g, const float *x, int64_t rows, float *y, span cols,
+                       sg_last *last) {
     if (cols.first >= cols.last) return 0;
+    const int same_x = last->entry == g->part && last->x == x;
+    last->entry = g->part, last->x = x;
     return ((gemm_part_fn)g->part)(x, rows, g->k, g->weights, (int)g->format, g->bias, g->n, y,
-                                   cols.first, cols.last);
+                                   cols.first, cols.last, same_x);
 }
 
 /* h[r, cols] += add[r, cols] over the columns of cols below hidden. */
@@ -263,113 +275,194 @@ static inline span head_columns(span heads, int64_t count, int64_t D, int64_t n)
     return (span){heads.first * D, heads.last == count ? n : heads.last * D};
 }
 
-/* Thread t of threads: its share of every layer (see the top). Every thread passes the same
- * barriers whatever happens; a failing kernel only marks *failed (a thread without its
- * buffer marks *no_memory, and then every thread returns before the first layer). */
-static void step_threaded(const sg_plan *p, int64_t rows, int64_t keep, int t, int threads,
-                          int *failed, int *no_memory) {
+/* The phases of a step, in order: five a layer and the LM head. Each phase's work is cut into
+ * chunks that the threads claim one at a time (a counter each phase), and a phase's chunks
+ * start once every chunk of the phase before it is finished (a second counter), so the phases
+ * run in order as with a barrier between them; but a thread that the OS has descheduled holds
+ * up the others only while it holds a chunk: the others claim what it would have taken
+ * (on a machine shared with other work a barrier waited for the late thread's next time slice,
+ * ms each, 150 times a step). */
+typedef struct {
+    int64_t next, done; /* chunks claimed, chunks finished */
+    char pad[48];       /* a cache line each */
+} sg_phase;
+
+#define CHUNKS_PER_THREAD 4 /* chunks a phase is cut into, per thread (fewer where it has fewer) */
+#define SPINS 1000          /* pauses before a waiting thread yields its core */
+
+static inline int64_t chunk_count(int64_t units, int threads) {
+    const int64_t most = threads > 1 ? (int64_t)CHUNKS_PER_THREAD * threads : 1;
+    return units < most ? units : most;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Whether this thread has anything to claim in phase ph (of chunks chunks); if so, after the
+ * phase before it (before_chunks chunks; none for the first) is finished. */
+static int phase_open(sg_phase *ph, const sg_phase *first, int64_t chunks, int64_t before_chunks,
+                      sg_last *last) {
+    last->entry = NULL, last->x = NULL;
+    if (__atomic_load_n(&ph->next, __ATOMIC_RELAXED) >= chunks) return 0;
+    if (ph != first)
+        for (int spins = 0; __atomic_load_n(&ph[-1].done, __ATOMIC_ACQUIRE) < before_chunks;
+             ++spins) {
+            if (spins < SPINS)
+                relax();
+            else
+                sched_yield();
+        }
+    return 1;
+}
+
+static inline int64_t claim(sg_phase *ph) {
+    return __atomic_fetch_add(&ph->next, 1, __ATOMIC_RELAXED);
+}
+
+static inline void finish(sg_phase *ph) { __atomic_fetch_add(&ph->done, 1, __ATOMIC_RELEASE); }
+
+/* One thread of a step's region (threads of them; every thread runs this, claiming chunks of
+ * each phase in turn, see the top). A failing kernel marks *failed; a thread without its
+ * buffer claims nothing (the others do its share; the caller checks that the last phase
+ * finished). */
+static void step_threaded(const sg_plan *p, int64_t rows, int64_t keep, int threads,
+                          sg_phase *phases, int *failed) {
     const int64_t H = p->hidden, D = p->head_dim, I = p->inter;
     const int64_t heads = p->heads, kv_heads = p->kv_heads, group = heads / kv_heads;
     const int64_t kv_width = kv_heads * D;
     const int64_t per_unit = D % UNIT == 0 ? 1 : UNIT / 16; /* D a multiple of 16 */
     const int64_t q_units = (heads + per_unit - 1) / per_unit;
     const int64_t kv_units = (kv_heads + per_unit - 1) / per_unit;
-    const span mine = share(q_units + 2 * kv_units, t, threads);
-    const span q_heads = head_range(mine, 0, heads, per_unit);
-    const span k_heads = head_range(mine, q_units, kv_heads, per_unit);
-    const span v_heads = head_range(mine, q_units + kv_units, kv_heads, per_unit);
-    const span pairs = share(rows * heads, t, threads); /* (row, query head) */
-    const span gate_cols = columns(I, t, threads);
+    const int64_t head_units = q_units + 2 * kv_units;
     float *xn = thread_floats((size_t)(p->max_rows * H));
-    if (xn == NULL) {
-#pragma omp atomic write
-        *no_memory = 1;
-    }
-#pragma omp barrier
-    int stop;
-#pragma omp atomic read
-    stop = *no_memory; /* written before the barrier only: every thread reads the same */
-    if (stop) return;
+    if (xn == NULL) return;
     int error = 0;
+    sg_last last = {NULL, NULL};
+    sg_phase *ph = phases;
+    int64_t before = 0, chunks;
     for (int64_t index = 0; index < p->num_layers; ++index) {
         const sg_layer *L = p->layers + index;
         /* 1: norm, q/k/v heads, rotary, the K/V cache */
-        p->rms_rows(p->h, H, L->norm1, xn, H, rows, H, L->eps1);
-        error |= part(&L->q, xn, rows, p->q, head_columns(q_heads, heads, D, L->q.n));
-        error |= part(&L->k, xn, rows, p->kb, head_columns(k_heads, kv_heads, D, L->k.n));
-        error |= part(&L->v, xn, rows, p->vb, head_columns(v_heads, kv_heads, D, L->v.n));
-        for (int64_t r = 0; r < rows; ++r) {
-            const float *c = p->cos + r * D, *s = p->sin + r * D;
-            if (q_heads.last > q_heads.first)
-                p->rope_heads(p->q + r * L->q.n + q_heads.first * D,
-                              (int)(q_heads.last - q_heads.first), (int)D, c, s);
-            if (k_heads.last > k_heads.first)
-                p->rope_heads(p->kb + r * L->k.n + k_heads.first * D,
-                              (int)(k_heads.last - k_heads.first), (int)D, c, s);
-        }
-        write_kv_heads(p, L, rows, p->kb, L->k.n, NULL, 0, k_heads.first, k_heads.last);
-        write_kv_heads(p, L, rows, NULL, 0, p->vb, L->v.n, v_heads.first, v_heads.last);
-#pragma omp barrier
-        /* 2: attention, runs of query heads of one row that share a KV head */
-        for (int64_t e = pairs.first; e < pairs.last;) {
-            const int64_t r = e / heads, h = e % heads, g = h / group;
-            const int64_t group_end = r * heads + (g + 1) * group;
-            const int64_t end = group_end < pairs.last ? group_end : pairs.last;
-            error |= p->attn_heads(p->q + r * L->q.n + h * D, D, L->key_cache + g * D,
-                                   L->value_cache + g * D, kv_width,
-                                   p->block_tables + r * p->table_width, p->context_lens[r],
-                                   p->attn_out + r * heads * D + h * D, D, (int)(end - e),
-                                   (int)D, (int)p->block_size, p->scale);
-            e = end;
-        }
-#pragma omp barrier
-        /* 3: o_proj and the residual */
-        const span o_cols = columns(L->o.n, t, threads);
-        error |= part(&L->o, p->attn_out, rows, p->o, o_cols);
-        residual_cols(p->h, p->o, rows, H, L->o.n, o_cols);
-#pragma omp barrier
-        /* 4: norm, gate/up and SiLU-and-mul of this thread's columns */
-        p->rms_rows(p->h, H, L->norm2, xn, H, rows, H, L->eps2);
-        const float *gate = p->gate_buf, *up;
-        int64_t stride;
-        if (L->up.function == NULL) { /* gate's columns, then up's, in one GEMM */
-            error |= part(&L->gate, xn, rows, p->gate_buf, gate_cols);
-            if (gate_cols.last > gate_cols.first) {
-                const span up_cols = {I + gate_cols.first,
-                                      gate_cols.last == I ? L->gate.n : I + gate_cols.last};
-                error |= part(&L->gate, xn, rows, p->gate_buf, up_cols);
+        chunks = chunk_count(head_units, threads);
+        if (phase_open(ph, phases, chunks, before, &last)) {
+            p->rms_rows(p->h, H, L->norm1, xn, H, rows, H, L->eps1);
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph)) {
+                const span units = share(head_units, (int)c, (int)chunks);
+                const span q_heads = head_range(units, 0, heads, per_unit);
+                const span k_heads = head_range(units, q_units, kv_heads, per_unit);
+                const span v_heads = head_range(units, q_units + kv_units, kv_heads, per_unit);
+                error |= part(&L->q, xn, rows, p->q, head_columns(q_heads, heads, D, L->q.n),
+                              &last);
+                error |= part(&L->k, xn, rows, p->kb, head_columns(k_heads, kv_heads, D, L->k.n),
+                              &last);
+                error |= part(&L->v, xn, rows, p->vb, head_columns(v_heads, kv_heads, D, L->v.n),
+                              &last);
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float *cos = p->cos + r * D, *sin = p->sin + r * D;
+                    if (q_heads.last > q_heads.first)
+                        p->rope_heads(p->q + r * L->q.n + q_heads.first * D,
+                                      (int)(q_heads.last - q_heads.first), (int)D, cos, sin);
+                    if (k_heads.last > k_heads.first)
+                        p->rope_heads(p->kb + r * L->k.n + k_heads.first * D,
+                                      (int)(k_heads.last - k_heads.first), (int)D, cos, sin);
+                }
+                write_kv_heads(p, L, rows, p->kb, L->k.n, NULL, 0, k_heads.first, k_heads.last);
+                write_kv_heads(p, L, rows, NULL, 0, p->vb, L->v.n, v_heads.first, v_heads.last);
             }
-            up = p->gate_buf + I;
-            stride = L->gate.n;
-        } else if (gate_cols.last > gate_cols.first) {
-            const span g_cols = {gate_cols.first, gate_cols.last == I ? L->gate.n : gate_cols.last};
-            const span u_cols = {gate_cols.first, gate_cols.last == I ? L->up.n : gate_cols.last};
-            error |= part(&L->gate, xn, rows, p->gate_buf, g_cols);
-            error |= part(&L->up, xn, rows, p->up_buf, u_cols);
-            up = p->up_buf;
-            stride = L->gate.n;
-        } else {
-            up = p->up_buf;
-            stride = L->gate.n;
         }
-        if (gate_cols.last > gate_cols.first)
-            p->silu_cols(gate, up, stride, p->act, I, rows, I, gate_cols.first, gate_cols.last);
-#pragma omp barrier
+        before = chunks, ++ph;
+        /* 2: attention, runs of query heads of one row that share a KV head */
+        chunks = chunk_count(rows * heads, threads);
+        if (phase_open(ph, phases, chunks, before, &last))
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph)) {
+                const span pairs = share(rows * heads, (int)c, (int)chunks); /* (row, head) */
+                for (int64_t e = pairs.first; e < pairs.last;) {
+                    const int64_t r = e / heads, h = e % heads, g = h / group;
+                    const int64_t group_end = r * heads + (g + 1) * group;
+                    const int64_t end = group_end < pairs.last ? group_end : pairs.last;
+                    error |= p->attn_heads(p->q + r * L->q.n + h * D, D, L->key_cache + g * D,
+                                           L->value_cache + g * D, kv_width,
+                                           p->block_tables + r * p->table_width,
+                                           p->context_lens[r], p->attn_out + r * heads * D + h * D,
+                                           D, (int)(end - e), (int)D, (int)p->block_size,
+                                           p->scale);
+                    e = end;
+                }
+            }
+        before = chunks, ++ph;
+        /* 3: o_proj and the residual */
+        const int64_t o_units = (L->o.n + UNIT - 1) / UNIT;
+        chunks = chunk_count(o_units, threads);
+        if (phase_open(ph, phases, chunks, before, &last))
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph)) {
+                const span cols = columns(L->o.n, (int)c, (int)chunks);
+                error |= part(&L->o, p->attn_out, rows, p->o, cols, &last);
+                residual_cols(p->h, p->o, rows, H, L->o.n, cols);
+            }
+        before = chunks, ++ph;
+        /* 4: norm, gate/up and SiLU-and-mul, by gate columns */
+        chunks = chunk_count((I + UNIT - 1) / UNIT, threads);
+        if (phase_open(ph, phases, chunks, before, &last)) {
+            p->rms_rows(p->h, H, L->norm2, xn, H, rows, H, L->eps2);
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph)) {
+                const span cols = columns(I, (int)c, (int)chunks);
+                const int at_end = cols.last == I;
+                const float *up;
+                if (L->up.function == NULL) { /* gate's columns, then up's, in one GEMM */
+                    const span up_cols = {I + cols.first, at_end ? L->gate.n : I + cols.last};
+                    error |= part(&L->gate, xn, rows, p->gate_buf, cols, &last);
+                    error |= part(&L->gate, xn, rows, p->gate_buf, up_cols, &last);
+                    up = p->gate_buf + I;
+                } else {
+                    const span g_cols = {cols.first, at_end ? L->gate.n : cols.last};
+                    const span u_cols = {cols.first, at_end ? L->up.n : cols.last};
+                    error |= part(&L->gate, xn, rows, p->gate_buf, g_cols, &last);
+                    error |= part(&L->up, xn, rows, p->up_buf, u_cols, &last);
+                    up = p->up_buf;
+                }
+                p->silu_cols(p->gate_buf, up, L->gate.n, p->act, I, rows, I, cols.first,
+                             cols.last);
+            }
+        }
+        before = chunks, ++ph;
         /* 5: down_proj and the residual */
-        const span down_cols = columns(L->down.n, t, threads);
-        error |= part(&L->down, p->act, rows, p->down, down_cols);
-        residual_cols(p->h, p->down, rows, H, L->down.n, down_cols);
-#pragma omp barrier
+        const int64_t down_units = (L->down.n + UNIT - 1) / UNIT;
+        chunks = chunk_count(down_units, threads);
+        if (phase_open(ph, phases, chunks, before, &last))
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph)) {
+                const span cols = columns(L->down.n, (int)c, (int)chunks);
+                error |= part(&L->down, p->act, rows, p->down, cols, &last);
+                residual_cols(p->h, p->down, rows, H, L->down.n, cols);
+            }
+        before = chunks, ++ph;
     }
     if (keep > 0) {
-        for (int64_t i = 0; i < keep; ++i)
-            p->rms_rows(p->h + p->keep[i] * H, H, p->final_norm, xn + i * H, H, 1, H, p->final_eps);
-        error |= part(&p->head, xn, keep, p->logits, columns(p->head.n, t, threads));
+        chunks = chunk_count((p->head.n + UNIT - 1) / UNIT, threads);
+        if (phase_open(ph, phases, chunks, before, &last)) {
+            for (int64_t i = 0; i < keep; ++i)
+                p->rms_rows(p->h + p->keep[i] * H, H, p->final_norm, xn + i * H, H, 1, H,
+                            p->final_eps);
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph))
+                error |= part(&p->head, xn, keep, p->logits,
+                              columns(p->head.n, (int)c, (int)chunks), &last);
+        }
     }
     if (error) {
 #pragma omp atomic write
         *failed = 1;
     }
+}
+
+/* The chunks of a step's last phase (step_threaded's count), to check that it finished. */
+static int64_t last_phase_chunks(const sg_plan *p, int64_t keep, int threads) {
+    if (keep > 0) return chunk_count((p->head.n + UNIT - 1) / UNIT, threads);
+    const sg_layer *L = p->layers + p->num_layers - 1;
+    return chunk_count((L->down.n + UNIT - 1) / UNIT, threads);
 }
 
 /* Returns 0; 2: arguments out of range (a token, position, slot or block id outside the
@@ -405,13 +498,23 @@ int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threa
         memcpy(p->sin + r * D, p->sin_table + p->positions[r] * D, sizeof(float) * D);
     }
     if (!p->threaded) return step_per_op(p, rows, keep, threads);
-    int failed = 0, no_memory = 0;
-    if (threads <= 1) {
-        step_threaded(p, rows, keep, 0, 1, &failed, &no_memory);
+    if (p->num_layers < 1) return 2;
+    const int64_t count = 5 * p->num_layers + (keep > 0);
+    sg_phase *phases = (sg_phase *)aligned_alloc(64, sizeof(sg_phase) * (size_t)count);
+    if (phases == NULL) return 3;
+    memset(phases, 0, sizeof(sg_phase) * (size_t)count);
+    int failed = 0, used = threads > 1 ? threads : 1;
+    if (used == 1) {
+        step_threaded(p, rows, keep, 1, phases, &failed);
     } else {
-#pragma omp parallel num_threads(threads)
-        step_threaded(p, rows, keep, omp_get_thread_num(), omp_get_num_threads(), &failed,
-                      &no_memory);
+#pragma omp parallel num_threads(used)
+        {
+#pragma omp single
+            used = omp_get_num_threads(); /* the team may be smaller than asked */
+            step_threaded(p, rows, keep, used, phases, &failed);
+        }
     }
-    return failed || no_memory ? 3 : 0;
+    const int finished = phases[count - 1].done == last_phase_chunks(p, keep, used);
+    free(phases);
+    return failed || !finished ? 3 : 0;
 }
