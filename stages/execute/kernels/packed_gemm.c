@@ -252,7 +252,9 @@ int actorline_packed_gemm_part(const float *x, int64_t m, int64_t k, const void 
         col0 % (2 * NR) != 0 || (col1 % (2 * NR) != 0 && col1 != n))
         return 2;
     const float *packed = (const float *)weights;
-    const int64_t panels = n / NR, pairs = PAIRS ? panels / 2 : 0;
+#if PAIRS
+    const int64_t pairs = n / NR / 2;
+#endif
     const int64_t mb = row_block(k);
     for (int64_t m0 = 0; m0 < m; m0 += mb) {
         const int64_t rows = m - m0 < mb ? m - m0 : mb;

@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 import stages.execute.runner as runner_module
 from stages.execute.config import ExecuteConfig
@@ -172,13 +174,13 @@ def test_a_small_cache_checks_the_plan_on_fewer_rows(
 
 def odd_model_dir(tiny_model_dir: Path, out: Path, **shape: int) -> Path:
     """A tiny random Llama of other shapes, the tiny model's tokenizer beside it."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.conftest import TINY_LLAMA
 
     torch.manual_seed(1)
-    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **shape})).save_pretrained(out)
+    fields: dict[str, Any] = {**TINY_LLAMA, **shape}
+    LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(out)
     for name in tiny_model_dir.iterdir():
         if name.name.startswith("tokenizer") or name.name == "special_tokens_map.json":
             shutil.copy(name, out / name.name)
@@ -187,7 +189,7 @@ def odd_model_dir(tiny_model_dir: Path, out: Path, **shape: int) -> Path:
 
 def both_forms(
     runner: ModelRunner, rows: int, context: int, vocab: int = 49152
-) -> tuple[object, object]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of ``rows`` prefilled rows (contexts ``context + row``, across block
     boundaries; tokens below ``vocab``) run by the step graph in one OpenMP region and one
     region per op."""
@@ -227,8 +229,6 @@ def test_one_region_per_step_gives_the_per_op_logits_bit_for_bit(
 ) -> None:
     """Every thread count splits the columns, heads and (row, head) pairs otherwise; each
     element is computed by the same code in the same order, so the logits are equal."""
-    import torch
-
     model = tiny_gguf if fields.get("quantization") == "gguf" else tiny_model_dir
     runner = load(model, num_blocks=128, block_size=4, **fields)
     assert runner.step_graph is not None and runner.step_graph.threaded
@@ -244,7 +244,7 @@ def test_one_region_per_step_gives_the_per_op_logits_bit_for_bit(
                     context=5 if rows > 1 else 9,
                     vocab=512 if model == tiny_gguf else 49152,
                 )
-                assert torch.equal(threaded, per_op), (count, rows)  # type: ignore[call-overload]
+                assert torch.equal(threaded, per_op), (count, rows)
     finally:
         torch.set_num_threads(threads)
 
@@ -255,8 +255,6 @@ def test_odd_shapes_split_and_unsplittable_ones_run_per_op(
     """Three query heads on one KV head, a hidden size of three panels (the fp32 GEMM pairs
     two and takes the third alone), two threads: the same logits as per op. A head_dim of 8
     does not split by 16-column heads: that plan keeps the per-op form."""
-    import torch
-
     odd = odd_model_dir(
         tiny_model_dir, tmp_path / "odd", hidden_size=48, num_attention_heads=3,
         num_key_value_heads=1, head_dim=16, intermediate_size=96,
@@ -268,7 +266,7 @@ def test_odd_shapes_split_and_unsplittable_ones_run_per_op(
         torch.set_num_threads(2)
         for rows in (1, 2, 5):
             threaded, per_op = both_forms(runner, rows, context=6)
-            assert torch.equal(threaded, per_op), rows  # type: ignore[call-overload]
+            assert torch.equal(threaded, per_op), rows
     finally:
         torch.set_num_threads(threads)
     narrow = odd_model_dir(
