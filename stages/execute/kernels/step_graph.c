@@ -207,12 +207,12 @@ typedef struct {
     int64_t first, last;
 } span;
 
-/* Thread t's contiguous share of count units. */
+/* Part t of threads (a chunk of a phase): its contiguous share of count units. */
 static inline span share(int64_t count, int t, int threads) {
     return (span){count * t / threads, count * (t + 1) / threads};
 }
 
-/* Thread t's columns of a GEMM of n outputs, in units of 32 (the last thread's end: n). */
+/* Part t of threads (a chunk) of a GEMM's n columns, in units of 32 (the last part's end: n). */
 static inline span columns(int64_t n, int t, int threads) {
     const int64_t units = (n + UNIT - 1) / UNIT;
     const span s = share(units, t, threads);
@@ -258,9 +258,9 @@ static float *thread_floats(size_t floats) {
     return buffer;
 }
 
-/* Heads [first, last) of one of q, k, v (unit u of units: 32 / gcd(D, 32) heads each, so
- * that a range of them starts at a multiple of 32 columns), and the GEMM columns they take
- * (the last one's end: the GEMM's n). */
+/* The heads of one of q, k, v (count of them, its units from base on in the list q's units,
+ * k's, v's) that fall in a chunk's units: per_unit = 32 / gcd(D, 32) heads a unit, so that
+ * a range of them starts at a multiple of 32 columns. */
 static span head_range(span units, int64_t base, int64_t count, int64_t per_unit) {
     const int64_t total = (count + per_unit - 1) / per_unit;
     int64_t first = units.first - base, last = units.last - base;
@@ -270,6 +270,7 @@ static span head_range(span units, int64_t base, int64_t count, int64_t per_unit
     return (span){h0, h1 > h0 ? h1 : h0};
 }
 
+/* The GEMM columns of those heads (the last head's end: the GEMM's n, its padding included). */
 static inline span head_columns(span heads, int64_t count, int64_t D, int64_t n) {
     if (heads.first >= heads.last) return (span){0, 0};
     return (span){heads.first * D, heads.last == count ? n : heads.last * D};
