@@ -87,6 +87,10 @@ class BF16GemmKernel:
         self._gemm.restype = ctypes.c_int
         #: the GEMM's address under :class:`~stages.execute.native.NativeGemm`'s convention
         self.gemm_address = ctypes.cast(lib.actorline_bf16_gemm, ctypes.c_void_p).value or 0
+        #: its column-range entry (:attr:`~stages.execute.native.NativeGemm.part`)
+        self.gemm_part_address = (
+            ctypes.cast(lib.actorline_bf16_gemm_part, ctypes.c_void_p).value or 0
+        )
 
     @staticmethod
     def pack(*weights: torch.Tensor) -> torch.Tensor:
@@ -214,9 +218,11 @@ class BF16Linear(torch.nn.Module):
 
     def native_gemm(self) -> NativeGemm:
         """This linear as C code calls it (:class:`~stages.execute.native.NativeGemm`)."""
+        kernel = self._kernel
         return NativeGemm.of_panels(
-            self._kernel.gemm_address, self.packed, self.bias, self.out_features, self.in_features
-        )
+            kernel.gemm_address, self.packed, self.bias, self.out_features, self.in_features,
+            kernel.gemm_part_address,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (bf16 panels)"

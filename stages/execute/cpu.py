@@ -278,9 +278,11 @@ class PackedLinear(torch.nn.Module):
 
     def native_gemm(self) -> NativeGemm:
         """This linear as C code calls it (:class:`~stages.execute.native.NativeGemm`)."""
+        kernel = self._kernel
         return NativeGemm.of_panels(
-            self._kernel.gemm_address, self.packed, self.bias, self.out_features, self.in_features
-        )
+            kernel.gemm_address, self.packed, self.bias, self.out_features, self.in_features,
+            kernel.gemm_part_address,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (packed)"

@@ -89,7 +89,20 @@ class NativeGemm:
     computing ``y[m, n] = x[m, k] @ W^T (+ bias)`` (fp32 in and out, rows contiguous; returns 0,
     else an error code), called with ``weights``, ``format`` and ``bias`` (0: none) as given.
     ``n`` may exceed the module's ``out_features`` (panels padded to 16 columns): ``y`` rows are
-    ``n`` wide. ``owner`` holds what the pointers point into alive."""
+    ``n`` wide. ``owner`` holds what the pointers point into alive.
+
+    ``part`` (0: none) is the address of the same GEMM restricted to output columns
+    ``[col0, col1)`` and run on the calling thread, without an OpenMP region of its own:
+
+    ``int f(const float *x, int64_t m, int64_t k, const void *weights, int format,
+    const float *bias, int64_t n, float *y, int64_t col0, int64_t col1, int same_x)``
+
+    (``col0`` a multiple of 32, ``col1`` one of 32 or ``n``; ``y`` is still ``[m, n]``, only
+    its columns in the range are written, each exactly as the whole call writes it; ``same_x``
+    nonzero: ``x`` holds the rows it held at this thread's last call of ``f``, so what the
+    kernel derived from them then, int8 blocks or bf16 pairs, may serve again). The CPU step
+    graph's threads each call it for their chunks inside the one OpenMP region of a step
+    (``kernels/step_graph.c``)."""
 
     function: int
     weights: int
@@ -98,13 +111,21 @@ class NativeGemm:
     n: int
     k: int
     owner: object
+    part: int = 0
 
     @classmethod
     def of_panels(
-        cls, function: int, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int
+        cls,
+        function: int,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+        k: int,
+        part: int = 0,
     ) -> NativeGemm:
         """A linear over weight panels ``packed`` (format 0: the kernel knows its layout) and
-        an optional ``bias`` ``[n]``, computed by the GEMM at ``function``."""
+        an optional ``bias`` ``[n]``, computed by the GEMM at ``function`` (its column-range
+        entry at ``part``, 0: none)."""
         bias = bias.detach().contiguous() if bias is not None else None
         return cls(
             function=function,
@@ -114,6 +135,7 @@ class NativeGemm:
             n=n,
             k=k,
             owner=(packed, bias),
+            part=part,
         )
 
 
@@ -341,6 +363,10 @@ class PackedGemmKernel:
         self._gemm.restype = ctypes.c_int
         #: the GEMM's address under :class:`NativeGemm`'s calling convention
         self.gemm_address = ctypes.cast(lib.actorline_packed_gemm, ctypes.c_void_p).value or 0
+        #: its column-range entry (:attr:`NativeGemm.part`)
+        self.gemm_part_address = (
+            ctypes.cast(lib.actorline_packed_gemm_part, ctypes.c_void_p).value or 0
+        )
 
     def pack(self, *weights: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` (fp32, CPU, N a multiple of 16) as panels ``[N / 16, K, 16]``;

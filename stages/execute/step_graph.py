@@ -16,6 +16,12 @@ call, which releases the GIL for its whole length. Unlike a CUDA graph nothing i
 batch size: the C executor takes the row count, so one plan serves every bucket up to
 ``max_rows``.
 
+A step is one OpenMP region (``step_threaded`` in the C file): its threads stay alive across
+the layers and claim chunks of each phase (columns of a linear through
+:attr:`~stages.execute.native.NativeGemm.part`, (row, head) pairs of attention), a phase
+starting once the one before it has finished; :attr:`StepGraph.threaded` ``False`` runs the
+per-op form (a region per kernel), which plans whose linears or shapes do not split keep.
+
 The step graph calls the very kernels the module path calls, in the same order with the same
 arguments, so the logits are equal bit for bit where the module path runs the fused forms
 (:mod:`stages.execute.fused`); where it runs torch's SiLU (a gated MLP whose projections are
@@ -62,6 +68,12 @@ from stages.execute.native import (
     fused_ops_kernel,
 )
 
+#: paged_decode.c's one-thread entry per cache dtype (as PagedDecodeKernel.ENTRY_POINTS)
+_HEADS_ENTRY_POINTS = {
+    torch.float32: "actorline_paged_decode_heads_f32",
+    torch.bfloat16: "actorline_paged_decode_heads_f32_bf16kv",
+}
+
 __all__ = [
     "MAX_ROWS",
     "STEP_GRAPH_SOURCE",
@@ -89,8 +101,8 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Gemm(ctypes.Structure):
-    _fields_ = [("function", _p), ("weights", _p), ("format", _i64), ("bias", _p),
-                ("n", _i64), ("k", _i64)]  # fmt: skip
+    _fields_ = [("function", _p), ("part", _p), ("weights", _p), ("format", _i64),
+                ("bias", _p), ("n", _i64), ("k", _i64)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -112,6 +124,8 @@ class _Plan(ctypes.Structure):
                                     "num_layers")),
         ("scale", _f32), ("final_eps", _f32),
         ("rms", _p), ("silu", _p), ("rope", _p), ("attn", _p), ("kv_bf16", _i64),
+        ("rms_rows", _p), ("silu_cols", _p), ("rope_heads", _p), ("attn_heads", _p),
+        ("threaded", _i64),
         ("emb", _p), ("emb_panel", _i64), ("emb_panel_stride", _i64), ("emb_lane_stride", _i64),
         ("emb_elem_stride", _i64),
         ("cos_table", _p), ("sin_table", _p), ("table_rows", _i64),
@@ -169,7 +183,29 @@ def _gemm(module: Any, what: str, k: int, n: int) -> tuple[_Gemm, NativeGemm]:
     gemm = native_gemm()
     if not isinstance(gemm, NativeGemm) or gemm.k != k or gemm.n < n or not gemm.function:
         raise StepGraphUnsupported(f"{what}: its native GEMM takes other shapes")
-    return _Gemm(gemm.function, gemm.weights, gemm.format, gemm.bias or None, gemm.n, gemm.k), gemm
+    structure = _Gemm(
+        gemm.function, gemm.part or None, gemm.weights, gemm.format, gemm.bias or None, gemm.n,
+        gemm.k,
+    )  # fmt: skip
+    return structure, gemm
+
+
+def _splits_by_columns(plan: _Plan, layers: Any, head_dim: int, inter: int) -> bool:
+    """Whether a step can run as one OpenMP region (``step_threaded`` in ``step_graph.c``):
+    every linear has a column-range entry, the heads start at multiples of 16 columns, and the
+    gate/up columns a thread takes meet the up columns it needs at a multiple of 32 (a fused
+    projection's halves) or at the same columns (two projections of one width)."""
+    if head_dim % 16 != 0 or not plan.head.part:
+        return False
+    for layer in layers:
+        if not all(getattr(layer, name).part for name in ("q", "k", "v", "o", "gate", "down")):
+            return False
+        if layer.up.function is None:
+            if inter % 32 != 0:
+                return False
+        elif not layer.up.part or layer.up.n != layer.gate.n:
+            return False
+    return True
 
 
 def _norm(module: Any, what: str, hidden: int) -> FusedRMSNorm:
@@ -187,6 +223,7 @@ class StepGraph:
         self.vocab_size = 0
         #: the engine's decode steps run so far
         self.steps = 0
+        self._can_thread = False
         self._library: ctypes.CDLL | None = None
         self._plan = _Plan()
         self._keep: list[object] = []  # what the plan's pointers point into
@@ -286,6 +323,12 @@ class StepGraph:
         # writes them where kv_bf16 is set (the bits the module path's index_copy_ writes).
         plan.attn = _address(library_attention, PagedDecodeKernel.ENTRY_POINTS[kv_dtype])
         plan.kv_bf16 = int(kv_dtype == torch.bfloat16)
+        plan.rms_rows = _address(library_fused, "actorline_rms_norm_rows_f32")
+        plan.silu_cols = _address(library_fused, "actorline_silu_mul_cols_f32")
+        plan.rope_heads = _address(library_fused, "actorline_rope_heads_f32")
+        plan.attn_heads = _address(library_attention, _HEADS_ENTRY_POINTS[kv_dtype])
+        graph._can_thread = _splits_by_columns(plan, layers, head_dim, inter)
+        plan.threaded = int(graph._can_thread)
         block_size = kv_cache.block_size
         table_width = -(-max_model_len // block_size)
         for name, value in (("hidden", hidden), ("heads", heads), ("kv_heads", kv_heads),
@@ -314,6 +357,25 @@ class StepGraph:
             graph._inputs[name] = array
             setattr(plan, name, array.ctypes.data)
         return graph
+
+    @property
+    def threaded(self) -> bool:
+        """Whether a step runs as ONE OpenMP region, its threads kept across the layers and
+        each computing its columns of every linear (``kernels/step_graph.c``), rather than a
+        region per op (the form before it; the same logits bit for bit). Set it to ``False``
+        to run the per-op form (tests and benchmarks compare the two).
+
+        Raises:
+            ValueError: set to ``True`` on a plan that cannot split its steps by columns
+                (a linear without a column-range entry, or shapes the split cannot serve).
+        """
+        return bool(self._plan.threaded)
+
+    @threaded.setter
+    def threaded(self, on: bool) -> None:
+        if on and not self._can_thread:
+            raise ValueError("this plan's linears or shapes do not split by columns")
+        self._plan.threaded = int(on)
 
     def _record_embedding(self, embed: Any, hidden: int, vocab: int) -> None:
         """Read embedding rows in C where the module is a plain table or the packed LM head's
@@ -404,7 +466,9 @@ class StepGraph:
         )
         self.steps += 1
         if status == 2:
-            raise ValueError("step graph: a token, position, slot or kept row is out of range")
+            raise ValueError(
+                "step graph: a token, position, slot, block id or kept row is out of range"
+            )
         if status != 0:
             raise NativeKernelError(f"step graph: a kernel failed (status {status})")
         return self._logits[: len(keep), : self.vocab_size].clone()

@@ -219,3 +219,53 @@ int actorline_bf16_gemm(const float *x, int64_t m, int64_t k, const void *packed
     (void)format;
     return actorline_bf16_gemm_f32(x, m, k, (const uint16_t *)packed, bias, n, y, num_threads);
 }
+
+/* Output columns [col0, col1) of the same GEMM on the calling thread, no OpenMP region: the CPU
+ * step graph's threads each compute their share inside the one region of a step (stages/
+ * execute/native.py: NativeGemm.part); col0 and col1 multiples of 16 (col1 at most n). Each
+ * thread rounds the rows to bf16 pairs itself, into a buffer of its own kept between calls,
+ * and with same_x (the caller's word that x holds the rows of this thread's last call) takes
+ * the pairs of that call when it had the same x, m and k; the same results as the whole
+ * call's, bit for bit (each column's sums do not depend on its neighbours). Returns 0; 1 when
+ * out of memory; 2 on a range or shape it cannot serve. */
+int actorline_bf16_gemm_part(const float *x, int64_t m, int64_t k, const void *weights,
+                             int format, const float *bias, int64_t n, float *y, int64_t col0,
+                             int64_t col1, int same_x) {
+    static __thread uint32_t *pairs_buffer = NULL;
+    static __thread size_t capacity = 0;
+    static __thread const float *rounded_x = NULL; /* the rows the buffer holds: x, m, k */
+    static __thread int64_t rounded_m = -1, rounded_k = -1;
+    (void)format;
+    if (n % NR != 0 || k < 1 || m < 0 || col0 < 0 || col1 > n || col0 > col1 ||
+        col0 % NR != 0 || col1 % NR != 0)
+        return 2;
+    if (m == 0 || col0 == col1) return 0;
+    const uint16_t *packed = (const uint16_t *)weights;
+    const int64_t kp = (k + 1) / 2;
+    const size_t need = (size_t)(m * kp);
+    if (need > capacity) {
+        uint32_t *bigger = (uint32_t *)realloc(pairs_buffer, need * sizeof(uint32_t));
+        if (!bigger) return 1;
+        pairs_buffer = bigger;
+        capacity = need;
+        rounded_x = NULL;
+    }
+    uint32_t *xp = pairs_buffer;
+    if (!(same_x && rounded_x == x && rounded_m == m && rounded_k == k)) {
+        round_rows(x, m, k, kp, xp);
+        rounded_x = x, rounded_m = m, rounded_k = k;
+    }
+    int64_t mb = 256 * 1024 / 4 / kp / MR * MR;
+    if (mb < 4 * MR) mb = 4 * MR;
+    for (int64_t m0 = 0; m0 < m; m0 += mb) {
+        const int64_t rows = m - m0 < mb ? m - m0 : mb;
+        int64_t p = col0 / NR;
+        for (; p + 2 <= col1 / NR; p += 2)
+            pair_rows(xp + m0 * kp, rows, kp, packed + p * kp * 2 * NR, bias ? bias + p * NR : 0,
+                      y + m0 * n + p * NR, n);
+        if (p < col1 / NR)
+            single_rows(xp + m0 * kp, rows, kp, packed + p * kp * 2 * NR,
+                        bias ? bias + p * NR : 0, y + m0 * n + p * NR, n);
+    }
+    return 0;
+}

@@ -66,26 +66,51 @@ static inline int threads_for(int64_t elements, int threads) {
     return elements < PARALLEL_ELEMENTS || threads < 1 ? 1 : threads;
 }
 
+/* One row of RMSNorm: dim floats at row into y. */
+static inline void rms_row(const float *restrict row, const float *restrict weight,
+                           float *restrict y, int64_t dim, float eps) {
+    vf squares = (vf){0};
+    int64_t j = 0;
+    for (; j + LANES <= dim; j += LANES) {
+        const vf v = *(const vf *)(row + j);
+        squares += v * v;
+    }
+    float sum = hsum(squares);
+    for (; j < dim; ++j) sum += row[j] * row[j];
+    const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (j = 0; j + LANES <= dim; j += LANES)
+        *(vf *)(y + j) = *(const vf *)(weight + j) * (*(const vf *)(row + j) * scale);
+    for (; j < dim; ++j) y[j] = weight[j] * (row[j] * scale);
+}
+
 /* x: rows of dim floats, x_stride apart; out: rows of dim floats, contiguous. */
 void actorline_rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out,
                             int64_t rows, int64_t dim, float eps, int threads) {
 #pragma omp parallel for num_threads(threads_for(rows * dim, threads)) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *row = x + r * x_stride;
-        float *y = out + r * dim;
-        vf squares = (vf){0};
-        int64_t j = 0;
-        for (; j + LANES <= dim; j += LANES) {
-            const vf v = *(const vf *)(row + j);
-            squares += v * v;
-        }
-        float sum = hsum(squares);
-        for (; j < dim; ++j) sum += row[j] * row[j];
-        const float scale = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (j = 0; j + LANES <= dim; j += LANES)
-            *(vf *)(y + j) = *(const vf *)(weight + j) * (*(const vf *)(row + j) * scale);
-        for (; j < dim; ++j) y[j] = weight[j] * (row[j] * scale);
+    for (int64_t r = 0; r < rows; ++r) rms_row(x + r * x_stride, weight, out + r * dim, dim, eps);
+}
+
+/* The same on the calling thread, no OpenMP region (the CPU step graph's threads call it
+ * inside the one region of a step): rows of x, x_stride apart, into rows of out, out_stride
+ * apart; the same results as actorline_rms_norm_f32's. */
+void actorline_rms_norm_rows_f32(const float *x, int64_t x_stride, const float *weight,
+                                 float *out, int64_t out_stride, int64_t rows, int64_t dim,
+                                 float eps) {
+    for (int64_t r = 0; r < rows; ++r)
+        rms_row(x + r * x_stride, weight, out + r * out_stride, dim, eps);
+}
+
+/* silu(gate[j]) * up[j] for j in [first, last), gate's vector part below vector_end (a
+ * multiple of LANES; first too), one element at a time from there (the row's tail). */
+static inline void silu_mul_span(const float *restrict gate, const float *restrict up,
+                                 float *restrict y, int64_t first, int64_t last,
+                                 int64_t vector_end) {
+    int64_t j = first;
+    for (; j + LANES <= last && j + LANES <= vector_end; j += LANES) {
+        const vf g = *(const vf *)(gate + j);
+        *(vf *)(y + j) = g / (1.0f + vexp(-g)) * *(const vf *)(up + j);
     }
+    for (; j < last; ++j) y[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
 }
 
 /* gate_up: rows of 2 * inter floats (gate, then up), contiguous; out: rows of inter floats. */
@@ -93,15 +118,20 @@ void actorline_silu_mul_f32(const float *gate_up, int64_t rows, int64_t inter, f
                             int threads) {
 #pragma omp parallel for num_threads(threads_for(rows * inter, threads)) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-        const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
-        float *y = out + r * inter;
-        int64_t j = 0;
-        for (; j + LANES <= inter; j += LANES) {
-            const vf g = *(const vf *)(gate + j);
-            *(vf *)(y + j) = g / (1.0f + vexp(-g)) * *(const vf *)(up + j);
-        }
-        for (; j < inter; ++j) y[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+        const float *gate = gate_up + r * 2 * inter;
+        silu_mul_span(gate, gate + inter, out + r * inter, 0, inter, inter / LANES * LANES);
     }
+}
+
+/* The same over columns [first, last) of each row (first a multiple of 16), on the calling
+ * thread, no OpenMP region: gate and up rows in_stride apart, out rows out_stride apart, each
+ * element as actorline_silu_mul_f32 computes it. */
+void actorline_silu_mul_cols_f32(const float *gate, const float *up, int64_t in_stride,
+                                 float *out, int64_t out_stride, int64_t rows, int64_t inter,
+                                 int64_t first, int64_t last) {
+    for (int64_t r = 0; r < rows; ++r)
+        silu_mul_span(gate + r * in_stride, up + r * in_stride, out + r * out_stride, first,
+                      last, inter / LANES * LANES);
 }
 
 /* In place over rows of the query (q_heads heads of head_dim floats, rows q_stride apart) and
@@ -130,6 +160,13 @@ void actorline_rope_f32(float *q, int64_t q_stride, int q_heads, float *k, int64
         rope_heads(q + r * q_stride, q_heads, head_dim, c, s);
         rope_heads(k + r * k_stride, k_heads, head_dim, c, s);
     }
+}
+
+/* rope_heads on the calling thread: heads heads of head_dim floats at x, one row's cos and
+ * sin (the CPU step graph ropes each head where its thread computed it). */
+void actorline_rope_heads_f32(float *x, int heads, int head_dim, const float *cos,
+                              const float *sin) {
+    rope_heads(x, heads, head_dim, cos, sin);
 }
 
 /* out[r] = the first index of row r's maximum (the first NaN where a row has one); rows of

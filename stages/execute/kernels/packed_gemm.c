@@ -235,3 +235,43 @@ int actorline_packed_gemm(const float *x, int64_t m, int64_t k, const void *pack
     (void)format;
     return actorline_packed_gemm_f32(x, m, k, (const float *)packed, bias, n, y, num_threads);
 }
+
+/* Output columns [col0, col1) of the same GEMM on the calling thread, no OpenMP region: the CPU
+ * step graph's threads each compute their share inside the one region of a step (stages/
+ * execute/native.py: NativeGemm.part). col0 a multiple of 32 and col1 one of 32 or n, so that
+ * a panel is paired with the same neighbour as in the whole call and every y element sums its
+ * k in the same order: the same results bit for bit. same_x (the rows unchanged since this
+ * thread's last call) is unused: fp32 rows are read as they are. Returns 0; 2 on a range or
+ * shape it cannot serve. */
+int actorline_packed_gemm_part(const float *x, int64_t m, int64_t k, const void *weights,
+                               int format, const float *bias, int64_t n, float *y, int64_t col0,
+                               int64_t col1, int same_x) {
+    (void)format;
+    (void)same_x;
+    if (n % NR != 0 || k < 1 || m < 0 || col0 < 0 || col1 > n || col0 > col1 ||
+        col0 % (2 * NR) != 0 || (col1 % (2 * NR) != 0 && col1 != n))
+        return 2;
+    const float *packed = (const float *)weights;
+#if PAIRS
+    const int64_t pairs = n / NR / 2;
+#endif
+    const int64_t mb = row_block(k);
+    for (int64_t m0 = 0; m0 < m; m0 += mb) {
+        const int64_t rows = m - m0 < mb ? m - m0 : mb;
+        for (int64_t p = col0 / NR; p < col1 / NR;) {
+            const float *xb = x + m0 * k, *panel = packed + p * k * NR;
+            const float *b = bias ? bias + p * NR : 0;
+            float *yb = y + m0 * n + p * NR;
+#if PAIRS
+            if (p < 2 * pairs) {
+                pair_rows(xb, rows, k, panel, b, yb, n);
+                p += 2;
+                continue;
+            }
+#endif
+            panel_rows(xb, rows, k, panel, b, yb, n);
+            p += 1;
+        }
+    }
+    return 0;
+}

@@ -377,3 +377,59 @@ int actorline_paged_decode_f32_bf16kv(const float *query, int64_t q_row_stride,
                         out_head_stride, num_rows, num_heads, num_kv_heads, head_dim, block_size,
                         num_cache_blocks, scale, num_threads, window, softcap, sinks, 1);
 }
+
+/* One sequence's query heads [0, count) that share one KV head, on the calling thread (no
+ * OpenMP region): the CPU step graph's threads each attend their share of a step's (row,
+ * query head) pairs inside the one region of the step. query: the first head's D floats,
+ * heads q_head_stride apart; key_cache, value_cache: at that KV head (row_stride elements per
+ * slot, fp32 or bf16); blocks: the row's block table, its ids already checked against the cache;
+ * out: the first head's output, heads out_head_stride apart. Each head's arithmetic is that
+ * of actorline_paged_decode_f32 (whatever heads an item there holds), so are its results.
+ * The scratch is the calling thread's own, kept between calls. Returns 0; 1: out of memory;
+ * 2: arguments it cannot serve. */
+static int paged_decode_heads(const float *query, int64_t q_head_stride, const void *key_cache,
+                              const void *value_cache, int64_t row_stride, const int64_t *blocks,
+                              int64_t context_len, float *out, int64_t out_head_stride, int count,
+                              int head_dim, int block_size, float scale, const int bf16) {
+    static __thread float *scratch = NULL;
+    static __thread size_t capacity = 0;
+    if (count <= 0 || count > MAX_GROUP || head_dim <= 0 || head_dim % LANES != 0 ||
+        head_dim / LANES > MAX_VECTORS || block_size <= 0 || context_len <= 0)
+        return 2;
+    /* scores (count x context) and the vector accumulators (count x head_dim floats) */
+    const size_t need = (size_t)count * ((size_t)context_len + (size_t)head_dim);
+    if (need > capacity) {
+        const size_t grown = need > 2 * capacity ? need : 2 * capacity;
+        float *bigger = (float *)realloc(scratch, sizeof(float) * grown);
+        if (bigger == NULL) return 1;
+        scratch = bigger;
+        capacity = grown;
+    }
+    (bf16 ? attend_item_bf16 : attend_item_f32)(
+        query, q_head_stride, key_cache, value_cache, blocks, 0, context_len, row_stride, 1, count,
+        head_dim / LANES, block_size, scale, 0.0f, NULL, scratch,
+        (vf *)(scratch + (size_t)count * (size_t)context_len), out, out_head_stride);
+    return 0;
+}
+
+int actorline_paged_decode_heads_f32(const float *query, int64_t q_head_stride,
+                                     const void *key_cache, const void *value_cache,
+                                     int64_t row_stride, const int64_t *blocks,
+                                     int64_t context_len, float *out, int64_t out_head_stride,
+                                     int count, int head_dim, int block_size, float scale) {
+    return paged_decode_heads(query, q_head_stride, key_cache, value_cache, row_stride, blocks,
+                              context_len, out, out_head_stride, count, head_dim, block_size,
+                              scale, 0);
+}
+
+/* The same over a bf16 cache (uint16 bit patterns). */
+int actorline_paged_decode_heads_f32_bf16kv(const float *query, int64_t q_head_stride,
+                                            const void *key_cache, const void *value_cache,
+                                            int64_t row_stride, const int64_t *blocks,
+                                            int64_t context_len, float *out,
+                                            int64_t out_head_stride, int count, int head_dim,
+                                            int block_size, float scale) {
+    return paged_decode_heads(query, q_head_stride, key_cache, value_cache, row_stride, blocks,
+                              context_len, out, out_head_stride, count, head_dim, block_size,
+                              scale, 1);
+}

@@ -502,6 +502,108 @@ int actorline_quant_gemm(const float *x, int64_t m, int64_t k, const uint8_t *bl
     return 0;
 }
 
+/* A buffer of the calling thread's own of at least bytes, kept between calls (NULL when out of
+ * memory). */
+static void *thread_buffer(size_t bytes) {
+    static __thread void *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (bytes > capacity) {
+        void *bigger = realloc(buffer, bytes);
+        if (bigger == NULL) return NULL;
+        buffer = bigger;
+        capacity = bytes;
+    }
+    return buffer;
+}
+
+/* Output columns [col0, col1) of the same GEMM on the calling thread, no OpenMP region: the CPU
+ * step graph's threads each compute their share inside the one region of a step (stages/
+ * execute/native.py: NativeGemm.part); col0 and col1 multiples of 16 (col1 at most n). Each
+ * thread prepares the rows itself (their int8 blocks, or their group sums) into a buffer of
+ * its own kept between calls (the whole call did it on one thread while the others waited);
+ * with same_x (the caller's word that x holds the rows of this thread's last call) it takes
+ * the int8 blocks of that call when it had the same x, m, k and sign flip (a Q8 weight's).
+ * Every column is computed as in the whole call: the same results bit for bit. Returns 0; 1
+ * when out of memory; 2 on arguments it cannot serve. */
+int actorline_quant_gemm_part(const float *x, int64_t m, int64_t k, const void *weights,
+                              int code, const float *bias, int64_t n, float *y, int64_t col0,
+                              int64_t col1, int same_x) {
+    /* what the thread's buffer holds: the int8 blocks of rows x, m, k with flip */
+    static __thread const float *quantized_x = NULL;
+    static __thread int64_t quantized_m = -1, quantized_k = -1;
+    static __thread int quantized_flip = -1;
+    const int format = code & FORMAT_MASK;
+    const int64_t block_bytes = actorline_quant_block_bytes(format);
+    if ((code & ~(FORMAT_MASK | ACT_Q8)) != 0 || block_bytes < 0 || m < 0 || k <= 0 ||
+        k % GROUP != 0 || n <= 0 || n % NR != 0 || col0 < 0 || col1 > n || col0 > col1 ||
+        col0 % NR != 0 || col1 % NR != 0)
+        return 2;
+    if (m == 0 || col0 == col1) return 0;
+    const uint8_t *blocks = (const uint8_t *)weights;
+    const int64_t groups = k / GROUP, panel_bytes = groups * block_bytes;
+    const int64_t p0 = col0 / NR, p1 = col1 / NR;
+    const int flip = format == FORMAT_Q8;
+    if ((code & ACT_Q8) && m <= QMB) { /* one block of rows: kept for the next call */
+        const size_t scale_bytes = sizeof(float) * (size_t)(2 * m * groups);
+        const int same = same_x && quantized_x == x && quantized_m == m && quantized_k == k &&
+                         quantized_flip == flip;
+        float *dx = (float *)thread_buffer(scale_bytes + (size_t)(m * k));
+        if (dx == NULL) return 1;
+        float *sx = dx + m * groups;
+        int8_t *xq = (int8_t *)(dx + 2 * m * groups);
+        if (!same) {
+            quantize_rows(x, m, k, flip, xq, dx, sx);
+            quantized_x = x, quantized_m = m, quantized_k = k, quantized_flip = flip;
+        }
+        for (int64_t p = p0; p < p1; ++p)
+            direct_rows_q(xq, dx, sx, m, k, blocks + p * panel_bytes, block_bytes,
+                          bias ? bias + p * NR : NULL, y + p * NR, n, format);
+        return 0;
+    }
+    quantized_x = NULL; /* the buffer is put to other uses below */
+    if (code & ACT_Q8) {
+        const int64_t block_rows = QMB;
+        const size_t scale_bytes = sizeof(float) * (size_t)(2 * block_rows * groups);
+        float *dx = (float *)thread_buffer(scale_bytes + (size_t)(block_rows * k));
+        if (dx == NULL) return 1;
+        float *sx = dx + block_rows * groups;
+        int8_t *xq = (int8_t *)(dx + 2 * block_rows * groups);
+        for (int64_t r0 = 0; r0 < m; r0 += QMB) {
+            const int64_t rows = m - r0 < QMB ? m - r0 : QMB;
+            quantize_rows(x + r0 * k, rows, k, flip, xq, dx, sx);
+            for (int64_t p = p0; p < p1; ++p)
+                direct_rows_q(xq, dx, sx, rows, k, blocks + p * panel_bytes, block_bytes,
+                              bias ? bias + p * NR : NULL, y + r0 * n + p * NR, n, format);
+        }
+        return 0;
+    }
+    if (m <= DIRECT_ROWS) {
+        float *row_sums = (float *)thread_buffer(sizeof(float) * (size_t)(m * groups));
+        if (row_sums == NULL) return 1;
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t g = 0; g < groups; ++g) {
+                float s = 0.0f;
+                for (int j = 0; j < GROUP; ++j) s += x[i * k + g * GROUP + j];
+                row_sums[i * groups + g] = s;
+            }
+        for (int64_t p = p0; p < p1; ++p)
+            direct_rows(x, m, k, row_sums, blocks + p * panel_bytes, block_bytes,
+                        bias ? bias + p * NR : NULL, y + p * NR, n, format);
+        return 0;
+    }
+    float *panel = (float *)thread_buffer(sizeof(float) * (size_t)(k * NR));
+    if (panel == NULL) return 1;
+    for (int64_t r0 = 0; r0 < m; r0 += MB) {
+        const int64_t rows = m - r0 < MB ? m - r0 : MB;
+        for (int64_t p = p0; p < p1; ++p) {
+            dequantize_panel(blocks + p * panel_bytes, block_bytes, groups, format, panel);
+            panel_rows(x + r0 * k, rows, k, panel, bias ? bias + p * NR : NULL,
+                       y + r0 * n + p * NR, n);
+        }
+    }
+    return 0;
+}
+
 /* Rows of W (inputs of an embedding tied to, or stored as, a quantized matrix): out[i] = W[ids[i]]
  * as fp32 [count][K], rounded as llama.cpp's dequantization (d * q, then + m: no fused
  * multiply-add), so the rows equal the dequantized checkpoint's bit for bit. Returns 2 on an id

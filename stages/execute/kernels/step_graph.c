@@ -11,8 +11,31 @@
  * decoder layers of stages/execute/llama.py over the fused and packed modules), so its logits
  * are those of the module path bit for bit; new here are only copies (embedding rows, cos/sin
  * rows of the rotary table, the KV write at the slot mapping, the sampled rows) and the
- * residual adds, all exact. */
+ * residual adds, all exact.
+ *
+ * Threads: ONE OpenMP region per step (step_threaded), its threads kept across the layer loop,
+ * where the per-op form (step_per_op) opened a region per GEMM and fused op (~8 fork/joins a
+ * layer, and the fused ops of a few rows on one thread while the others waited). A layer is
+ * five phases, each cut into chunks that the threads claim (sg_phase):
+ *   1. the input RMSNorm into a buffer of the thread's own (every thread the whole rows: a few
+ *      KiB), then per chunk a range of whole heads of q, k and v (32-column aligned), their
+ *      rotary embeddings and the K/V heads written into the cache;
+ *   2. attention: a range of the step's (row, query head) pairs;
+ *   3. a range of o_proj's columns and of the residual add;
+ *   4. the post-attention RMSNorm (the thread's buffer again), then per chunk a range of gate
+ *      columns, the matching up columns of the fused gate/up projection, SiLU-and-mul of them;
+ *   5. a range of down_proj's columns and of the residual add;
+ * then the final norm and ranges of the LM head's columns. A linear's range goes through its
+ * ``part`` entry (NativeGemm.part: the same micro-kernels on a column range, no region of its
+ * own). Every element is computed by the same code in the same order as in the per-op form,
+ * so the logits are the same bit for bit. The per-op form stays for plans whose linears have
+ * no part entry or whose shapes the column ranges cannot split (a head_dim not a multiple of
+ * 16, a fused gate/up whose halves do not meet at a multiple of 32 columns), and as the
+ * reference the tests compare against. */
+#include <omp.h>
+#include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef int (*gemm_fn)(const float *x, int64_t m, int64_t k, const void *weights, int format,
@@ -24,6 +47,20 @@ typedef void (*silu_fn)(const float *gate_up, int64_t rows, int64_t inter, float
 typedef void (*rope_fn)(float *q, int64_t q_stride, int q_heads, float *k, int64_t k_stride,
                         int k_heads, int64_t rows, int head_dim, const float *cos,
                         const float *sin, int threads);
+typedef int (*gemm_part_fn)(const float *x, int64_t m, int64_t k, const void *weights,
+                            int format, const float *bias, int64_t n, float *y, int64_t col0,
+                            int64_t col1, int same_x);
+typedef void (*rms_rows_fn)(const float *x, int64_t x_stride, const float *weight, float *out,
+                            int64_t out_stride, int64_t rows, int64_t dim, float eps);
+typedef void (*silu_cols_fn)(const float *gate, const float *up, int64_t in_stride, float *out,
+                             int64_t out_stride, int64_t rows, int64_t inter, int64_t first,
+                             int64_t last);
+typedef void (*rope_heads_fn)(float *x, int heads, int head_dim, const float *cos,
+                              const float *sin);
+typedef int (*attn_heads_fn)(const float *query, int64_t q_head_stride, const void *key_cache,
+                             const void *value_cache, int64_t row_stride, const int64_t *blocks,
+                             int64_t context_len, float *out, int64_t out_head_stride, int count,
+                             int head_dim, int block_size, float scale);
 typedef int (*attn_fn)(const float *query, int64_t q_row_stride, int64_t q_head_stride,
                        const void *key_cache, const void *value_cache,
                        const int64_t *block_tables, int64_t table_stride, int64_t table_width,
@@ -32,9 +69,11 @@ typedef int (*attn_fn)(const float *query, int64_t q_row_stride, int64_t q_head_
                        int head_dim, int block_size, int64_t num_cache_blocks, float scale,
                        int num_threads, int64_t window, float softcap, const float *sinks);
 
-/* One linear under NativeGemm's convention; function 0: absent. */
+/* One linear under NativeGemm's convention; function 0: absent; part: its column-range entry
+ * (0: none). */
 typedef struct {
     void *function;
+    void *part;
     const void *weights;
     int64_t format;
     const float *bias;
@@ -60,6 +99,12 @@ typedef struct {
     rope_fn rope;
     attn_fn attn; /* paged_decode.c's entry point for the cache's type */
     int64_t kv_bf16; /* the KV cache holds bf16: rows are rounded to it as they are written */
+    /* the same kernels' entries for one thread's share (step_threaded) */
+    rms_rows_fn rms_rows;
+    silu_cols_fn silu_cols;
+    rope_heads_fn rope_heads;
+    attn_heads_fn attn_heads; /* for the cache's type, as attn */
+    int64_t threaded; /* 1: one region per step (step_threaded); 0: step_per_op */
     /* Embedding row v: emb + (v / emb_panel) * emb_panel_stride + (v % emb_panel) *
      * emb_lane_stride, its elements emb_elem_stride apart (a [V, H] table: 1, H, 0, 1; a packed
      * LM head's panels: 16, 16 H, 1, 16). NULL: the caller writes the rows into h. */
@@ -102,41 +147,36 @@ static inline uint16_t to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
-/* One token's K or V row (width floats) into slot ``slot`` of a cache layer, as it is stored. */
-static void store_kv_row(void *cache, int64_t slot, const float *row, int64_t width, int bf16) {
+/* count floats of one token's K or V row into a cache layer from element ``offset`` on, as
+ * the cache stores them (fp32, or rounded to bf16). */
+static void store_kv(void *cache, int64_t offset, const float *row, int64_t count, int bf16) {
     if (!bf16) {
-        memcpy((float *)cache + slot * width, row, sizeof(float) * width);
+        memcpy((float *)cache + offset, row, sizeof(float) * (size_t)count);
         return;
     }
-    uint16_t *out = (uint16_t *)cache + slot * width;
-    for (int64_t j = 0; j < width; ++j) out[j] = to_bf16(row[j]);
+    uint16_t *out = (uint16_t *)cache + offset;
+    for (int64_t j = 0; j < count; ++j) out[j] = to_bf16(row[j]);
 }
 
-/* Returns 0; 2: arguments out of range (a token, position or slot outside the plan); 3: a
- * kernel refused its arguments or could not allocate. */
-int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threads) {
-    if (rows < 1 || rows > p->max_rows || keep < 0 || keep > rows) return 2;
-    const int64_t H = p->hidden, D = p->head_dim, kv_width = p->kv_heads * D;
-    const int64_t num_slots = p->num_cache_blocks * p->block_size;
+/* The K and V of heads [first, last) of every row into the cache at the rows' slots. */
+static void write_kv_heads(const sg_plan *p, const sg_layer *L, int64_t rows, const float *k_rows,
+                           int64_t k_stride, const float *v_rows, int64_t v_stride,
+                           int64_t first, int64_t last) {
+    const int64_t D = p->head_dim, kv_width = p->kv_heads * D;
+    const int bf16 = (int)p->kv_bf16;
     for (int64_t r = 0; r < rows; ++r) {
-        if (p->positions[r] < 0 || p->positions[r] >= p->table_rows || p->slots[r] < 0 ||
-            p->slots[r] >= num_slots || p->context_lens[r] != p->positions[r] + 1)
-            return 2;
-        if (p->emb != NULL && (p->tokens[r] < 0 || p->tokens[r] >= p->vocab)) return 2;
+        const int64_t at = p->slots[r] * kv_width + first * D;
+        if (k_rows != NULL)
+            store_kv(L->key_cache, at, k_rows + r * k_stride + first * D, (last - first) * D, bf16);
+        if (v_rows != NULL)
+            store_kv(L->value_cache, at, v_rows + r * v_stride + first * D, (last - first) * D,
+                     bf16);
     }
-    for (int64_t i = 0; i < keep; ++i)
-        if (p->keep[i] < 0 || p->keep[i] >= rows) return 2;
-    if (p->emb != NULL)
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t v = p->tokens[r];
-            const float *row =
-                p->emb + v / p->emb_panel * p->emb_panel_stride + v % p->emb_panel * p->emb_lane_stride;
-            for (int64_t j = 0; j < H; ++j) p->h[r * H + j] = row[j * p->emb_elem_stride];
-        }
-    for (int64_t r = 0; r < rows; ++r) {
-        memcpy(p->cos + r * D, p->cos_table + p->positions[r] * D, sizeof(float) * D);
-        memcpy(p->sin + r * D, p->sin_table + p->positions[r] * D, sizeof(float) * D);
-    }
+}
+
+/* The layers one op at a time, each kernel with its own OpenMP region. Returns 0 or 3. */
+static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads) {
+    const int64_t H = p->hidden, D = p->head_dim;
     for (int64_t index = 0; index < p->num_layers; ++index) {
         const sg_layer *L = p->layers + index;
         p->rms(p->h, H, L->norm1, p->xn, rows, H, L->eps1, threads);
@@ -145,11 +185,7 @@ int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threa
             return 3;
         p->rope(p->q, L->q.n, (int)p->heads, p->kb, L->k.n, (int)p->kv_heads, rows, (int)D, p->cos,
                 p->sin, threads);
-        for (int64_t r = 0; r < rows; ++r) {
-            store_kv_row(L->key_cache, p->slots[r], p->kb + r * L->k.n, kv_width, (int)p->kv_bf16);
-            store_kv_row(L->value_cache, p->slots[r], p->vb + r * L->v.n, kv_width,
-                         (int)p->kv_bf16);
-        }
+        write_kv_heads(p, L, rows, p->kb, L->k.n, p->vb, L->v.n, 0, p->kv_heads);
         if (p->attn(p->q, L->q.n, D, L->key_cache, L->value_cache, p->block_tables,
                     p->table_width, p->table_width, p->context_lens, p->attn_out, p->heads * D, D,
                     (int)rows, (int)p->heads, (int)p->kv_heads, (int)D, (int)p->block_size,
@@ -185,4 +221,328 @@ int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threa
     for (int64_t i = 0; i < keep; ++i)
         memcpy(p->kept + i * H, p->xn + p->keep[i] * H, sizeof(float) * H);
     return gemm(&p->head, p->kept, keep, p->logits, threads) ? 3 : 0;
+}
+
+/* ------------------------------------------------------------ one region per step */
+
+#define UNIT 32 /* columns: a pair of 16-column panels (the fp32 GEMM pairs them) */
+
+typedef struct {
+    int64_t first, last;
+} span;
+
+/* Part t of threads (a chunk of a phase): its contiguous share of count units. */
+static inline span share(int64_t count, int t, int threads) {
+    return (span){count * t / threads, count * (t + 1) / threads};
+}
+
+/* Part t of threads (a chunk) of a GEMM's n columns, in units of 32 (the last part's end: n). */
+static inline span columns(int64_t n, int t, int threads) {
+    const int64_t units = (n + UNIT - 1) / UNIT;
+    const span s = share(units, t, threads);
+    return (span){s.first * UNIT, s.last == units ? n : s.last * UNIT};
+}
+
+/* The last part entry a thread called in the current phase and its rows: within a phase the
+ * rows a linear reads do not change, so a call of the same entry on the same rows tells the
+ * kernel so (same_x) and it keeps what it derived from them (int8 blocks, bf16 pairs) instead
+ * of deriving it again for every chunk and every projection. Reset at each phase. */
+typedef struct {
+    void *entry;
+    const float *x;
+} sg_last;
+
+static inline int part(const sg_gemm *g, const float *x, int64_t rows, float *y, span cols,
+                       sg_last *last) {
+    if (cols.first >= cols.last) return 0;
+    const int same_x = last->entry == g->part && last->x == x;
+    last->entry = g->part, last->x = x;
+    return ((gemm_part_fn)g->part)(x, rows, g->k, g->weights, (int)g->format, g->bias, g->n, y,
+                                   cols.first, cols.last, same_x);
+}
+
+/* h[r, cols] += add[r, cols] over the columns of cols below hidden. */
+static void residual_cols(float *restrict h, const float *restrict add, int64_t rows,
+                          int64_t hidden, int64_t add_stride, span cols) {
+    const int64_t last = cols.last < hidden ? cols.last : hidden;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = cols.first; j < last; ++j) h[r * hidden + j] += add[r * add_stride + j];
+}
+
+/* A buffer of the calling thread's own of at least floats floats, kept between steps. */
+static float *thread_floats(size_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (floats > capacity) {
+        float *bigger = (float *)realloc(buffer, sizeof(float) * floats);
+        if (bigger == NULL) return NULL;
+        buffer = bigger;
+        capacity = floats;
+    }
+    return buffer;
+}
+
+/* The heads of one of q, k, v (count of them, its units from base on in the list q's units,
+ * k's, v's) that fall in a chunk's units: per_unit = 32 / gcd(D, 32) heads a unit, so that
+ * a range of them starts at a multiple of 32 columns. */
+static span head_range(span units, int64_t base, int64_t count, int64_t per_unit) {
+    const int64_t total = (count + per_unit - 1) / per_unit;
+    int64_t first = units.first - base, last = units.last - base;
+    first = first < 0 ? 0 : first > total ? total : first;
+    last = last < 0 ? 0 : last > total ? total : last;
+    const int64_t h0 = first * per_unit, h1 = last * per_unit < count ? last * per_unit : count;
+    return (span){h0, h1 > h0 ? h1 : h0};
+}
+
+/* The GEMM columns of those heads (the last head's end: the GEMM's n, its padding included). */
+static inline span head_columns(span heads, int64_t count, int64_t D, int64_t n) {
+    if (heads.first >= heads.last) return (span){0, 0};
+    return (span){heads.first * D, heads.last == count ? n : heads.last * D};
+}
+
+/* The phases of a step, in order: five a layer and the LM head. Each phase's work is cut into
+ * chunks that the threads claim one at a time (a counter each phase), and a phase's chunks
+ * start once every chunk of the phase before it is finished (a second counter), so the phases
+ * run in order as with a barrier between them; but a thread that the OS has descheduled holds
+ * up the others only while it holds a chunk: the others claim what it would have taken
+ * (on a machine shared with other work a barrier waited for the late thread's next time slice,
+ * ms each, 150 times a step). */
+typedef struct {
+    int64_t next, done; /* chunks claimed, chunks finished */
+    char pad[48];       /* a cache line each */
+} sg_phase;
+
+#define CHUNKS_PER_THREAD 4 /* chunks a phase is cut into, per thread (fewer where it has fewer) */
+#define SPINS 1000          /* pauses before a waiting thread yields its core */
+
+static inline int64_t chunk_count(int64_t units, int threads) {
+    const int64_t most = threads > 1 ? (int64_t)CHUNKS_PER_THREAD * threads : 1;
+    return units < most ? units : most;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Whether this thread has anything to claim in phase ph (of chunks chunks); if so, after the
+ * phase before it (before_chunks chunks; none for the first) is finished. */
+static int phase_open(sg_phase *ph, const sg_phase *first, int64_t chunks, int64_t before_chunks,
+                      sg_last *last) {
+    last->entry = NULL, last->x = NULL;
+    if (__atomic_load_n(&ph->next, __ATOMIC_RELAXED) >= chunks) return 0;
+    if (ph != first)
+        for (int spins = 0; __atomic_load_n(&ph[-1].done, __ATOMIC_ACQUIRE) < before_chunks;
+             ++spins) {
+            if (spins < SPINS)
+                relax();
+            else
+                sched_yield();
+        }
+    return 1;
+}
+
+static inline int64_t claim(sg_phase *ph) {
+    return __atomic_fetch_add(&ph->next, 1, __ATOMIC_RELAXED);
+}
+
+static inline void finish(sg_phase *ph) { __atomic_fetch_add(&ph->done, 1, __ATOMIC_RELEASE); }
+
+/* One thread of a step's region (threads of them; every thread runs this, claiming chunks of
+ * each phase in turn, see the top). A failing kernel marks *failed; a thread without its
+ * buffer claims nothing (the others do its share; the caller checks that the last phase
+ * finished). */
+static void step_threaded(const sg_plan *p, int64_t rows, int64_t keep, int threads,
+                          sg_phase *phases, int *failed) {
+    const int64_t H = p->hidden, D = p->head_dim, I = p->inter;
+    const int64_t heads = p->heads, kv_heads = p->kv_heads, group = heads / kv_heads;
+    const int64_t kv_width = kv_heads * D;
+    const int64_t per_unit = D % UNIT == 0 ? 1 : UNIT / 16; /* D a multiple of 16 */
+    const int64_t q_units = (heads + per_unit - 1) / per_unit;
+    const int64_t kv_units = (kv_heads + per_unit - 1) / per_unit;
+    const int64_t head_units = q_units + 2 * kv_units;
+    float *xn = thread_floats((size_t)(p->max_rows * H));
+    if (xn == NULL) return;
+    int error = 0;
+    sg_last last = {NULL, NULL};
+    sg_phase *ph = phases;
+    int64_t before = 0, chunks;
+    for (int64_t index = 0; index < p->num_layers; ++index) {
+        const sg_layer *L = p->layers + index;
+        /* 1: norm, q/k/v heads, rotary, the K/V cache */
+        chunks = chunk_count(head_units, threads);
+        if (phase_open(ph, phases, chunks, before, &last)) {
+            p->rms_rows(p->h, H, L->norm1, xn, H, rows, H, L->eps1);
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph)) {
+                const span units = share(head_units, (int)c, (int)chunks);
+                const span q_heads = head_range(units, 0, heads, per_unit);
+                const span k_heads = head_range(units, q_units, kv_heads, per_unit);
+                const span v_heads = head_range(units, q_units + kv_units, kv_heads, per_unit);
+                error |= part(&L->q, xn, rows, p->q, head_columns(q_heads, heads, D, L->q.n),
+                              &last);
+                error |= part(&L->k, xn, rows, p->kb, head_columns(k_heads, kv_heads, D, L->k.n),
+                              &last);
+                error |= part(&L->v, xn, rows, p->vb, head_columns(v_heads, kv_heads, D, L->v.n),
+                              &last);
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float *cos = p->cos + r * D, *sin = p->sin + r * D;
+                    if (q_heads.last > q_heads.first)
+                        p->rope_heads(p->q + r * L->q.n + q_heads.first * D,
+                                      (int)(q_heads.last - q_heads.first), (int)D, cos, sin);
+                    if (k_heads.last > k_heads.first)
+                        p->rope_heads(p->kb + r * L->k.n + k_heads.first * D,
+                                      (int)(k_heads.last - k_heads.first), (int)D, cos, sin);
+                }
+                write_kv_heads(p, L, rows, p->kb, L->k.n, NULL, 0, k_heads.first, k_heads.last);
+                write_kv_heads(p, L, rows, NULL, 0, p->vb, L->v.n, v_heads.first, v_heads.last);
+            }
+        }
+        before = chunks, ++ph;
+        /* 2: attention, runs of query heads of one row that share a KV head */
+        chunks = chunk_count(rows * heads, threads);
+        if (phase_open(ph, phases, chunks, before, &last))
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph)) {
+                const span pairs = share(rows * heads, (int)c, (int)chunks); /* (row, head) */
+                for (int64_t e = pairs.first; e < pairs.last;) {
+                    const int64_t r = e / heads, h = e % heads, g = h / group;
+                    const int64_t group_end = r * heads + (g + 1) * group;
+                    const int64_t end = group_end < pairs.last ? group_end : pairs.last;
+                    /* the KV head's first element, in bytes (fp32 or bf16 elements) */
+                    const int64_t at = g * D * (p->kv_bf16 ? 2 : 4);
+                    error |= p->attn_heads(p->q + r * L->q.n + h * D, D,
+                                           (const char *)L->key_cache + at,
+                                           (const char *)L->value_cache + at, kv_width,
+                                           p->block_tables + r * p->table_width,
+                                           p->context_lens[r], p->attn_out + r * heads * D + h * D,
+                                           D, (int)(end - e), (int)D, (int)p->block_size,
+                                           p->scale);
+                    e = end;
+                }
+            }
+        before = chunks, ++ph;
+        /* 3: o_proj and the residual */
+        const int64_t o_units = (L->o.n + UNIT - 1) / UNIT;
+        chunks = chunk_count(o_units, threads);
+        if (phase_open(ph, phases, chunks, before, &last))
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph)) {
+                const span cols = columns(L->o.n, (int)c, (int)chunks);
+                error |= part(&L->o, p->attn_out, rows, p->o, cols, &last);
+                residual_cols(p->h, p->o, rows, H, L->o.n, cols);
+            }
+        before = chunks, ++ph;
+        /* 4: norm, gate/up and SiLU-and-mul, by gate columns */
+        chunks = chunk_count((I + UNIT - 1) / UNIT, threads);
+        if (phase_open(ph, phases, chunks, before, &last)) {
+            p->rms_rows(p->h, H, L->norm2, xn, H, rows, H, L->eps2);
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph)) {
+                const span cols = columns(I, (int)c, (int)chunks);
+                const int at_end = cols.last == I;
+                const float *up;
+                if (L->up.function == NULL) { /* gate's columns, then up's, in one GEMM */
+                    const span up_cols = {I + cols.first, at_end ? L->gate.n : I + cols.last};
+                    error |= part(&L->gate, xn, rows, p->gate_buf, cols, &last);
+                    error |= part(&L->gate, xn, rows, p->gate_buf, up_cols, &last);
+                    up = p->gate_buf + I;
+                } else {
+                    const span g_cols = {cols.first, at_end ? L->gate.n : cols.last};
+                    const span u_cols = {cols.first, at_end ? L->up.n : cols.last};
+                    error |= part(&L->gate, xn, rows, p->gate_buf, g_cols, &last);
+                    error |= part(&L->up, xn, rows, p->up_buf, u_cols, &last);
+                    up = p->up_buf;
+                }
+                p->silu_cols(p->gate_buf, up, L->gate.n, p->act, I, rows, I, cols.first,
+                             cols.last);
+            }
+        }
+        before = chunks, ++ph;
+        /* 5: down_proj and the residual */
+        const int64_t down_units = (L->down.n + UNIT - 1) / UNIT;
+        chunks = chunk_count(down_units, threads);
+        if (phase_open(ph, phases, chunks, before, &last))
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph)) {
+                const span cols = columns(L->down.n, (int)c, (int)chunks);
+                error |= part(&L->down, p->act, rows, p->down, cols, &last);
+                residual_cols(p->h, p->down, rows, H, L->down.n, cols);
+            }
+        before = chunks, ++ph;
+    }
+    if (keep > 0) {
+        chunks = chunk_count((p->head.n + UNIT - 1) / UNIT, threads);
+        if (phase_open(ph, phases, chunks, before, &last)) {
+            for (int64_t i = 0; i < keep; ++i)
+                p->rms_rows(p->h + p->keep[i] * H, H, p->final_norm, xn + i * H, H, 1, H,
+                            p->final_eps);
+            for (int64_t c; (c = claim(ph)) < chunks; finish(ph))
+                error |= part(&p->head, xn, keep, p->logits,
+                              columns(p->head.n, (int)c, (int)chunks), &last);
+        }
+    }
+    if (error) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+}
+
+/* The chunks of a step's last phase (step_threaded's count), to check that it finished. */
+static int64_t last_phase_chunks(const sg_plan *p, int64_t keep, int threads) {
+    if (keep > 0) return chunk_count((p->head.n + UNIT - 1) / UNIT, threads);
+    const sg_layer *L = p->layers + p->num_layers - 1;
+    return chunk_count((L->down.n + UNIT - 1) / UNIT, threads);
+}
+
+/* Returns 0; 2: arguments out of range (a token, position, slot or block id outside the
+ * plan); 3: a kernel refused its arguments or could not allocate. */
+int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threads) {
+    if (rows < 1 || rows > p->max_rows || keep < 0 || keep > rows) return 2;
+    const int64_t H = p->hidden, D = p->head_dim;
+    const int64_t num_slots = p->num_cache_blocks * p->block_size;
+    for (int64_t r = 0; r < rows; ++r) {
+        if (p->positions[r] < 0 || p->positions[r] >= p->table_rows || p->slots[r] < 0 ||
+            p->slots[r] >= num_slots || p->context_lens[r] != p->positions[r] + 1)
+            return 2;
+        if (p->emb != NULL && (p->tokens[r] < 0 || p->tokens[r] >= p->vocab)) return 2;
+        /* every block the row attends lies in the cache (paged_decode.c checks it per call) */
+        const int64_t blocks = (p->context_lens[r] + p->block_size - 1) / p->block_size;
+        if (blocks > p->table_width) return 2;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t block = p->block_tables[r * p->table_width + b];
+            if (block < 0 || block >= p->num_cache_blocks) return 2;
+        }
+    }
+    for (int64_t i = 0; i < keep; ++i)
+        if (p->keep[i] < 0 || p->keep[i] >= rows) return 2;
+    if (p->emb != NULL)
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t v = p->tokens[r];
+            const float *row =
+                p->emb + v / p->emb_panel * p->emb_panel_stride + v % p->emb_panel * p->emb_lane_stride;
+            for (int64_t j = 0; j < H; ++j) p->h[r * H + j] = row[j * p->emb_elem_stride];
+        }
+    for (int64_t r = 0; r < rows; ++r) {
+        memcpy(p->cos + r * D, p->cos_table + p->positions[r] * D, sizeof(float) * D);
+        memcpy(p->sin + r * D, p->sin_table + p->positions[r] * D, sizeof(float) * D);
+    }
+    if (!p->threaded) return step_per_op(p, rows, keep, threads);
+    if (p->num_layers < 1) return 2;
+    const int64_t count = 5 * p->num_layers + (keep > 0);
+    sg_phase *phases = (sg_phase *)aligned_alloc(64, sizeof(sg_phase) * (size_t)count);
+    if (phases == NULL) return 3;
+    memset(phases, 0, sizeof(sg_phase) * (size_t)count);
+    int failed = 0, used = threads > 1 ? threads : 1;
+    if (used == 1) {
+        step_threaded(p, rows, keep, 1, phases, &failed);
+    } else {
+#pragma omp parallel num_threads(used)
+        {
+#pragma omp single
+            used = omp_get_num_threads(); /* the team may be smaller than asked */
+            step_threaded(p, rows, keep, used, phases, &failed);
+        }
+    }
+    const int finished = phases[count - 1].done == last_phase_chunks(p, keep, used);
+    free(phases);
+    return failed || !finished ? 3 : 0;
 }

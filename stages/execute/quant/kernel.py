@@ -45,6 +45,10 @@ class QuantGemmKernel:
         self._gemm.restype = i32
         #: the GEMM's address under :class:`~stages.execute.native.NativeGemm`'s convention
         self.gemm_address = ctypes.cast(lib.actorline_quant_gemm, ctypes.c_void_p).value or 0
+        #: its column-range entry (:attr:`~stages.execute.native.NativeGemm.part`)
+        self.gemm_part_address = (
+            ctypes.cast(lib.actorline_quant_gemm_part, ctypes.c_void_p).value or 0
+        )
         self._rows = lib.actorline_quant_rows
         self._rows.argtypes = [pointer, i32, i64, i64, pointer, i64, pointer]
         self._rows.restype = i32

@@ -194,6 +194,7 @@ class QuantLinear(torch.nn.Module):
             n=int(self.blocks.shape[0]) * PANEL,
             k=self.in_features,
             owner=(self.blocks, bias),
+            part=self._kernel.gemm_part_address,
         )
 
     def extra_repr(self) -> str:

@@ -61,3 +61,65 @@ def test_packed_and_quantized_linears_called_from_c_match_their_forward() -> Non
                 expected = module(x)
             got = call(gemm, x)[:, : expected.shape[1]]
             assert torch.equal(got, expected), (type(module).__name__, rows)
+
+
+_PART = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int,
+)
+
+
+def test_column_ranges_compute_the_whole_calls_columns_bit_for_bit() -> None:
+    """NativeGemm.part over ranges that tile the columns writes what the whole call writes
+    (the CPU step graph's threads each call it for their share), and no column outside its
+    range, whether it derives the rows' int8 blocks or bf16 pairs again or keeps the last
+    call's (same_x); a range not starting at a multiple of 32 columns is refused by the fp32
+    GEMM, whose pairs of panels it would split."""
+    packed_kernel, quant_kernel = packed_gemm_kernel(), quant_gemm_kernel()
+    bf16_kernel = bf16_gemm_kernel()
+    assert packed_kernel is not None and quant_kernel is not None and bf16_kernel is not None
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(80, 96, generator=generator) * 0.1
+    bias = torch.randn(80, generator=generator)
+    linear = torch.nn.Linear(96, 80)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+    modules: list[PackedLinear | QuantLinear | BF16Linear] = [
+        PackedLinear.from_linear(linear, packed_kernel),
+        QuantLinear(quantize_int8(weight, quant_kernel), bias, quant_kernel),
+        BF16Linear.from_linear(linear, bf16_kernel),
+    ]
+    for module in modules:
+        gemm = module.native_gemm()
+        assert gemm.part, type(module).__name__
+        part = _PART(gemm.part)
+        for rows in (1, 5, 16):
+            x = torch.randn(rows, gemm.k, generator=generator)
+            whole = call(gemm, x)
+            out = torch.full((rows, gemm.n), float("nan"))
+            for index, (first, last) in enumerate(((0, 32), (32, 64), (64, gemm.n))):
+                status = part(
+                    x.data_ptr(), rows, gemm.k, gemm.weights, gemm.format, gemm.bias or None,
+                    gemm.n, out.data_ptr(), first, last, index > 0,
+                )  # fmt: skip
+                assert status == 0
+                assert out[:, last:].isnan().all()  # nothing past the range written yet
+            assert torch.equal(out, whole), (type(module).__name__, rows)
+    gemm = modules[0].native_gemm()
+    x = torch.randn(2, gemm.k, generator=generator)
+    out = torch.empty(2, gemm.n)
+    refused = _PART(gemm.part)(
+        x.data_ptr(), 2, gemm.k, gemm.weights, gemm.format, None, gemm.n, out.data_ptr(), 16, 48, 0
+    )
+    assert refused == 2

@@ -4,14 +4,18 @@ module path's logits, and whatever it does not serve takes the module path."""
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 import stages.execute.runner as runner_module
 from stages.execute.config import ExecuteConfig
 from stages.execute.runner import ModelRunner
 from stages.execute.step_graph import MAX_ROWS, StepGraph
+from stages.messages import EngineRequest, ScheduledChunk, SchedulerStep
 from stages.params import SamplingParams
 from tests.stages.execute.driving import DriveReport, drive
 from tests.stages.execute.test_runner import make_requests, random_prompts
@@ -166,3 +170,114 @@ def test_a_small_cache_checks_the_plan_on_fewer_rows(
     )
     assert logprobs_of(drive(runner, requests)) == logprobs_of(expected)
     assert runner.step_graph.steps == PARAMS.max_tokens - 1
+
+
+def odd_model_dir(tiny_model_dir: Path, out: Path, **shape: int) -> Path:
+    """A tiny random Llama of other shapes, the tiny model's tokenizer beside it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import TINY_LLAMA
+
+    torch.manual_seed(1)
+    fields: dict[str, Any] = {**TINY_LLAMA, **shape}
+    LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(out)
+    for name in tiny_model_dir.iterdir():
+        if name.name.startswith("tokenizer") or name.name == "special_tokens_map.json":
+            shutil.copy(name, out / name.name)
+    return out
+
+
+def both_forms(
+    runner: ModelRunner, rows: int, context: int, vocab: int = 49152
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of ``rows`` prefilled rows (contexts ``context + row``, across block
+    boundaries; tokens below ``vocab``) run by the step graph in one OpenMP region and one
+    region per op."""
+    graph = runner.step_graph
+    assert graph is not None and runner.allocator is not None
+    prompts = random_prompts(tuple(context + row for row in range(rows)), seed=rows)
+    prompts = [[token % (vocab - 3) + 3 for token in prompt] for prompt in prompts]
+    names = [f"t{rows}-{row}" for row in range(rows)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    runner.execute(
+        SchedulerStep(
+            0,
+            tuple(EngineRequest(n, tuple(p), params) for n, p in zip(names, prompts, strict=True)),
+            tuple(ScheduledChunk(n, 0, len(p) - 1) for n, p in zip(names, prompts, strict=True)),
+        )
+    )
+    for name, prompt in zip(names, prompts, strict=True):
+        runner.allocator.allocate(name, len(prompt))  # the decode row's slot
+    tables = [runner.allocator.block_table(name) for name in names]
+    step = ([p[-1] for p in prompts], [len(p) - 1 for p in prompts], tables, range(rows))
+    graph.threaded = True
+    threaded = graph.run(*step)  # writes each row's K/V; the per-op run writes the same
+    graph.threaded = False
+    per_op = graph.run(*step)
+    graph.threaded = True
+    runner.execute(SchedulerStep(1, finished=tuple(names)))
+    return threaded, per_op
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"dtype": "bfloat16"}, {"quantization": "int8"}, {"quantization": "gguf"}],
+    ids=["fp32", "bf16", "int8", "gguf"],
+)
+def test_one_region_per_step_gives_the_per_op_logits_bit_for_bit(
+    tiny_model_dir: Path, tiny_gguf: Path, fields: dict[str, object]
+) -> None:
+    """Every thread count splits the columns, heads and (row, head) pairs otherwise; each
+    element is computed by the same code in the same order, so the logits are equal."""
+    model = tiny_gguf if fields.get("quantization") == "gguf" else tiny_model_dir
+    runner = load(model, num_blocks=128, block_size=4, **fields)
+    assert runner.step_graph is not None and runner.step_graph.threaded
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for rows in (1, 3, MAX_ROWS):
+                # NOTE: the tiny GGUF model has 512 tokens
+                threaded, per_op = both_forms(
+                    runner,
+                    rows,
+                    context=5 if rows > 1 else 9,
+                    vocab=512 if model == tiny_gguf else 49152,
+                )
+                assert torch.equal(threaded, per_op), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_odd_shapes_split_and_unsplittable_ones_run_per_op(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Three query heads on one KV head, a hidden size of three panels (the fp32 GEMM pairs
+    two and takes the third alone), two threads: the same logits as per op. A head_dim of 8
+    does not split by 16-column heads: that plan keeps the per-op form."""
+    odd = odd_model_dir(
+        tiny_model_dir, tmp_path / "odd", hidden_size=48, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=16, intermediate_size=96,
+    )  # fmt: skip
+    runner = load(odd, num_blocks=64, block_size=4)
+    assert runner.step_graph is not None and runner.step_graph.threaded
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for rows in (1, 2, 5):
+            threaded, per_op = both_forms(runner, rows, context=6)
+            assert torch.equal(threaded, per_op), rows
+    finally:
+        torch.set_num_threads(threads)
+    narrow = odd_model_dir(
+        tiny_model_dir, tmp_path / "narrow", hidden_size=32, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64,
+    )  # fmt: skip
+    runner = load(narrow, num_blocks=64, block_size=4)
+    graph = runner.step_graph
+    assert graph is not None and not graph.threaded
+    with pytest.raises(ValueError, match="do not split by columns"):
+        graph.threaded = True
+    report = drive(runner, make_requests(random_prompts((4, 7), seed=13), PARAMS))
+    assert graph.steps > 0
+    assert all(len(tokens) == PARAMS.max_tokens for tokens in report.outputs.values())
