@@ -267,6 +267,9 @@ int actorline_bf16_gemm(const float *x, int64_t m, int64_t k, const void *packed
 #define AMX_ROWS 8
 #define TILE_ROWS 16
 #define TILE_K 32 /* bf16 per A tile row: 16 k pairs, one B tile */
+#ifndef AMX_PASS_BYTES
+#define AMX_PASS_BYTES (512 * 1024)
+#endif
 
 int actorline_bf16_amx_rows(void) { return AMX_ROWS; }
 
@@ -402,7 +405,7 @@ int actorline_bf16_gemm_amx_f32(const float *x, int64_t m, int64_t k, const uint
     uint16_t *a = (uint16_t *)aligned_alloc(64, (size_t)(mp * lda) * sizeof(uint16_t));
     if (!a) return 1;
     /* Rows per pass: 32-row blocks whose bf16 activations take at most ~512 KiB of L2. */
-    int64_t pass = 512 * 1024 / (lda * 2) / 32 * 32;
+    int64_t pass = AMX_PASS_BYTES / (lda * 2) / 32 * 32;
     if (pass < 32) pass = 32;
     if (num_threads < 1) num_threads = 1;
     const int64_t work = units * ((mp + 31) / 32);
