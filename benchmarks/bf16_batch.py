@@ -33,7 +33,7 @@ def run_one(batch: int, prompt: int, decode: int, model: str) -> tuple[float, ..
 
     blocks = max(128, batch * (prompt + decode + 2) // 16 + batch + 16)
     runner = ModelRunner(ExecuteConfig(model=model, num_blocks=blocks, dtype="bfloat16"))
-    runner.load()
+    vocab = runner.load().vocab_size
     generator = torch.Generator().manual_seed(0)
 
     def run(tag: str, rows: int, length: int, steps: int) -> tuple[float, ...]:
@@ -41,7 +41,7 @@ def run_one(batch: int, prompt: int, decode: int, model: str) -> tuple[float, ..
         requests = [
             EngineRequest(
                 f"{tag}{index}",
-                tuple(torch.randint(3, 49152, (length,), generator=generator).tolist()),
+                tuple(torch.randint(3, vocab, (length,), generator=generator).tolist()),
                 params,
             )
             for index in range(rows)
