@@ -234,6 +234,30 @@ def test_tiny_model_in_bf16_matches_the_emulating_reference(tiny_model_dir: Path
     assert compared >= 2 * len(prompts), compared  # the check is not vacuous
 
 
+@pytest.mark.slow  # two loads of the tiny model: ~11 s on the loaded 2-core machine
+def test_step_graph_decodes_on_the_tiles_as_the_module_path(tiny_model_dir: Path) -> None:
+    """Decode steps of 12 rows (from ``amx_rows`` on: the tiles, through ``NativeGemm`` from C)
+    give the module path's greedy tokens."""
+    kernel = amx_kernel()
+    prompts = random_prompts((5, 9, 17, 3, 30, 12, 7, 21, 4, 11, 16, 8), seed=5)
+    assert len(prompts) >= kernel.amx_rows
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    outputs = []
+    for graphs in (True, False):
+        config = ExecuteConfig(
+            model=str(tiny_model_dir), dtype="bfloat16", num_blocks=64, use_cuda_graphs=graphs
+        )
+        runner = ModelRunner(config)
+        runner.load()
+        assert (runner.step_graph is not None) == graphs
+        report = drive(runner, make_requests(prompts, params))
+        assert report.max_requests_per_step == len(prompts)
+        if runner.step_graph is not None:
+            assert runner.step_graph.steps >= 4  # the 12-row decode steps ran in C
+        outputs.append(report.outputs)
+    assert outputs[0] == outputs[1]
+
+
 def test_dtype_auto_picks_bf16_where_the_cpu_multiplies_it(tiny_model_dir: Path) -> None:
     expected, _ = choose_cpu_dtype(cpu_flags(), bf16_gemm_kernel())
     info = ModelRunner(ExecuteConfig(model=str(tiny_model_dir), dtype="auto", num_blocks=8)).load()
