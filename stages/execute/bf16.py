@@ -17,6 +17,12 @@ reading their rows from the bf16 head.
 ``dtype="auto"`` on CPU picks bf16 where :func:`choose_cpu_dtype` says the CPU multiplies bf16
 natively (AVX512-BF16 or AMX-BF16 in ``/proc/cpuinfo`` and the kernel built on VDPBF16PS),
 else fp32 (bf16 emulated would be slower than fp32).
+
+Where the CPU has AMX-BF16 (``amx_bf16`` and ``amx_tile`` in ``/proc/cpuinfo``, the compiler
+targeted it and Linux granted the process the tile state) the kernel multiplies from
+:attr:`BF16GemmKernel.amx_rows` rows on with AMX tiles that read the same panels in place
+(prefill, batched decode: no unpacked copy of the weight); elsewhere, from :data:`TORCH_ROWS`
+rows on, torch's bf16 matmul over the weight unpacked for the call.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from stages.execute.native import (
 )
 
 __all__ = [
+    "AMX_FEATURES",
     "BF16_FEATURES",
     "BF16_SOURCE",
     "BF16Embedding",
@@ -57,36 +64,54 @@ logger = logging.getLogger("actorline.execute")
 BF16_SOURCE = Path(__file__).with_name("kernels") / "bf16_gemm.c"
 BF16_FEATURES = ("avx512_bf16", "amx_bf16")
 """CPU flags (``/proc/cpuinfo``) under which bf16 is multiplied natively."""
+AMX_FEATURES = ("amx_bf16", "amx_tile")
+"""CPU flags (``/proc/cpuinfo``) the AMX tile GEMM needs, all of them."""
 _PORTABLE_DEFINE = "ACTORLINE_BF16_PORTABLE"
 # The kernel is checked at load against F.linear on bf16-rounded operands: the two differ by
 # summation order only (~1e-6 relative to the largest output); a wrong kernel is far off.
 _PROBE_TOLERANCE = 1e-4
 _PROBE_ROWS = (1, 3, 13, 40)
+_AMX_PROBE_ROWS = (200,)  # more rows than one pass of the AMX GEMM holds at K 1536
 TORCH_ROWS = 128
-"""From this many rows on (prefill) :class:`BF16Linear` multiplies with torch's bf16 matmul
-(oneDNN: AMX where the CPU has it) over the weight unpacked from its panels for the call (a
-transient ``[N, K]`` bf16 copy, small beside the GEMM of so many rows), its output rounded to
-bf16 as torch's is; below, the native kernel. Measured on SmolLM2-135M's shapes, 2 Xeon cores
-with AMX (docs/performance.md): the native kernel wins at decode's few rows (it reads half
-fp32's bytes), oneDNN's AMX tiles win at 1,000 rows (1.3-2x the native kernel's time there)."""
+"""Where the kernel has no AMX tiles (:attr:`BF16GemmKernel.amx`), from this many rows on
+(prefill) :class:`BF16Linear` multiplies with torch's bf16 matmul (oneDNN) over the weight
+unpacked from its panels for the call (a transient ``[N, K]`` bf16 copy, small beside the GEMM
+of so many rows), its output rounded to bf16 as torch's is; below, the native kernel. Measured
+on SmolLM2-135M's shapes (docs/performance.md §12.2): VDPBF16PS wins at decode's few rows (it
+reads half fp32's bytes), oneDNN's AVX512-BF16 or AMX kernels win at hundreds of rows."""
 
 
 class BF16GemmKernel:
     """``y = x @ W^T + b`` on CPU with ``W`` packed once into bf16 panels ``[N / 16, ceil(K /
     2), 16, 2]``, ``x`` and ``y`` fp32 (``x`` rounded to bf16 inside, fp32 accumulation); see
     ``kernels/bf16_gemm.c``. ``native``: whether this build multiplies with AVX512-BF16's
-    VDPBF16PS (else the portable widen-and-FMA path)."""
+    VDPBF16PS (else the portable widen-and-FMA path). ``amx``: whether it multiplies on AMX
+    tiles from ``amx_rows`` rows on (asked for with ``amx`` and granted: the CPU lists
+    :data:`AMX_FEATURES`, the compiler targeted AMX-BF16 and Linux gave the process the tile
+    state; see :meth:`tiles`)."""
 
-    def __init__(self, library: Path) -> None:
+    def __init__(self, library: Path, *, amx: bool = True) -> None:
         self.path = library
         lib = ctypes.CDLL(str(library))
         self.native = bool(lib.actorline_bf16_native())
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
         self._gemm = lib.actorline_bf16_gemm_f32
-        self._gemm.argtypes = [pointer, i64, i64, pointer, pointer, i64, pointer, ctypes.c_int]
-        self._gemm.restype = ctypes.c_int
+        self._amx_gemm = lib.actorline_bf16_gemm_amx_f32
+        for function in (self._gemm, self._amx_gemm):
+            function.argtypes = [pointer, i64, i64, pointer, pointer, i64, pointer, ctypes.c_int]
+            function.restype = ctypes.c_int
+        self.amx_rows = int(lib.actorline_bf16_amx_rows())
+        # The library asks Linux for the tile state only where the CPU lists the features.
+        self.amx = (
+            amx
+            and self.native
+            and set(AMX_FEATURES) <= cpu_flags()
+            and bool(lib.actorline_bf16_amx_enable())
+        )
+        # C callers get the dispatching GEMM (tiles from amx_rows rows on) only where granted.
+        function = lib.actorline_bf16_gemm_tiles if self.amx else lib.actorline_bf16_gemm
         #: the GEMM's address under :class:`~stages.execute.native.NativeGemm`'s convention
-        self.gemm_address = ctypes.cast(lib.actorline_bf16_gemm, ctypes.c_void_p).value or 0
+        self.gemm_address = ctypes.cast(function, ctypes.c_void_p).value or 0
         #: its column-range entry (:attr:`~stages.execute.native.NativeGemm.part`)
         self.gemm_part_address = (
             ctypes.cast(lib.actorline_bf16_gemm_part, ctypes.c_void_p).value or 0
@@ -141,38 +166,69 @@ class BF16GemmKernel:
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, k: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """``x [M, K]`` (contiguous fp32) times the packed weight: ``[M, N]`` fp32.
+        """``x [M, K]`` (contiguous fp32) times the packed weight: ``[M, N]`` fp32; on AMX
+        tiles from :attr:`amx_rows` rows on where :attr:`amx`, else with VDPBF16PS (or the
+        portable path).
 
         Raises:
             NativeKernelError: the kernel refused its arguments or could not allocate.
         """
+        tiles = self.amx and x.shape[0] >= self.amx_rows
+        return self._run(self._amx_gemm if tiles else self._gemm, x, packed, k, bias)
+
+    def tiles(
+        self, x: torch.Tensor, packed: torch.Tensor, k: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """As calling the kernel, on AMX tiles whatever the row count.
+
+        Raises:
+            NativeKernelError: this kernel has no AMX tiles (:attr:`amx` false), or the kernel
+                refused its arguments or could not allocate.
+        """
+        if not self.amx:
+            raise NativeKernelError("bf16 GEMM: no AMX tiles in this process (see .amx)")
+        return self._run(self._amx_gemm, x, packed, k, bias)
+
+    @staticmethod
+    def _run(
+        function: Any, x: torch.Tensor, packed: torch.Tensor, k: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         rows = x.shape[0]
         n = packed.shape[0] * GEMM_PANEL
         out = torch.empty(rows, n)
         if rows == 0:
             return out
-        status = self._gemm(
+        status = function(
             x.data_ptr(), rows, k, packed.data_ptr(),
             bias.data_ptr() if bias is not None else None, n, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
-            reason = "out of memory" if status == 1 else "arguments it cannot serve"
+            reason = {1: "out of memory", 3: "AMX tiles unavailable"}.get(
+                status, "arguments it cannot serve"
+            )
             raise NativeKernelError(f"bf16 GEMM kernel failed: {reason}")
         return out
 
 
 @functools.cache
-def bf16_gemm_kernel(portable: bool = False) -> BF16GemmKernel | None:
+def bf16_gemm_kernel(portable: bool = False, amx: bool = True) -> BF16GemmKernel | None:
     """The bf16 GEMM kernel, built or loaded once per process (``portable``: the widen-and-FMA
-    path even where the CPU has AVX512-BF16); ``None`` (reason logged) where it cannot be
-    built."""
+    path even where the CPU has AVX512-BF16; ``amx``: multiply on AMX tiles from
+    :attr:`BF16GemmKernel.amx_rows` rows on where the CPU and Linux allow it); ``None`` (reason
+    logged) where it cannot be built."""
     defines = (_PORTABLE_DEFINE,) if portable else ()
     try:
-        return BF16GemmKernel(build_library(BF16_SOURCE, defines=defines))
+        kernel = BF16GemmKernel(build_library(BF16_SOURCE, defines=defines), amx=amx)
     except (NativeKernelError, OSError) as error:
         logger.warning("native bf16_gemm unavailable, using torch's bf16 kernels: %s", error)
         return None
+    if amx and not portable:
+        if kernel.amx:
+            logger.info("execute: bf16 GEMM on AMX tiles from %d rows", kernel.amx_rows)
+        elif set(AMX_FEATURES) <= cpu_flags():
+            logger.info("execute: the CPU has AMX-BF16 but its tiles are unavailable here")
+    return kernel
 
 
 class BF16Linear(torch.nn.Module):
@@ -202,7 +258,7 @@ class BF16Linear(torch.nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         flat = input.reshape(-1, self.in_features).float().contiguous()  # [M, K]
         bias = self.bias.detach() if self.bias is not None else None
-        if flat.shape[0] >= TORCH_ROWS:
+        if flat.shape[0] >= TORCH_ROWS and not self._kernel.amx:
             weight = self.weight_view()  # [N, K] bf16
             output = F.linear(flat.bfloat16(), weight).float()
             if bias is not None:
@@ -283,13 +339,14 @@ def use_bf16_linears(model: Any, kernel: BF16GemmKernel, *, verify: bool = True)
 
 def _kernel_agrees(kernel: BF16GemmKernel, width: int) -> bool:
     """Whether the kernel matches ``F.linear`` on bf16-rounded operands of inner size
-    ``width`` (a random 48-column weight with bias, a few row counts)."""
+    ``width`` (a random 48-column weight with bias, a few row counts: both sides of
+    :attr:`BF16GemmKernel.amx_rows` and several AMX passes where the kernel has tiles)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(48, width, generator=generator).bfloat16().float()
     bias = torch.randn(48, generator=generator)
     packed = kernel.pack(weight)
     with torch.inference_mode():
-        for rows in _PROBE_ROWS:
+        for rows in _PROBE_ROWS + (_AMX_PROBE_ROWS if kernel.amx else ()):
             x = torch.randn(rows, width, generator=generator)
             expected = F.linear(x.bfloat16().float(), weight, bias)
             try:
@@ -325,4 +382,5 @@ def choose_cpu_dtype(flags: Iterable[str], kernel: BF16GemmKernel | None) -> tup
         return "float32", (
             f"the CPU has {'/'.join(present)} but the compiler did not target AVX512-BF16"
         )
-    return "bfloat16", f"the CPU has {'/'.join(present)} and the native bf16 kernel built"
+    tiles = f" (AMX tiles from {kernel.amx_rows} rows)" if kernel.amx else ""
+    return "bfloat16", f"the CPU has {'/'.join(present)} and the native bf16 kernel built{tiles}"

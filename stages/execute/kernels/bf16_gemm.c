@@ -269,3 +269,257 @@ int actorline_bf16_gemm_part(const float *x, int64_t m, int64_t k, const void *w
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * AMX-BF16: the same GEMM on tiles, reading the packed panels in place (no copy of W).
+ *
+ * TDPBF16PS C[16 x 16 fp32] += A[16 x 32 bf16] . B where B is 16 rows of 64 bytes, row r
+ * holding for each of 16 columns the pair (w[j, 2r], w[j, 2r + 1]): sixteen consecutive k-pair
+ * lines of one panel are exactly that tile (stride 64 bytes). A tile is 16 rows of 32 bf16 of
+ * the activations, rounded to bf16 as above into a buffer whose rows are padded with zeros to a
+ * multiple of 32 k (and whose row count to a multiple of 16). Products of two bf16 are exact in
+ * fp32; the tile unit sums in fp32 with round to nearest even and treats bf16 denormals as zero
+ * (Intel SDM, TDPBF16PS), the only numerical difference from the VDPBF16PS path.
+ *
+ * Blocking: tiles 0-3 hold a 32 x 32 block of C (two 16-row A tiles x two panels), 4-5 the A
+ * tiles, 6-7 the B tiles; four TDPBF16PS per 32 k. The bias seeds the accumulators (a 16 x 16
+ * tile of it replicated). A K tail (K not a multiple of 32: the panel has fewer than 16 lines
+ * left) copies the remaining lines to a zero-padded scratch tile: a B tile is never read past
+ * its panel (the next panel's values, or unmapped memory after the last, times the zero A pad
+ * could give NaN). M tails: rows past m are zero in the A buffer and their C rows go through a
+ * scratch tile, never stored into y. The panels are split over threads (32-column units) and
+ * the rows into blocks whose bf16 activations stay in L2.
+ *
+ * Linux hands a process the tile data state only on request: actorline_bf16_amx_enable() asks
+ * once with arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), as llama.cpp's
+ * ggml-cpu/amx/amx.cpp (ggml_amx_init) and oneDNN do, and the GEMM refuses (status 3) until it
+ * was granted; without it a tile instruction would kill the process. Each call loads its tile
+ * configuration on every thread and puts back what the thread had (oneDNN's brgemm configures
+ * its own palette per call too). Layout of the configuration: Intel SDM, LDTILECFG; the tile
+ * intrinsics as in Intel's AMX sample (Intel-tutorials amx_bf16) and llama.cpp's amx/mmq.cpp.
+ * ------------------------------------------------------------------------------------------- */
+#if DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#else
+#define AMX 0
+#endif
+
+/* From this many rows on actorline_bf16_gemm_tiles multiplies on the tiles: measured against
+ * the VDPBF16PS path on SmolLM2-135M's shapes (docs/performance.md section 12.2), the tiles
+ * lose at 1-4 rows (0.8-0.95x, both read the weights once), win from ~6 (1.3x at 8, 2.3x at
+ * 16, 6-9x at 32-64). */
+#define AMX_ROWS 8
+#define TILE_ROWS 16
+#define TILE_K 32 /* bf16 per A tile row: 16 k pairs, one B tile */
+#ifndef AMX_PASS_BYTES
+#define AMX_PASS_BYTES (512 * 1024)
+#endif
+
+int actorline_bf16_amx_rows(void) { return AMX_ROWS; }
+
+static int amx_granted = 0; /* 1 once the kernel granted the tile data state */
+
+/* 1 where this build and this process can multiply on AMX tiles (asks Linux for the tile
+ * state on the first call); 0 where the compiler did not target AMX-BF16, the CPU lacks it or
+ * the kernel refused. */
+int actorline_bf16_amx_enable(void) {
+#if AMX
+    if (amx_granted) return 1;
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return 0;
+    if (!(edx & (1u << 22)) || !(edx & (1u << 24))) return 0; /* AMX-BF16, AMX-TILE */
+    unsigned long permitted = 0;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &permitted) != 0) return 0;
+    if (!(permitted & (1ul << XFEATURE_XTILEDATA))) return 0;
+    __atomic_store_n(&amx_granted, 1, __ATOMIC_RELEASE);
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if AMX
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) tile_config;
+
+/* Row i of x as bf16 into dst (kc values: x's k, then zeros), rounded as to_bf16. */
+static void amx_round_row(const float *x, int64_t k, int64_t kc, uint16_t *dst) {
+    const __m512i keep = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i quiet = _mm512_set1_epi32(0x40);
+    for (int64_t j = 0; j < kc; j += 16) {
+        const int64_t left = k - j;
+        const __mmask16 valid = left >= 16 ? (__mmask16)0xffff
+                                : left > 0 ? (__mmask16)((1u << left) - 1u) : (__mmask16)0;
+        const __m512i bits = _mm512_maskz_loadu_epi32(valid, x + j);
+        const __m512i high = _mm512_srli_epi32(bits, 16);
+        __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(keep, _mm512_and_si512(high, one)));
+        rounded = _mm512_srli_epi32(rounded, 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, magnitude), inf);
+        rounded = _mm512_mask_or_epi32(rounded, nan, high, quiet);
+        _mm256_storeu_si256((__m256i *)(dst + j), _mm512_cvtepi32_epi16(rounded));
+    }
+}
+
+/* One block: ``ma`` (1-2) A tiles of 16 rows at ``a`` (row stride lda bf16) times ``np`` (1-2)
+ * panels from p0 (the next one kp lines on), ``valid`` rows of the block stored into y (row
+ * stride ldy floats), each panel's bias tile (16 x 16, replicated) seeding its accumulators. */
+static void amx_block(const uint16_t *a, int64_t lda, int ma, const uint16_t *p0, int np,
+                      int64_t kp, const float *bias0, const float *bias1, float *y, int64_t ldy,
+                      int64_t valid, uint16_t *tail, float *scratch) {
+    const uint16_t *p1 = p0 + kp * 2 * NR;
+    const int64_t full = kp / 16, rest = kp - full * 16, stride_a = lda * 2;
+    if (bias0) {
+        _tile_loadd(0, bias0, NR * 4);
+        _tile_loadd(2, bias0, NR * 4);
+        if (np > 1) {
+            _tile_loadd(1, bias1, NR * 4);
+            _tile_loadd(3, bias1, NR * 4);
+        }
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t c = 0; c <= full; ++c) {
+        const uint16_t *b0 = p0 + c * 16 * 2 * NR, *b1 = p1 + c * 16 * 2 * NR;
+        if (c == full) {
+            if (rest == 0) break;
+            /* The K tail: the panel's last lines, then zeros, in a tile of our own. */
+            memset(tail, 0, 2 * 16 * 2 * NR * sizeof(uint16_t));
+            memcpy(tail, b0, (size_t)rest * 2 * NR * sizeof(uint16_t));
+            if (np > 1) memcpy(tail + 16 * 2 * NR, b1, (size_t)rest * 2 * NR * sizeof(uint16_t));
+            b0 = tail;
+            b1 = tail + 16 * 2 * NR;
+        }
+        _tile_loadd(4, a + c * TILE_K, stride_a);
+        _tile_loadd(6, b0, 2 * NR * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (np > 1) {
+            _tile_loadd(7, b1, 2 * NR * 2);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (ma > 1) {
+            _tile_loadd(5, a + TILE_ROWS * lda + c * TILE_K, stride_a);
+            _tile_dpbf16ps(2, 5, 6);
+            if (np > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    /* Full tiles straight into y; a tile with rows past m through the scratch. */
+#define STORE(t, i, j)                                                                          \
+    do {                                                                                       \
+        float *dst = y + (i) * TILE_ROWS * ldy + (j) * NR;                                     \
+        const int64_t rows = valid - (i) * TILE_ROWS;                                          \
+        if (rows >= TILE_ROWS) {                                                               \
+            _tile_stored(t, dst, ldy * 4);                                                     \
+        } else {                                                                               \
+            _tile_stored(t, scratch, NR * 4);                                                  \
+            for (int64_t r = 0; r < rows; ++r) memcpy(dst + r * ldy, scratch + r * NR, NR * 4); \
+        }                                                                                      \
+    } while (0)
+    STORE(0, 0, 0);
+    if (np > 1) STORE(1, 0, 1);
+    if (ma > 1) {
+        STORE(2, 1, 0);
+        if (np > 1) STORE(3, 1, 1);
+    }
+#undef STORE
+}
+#endif
+
+/* x: [M, K] fp32 contiguous; packed: bf16 panels as actorline_bf16_gemm_f32's; bias: [N] or
+ * NULL; y: [M, N]. Returns 0; 1 when out of memory; 2 when N is not a multiple of 16; 3 when
+ * AMX is not available (this build, this CPU, or actorline_bf16_amx_enable() not granted). */
+int actorline_bf16_gemm_amx_f32(const float *x, int64_t m, int64_t k, const uint16_t *packed,
+                                const float *bias, int64_t n, float *y, int num_threads) {
+    if (n % NR != 0 || k < 1 || m < 0) return 2;
+#if AMX
+    if (!__atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE)) return 3;
+    if (m == 0) return 0;
+    const int64_t kp = (k + 1) / 2, lda = (kp + 15) / 16 * TILE_K;
+    const int64_t mp = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    const int64_t panels = n / NR, units = (panels + 1) / 2;
+    uint16_t *a = (uint16_t *)aligned_alloc(64, (size_t)(mp * lda) * sizeof(uint16_t));
+    if (!a) return 1;
+    /* Rows per pass: 32-row blocks whose bf16 activations take at most ~512 KiB of L2. */
+    int64_t pass = AMX_PASS_BYTES / (lda * 2) / 32 * 32;
+    if (pass < 32) pass = 32;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t work = units * ((mp + 31) / 32);
+    const int threads = num_threads > work ? (int)work : num_threads;
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.rows[t] = TILE_ROWS;
+        config.colsb[t] = 64;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t tail[2 * 16 * 2 * NR] __attribute__((aligned(64)));
+        float scratch[TILE_ROWS * NR] __attribute__((aligned(64)));
+        float bias_tiles[2][TILE_ROWS * NR] __attribute__((aligned(64)));
+        tile_config saved;
+        _tile_storeconfig(&saved);
+        _tile_loadconfig(&config);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < mp; ++i) {
+            if (i < m) amx_round_row(x + i * k, k, lda, a + i * lda);
+            else memset(a + i * lda, 0, (size_t)lda * sizeof(uint16_t));
+        }
+        for (int64_t m0 = 0; m0 < mp; m0 += pass) {
+            const int64_t rows = mp - m0 < pass ? mp - m0 : pass, blocks = (rows + 31) / 32;
+            int64_t seeded = -1; /* the unit whose bias the tiles hold */
+#pragma omp for collapse(2) schedule(static) nowait
+            for (int64_t u = 0; u < units; ++u) {
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t p = 2 * u, row = m0 + 32 * b;
+                    const int np = p + 1 < panels ? 2 : 1, ma = mp - row > 16 ? 2 : 1;
+                    if (bias && seeded != u) {
+                        for (int r = 0; r < TILE_ROWS; ++r) {
+                            memcpy(bias_tiles[0] + r * NR, bias + p * NR, NR * 4);
+                            if (np > 1) memcpy(bias_tiles[1] + r * NR, bias + (p + 1) * NR, NR * 4);
+                        }
+                        seeded = u;
+                    }
+                    amx_block(a + row * lda, lda, ma, packed + p * kp * 2 * NR, np, kp,
+                              bias ? bias_tiles[0] : 0, bias ? bias_tiles[1] : 0,
+                              y + row * n + p * NR, n, m - row, tail, scratch);
+                }
+            }
+        }
+        if (saved.palette) _tile_loadconfig(&saved);
+        else _tile_release();
+    }
+    free(a);
+    return 0;
+#else
+    (void)x; (void)packed; (void)bias; (void)y; (void)num_threads;
+    return 3;
+#endif
+}
+
+/* The bf16 GEMM under the NativeGemm convention, on AMX tiles from AMX_ROWS rows on where
+ * actorline_bf16_amx_enable() granted them, else actorline_bf16_gemm_f32. */
+int actorline_bf16_gemm_tiles(const float *x, int64_t m, int64_t k, const void *packed,
+                              int format, const float *bias, int64_t n, float *y,
+                              int num_threads) {
+    (void)format;
+    if (m >= AMX_ROWS && __atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE))
+        return actorline_bf16_gemm_amx_f32(x, m, k, (const uint16_t *)packed, bias, n, y,
+                                           num_threads);
+    return actorline_bf16_gemm_f32(x, m, k, (const uint16_t *)packed, bias, n, y, num_threads);
+}

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.execute.bf16 import (
+    AMX_FEATURES,
     TORCH_ROWS,
     BF16Embedding,
     BF16GemmKernel,
@@ -68,14 +69,92 @@ def test_bf16_gemm_matches_torch_on_bf16_rounded_operands(path: str) -> None:
 def test_the_instruction_path_is_used_where_the_cpu_has_it() -> None:
     native = kernels()[0]
     assert native.native == ("avx512_bf16" in cpu_flags())
+    # AMX tiles wherever the CPU lists them (this Linux grants the tile state), never without.
+    assert native.amx == (native.native and set(AMX_FEATURES) <= cpu_flags())
+    assert not kernels()[1].amx and not bf16_gemm_kernel(amx=False).amx  # type: ignore[union-attr]
 
 
-def test_bf16_linear_and_embedding_read_one_copy_of_the_weights() -> None:
+def amx_kernel() -> BF16GemmKernel:
+    if not set(AMX_FEATURES) <= cpu_flags():
+        pytest.skip("the CPU has no AMX-BF16")
+    kernel = kernels()[0]
+    assert kernel.amx, "the CPU has AMX-BF16: the kernel should multiply on its tiles"
+    return kernel
+
+
+# (N, K): one panel, odd panel counts (a lone last panel), K tails of every kind (under one
+# tile, one short of a tile, one over, odd K) and the default model's K; rows: M tails around
+# the 16-row tiles and 32-row blocks, and more rows than one pass at K 577 / 1536.
+AMX_SHAPES = ((16, 1), (48, 7), (80, 31), (32, 32), (48, 33), (96, 64), (48, 577), (112, 1536))
+AMX_ROWS = (1, 2, 15, 16, 17, 31, 32, 33, 47, 64, 100, 500)
+
+
+def test_amx_tiles_match_torch_on_bf16_rounded_operands() -> None:
+    kernel = amx_kernel()
+    generator = torch.Generator().manual_seed(2)
+    for n, k in AMX_SHAPES:
+        weight = torch.randn(n, k, generator=generator)
+        bias = torch.randn(n, generator=generator)
+        packed = kernel.pack(weight)
+        for rows in AMX_ROWS:
+            if rows == 500 and k not in (577, 1536):
+                continue
+            x = torch.randn(rows, k, generator=generator) * 3
+            expected = F.linear(x.bfloat16().float(), weight.bfloat16().float(), bias)
+            for with_bias in (True, False):
+                got = kernel.tiles(x, packed, k, bias if with_bias else None)
+                want = expected if with_bias else expected - bias
+                scale = max(want.abs().max().item(), 1.0)
+                error = (got - want).abs().max().item()
+                assert error <= 2e-6 * scale * max(1.0, k**0.5 / 8), (n, k, rows, error)
+
+
+def test_amx_tiles_never_read_past_a_panel() -> None:
+    """K tails: a B tile read past its panel would multiply what follows (the next panel's
+    first lines, here holding inf; after the last panel, NaN) by the activations' zero padding,
+    which gives NaN."""
+    kernel = amx_kernel()
+    generator = torch.Generator().manual_seed(3)
+    for k in (7, 33, 63):
+        weight = torch.randn(48, k, generator=generator)
+        weight[16, 0] = weight[32, 0] = float("inf")  # the first line of panels 1 and 2
+        packed = kernel.pack(weight)
+        room = torch.full((packed.numel() + 64 * 32,), float("nan"), dtype=torch.bfloat16)
+        room[: packed.numel()] = packed.flatten()
+        poisoned = room[: packed.numel()].view(packed.shape)
+        x = torch.randn(40, k, generator=generator)
+        got = kernel.tiles(x, poisoned, k, None)
+        finite = [column for column in range(48) if column not in (16, 32)]
+        assert torch.isfinite(got[:, finite]).all(), k
+        assert torch.isinf(got[:, [16, 32]]).all(), k
+        expected = F.linear(x.bfloat16().float(), weight.bfloat16().float())
+        assert torch.allclose(got[:, finite], expected[:, finite], rtol=1e-5, atol=1e-4), k
+
+
+def test_the_kernel_multiplies_on_tiles_from_amx_rows() -> None:
+    """Below ``amx_rows`` the call is the VDPBF16PS GEMM bit for bit, from there the tiles."""
+    kernel = amx_kernel()
+    plain = bf16_gemm_kernel(amx=False)
+    assert plain is not None and not plain.amx
+    generator = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(64, 96, generator=generator), torch.randn(64, generator=generator)
+    packed = kernel.pack(weight)
+    for rows in (1, kernel.amx_rows - 1, kernel.amx_rows, 3 * kernel.amx_rows + 1):
+        x = torch.randn(rows, 96, generator=generator)
+        got = kernel(x, packed, 96, bias)
+        if rows < kernel.amx_rows:
+            assert torch.equal(got, plain(x, packed, 96, bias)), rows
+        else:
+            assert torch.equal(got, kernel.tiles(x, packed, 96, bias)), rows
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-where-present", "no-amx"])
+def test_bf16_linear_and_embedding_read_one_copy_of_the_weights(amx: bool) -> None:
     """A bf16 linear made from an fp32 packed one computes its weights rounded to bf16 at every
-    row count (the native kernel below ``TORCH_ROWS``, torch's bf16 matmul from there); the
-    embedding tied to it gives the rounded rows."""
-    gemm, kernel = packed_gemm_kernel(), kernels()[0]
-    assert gemm is not None
+    row count (the native kernel, with AMX tiles where present; without them torch's bf16
+    matmul from ``TORCH_ROWS``); the embedding tied to it gives the rounded rows."""
+    gemm, kernel = packed_gemm_kernel(), bf16_gemm_kernel(amx=amx)
+    assert gemm is not None and kernel is not None
     linear = torch.nn.Linear(33, 64)
     packed = PackedLinear.from_linear(linear, gemm)
     bf16 = BF16Linear.from_packed(packed, kernel)
@@ -88,7 +167,7 @@ def test_bf16_linear_and_embedding_read_one_copy_of_the_weights() -> None:
             expected = F.linear(x.bfloat16().float(), weight, linear.bias)
             got = bf16(x)
             # From TORCH_ROWS on torch rounds its product to bf16: 2^-8 of each output.
-            tolerance = 1e-5 if rows < TORCH_ROWS else 2**-8
+            tolerance = 1e-5 if rows < TORCH_ROWS or kernel.amx else 2**-8
             assert got.shape == expected.shape and got.dtype == torch.float32
             assert torch.allclose(got, expected, rtol=tolerance, atol=tolerance), rows
         embedding = BF16Embedding(bf16, torch.tensor(2.0))
@@ -209,6 +288,30 @@ def test_tiny_model_in_bf16_matches_the_emulating_reference(
         assert got[:close] == tokens[:close], (index, close)
         compared += close
     assert compared >= 2 * len(prompts), compared  # the check is not vacuous
+
+
+@pytest.mark.slow  # two loads of the tiny model: ~11 s on the loaded 2-core machine
+def test_step_graph_decodes_on_the_tiles_as_the_module_path(tiny_model_dir: Path) -> None:
+    """Decode steps of 12 rows (from ``amx_rows`` on: the tiles, through ``NativeGemm`` from C)
+    give the module path's greedy tokens."""
+    kernel = amx_kernel()
+    prompts = random_prompts((5, 9, 17, 3, 30, 12, 7, 21, 4, 11, 16, 8), seed=5)
+    assert len(prompts) >= kernel.amx_rows
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    outputs = []
+    for graphs in (True, False):
+        config = ExecuteConfig(
+            model=str(tiny_model_dir), dtype="bfloat16", num_blocks=64, use_cuda_graphs=graphs
+        )
+        runner = ModelRunner(config)
+        runner.load()
+        assert (runner.step_graph is not None) == graphs
+        report = drive(runner, make_requests(prompts, params))
+        assert report.max_requests_per_step == len(prompts)
+        if runner.step_graph is not None:
+            assert runner.step_graph.steps >= 4  # the 12-row decode steps ran in C
+        outputs.append(report.outputs)
+    assert outputs[0] == outputs[1]
 
 
 def test_dtype_auto_picks_bf16_where_the_cpu_multiplies_it(tiny_model_dir: Path) -> None:

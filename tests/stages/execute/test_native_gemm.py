@@ -84,9 +84,10 @@ def test_column_ranges_compute_the_whole_calls_columns_bit_for_bit() -> None:
     (the CPU step graph's threads each call it for their share), and no column outside its
     range, whether it derives the rows' int8 blocks or bf16 pairs again or keeps the last
     call's (same_x); a range not starting at a multiple of 32 columns is refused by the fp32
-    GEMM, whose pairs of panels it would split."""
+    GEMM, whose pairs of panels it would split. (The bf16 whole call without AMX tiles: from
+    their rows on it sums on the tile unit, in another order than the column ranges.)"""
     packed_kernel, quant_kernel = packed_gemm_kernel(), quant_gemm_kernel()
-    bf16_kernel = bf16_gemm_kernel()
+    bf16_kernel = bf16_gemm_kernel(amx=False)
     assert packed_kernel is not None and quant_kernel is not None and bf16_kernel is not None
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(80, 96, generator=generator) * 0.1

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import stages.execute.runner as runner_module
+from stages.execute.bf16 import bf16_gemm_kernel
 from stages.execute.config import ExecuteConfig
 from stages.execute.runner import ModelRunner
 from stages.execute.step_graph import MAX_ROWS, StepGraph
@@ -228,10 +229,15 @@ def test_one_region_per_step_gives_the_per_op_logits_bit_for_bit(
     tiny_model_dir: Path, tiny_gguf: Path, fields: dict[str, object]
 ) -> None:
     """Every thread count splits the columns, heads and (row, head) pairs otherwise; each
-    element is computed by the same code in the same order, so the logits are equal."""
+    element is computed by the same code in the same order, so the logits are equal. Except
+    where the per-op form's bf16 GEMM multiplies on AMX tiles (from ``amx_rows`` rows, where
+    the CPU has them): the tile unit sums in another order (and flushes bf16 denormals) than
+    the threads' VDPBF16PS column ranges, so those rows agree to float noise only."""
     model = tiny_gguf if fields.get("quantization") == "gguf" else tiny_model_dir
     runner = load(model, num_blocks=128, block_size=4, **fields)
     assert runner.step_graph is not None and runner.step_graph.threaded
+    kernel = bf16_gemm_kernel() if fields.get("dtype") == "bfloat16" else None
+    tiles_from = kernel.amx_rows if kernel is not None and kernel.amx else MAX_ROWS + 1
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
@@ -244,7 +250,10 @@ def test_one_region_per_step_gives_the_per_op_logits_bit_for_bit(
                     context=5 if rows > 1 else 9,
                     vocab=512 if model == tiny_gguf else 49152,
                 )
-                assert torch.equal(threaded, per_op), (count, rows)
+                if rows < tiles_from:
+                    assert torch.equal(threaded, per_op), (count, rows)
+                else:
+                    torch.testing.assert_close(threaded, per_op, rtol=1e-3, atol=1e-3)
     finally:
         torch.set_num_threads(threads)
 
