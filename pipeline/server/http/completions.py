@@ -44,14 +44,18 @@ def _choice(
     logprobs = None
     if answer.texts is not None and (entries or unscored_first is not None):
         logprobs, offset = completion_logprobs(entries, answer.texts, offset, unscored_first)
-    choice = {
+    return _fields(index, output, text, logprobs), offset
+
+
+def _fields(index: int, output: RequestOutput, text: str, logprobs: Any) -> dict[str, Any]:
+    """A choice's fields that every completion answer has."""
+    return {
         "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": output.finish_reason,
         "stop_reason": output.stop_reason,
     }
-    return choice, offset
 
 
 def _whole_choice(answer: Answer, index: int, output: RequestOutput) -> dict[str, Any]:
@@ -69,13 +73,7 @@ def _whole_choice(answer: Answer, index: int, output: RequestOutput) -> dict[str
             logprobs = lazy_completion_logprobs(entries, texts, unscored_first=first)
         elif output.logprobs:
             logprobs = lazy_completion_logprobs(output.logprobs, texts)
-    choice = {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": output.finish_reason,
-        "stop_reason": output.stop_reason,
-    }
+    choice = _fields(index, output, text, logprobs)
     if answer.prompt_logprobs is not None:
         choice["prompt_logprobs"] = lazy_prompt_logprobs(output, answer.prompt_logprobs)
     if answer.token_ids:
