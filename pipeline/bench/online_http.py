@@ -468,9 +468,10 @@ def format_http_online(result: HttpOnlineResult) -> str:
             key = f"{server.name} {server.format} @ {rate.rate:g} req/s"
             rounds = " ".join(f"{itl:.1f}" for itl in result.rounds.get(key, ()))
             rows.append([server.name, server.format, *rate.cells(), rounds])
+    count = result.llamacpp_threads
     threads = (
-        f"; llama-server with {result.llamacpp_threads} threads"
-        if result.llamacpp_threads is not None
+        f"; llama-server with {count} thread{'s' if count != 1 else ''}"
+        if count is not None
         else ""
     )
     lines = [
