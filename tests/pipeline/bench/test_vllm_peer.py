@@ -99,3 +99,32 @@ def test_the_driver_marker_is_the_one_parsed() -> None:
     from pipeline.bench import vllm_driver
 
     assert vllm_driver.RESULT_MARKER == RESULT_MARKER
+
+
+def test_offline_runs_vllm_in_its_own_dtype_beside_actorlines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--vllm-dtype bfloat16`` with actorline in fp32: vLLM's runs are named with their
+    dtype (the report then tells the two apart); without ``--peer vllm`` it is refused."""
+    import argparse
+
+    from pipeline.bench.offline import OfflineConfig, config_from_args
+    from pipeline.bench.offline_peers import OfflinePeers
+    from pipeline.cli import bench as cli_bench
+
+    parser = argparse.ArgumentParser(prog="actorline")
+    cli_bench.add_commands(parser.add_subparsers(dest="command", required=True))
+    argv = ["bench", "offline", "--peer", "vllm", "--vllm-variant", "default"]
+    config = config_from_args(parser.parse_args([*argv, "--vllm-dtype", "bfloat16"]))
+    assert config.dtype == "float32" and config.vllm_dtype == "bfloat16"
+    peers = OfflinePeers(config, tmp_path, [[1, 2]], [4])
+    assert peers.names == [f"{VARIANTS['default'].name}, bf16"]
+    same = config_from_args(parser.parse_args([*argv, "--dtype", "bfloat16"]))
+    assert same.vllm_dtype is None
+    assert OfflinePeers(same, tmp_path, [[1, 2]], [4]).names == [VARIANTS["default"].name]
+    with pytest.raises(ValueError, match="vllm_dtype"):
+        OfflineConfig(vllm_dtype="float16", vllm_variants=("default",))
+    args = parser.parse_args(["bench", "offline", "--vllm-dtype", "bfloat16"])
+    with pytest.raises(SystemExit) as exited:
+        args.run(args)
+    assert exited.value.code == 2 and "--peer vllm" in capsys.readouterr().err
