@@ -357,13 +357,14 @@ def test_ranks_agree_whether_to_probe_when_their_probe_caches_disagree(
     ranks: dict[int, bool] = {}
     probed: list[int] = []
     monkeypatch.setattr(runner_module, "checks_passed", lambda *_: ranks[threading.get_ident()])
-    original_probe = ModelRunner._probe
+    rank_of: dict[int, int] = {}  # loading thread -> its runner's rank
+    original_probe = runner_module.check_paged_attention
 
-    def probe(self: ModelRunner, *args: Any) -> None:
-        probed.append(self.rank)
-        original_probe(self, *args)
+    def probe(*args: Any, **kwargs: Any) -> None:
+        probed.append(rank_of[threading.get_ident()])
+        original_probe(*args, **kwargs)
 
-    monkeypatch.setattr(ModelRunner, "_probe", probe)
+    monkeypatch.setattr(runner_module, "check_paged_attention", probe)
     # NOTE: the two ranks share this process, and transformers' loading is not thread-safe
     # (its meta-device context is global): one from_pretrained at a time.
     from transformers import AutoModelForCausalLM
@@ -380,6 +381,7 @@ def test_ranks_agree_whether_to_probe_when_their_probe_caches_disagree(
 
     def load(runner: ModelRunner) -> None:
         ranks[threading.get_ident()] = runner.rank == 1  # rank 1 "finds a pass"
+        rank_of[threading.get_ident()] = runner.rank
         try:
             runner.load()
         except BaseException as error:
