@@ -35,7 +35,7 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
-from stages.checks import check_bool, describe
+from stages.checks import check_bool, check_bounded_string, describe
 from stages.errors import InvalidRequestError
 from stages.messages import ChatRendering
 
@@ -201,15 +201,13 @@ def check_rendering(
             field="continue_final_message",
             request_id=request_id,
         )
-    template = rendering.template
-    if not isinstance(template, str) or len(template) > MAX_CHAT_TEMPLATE_CHARS:
-        size = f"{len(template):,} characters" if isinstance(template, str) else describe(template)
-        raise InvalidRequestError(
-            f"chat_template must be a Jinja template of at most {MAX_CHAT_TEMPLATE_CHARS:,} "
-            f"characters, got {size}",
-            field="chat_template",
-            request_id=request_id,
-        )
+    template = check_bounded_string(
+        "chat_template",
+        rendering.template,
+        max_length=MAX_CHAT_TEMPLATE_CHARS,
+        what="a Jinja template",
+        request_id=request_id,
+    )
     if template:
         try:
             template_variables(template)
@@ -220,14 +218,13 @@ def check_rendering(
 
 
 def _check_kwargs_text(text: object, request_id: str | None) -> None:
-    if not isinstance(text, str) or len(text) > MAX_TEMPLATE_KWARGS_CHARS:
-        size = f"{len(text):,} characters" if isinstance(text, str) else describe(text)
-        raise InvalidRequestError(
-            f"chat_template_kwargs must be a JSON object of at most "
-            f"{MAX_TEMPLATE_KWARGS_CHARS:,} characters, got {size}",
-            field="chat_template_kwargs",
-            request_id=request_id,
-        )
+    text = check_bounded_string(
+        "chat_template_kwargs",
+        text,
+        max_length=MAX_TEMPLATE_KWARGS_CHARS,
+        what="a JSON object",
+        request_id=request_id,
+    )
     if not text:
         return
     try:

@@ -22,6 +22,7 @@ __all__ = [
     "INT64_MAX",
     "INT64_MIN",
     "check_bool",
+    "check_bounded_string",
     "check_int",
     "check_number",
     "check_text",
@@ -113,6 +114,25 @@ def check_bool(field: str, value: object, *, request_id: str | None = None) -> b
     """
     if type(value) is not bool:
         raise _fail(field, f"must be a boolean, got {describe(value)}", request_id)
+    return value
+
+
+def check_bounded_string(
+    field: str, value: object, *, max_length: int, what: str, request_id: str | None = None
+) -> str:
+    """``value`` if it is a str of at most ``max_length`` characters; ``what`` says what the
+    string holds, for the message (``"a Jinja template"``, ``"a JSON object"``). Unlike
+    :func:`check_text` the message names the limit and the size even for a wrong type, and
+    the text's content is not checked (its parser does that).
+
+    Raises:
+        InvalidRequestError: naming ``field``.
+    """
+    if not isinstance(value, str) or len(value) > max_length:
+        size = f"{len(value):,} characters" if isinstance(value, str) else describe(value)
+        raise _fail(
+            field, f"must be {what} of at most {max_length:,} characters, got {size}", request_id
+        )
     return value
 
 

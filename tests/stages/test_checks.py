@@ -10,6 +10,7 @@ from stages.checks import (
     INT64_MAX,
     INT64_MIN,
     check_bool,
+    check_bounded_string,
     check_int,
     check_number,
     check_text,
@@ -72,6 +73,16 @@ def test_text_that_passes_and_where_names_the_part() -> None:
         check_text("t", "12345", max_length=4)
     with pytest.raises(InvalidRequestError, match="must be a string, got b'x' \\(bytes\\)"):
         check_text("t", b"x")
+
+
+def test_a_bounded_string_names_its_limit_and_size() -> None:
+    assert check_bounded_string("t", "abc", max_length=3, what="a template") == "abc"
+    with pytest.raises(InvalidRequestError) as caught:
+        check_bounded_string("t", "abcd", max_length=3, what="a template", request_id="r1")
+    assert str(caught.value) == "t must be a template of at most 3 characters, got 4 characters"
+    assert caught.value.field == "t" and caught.value.request_id == "r1"
+    with pytest.raises(InvalidRequestError, match=r"at most 3 characters, got 7 \(int\)"):
+        check_bounded_string("t", 7, max_length=3, what="a template")
 
 
 def test_token_ids() -> None:
