@@ -8,7 +8,6 @@ with ``return_tokens``). Building and running llama.cpp is not part of the test 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -47,16 +46,8 @@ from pipeline.bench.llamacpp_peer import (
     sdist_from_metadata,
     server_command,
 )
-
-DATA = Path(__file__).with_name("data")
-
-
-def bench_parser() -> argparse.ArgumentParser:
-    from pipeline.cli import bench as cli_bench
-
-    parser = argparse.ArgumentParser(prog="actorline")
-    cli_bench.add_commands(parser.add_subparsers(dest="command", required=True))
-    return parser
+from tests.pipeline.bench.conftest import DATA, ReplayServer, SeenRequest
+from tests.pipeline.bench.test_bench import bench_parser
 
 
 def test_the_build_is_native_offline_and_only_the_server(tmp_path: Path) -> None:
@@ -190,33 +181,20 @@ def test_offline_takes_llamacpp_as_a_peer_in_actorlines_format() -> None:
         OfflineConfig(llamacpp=True, quantization="int8")
 
 
-async def _replay(body: bytes) -> StreamTrace:
-    """The recorded stream sent by a real socket server, chunked as llama-server sends it,
-    read by the benchmark's client."""
-    events = [part + b"\n\n" for part in body.split(b"\n\n") if part]
-    chunks = b"".join(f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in events) + b"0\r\n\r\n"
-    head = (
-        b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: text/event-stream\r\n"
-        b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-    )
-    seen: list[bytes] = []
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        seen.append(await reader.readuntil(b"\r\n\r\n"))
-        writer.write(head + chunks)
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
+async def _replay(recorded_llama_server: ReplayServer) -> StreamTrace:
+    """The recorded stream read by the benchmark's client."""
+    seen: list[SeenRequest] = []
+    async with await recorded_llama_server(seen) as server:
+        port = server.sockets[0].getsockname()[1]
         trace = await stream_completion("127.0.0.1", port, {"prompt": [1, 2], "max_tokens": 8})
-    assert seen and seen[0].startswith(b"POST /v1/completions HTTP/1.1")
+    assert seen and seen[0].head.startswith(b"POST /v1/completions HTTP/1.1")
     return trace
 
 
-def test_a_recorded_llama_server_stream_is_timed_and_its_timings_read() -> None:
-    trace = asyncio.run(_replay((DATA / "llamacpp_11434_stream.txt").read_bytes()))
+def test_a_recorded_llama_server_stream_is_timed_and_its_timings_read(
+    recorded_llama_server: ReplayServer,
+) -> None:
+    trace = asyncio.run(_replay(recorded_llama_server))
     assert len(trace.token_times) == 8 and trace.usage_tokens == 8  # the last event has no text
     assert trace.timings is not None
     timings = parse_timings({"timings": trace.timings})

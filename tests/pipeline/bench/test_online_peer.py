@@ -6,7 +6,6 @@ round, ratio and target per format. Running llama.cpp is not part of the test su
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -31,16 +30,8 @@ from pipeline.bench.online_http import (
     merge_rounds,
     peer_ratios,
 )
-
-DATA = Path(__file__).with_name("data")
-
-
-def bench_parser() -> argparse.ArgumentParser:
-    from pipeline.cli import bench as cli_bench
-
-    parser = argparse.ArgumentParser(prog="actorline")
-    cli_bench.add_commands(parser.add_subparsers(dest="command", required=True))
-    return parser
+from tests.pipeline.bench.conftest import ReplayServer, SeenRequest
+from tests.pipeline.bench.test_bench import bench_parser
 
 
 def test_the_online_cli_takes_llamacpp_per_format() -> None:
@@ -103,32 +94,9 @@ def test_both_servers_run_the_format_with_the_same_slots(name: str, tmp_path: Pa
     assert ("--no-repack" in theirs) == (not fmt.repack)
 
 
-async def _replay_server(body: bytes, seen: list[dict[str, object]]) -> asyncio.Server:
-    """A real socket server answering every POST with the recorded llama-server stream,
-    chunked as llama-server sends it; each request's JSON body goes to ``seen``."""
-    events = [part + b"\n\n" for part in body.split(b"\n\n") if part]
-    chunks = b"".join(f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in events) + b"0\r\n\r\n"
-    head = (
-        b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: text/event-stream\r\n"
-        b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-    )
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        headers = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            int(line.split(b":", 1)[1])
-            for line in headers.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )
-        seen.append(json.loads(await reader.readexactly(length)))
-        writer.write(head + chunks)
-        await writer.drain()
-        writer.close()
-
-    return await asyncio.start_server(answer, "127.0.0.1", 0)
-
-
-def test_a_recorded_llama_server_stream_through_the_online_load(tiny_model_dir: Path) -> None:
+def test_a_recorded_llama_server_stream_through_the_online_load(
+    tiny_model_dir: Path, recorded_llama_server: ReplayServer
+) -> None:
     from stages.tokenize import load_tokenizer
 
     config = HttpOnlineConfig(
@@ -138,16 +106,16 @@ def test_a_recorded_llama_server_stream_through_the_online_load(tiny_model_dir: 
         llamacpp_formats=("q4_1",),
     )
     tokenizer = load_tokenizer(config.model)
-    seen: list[dict[str, object]] = []
+    seen: list[SeenRequest] = []
 
     async def run() -> list[RateLatency]:
-        server = await _replay_server((DATA / "llamacpp_11434_stream.txt").read_bytes(), seen)
+        server = await recorded_llama_server(seen)
         async with server:
             return await measure_rates(server.sockets[0].getsockname()[1], config, tokenizer)
 
     rates = asyncio.run(run())
     assert len(seen) == 1 + 3 * 2  # the warm-up, then each rate's requests
-    for request in seen[1:]:
+    for request in (json.loads(each.body) for each in seen[1:]):
         assert request["stream"] is True and request["ignore_eos"] is True
         assert request["temperature"] == 0.0 and request["max_tokens"] in (16, 32, 64, 128)
         prompt = request["prompt"]
