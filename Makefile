@@ -56,7 +56,7 @@ typecheck: setup
 	$(BIN)/mypy
 
 test: lint typecheck browser
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/actorline bench transports
