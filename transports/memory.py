@@ -139,19 +139,21 @@ class MemoryChannel(Generic[T]):
                 if self._items:
                     wake_one(self._getters)
                 raise
-        if self._receiving_closed:
-            raise LinkClosedError(f"channel {self.name!r}: receiving end is closed")
-        item = self._items.popleft()
-        self.received += 1
-        if self._putters:
-            wake_one(self._putters)
-        return item
+        return self._take()
 
     def receive_nowait(self) -> T:
         """Take the next item or raise :class:`WouldBlock` if empty."""
         if not self._items:
             self._check_receive()
             raise WouldBlock(f"channel {self.name!r} is empty")
+        return self._take()
+
+    def _take(self) -> T:
+        """The next queued item (there is one), waking a sender waiting for room.
+
+        Raises:
+            LinkClosedError: after ``close_receiving``.
+        """
         if self._receiving_closed:
             raise LinkClosedError(f"channel {self.name!r}: receiving end is closed")
         item = self._items.popleft()
