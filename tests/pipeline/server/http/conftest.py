@@ -89,6 +89,23 @@ def openai_serve(
         serve.kill()
 
 
+@pytest.fixture(scope="package")
+def reasoning_serve(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServeProcess]:
+    """``actorline serve --reasoning-parser deepseek_r1``, HTTP only, no keys: the chat and
+    the Responses API tests of the parser share it (they only send requests)."""
+    serve = ServeProcess(
+        openai_serve_arguments(tiny_model_dir, "--num-blocks", "64", "--reasoning-parser",
+                               "deepseek_r1", grpc=False),
+        tmp_path_factory.mktemp("reasoning-serve") / "stderr.txt",
+    )  # fmt: skip
+    try:
+        yield serve
+    finally:
+        serve.kill()
+
+
 @pytest.fixture
 def client(openai_serve: ServeProcess) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=openai_serve.http_url, api_key=API_KEY, max_retries=0) as made:

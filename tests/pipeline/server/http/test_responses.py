@@ -9,7 +9,6 @@ rendered as chat completions render it, structured outputs, LangChain's
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.pipeline.server.http.conftest import API_KEY, MODEL, openai_serve_arguments
+from tests.pipeline.server.http.conftest import API_KEY, MODEL
 from tests.pipeline.server.http.test_tools import TOOLS
 from tests.pipeline.server.serving import ServeProcess, bearer
 
@@ -237,31 +236,23 @@ def test_langchain_use_responses_api(openai_serve: ServeProcess) -> None:
 
 
 @pytest.mark.slow
-def test_reasoning_items_whole_and_streamed(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_reasoning_items_whole_and_streamed(reasoning_serve: ServeProcess) -> None:
     """``actorline serve --reasoning-parser deepseek_r1`` (a random model writes no
     ``</think>``, so all it writes is reasoning): one ``reasoning`` item whose
     ``reasoning_text`` the stream's deltas reassemble (greedy, so the same text)."""
-    serve = ServeProcess(
-        openai_serve_arguments(tiny_model_dir, "--num-blocks", "64", "--reasoning-parser",
-                               "deepseek_r1", grpc=False),
-        tmp_path / "stderr.txt",
-    )  # fmt: skip
-    try:
-        with openai.OpenAI(base_url=serve.http_url, api_key="none", max_retries=0) as client:
-            fields: Any = dict(model=MODEL, input=QUESTION, max_output_tokens=10,
-                               temperature=0.0)  # fmt: skip
-            whole = client.responses.create(**fields)
-            (item,) = whole.output
-            assert item.type == "reasoning" and item.content and item.content[0].text
-            with client.responses.stream(**fields) as stream:
-                events = list(stream)
-                final = stream.get_final_response()
-            deltas = "".join(
-                getattr(event, "delta", "") for event in events
-                if event.type == "response.reasoning_text.delta"
-            )  # fmt: skip
-            assert deltas == item.content[0].text
-            assert [i.type for i in final.output] == ["reasoning"]
-            assert final.output[0].content[0].text == deltas
-    finally:
-        serve.kill()
+    with openai.OpenAI(base_url=reasoning_serve.http_url, api_key="none", max_retries=0) as client:
+        fields: Any = dict(model=MODEL, input=QUESTION, max_output_tokens=10,
+                           temperature=0.0)  # fmt: skip
+        whole = client.responses.create(**fields)
+        (item,) = whole.output
+        assert item.type == "reasoning" and item.content and item.content[0].text
+        with client.responses.stream(**fields) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        deltas = "".join(
+            getattr(event, "delta", "") for event in events
+            if event.type == "response.reasoning_text.delta"
+        )  # fmt: skip
+        assert deltas == item.content[0].text
+        assert [i.type for i in final.output] == ["reasoning"]
+        assert final.output[0].content[0].text == deltas

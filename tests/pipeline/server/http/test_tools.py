@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,7 +21,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.pipeline.server.http.conftest import API_KEY, MODEL, openai_serve_arguments
+from tests.pipeline.server.http.conftest import API_KEY, MODEL
 from tests.pipeline.server.serving import ServeProcess, bearer
 
 WEATHER_SCHEMA = {
@@ -264,29 +263,21 @@ def test_a_named_call_over_grpc(openai_serve: ServeProcess) -> None:
 
 
 @pytest.mark.slow
-def test_a_reasoning_parser_served(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_reasoning_parser_served(reasoning_serve: ServeProcess) -> None:
     """``actorline serve --reasoning-parser deepseek_r1``: the answer's
     ``reasoning_content``, and the stream's ``delta.reasoning_content`` pieces reassembling to
     it (greedy, so the same text)."""
-    serve = ServeProcess(
-        openai_serve_arguments(tiny_model_dir, "--num-blocks", "64", "--reasoning-parser",
-                               "deepseek_r1", grpc=False),
-        tmp_path / "stderr.txt",
-    )  # fmt: skip
-    try:
-        with openai.OpenAI(base_url=serve.http_url, api_key="none", max_retries=0) as client:
-            fields: Any = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0.0,
-                               extra_body={"ignore_eos": True})  # fmt: skip
-            whole = client.chat.completions.create(**fields)
-            message = whole.choices[0].message
-            reasoning = getattr(message, "reasoning_content", None)
-            # deepseek_r1: a random model writes no </think>, so all of it is reasoning
-            assert reasoning and message.content == ""
-            streamed = {"reasoning_content": "", "content": ""}
-            for chunk in client.chat.completions.create(**fields, stream=True):
-                for choice in chunk.choices:
-                    for key in streamed:
-                        streamed[key] += getattr(choice.delta, key, None) or ""
-            assert streamed == {"reasoning_content": reasoning, "content": ""}
-    finally:
-        serve.kill()
+    with openai.OpenAI(base_url=reasoning_serve.http_url, api_key="none", max_retries=0) as client:
+        fields: Any = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0.0,
+                           extra_body={"ignore_eos": True})  # fmt: skip
+        whole = client.chat.completions.create(**fields)
+        message = whole.choices[0].message
+        reasoning = getattr(message, "reasoning_content", None)
+        # deepseek_r1: a random model writes no </think>, so all of it is reasoning
+        assert reasoning and message.content == ""
+        streamed = {"reasoning_content": "", "content": ""}
+        for chunk in client.chat.completions.create(**fields, stream=True):
+            for choice in chunk.choices:
+                for key in streamed:
+                    streamed[key] += getattr(choice.delta, key, None) or ""
+        assert streamed == {"reasoning_content": reasoning, "content": ""}
