@@ -29,6 +29,8 @@ from pipeline.bench.null_load import (
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
 from pipeline.bench.report import (
     add_common_arguments,
+    add_ray_arguments,
+    asks_for_ray,
     format_rate,
     format_table,
     print_result,
@@ -169,15 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_option_argument(parser, EngineOptions, "transport")
     parser.add_argument("--repeats", type=int, default=None, help="runs on one engine (3)")
     add_option_argument(parser, EngineOptions, "tune_gc")
-    parser.add_argument(
-        "--ray",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="ADDRESS",
-        help="also run the engine's hosts on Ray and compare with local processes",
+    add_ray_arguments(
+        parser, help="also run the engine's hosts on Ray and compare with local processes"
     )
-    add_option_argument(parser, EngineOptions, "ray_auth_token_file")
     parser.add_argument(
         "--data-parallel-size",
         type=int,
@@ -213,10 +209,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         ValueError: ``--ray-auth-token-file`` without ``--ray``, or the Ray cluster refuses
             this process (RayConnectionError), among the configuration's own refusals.
     """
-    if args.ray is None and args.ray_auth_token_file is not None:
-        raise ValueError("--ray-auth-token-file is the token of a Ray cluster: give --ray too")
-    if args.ray is not None:
-        from pipeline.bench.parallel import format_ray, run_ray
+    if asks_for_ray(args):
+        from pipeline.bench.parallel import run_ray_from_args
         from stages.params import SamplingParams
 
         config = config_from_args(args)
@@ -227,18 +221,10 @@ def run_from_args(args: argparse.Namespace) -> int:
             "tune_gc": config.tune_gc,
         }
         params = [SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)]
-        ray_result = run_ray(
-            "ceiling",
-            config.model,
-            options,
-            ceiling_prompts(config),
-            params,
+        return run_ray_from_args(
+            args, "ceiling", config.model, options, ceiling_prompts(config), params,
             repeats=config.repeats,
-            ray_address=args.ray or None,
-            ray_auth_token_file=args.ray_auth_token_file,
-        )
-        print_result(ray_result, format_ray(ray_result), args.json)
-        return 0
+        )  # fmt: skip
     if args.data_parallel_size > 1:
         from pipeline.bench.parallel import format_data_parallel, run_data_parallel
 

@@ -76,11 +76,15 @@ from pipeline.bench.offline_report import (
 )
 from pipeline.bench.process import peak_rss_bytes, rss_bytes
 from pipeline.bench.profile import Profile, build_profile, take_snapshot
-from pipeline.bench.report import add_common_arguments, print_result, run_main
+from pipeline.bench.report import (
+    add_common_arguments,
+    add_ray_arguments,
+    asks_for_ray,
+    print_result,
+    run_main,
+)
 from pipeline.bench.roof import RoofConfig, run_roof
 from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload, prompt_ids
-from pipeline.engine.option_fields import add_option_argument
-from pipeline.engine.options import EngineOptions
 
 if TYPE_CHECKING:
     from pipeline.engine.loop_thread import LoopThread
@@ -612,15 +616,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="run the workload on N ranks against one rank (and nothing else)",
     )
-    parser.add_argument(
-        "--ray",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="ADDRESS",
-        help="run the workload with the engine's hosts on Ray against local processes",
+    add_ray_arguments(
+        parser, help="run the workload with the engine's hosts on Ray against local processes"
     )
-    add_option_argument(parser, EngineOptions, "ray_auth_token_file")
 
 
 _SKIP_NAMES = {
@@ -672,10 +670,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         ValueError: ``--ray-auth-token-file`` without ``--ray``, or the Ray cluster refuses
             this process (RayConnectionError), among the configuration's own refusals.
     """
-    if args.ray is None and args.ray_auth_token_file is not None:
-        raise ValueError("--ray-auth-token-file is the token of a Ray cluster: give --ray too")
-    if args.ray is not None:
-        from pipeline.bench.parallel import format_ray, run_ray
+    if asks_for_ray(args):
+        from pipeline.bench.parallel import run_ray_from_args
         from stages.params import SamplingParams
         from stages.tokenize import load_tokenizer
 
@@ -690,18 +686,9 @@ def run_from_args(args: argparse.Namespace) -> int:
             "max_num_batched_tokens": offline.max_num_batched_tokens,
         }
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in limits]
-        ray_result = run_ray(
-            "offline",
-            offline.model,
-            options,
-            prompts,
-            params,
-            repeats=args.repeats,
-            ray_address=args.ray or None,
-            ray_auth_token_file=args.ray_auth_token_file,
+        return run_ray_from_args(
+            args, "offline", offline.model, options, prompts, params, repeats=args.repeats
         )
-        print_result(ray_result, format_ray(ray_result), args.json)
-        return 0
     if args.tensor_parallel_size > 1:
         from pipeline.bench.parallel import (
             TensorParallelConfig,

@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import multiprocessing
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.bench.null_load import CeilingConfig, null_engine_blocks, stream_all
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
-from pipeline.bench.report import format_rate, format_table
+from pipeline.bench.report import format_rate, format_table, print_result
 from pipeline.bench.workload import blocks_to_hold
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ __all__ = [
     "measure_ray",
     "run_data_parallel",
     "run_ray",
+    "run_ray_from_args",
     "run_tensor_parallel",
 ]
 
@@ -478,6 +480,37 @@ async def _generate_all(
 def run_ray(*args: Any, **kwargs: Any) -> RayResult:
     """:func:`measure_ray` in a fresh event loop."""
     return asyncio.run(measure_ray(*args, **kwargs))
+
+
+def run_ray_from_args(
+    args: argparse.Namespace,
+    benchmark: str,
+    model: str,
+    options: dict[str, Any],
+    prompts: Sequence[Any],
+    params: Sequence[SamplingParams],
+    *,
+    repeats: int,
+) -> int:
+    """:func:`run_ray` on the cluster the options of
+    :func:`~pipeline.bench.report.add_ray_arguments` name, its result printed (``--json``
+    or readable); the exit status.
+
+    Raises:
+        RayConnectionError: the cluster refuses this process.
+    """
+    result = run_ray(
+        benchmark,
+        model,
+        options,
+        prompts,
+        params,
+        repeats=repeats,
+        ray_address=args.ray or None,
+        ray_auth_token_file=args.ray_auth_token_file,
+    )
+    print_result(result, format_ray(result), args.json)
+    return 0
 
 
 def format_ray(result: RayResult) -> str:

@@ -12,6 +12,8 @@ from typing import Any
 
 __all__ = [
     "add_common_arguments",
+    "add_ray_arguments",
+    "asks_for_ray",
     "format_rate",
     "format_table",
     "print_result",
@@ -36,6 +38,27 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, profile: bool = Tru
             action="store_true",
             help="print where the time goes per stage (from the pipeline's statistics)",
         )
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser, *, help: str) -> None:
+    """``--ray [ADDRESS]`` (``help``: what the benchmark does on Ray) and
+    ``--ray-auth-token-file``."""
+    from pipeline.engine.option_fields import add_option_argument
+    from pipeline.engine.options import EngineOptions
+
+    parser.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS", help=help)
+    add_option_argument(parser, EngineOptions, "ray_auth_token_file")
+
+
+def asks_for_ray(args: argparse.Namespace) -> bool:
+    """Whether the options of :func:`add_ray_arguments` ask for a run on Ray.
+
+    Raises:
+        ValueError: ``--ray-auth-token-file`` without ``--ray``.
+    """
+    if args.ray is None and args.ray_auth_token_file is not None:
+        raise ValueError("--ray-auth-token-file is the token of a Ray cluster: give --ray too")
+    return args.ray is not None
 
 
 def format_table(

@@ -85,6 +85,21 @@ def test_cli_lists_every_benchmark() -> None:
     assert not parser.parse_args(["bench", "ceiling", "--no-tune-gc"]).tune_gc
 
 
+@pytest.mark.parametrize("benchmark", ["ceiling", "offline"])
+def test_ray_options_are_one_pair_per_benchmark(benchmark: str) -> None:
+    from pipeline.bench.report import asks_for_ray
+
+    parser = bench_parser()
+    assert not asks_for_ray(parser.parse_args(["bench", benchmark]))
+    anywhere = parser.parse_args(["bench", benchmark, "--ray"])
+    assert asks_for_ray(anywhere) and anywhere.ray == ""  # RAY_ADDRESS or a local cluster
+    named = parser.parse_args(["bench", benchmark, "--ray", "10.0.0.1:6379"])
+    assert asks_for_ray(named) and named.ray == "10.0.0.1:6379"
+    alone = parser.parse_args(["bench", benchmark, "--ray-auth-token-file", "/token"])
+    with pytest.raises(ValueError, match="give --ray too"):
+        asks_for_ray(alone)
+
+
 # -- the benchmarks, --quick, on the tiny model ------------------------------------------------
 
 
