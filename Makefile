@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make run    set everything up, then stream a generation from the default model
-#   make test   set everything up, then lint, type-check and run the whole test suite
+#   make test   set everything up, then lint, type-check and run the whole test suite (its
+#               25 slowest tests listed at the end, so a CI log shows where the time goes)
 #
 # TORCH_SPEC picks the torch build. The default, torch==2.13.0, is the CPU build (small and
 # quick to install); on a machine with an NVIDIA GPU use e.g. `make run TORCH_SPEC=torch`.
