@@ -1,6 +1,6 @@
 """The synchronous LLM wrapper, on the real default model and on the tiny one. Tests that
-take the module's ``llm`` share one engine of default options (each leaves it idle, no
-observer attached); a test that needs other options, or closes it, starts its own."""
+take ``llm`` share the package's engine of default options (each leaves it idle, no observer
+attached); a test that needs other options, or closes it, starts its own."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,10 @@ from pipeline import LLM, InvalidRequestError, PipelineClosedError, SamplingPara
 from stages.messages import ChatMessage
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir: Path) -> Iterator[LLM]:
-    """The tiny model over the memory transport, default options, shared by the module."""
-    with LLM(str(tiny_model_dir), transport="memory") as made:
-        yield made
+@pytest.fixture
+def llm(tiny_llm: LLM) -> LLM:
+    """The package's engine of default options (tests/pipeline/engine/conftest.py)."""
+    return tiny_llm
 
 
 @pytest.mark.slow
