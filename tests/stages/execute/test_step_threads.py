@@ -1,7 +1,7 @@
 """The contention fallback in a real model runner (stages.execute.step_threads): with two busy
 processes beside it on the cores, a governor that takes any run-queue wait for contention
-drops the steps to one thread mid-run, the step results say so, and the greedy tokens are the
-ones the same requests get at a fixed two threads (every element of a step is computed by the
+tries one thread mid-run (and keeps it or not, as the steps' times say), the step results say
+each change, and the greedy tokens are the ones the same requests get at a fixed two threads (every element of a step is computed by the
 same code in the same order at any thread count, tests/stages/execute/test_step_graph.py)."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def busy_cores() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("two_threads")
-def test_steps_drop_to_one_thread_with_the_same_tokens(
+def test_one_thread_is_tried_mid_run_with_the_same_tokens(
     tiny_model_dir: Path, busy_cores: None
 ) -> None:
     prompts = random_prompts((7, 12, 5), seed=36)
@@ -67,11 +67,13 @@ def test_steps_drop_to_one_thread_with_the_same_tokens(
     governed = _Governed(load_runner(tiny_model_dir, num_blocks=64, block_size=4), threads)
     report = drive(cast(ModelRunner, governed), make_requests(prompts))
 
-    assert governor.contended and governor.changes >= 1
-    assert torch.get_num_threads() == 1
+    # one thread was tried (kept or not: that is the steps' times' to say)
+    assert governor.changes >= 1
     reported = [result.threads for result in report.results if result.threads]
     assert reported[0] == 2  # the first step says the count it ran on
-    assert 1 in reported[1:]  # and the change
+    assert reported[1] == 1  # and each change
+    assert len(reported) == governor.changes + 1
+    assert torch.get_num_threads() == governor.current
     assert report.outputs == fixed.outputs
 
 
