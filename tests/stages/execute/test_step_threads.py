@@ -1,8 +1,9 @@
 """The contention fallback in a real model runner (stages.execute.step_threads): with two busy
 processes beside it on the cores, a governor that takes any run-queue wait for contention
 tries one thread mid-run (and keeps it or not, as the steps' times say), the step results say
-each change, and the greedy tokens are the ones the same requests get at a fixed two threads (every element of a step is computed by the
-same code in the same order at any thread count, tests/stages/execute/test_step_graph.py)."""
+each change, and the greedy tokens are the ones the same requests get at a fixed two threads
+(every element of a step is computed by the same code in the same order at any thread count,
+tests/stages/execute/test_step_graph.py)."""
 
 from __future__ import annotations
 
