@@ -15,9 +15,9 @@ torch is imported: :func:`apply_omp_policy` runs first thing in a spawned host p
 (:mod:`pipeline.runtime.host_main`), and the parent hands the policy down in
 :data:`POLICY_ENV`.
 
-- ``auto``: spin a short while (:data:`AUTO_SPIN_COUNT` pauses, ~0.2-0.5 ms; long enough for
-  the gaps inside a step, short of the step's Python between steps), and let the execute
-  stage drop to one thread while the machine is oversubscribed
+- ``auto``: spin briefly (:data:`AUTO_SPIN_COUNT` pauses, ~25-50 µs here: about a futex
+  wake, so back-to-back regions do not pay one, far short of the step's Python between two
+  steps), and let the execute stage try one thread while the machine is oversubscribed
   (:mod:`stages.execute.contention`).
 - ``active``: ``OMP_WAIT_POLICY=ACTIVE`` (spin without end: a machine the engine has to
   itself); ``passive``: ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once: a busy shared machine).
@@ -51,10 +51,12 @@ POLICY_ENV = "ACTORLINE_OMP_WAIT_POLICY"
 #: what the user may set instead of the option (each wins over it)
 USER_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
-#: ``GOMP_SPINCOUNT`` under ``auto``: 10,000 pauses, ~0.3-0.5 ms on an Intel Xeon (measured:
-#: 300,000 pauses took 7.8-16 ms there), less on CPUs with a shorter ``pause``
-#: (docs/performance.md §13)
-AUTO_SPIN_COUNT = 10_000
+#: ``GOMP_SPINCOUNT`` under ``auto``: 1,000 pauses, ~25-50 µs on an Intel Xeon (measured:
+#: 300,000 pauses took 7.8-16 ms there), less on CPUs with a shorter ``pause``; the count
+#: libgomp itself falls to when it has more threads than CPUs (its throttled spin count,
+#: libgomp/env.c). Passive waits beat libgomp's default and 10,000 pauses on a loaded machine
+#: (docs/performance.md §13, "Threads between regions")
+AUTO_SPIN_COUNT = 1_000
 
 
 def _check(policy: str) -> None:
