@@ -236,6 +236,9 @@ class EngineInfo:
     # What the KV cache stores ("float32", "bfloat16", ...; kv_cache_dtype resolved): with
     # native bf16 weights on CPU the activations are fp32 and the cache bf16.
     kv_cache_dtype: str = "float32"
+    # How the engine process's OpenMP threads wait between regions, in words
+    # (pipeline.runtime.omp_policy.wait_policy_in_effect; "" where not reported).
+    omp_wait_policy: str = ""
 
 
 @message()
@@ -325,6 +328,9 @@ class StepResult:
     communication_seconds: float = 0.0
     prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
     embeddings: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # the thread count execute steps on from now, where it changed (stages.execute.contention;
+    # 0: unchanged)
+    threads: int = 0
 
 
 @message()
@@ -349,6 +355,9 @@ class EngineStats:
     communication_seconds: float = 0.0
     replica: str = ""
     step_tokens: int = 0
+    # the threads the execute stage steps on (contention fallback: one while the machine is
+    # oversubscribed; stages.execute.contention); 0 until it reports
+    execute_threads: int = 0
 
 
 @message()

@@ -222,6 +222,7 @@ class Scheduler:
         self._last_forward_seconds = 0.0
         self._last_step_tokens = 0
         self._communication_seconds = 0.0
+        self._execute_threads = 0
 
     # ------------------------------------------------------------------ inputs
 
@@ -351,6 +352,7 @@ class Scheduler:
             communication_seconds=self._communication_seconds,
             replica=self.config.replica,
             step_tokens=self._last_step_tokens,
+            execute_threads=self._execute_threads,
         )
 
     # ------------------------------------------------------------------ planning
@@ -614,6 +616,7 @@ class Scheduler:
         self._last_step_seconds = max(self._clock() - in_flight.started, 0.0)
         self._last_forward_seconds = result.forward_seconds
         self._communication_seconds += result.communication_seconds
+        self._execute_threads = result.threads or self._execute_threads
 
         preempted = set(result.preempted)
         for request_id in result.preempted:

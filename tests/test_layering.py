@@ -49,6 +49,7 @@ PURE_MODULES = (
     "stages.checks",
     "stages.validation",
     "stages.recovery",
+    "stages.execute.contention",
 )
 FORBIDDEN = ("asyncio", "anyio", "zmq", "grpc", "torch")
 

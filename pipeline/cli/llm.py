@@ -225,6 +225,9 @@ def _prespawn_engine(args: argparse.Namespace) -> None:
     Also start loading the tokenizer here, on a thread (stages.tokenize.prefetch_tokenizer),
     instead of after the engine process is up. Not with ``--ray``: the engine's hosts are
     Ray actors then, and a local one would wait unused until exit."""
+    from pipeline.runtime.omp_policy import OMP_WAIT_POLICIES, POLICY_ENV, apply_omp_policy
+
+    policy = getattr(args, "omp_wait_policy", "auto")
     # memory: one process, no engine host
     if getattr(args, "transport", "zmq") != "memory" and getattr(args, "ray", None) is None:
         from pipeline.engine.presets import engine_preload
@@ -232,7 +235,9 @@ def _prespawn_engine(args: argparse.Namespace) -> None:
 
         preload = engine_preload(args.model, getattr(args, "model_impl", "auto"))
         with contextlib.suppress(OSError):  # the engine then starts its host as usual
-            prespawn_host(preload)
+            prespawn_host(preload, ((POLICY_ENV, policy),))
+    elif policy in OMP_WAIT_POLICIES:  # the engine runs here: before torch is imported
+        apply_omp_policy(policy)
     from stages.tokenize import prefetch_tokenizer
 
     prefetch_tokenizer(args.model)

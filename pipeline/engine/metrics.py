@@ -270,6 +270,12 @@ class _SnapshotCollector(Collector):
         yield counter("preemptions", "Requests preempted (KV blocks ran out), since start.",
                       stats.num_preemptions if stats else 0)  # fmt: skip
         yield counter("engine_steps", "Engine steps run.", stats.num_steps if stats else 0)
+        yield gauge(
+            "execute_threads",
+            "Threads the execute stage steps on (one while the machine is oversubscribed; 0: "
+            "not reported yet).",
+            stats.execute_threads if stats else 0,
+        )
         yield counter(
             "engine_restarts",
             "Times a fresh engine replaced one that died or froze (restart_engine).",

@@ -15,6 +15,7 @@ from stages.execute.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     MODEL_IMPLS,
+    OMP_WAIT_POLICIES,
     QUANT_ACTIVATIONS,
     QUANTIZATIONS,
 )
@@ -194,6 +195,12 @@ class EngineOptions:
         "auto", choices=ATTENTION_BACKENDS, feeds=("execute",),
         help="how attention reads the paged KV cache: gather + SDPA (auto) or FlexAttention "
         "in place (flex; docs/architecture.md §6.4)",
+    )  # fmt: skip
+    omp_wait_policy: str = option(
+        "auto", choices=OMP_WAIT_POLICIES, feeds=("execute", "start"),
+        help="how the engine's OpenMP threads wait between parallel regions: a short spin, "
+        "and one thread while the machine is oversubscribed (auto), spin (active) or sleep "
+        "(passive); OMP_WAIT_POLICY or GOMP_SPINCOUNT set by you win (docs/performance.md §13)",
     )  # fmt: skip
     start_timeout: float = option(600.0, help="seconds the engine may take to start",
                                   feeds=("start",), commands=_NO_FLAG)  # fmt: skip

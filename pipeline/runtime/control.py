@@ -62,6 +62,9 @@ class HostPlan:
     log_level: str = "WARNING"
     transport_settings: tuple[tuple[str, Any], ...] = ()
     tune_gc: bool = True
+    #: variables a spawned host process starts with, set by its parent (the OpenMP wait
+    #: policy, pipeline.runtime.omp_policy: read before torch loads, so not from the plan)
+    environment: tuple[tuple[str, str], ...] = ()
     #: the file the host maps for its crash notes ("" for none; see pipeline.runtime.crash_note)
     crash_note: str = ""
 

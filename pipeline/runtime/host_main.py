@@ -27,6 +27,10 @@ def _limit_malloc_arenas() -> None:
 
 if __name__ == "__main__":
     _limit_malloc_arenas()
+    # before torch (and its OpenMP runtime) is imported, by a preload or by a stage
+    from pipeline.runtime.omp_policy import apply_omp_policy
+
+    apply_omp_policy()
     from pipeline.runtime.prespawn import PRELOAD_FLAG
     from pipeline.runtime.processes import serve_host
 

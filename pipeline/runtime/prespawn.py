@@ -25,6 +25,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from pipeline.runtime.settings import child_environment
+
 __all__ = [
     "PRELOAD_FLAG",
     "PrespawnedHost",
@@ -42,10 +44,12 @@ PRELOAD_FLAG = "--preload"
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrespawnedHost:
-    """A started host process waiting for its bootstrap on ``control`` (the parent's end)."""
+    """A started host process waiting for its bootstrap on ``control`` (the parent's end),
+    started with ``environment`` added to the parent's."""
 
     process: subprocess.Popen[bytes]
     control: socket.socket
+    environment: tuple[tuple[str, str], ...] = ()
 
 
 _waiting: list[PrespawnedHost] = []
@@ -60,9 +64,11 @@ def host_command(control_fd: int, preload: Sequence[str] = ()) -> list[str]:
     return command
 
 
-def prespawn_host(preload: Sequence[str]) -> None:
+def prespawn_host(preload: Sequence[str], environment: Sequence[tuple[str, str]] = ()) -> None:
     """Start a host process now that imports ``preload`` while this one goes on (see the
-    module docstring); at most one waits at a time (a second call does nothing).
+    module docstring), with ``environment`` added to this process's (what the host plan's
+    ``environment`` will say: a host is taken only where the two agree); at most one waits at
+    a time (a second call does nothing).
 
     Raises:
         OSError: the process could not be started.
@@ -75,6 +81,7 @@ def prespawn_host(preload: Sequence[str]) -> None:
             host_command(child_end.fileno(), preload),
             pass_fds=(child_end.fileno(),),
             stdin=subprocess.DEVNULL,
+            env=child_environment(dict(environment)),
         )
     except BaseException:
         parent_end.close()
@@ -85,15 +92,22 @@ def prespawn_host(preload: Sequence[str]) -> None:
     if not _exit_hook:
         atexit.register(discard_prespawned)
         _exit_hook = True
-    _waiting.append(PrespawnedHost(process, parent_end))
+    _waiting.append(PrespawnedHost(process, parent_end, tuple(environment)))
 
 
-def take_prespawned() -> PrespawnedHost | None:
-    """The waiting prespawned host, if one is still alive (it is then no longer waiting)."""
+def take_prespawned(environment: Sequence[tuple[str, str]] = ()) -> PrespawnedHost | None:
+    """The waiting prespawned host, if one is still alive and was started with
+    ``environment`` (it is then no longer waiting; one started with another is discarded:
+    what its environment set, the OpenMP runtime has read already)."""
     while _waiting:
-        host = _waiting.pop()
-        if host.process.poll() is None:
+        host = _waiting[-1]
+        if host.process.poll() is None and host.environment == tuple(environment):
+            _waiting.pop()
             return host
+        if host.process.poll() is None:
+            discard_prespawned()
+            return None
+        _waiting.pop()
         host.control.close()
     return None
 

@@ -67,6 +67,7 @@ from pipeline.runtime.gc_policy import freeze_startup_heap
 from pipeline.runtime.host import FailureCallback, LinkLostCallback, LocalHost
 from pipeline.runtime.prespawn import host_command, preload_modules, take_prespawned
 from pipeline.runtime.replicas import ReplicaLost
+from pipeline.runtime.settings import child_environment
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
 from transports.tasks import TaskSet
@@ -358,7 +359,7 @@ class ProcessHost:
 
     async def spawn(self) -> None:
         """Start the host process and hand it its plan."""
-        prespawned = take_prespawned()
+        prespawned = take_prespawned(self.plan.environment)
         if prespawned is not None:
             # started ahead by prespawn_host: its imports have been running meanwhile
             parent_end = prespawned.control
@@ -382,6 +383,7 @@ class ProcessHost:
                     host_command(child_end.fileno()),
                     pass_fds=(child_end.fileno(),),
                     stdin=subprocess.DEVNULL,
+                    env=child_environment(dict(self.plan.environment)),
                 )
             except BaseException:
                 self._remove_ipc_dir()

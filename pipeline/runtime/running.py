@@ -52,6 +52,7 @@ from pipeline.runtime.errors import (
 from pipeline.runtime.gc_policy import raise_young_threshold, restore_threshold
 from pipeline.runtime.host import LocalHost
 from pipeline.runtime.hosts import Host, RemoteHost
+from pipeline.runtime.omp_policy import POLICY_ENV
 from pipeline.runtime.processes import ProcessHost
 from pipeline.runtime.ray_hosts import (
     RayActorHost,
@@ -102,7 +103,9 @@ class StartOptions:
     ``transport_settings``: keyword arguments per transport name (e.g. bind addresses).
     ``tune_gc``: once the stages have started, raise the garbage collector's young-generation
     threshold while the pipeline runs (in this process too) and freeze the start-up heap of
-    each spawned host process (see :mod:`pipeline.runtime.gc_policy`).
+    each spawned host process (see :mod:`pipeline.runtime.gc_policy`). ``omp_wait_policy``:
+    how a spawned host's OpenMP threads wait (:mod:`pipeline.runtime.omp_policy`; None:
+    ``auto``, or what this process's environment says).
     ``hosts``: hosts to run as Ray actors (host name → :class:`RayHost`), the others are
     spawned processes; ``placement_groups``: Ray placement groups to create for them (name →
     :class:`RayPlacementGroup`); ``ray_address``: the cluster to connect to ("auto": the one
@@ -123,6 +126,7 @@ class StartOptions:
     log_level: str | None = None
     transport_settings: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     tune_gc: bool = True
+    omp_wait_policy: str | None = None
     hosts: Mapping[str, RayHost] = dataclasses.field(default_factory=dict)
     placement_groups: Mapping[str, RayPlacementGroup] = dataclasses.field(default_factory=dict)
     ray_address: str | None = None
@@ -187,6 +191,9 @@ def plan_hosts(pipeline: Pipeline, options: StartOptions) -> dict[str, HostPlan]
             log_level=options.log_level or settings.log_level(),
             transport_settings=settings_items,
             tune_gc=options.tune_gc,
+            environment=(
+                ((POLICY_ENV, options.omp_wait_policy),) if options.omp_wait_policy else ()
+            ),
         )
         for host in pipeline.hosts
     }

@@ -110,6 +110,7 @@ class ModelInfo:
     prefix_caching: bool
     eos_token_ids: tuple[int, ...]
     kv_cache_dtype: str = ""  # empty from a server older than the field
+    omp_wait_policy: str = ""  # the same
 
 
 def _output_from_proto(response: pb.GenerateResponse) -> StreamedOutput:

@@ -385,4 +385,5 @@ def model_info_to_proto(info: EngineInfo, scheduler: str) -> pb.ModelInfo:
         prefix_caching=info.enable_prefix_caching,
         eos_token_ids=info.eos_token_ids,
         kv_cache_dtype=info.kv_cache_dtype,
+        omp_wait_policy=info.omp_wait_policy,
     )

@@ -290,7 +290,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "kv_cache_blocks", "block_size", "kv_cache_tokens", "kv_cache_bytes", "dtype", "device", "scheduler", "prefix_caching", "eos_token_ids", "kv_cache_dtype")
+    __slots__ = ("model", "max_model_len", "vocab_size", "kv_cache_blocks", "block_size", "kv_cache_tokens", "kv_cache_bytes", "dtype", "device", "scheduler", "prefix_caching", "eos_token_ids", "kv_cache_dtype", "omp_wait_policy")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,7 @@ class ModelInfo(_message.Message):
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OMP_WAIT_POLICY_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -317,4 +318,5 @@ class ModelInfo(_message.Message):
     prefix_caching: bool
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_cache_dtype: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., scheduler: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    omp_wait_policy: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., scheduler: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., omp_wait_policy: _Optional[str] = ...) -> None: ...

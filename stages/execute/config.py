@@ -12,6 +12,7 @@ __all__ = [
     "DTYPES",
     "KV_CACHE_DTYPES",
     "MODEL_IMPLS",
+    "OMP_WAIT_POLICIES",
     "QUANTIZATIONS",
     "QUANT_ACTIVATIONS",
     "ExecuteConfig",
@@ -32,6 +33,10 @@ QUANTIZATIONS = ("gguf", "int8")
 QUANT_ACTIVATIONS = ("auto", "int8", "fp32")
 MODEL_IMPLS = ("auto", "native", "transformers")
 ATTENTION_BACKENDS = ("auto", "gather_sdpa", "flex")
+#: ``omp_wait_policy`` values: pipeline.runtime.omp_policy's (not imported from there: the
+#: ``pipeline`` package brings the runtime with it, and this module stays pure;
+#: tests/pipeline/runtime/test_omp_policy.py checks the two agree)
+OMP_WAIT_POLICIES = ("auto", "active", "passive")
 _DECODE_ATTENTION_MODES = ("auto", "native", "grouped", "padded", "per_sequence")
 
 
@@ -115,6 +120,10 @@ class ExecuteConfig:
       (:data:`stages.pooling.POOLING_TYPES`: ``last`` (default), ``mean`` or ``cls``), and
       ``pooling_normalize`` whether it is L2-normalized (default on; a request may say
       otherwise), as vLLM's pooler config (docs/architecture.md §12).
+    - ``omp_wait_policy``: how the OpenMP workers wait between parallel regions
+      (:mod:`pipeline.runtime.omp_policy`, set in the engine process before torch loads);
+      ``auto`` (default) also drops the step to one thread while the machine is
+      oversubscribed and back once it is quiet (:mod:`stages.execute.contention`).
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -145,6 +154,7 @@ class ExecuteConfig:
     attention_backend: str = "auto"
     pooling_type: str = "last"
     pooling_normalize: bool = True
+    omp_wait_policy: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -233,6 +243,11 @@ class ExecuteConfig:
             raise ExecuteConfigError(
                 "attention_backend",
                 f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+            )
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise ExecuteConfigError(
+                "omp_wait_policy",
+                f"must be one of {OMP_WAIT_POLICIES}, got {self.omp_wait_policy!r}",
             )
         if self.attention_backend == "flex" and self.decode_attention != "auto":
             raise ExecuteConfigError(

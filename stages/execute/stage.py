@@ -19,6 +19,7 @@ frontend imports every stage class to build and check the pipeline graph, and to
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from pipeline.runtime.stage import Stage, handles
@@ -29,6 +30,7 @@ from stages.models import loading
 
 if TYPE_CHECKING:
     from stages.execute.runner import ModelRunner
+    from stages.execute.step_threads import StepThreads
 
 __all__ = ["RENDEZVOUS_HOST", "ExecuteStage"]
 
@@ -45,6 +47,7 @@ class ExecuteStage(Stage):
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)
         self.runner: ModelRunner | None = None
+        self.step_threads: StepThreads | None = None
         self._store: object = None  # rank 0's TCPStore, alive as long as the group
 
     async def start(self) -> None:
@@ -56,6 +59,7 @@ class ExecuteStage(Stage):
         import torch
 
         from stages.execute.runner import ModelRunner
+        from stages.execute.step_threads import StepThreads
         from stages.execute.tensor_parallel import (
             host_rendezvous,
             rendezvous_host,
@@ -75,7 +79,10 @@ class ExecuteStage(Stage):
             if size > 1:
                 torch.set_num_threads(threads_per_rank(size))
             with loading():
-                return runner.load()
+                info = runner.load()
+            # on the worker thread: its thread count is the steps'
+            self.step_threads = StepThreads(self.config.omp_wait_policy if size == 1 else "")
+            return dataclasses.replace(info, omp_wait_policy=self.step_threads.wait_policy)
 
         info = await self.run_in_thread(load)
         await self.emit("info", info)
@@ -92,7 +99,8 @@ class ExecuteStage(Stage):
         assert runner is not None
         note_step(step)
         if runner.group is None:
-            return await self.run_in_thread(runner.execute, step)
+            assert self.step_threads is not None
+            return await self.run_in_thread(self.step_threads.run, runner.execute, step)
         prepared = await self.run_in_thread(runner.prepare, step)
         if prepared.shard is not None:
             await self.emit("ranks", prepared.shard)
