@@ -115,6 +115,9 @@ class ExecuteConfig:
       (:data:`stages.pooling.POOLING_TYPES`: ``last`` (default), ``mean`` or ``cls``), and
       ``pooling_normalize`` whether it is L2-normalized (default on; a request may say
       otherwise), as vLLM's pooler config (docs/architecture.md §12).
+    - ``enable_lora``: serve requests with LoRA adapters (docs/lora.md): ``max_loras``
+      adapters in one batch, of rank at most ``max_lora_rank``, ``max_cpu_loras`` kept loaded
+      (None: ``max_loras``; adapters of running requests stay loaded). vLLM's names.
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -145,6 +148,10 @@ class ExecuteConfig:
     attention_backend: str = "auto"
     pooling_type: str = "last"
     pooling_normalize: bool = True
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -188,6 +195,7 @@ class ExecuteConfig:
             "fused_ops",
             "tune_allocator",
             "pooling_normalize",
+            "enable_lora",
         ):
             if type(getattr(self, flag)) is not bool:
                 raise ExecuteConfigError(flag, "must be a boolean")
@@ -225,6 +233,22 @@ class ExecuteConfig:
                 f"must be one of {_DECODE_ATTENTION_MODES}, got {self.decode_attention!r}",
             )
 
+        self._check_positive("max_loras", self.max_loras)
+        self._check_positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None:
+            self._check_positive("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ExecuteConfigError(
+                    "max_cpu_loras",
+                    f"({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
+                    "a batch's adapters are all loaded",
+                )
+        if self.enable_lora and self.tensor_parallel_size != 1:
+            raise ExecuteConfigError(
+                "enable_lora",
+                "LoRA adapters are not sharded: they run with tensor_parallel_size 1, got "
+                f"{self.tensor_parallel_size} (docs/lora.md)",
+            )
         if self.pooling_type not in POOLING_TYPES:
             raise ExecuteConfigError(
                 "pooling_type", f"must be one of {POOLING_TYPES}, got {self.pooling_type!r}"
