@@ -363,8 +363,7 @@ class LoRAChecker:
         """
         if not self.enabled:
             raise LoRAAdapterError(
-                "this engine serves no LoRA adapters: start it with enable_lora "
-                "(--enable-lora)",
+                "this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)",
                 field="lora_request",
             )
         request = check_lora_request(lora)

@@ -54,6 +54,7 @@ from pipeline.runtime.replicas import ReplicaLost, ReplicaStatus
 from pipeline.runtime.running import RunningPipeline
 from stages.checks import check_text
 from stages.errors import ENGINE_DEAD, InvalidRequestError, RequestError, error_from_kind
+from stages.lora import LoRAAdapterError, LoRAChecker, LoRARequest
 from stages.messages import (
     AbortRequests,
     ChatRendering,
@@ -64,7 +65,6 @@ from stages.messages import (
     RequestOutputs,
     RequestRejected,
 )
-from stages.lora import LoRAAdapterError, LoRAChecker, LoRARequest
 from stages.params import SamplingParams
 from stages.pooling import PoolingParams
 from stages.tools import ToolUse

@@ -25,9 +25,9 @@ from pipeline.engine.prompts import CheckedPrompt, Prompt, is_prompt_dict
 from pipeline.runtime.errors import PipelineClosedError
 from stages.chat_template import make_rendering
 from stages.errors import InvalidRequestError, OverloadedError, RateLimitedError
+from stages.lora import LoRARequest
 from stages.messages import ChatMessage, ChatRendering, RequestOutput, ToolSpec
 from stages.params import SamplingParams
-from stages.lora import LoRARequest
 from stages.pooling import PoolingParams
 from stages.tools import ToolUse, tool_specs_of
 from transports.tasks import TaskSet
@@ -131,7 +131,11 @@ class LLM:
         # generate() takes the checked prompts as they are (docs/architecture.md §7.1).
         checked = [
             self._engine.check(
-                prompt, sampling, chat_template=chat_template, tools=tools, rendering=rendering,
+                prompt,
+                sampling,
+                chat_template=chat_template,
+                tools=tools,
+                rendering=rendering,
                 lora_request=lora,
             )
             for prompt, sampling, lora in zip(batch, per_prompt, loras)

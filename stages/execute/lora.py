@@ -43,7 +43,9 @@ __all__ = ["LoRABank", "LoRALinear", "LoRARows", "LoadedAdapter", "lora_rows"]
 
 logger = logging.getLogger("actorline.execute")
 
-_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(LORA_TARGETS) + r")$")
+_MODULE = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(LORA_TARGETS) + r")$"
+)
 _MLP = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$")
 _FUSED_PARTS = ("gate_proj", "up_proj")
 
@@ -63,7 +65,7 @@ class LoadedAdapter:
     found, and its weights per ``(layer, wrapped projection)``."""
 
     request: LoRARequest
-    spec: AdapterSpec
+    spec: AdapterSpec | None
     deltas: dict[tuple[int, str], _Delta]  # (layer, wrapper kind) -> weights
 
 
@@ -245,45 +247,51 @@ class LoRABank:
                 for key, (a_name, b_name) in spec.tensors.items():
                     a = file.get_tensor(a_name).to(torch.float32)
                     b = file.get_tensor(b_name).to(torch.float32)
-                    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                        raise LoRAAdapterError(
-                            f"LoRA adapter {lora.lora_name!r}: {a_name} or {b_name} holds a "
-                            "NaN or infinity",
-                            field="lora_request",
-                        )
                     weights[key] = (a, b)
-        except (OSError, RuntimeError, ValueError) as exc:
-            if isinstance(exc, LoRAAdapterError):
-                raise
+        except (OSError, RuntimeError) as exc:
             raise LoRAAdapterError(
                 f"LoRA adapter {lora.lora_name!r}: adapter_model.safetensors is not readable "
                 f"({exc})",
                 field="lora_request",
             ) from None
+        adapter = self.adapter_of_weights(weights, spec.scale, lora, spec)
+        logger.info(
+            "execute: loaded LoRA adapter %r (id %d, rank %d, %d projections)",
+            lora.lora_name, lora.lora_int_id, spec.rank, len(adapter.deltas),
+        )  # fmt: skip
+        return adapter
+
+    def adapter_of_weights(
+        self,
+        weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+        scale: float,
+        request: LoRARequest | None = None,
+        spec: AdapterSpec | None = None,
+    ) -> LoadedAdapter:
+        """An adapter of ``weights`` (``(layer, projection) -> (A [r, in], B [out, r])``,
+        checked already) and ``scale``, its gate/up deltas fused where the model's are; not
+        kept by the bank (:meth:`acquire` keeps what it loads)."""
         deltas: dict[tuple[int, str], _Delta] = {}
         fused = self.fused_mlp
         for (layer, module), (a, b) in weights.items():
             if fused and module in _FUSED_PARTS:
                 continue
-            deltas[layer, module] = self._delta([a], [b], spec.scale)
+            deltas[layer, module] = self._delta([a], [b], scale)
         if fused:
             for layer in sorted({layer for layer, module in weights if module in _FUSED_PARTS}):
-                parts = [weights.get((layer, part)) for part in _FUSED_PARTS]
-                rank = spec.rank
                 a_parts, b_parts = [], []
-                for part, pair in zip(_FUSED_PARTS, parts, strict=True):
+                rank = next(pair[0].shape[0] for (at, part), pair in weights.items()
+                            if at == layer and part in _FUSED_PARTS)  # fmt: skip
+                for part in _FUSED_PARTS:
+                    pair = weights.get((layer, part))
                     if pair is None:  # the adapter leaves this half alone: a zero delta
                         target = self.targets[part]
                         pair = (torch.zeros(rank, target.in_features),
                                 torch.zeros(target.out_features, rank))  # fmt: skip
                     a_parts.append(pair[0])
                     b_parts.append(pair[1])
-                deltas[layer, "gate_up"] = self._delta(a_parts, b_parts, spec.scale)
-        logger.info(
-            "execute: loaded LoRA adapter %r (id %d, rank %d, %d projections)",
-            lora.lora_name, lora.lora_int_id, spec.rank, len(deltas),
-        )  # fmt: skip
-        return LoadedAdapter(lora, spec, deltas)
+                deltas[layer, "gate_up"] = self._delta(a_parts, b_parts, scale)
+        return LoadedAdapter(request or LoRARequest("weights", 0, ""), spec, deltas)
 
     def _delta(
         self, a_parts: Sequence[torch.Tensor], b_parts: Sequence[torch.Tensor], scale: float

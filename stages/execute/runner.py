@@ -65,7 +65,6 @@ from stages.execute.flex import use_flex
 from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import grammar_rows
 from stages.execute.llama import load_native_llama
-from stages.execute.lora import LoadedAdapter, LoRABank, lora_rows
 from stages.execute.loading import (
     PROBE_REQUEST,
     check_paged_attention,
@@ -77,6 +76,7 @@ from stages.execute.loading import (
     resolve_dtype,
     resolve_kv_dtype,
 )
+from stages.execute.lora import LoadedAdapter, LoRABank, lora_rows
 from stages.execute.model_impl import NativeConfig, eos_token_ids, model_config
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import (
