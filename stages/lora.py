@@ -350,7 +350,7 @@ class LoRAChecker:
     def __init__(self, enabled: bool, max_lora_rank: int) -> None:
         self.enabled = enabled
         self.max_lora_rank = max_lora_rank
-        self._passed: dict[LoRARequest, tuple[object, ...]] = {}
+        self._passed: dict[LoRARequest, tuple[object, ...] | None] = {}
         self._by_id: dict[int, LoRARequest] = {}
 
     def check(

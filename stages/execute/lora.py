@@ -81,7 +81,7 @@ class LoRALinear(torch.nn.Module):
     """``base(x)`` plus the step's adapters' deltas on their rows (see the module
     docstring). ``kind``: the projection (``gate_up`` for the fused gate/up one)."""
 
-    def __init__(self, base: torch.nn.Module, layer: int, kind: str, bank: LoRABank) -> None:
+    def __init__(self, base: Any, layer: int, kind: str, bank: LoRABank) -> None:
         super().__init__()
         self.base = base
         self.layer = layer
@@ -89,6 +89,10 @@ class LoRALinear(torch.nn.Module):
         self.in_features = int(base.in_features)
         self.out_features = int(base.out_features)
         self._bank = bank
+        if callable(getattr(base, "native_gemm", None)):
+            # NOTE: the base linear's, for the CPU step graph, which runs the steps with no
+            # adapter row (the runner takes the module path for the others)
+            self.native_gemm = base.native_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         output = self.base(x)
@@ -112,10 +116,6 @@ class LoRALinear(torch.nn.Module):
                     update = torch.nn.functional.pad(update, (0, flat.shape[1] - b.shape[0]))
                 flat.index_add_(0, group.rows, update)
         return output
-
-    def native_gemm(self) -> Any:
-        """The base linear's (the CPU step graph runs steps without adapter rows)."""
-        return self.base.native_gemm()
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, kind={self.kind} (LoRA)"
