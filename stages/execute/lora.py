@@ -25,11 +25,12 @@ import contextlib
 import dataclasses
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from stages.execute.bookkeeping import StepError
 from stages.lora import (
     LORA_TARGETS,
     AdapterSpec,
@@ -38,8 +39,9 @@ from stages.lora import (
     LoRATarget,
     read_adapter,
 )
+from stages.messages import EngineRequest
 
-__all__ = ["LoRABank", "LoRALinear", "LoRARows", "LoadedAdapter", "lora_rows"]
+__all__ = ["LoRABank", "LoRALinear", "LoRARows", "LoadedAdapter", "acquire_adapter", "lora_rows"]
 
 logger = logging.getLogger("actorline.execute")
 
@@ -332,3 +334,23 @@ def lora_rows(
     if bank is None or all(adapter is None for adapter, _, _ in groups):
         return contextlib.nullcontext()
     return bank.rows(groups)
+
+
+def acquire_adapter(
+    bank: LoRABank | None, request: EngineRequest, registered: Iterable[Any]
+) -> LoadedAdapter | None:
+    """The loaded adapter of a request the runner registers (None: the base model), the
+    adapters of the ``registered`` requests (each with ``lora``) kept loaded.
+
+    Raises:
+        StepError: the request has an adapter and the runner serves none (enable_lora off:
+            the frontend refuses such a request, so a bug).
+        LoRAAdapterError: the adapter cannot be served (its files changed since the
+            frontend checked them).
+    """
+    if request.lora is None:
+        return None
+    if bank is None:
+        raise StepError(f"request {request.request_id!r} has a LoRA adapter; enable_lora is off")
+    in_use = {state.lora.request.lora_int_id for state in registered if state.lora is not None}
+    return bank.acquire(request.lora, in_use)

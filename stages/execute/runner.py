@@ -76,7 +76,7 @@ from stages.execute.loading import (
     resolve_dtype,
     resolve_kv_dtype,
 )
-from stages.execute.lora import LoadedAdapter, LoRABank, lora_rows
+from stages.execute.lora import LoadedAdapter, LoRABank, acquire_adapter, lora_rows
 from stages.execute.model_impl import NativeConfig, eos_token_ids, model_config
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import (
@@ -727,12 +727,7 @@ class ModelRunner:
             request.params, request.prompt_token_ids, self._sampler.vocab_size
         )
         pooling = request.pooling
-        adapter = None
-        if request.lora is not None:
-            if self.lora is None:
-                raise StepError(f"request {request.request_id!r} has an adapter, no enable_lora")
-            in_use = {r.lora.request.lora_int_id for r in self._requests.values() if r.lora}
-            adapter = self.lora.acquire(request.lora, in_use)
+        adapter = acquire_adapter(self.lora, request, self._requests.values())
         self._requests[request.request_id] = _Request(
             request.request_id,
             sampling,

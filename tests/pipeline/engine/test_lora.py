@@ -22,8 +22,9 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     root = tmp_path_factory.mktemp("engine-lora")
     return {
         "a1": make_adapter(tiny_model_dir, root / "a1", seed=21),
-        "a2": make_adapter(tiny_model_dir, root / "a2", seed=22, rank=4,
-                           targets=("k_proj", "o_proj", "up_proj")),  # fmt: skip
+        "a2": make_adapter(
+            tiny_model_dir, root / "a2", seed=22, rank=4, targets=("k_proj", "o_proj", "up_proj")
+        ),  # fmt: skip
     }
 
 

@@ -30,13 +30,15 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "a1": make_adapter(tiny_model_dir, root / "a1", seed=1),
         # attention only, rsLoRA scaling: the fused gate/up takes no delta
         "a2": make_adapter(
-            tiny_model_dir, root / "a2", seed=2, rank=4, targets=("q_proj", "v_proj", "o_proj"),
+            tiny_model_dir,
+            root / "a2",
+            seed=2,
+            rank=4,
+            targets=("q_proj", "v_proj", "o_proj"),
             rslora=True,
         ),  # fmt: skip
         # the MLP only, gate without up: half of the fused projection's delta is zero
-        "a3": make_adapter(
-            tiny_model_dir, root / "a3", seed=3, targets=("gate_proj", "down_proj")
-        ),
+        "a3": make_adapter(tiny_model_dir, root / "a3", seed=3, targets=("gate_proj", "down_proj")),
     }
 
 
@@ -195,3 +197,26 @@ def test_lora_config_refuses_tensor_parallelism() -> None:
         ExecuteConfig(enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ExecuteConfigError, match="max_cpu_loras"):
         ExecuteConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(900)  # the adapter made, merged and saved from the 135M model, two HF copies
+def test_smollm2_adapter_matches_merged_hf(default_model_dir: Path, tmp_path: Path) -> None:
+    """The default model (its own Llama class, fused gate/up, packed linears) with a rank-8
+    adapter on every projection, base and adapter rows in one batch, as HF merged."""
+    from transformers import AutoTokenizer
+
+    adapter = make_adapter(default_model_dir, tmp_path / "smol", seed=4)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "def add(a, b):")]
+    runner = load_runner(default_model_dir, num_blocks=64)
+    lora = LoRARequest("smol", 1, str(adapter))
+    requests = [EngineRequest(f"b{i}", tuple(p), GREEDY) for i, p in enumerate(prompts)]
+    requests += [EngineRequest(f"l{i}", tuple(p), GREEDY, lora=lora) for i, p in enumerate(prompts)]
+    report = drive(runner, requests)
+    base, merged = HFReference(default_model_dir), HFReference(Path(f"{adapter}-merged"))
+    for index, prompt in enumerate(prompts):
+        assert report.outputs[f"b{index}"] == base.greedy(prompt, MAX_TOKENS)
+        assert report.outputs[f"l{index}"] == merged.greedy(prompt, MAX_TOKENS)
+        assert report.outputs[f"l{index}"] != report.outputs[f"b{index}"]
