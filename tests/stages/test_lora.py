@@ -112,7 +112,7 @@ def test_missing_and_malformed_files_are_refused(tmp_path: Path) -> None:
         read_adapter(str(tmp_path / "nowhere"), TARGETS, 2, 8)
     path = write_adapter(tmp_path / "a", q_proj())
     (path / "adapter_model.safetensors").unlink()
-    with pytest.raises(LoRAAdapterError, match="adapter_model.safetensors is missing"):
+    with pytest.raises(LoRAAdapterError, match=r"adapter_model\.safetensors is missing"):
         read_adapter(str(path), TARGETS, 2, 8)
     (path / "adapter_model.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(LoRAAdapterError, match="not a safetensors file"):

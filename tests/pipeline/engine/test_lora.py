@@ -24,7 +24,7 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "a1": make_adapter(tiny_model_dir, root / "a1", seed=21),
         "a2": make_adapter(
             tiny_model_dir, root / "a2", seed=22, rank=4, targets=("k_proj", "o_proj", "up_proj")
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -47,7 +47,7 @@ def test_llm_generate_takes_one_adapter_per_prompt(
             name = lora.lora_name if lora is not None else None
             expected = references[name].greedy(prompt["prompt_token_ids"], 8)
             assert list(output.token_ids) == expected, name
-        with pytest.raises(LoRAAdapterError, match="LoRA adapter 'gone'.*not a directory"):
+        with pytest.raises(LoRAAdapterError, match=r"LoRA adapter 'gone'.*not a directory"):
             llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("gone", 3, "/no/such"))
         with pytest.raises(InvalidRequestError, match="got 1 LoRA requests for 2 prompts"):
             llm.generate(PROMPTS, GREEDY, lora_request=[a1])
@@ -57,9 +57,11 @@ def test_llm_generate_takes_one_adapter_per_prompt(
 
 
 def test_lora_needs_enable_lora(tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
-    with LLM(str(tiny_model_dir), transport="memory", num_blocks=16) as llm:
-        with pytest.raises(LoRAAdapterError, match="enable_lora"):
-            llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("a1", 1, "/x"))
+    with (
+        LLM(str(tiny_model_dir), transport="memory", num_blocks=16) as llm,
+        pytest.raises(LoRAAdapterError, match="enable_lora"),
+    ):
+        llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("a1", 1, "/x"))
 
 
 def test_lora_options_are_checked() -> None:

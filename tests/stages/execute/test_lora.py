@@ -36,7 +36,7 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             rank=4,
             targets=("q_proj", "v_proj", "o_proj"),
             rslora=True,
-        ),  # fmt: skip
+        ),
         # the MLP only, gate without up: half of the fused projection's delta is zero
         "a3": make_adapter(tiny_model_dir, root / "a3", seed=3, targets=("gate_proj", "down_proj")),
     }
@@ -184,7 +184,7 @@ def test_bank_refuses_bad_adapters_and_loads_nothing(
     assert bank is not None
     with pytest.raises(LoRAAdapterError, match="rank 8 is above max_lora_rank 4"):
         bank.acquire(lora_of(adapters, "a1"), set())
-    with pytest.raises(LoRAAdapterError, match="adapter_config.json is missing"):
+    with pytest.raises(LoRAAdapterError, match=r"adapter_config\.json is missing"):
         bank.acquire(LoRARequest("gone", 9, str(tmp_path)), set())
     bank.acquire(lora_of(adapters, "a2"), set())
     with pytest.raises(LoRAAdapterError, match="lora_int_id 2 is adapter 'a2'"):
