@@ -201,7 +201,7 @@ def test_lora_config_refuses_tensor_parallelism() -> None:
 
 @pytest.mark.slow
 @pytest.mark.model
-@pytest.mark.timeout(900)  # the adapter made, merged and saved from the 135M model, two HF copies
+@pytest.mark.timeout(1800)  # the adapter made, merged and saved from the 135M model, two HF copies
 def test_smollm2_adapter_matches_merged_hf(default_model_dir: Path, tmp_path: Path) -> None:
     """The default model (its own Llama class, fused gate/up, packed linears) with a rank-8
     adapter on every projection, base and adapter rows in one batch, as HF merged."""
