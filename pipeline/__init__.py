@@ -46,6 +46,8 @@ _LAZY = {
     "SamplingParams": "stages.params",
     "StructuredOutputsParams": "stages.structured.params",
     "PoolingParams": "stages.pooling",
+    "LoRARequest": "stages.lora",
+    "LoRAAdapterError": "stages.lora",
     "EmbeddingRequestOutput": "pipeline.engine.embeddings",
     "ChatMessage": "stages.messages",
     "Logprobs": "stages.messages",

@@ -22,6 +22,7 @@ import dataclasses
 import numpy as np
 
 from stages.errors import RequestError
+from stages.lora import LoRARequest
 from stages.params import SamplingParams
 from stages.pooling import PoolingParams
 from transports.codec import message
@@ -153,6 +154,7 @@ class GenerateRequest:
     parent_id: str = ""
     n: int = 1
     pooling: PoolingParams | None = None
+    lora: LoRARequest | None = None
 
 
 @message()
@@ -162,7 +164,7 @@ class EngineRequest:
     registers the request's text state). ``parsing``: how the parse stage reads its output
     (None: it passes through). ``bad_words_token_ids``: the token sequences of
     ``params.bad_words``, tokenized by the tokenize stage (vLLM's ``_bad_words_token_ids``).
-    ``pooling``: an embedding request (see :class:`GenerateRequest`)."""
+    ``pooling``: an embedding request, ``lora`` its adapter (see :class:`GenerateRequest`)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -173,6 +175,7 @@ class EngineRequest:
     parsing: OutputParsing | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     pooling: PoolingParams | None = None
+    lora: LoRARequest | None = None
 
 
 @message()
@@ -239,6 +242,11 @@ class EngineInfo:
     # How the engine process's OpenMP threads wait between regions, in words
     # (pipeline.runtime.omp_policy.wait_policy_in_effect; "" where not reported).
     omp_wait_policy: str = ""
+    # With enable_lora (docs/lora.md): the projections an adapter may target, each
+    # ``(name, in_features, out_features)``, and the layers they are in (the frontend checks
+    # an adapter against them before sending its request; empty: no LoRA).
+    lora_targets: tuple[tuple[str, int, int], ...] = ()
+    lora_layers: int = 0
 
 
 @message()

@@ -46,6 +46,7 @@ from typing import Any
 
 from stages.errors import InvalidRequestError
 from stages.execute.windows import blocks_behind_window, window_blocks_needed
+from stages.lora import running_adapters
 from stages.messages import (
     EngineInfo,
     EngineOutputs,
@@ -79,6 +80,8 @@ class SchedulerConfig:
     tokens of one request in one step (None: up to the whole budget), which lets several
     prompts share a step and keeps decode latency steady. ``replica``: the name of the engine
     replica this scheduler serves, reported in its stats ("" without data parallelism).
+    ``max_loras``: distinct LoRA adapters among the running requests (so in any one step); a
+    waiting request of another adapter waits until one is free (docs/lora.md; None: no bound).
 
     Raises:
         ValueError: a limit is not a positive integer.
@@ -88,6 +91,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int | None = None
     replica: str = ""
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("max_num_seqs", "max_num_batched_tokens"):
@@ -97,6 +101,9 @@ class SchedulerConfig:
         chunk = self.long_prefill_chunk
         if chunk is not None and (type(chunk) is not int or chunk < 1):
             raise ValueError(f"long_prefill_chunk must be None or an integer >= 1, got {chunk!r}")
+        loras = self.max_loras
+        if loras is not None and (type(loras) is not int or loras < 1):
+            raise ValueError(f"max_loras must be None or an integer >= 1, got {loras!r}")
 
 
 class _Status(enum.Enum):
@@ -492,9 +499,12 @@ class Scheduler:
             return new_requests
         limit = self._token_limit()
         nothing_else_runs = not self._running
+        adapters = running_adapters(self._running.values(), self.config.max_loras)
         for state in self._ordered_waiting():
             if plan.budget == 0 or len(self._running) >= self.config.max_num_seqs:
                 break
+            if adapters is not None and not adapters.admits(state.request.lora):
+                continue  # its adapter would exceed max_loras: it waits (as vLLM's scheduler)
             if state.num_prompt_tokens >= limit:
                 # Admit refuses it; without admit it can never run: end it as an error.
                 del self._waiting[state.request_id]
@@ -514,6 +524,8 @@ class Scheduler:
             del self._waiting[state.request_id]
             state.status = _Status.RUNNING
             self._running[state.request_id] = state
+            if adapters is not None:
+                adapters.add(state.request.lora)
             nothing_else_runs = False
             if not state.sent_to_execute:
                 state.sent_to_execute = True

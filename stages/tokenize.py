@@ -265,6 +265,7 @@ class TokenizeStage(Stage):
             parsing,
             bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else (),
             request.pooling,
+            request.lora,
         )
         await self.emit("track", engine_request)
         await self.emit("out", engine_request)

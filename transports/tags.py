@@ -68,6 +68,7 @@ WIRE_TAGS: Mapping[str, int] = MappingProxyType(
         "stages.structured.params.StructuredOutputsParams": 120,
         "stages.messages.ChatRendering": 127,
         "stages.pooling.PoolingParams": 121,
+        "stages.lora.LoRARequest": 135,
         "stages.execute.rank_messages.Rendezvous": 140,
         "stages.execute.rank_messages.ShardStep": 141,
         # the conformance kit's samples (transports/_kit_samples.py)

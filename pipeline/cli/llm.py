@@ -348,6 +348,14 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise CliError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}", 2)
     limits = _listener_limits(args)
+    from pipeline.server.lora_modules import LoRAModules
+
+    try:
+        lora_modules = LoRAModules.parse(args.lora_modules)
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from exc
+    if lora_modules and not args.enable_lora:
+        raise CliError("--lora-modules serves LoRA adapters: give --enable-lora too", 2)
     try:
         api_keys = ApiKeys.load(args.api_key, args.api_key_file)
     except (OSError, ValueError) as exc:
@@ -402,6 +410,7 @@ def _serve(args: argparse.Namespace) -> int:
                 served_model_name=args.served_model_name,
                 max_request_bytes=args.max_request_bytes,
                 limits=limits,
+                lora_modules=lora_modules,
             )
         )
     except RayConnectionError as exc:  # the cluster given refuses: an argument error
@@ -478,6 +487,15 @@ def _add_serve_command(commands: Any) -> None:
         "--served-model-name",
         default=None,
         help="the model id of the HTTP API (default: --model)",
+    )
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) the HTTP API serves as models of these names, "
+        'as vLLM\'s: name=path or \'{"name": ..., "path": ...}\' (needs --enable-lora; '
+        "docs/lora.md)",
     )
     server.add_argument(
         "--max-request-bytes",

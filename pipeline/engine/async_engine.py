@@ -54,6 +54,7 @@ from pipeline.runtime.replicas import ReplicaLost, ReplicaStatus
 from pipeline.runtime.running import RunningPipeline
 from stages.checks import check_text
 from stages.errors import ENGINE_DEAD, InvalidRequestError, RequestError, error_from_kind
+from stages.lora import LoRAAdapterError, LoRAChecker, LoRARequest
 from stages.messages import (
     AbortRequests,
     ChatRendering,
@@ -174,6 +175,7 @@ class AsyncEngine:
         self._replica_callbacks: list[Callable[[ReplicaLost], None]] = []
         self._replica_restart_callbacks: list[Callable[[str], None]] = []
         self._healer = ReplicaHealer(self.options, self._on_replica_restored)
+        self._lora = LoRAChecker(self.options.enable_lora, self.options.max_lora_rank)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -353,17 +355,20 @@ class AsyncEngine:
         chat_template: bool = False,
         tools: ToolUse | None = None,
         rendering: ChatRendering | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> CheckedPrompt:
         """``prompt`` and ``sampling_params`` checked by the validation core, as
         :meth:`generate` checks them, for a front end that checks a batch before any of it
         starts (``LLM.generate``, an HTTP request's choices): :meth:`generate` takes the
-        result without checking again. ``request_id`` is only named by an error.
+        result without checking again. ``request_id`` is only named by an error;
+        ``lora_request``: as :meth:`generate`'s.
 
         Raises:
-            InvalidRequestError: a bad prompt or sampling parameter (the field is named).
+            InvalidRequestError: a bad prompt or sampling parameter (the field is named);
+                LoRAAdapterError, an adapter that cannot be served.
         """
         info = self.info
-        return check_prompt(
+        checked = check_prompt(
             prompt,
             sampling_params,
             tenant=tenant,
@@ -373,6 +378,27 @@ class AsyncEngine:
             tools=tools,
             rendering=rendering,
         )
+        if lora_request is None:
+            return checked
+        lora = self._check_lora(lora_request, request_id)
+        return CheckedPrompt(dataclasses.replace(checked.request, lora=lora), checked.vocab_size)
+
+    def _check_lora(self, lora_request: object, request_id: str | None) -> LoRARequest:
+        """The request's adapter checked against the engine's model (stages.lora).
+
+        Raises:
+            LoRAAdapterError: naming what is wrong.
+        """
+        info = self.info
+        try:
+            return self._lora.check(
+                lora_request,
+                info.lora_targets if info is not None else (),
+                info.lora_layers if info is not None else 0,
+            )
+        except LoRAAdapterError as exc:
+            exc.request_id = request_id
+            raise
 
     async def generate(
         self,
@@ -385,6 +411,7 @@ class AsyncEngine:
         tools: ToolUse | None = None,
         rendering: ChatRendering | None = None,
         parent: tuple[str, int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding outputs as tokens arrive (the last one has a
         ``finish_reason``).
@@ -402,6 +429,8 @@ class AsyncEngine:
         with the generation prompt). ``parent``: ``(parent_id, n)`` when this request is
         one of the ``n`` choices of the caller's request ``parent_id`` (an HTTP request's
         ``n``), which metrics count once (:class:`~stages.messages.GenerateRequest`).
+        ``lora_request``: serve it with this LoRA adapter (:class:`~stages.lora.LoRARequest`,
+        vLLM's; with ``enable_lora``; docs/lora.md), checked against the model first.
         ``request_id``: a non-empty string, unique among this engine's running requests
         (default: a fresh uuid).
 
@@ -435,6 +464,9 @@ class AsyncEngine:
         request = dataclasses.replace(
             checked.request, request_id=engine_id, arrival_time=time.time()
         )
+        if lora_request is not None:
+            lora = self._check_lora(lora_request, request_id)
+            request = dataclasses.replace(request, lora=lora)
         if parent is not None:
             parent_id, n = _check_parent(parent, request_id)
             request = dataclasses.replace(request, parent_id=parent_id, n=n)

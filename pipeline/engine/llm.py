@@ -25,6 +25,7 @@ from pipeline.engine.prompts import CheckedPrompt, Prompt, is_prompt_dict
 from pipeline.runtime.errors import PipelineClosedError
 from stages.chat_template import make_rendering
 from stages.errors import InvalidRequestError, OverloadedError, RateLimitedError
+from stages.lora import LoRARequest
 from stages.messages import ChatMessage, ChatRendering, RequestOutput, ToolSpec
 from stages.params import SamplingParams
 from stages.pooling import PoolingParams
@@ -82,6 +83,7 @@ class LLM:
         chat_template: bool = False,
         tools: ToolUse | None = None,
         rendering: ChatRendering | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished output per prompt, in order.
         ``tools``: the functions every conversation may call (:class:`~stages.tools.ToolUse`);
@@ -91,6 +93,8 @@ class LLM:
         ``prompts``: one prompt or a list of them; a prompt is a string, a chat conversation,
         a list of token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``.
         ``sampling_params``: one SamplingParams for all, or a list with one per prompt.
+        ``lora_request``: the LoRA adapter of every prompt, or a list with one per prompt
+        (None: the base model), as vLLM's (:class:`~stages.lora.LoRARequest`; docs/lora.md).
 
         Any number of prompts can be given: as vLLM's offline ``LLM``, the whole batch runs.
         The engine's queue bound (``max_queued_requests``) and rate limits pace it (a
@@ -114,13 +118,27 @@ class LLM:
                     f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts",
                     field="sampling_params",
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(batch)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(batch):
+                raise InvalidRequestError(
+                    f"got {len(loras)} LoRA requests for {len(batch)} prompts",
+                    field="lora_request",
+                )
         # NOTE: every prompt through the validation core before anything is sent, once:
         # generate() takes the checked prompts as they are (docs/architecture.md §7.1).
         checked = [
             self._engine.check(
-                prompt, sampling, chat_template=chat_template, tools=tools, rendering=rendering
+                prompt,
+                sampling,
+                chat_template=chat_template,
+                tools=tools,
+                rendering=rendering,
+                lora_request=lora,
             )
-            for prompt, sampling in zip(batch, per_prompt)
+            for prompt, sampling, lora in zip(batch, per_prompt, loras)
         ]
         show = use_tqdm and len(batch) >= PROGRESS_BAR_MIN_PROMPTS
         return self._loop.run(self._generate_all(checked, show))

@@ -37,6 +37,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _PARALLEL = "parallelism (docs/parallelism.md)"
 _LIMITS = "rate limits (each API key; docs/serving.md)"
 _SUPERVISION = "engine supervision (docs/serving.md, Health)"
+_LORA = "LoRA adapters (docs/lora.md)"
 #: the commands that run an engine and take its flags; serve's own; none
 _ENGINE = ("generate", "serve")
 _SERVE = ("serve",)
@@ -153,6 +154,23 @@ class EngineOptions:
     pooling_normalize: bool = option(
         True, kind="bool", feeds=("execute",),
         help="L2-normalize embeddings (a request's normalize field overrides it)",
+    )  # fmt: skip
+    # -- LoRA adapters (docs/lora.md)
+    enable_lora: bool = option(
+        False, kind="bool", feeds=("execute",), group=_LORA,
+        help="serve requests with LoRA adapters (a request's lora_request; serve: "
+        "--lora-modules)",
+    )  # fmt: skip
+    max_loras: int = option(
+        1, kind="int>=1", feeds=("execute", "scheduler"), group=_LORA,
+        help="distinct adapters among the running requests (so in one batch); others wait",
+    )  # fmt: skip
+    max_lora_rank: int = option(16, kind="int>=1", feeds=("execute",), group=_LORA,
+                                help="the highest adapter rank accepted")  # fmt: skip
+    max_cpu_loras: int | None = option(
+        None, feeds=("execute",), group=_LORA,
+        help="adapters kept loaded, the least recently used unloaded past it (None: "
+        "max_loras; those of running requests always stay)",
     )  # fmt: skip
     # -- topology
     transport: str = option(
@@ -340,6 +358,20 @@ class EngineOptions:
                 "of its own; transport 'memory' keeps every stage in the calling process "
                 "(use 'zmq' or 'grpc')"
             )
+        if self.max_cpu_loras is not None and (
+            type(self.max_cpu_loras) is not int or self.max_cpu_loras < self.max_loras
+        ):
+            raise ValueError(
+                f"max_cpu_loras must be None or an integer >= max_loras ({self.max_loras}), "
+                f"got {self.max_cpu_loras!r}"
+            )
+        if self.enable_lora and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
+            raise ValueError(
+                "enable_lora runs with tensor_parallel_size and data_parallel_size 1: adapters "
+                "are neither sharded nor routed to the replica holding them yet (docs/lora.md)"
+            )
+        if self.enable_lora and self.null_model:
+            raise ValueError("enable_lora needs a model: null_model runs none")
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(
                 "give num_blocks (an exact block count) or kv_cache_memory (bytes), not both"

@@ -150,7 +150,7 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "messages", "token_ids", "sampling_params", "request_id", "chat_template", "tools", "tool_choice", "parallel_tool_calls", "chat_template_options")
+    __slots__ = ("text", "messages", "token_ids", "sampling_params", "request_id", "chat_template", "tools", "tool_choice", "parallel_tool_calls", "chat_template_options", "lora_name")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: ChatMessages
     token_ids: TokenIds
@@ -171,7 +172,8 @@ class GenerateRequest(_message.Message):
     tool_choice: str
     parallel_tool_calls: bool
     chat_template_options: ChatTemplateOptions
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., chat_template: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_options: _Optional[_Union[ChatTemplateOptions, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., chat_template: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_options: _Optional[_Union[ChatTemplateOptions, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class ChatTemplateOptions(_message.Message):
     __slots__ = ("chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")

@@ -41,6 +41,7 @@ from pipeline.server.limits import (
     check_logprob_entries,
     check_request_template,
 )
+from pipeline.server.lora_modules import LoRAModules
 from pipeline.server.status import ServiceUnavailableError, status_for
 from stages.errors import InvalidRequestError, RequestError
 from stages.messages import RequestOutput
@@ -62,7 +63,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     ``max_logprob_entries``: the logprobs one call may ask for (INVALID_ARGUMENT over it,
     :func:`~pipeline.server.limits.check_logprob_entries`); ``trust_request_chat_template``:
     whether a call may bring its own chat template
-    (:func:`~pipeline.server.limits.check_request_template`)."""
+    (:func:`~pipeline.server.limits.check_request_template`); ``lora_modules``: the LoRA
+    adapters a call's ``lora_name`` may name (docs/lora.md)."""
 
     def __init__(
         self,
@@ -71,8 +73,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         *,
         max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
         trust_request_chat_template: bool = False,
+        lora_modules: LoRAModules | None = None,
     ) -> None:
         self._engine = engine
+        self._lora_modules = lora_modules if lora_modules is not None else LoRAModules()
         self._max_logprob_entries = max_logprob_entries
         self._trust_request_chat_template = trust_request_chat_template
         self._api_keys = api_keys if api_keys is not None else ApiKeys()
@@ -111,6 +115,13 @@ class GenerationService(pb_grpc.GenerationServicer):
                     self._max_logprob_entries,
                     params.prompt_logprobs,
                 )
+            lora = self._lora_modules.get(request.lora_name) if request.lora_name else None
+            if request.lora_name and lora is None:
+                raise InvalidRequestError(
+                    f"the LoRA adapter {request.lora_name!r:.80} does not exist; this server "
+                    f"serves {sorted(self._lora_modules.adapters) or 'none'}",
+                    field="lora_name",
+                )
             if engine_id in self._running:
                 raise InvalidRequestError(
                     f"request id {client_id!r} is already running", field="request_id"
@@ -132,6 +143,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     chat_template=request.chat_template,
                     tools=tools,
                     rendering=rendering,
+                    lora_request=lora,
                 ),
             )
             async with contextlib.aclosing(outputs):

@@ -36,6 +36,7 @@ from pipeline.server.auth import ApiKeys
 from pipeline.server.grpc_service import GenerationService, add_to_server
 from pipeline.server.limits import ListenerLimits, connection_cap
 from pipeline.server.listen import DEFAULT_HOST, format_address
+from pipeline.server.lora_modules import LoRAModules
 from pipeline.server.tls import ServerTLS
 from transports.tasks import TaskSet
 
@@ -93,7 +94,7 @@ class GenerationServer:
     """A grpc.aio server with the Generation service, health and reflection, over a started
     ``engine`` (not owned: close it after :meth:`stop`). ``limits``: the bounds on its
     connections and calls (:func:`grpc_limit_options`) and on the logprobs one call may ask
-    for.
+    for. ``lora_modules``: the LoRA adapters a call's ``lora_name`` may name (docs/lora.md).
 
     ::
 
@@ -112,6 +113,7 @@ class GenerationServer:
         tls: ServerTLS | None = None,
         grpc_options: Sequence[tuple[str, Any]] = (),
         limits: ListenerLimits | None = None,
+        lora_modules: LoRAModules | None = None,
     ) -> None:
         self.engine = engine
         self.tls = tls
@@ -121,6 +123,7 @@ class GenerationServer:
             api_keys,
             max_logprob_entries=self.limits.max_logprob_entries,
             trust_request_chat_template=self.limits.trust_request_chat_template,
+            lora_modules=lora_modules,
         )
         self.health = health.aio.HealthServicer()
         self._grpc_options = (
@@ -250,6 +253,7 @@ async def serve(
     served_model_name: str | None = None,
     max_request_bytes: int | None = None,
     limits: ListenerLimits | None = None,
+    lora_modules: LoRAModules | None = None,
 ) -> None:
     """Run one engine behind the gRPC :class:`GenerationServer` (on ``port``; None: no gRPC)
     and/or the OpenAI-compatible :class:`~pipeline.server.http.server.HttpServer` (on
@@ -264,7 +268,9 @@ async def serve(
     HTTP (the API's base URL), then ``on_metrics_ready(url)``. ``served_model_name``: the
     model id of the HTTP API (default ``options.model``); ``max_request_bytes``: its body
     cap (None: the default); ``limits``: both front ends' connection bounds and logprobs cap
-    (None: the defaults of :class:`~pipeline.server.limits.ListenerLimits`).
+    (None: the defaults of :class:`~pipeline.server.limits.ListenerLimits`);
+    ``lora_modules``: the LoRA adapters HTTP requests may name as their ``model``
+    (docs/lora.md; they need ``options.enable_lora``).
 
     With ``options.restart_engine`` a dead or frozen engine is replaced by a fresh one
     (health NOT_SERVING / 503 meanwhile); once it is in a crash loop the servers stop and this
@@ -279,6 +285,8 @@ async def serve(
     """
     if port is None and http_port is None:
         raise ValueError("serve needs a gRPC port, an HTTP port or both")
+    if lora_modules and not options.enable_lora:
+        raise ValueError("--lora-modules serves LoRA adapters: give --enable-lora too")
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -316,7 +324,9 @@ async def serve(
             bound = metrics.start_http_server(metrics_host, metrics_port)
             metrics_url = f"http://{format_address(metrics_host, bound)}/metrics"
         if port is not None:
-            server = GenerationServer(engine, api_keys=api_keys, tls=tls, limits=limits)
+            server = GenerationServer(
+                engine, api_keys=api_keys, tls=tls, limits=limits, lora_modules=lora_modules
+            )
             stops.append(lambda: server.stop(grace))
             address = await server.start(host, port)
             logger.info("serving %s on %s", SERVICE_NAME, address)
@@ -332,6 +342,7 @@ async def serve(
                 model_name=served_model_name,
                 metrics=metrics,
                 limits=limits,
+                lora_modules=lora_modules,
                 **extra,
             )
             stops.append(lambda: http.stop(grace))

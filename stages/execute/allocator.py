@@ -222,9 +222,13 @@ class BlockAllocator:
         token_ids: Sequence[int],
         limit: int | None = None,
         spare_blocks: int = 0,
+        cache_key: bytes = b"",
     ) -> int:
         """Extend the request's run of cached leading blocks with the published blocks that
         continue it in ``token_ids`` (its known tokens), taking a reference on each.
+        ``cache_key``: what else the request's K/V depends on (its LoRA adapter, docs/lora.md),
+        mixed into each block hash after the allocator's own key; give :meth:`commit` the
+        same, so blocks computed under one key never serve another.
 
         A request with no blocks starts from the first block, and counts ``len(token_ids)``
         queried tokens (once per start, however many calls extend the match). A request that
@@ -254,9 +258,10 @@ class BlockAllocator:
         free_up_to = len(token_ids) if limit is None else limit  # blocks ending here are free
         hit_blocks: list[int] = []
         hit_hashes: list[bytes] = []
+        extra_key = self.extra_hash_key + cache_key
         for index in range(held, max(0, len(token_ids) - 1) // size):
             block_tokens = tuple(token_ids[index * size : (index + 1) * size])
-            block_hash = hash_block_tokens(parent, block_tokens, self.extra_hash_key)
+            block_hash = hash_block_tokens(parent, block_tokens, extra_key)
             block_id = self._cached.get(block_hash)
             if block_id is None or self._blocks[block_id].token_ids != block_tokens:
                 break
@@ -303,9 +308,12 @@ class BlockAllocator:
             block.holders = [request_id]
             blocks.block_ids.append(block_id)
 
-    def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> int:
+    def commit(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int, cache_key: bytes = b""
+    ) -> int:
         """Publish the request's blocks that became full now that the K/V of its first
-        ``num_computed`` tokens (``token_ids[:num_computed]``) is in the cache.
+        ``num_computed`` tokens (``token_ids[:num_computed]``) is in the cache, hashed with
+        ``cache_key`` (as :meth:`match_prefix`).
 
         A block whose hash is already published by another block stays private (the first
         copy serves later hits). No-op when prefix caching is off.
@@ -333,10 +341,11 @@ class BlockAllocator:
                 f"the {num_full} full blocks of {num_computed} computed tokens"
             )
         published = 0
+        extra_key = self.extra_hash_key + cache_key
         parent = blocks.block_hashes[-1] if blocks.block_hashes else None
         for index in range(len(blocks.block_hashes), num_full):
             block_tokens = tuple(token_ids[index * size : (index + 1) * size])
-            block_hash = hash_block_tokens(parent, block_tokens, self.extra_hash_key)
+            block_hash = hash_block_tokens(parent, block_tokens, extra_key)
             blocks.block_hashes.append(block_hash)
             parent = block_hash
             block_id = blocks.block_ids[index]

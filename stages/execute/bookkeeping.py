@@ -66,6 +66,8 @@ class TrackedRequest(Protocol):
     request_id: str
     num_computed: int
     num_cached: int  # of num_computed, tokens served by the prefix cache since its start
+    #: mixed into its block hashes: what else its K/V depends on (its LoRA adapter; b"": none)
+    cache_key: bytes
 
     @property
     def num_tokens(self) -> int: ...
@@ -222,7 +224,9 @@ def plan_chunk(
         and (chunk.start == 0 or continues_hits)
         and request.reads_prefix_cache
     ):
-        hit = allocator.match_prefix(request_id, request.tokens(), end, spare_blocks)
+        hit = allocator.match_prefix(
+            request_id, request.tokens(), end, spare_blocks, cache_key=request.cache_key
+        )
         request.num_computed += hit
         request.num_cached += hit
         if chunk.start == 0 or hit:
@@ -250,7 +254,7 @@ def commit_chunk(allocator: BlockAllocator, request: TrackedRequest, end: int) -
     request.num_computed = end
     block_size = allocator.block_size
     if allocator.enable_prefix_caching and end // block_size > before // block_size:
-        allocator.commit(request.request_id, request.tokens(0, end), end)
+        allocator.commit(request.request_id, request.tokens(0, end), end, request.cache_key)
 
 
 def release_behind_windows(

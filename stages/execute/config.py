@@ -124,6 +124,9 @@ class ExecuteConfig:
       (:mod:`pipeline.runtime.omp_policy`, set in the engine process before torch loads);
       ``auto`` (default) also drops the step to one thread while the machine is
       oversubscribed and back once it is quiet (:mod:`stages.execute.contention`).
+    - ``enable_lora``: serve requests with LoRA adapters (docs/lora.md): ``max_loras``
+      adapters in one batch, of rank at most ``max_lora_rank``, ``max_cpu_loras`` kept loaded
+      (None: ``max_loras``; adapters of running requests stay loaded). vLLM's names.
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -155,6 +158,10 @@ class ExecuteConfig:
     pooling_type: str = "last"
     pooling_normalize: bool = True
     omp_wait_policy: str = "auto"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -198,6 +205,7 @@ class ExecuteConfig:
             "fused_ops",
             "tune_allocator",
             "pooling_normalize",
+            "enable_lora",
         ):
             if type(getattr(self, flag)) is not bool:
                 raise ExecuteConfigError(flag, "must be a boolean")
@@ -235,6 +243,22 @@ class ExecuteConfig:
                 f"must be one of {_DECODE_ATTENTION_MODES}, got {self.decode_attention!r}",
             )
 
+        self._check_positive("max_loras", self.max_loras)
+        self._check_positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None:
+            self._check_positive("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ExecuteConfigError(
+                    "max_cpu_loras",
+                    f"({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
+                    "a batch's adapters are all loaded",
+                )
+        if self.enable_lora and self.tensor_parallel_size != 1:
+            raise ExecuteConfigError(
+                "enable_lora",
+                "LoRA adapters are not sharded: they run with tensor_parallel_size 1, got "
+                f"{self.tensor_parallel_size} (docs/lora.md)",
+            )
         if self.pooling_type not in POOLING_TYPES:
             raise ExecuteConfigError(
                 "pooling_type", f"must be one of {POOLING_TYPES}, got {self.pooling_type!r}"

@@ -53,6 +53,7 @@ from stages.execute.crash_notes import note_step
 from stages.execute.model_impl import eos_token_ids
 from stages.execute.model_length import resolve_model_length
 from stages.execute.windows import config_layer_windows
+from stages.lora import lora_cache_key
 from stages.messages import (
     EngineInfo,
     EngineRequest,
@@ -85,6 +86,7 @@ class _Request:
     num_computed: int = 0  # leading tokens whose (virtual) K/V is in the cache
     num_cached: int = 0  # of those, served by the prefix cache since the request started
     owes_prompt_logprobs: bool = False  # asked for them, and they were not sent yet
+    cache_key: bytes = b""  # its LoRA adapter's prefix-cache key (stages.lora)
 
     @property
     def num_tokens(self) -> int:
@@ -302,6 +304,7 @@ class NullRunner:
             tuple(request.prompt_token_ids),
             request.params.logprobs is not None,
             owes_prompt_logprobs=request.params.prompt_logprobs is not None,
+            cache_key=lora_cache_key(request.lora),
         )
 
     # ----------------------------------------------------------------- inspection

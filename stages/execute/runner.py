@@ -76,6 +76,7 @@ from stages.execute.loading import (
     resolve_dtype,
     resolve_kv_dtype,
 )
+from stages.execute.lora import LoadedAdapter, LoRABank, acquire_adapter, lora_rows
 from stages.execute.model_impl import NativeConfig, eos_token_ids, model_config
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import (
@@ -108,6 +109,7 @@ from stages.execute.tensor_parallel import (
     rank_device,
     shard_model,
 )
+from stages.lora import lora_cache_key
 from stages.messages import (
     EngineInfo,
     EngineRequest,
@@ -132,6 +134,8 @@ class _Request:
     prompt_scores: PromptScores | None = None  # its prompt logprobs, when it asked
     pooling: PoolingParams | None = None  # an embedding request (stages.execute.pooling)
     prefix_cache: bool = True  # whether its prefix may come from the cache
+    lora: LoadedAdapter | None = None  # its LoRA adapter (stages.execute.lora)
+    cache_key: bytes = b""  # mixed into its block hashes (stages.lora.lora_cache_key)
 
     @property
     def num_tokens(self) -> int:
@@ -240,6 +244,7 @@ class ModelRunner:
         self._decode_graphs: Any = None  # stages.execute.cuda_graphs.DecodeGraphs
         self._step_graph: StepGraph | None = None  # CPU decode steps in one native call
         self._pooler = Pooler(config.pooling_type, config.pooling_normalize)
+        self.lora: LoRABank | None = None  # the adapters served, with enable_lora
 
     # ----------------------------------------------------------------- loading
     def load(self) -> EngineInfo:
@@ -325,6 +330,9 @@ class ModelRunner:
             use_cpu_linears(model, native=config.native_linears, verify=verify)
         if self._bf16 is not None and not use_bf16_linears(model, self._bf16, verify=verify):
             raise ExecuteConfigError("dtype", "'bfloat16': the native bf16 GEMM failed its check")
+        if config.enable_lora:
+            # NOTE: after every linear took its final kind: the wrappers call whichever it is
+            self.lora = LoRABank.for_model(model, config, self.device)
         if parallel > 1:
             # NOTE: every rank has loaded its shard before the group forms, so the first
             # collective never waits on a slow load (the group's timeout is for steps).
@@ -445,6 +453,8 @@ class ModelRunner:
             pooling_type=config.pooling_type,
             matryoshka_dimensions=matryoshka_dimensions(resolved.path),
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            lora_targets=self.lora.target_shapes() if self.lora is not None else (),
+            lora_layers=self.lora.num_layers if self.lora is not None else 0,
         )
         if on_cpu and config.tune_allocator:
             release_free_memory()
@@ -607,9 +617,11 @@ class ModelRunner:
             scored = prompt_rows(
                 [(w.request.prompt_scores, w.start, w.end, w.packed_end) for w in works]
             )
+            # NOTE: the step graph and decode graphs know nothing of LoRA (stages.execute.lora)
+            module_path = bool(pooled) or any(work.request.lora is not None for work in works)
             with capture_hidden_states(self.model, enabled=bool(pooled)) as hidden:
                 logits = self._forward(
-                    prepared.packed, kept, scored.packed_rows, module_path=bool(pooled)
+                    prepared.packed, kept, scored.packed_rows, module_path=module_path
                 )  # [K + E, V]
             if pooled:
                 embeddings = self._pooler.pool(hidden, [(w.request, w) for w in pooled])
@@ -715,12 +727,15 @@ class ModelRunner:
             request.params, request.prompt_token_ids, self._sampler.vocab_size
         )
         pooling = request.pooling
+        adapter = acquire_adapter(self.lora, request, self._requests.values())
         self._requests[request.request_id] = _Request(
             request.request_id,
             sampling,
             prompt_scores=scores,
             pooling=pooling,
             prefix_cache=pooling is None or self._pooler.uses_prefix_cache(),
+            lora=adapter,
+            cache_key=lora_cache_key(request.lora),
         )
 
     def _pack(self, works: list[_Work]) -> _Packed:
@@ -813,7 +828,8 @@ class ModelRunner:
         keep = torch.tensor(
             [w.packed_end - 1 for w in sampling] + list(extra_rows), dtype=torch.long
         )
-        with torch.inference_mode(), forward_context(metadata):
+        spans = [(w.request.lora, w.packed_end - (w.end - w.start), w.packed_end) for w in order]
+        with torch.inference_mode(), forward_context(metadata), lora_rows(self.lora, spans):
             output = self.model(
                 input_ids=input_ids.unsqueeze(0),
                 position_ids=positions.unsqueeze(0),

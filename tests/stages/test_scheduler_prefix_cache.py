@@ -43,6 +43,7 @@ class _Tracked:
     num_computed: int = 0
     num_cached: int = 0
     reads_prefix_cache: bool = True
+    cache_key: bytes = b""  # no LoRA adapter (stages/lora.py)
 
     @property
     def num_tokens(self) -> int:

@@ -45,6 +45,7 @@ from pipeline.server.http.schema import (
 from pipeline.server.http.sse import EventStream
 from pipeline.server.http.state import HttpService
 from pipeline.server.http.whole import JsonAnswer
+from stages.lora import LoRARequest
 
 __all__ = ["create_app"]
 
@@ -137,7 +138,13 @@ def create_app(
             "max_model_len": info.max_model_len,
             "permission": [_permission(service.created)],
         }
-        return {"object": "list", "data": [card]}
+        # NOTE: vLLM's adapter cards: root the adapter's path, parent the base's name
+        # (vllm/entrypoints/openai/serving_models.py, show_available_models)
+        cards = [card] + [
+            {**card, "id": name, "root": lora.lora_path, "parent": service.model_name}
+            for name, lora in service.lora_modules.adapters.items()
+        ]
+        return {"object": "list", "data": cards}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -159,15 +166,19 @@ def create_app(
         stream: bool,
         respond: Callable[[Answer, Any], dict[str, Any]],
         events: Callable[[Answer, Any], Any],
+        lora: LoRARequest | None,
     ) -> Response:
         """Start ``plan``'s choices and answer them whole (``respond``) or streamed
-        (``events``): the part both endpoints share."""
+        (``events``), with the LoRA adapter ``lora`` (named by ``model``; its name is the
+        answer's model): the part both endpoints share."""
         tenant = tenant_of(request.scope)
-        checked = service.check(request_id, plan.choices, tenant, plan.tools, plan.rendering)
+        checked = service.check(
+            request_id, plan.choices, tenant, plan.tools, plan.rendering, lora=lora
+        )
         answer = Answer.create(
             request_id,
             object_name,
-            service.model_name,
+            lora.lora_name if lora is not None else service.model_name,
             service.token_texts(plan.logprobs),
             plan.include_usage,
             plan.per_prompt,
@@ -191,7 +202,7 @@ def create_app(
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        service.check_model(body.model)
+        lora = service.check_model(body.model)
         return await answer(
             request,
             plan_completion(body),
@@ -200,11 +211,12 @@ def create_app(
             body.stream,
             completions.completion_response,
             completions.completion_events,
+            lora,
         )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        service.check_model(body.model)
+        lora = service.check_model(body.model)
         return await answer(
             request,
             plan_chat(body),
@@ -213,6 +225,7 @@ def create_app(
             body.stream,
             chat.chat_response,
             chat.chat_events,
+            lora,
         )
 
     @app.post("/v1/embeddings", response_model=None)
@@ -222,7 +235,7 @@ def create_app(
     @app.post("/v1/responses", response_model=None)
     async def create_response(request: Request, raw: Annotated[Any, Body()]) -> Response:
         body = responses.parse_responses_body(raw)
-        service.check_model(body.model)
+        service.check_model(body.model, adapters=False)
         plan = responses.plan_responses(body)
         request_id = f"resp_{uuid.uuid4().hex}"
         tenant = tenant_of(request.scope)

@@ -39,6 +39,7 @@ from pipeline.server.http.logprobs import TokenTexts
 from pipeline.server.http.state import HttpService
 from pipeline.server.limits import ListenerLimits, connection_cap
 from pipeline.server.listen import format_address, listening_socket
+from pipeline.server.lora_modules import LoRAModules
 from pipeline.server.tls import ServerTLS
 from stages.tokenize import load_tokenizer
 from transports.tasks import TaskSet
@@ -69,8 +70,9 @@ class HttpServer:
     :meth:`stop`). ``model_name``: the model id clients send (default: the engine's
     ``options.model``). ``metrics``: the engine's metrics to serve at ``/metrics`` (None: the
     server makes and owns its own). ``limits``: the bounds on its connections (timeouts, the
-    cap) and on what one request may ask for (:mod:`pipeline.server.limits`). :attr:`app` is
-    the FastAPI app, to which routes may be added before :meth:`start`.
+    cap) and on what one request may ask for (:mod:`pipeline.server.limits`).
+    ``lora_modules``: the LoRA adapters a request's ``model`` may name (docs/lora.md).
+    :attr:`app` is the FastAPI app, to which routes may be added before :meth:`start`.
 
     Raises (from the constructor): ValueError for a ``max_request_bytes`` that is not a
     positive integer.
@@ -86,6 +88,7 @@ class HttpServer:
         metrics: EngineMetrics | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         limits: ListenerLimits | None = None,
+        lora_modules: LoRAModules | None = None,
     ) -> None:
         self.engine = engine
         self.tls = tls
@@ -95,6 +98,7 @@ class HttpServer:
             model_name or engine.options.model,
             self.limits.max_logprob_entries,
             self.limits.trust_request_chat_template,
+            lora_modules,
         )
         self._owns_metrics = metrics is None
         self.metrics = (

@@ -24,7 +24,9 @@ from pipeline.server.limits import (
     check_logprob_entries,
     check_request_template,
 )
+from pipeline.server.lora_modules import LoRAModules
 from stages.errors import RequestError
+from stages.lora import LoRARequest
 from stages.messages import ChatRendering, RequestOutput
 from stages.params import SamplingParams
 from stages.tools import ToolUse
@@ -38,7 +40,8 @@ class HttpService:
     ``max_logprob_entries``: the logprobs one request may ask for
     (:func:`~pipeline.server.limits.check_logprob_entries`);
     ``trust_request_chat_template``: whether a request may bring its own ``chat_template``
-    (:func:`~pipeline.server.limits.check_request_template`)."""
+    (:func:`~pipeline.server.limits.check_request_template`); ``lora_modules``: the LoRA
+    adapters a request's ``model`` may name (docs/lora.md)."""
 
     def __init__(
         self,
@@ -46,8 +49,10 @@ class HttpService:
         model_name: str,
         max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
         trust_request_chat_template: bool = False,
+        lora_modules: LoRAModules | None = None,
     ) -> None:
         self.engine = engine
+        self.lora_modules = lora_modules if lora_modules is not None else LoRAModules()
         self.model_name = model_name
         self.max_logprob_entries = max_logprob_entries
         self.trust_request_chat_template = trust_request_chat_template
@@ -74,18 +79,34 @@ class HttpService:
             return ApiError(503, "the engine is not started", error_type=SERVER_ERROR)
         return None
 
-    def check_model(self, model: str | None) -> None:
-        """Raises ApiError 404 unless ``model`` is the model served (None, left out: it is,
-        as vLLM takes it): its served name, or the ``root`` its model card names (the path
-        or alias it was started with, which ``vllm bench serve`` sends when it found the
-        model from ``/v1/models``: ``vllm/benchmarks/serve.py``, its prompt alignment)."""
-        if model is not None and model not in (self.model_name, self.engine.options.model):
+    def check_model(self, model: str | None, *, adapters: bool = True) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (docs/lora.md), or None for the model served
+        (None, left out: it is, as vLLM takes it): its served name, or the ``root`` its model
+        card names (the path or alias it was started with, which ``vllm bench serve`` sends
+        when it found the model from ``/v1/models``: ``vllm/benchmarks/serve.py``, its prompt
+        alignment). ``adapters``: whether this endpoint serves adapters.
+
+        Raises:
+            ApiError: 404 for any other model (an adapter where ``adapters`` is off: 400).
+        """
+        if model is None or model in (self.model_name, self.engine.options.model):
+            return None
+        lora = self.lora_modules.get(model)
+        if lora is not None and not adapters:
+            raise ApiError(
+                400, f"the LoRA adapter {model!r:.80} serves completions and chats only; "
+                f"use the base model {self.model_name!r}", param="model",
+            )  # fmt: skip
+        if lora is None:
+            names = (self.model_name, *self.lora_modules.adapters)
+            served = ", ".join(repr(name) for name in names)
             raise ApiError(
                 404,
-                f"the model {model!r:.80} does not exist; this server serves {self.model_name!r}",
+                f"the model {model!r:.80} does not exist; this server serves {served:.400}",
                 param="model",
                 code="model_not_found",
             )
+        return lora
 
     def token_texts(self, logprobs: int | None) -> TokenTexts | None:
         """The decoder for a request that asked for ``logprobs`` (None: none asked)."""
@@ -117,14 +138,18 @@ class HttpService:
         tenant: str,
         tools: ToolUse | None = None,
         rendering: ChatRendering | None = None,
+        lora: LoRARequest | None = None,
     ) -> list[CheckedPrompt]:
         """Every choice through the engine's validation core, once, before any starts
         (docs/architecture.md §7.1): a value no stage or link could carry is a 400 naming
         its field, and no choice is started only to be aborted again. Then what only this
         server knows: the logprobs one answer may carry.
 
+        ``lora``: the adapter every choice runs with (:meth:`check_model`).
+
         Raises:
-            ApiError: 400 naming the field that is invalid; 503 while nothing can be
+            ApiError: 400 naming the field that is invalid (an adapter that cannot be
+                served: ``lora_request``); 503 while nothing can be
                 served; 400 ``invalid_value`` (param ``logprobs``) for an answer that could
                 carry more logprobs than ``max_logprob_entries``; 400 (param
                 ``chat_template``) for a request's own template on a server that does not
@@ -140,6 +165,7 @@ class HttpService:
                     tenant=tenant,
                     tools=tools,
                     rendering=rendering,
+                    lora_request=lora,
                 )
                 for prompt, params in choices
             ]
