@@ -242,11 +242,18 @@ class EngineInfo:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """Compute tokens ``[start, start + num_tokens)`` of a request this step. When the chunk
-    reaches the end of the request's known tokens, execute samples the next token."""
+    reaches the end of the request's known tokens, execute samples the next token.
+
+    ``draft_token_ids``: speculative decoding (docs/speculative.md): the chunk's last
+    ``len(draft_token_ids)`` tokens are these drafted ones, which follow the request's known
+    tokens; execute verifies them in the same pass and answers in
+    :attr:`StepResult.accepted_token_ids`.
+    """
 
     request_id: str
     start: int
     num_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @message()
@@ -305,6 +312,10 @@ class StepResult:
     its prompt took).
     ``embeddings``: the pooled vector (``float32 [dimensions]``) of each embedding request
     whose last chunk ran this step, instead of a token.
+    ``accepted_token_ids``: for each request whose chunk carried a draft, the leading draft
+    tokens the target accepted (maybe none); its new tokens are these, then its entry of
+    ``token_ids`` (the corrected or bonus token). Its computed tokens are the chunk's start
+    plus one plus the accepted ones: the rejected tokens' KV slots are rolled back.
     """
 
     step_id: int
@@ -325,6 +336,7 @@ class StepResult:
     communication_seconds: float = 0.0
     prompt_logprobs: dict[str, tuple[Logprobs, ...]] = dataclasses.field(default_factory=dict)
     embeddings: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    accepted_token_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -334,7 +346,9 @@ class EngineStats:
     ``step_seconds`` and ``forward_seconds`` are the last step's; ``communication_seconds``
     is the total time rank 0 spent in tensor-parallel collectives since start. ``replica``:
     the engine replica these are of, with data parallelism ("" with one). ``step_tokens``: the
-    tokens the last step computed (its prompt chunks' tokens plus one per decoding request)."""
+    tokens the last step computed (its prompt chunks' tokens plus one per decoding request).
+    ``spec_*``: speculative decoding's counters (:class:`stages.speculative.SpeculativeStats`:
+    verified drafts, drafted and accepted tokens, acceptances per draft position)."""
 
     num_running: int
     num_waiting: int
@@ -349,6 +363,10 @@ class EngineStats:
     communication_seconds: float = 0.0
     replica: str = ""
     step_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @message()

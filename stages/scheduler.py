@@ -57,6 +57,7 @@ from stages.messages import (
     StepResult,
 )
 from stages.policies import SchedulingPolicy, StepObservation
+from stages.speculative import SpeculativeConfig, Speculator, accepted_drafts, may_draft
 from stages.validation import resolve_max_tokens
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerError"]
@@ -79,6 +80,8 @@ class SchedulerConfig:
     tokens of one request in one step (None: up to the whole budget), which lets several
     prompts share a step and keeps decode latency steady. ``replica``: the name of the engine
     replica this scheduler serves, reported in its stats ("" without data parallelism).
+    ``speculative_config``: draft tokens for decoding requests (None: no speculative decoding;
+    docs/speculative.md).
 
     Raises:
         ValueError: a limit is not a positive integer.
@@ -88,6 +91,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_chunk: int | None = None
     replica: str = ""
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for field in ("max_num_seqs", "max_num_batched_tokens"):
@@ -161,7 +165,7 @@ class _InFlight:
     started: float
     states: dict[str, _RequestState]  # every request with a chunk in the step
     sampling: set[str]  # requests whose chunk reaches the end of their known tokens
-    decoding: set[str]  # requests whose chunk is a single decode token
+    decoding: set[str]  # requests whose chunk is a single decode token (and its draft)
 
 
 @dataclasses.dataclass(slots=True)
@@ -222,6 +226,8 @@ class Scheduler:
         self._last_forward_seconds = 0.0
         self._last_step_tokens = 0
         self._communication_seconds = 0.0
+        speculative = config.speculative_config
+        self._speculator = None if speculative is None else Speculator(speculative)
 
     # ------------------------------------------------------------------ inputs
 
@@ -351,6 +357,7 @@ class Scheduler:
             communication_seconds=self._communication_seconds,
             replica=self.config.replica,
             step_tokens=self._last_step_tokens,
+            **({} if self._speculator is None else self._speculator.stats().engine_stats()),
         )
 
     # ------------------------------------------------------------------ planning
@@ -383,6 +390,8 @@ class Scheduler:
         state.status = _Status.DONE
         if state.sent_to_execute:
             self._pending_finish.append(state)
+        if self._speculator is not None:
+            self._speculator.forget(state.request_id)
         self.policy.on_finish(state)
 
     def _preempt(self, state: _RequestState, plan: _Plan) -> None:
@@ -434,6 +443,8 @@ class Scheduler:
             if state.status is not _Status.RUNNING:
                 continue  # preempted earlier in this plan
             wanted = self._chunk_size(state, plan.budget)
+            draft = self._draft(state, plan) if wanted == 1 else ()
+            wanted += len(draft)
             while True:
                 # Tokens this request can hold with its table plus every free block (its
                 # table covers its computed tokens; entries behind a window hold no block).
@@ -450,15 +461,45 @@ class Scheduler:
                     break
             if state.status is not _Status.RUNNING or size < 1:
                 continue
-            self._add_chunk(state, size, plan, block_size)
+            self._add_chunk(state, size, plan, block_size, draft[: size - 1])
 
-    def _add_chunk(self, state: _RequestState, size: int, plan: _Plan, block_size: int) -> None:
+    def _draft(self, state: _RequestState, plan: _Plan) -> tuple[int, ...]:
+        """A draft for the decoding request ``state`` (docs/speculative.md): none without
+        speculative decoding, at large batches, for requests whose sampling depends on their
+        own output (:func:`stages.speculative.may_draft`), and past what the budget,
+        ``max_tokens`` and the model length leave."""
+        speculator = self._speculator
+        if (
+            speculator is None
+            or state.num_tokens - state.num_computed_tokens != 1  # not decoding
+            or not speculator.enabled_for(len(self._running))
+            or not may_draft(state.request.params, state.num_output_tokens)
+        ):
+            return ()
+        limit = min(
+            plan.budget - 1,
+            state.max_tokens - state.num_output_tokens - 1,
+            self._token_limit() - state.num_tokens - 1,
+        )
+        if limit < 1:
+            return ()
+        tokens = [*state.request.prompt_token_ids, *state.output_token_ids]
+        return speculator.propose(state.request_id, tokens, limit)
+
+    def _add_chunk(
+        self,
+        state: _RequestState,
+        size: int,
+        plan: _Plan,
+        block_size: int,
+        draft: tuple[int, ...] = (),
+    ) -> None:
         start = state.num_computed_tokens
         needed = _blocks_for(start + size, block_size) - _blocks_for(start, block_size)
         assert needed <= plan.free_blocks, "planned more blocks than free"
         plan.free_blocks -= needed
         plan.budget -= size
-        plan.chunks[state.request_id] = ScheduledChunk(state.request_id, start, size)
+        plan.chunks[state.request_id] = ScheduledChunk(state.request_id, start, size, draft)
         state.num_blocks += needed
         state.num_computed_tokens = start + size
 
@@ -557,11 +598,17 @@ class Scheduler:
         )
         self._next_step_id += 1
         states = {request_id: self._running[request_id] for request_id in plan.chunks}
-        sampling = {rid for rid, s in states.items() if s.num_computed_tokens == s.num_tokens}
+        # NOTE: a chunk with a draft computes past the known tokens by its draft's length
+        sampling = {
+            rid
+            for rid, s in states.items()
+            if s.num_computed_tokens == s.num_tokens + len(plan.chunks[rid].draft_token_ids)
+        }
         decoding = {
             rid
             for rid in sampling
-            if plan.chunks[rid].num_tokens == 1 and states[rid].num_output_tokens > 0
+            if plan.chunks[rid].num_tokens == 1 + len(plan.chunks[rid].draft_token_ids)
+            and states[rid].num_output_tokens > 0
         }
         self._in_flight = _InFlight(step, self._clock(), states, sampling, decoding)
         return step
@@ -646,6 +693,7 @@ class Scheduler:
                     f"has {state.num_computed_tokens} computed of {state.num_tokens}"
                 )
             state.num_computed_tokens = served
+        accepted = self._roll_back_drafts(in_flight, result, preempted)
         for request_id, state in in_flight.states.items():
             # What execute holds now: after the step it gave back what fell behind a window.
             if request_id not in preempted:
@@ -675,14 +723,22 @@ class Scheduler:
                 )
             if state.status is not _Status.RUNNING:
                 continue  # aborted while the step was in flight
-            state.output_token_ids.append(token_id)
-            if len(state.output_token_ids) == 1 and state.scheduled_time is not None:
+            if len(state.output_token_ids) == 0 and state.scheduled_time is not None:
                 # vLLM's queued and prefill intervals (vllm/v1/metrics/stats.py), on one clock
                 scheduled = state.scheduled_time
                 scheduler_times[request_id] = (scheduled - state.arrival_time, now - scheduled)
-            stop = self._stop_reason(state, token_id)
+            # NOTE: a verified draft's accepted tokens come before the sampled one; the first
+            # that stops the request ends its run, the tokens after it are dropped.
+            run: list[int] = []
+            stop = None
+            for token in (*accepted.get(request_id, ()), token_id):
+                state.output_token_ids.append(token)
+                run.append(token)
+                stop = self._stop_reason(state, token)
+                if stop is not None:
+                    break
             ids.append(request_id)
-            new_tokens.append((token_id,))
+            new_tokens.append(tuple(run))
             finish_reasons.append(None if stop is None else stop[0])
             stop_reasons.append(None if stop is None else stop[1])
             if request_id in logprobs_by_id:
@@ -752,3 +808,29 @@ class Scheduler:
             prompt_logprobs=prompt_logprobs,
             embeddings=embeddings,
         )
+
+    def _roll_back_drafts(
+        self, in_flight: _InFlight, result: StepResult, preempted: set[str]
+    ) -> dict[str, tuple[int, ...]]:
+        """Take each verified draft's accepted tokens from ``result``: the mirror's computed
+        tokens drop the rejected ones (execute rolled their KV slots back the same way), the
+        speculator counts them.
+
+        Returns:
+            The accepted draft tokens of each request that drafted and was not preempted.
+        Raises:
+            SchedulerError: execute's accepted tokens are missing, or not a prefix of the
+                draft, or come for a request that drafted nothing.
+        """
+        drafts = {c.request_id: c.draft_token_ids for c in in_flight.step.chunks}
+        try:
+            accepted = accepted_drafts(drafts, result.accepted_token_ids, preempted)
+        except ValueError as exc:
+            raise SchedulerError(f"StepResult {result.step_id}: {exc}") from None
+        for request_id, taken in accepted.items():
+            state = in_flight.states[request_id]
+            num_drafted = len(drafts[request_id])
+            state.num_computed_tokens -= num_drafted - len(taken)
+            if self._speculator is not None and state.status is _Status.RUNNING:
+                self._speculator.observe(request_id, num_drafted, len(taken))
+        return accepted

@@ -93,6 +93,13 @@ from stages.execute.prompt_scores import (
 )
 from stages.execute.quant.apply import quantize_model, weight_bytes
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
+from stages.execute.speculative import (
+    draft_rows,
+    settle,
+    stage_drafts,
+    unstage_drafts,
+    verify,
+)
 from stages.execute.step_graph import (
     MAX_ROWS,
     StepGraph,
@@ -182,13 +189,15 @@ class _Packed:
 class PreparedStep:
     """A step after :meth:`ModelRunner.prepare`: its blocks are allocated, its batch packed.
     ``shard``: what the other tensor-parallel ranks need to run it (None without tensor
-    parallelism, or when nothing is computed)."""
+    parallelism, or when nothing is computed). ``drafts``: the draft of each chunk that
+    carries one, staged into its request's tokens (stages/execute/speculative.py)."""
 
     step: SchedulerStep
     works: list[_Work]
     report: PlanReport
     packed: _Packed | None
     shard: ShardStep | None = None
+    drafts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -571,13 +580,15 @@ class ModelRunner:
         self._pooler.forget((*step.finished, *step.preempted))
         for new_request in step.new_requests:
             self._register(new_request)
+        drafts = stage_drafts(self._requests, step.chunks)
 
         report = PlanReport()
         works: list[_Work] = []
         for request, start, end in plan_chunks(allocator, self._requests, step.chunks, report):
             works.append(_Work(request, start, end, samples=end == request.num_tokens))
+        unstage_drafts(self._requests, drafts, report.preempted)
         packed = self._pack(works) if works else None
-        prepared = PreparedStep(step, works, report, packed)
+        prepared = PreparedStep(step, works, report, packed, drafts=drafts)
         if packed is not None and self.group is not None:
             prepared.shard = _shard_step(step.step_id, packed)
         return prepared
@@ -595,6 +606,7 @@ class ModelRunner:
         logprobs: list[Logprobs] = []
         prompt_logprobs: dict[str, tuple[Logprobs, ...]] = {}
         embeddings: dict[str, np.ndarray] = {}
+        accepted_ids: dict[str, tuple[int, ...]] = {}
         forward_seconds = 0.0
         num_computed = sum(work.end - work.start for work in works)
         if prepared.packed is not None:
@@ -607,15 +619,35 @@ class ModelRunner:
             scored = prompt_rows(
                 [(w.request.prompt_scores, w.start, w.end, w.packed_end) for w in works]
             )
+            # speculative decoding: the drafted works verify at their draft rows too
+            drafts = prepared.drafts
+            drafted = [w for w in sampling if w.request.request_id in drafts]
+            verified = draft_rows(
+                [(w.packed_end, len(drafts[w.request.request_id])) for w in drafted]
+            )
             with capture_hidden_states(self.model, enabled=bool(pooled)) as hidden:
                 logits = self._forward(
-                    prepared.packed, kept, scored.packed_rows, module_path=bool(pooled)
-                )  # [K + E, V]
+                    prepared.packed,
+                    kept,
+                    [*scored.packed_rows, *verified],
+                    module_path=bool(pooled),
+                )  # [K + E + D, V]
             if pooled:
                 embeddings = self._pooler.pool(hidden, [(w.request, w) for w in pooled])
+            extra = logits[len(kept) :]  # [E + D, V]
             if scored.packed_rows:
-                score_prompt_rows(logits[len(kept) :], scored)
-                logits = logits[: len(kept)]  # [K, V]
+                score_prompt_rows(extra[: len(scored.packed_rows)], scored)
+            if drafted:
+                accepted_ids = self._verify_drafts(
+                    logits, extra[len(scored.packed_rows) :], sampling, drafted, drafts
+                )
+                for work in drafted:
+                    request_ids.append(work.request.request_id)
+                    token_ids.append(work.request.sampling.output_token_ids[-1])
+                plain = [i for i, w in enumerate(sampling) if w.request.request_id not in drafts]
+                sampling = [sampling[i] for i in plain]
+                logits = logits[plain]  # [K - S, V]
+            logits = logits[: len(kept)]  # [K, V]
             grammar = grammar_rows(
                 prepared.step,
                 [work.request.request_id for work in sampling],
@@ -641,7 +673,10 @@ class ModelRunner:
                 if prompt_scores is not None and (entries := prompt_scores.take()) is not None:
                     prompt_logprobs[work.request.request_id] = entries
             for work in works:
-                commit_chunk(allocator, work.request, work.end)
+                if (
+                    work.request.request_id not in accepted_ids
+                ):  # settled: stages/execute/speculative.py
+                    commit_chunk(allocator, work.request, work.end)
             assert self.kv_cache is not None
             self.kv_cache.prefault()
         release_behind_windows(
@@ -665,7 +700,37 @@ class ModelRunner:
             result_message = dataclasses.replace(result_message, communication_seconds=seconds)
         if embeddings:
             result_message = dataclasses.replace(result_message, embeddings=embeddings)
+        if accepted_ids:
+            result_message = dataclasses.replace(result_message, accepted_token_ids=accepted_ids)
         return result_message
+
+    def _verify_drafts(
+        self,
+        logits: torch.Tensor,
+        draft_logits: torch.Tensor,
+        sampling: list[_Work],
+        drafted: list[_Work],
+        drafts: dict[str, tuple[int, ...]],
+    ) -> dict[str, tuple[int, ...]]:
+        """Verify the drafted works (``logits``: ``[K, V]`` one row per sampling work;
+        ``draft_logits``: the draft rows of :func:`draft_rows`, in ``drafted`` order) and
+        settle each: stages/execute/speculative.py. Returns the accepted draft tokens by
+        request id; the sampled token is appended to the request's outputs."""
+        assert self.allocator is not None and self._sampler is not None
+        accepted_ids: dict[str, tuple[int, ...]] = {}
+        row_of = {id(w): i for i, w in enumerate(sampling)}
+        offset = 0
+        for work in drafted:
+            request_id = work.request.request_id
+            draft = drafts[request_id]
+            rows = torch.cat(
+                (draft_logits[offset : offset + len(draft)], logits[row_of[id(work)]][None])
+            )  # [k + 1, V]
+            offset += len(draft)
+            accepted, token_id = verify(self._sampler, rows, work.request.sampling, draft)
+            settle(self.allocator, work.request, work.end, len(draft), accepted, token_id)
+            accepted_ids[request_id] = accepted
+        return accepted_ids
 
     def run_shard(self, shard: ShardStep) -> None:
         """Run rank 0's step ``shard`` on this rank's shard of the model (a rank other than
