@@ -886,9 +886,13 @@ def _summed(replicas: tuple[EngineStats, ...], latest: EngineStats) -> EngineSta
         spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in replicas),
         spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in replicas),
         spec_accepted_per_position=tuple(
-            map(sum, itertools.zip_longest(*(s.spec_accepted_per_position for s in replicas),
-                                           fillvalue=0))
-        ),  # fmt: skip
+            map(
+                sum,
+                itertools.zip_longest(
+                    *(s.spec_accepted_per_position for s in replicas), fillvalue=0
+                ),
+            )
+        ),
     )
 
 
