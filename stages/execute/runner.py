@@ -95,10 +95,9 @@ from stages.execute.quant.apply import quantize_model, weight_bytes
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
 from stages.execute.speculative import (
     draft_rows,
-    settle,
     stage_drafts,
     unstage_drafts,
-    verify,
+    verify_drafts,
 )
 from stages.execute.step_graph import (
     MAX_ROWS,
@@ -638,8 +637,13 @@ class ModelRunner:
             if scored.packed_rows:
                 score_prompt_rows(extra[: len(scored.packed_rows)], scored)
             if drafted:
-                accepted_ids = self._verify_drafts(
-                    logits, extra[len(scored.packed_rows) :], sampling, drafted, drafts
+                accepted_ids = verify_drafts(
+                    sampler,
+                    allocator,
+                    [logits[i] for i, w in enumerate(sampling) if w.request.request_id in drafts],
+                    extra[len(scored.packed_rows) :],
+                    drafted,
+                    drafts,
                 )
                 for work in drafted:
                     request_ids.append(work.request.request_id)
@@ -703,34 +707,6 @@ class ModelRunner:
         if accepted_ids:
             result_message = dataclasses.replace(result_message, accepted_token_ids=accepted_ids)
         return result_message
-
-    def _verify_drafts(
-        self,
-        logits: torch.Tensor,
-        draft_logits: torch.Tensor,
-        sampling: list[_Work],
-        drafted: list[_Work],
-        drafts: dict[str, tuple[int, ...]],
-    ) -> dict[str, tuple[int, ...]]:
-        """Verify the drafted works (``logits``: ``[K, V]`` one row per sampling work;
-        ``draft_logits``: the draft rows of :func:`draft_rows`, in ``drafted`` order) and
-        settle each: stages/execute/speculative.py. Returns the accepted draft tokens by
-        request id; the sampled token is appended to the request's outputs."""
-        assert self.allocator is not None and self._sampler is not None
-        accepted_ids: dict[str, tuple[int, ...]] = {}
-        row_of = {id(w): i for i, w in enumerate(sampling)}
-        offset = 0
-        for work in drafted:
-            request_id = work.request.request_id
-            draft = drafts[request_id]
-            rows = torch.cat(
-                (draft_logits[offset : offset + len(draft)], logits[row_of[id(work)]][None])
-            )  # [k + 1, V]
-            offset += len(draft)
-            accepted, token_id = verify(self._sampler, rows, work.request.sampling, draft)
-            settle(self.allocator, work.request, work.end, len(draft), accepted, token_id)
-            accepted_ids[request_id] = accepted
-        return accepted_ids
 
     def run_shard(self, shard: ShardStep) -> None:
         """Run rank 0's step ``shard`` on this rank's shard of the model (a rank other than

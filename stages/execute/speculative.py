@@ -32,7 +32,16 @@ from stages.execute.bookkeeping import commit_drafted_chunk
 from stages.execute.sampler import GREEDY_TEMPERATURE, Sampler, SamplingState
 from stages.messages import ScheduledChunk
 
-__all__ = ["DraftedRequest", "draft_rows", "settle", "stage_drafts", "unstage_drafts", "verify"]
+__all__ = [
+    "DraftedRequest",
+    "DraftedWork",
+    "draft_rows",
+    "settle",
+    "stage_drafts",
+    "unstage_drafts",
+    "verify",
+    "verify_drafts",
+]
 
 
 class DraftedRequest(Protocol):
@@ -50,6 +59,16 @@ class DraftedRequest(Protocol):
     def reads_prefix_cache(self) -> bool: ...
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]: ...
+
+
+class DraftedWork(Protocol):
+    """A drafted chunk's share of the packed batch: its request, one past its last position."""
+
+    @property
+    def request(self) -> DraftedRequest: ...
+
+    @property
+    def end(self) -> int: ...
 
 
 def stage_drafts(
@@ -154,3 +173,31 @@ def settle(
         del outputs[-rejected:]
     outputs.append(token_id)
     commit_drafted_chunk(allocator, request, end, rejected)
+
+
+def verify_drafts(
+    sampler: Sampler,
+    allocator: BlockAllocator,
+    last_rows: Sequence[torch.Tensor],
+    draft_logits: torch.Tensor,
+    drafted: Sequence[DraftedWork],
+    drafts: Mapping[str, tuple[int, ...]],
+) -> dict[str, tuple[int, ...]]:
+    """:func:`verify` and :func:`settle` each drafted work: ``last_rows[i]`` (``[V]``) is
+    ``drafted[i]``'s sampling row, ``draft_logits`` the rows of :func:`draft_rows` in
+    ``drafted`` order. The step's token is appended to each request's outputs.
+
+    Returns:
+        The accepted draft tokens by request id.
+    """
+    accepted_ids: dict[str, tuple[int, ...]] = {}
+    offset = 0
+    for work, last in zip(drafted, last_rows, strict=True):
+        request_id = work.request.request_id
+        draft = drafts[request_id]
+        rows = torch.cat((draft_logits[offset : offset + len(draft)], last[None]))  # [k + 1, V]
+        offset += len(draft)
+        accepted, token_id = verify(sampler, rows, work.request.sampling, draft)
+        settle(allocator, work.request, work.end, len(draft), accepted, token_id)
+        accepted_ids[request_id] = accepted
+    return accepted_ids
