@@ -737,10 +737,15 @@ class Scheduler:
                 stop = self._stop_reason(state, token)
                 if stop is not None:
                     break
-            ids.append(request_id)
-            new_tokens.append(tuple(run))
-            finish_reasons.append(None if stop is None else stop[0])
-            stop_reasons.append(None if stop is None else stop[1])
+            # NOTE: with stop strings a run goes out one entry per token (the same id in
+            # order): stop-check then ends the request at the token that completes a stop
+            # string, and drops the entries after it (docs/speculative.md)
+            entries = [(token,) for token in run] if state.request.params.stop else [tuple(run)]
+            for before_last, entry in enumerate(entries, 1 - len(entries)):
+                ids.append(request_id)
+                new_tokens.append(entry)
+                finish_reasons.append(None if stop is None or before_last else stop[0])
+                stop_reasons.append(None if stop is None or before_last else stop[1])
             if request_id in logprobs_by_id:
                 logprobs[request_id] = (logprobs_by_id[request_id],)
             if request_id in result.prompt_logprobs:
