@@ -630,6 +630,8 @@ class ModelRunner:
                     kept,
                     [*scored.packed_rows, *verified],
                     module_path=bool(pooled),
+                    token_rows=bool(drafted)
+                    and all(w.end - w.start == 1 or w.request.request_id in drafts for w in works),
                 )  # [K + E + D, V]
             if pooled:
                 embeddings = self._pooler.pool(hidden, [(w.request, w) for w in pooled])
@@ -790,12 +792,16 @@ class ModelRunner:
         sampling: list[_Work],
         extra_rows: Sequence[int] = (),
         module_path: bool = False,
+        token_rows: bool = False,
     ) -> torch.Tensor:
         """Run the model over the packed batch; logits of the sampling rows, in their order,
         then of the packed rows ``extra_rows`` (prompt logprobs: only the module path
         computes them, the decode graphs keep no other row). ``module_path``: through the
         model's modules even where a step graph or CUDA graph could run the step (a pooled
-        step's hidden states are captured from them).
+        step's hidden states are captured from them). ``token_rows``: every chunk is a decode
+        token or a drafted run, which the step graph runs as one decode row per token (each
+        attends the positions up to its own; every row's K/V is written before any attends),
+        extra rows included (stages/execute/speculative.py).
 
         Returns:
             ``[len(sampling) + len(extra_rows), V]`` logits.
@@ -806,6 +812,18 @@ class ModelRunner:
         decode = order[:num_decode]
 
         step_graph = self._step_graph
+        if (
+            token_rows
+            and not module_path
+            and step_graph is not None
+            and len(tokens) <= step_graph.max_rows
+        ):
+            row_positions = [p for w in order for p in range(w.start, w.end)]
+            row_tables = [
+                t for w, t in zip(order, block_tables, strict=True) for _ in range(w.end - w.start)
+            ]
+            kept_rows = [w.packed_end - 1 for w in sampling] + list(extra_rows)
+            return step_graph.run(tokens, row_positions, row_tables, kept_rows)  # [S + E, V]
         if (
             not module_path
             and not extra_rows
