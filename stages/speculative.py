@@ -12,7 +12,7 @@ when it plans a request's decode; execute verifies the draft in the same forward
 The n-gram proposer is prompt lookup as vLLM's (``vllm/v1/spec_decode/ngram_proposer.py``):
 the longest suffix of the request's tokens (prompt and output) of ``prompt_lookup_max`` down to
 ``prompt_lookup_min`` tokens that occurred earlier, and the tokens that followed its most recent
-earlier occurrence; the config keys and their defaults as vLLM's ``SpeculativeConfig``
+earlier occurrence (repeating, where they reach the end of the tokens: a loop goes on); the config keys and their defaults as vLLM's ``SpeculativeConfig``
 (``vllm/config/speculative.py``).
 """
 
@@ -248,7 +248,11 @@ class NgramProposer:
                     break
         if best_length < self.min_n:
             return ()
-        return tuple(token_ids[best_end + 1 : best_end + 1 + num_tokens])
+        # NOTE: where the continuation reaches the end of the tokens it repeats itself (the
+        # match ran into a loop: "a b a b" continues "a b a b ..."), instead of stopping short
+        start = best_end + 1
+        period = length - start
+        return tuple(token_ids[start + index % period] for index in range(num_tokens))
 
 
 def load_proposer(config: SpeculativeConfig) -> Proposer:

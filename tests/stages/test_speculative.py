@@ -85,8 +85,9 @@ def test_ngram_takes_the_longest_suffix_match_and_its_most_recent_occurrence() -
     assert proposer.propose([1, 2, 3, 4, 1, 2, 3, 5, 9, 1, 2], 3) == (3, 5, 9)
     # the 3-gram (9, 1, 2) wins over the more recent 2-gram (1, 2)
     assert proposer.propose([9, 1, 2, 7, 7, 1, 2, 8, 9, 1, 2], 2) == (7, 7)
-    # at most num_tokens, and no more than follow the match
-    assert proposer.propose([5, 6, 5], 4) == (6, 5)
+    # at most num_tokens; a continuation that reaches the end repeats (a loop goes on)
+    assert proposer.propose([5, 6, 5], 4) == (6, 5, 6, 5)
+    assert proposer.propose([3, 3, 3], 3) == (3, 3, 3)
     assert proposer.propose([1, 2, 3], 2) == ()  # no earlier occurrence
     assert proposer.propose([1, 1], 0) == ()
     # shorter than prompt_lookup_min: nothing
