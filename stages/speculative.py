@@ -12,8 +12,8 @@ when it plans a request's decode; execute verifies the draft in the same forward
 The n-gram proposer is prompt lookup as vLLM's (``vllm/v1/spec_decode/ngram_proposer.py``):
 the longest suffix of the request's tokens (prompt and output) of ``prompt_lookup_max`` down to
 ``prompt_lookup_min`` tokens that occurred earlier, and the tokens that followed its most recent
-earlier occurrence (repeating, where they reach the end of the tokens: a loop goes on); the config keys and their defaults as vLLM's ``SpeculativeConfig``
-(``vllm/config/speculative.py``).
+earlier occurrence (repeating, where they reach the end of the tokens: a loop goes on); the
+config keys and their defaults as vLLM's ``SpeculativeConfig`` (``vllm/config/speculative.py``).
 """
 
 from __future__ import annotations
