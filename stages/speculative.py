@@ -324,8 +324,7 @@ def accepted_drafts(
         taken = accepted.get(request_id)
         if taken is None or tuple(draft[: len(taken)]) != tuple(taken):
             raise ValueError(
-                f"accepted tokens {taken!r} of {request_id!r} are no prefix of its draft "
-                f"{draft!r}"
+                f"accepted tokens {taken!r} of {request_id!r} are no prefix of its draft {draft!r}"
             )
         checked[request_id] = tuple(taken)
     return checked
