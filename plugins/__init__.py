@@ -28,6 +28,7 @@ from typing import Any
 __all__ = [
     "GRAMMARS",
     "GROUPS",
+    "PROPOSERS",
     "REASONING_PARSERS",
     "ROUTERS",
     "SCHEDULERS",
@@ -51,6 +52,7 @@ __all__ = [
 logger = logging.getLogger("actorline.plugins")
 
 GRAMMARS = "actorline.grammars"
+PROPOSERS = "actorline.proposers"
 ROUTERS = "actorline.routers"
 SCHEDULERS = "actorline.schedulers"
 STAGES = "actorline.stages"
@@ -82,6 +84,13 @@ GROUPS: dict[str, GroupSpec] = {
         "grammar engines for structured outputs: compile a constraint, mask the tokens it forbids",
         api_version=1,
         methods=("compile", "fill_bitmask"),
+        attributes=("name",),
+    ),
+    PROPOSERS: GroupSpec(
+        PROPOSERS,
+        "speculative decoding proposers: draft a request's next tokens for the target to verify",
+        api_version=1,
+        methods=("propose",),
         attributes=("name",),
     ),
     ROUTERS: GroupSpec(

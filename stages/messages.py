@@ -253,11 +253,18 @@ class EngineInfo:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """Compute tokens ``[start, start + num_tokens)`` of a request this step. When the chunk
-    reaches the end of the request's known tokens, execute samples the next token."""
+    reaches the end of the request's known tokens, execute samples the next token.
+
+    ``draft_token_ids``: speculative decoding (docs/speculative.md): the chunk's last
+    ``len(draft_token_ids)`` tokens are these drafted ones, which follow the request's known
+    tokens; execute verifies them in the same pass and answers in
+    :attr:`StepResult.accepted_token_ids`.
+    """
 
     request_id: str
     start: int
     num_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @message()
@@ -316,6 +323,10 @@ class StepResult:
     its prompt took).
     ``embeddings``: the pooled vector (``float32 [dimensions]``) of each embedding request
     whose last chunk ran this step, instead of a token.
+    ``accepted_token_ids``: for each request whose chunk carried a draft, the leading draft
+    tokens the target accepted (maybe none); its new tokens are these, then its entry of
+    ``token_ids`` (the corrected or bonus token). Its computed tokens are the chunk's start
+    plus one plus the accepted ones: the rejected tokens' KV slots are rolled back.
     """
 
     step_id: int
@@ -339,6 +350,7 @@ class StepResult:
     # the thread count execute steps on from now, where it changed (stages.execute.contention;
     # 0: unchanged)
     threads: int = 0
+    accepted_token_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @message()
@@ -348,7 +360,9 @@ class EngineStats:
     ``step_seconds`` and ``forward_seconds`` are the last step's; ``communication_seconds``
     is the total time rank 0 spent in tensor-parallel collectives since start. ``replica``:
     the engine replica these are of, with data parallelism ("" with one). ``step_tokens``: the
-    tokens the last step computed (its prompt chunks' tokens plus one per decoding request)."""
+    tokens the last step computed (its prompt chunks' tokens plus one per decoding request).
+    ``spec_*``: speculative decoding's counters (:class:`stages.speculative.SpeculativeStats`:
+    verified drafts, drafted and accepted tokens, acceptances per draft position)."""
 
     num_running: int
     num_waiting: int
@@ -366,6 +380,10 @@ class EngineStats:
     # the threads the execute stage steps on (contention fallback: one while the machine is
     # oversubscribed; stages.execute.contention); 0 until it reports
     execute_threads: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @message()

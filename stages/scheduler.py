@@ -58,6 +58,7 @@ from stages.messages import (
     StepResult,
 )
 from stages.policies import SchedulingPolicy, StepObservation
+from stages.speculative import SpeculativeConfig, Speculator, accepted_drafts, may_draft
 from stages.validation import resolve_max_tokens
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerError"]
@@ -82,6 +83,8 @@ class SchedulerConfig:
     replica this scheduler serves, reported in its stats ("" without data parallelism).
     ``max_loras``: distinct LoRA adapters among the running requests (so in any one step); a
     waiting request of another adapter waits until one is free (docs/lora.md; None: no bound).
+    ``speculative_config``: draft tokens for decoding requests (None: no speculative decoding;
+    docs/speculative.md).
 
     Raises:
         ValueError: a limit is not a positive integer.
@@ -92,6 +95,7 @@ class SchedulerConfig:
     long_prefill_chunk: int | None = None
     replica: str = ""
     max_loras: int | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for field in ("max_num_seqs", "max_num_batched_tokens"):
@@ -168,7 +172,7 @@ class _InFlight:
     started: float
     states: dict[str, _RequestState]  # every request with a chunk in the step
     sampling: set[str]  # requests whose chunk reaches the end of their known tokens
-    decoding: set[str]  # requests whose chunk is a single decode token
+    decoding: set[str]  # requests whose chunk is a single decode token (and its draft)
 
 
 @dataclasses.dataclass(slots=True)
@@ -230,6 +234,8 @@ class Scheduler:
         self._last_step_tokens = 0
         self._communication_seconds = 0.0
         self._execute_threads = 0
+        speculative = config.speculative_config
+        self._speculator = None if speculative is None else Speculator(speculative)
 
     # ------------------------------------------------------------------ inputs
 
@@ -360,6 +366,7 @@ class Scheduler:
             replica=self.config.replica,
             step_tokens=self._last_step_tokens,
             execute_threads=self._execute_threads,
+            **({} if self._speculator is None else self._speculator.stats().engine_stats()),
         )
 
     # ------------------------------------------------------------------ planning
@@ -392,6 +399,8 @@ class Scheduler:
         state.status = _Status.DONE
         if state.sent_to_execute:
             self._pending_finish.append(state)
+        if self._speculator is not None:
+            self._speculator.forget(state.request_id)
         self.policy.on_finish(state)
 
     def _preempt(self, state: _RequestState, plan: _Plan) -> None:
@@ -443,6 +452,8 @@ class Scheduler:
             if state.status is not _Status.RUNNING:
                 continue  # preempted earlier in this plan
             wanted = self._chunk_size(state, plan.budget)
+            draft = self._draft(state, plan) if wanted == 1 else ()
+            wanted += len(draft)
             while True:
                 # Tokens this request can hold with its table plus every free block (its
                 # table covers its computed tokens; entries behind a window hold no block).
@@ -459,15 +470,45 @@ class Scheduler:
                     break
             if state.status is not _Status.RUNNING or size < 1:
                 continue
-            self._add_chunk(state, size, plan, block_size)
+            self._add_chunk(state, size, plan, block_size, draft[: size - 1])
 
-    def _add_chunk(self, state: _RequestState, size: int, plan: _Plan, block_size: int) -> None:
+    def _draft(self, state: _RequestState, plan: _Plan) -> tuple[int, ...]:
+        """A draft for the decoding request ``state`` (docs/speculative.md): none without
+        speculative decoding, at large batches, for requests whose sampling depends on their
+        own output (:func:`stages.speculative.may_draft`), and past what the budget,
+        ``max_tokens`` and the model length leave."""
+        speculator = self._speculator
+        if (
+            speculator is None
+            or state.num_tokens - state.num_computed_tokens != 1  # not decoding
+            or not speculator.enabled_for(len(self._running))
+            or not may_draft(state.request.params, state.num_output_tokens)
+        ):
+            return ()
+        limit = min(
+            plan.budget - 1,
+            state.max_tokens - state.num_output_tokens - 1,
+            self._token_limit() - state.num_tokens - 1,
+        )
+        if limit < 1:
+            return ()
+        tokens = [*state.request.prompt_token_ids, *state.output_token_ids]
+        return speculator.propose(state.request_id, tokens, limit)
+
+    def _add_chunk(
+        self,
+        state: _RequestState,
+        size: int,
+        plan: _Plan,
+        block_size: int,
+        draft: tuple[int, ...] = (),
+    ) -> None:
         start = state.num_computed_tokens
         needed = _blocks_for(start + size, block_size) - _blocks_for(start, block_size)
         assert needed <= plan.free_blocks, "planned more blocks than free"
         plan.free_blocks -= needed
         plan.budget -= size
-        plan.chunks[state.request_id] = ScheduledChunk(state.request_id, start, size)
+        plan.chunks[state.request_id] = ScheduledChunk(state.request_id, start, size, draft)
         state.num_blocks += needed
         state.num_computed_tokens = start + size
 
@@ -571,11 +612,17 @@ class Scheduler:
         )
         self._next_step_id += 1
         states = {request_id: self._running[request_id] for request_id in plan.chunks}
-        sampling = {rid for rid, s in states.items() if s.num_computed_tokens == s.num_tokens}
+        # NOTE: a chunk with a draft computes past the known tokens by its draft's length
+        sampling = {
+            rid
+            for rid, s in states.items()
+            if s.num_computed_tokens == s.num_tokens + len(plan.chunks[rid].draft_token_ids)
+        }
         decoding = {
             rid
             for rid in sampling
-            if plan.chunks[rid].num_tokens == 1 and states[rid].num_output_tokens > 0
+            if plan.chunks[rid].num_tokens == 1 + len(plan.chunks[rid].draft_token_ids)
+            and states[rid].num_output_tokens > 0
         }
         self._in_flight = _InFlight(step, self._clock(), states, sampling, decoding)
         return step
@@ -661,6 +708,7 @@ class Scheduler:
                     f"has {state.num_computed_tokens} computed of {state.num_tokens}"
                 )
             state.num_computed_tokens = served
+        accepted = self._roll_back_drafts(in_flight, result, preempted)
         for request_id, state in in_flight.states.items():
             # What execute holds now: after the step it gave back what fell behind a window.
             if request_id not in preempted:
@@ -690,16 +738,29 @@ class Scheduler:
                 )
             if state.status is not _Status.RUNNING:
                 continue  # aborted while the step was in flight
-            state.output_token_ids.append(token_id)
-            if len(state.output_token_ids) == 1 and state.scheduled_time is not None:
+            if len(state.output_token_ids) == 0 and state.scheduled_time is not None:
                 # vLLM's queued and prefill intervals (vllm/v1/metrics/stats.py), on one clock
                 scheduled = state.scheduled_time
                 scheduler_times[request_id] = (scheduled - state.arrival_time, now - scheduled)
-            stop = self._stop_reason(state, token_id)
-            ids.append(request_id)
-            new_tokens.append((token_id,))
-            finish_reasons.append(None if stop is None else stop[0])
-            stop_reasons.append(None if stop is None else stop[1])
+            # NOTE: a verified draft's accepted tokens come before the sampled one; the first
+            # that stops the request ends its run, the tokens after it are dropped.
+            run: list[int] = []
+            stop = None
+            for token in (*accepted.get(request_id, ()), token_id):
+                state.output_token_ids.append(token)
+                run.append(token)
+                stop = self._stop_reason(state, token)
+                if stop is not None:
+                    break
+            # NOTE: with stop strings a run goes out one entry per token (the same id in
+            # order): stop-check then ends the request at the token that completes a stop
+            # string, and drops the entries after it (docs/speculative.md)
+            entries = [(token,) for token in run] if state.request.params.stop else [tuple(run)]
+            for before_last, entry in enumerate(entries, 1 - len(entries)):
+                ids.append(request_id)
+                new_tokens.append(entry)
+                finish_reasons.append(None if stop is None or before_last else stop[0])
+                stop_reasons.append(None if stop is None or before_last else stop[1])
             if request_id in logprobs_by_id:
                 logprobs[request_id] = (logprobs_by_id[request_id],)
             if request_id in result.prompt_logprobs:
@@ -767,3 +828,29 @@ class Scheduler:
             prompt_logprobs=prompt_logprobs,
             embeddings=embeddings,
         )
+
+    def _roll_back_drafts(
+        self, in_flight: _InFlight, result: StepResult, preempted: set[str]
+    ) -> dict[str, tuple[int, ...]]:
+        """Take each verified draft's accepted tokens from ``result``: the mirror's computed
+        tokens drop the rejected ones (execute rolled their KV slots back the same way), the
+        speculator counts them.
+
+        Returns:
+            The accepted draft tokens of each request that drafted and was not preempted.
+        Raises:
+            SchedulerError: execute's accepted tokens are missing, or not a prefix of the
+                draft, or come for a request that drafted nothing.
+        """
+        drafts = {c.request_id: c.draft_token_ids for c in in_flight.step.chunks}
+        try:
+            accepted = accepted_drafts(drafts, result.accepted_token_ids, preempted)
+        except ValueError as exc:
+            raise SchedulerError(f"StepResult {result.step_id}: {exc}") from None
+        for request_id, taken in accepted.items():
+            state = in_flight.states[request_id]
+            num_drafted = len(drafts[request_id])
+            state.num_computed_tokens -= num_drafted - len(taken)
+            if self._speculator is not None and state.status is _Status.RUNNING:
+                self._speculator.observe(request_id, num_drafted, len(taken))
+        return accepted

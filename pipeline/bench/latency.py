@@ -23,8 +23,16 @@ workload (the targets of issue 36: >= 1.0x at one stream, >= 1.5x at 4 and 16). 
 with ``--llamacpp-threads`` threads (every core by default), actorline with its own default
 (torch's, every core).
 
+With ``--speculative-config JSON`` actorline also runs with speculative decoding
+(``actorline+spec``, a fresh server alternated with the plain one in every round), and the
+report adds its ratio over actorline without it and its acceptance rate (drafted and accepted
+tokens from the server's ``/metrics``). ``--prompts copy`` makes every prompt ask for a text
+to be rewritten (the text itself in the prompt: copy-heavy work, where the n-gram proposer's
+drafts are accepted) instead of the ordinary chat prompts (docs/speculative.md).
+
     actorline bench latency [--peer llamacpp] [--formats fp32 bf16 q4_1] [--rounds N]
         [--tokens 256] [--streams 4 16] [--llamacpp-threads N] [--quick] [--json]
+        [--speculative-config JSON] [--prompts chat|copy]
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from pipeline.bench.report import add_common_arguments, format_table, print_resu
 
 __all__ = [
     "ACTORLINE",
+    "ACTORLINE_SPEC",
     "LLAMACPP",
     "PEERS",
     "LatencyConfig",
@@ -52,16 +61,20 @@ __all__ = [
     "WorkloadRun",
     "actorline_command",
     "add_arguments",
+    "copy_prompt",
     "format_latency",
     "main",
     "measure_streams",
     "ratios",
     "run_from_args",
     "run_latency",
+    "speculative_ratios",
     "summarize",
 ]
 
 ACTORLINE = "actorline"
+ACTORLINE_SPEC = "actorline+spec"
+PROMPT_KINDS = ("chat", "copy")
 LLAMACPP = "llama.cpp"
 PEERS = ("llamacpp",)
 SERVED_NAME = "bench-model"
@@ -89,8 +102,16 @@ class LatencyConfig:
     llamacpp_threads: int | None = None
     context_per_slot: int = 1024
     seed: int = 0
+    speculative_config: str | None = None
+    prompts: str = "chat"
 
     def __post_init__(self) -> None:
+        if self.prompts not in PROMPT_KINDS:
+            raise ValueError(f"prompts must be one of {PROMPT_KINDS}, got {self.prompts!r}")
+        if self.speculative_config is not None:
+            from stages.speculative import parse_speculative_config
+
+            parse_speculative_config(self.speculative_config)
         unknown = [name for name in self.formats if name not in FORMATS]
         if unknown or not self.formats:
             raise ValueError(f"formats must be among {list(FORMATS)}, got {list(self.formats)}")
@@ -165,6 +186,9 @@ class LatencyResult:
     load_average: tuple[float, float, float]
     load_average_end: tuple[float, float, float]
     cpu_count: int
+    #: actorline+spec over actorline per "<format> @ <streams>", and its acceptance rate
+    speculative_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
+    acceptance_rate: float | None = None
 
 
 def summarize(system: str, fmt: str, traces: Sequence[StreamTrace]) -> WorkloadRun:
@@ -272,7 +296,38 @@ def _run_server(
         return runs
 
     with serve_process(command, None, port) as bound:
-        return asyncio.run(measure(bound))
+        runs = asyncio.run(measure(bound))
+        if system == ACTORLINE_SPEC:
+            _ACCEPTANCE.append(_spec_counters(bound))
+        return runs
+
+
+#: (drafted, accepted) tokens of each speculative server's life, read before it stops
+_ACCEPTANCE: list[tuple[float, float]] = []
+
+
+def _spec_counters(port: int) -> tuple[float, float]:
+    """The drafted and accepted tokens the server on ``port`` counted (its ``/metrics``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{_HOST}:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = {"drafted": 0.0, "accepted": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("actorline_spec_decode_num_draft_tokens_total"):
+            values["drafted"] += float(value.split()[0])
+        elif name.startswith("actorline_spec_decode_num_accepted_tokens_total"):
+            values["accepted"] += float(value.split()[0])
+    return values["drafted"], values["accepted"]
+
+
+def copy_prompt(text: str) -> str:
+    """A copy-heavy prompt: rewrite ``text`` (given in full) in other words, keeping it."""
+    return (
+        "Rewrite the following paragraph, keeping its sentences and wording where you can, "
+        f"and fixing only its punctuation:\n\n{text}\n\n{text}"
+    )
 
 
 def ratios(best: Sequence[WorkloadRun]) -> dict[str, float]:
@@ -283,6 +338,18 @@ def ratios(best: Sequence[WorkloadRun]) -> dict[str, float]:
         f"{fmt} @ {streams}": ours[(fmt, streams)].headline / run.headline
         for (fmt, streams), run in theirs.items()
         if (fmt, streams) in ours and run.headline > 0
+    }
+
+
+def speculative_ratios(best: Sequence[WorkloadRun]) -> dict[str, float]:
+    """actorline+spec's headline over actorline's per format and stream count."""
+    plain = {(r.format, r.streams): r for r in best if r.system == ACTORLINE}
+    return {
+        f"{r.format} @ {r.streams}": r.headline / plain[(r.format, r.streams)].headline
+        for r in best
+        if r.system == ACTORLINE_SPEC
+        and (r.format, r.streams) in plain
+        and plain[(r.format, r.streams)].headline > 0
     }
 
 
@@ -304,7 +371,11 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
     tokenizer = load_tokenizer(config.model)
     count = 2 + sum(config.streams)
     workload = make_workload(WorkloadSpec(num_requests=count, seed=config.seed))
-    prompts = [prompt_ids(tokenizer, request.prompt) for request in workload]
+    texts = [request.prompt for request in workload]
+    if config.prompts == "copy":
+        texts = [copy_prompt(text) for text in texts]
+    prompts = [prompt_ids(tokenizer, text) for text in texts]
+    _ACCEPTANCE.clear()
     binary: Path | None = None
     ggufs: dict[str, Path] = {}
     if "llamacpp" in config.peers:
@@ -320,6 +391,10 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
             systems: list[tuple[str, list[str], int | None]] = [
                 (ACTORLINE, actorline_command(config.model, fmt, config), None)
             ]
+            if config.speculative_config is not None:
+                spec = ["--speculative-config", config.speculative_config]
+                command = actorline_command(config.model, fmt, config) + spec
+                systems.append((ACTORLINE_SPEC, command, None))
             if binary is not None:
                 port = free_port()
                 command = llamacpp_peer.server_command(
@@ -351,11 +426,19 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
         load_average=load_average,
         load_average_end=os.getloadavg(),
         cpu_count=os.cpu_count() or 0,
+        speculative_ratios=speculative_ratios(ordered),
+        acceptance_rate=_acceptance_rate(),
     )
 
 
+def _acceptance_rate() -> float | None:
+    drafted = sum(d for d, _ in _ACCEPTANCE)
+    accepted = sum(a for _, a in _ACCEPTANCE)
+    return accepted / drafted if drafted else None
+
+
 def _order(config: LatencyConfig) -> Any:
-    systems = (ACTORLINE, LLAMACPP)
+    systems = (ACTORLINE, ACTORLINE_SPEC, LLAMACPP)
     return lambda key: (config.formats.index(key[0]), key[1], systems.index(key[2]))
 
 
@@ -391,6 +474,10 @@ def format_latency(result: LatencyResult) -> str:
         verdict = "met" if ratio >= target else "not met"
         lines.append(f"ratio actorline / llama.cpp, {key} streams: {ratio:.2f}x "
                      f"(target >= {target}x: {verdict})")  # fmt: skip
+    for key, ratio in result.speculative_ratios.items():
+        lines.append(f"ratio actorline+spec / actorline, {key} streams: {ratio:.2f}x")
+    if result.acceptance_rate is not None:
+        lines.append(f"speculative acceptance rate: {result.acceptance_rate:.2f}")
     return "\n".join(lines)
 
 
@@ -421,6 +508,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--llamacpp-threads", type=int, default=None, help="llama-server's -t (every core)"
     )
+    parser.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help="also run actorline with this speculative_config, alternated with it plain",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prompts", choices=PROMPT_KINDS, default=None,
+        help="chat (the offline workload's prompts) or copy (rewrite a paragraph given in full)",
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> LatencyConfig:
@@ -438,6 +533,8 @@ def config_from_args(args: argparse.Namespace) -> LatencyConfig:
         "concurrent_tokens": args.concurrent_tokens,
         "llamacpp_threads": args.llamacpp_threads,
         "peers": tuple(dict.fromkeys(args.peer)) or None,
+        "speculative_config": args.speculative_config,
+        "prompts": args.prompts,
     }
     return dataclasses.replace(
         base, model=args.model, **{k: v for k, v in given.items() if v is not None}

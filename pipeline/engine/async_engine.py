@@ -914,6 +914,17 @@ def _summed(replicas: tuple[EngineStats, ...], latest: EngineStats) -> EngineSta
         num_steps=sum(s.num_steps for s in replicas),
         communication_seconds=sum(s.communication_seconds for s in replicas),
         replica="",
+        spec_num_drafts=sum(s.spec_num_drafts for s in replicas),
+        spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in replicas),
+        spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in replicas),
+        spec_accepted_per_position=tuple(
+            map(
+                sum,
+                itertools.zip_longest(
+                    *(s.spec_accepted_per_position for s in replicas), fillvalue=0
+                ),
+            )
+        ),
     )
 
 

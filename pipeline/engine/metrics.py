@@ -276,6 +276,11 @@ class _SnapshotCollector(Collector):
             "not reported yet).",
             stats.execute_threads if stats else 0,
         )
+        # speculative decoding (docs/speculative.md): 0 without it
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified, since start.",
+                      stats.spec_num_draft_tokens if stats else 0)  # fmt: skip
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted, since start.",
+                      stats.spec_num_accepted_tokens if stats else 0)  # fmt: skip
         yield counter(
             "engine_restarts",
             "Times a fresh engine replaced one that died or froze (restart_engine).",

@@ -66,7 +66,14 @@ KINDS: Mapping[str, Kind] = {
 }
 
 #: the CLI type of a field's annotation (``X | None`` reads as ``X``)
-_CLI_TYPES: Mapping[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+_CLI_TYPES: Mapping[str, type] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    # its JSON text; the field's __post_init__ reads it (pipeline/engine/options.py)
+    "SpeculativeConfig": str,
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

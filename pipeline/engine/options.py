@@ -20,6 +20,7 @@ from stages.execute.config import (
     QUANTIZATIONS,
 )
 from stages.pooling import POOLING_TYPES
+from stages.speculative import SpeculativeConfig, parse_speculative_config
 
 __all__ = ["MAX_RESTART_BACKOFF", "TRANSPORTS", "EngineOptions"]
 
@@ -115,6 +116,13 @@ class EngineOptions:
     long_prefill_chunk: int | None = option(
         None, help="prefill chunk of a long prompt (None: the batch's token budget)",
         feeds=("scheduler",), commands=_NO_FLAG,
+    )  # fmt: skip
+    #: a SpeculativeConfig, vLLM's keys as a mapping, or their JSON text (the flag's)
+    speculative_config: SpeculativeConfig | None = option(  # noqa: RUF009 (frozen)
+        None, feeds=("scheduler",), metavar="JSON",
+        help="speculative decoding, vLLM's keys: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} "
+        "(docs/speculative.md)",
     )  # fmt: skip
     scheduler: str = option("fcfs", help="scheduling policy plugin name (actorline.schedulers)",
                             kind="name", phrase="a policy name",
@@ -304,6 +312,10 @@ class EngineOptions:
                                    metavar="SECONDS")  # fmt: skip
 
     def __post_init__(self) -> None:
+        # NOTE: read first (a mapping or JSON text becomes its config; errors name the key)
+        object.__setattr__(
+            self, "speculative_config", parse_speculative_config(self.speculative_config)
+        )
         check_options(self)
         # the rules across fields, and the checks of a value built from several fields
         from stages.structured.limits import GrammarLimits
@@ -372,6 +384,18 @@ class EngineOptions:
             )
         if self.enable_lora and self.null_model:
             raise ValueError("enable_lora needs a model: null_model runs none")
+        if self.speculative_config is not None and (
+            self.tensor_parallel_size > 1 or self.null_model
+        ):
+            raise ValueError(
+                "speculative_config is verified with one engine rank running a model: not with "
+                "tensor_parallel_size > 1 or null_model yet (docs/speculative.md)"
+            )
+        if self.speculative_config is not None and self.enable_lora:
+            raise ValueError(
+                "speculative_config with enable_lora is not built yet: drafts are verified "
+                "against the base model's rows only (docs/speculative.md, docs/lora.md)"
+            )
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(
                 "give num_blocks (an exact block count) or kv_cache_memory (bytes), not both"

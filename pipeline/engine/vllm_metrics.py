@@ -436,9 +436,30 @@ class _VllmSnapshotCollector(Collector):
             PREFIX + "num_preemptions", "Cumulative number of preemption from the engine.",
             labels=labels,
         )  # fmt: skip
+        # vLLM's spec_decode counters (vllm/v1/spec_decode/metrics.py), 0 without it
+        drafts = CounterMetricFamily(
+            PREFIX + "spec_decode_num_drafts", "Number of spec decoding drafts.", labels=labels
+        )
+        draft_tokens = CounterMetricFamily(
+            PREFIX + "spec_decode_num_draft_tokens", "Number of draft tokens.", labels=labels
+        )
+        accepted = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+            labels=labels,
+        )  # fmt: skip
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*labels, "position"],
+        )
         info = self._engine.info
         for engine, stats in self._stats():
             values = [self._model_name, engine]
+            drafts.add_metric(values, stats.spec_num_drafts if stats else 0)
+            draft_tokens.add_metric(values, stats.spec_num_draft_tokens if stats else 0)
+            accepted.add_metric(values, stats.spec_num_accepted_tokens if stats else 0)
+            for position, count in enumerate(stats.spec_accepted_per_position if stats else ()):
+                per_position.add_metric([*values, str(position)], count)
             # NOTE: before the first engine step there are no stats yet: every block is free.
             total = stats.kv_blocks_total if stats else 0
             used = total - stats.kv_blocks_free if stats else 0
@@ -450,6 +471,7 @@ class _VllmSnapshotCollector(Collector):
             hits.add_metric(values, stats.prefix_cache_hits if stats else 0)
             preemptions.add_metric(values, stats.num_preemptions if stats else 0)
         yield from (running, waiting, usage, gpu_usage, queries, hits, preemptions)
+        yield from (drafts, draft_tokens, accepted, per_position)
         if info is not None:
             # An info metric as vLLM writes it: a gauge set to 1 whose labels are the cache
             # configuration (vLLM's CacheConfig.metrics_info()).

@@ -398,6 +398,32 @@ class BlockAllocator:
         blocks.released = max(blocks.released, end)
         return released
 
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """Shrink the request's table to the blocks ``num_tokens`` tokens need, giving back
+        the trailing ones (speculative decoding's rejected tokens: docs/speculative.md). The
+        blocks given back were never published (only computed tokens' full blocks are), so
+        they hold nothing another request could share. Unknown requests are ignored.
+
+        Returns:
+            The number of blocks that became free.
+        Raises:
+            ValueError: ``num_tokens`` is negative, or the cut reaches a published block.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        blocks = self._requests.get(request_id)
+        if blocks is None:
+            return 0
+        keep = max(-(-num_tokens // self.block_size), blocks.released)
+        if keep < len(blocks.block_hashes):
+            raise ValueError(
+                f"truncating {request_id!r} to {num_tokens} tokens would drop published blocks"
+            )
+        released = 0
+        while len(blocks.block_ids) > keep:
+            released += self._drop_reference(blocks.block_ids.pop(), request_id)
+        return released
+
     def reset_prefix_cache(self) -> int:
         """Forget every published block that no request references.
 

@@ -31,6 +31,7 @@ __all__ = [
     "StepError",
     "TrackedRequest",
     "commit_chunk",
+    "commit_drafted_chunk",
     "plan_chunk",
     "plan_chunks",
     "release",
@@ -120,6 +121,13 @@ def validate_step(
         end = chunk.start + chunk.num_tokens
         if chunk.start < 0 or chunk.num_tokens < 1:
             raise StepError(f"chunk {chunk} must have start >= 0 and num_tokens >= 1")
+        if chunk.draft_token_ids:
+            # a draft follows the known tokens: the chunk is the last known token and it
+            num_tokens += len(chunk.draft_token_ids)
+            if end != num_tokens or chunk.num_tokens != 1 + len(chunk.draft_token_ids):
+                raise StepError(
+                    f"chunk {chunk} must be the request's last known token and its draft"
+                )
         if end > num_tokens:
             raise StepError(f"chunk {chunk} ends past the request's {num_tokens} known tokens")
         if end > max_model_len:
@@ -219,10 +227,12 @@ def plan_chunk(
         and request.num_computed == chunk.start
         and (request.num_tokens - 1) // size > chunk.start // size
     )
+    # NOTE: a drafted chunk computes every row (each is verified), so the cache serves none
     if (
         allocator.enable_prefix_caching
         and (chunk.start == 0 or continues_hits)
         and request.reads_prefix_cache
+        and not chunk.draft_token_ids
     ):
         hit = allocator.match_prefix(
             request_id, request.tokens(), end, spare_blocks, cache_key=request.cache_key
@@ -255,6 +265,18 @@ def commit_chunk(allocator: BlockAllocator, request: TrackedRequest, end: int) -
     block_size = allocator.block_size
     if allocator.enable_prefix_caching and end // block_size > before // block_size:
         allocator.commit(request.request_id, request.tokens(0, end), end, request.cache_key)
+
+
+def commit_drafted_chunk(
+    allocator: BlockAllocator, request: TrackedRequest, end: int, num_rejected: int
+) -> None:
+    """:func:`commit_chunk` for a chunk ending at ``end`` whose last ``num_rejected`` (drafted)
+    tokens were rejected, their tokens already dropped from ``request``: only the accepted
+    positions count as computed and are published, and the blocks past them are given back
+    (speculative decoding's roll-back, docs/speculative.md)."""
+    computed = end - num_rejected
+    commit_chunk(allocator, request, computed)
+    allocator.truncate(request.request_id, computed)
 
 
 def release_behind_windows(

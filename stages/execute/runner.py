@@ -94,6 +94,12 @@ from stages.execute.prompt_scores import (
 )
 from stages.execute.quant.apply import quantize_model, weight_bytes
 from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
+from stages.execute.speculative import (
+    draft_rows,
+    stage_drafts,
+    unstage_drafts,
+    verify_drafts,
+)
 from stages.execute.step_graph import (
     MAX_ROWS,
     StepGraph,
@@ -186,13 +192,15 @@ class _Packed:
 class PreparedStep:
     """A step after :meth:`ModelRunner.prepare`: its blocks are allocated, its batch packed.
     ``shard``: what the other tensor-parallel ranks need to run it (None without tensor
-    parallelism, or when nothing is computed)."""
+    parallelism, or when nothing is computed). ``drafts``: the draft of each chunk that
+    carries one, staged into its request's tokens (stages/execute/speculative.py)."""
 
     step: SchedulerStep
     works: list[_Work]
     report: PlanReport
     packed: _Packed | None
     shard: ShardStep | None = None
+    drafts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -581,13 +589,15 @@ class ModelRunner:
         self._pooler.forget((*step.finished, *step.preempted))
         for new_request in step.new_requests:
             self._register(new_request)
+        drafts = stage_drafts(self._requests, step.chunks)
 
         report = PlanReport()
         works: list[_Work] = []
         for request, start, end in plan_chunks(allocator, self._requests, step.chunks, report):
             works.append(_Work(request, start, end, samples=end == request.num_tokens))
+        unstage_drafts(self._requests, drafts, report.preempted)
         packed = self._pack(works) if works else None
-        prepared = PreparedStep(step, works, report, packed)
+        prepared = PreparedStep(step, works, report, packed, drafts=drafts)
         if packed is not None and self.group is not None:
             prepared.shard = _shard_step(step.step_id, packed)
         return prepared
@@ -605,6 +615,7 @@ class ModelRunner:
         logprobs: list[Logprobs] = []
         prompt_logprobs: dict[str, tuple[Logprobs, ...]] = {}
         embeddings: dict[str, np.ndarray] = {}
+        accepted_ids: dict[str, tuple[int, ...]] = {}
         forward_seconds = 0.0
         num_computed = sum(work.end - work.start for work in works)
         if prepared.packed is not None:
@@ -617,17 +628,44 @@ class ModelRunner:
             scored = prompt_rows(
                 [(w.request.prompt_scores, w.start, w.end, w.packed_end) for w in works]
             )
+            # speculative decoding: the drafted works verify at their draft rows too
+            drafts = prepared.drafts
+            drafted = [w for w in sampling if w.request.request_id in drafts]
+            verified = draft_rows(
+                [(w.packed_end, len(drafts[w.request.request_id])) for w in drafted]
+            )
             # NOTE: the step graph and decode graphs know nothing of LoRA (stages.execute.lora)
             module_path = bool(pooled) or any(work.request.lora is not None for work in works)
             with capture_hidden_states(self.model, enabled=bool(pooled)) as hidden:
                 logits = self._forward(
-                    prepared.packed, kept, scored.packed_rows, module_path=module_path
-                )  # [K + E, V]
+                    prepared.packed,
+                    kept,
+                    [*scored.packed_rows, *verified],
+                    module_path=module_path,
+                    token_rows=bool(drafted)
+                    and all(w.end - w.start == 1 or w.request.request_id in drafts for w in works),
+                )  # [K + E + D, V]
             if pooled:
                 embeddings = self._pooler.pool(hidden, [(w.request, w) for w in pooled])
+            extra = logits[len(kept) :]  # [E + D, V]
             if scored.packed_rows:
-                score_prompt_rows(logits[len(kept) :], scored)
-                logits = logits[: len(kept)]  # [K, V]
+                score_prompt_rows(extra[: len(scored.packed_rows)], scored)
+            if drafted:
+                accepted_ids = verify_drafts(
+                    sampler,
+                    allocator,
+                    [logits[i] for i, w in enumerate(sampling) if w.request.request_id in drafts],
+                    extra[len(scored.packed_rows) :],
+                    drafted,
+                    drafts,
+                )
+                for work in drafted:
+                    request_ids.append(work.request.request_id)
+                    token_ids.append(work.request.sampling.output_token_ids[-1])
+                plain = [i for i, w in enumerate(sampling) if w.request.request_id not in drafts]
+                sampling = [sampling[i] for i in plain]
+                logits = logits[plain]  # [K - S, V]
+            logits = logits[: len(kept)]  # [K, V]
             grammar = grammar_rows(
                 prepared.step,
                 [work.request.request_id for work in sampling],
@@ -653,7 +691,10 @@ class ModelRunner:
                 if prompt_scores is not None and (entries := prompt_scores.take()) is not None:
                     prompt_logprobs[work.request.request_id] = entries
             for work in works:
-                commit_chunk(allocator, work.request, work.end)
+                if (
+                    work.request.request_id not in accepted_ids
+                ):  # settled: stages/execute/speculative.py
+                    commit_chunk(allocator, work.request, work.end)
             assert self.kv_cache is not None
             self.kv_cache.prefault()
         release_behind_windows(
@@ -677,6 +718,8 @@ class ModelRunner:
             result_message = dataclasses.replace(result_message, communication_seconds=seconds)
         if embeddings:
             result_message = dataclasses.replace(result_message, embeddings=embeddings)
+        if accepted_ids:
+            result_message = dataclasses.replace(result_message, accepted_token_ids=accepted_ids)
         return result_message
 
     def run_shard(self, shard: ShardStep) -> None:
@@ -764,12 +807,16 @@ class ModelRunner:
         sampling: list[_Work],
         extra_rows: Sequence[int] = (),
         module_path: bool = False,
+        token_rows: bool = False,
     ) -> torch.Tensor:
         """Run the model over the packed batch; logits of the sampling rows, in their order,
         then of the packed rows ``extra_rows`` (prompt logprobs: only the module path
         computes them, the decode graphs keep no other row). ``module_path``: through the
         model's modules even where a step graph or CUDA graph could run the step (a pooled
-        step's hidden states are captured from them).
+        step's hidden states are captured from them). ``token_rows``: every chunk is a decode
+        token or a drafted run, which the step graph runs as one decode row per token (each
+        attends the positions up to its own; every row's K/V is written before any attends),
+        extra rows included (stages/execute/speculative.py).
 
         Returns:
             ``[len(sampling) + len(extra_rows), V]`` logits.
@@ -780,6 +827,18 @@ class ModelRunner:
         decode = order[:num_decode]
 
         step_graph = self._step_graph
+        if (
+            token_rows
+            and not module_path
+            and step_graph is not None
+            and len(tokens) <= step_graph.max_rows
+        ):
+            row_positions = [p for w in order for p in range(w.start, w.end)]
+            row_tables = [
+                t for w, t in zip(order, block_tables, strict=True) for _ in range(w.end - w.start)
+            ]
+            kept_rows = [w.packed_end - 1 for w in sampling] + list(extra_rows)
+            return step_graph.run(tokens, row_positions, row_tables, kept_rows)  # [S + E, V]
         if (
             not module_path
             and not extra_rows

@@ -400,13 +400,27 @@ class Sampler:
             flat[output_keys] = flat[output_keys] - presence[row_of_key]
             flat.index_add_(0, output_keys, -frequency[row_of_key])
 
-    def _sample_random(
-        self, logits: torch.Tensor, states: Sequence[SamplingState], greedy: Sequence[bool]
-    ) -> torch.Tensor:
-        device = logits.device
+    def probabilities(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """The distribution each row of ``logits`` (``[num_rows, vocab]``, one row per state)
+        samples from at temperature > 0: steps 2, 2b and 6 (speculative decoding's
+        verification, :mod:`stages.execute.speculative`, whose rows have no grammar,
+        min_tokens, penalties or bad words). ``logits`` is not modified.
+
+        Returns:
+            ``[num_rows, vocab_size]`` fp32 probabilities.
+        """
+        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)  # [num_rows, V]
+        ruled = [i for i, state in enumerate(states) if state.has_token_rules]
+        if ruled:
+            self._apply_token_rules_(logits, states, ruled)
         params = [state.params for state in states]
-        any_greedy = any(greedy)
-        argmax_tokens = self._argmax(logits) if any_greedy else None  # [num_rows]
+        return self._filtered(logits, params, [False] * len(states)).softmax(dim=-1)
+
+    def _filtered(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], greedy: Sequence[bool]
+    ) -> torch.Tensor:
+        """Temperature, min-p, then top-k / top-p (step 6) of the rows that are not greedy."""
+        device = logits.device
         # Greedy rows are divided by 1 (never by 0); their sample is discarded below.
         temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         if any(t != 1.0 for t in temperatures):
@@ -425,7 +439,7 @@ class Sampler:
             for i, (p, g) in enumerate(zip(params, greedy, strict=True))
             if not g and (_uses_top_k(p, self.vocab_size) or _uses_top_p(p))
         ]
-        if len(filtered) == len(states):
+        if len(filtered) == len(params):
             logits = self._apply_top_k_top_p(logits, params)
         elif filtered:
             row_index = self._index(filtered, device)
@@ -433,8 +447,16 @@ class Sampler:
                 logits.index_select(0, row_index), [params[i] for i in filtered]
             )
             logits = logits.index_copy(0, row_index, subset)
+        return logits
 
-        probs = logits.softmax(dim=-1)  # [num_rows, V]
+    def _sample_random(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], greedy: Sequence[bool]
+    ) -> torch.Tensor:
+        device = logits.device
+        params = [state.params for state in states]
+        any_greedy = any(greedy)
+        argmax_tokens = self._argmax(logits) if any_greedy else None  # [num_rows]
+        probs = self._filtered(logits, params, greedy).softmax(dim=-1)  # [num_rows, V]
         # Exponential(1) noise as -log(U): a uniform draw is much cheaper than exponential_()
         # on CPU. A seeded row draws from its own generator: one row-sized draw per step.
         noise = torch.empty_like(probs)

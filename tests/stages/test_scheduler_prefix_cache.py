@@ -8,6 +8,11 @@ planned step never needs more blocks than are free (execute would have to preemp
 and that every workload drains: no preemption cycle (a livelock the old mirror had, found by a
 randomized engine run: cached prefixes served past a chunk's end, shared blocks credited as
 freed).
+
+With speculative decoding (the n-gram proposer drafting over the prompts and the FILLER
+outputs; execute accepts a draft's leading FILLER tokens, as a greedy target that always
+samples FILLER would), drafted chunks reserve blocks for their drafts and roll back the
+rejected tokens' slots: the mirror stays exact through that too.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from stages.execute.allocator import RESERVED_BLOCK_ID, BlockAllocator
 from stages.execute.bookkeeping import (
     PlanReport,
     commit_chunk,
+    commit_drafted_chunk,
     plan_chunks,
     release,
     release_behind_windows,
@@ -31,6 +37,7 @@ from stages.messages import EngineRequest, SchedulerStep, StepResult
 from stages.params import SamplingParams
 from stages.policies import FcfsPolicy, PriorityPolicy, ShortestJobFirstPolicy
 from stages.scheduler import Scheduler, SchedulerConfig
+from stages.speculative import SpeculativeConfig
 from tests.stages.test_scheduler import FILLER, FakeClock, engine_info
 
 POLICIES = {"fcfs": FcfsPolicy, "priority": PriorityPolicy, "sjf": ShortestJobFirstPolicy}
@@ -70,15 +77,32 @@ class BookkeepingExecute:
         release(self.allocator, self.requests, step)
         for new in step.new_requests:
             self.requests[new.request_id] = _Tracked(new.request_id, list(new.prompt_token_ids))
+        drafts = {c.request_id: c.draft_token_ids for c in step.chunks if c.draft_token_ids}
+        for request_id, draft in drafts.items():
+            self.requests[request_id].known.extend(draft)
         report = PlanReport()
         planned = plan_chunks(self.allocator, self.requests, step.chunks, report)
+        for request_id in report.preempted:
+            if request_id in drafts:
+                del self.requests[request_id].known[-len(drafts.pop(request_id)) :]
         sampled = [tracked for tracked, _, end in planned if end == tracked.num_tokens]
+        accepted: dict[str, tuple[int, ...]] = {}
         for tracked, _, end in planned:
-            commit_chunk(self.allocator, tracked, end)
+            draft = drafts.get(tracked.request_id, ())
+            if not draft:
+                commit_chunk(self.allocator, tracked, end)
+                continue
+            taken = 0
+            while taken < len(draft) and draft[taken] == FILLER:
+                taken += 1
+            rejected = len(draft) - taken
+            del tracked.known[len(tracked.known) - rejected :]
+            commit_drafted_chunk(self.allocator, tracked, end, rejected)
+            accepted[tracked.request_id] = draft[:taken]
         release_behind_windows(self.allocator, self.requests, step, report, self.window)
         for tracked in sampled:
             tracked.known.append(FILLER)
-        return step_result(
+        result = step_result(
             step,
             self.allocator,
             request_ids=[tracked.request_id for tracked in sampled],
@@ -89,6 +113,7 @@ class BookkeepingExecute:
             num_computed_tokens=0,
             forward_seconds=0.01,
         )
+        return dataclasses.replace(result, accepted_token_ids=accepted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +125,7 @@ class Workload:
     long_prefill_chunk: int | None
     policy: str
     window: int | None  # a window on every layer (None: full attention)
+    speculative: int  # tokens drafted per step (0: no speculative decoding)
     # (shared prefix index, prefix tokens kept, own tail length, max_tokens, priority, arrival)
     requests: list[tuple[int, int, int, int, int, int]]
 
@@ -115,6 +141,7 @@ workloads = st.builds(
     long_prefill_chunk=st.none() | st.integers(1, 12),
     policy=st.sampled_from(sorted(POLICIES)),
     window=st.none() | st.integers(1, 14),
+    speculative=st.integers(0, 4),
     requests=st.lists(
         st.tuples(
             st.integers(0, len(PREFIXES) - 1),
@@ -142,9 +169,20 @@ def _drain(
         enable_prefix_caching=True,
         sliding_window=workload.window,
     )
+    speculative = None
+    if workload.speculative:
+        speculative = SpeculativeConfig(
+            num_speculative_tokens=workload.speculative,
+            prompt_lookup_max=3,
+            prompt_lookup_min=1,
+            disable_by_batch_size=workload.max_num_seqs + 1,
+        )
     scheduler = Scheduler(
         SchedulerConfig(
-            workload.max_num_seqs, workload.max_num_batched_tokens, workload.long_prefill_chunk
+            workload.max_num_seqs,
+            workload.max_num_batched_tokens,
+            workload.long_prefill_chunk,
+            speculative_config=speculative,
         ),
         POLICIES[workload.policy](),
         clock=FakeClock(),
@@ -214,6 +252,7 @@ def test_one_token_chunks_over_shared_prefixes_under_block_pressure_drain() -> N
         long_prefill_chunk=1,
         policy="fcfs",
         window=None,
+        speculative=0,
         requests=[
             (0, 24, 2, 8, 0, 0),
             (0, 24, 3, 8, 0, 0),
@@ -225,6 +264,28 @@ def test_one_token_chunks_over_shared_prefixes_under_block_pressure_drain() -> N
     assert scheduler.stats().prefix_cache_hits > 0
 
 
+def test_drafts_are_accepted_and_rejected_under_block_pressure_with_an_exact_mirror() -> None:
+    # FILLER prompts draft FILLER (accepted), the counting prompt drafts its own tokens
+    # (rejected, rolled back); blocks are short, so drafts are cut and requests preempted.
+    workload = Workload(
+        block_size=2,
+        num_blocks=14,
+        max_num_seqs=4,
+        max_num_batched_tokens=12,
+        long_prefill_chunk=None,
+        policy="fcfs",
+        window=None,
+        speculative=4,
+        requests=[(0, 6, 0, 14, 0, 0), (1, 12, 0, 10, 0, 0), (0, 4, 2, 12, 0, 1)],
+    )
+    scheduler, execute, steps = _drain(workload)
+    stats = scheduler.stats()
+    assert stats.spec_num_drafts > 0
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert max(len(c.draft_token_ids) for step in steps for c in step.chunks) >= 2
+    assert execute.allocator.num_free_blocks == execute.allocator.num_usable_blocks
+
+
 def test_a_cached_prompt_is_served_in_one_step_whatever_the_chunk_size() -> None:
     workload = Workload(
         block_size=4,
@@ -234,6 +295,7 @@ def test_a_cached_prompt_is_served_in_one_step_whatever_the_chunk_size() -> None
         long_prefill_chunk=8,
         policy="fcfs",
         window=None,
+        speculative=0,
         # the same 24-token prompt twice, the second after the first has finished
         requests=[(1, 24, 0, 1, 0, 0), (1, 24, 0, 1, 0, 40)],
     )

@@ -1,0 +1,139 @@
+"""stages/speculative.py: the config (vLLM's keys, typed errors), the n-gram proposer, the
+back-off and the check of execute's answers (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+import plugins
+from pipeline.engine.options import EngineOptions
+from stages.params import SamplingParams
+from stages.speculative import (
+    NgramProposer,
+    SpeculativeConfig,
+    Speculator,
+    accepted_drafts,
+    load_proposer,
+    may_draft,
+    parse_speculative_config,
+)
+
+
+def test_the_config_reads_vllms_keys_from_a_mapping_or_json() -> None:
+    config = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    )
+    assert config == SpeculativeConfig("ngram", 4, prompt_lookup_max=3, prompt_lookup_min=3)
+    assert parse_speculative_config({"num_speculative_tokens": 2}) == SpeculativeConfig(
+        num_speculative_tokens=2, prompt_lookup_max=5, prompt_lookup_min=5
+    )
+    assert parse_speculative_config(config.to_json()) == config
+    assert parse_speculative_config(None) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a mapping"),
+        ({"num_speculative_tokens": 3, "lookahead": 2}, "unknown key(s) 'lookahead'"),
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+        ({"num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer >= 1"),
+        ({"num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+         "prompt_lookup_min 4 must not exceed prompt_lookup_max 2"),
+        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3},
+         "'draft_model' is not supported yet"),
+        ({"method": "eagle3", "num_speculative_tokens": 3}, "'eagle3' is not supported yet"),
+        ({"model": "smollm2-135m", "num_speculative_tokens": 3}, "not supported yet"),
+        ({"method": "telepathy", "num_speculative_tokens": 3}, "names no installed proposer"),
+    ],
+)  # fmt: skip
+def test_bad_configs_are_refused_naming_the_key(value: object, words: str) -> None:
+    with pytest.raises(ValueError, match="speculative_config") as caught:
+        parse_speculative_config(value)
+    assert words in str(caught.value)
+
+
+def test_engine_options_take_the_config_and_refuse_what_is_not_verified() -> None:
+    options = EngineOptions(speculative_config='{"num_speculative_tokens": 3}')
+    assert options.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="num_speculative_tokens is required"):
+        EngineOptions(speculative_config={})
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 or null_model"):
+        EngineOptions(
+            speculative_config={"num_speculative_tokens": 3},
+            tensor_parallel_size=2,
+            transport="zmq",
+        )
+    with pytest.raises(ValueError, match="null_model"):
+        EngineOptions(speculative_config={"num_speculative_tokens": 3}, null_model=True)
+
+
+def test_the_ngram_proposer_is_a_plugin_of_its_group() -> None:
+    assert "ngram" in plugins.available(plugins.PROPOSERS)
+    assert isinstance(load_proposer(SpeculativeConfig()), NgramProposer)
+
+
+def _ngram(low: int, high: int) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig(prompt_lookup_max=high, prompt_lookup_min=low))
+
+
+def test_ngram_takes_the_longest_suffix_match_and_its_most_recent_occurrence() -> None:
+    proposer = _ngram(1, 3)
+    # suffix (1, 2): most recent earlier occurrence at 4..5, followed by 3, 5, 9
+    assert proposer.propose([1, 2, 3, 4, 1, 2, 3, 5, 9, 1, 2], 3) == (3, 5, 9)
+    # the 3-gram (9, 1, 2) wins over the more recent 2-gram (1, 2)
+    assert proposer.propose([9, 1, 2, 7, 7, 1, 2, 8, 9, 1, 2], 2) == (7, 7)
+    # at most num_tokens; a continuation that reaches the end repeats (a loop goes on)
+    assert proposer.propose([5, 6, 5], 4) == (6, 5, 6, 5)
+    assert proposer.propose([3, 3, 3], 3) == (3, 3, 3)
+    assert proposer.propose([1, 2, 3], 2) == ()  # no earlier occurrence
+    assert proposer.propose([1, 1], 0) == ()
+    # shorter than prompt_lookup_min: nothing
+    assert _ngram(2, 3).propose([4, 5, 9, 5], 2) == ()
+    assert _ngram(2, 3).propose([4, 5, 9, 4, 5], 2) == (9, 4)
+
+
+def test_the_speculator_backs_off_after_misses_and_counts_per_position() -> None:
+    config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                               prompt_lookup_max=2, disable_by_batch_size=4)  # fmt: skip
+    speculator = Speculator(config)
+    tokens = [1, 2, 3, 1, 2]
+    assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
+    assert speculator.propose("r", tokens, limit=2) == (3, 1)
+    speculator.observe("r", 3, 0)  # a miss: skip one step
+    assert speculator.propose("r", tokens, limit=10) == ()
+    assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
+    speculator.observe("r", 3, 0)  # a second miss in a row: skip three
+    assert [speculator.propose("r", tokens, 10) for _ in range(4)] == [(), (), (), (3, 1, 2)]
+    speculator.observe("r", 3, 2)  # accepted: no more skipping
+    assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
+    stats = speculator.stats()
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 2)
+    assert stats.accepted_per_position == (1, 1, 0)
+    assert stats.acceptance_rate == pytest.approx(2 / 9)
+    assert speculator.enabled_for(3) and not speculator.enabled_for(4)
+
+
+def test_only_requests_sampled_like_one_decode_row_draft() -> None:
+    plain = SamplingParams(max_tokens=8)
+    assert may_draft(plain, 1)
+    assert not may_draft(plain, 0)  # the first token comes from the prompt's pass
+    assert not may_draft(SamplingParams(max_tokens=8, logprobs=1), 3)
+    assert not may_draft(SamplingParams(max_tokens=8, presence_penalty=0.5), 3)
+    assert not may_draft(SamplingParams(max_tokens=8, bad_words=["x"]), 3)
+    assert not may_draft(SamplingParams(max_tokens=8, min_tokens=4), 3)
+    assert may_draft(SamplingParams(max_tokens=8, min_tokens=4), 4)
+
+
+def test_accepted_drafts_must_begin_the_draft() -> None:
+    drafts = {"a": (1, 2, 3), "b": (4,), "c": ()}
+    assert accepted_drafts(drafts, {"a": (1, 2), "b": ()}, ()) == {"a": (1, 2), "b": ()}
+    assert accepted_drafts(drafts, {"a": (1,)}, ("b",)) == {"a": (1,)}
+    with pytest.raises(ValueError, match="no prefix"):
+        accepted_drafts(drafts, {"a": (2,), "b": ()}, ())
+    with pytest.raises(ValueError, match="no prefix"):
+        accepted_drafts(drafts, {"a": ()}, ())  # b's answer is missing
+    with pytest.raises(ValueError, match="drafted none"):
+        accepted_drafts(drafts, {"a": (), "b": (), "c": ()}, ())
