@@ -45,6 +45,9 @@ KILLED_SHARD_SECONDS = 15.0
 HANG_TIMEOUT = 2.0
 HANG_MARGIN = 10.0
 LAYERS = 6
+#: hosts may stay silent this long: on the shared 2-core machine (load ~16) the test process's
+#: own loop was seen starved past the default 10 s while engines started
+SILENCE = dict(heartbeat_timeout=60.0)
 
 
 def run(coroutine: Coroutine[Any, Any, T], timeout: float = 900) -> T:
@@ -83,7 +86,7 @@ async def generate_all(
 
 async def outputs_of(model: str, **options: Any) -> tuple[list[tuple[int, ...]], Any]:
     """Greedy outputs of PROMPTS (the first alone first, so the rest hit its prefix)."""
-    async with AsyncEngine(model, **options) as engine:
+    async with AsyncEngine(model, **SILENCE, **options) as engine:
         first = await generate_all(engine, PROMPTS[:1])
         rest = await generate_all(engine, PROMPTS[1:])
         return first + rest, engine.stats
@@ -190,7 +193,7 @@ def test_default_model_at_pp2_gives_the_greedy_tokens_of_one_engine() -> None:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     async def outputs(**options: Any) -> list[tuple[int, ...]]:
-        async with AsyncEngine("smollm2-135m", num_blocks=256, **options) as engine:
+        async with AsyncEngine("smollm2-135m", num_blocks=256, **SILENCE, **options) as engine:
             return await generate_all(engine, prompts, params)
 
     assert run(outputs(pipeline_parallel_size=2)) == run(outputs())
@@ -226,7 +229,9 @@ async def _fails_every_request(engine: AsyncEngine, hurt: Any) -> float:
 @pytest.mark.parametrize("shard", ["engine_pp1", "engine_pp2"])
 def test_a_killed_shard_fails_every_pending_request(tiny6_model_dir: Path, shard: str) -> None:
     async def body() -> None:
-        engine = AsyncEngine(str(tiny6_model_dir), pipeline_parallel_size=3, num_blocks=512)
+        engine = AsyncEngine(
+            str(tiny6_model_dir), pipeline_parallel_size=3, num_blocks=512, **SILENCE
+        )
         await engine.start()
         pids = dict(engine.running.pids)
         try:
