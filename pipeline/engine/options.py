@@ -354,7 +354,7 @@ class EngineOptions:
     def _check_pipeline_parallel(self) -> None:
         """What pipeline parallelism combines with so far (docs/parallelism.md)."""
         if self.pipeline_parallel_split is not None:
-            from stages.execute.pp_split import parse_split
+            from stages.execute.config import parse_split
 
             try:
                 counts = parse_split(self.pipeline_parallel_split)

@@ -16,6 +16,7 @@ __all__ = [
     "QUANT_ACTIVATIONS",
     "ExecuteConfig",
     "ExecuteConfigError",
+    "parse_split",
 ]
 
 DEFAULT_KV_CACHE_MEMORY = 384 * 1024 * 1024
@@ -259,8 +260,6 @@ class ExecuteConfig:
             )
         size = self.pipeline_parallel_size
         if self.pipeline_parallel_split is not None:
-            from stages.execute.pp_split import parse_split
-
             counts = parse_split(self.pipeline_parallel_split)
             assert counts is not None
             if len(counts) != size:
@@ -293,6 +292,22 @@ class ExecuteConfig:
     def _check_positive(field: str, value: object) -> None:
         if type(value) is not int or value < 1:
             raise ExecuteConfigError(field, f"must be a positive integer, got {value!r}")
+
+
+def parse_split(text: str | None, field: str = "pipeline_parallel_split") -> tuple[int, ...] | None:
+    """``"10,20"`` → ``(10, 20)``; None stays None.
+
+    Raises:
+        ExecuteConfigError: not a comma-separated list of positive integers.
+    """
+    if text is None:
+        return None
+    parts = [part.strip() for part in str(text).split(",")]
+    if not parts or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ExecuteConfigError(
+            field, f"must be comma-separated positive layer counts such as '10,20', got {text!r}"
+        )
+    return tuple(int(part) for part in parts)
 
 
 def _valid_device(device: str) -> bool:

@@ -20,13 +20,20 @@ the hand-off of the hidden state over an ordinary link is actorline's own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from stages.execute.attention import UnsupportedModelError
+from stages.execute.attention import UnsupportedModelError, forward_context
+from stages.execute.bookkeeping import StepError
+from stages.execute.prompt_scores import prompt_rows
 
-__all__ = ["cut_layers", "drop_embeddings", "run_layers"]
+if TYPE_CHECKING:
+    from stages.execute.rank_messages import ShardStep
+    from stages.execute.runner import ModelRunner, PreparedStep
+
+__all__ = ["cut_layers", "drop_embeddings", "forward_layers", "pipeline_keep", "run_layers"]
 
 
 def cut_layers(model: Any, layers: range, *, first: bool, last: bool) -> None:
@@ -95,3 +102,52 @@ def run_layers(
     output = model.get_decoder()(**arguments)
     states = output if isinstance(output, torch.Tensor) else output.last_hidden_state
     return states[0]
+
+
+def pipeline_keep(prepared: PreparedStep) -> list[int]:
+    """The packed rows whose logits the last shard returns for ``prepared``, in the order
+    :meth:`~stages.execute.runner.ModelRunner.run` reads them: the rows that sample, then
+    prompt-logprob rows.
+
+    Raises:
+        StepError: the step pools embeddings, which a pipeline-parallel engine does not serve
+            (the final hidden states are on the last shard).
+    """
+    works = prepared.works
+    if any(work.request.pooling is not None for work in works):
+        raise StepError("embeddings are not served with pipeline_parallel_size > 1")
+    sampling = [work for work in works if work.samples]
+    scored = prompt_rows([(w.request.prompt_scores, w.start, w.end, w.packed_end) for w in works])
+    return [work.packed_end - 1 for work in sampling] + list(scored.packed_rows)
+
+
+def forward_layers(
+    runner: ModelRunner, shard: ShardStep, hidden: np.ndarray | None, keep: np.ndarray | None
+) -> np.ndarray:
+    """``runner``'s shard of the layers over the step ``shard``: from its tokens (the first
+    shard, ``hidden`` None) or the shard before's ``hidden [T, H]``; K/V of its layers go to
+    its cache. With ``keep`` (the last shard): the logits of those rows, ``[K, V]``; else the
+    hidden state after its layers, ``[T, H]``; float32 either way.
+
+    Raises:
+        RuntimeError: the runner is not loaded.
+    """
+    if runner.kv_cache is None:
+        raise RuntimeError("ModelRunner.load() must be called before forward_layers()")
+    device = runner.device
+    metadata, positions = runner.shard_metadata(shard)
+    with torch.inference_mode(), forward_context(metadata):
+        output = run_layers(
+            runner.model,
+            positions,
+            input_ids=torch.from_numpy(shard.token_ids).to(device) if hidden is None else None,
+            # NOTE: copied out of the received frame (read-only; the layers may work in
+            # place): T x H floats, small beside the step
+            hidden=(
+                None if hidden is None else torch.tensor(hidden, device=device, dtype=runner.dtype)
+            ),
+            keep=None if keep is None else torch.from_numpy(keep).to(device),
+        )
+        result = output.float().cpu().numpy()
+    runner.kv_cache.prefault()
+    return result

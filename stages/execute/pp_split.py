@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.execute.config import ExecuteConfigError
+from stages.execute.config import ExecuteConfigError, parse_split
 
 __all__ = [
     "PIPELINE_MODEL_TYPES",
     "PipelineParallelError",
     "check_pipeline_parallel",
     "layer_ranges",
-    "parse_split",
 ]
 
 #: model types whose decoder takes ``inputs_embeds`` as the hidden state as it is (no scaling
@@ -33,22 +32,6 @@ PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 class PipelineParallelError(RuntimeError):
     """A pipeline-parallel step did not come back: a shard died (the runtime sees its
     process exit first) or did not answer within ``pipeline_parallel_timeout`` (it hangs)."""
-
-
-def parse_split(text: str | None, field: str = "pipeline_parallel_split") -> tuple[int, ...] | None:
-    """``"10,20"`` → ``(10, 20)``; None stays None.
-
-    Raises:
-        ExecuteConfigError: not a comma-separated list of positive integers.
-    """
-    if text is None:
-        return None
-    parts = [part.strip() for part in str(text).split(",")]
-    if not parts or not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise ExecuteConfigError(
-            field, f"must be comma-separated positive layer counts such as '10,20', got {text!r}"
-        )
-    return tuple(int(part) for part in parts)
 
 
 def layer_ranges(num_layers: int, size: int, split: str | None = None) -> list[range]:

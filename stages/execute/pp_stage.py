@@ -84,9 +84,11 @@ class PipelineShardStage(Stage):
     async def on_step(self, step: PipelineStep) -> None:
         runner = self.runner
         assert runner is not None
+        from stages.execute.pipeline_parallel import forward_layers
+
         keep = step.keep if self.last else None
         began = time.perf_counter()
-        output = await self.run_in_thread(runner.forward_layers, step.shard, step.hidden, keep)
+        output = await self.run_in_thread(forward_layers, runner, step.shard, step.hidden, keep)
         seconds = (*step.compute_seconds, time.perf_counter() - began)
         if self.last:
             await self.emit("out", PipelineLogits(step.shard.step_id, output, seconds))
@@ -122,14 +124,16 @@ class PipelineDriver:
             PipelineParallelError: the logits did not come back within the timeout.
             StepError: the step does not match the runner's state, or pools embeddings.
         """
+        from stages.execute.pipeline_parallel import forward_layers, pipeline_keep
+
         stage = self._stage
         prepared = await stage.run_in_thread(runner.prepare, step)
         shard = prepared.shard
         if shard is None:  # nothing computes: frees and preemptions only
             return await stage.run_in_thread(runner.run, prepared)
-        keep = np.asarray(runner.pipeline_keep(prepared), dtype=np.int64)
+        keep = np.asarray(pipeline_keep(prepared), dtype=np.int64)
         began = time.perf_counter()
-        hidden = await stage.run_in_thread(runner.forward_layers, shard, None, None)
+        hidden = await stage.run_in_thread(forward_layers, runner, shard, None, None)
         first = time.perf_counter() - began
         future: asyncio.Future[PipelineLogits] = asyncio.get_running_loop().create_future()
         self._pending[shard.step_id] = future

@@ -83,7 +83,7 @@ from stages.execute.native import (
     fused_ops_kernel,
     packed_gemm_kernel,
 )
-from stages.execute.pipeline_parallel import cut_layers, drop_embeddings, run_layers
+from stages.execute.pipeline_parallel import cut_layers, drop_embeddings
 from stages.execute.pooling import Pooler, capture_hidden_states, matryoshka_dimensions
 from stages.execute.pp_split import check_pipeline_parallel
 from stages.execute.probe_cache import checks_passed, record_passed
@@ -710,7 +710,7 @@ class ModelRunner:
         """
         if self.kv_cache is None or self.group is None or self.rank == 0:
             raise RuntimeError("run_shard runs on a loaded tensor-parallel rank other than 0")
-        metadata, positions = self._shard_metadata(shard)
+        metadata, positions = self.shard_metadata(shard)
         input_ids = torch.tensor(shard.token_ids, dtype=torch.long).to(self.device)  # [T]
         decoder = self.model.get_decoder()
         with torch.inference_mode(), forward_context(metadata):
@@ -722,7 +722,9 @@ class ModelRunner:
         self.kv_cache.prefault()
         self.group.take_seconds()
 
-    def _shard_metadata(self, shard: ShardStep) -> tuple[Any, torch.Tensor]:
+    def shard_metadata(self, shard: ShardStep) -> tuple[Any, torch.Tensor]:
+        """The attention metadata and positions of the packed batch ``shard`` over this
+        runner's cache (a tensor-parallel rank's or a pipeline shard's step)."""
         assert self.kv_cache is not None
         return build_step_metadata(
             kv_cache=self.kv_cache,
@@ -735,57 +737,6 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             device=self.device,
         )
-
-    def pipeline_keep(self, prepared: PreparedStep) -> list[int]:
-        """The packed rows whose logits the last pipeline shard returns for ``prepared``, in
-        the order :meth:`run` reads them: the rows that sample, then prompt-logprob rows.
-
-        Raises:
-            StepError: the step pools embeddings, which a pipeline-parallel engine does not
-                serve (the final hidden states are on the last shard).
-        """
-        works = prepared.works
-        if any(work.request.pooling is not None for work in works):
-            raise StepError("embeddings are not served with pipeline_parallel_size > 1")
-        sampling = [work for work in works if work.samples]
-        scored = prompt_rows(
-            [(w.request.prompt_scores, w.start, w.end, w.packed_end) for w in works]
-        )
-        return [work.packed_end - 1 for work in sampling] + list(scored.packed_rows)
-
-    def forward_layers(
-        self, shard: ShardStep, hidden: np.ndarray | None, keep: np.ndarray | None
-    ) -> np.ndarray:
-        """This pipeline shard's layers over the step ``shard``: from its tokens (the first
-        shard, ``hidden`` None) or the shard before's ``hidden [T, H]``; K/V of its layers go
-        to its cache. With ``keep`` (the last shard): the logits of those rows, ``[K, V]``;
-        else the hidden state after its layers, ``[T, H]``; float32 either way.
-
-        Raises:
-            RuntimeError: :meth:`load` was not called.
-        """
-        if self.kv_cache is None:
-            raise RuntimeError("ModelRunner.load() must be called before forward_layers()")
-        metadata, positions = self._shard_metadata(shard)
-        with torch.inference_mode(), forward_context(metadata):
-            output = run_layers(
-                self.model,
-                positions,
-                input_ids=(
-                    torch.from_numpy(shard.token_ids).to(self.device) if hidden is None else None
-                ),
-                # NOTE: copied out of the received frame (read-only; the layers may work in
-                # place): T x H floats, small beside the step
-                hidden=(
-                    None
-                    if hidden is None
-                    else torch.tensor(hidden, device=self.device, dtype=self.dtype)
-                ),
-                keep=None if keep is None else torch.from_numpy(keep).to(self.device),
-            )
-            result = output.float().cpu().numpy()
-        self.kv_cache.prefault()
-        return result
 
     def _register(self, request: EngineRequest) -> None:
         sampling = new_sampling_state(
