@@ -96,6 +96,7 @@ def run_layers(
         assert input_ids is not None
         arguments["input_ids"] = input_ids.unsqueeze(0)
     else:
+        arguments["input_ids"] = None
         arguments["inputs_embeds"] = hidden.unsqueeze(0)
     if keep is not None:
         return model(**arguments, logits_to_keep=keep).logits[0]
