@@ -164,6 +164,7 @@ def test_the_engine_refuses_an_indivisible_split_before_spawning_anything(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two engines each; on the shared 2-core machine past 300 s was seen
 @pytest.mark.parametrize(
     "options",
     [
@@ -190,6 +191,7 @@ def test_tiny_model_gives_the_greedy_tokens_of_one_engine(
 
 @pytest.mark.slow
 @pytest.mark.model
+@pytest.mark.timeout(900)
 def test_default_model_at_pp2_gives_the_greedy_tokens_of_one_engine() -> None:
     prompts = PROMPTS[:3]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
