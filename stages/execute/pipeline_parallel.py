@@ -147,7 +147,7 @@ def forward_layers(
             hidden=(
                 None if hidden is None else torch.tensor(hidden, device=device, dtype=runner.dtype)
             ),
-            keep=None if keep is None else torch.from_numpy(keep).to(device),
+            keep=None if keep is None else torch.tensor(keep, device=device),
         )
         result = output.float().cpu().numpy()
     runner.kv_cache.prefault()
