@@ -28,6 +28,7 @@ PIPELINES: dict[str, Callable[[], str]] = {
     "default": lambda: llm_pipeline(EngineOptions()).describe(),
     "data-parallel-2": lambda: llm_pipeline(EngineOptions(data_parallel_size=2)).describe(),
     "tensor-parallel-2": lambda: llm_pipeline(EngineOptions(tensor_parallel_size=2)).describe(),
+    "pipeline-parallel-2": lambda: llm_pipeline(EngineOptions(pipeline_parallel_size=2)).describe(),
 }
 
 MARKED = re.compile(r"(<!-- describe: ([\w-]+) -->\n```text\n)(.*?)(```)", re.DOTALL)

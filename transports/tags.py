@@ -71,6 +71,8 @@ WIRE_TAGS: Mapping[str, int] = MappingProxyType(
         "stages.lora.LoRARequest": 135,
         "stages.execute.rank_messages.Rendezvous": 140,
         "stages.execute.rank_messages.ShardStep": 141,
+        "stages.execute.pp_messages.PipelineStep": 142,
+        "stages.execute.pp_messages.PipelineLogits": 143,
         # the conformance kit's samples (transports/_kit_samples.py)
         "transports._kit_samples.KitPing": 900,
         "transports._kit_samples.KitPayload": 901,

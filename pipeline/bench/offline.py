@@ -47,9 +47,10 @@ dequantized; for ``int8`` the check then measures the quantization itself).
     actorline bench offline --structured [--quick] [--json]
     actorline bench offline --quantization gguf|int8 [--quick] [--json] [--profile]
     actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
+    actorline bench offline --pipeline-parallel-size 2 [--quick] [--repeats 2]
 
-The last form runs the workload on N tensor-parallel ranks against one rank instead
-(:mod:`pipeline.bench.parallel`).
+The last forms run the workload on N tensor-parallel ranks (pipeline shards) against one
+engine instead (:mod:`pipeline.bench.parallel`).
 """
 
 from __future__ import annotations
@@ -616,6 +617,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="run the workload on N ranks against one rank (and nothing else)",
     )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="run the workload on N pipeline shards against one engine (and nothing else)",
+    )
     add_ray_arguments(
         parser, help="run the workload with the engine's hosts on Ray against local processes"
     )
@@ -689,7 +696,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         return run_ray_from_args(
             args, "offline", offline.model, options, prompts, params, repeats=args.repeats
         )
-    if args.tensor_parallel_size > 1:
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         from pipeline.bench.parallel import (
             TensorParallelConfig,
             format_tensor_parallel,
@@ -703,7 +710,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         compared = run_tensor_parallel(
             TensorParallelConfig(
                 model=offline.model,
-                size=args.tensor_parallel_size,
+                size=max(args.tensor_parallel_size, args.pipeline_parallel_size),
+                pipeline=args.pipeline_parallel_size > 1,
                 repeats=args.repeats,
                 dtype=offline.dtype,
                 max_num_batched_tokens=offline.max_num_batched_tokens,

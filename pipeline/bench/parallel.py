@@ -77,6 +77,8 @@ class TensorParallelConfig:
     repeats: int = 1
     dtype: str = "float32"
     max_num_batched_tokens: int = 2048
+    #: pipeline shards (``pipeline_parallel_size``) instead of tensor-parallel ranks
+    pipeline: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 2:
@@ -115,6 +117,7 @@ class TensorParallelResult:
     identical_outputs: int
     load_average: tuple[float, float, float]
     cpu_count: int
+    pipeline: bool = False
 
 
 def run_tensor_parallel(
@@ -147,6 +150,7 @@ def run_tensor_parallel(
         identical_outputs=identical,
         load_average=load_average,
         cpu_count=os.cpu_count() or 0,
+        pipeline=config.pipeline,
     )
 
 
@@ -170,7 +174,7 @@ def _offline_run(
     with LLM(
         config.model,
         dtype=config.dtype,
-        tensor_parallel_size=size,
+        **{"pipeline_parallel_size" if config.pipeline else "tensor_parallel_size": size},
         num_blocks=blocks_to_hold(prompts, max_tokens, 16) + 1,
         max_num_seqs=max(len(prompts), 1),
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -194,9 +198,10 @@ def _offline_run(
 
 def format_tensor_parallel(result: TensorParallelResult) -> str:
     """The readable report."""
+    name = "PP" if result.pipeline else "TP"
     rows = [
         [
-            f"TP={run.size}",
+            f"{name}={run.size}",
             run.tokens,
             run.seconds,
             run.tokens_per_second,
@@ -208,18 +213,32 @@ def format_tensor_parallel(result: TensorParallelResult) -> str:
     return "\n".join(
         [
             format_table(
-                ["ranks", "tokens", "seconds", "tokens/s", "engine steps", "comm ms/step"],
+                [
+                    "shards" if result.pipeline else "ranks",
+                    "tokens",
+                    "seconds",
+                    "tokens/s",
+                    "engine steps",
+                    "comm ms/step",
+                ],
                 rows,
-                title=f"tensor parallelism: {result.model}, {result.num_requests} requests "
+                title=f"{'pipeline' if result.pipeline else 'tensor'} parallelism: "
+                f"{result.model}, {result.num_requests} requests "
                 f"(the offline workload, greedy); {result.cpu_count} CPUs, load average "
                 f"{result.load_average[0]:.2f} at start",
             ),
-            f"best TP={result.size} {format_rate(result.best_parallel)} against TP=1 "
+            f"best {name}={result.size} {format_rate(result.best_parallel)} against {name}=1 "
             f"{format_rate(result.best_single)}: {result.ratio:.2f}x",
-            f"rank 0 in all-reduces (the slowest rank's wait included): "
-            f"{result.communication_ms_per_step:.2f} ms per engine step, "
+            (
+                "hidden states and logits between the shards (the round trip less the other "
+                "shards' compute: transfer and queueing): "
+                if result.pipeline
+                else "rank 0 in all-reduces (the slowest rank's wait included): "
+            )
+            + f"{result.communication_ms_per_step:.2f} ms per engine step, "
             f"{result.communication_share:.0%} of the run's wall time",
-            f"greedy outputs identical to TP=1: {result.identical_outputs}/{result.num_requests}",
+            f"greedy outputs identical to {name}=1: "
+            f"{result.identical_outputs}/{result.num_requests}",
         ]
     )
 

@@ -254,6 +254,18 @@ class EngineOptions:
         30.0, help="seconds a collective waits for a rank that hangs", kind="seconds>0",
         feeds=("execute",), commands=_NO_FLAG,
     )  # fmt: skip
+    pipeline_parallel_size: int = option(
+        1, help="split the model's layers over this many shards, each a process",
+        kind="int>=1", feeds=("execute",), group=_PARALLEL,
+    )  # fmt: skip
+    pipeline_parallel_split: str | None = option(
+        None, help="layers of each pipeline shard, comma-separated (e.g. 10,20; default: an "
+        "even split)", feeds=("execute",), group=_PARALLEL, metavar="N,N,...",
+    )  # fmt: skip
+    pipeline_parallel_timeout: float = option(
+        60.0, help="seconds a step waits for a pipeline shard that hangs", kind="seconds>0",
+        feeds=("execute",), commands=_NO_FLAG,
+    )  # fmt: skip
     data_parallel_size: int = option(
         1, help="run this many engine replicas behind a router stage", kind="int>=1",
         group=_PARALLEL,
@@ -396,10 +408,56 @@ class EngineOptions:
                 "speculative_config with enable_lora is not built yet: drafts are verified "
                 "against the base model's rows only (docs/speculative.md, docs/lora.md)"
             )
+        self._check_pipeline_parallel()
+        if self.pipeline_parallel_size > 1 and (
+            self.speculative_config is not None or self.enable_lora
+        ):
+            raise ValueError(
+                "pipeline_parallel_size > 1 runs without speculative_config and enable_lora yet: "
+                "the shards pass the logits of the sampled rows only (docs/parallelism.md)"
+            )
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(
                 "give num_blocks (an exact block count) or kv_cache_memory (bytes), not both"
             )
+
+    def _check_pipeline_parallel(self) -> None:
+        """What pipeline parallelism combines with so far (docs/parallelism.md)."""
+        if self.pipeline_parallel_split is not None:
+            from stages.execute.config import parse_split
+
+            try:
+                counts = parse_split(self.pipeline_parallel_split)
+            except ValueError:
+                raise ValueError(
+                    "pipeline_parallel_split must be comma-separated positive layer counts "
+                    f"such as '10,20', got {self.pipeline_parallel_split!r}"
+                ) from None
+            assert counts is not None
+            if len(counts) != self.pipeline_parallel_size:
+                raise ValueError(
+                    f"pipeline_parallel_split names {len(counts)} shards "
+                    f"({self.pipeline_parallel_split}), but pipeline_parallel_size is "
+                    f"{self.pipeline_parallel_size}"
+                )
+        size = self.pipeline_parallel_size
+        if size == 1:
+            return
+        clashes = (
+            ("tensor_parallel_size > 1 (PP x TP)", self.tensor_parallel_size > 1),
+            ("data_parallel_size > 1 (each replica its own shards)", self.data_parallel_size > 1),
+            ("ray (shards as Ray actors)", self.on_ray),
+            ("null_model (no model to split)", self.null_model),
+            ("quantization", self.quantization is not None),
+            ("transport 'memory' (every stage in the calling process; use 'zmq' or 'grpc')",
+             not self.split_processes),
+        )  # fmt: skip
+        for what, clash in clashes:
+            if clash:
+                raise ValueError(
+                    f"pipeline_parallel_size {size} does not combine with {what}: not built "
+                    "yet (docs/parallelism.md, Pipeline parallelism)"
+                )
 
     @classmethod
     def create(cls, model: str | None = None, **options: Any) -> EngineOptions:

@@ -48,6 +48,7 @@ __all__ = [
     "engine_preload",
     "llm_pipeline",
     "options_of",
+    "pipeline_parallel_host",
     "replica_suffix",
     "start_options",
     "tensor_parallel_host",
@@ -162,6 +163,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
         else:
             pipeline.add(f"execute{suffix}", ExecuteStage, execute, host=host)
             _add_ranks(pipeline, f"execute{suffix}", execute, host)
+            _add_shards(pipeline, f"execute{suffix}", execute, host)
     pipeline.add("detokenize", DetokenizeStage, DetokenizeConfig(options.model))
     pipeline.add("stop_check", StopCheckStage)
     pipeline.add("parse", ParseStage)
@@ -266,6 +268,30 @@ def _add_ranks(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_h
         pipeline.connect(f"{execute}.ranks", name)
 
 
+def pipeline_parallel_host(engine_host: str, shard: int) -> str:
+    """The host of pipeline shard ``shard`` (>= 1) of the engine on ``engine_host``."""
+    return f"{engine_host}_pp{shard}"
+
+
+def _add_shards(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_host: str) -> None:
+    """The pipeline shards after the execute stage ``execute`` (its first), each on its own
+    host, chained ``execute.pipeline → _pp1 → ... → execute.in``
+    (``docs/architecture.md`` §8)."""
+    size = config.pipeline_parallel_size
+    if size == 1:
+        return  # NOTE: before the import, as _add_ranks
+    from stages.execute.pp_stage import PipelineShardConfig, PipelineShardStage
+
+    previous = f"{execute}.pipeline"
+    for shard in range(1, size):
+        name = f"{execute}_pp{shard}"
+        host = pipeline_parallel_host(engine_host, shard)
+        pipeline.add(name, PipelineShardStage, PipelineShardConfig(config, shard), host=host)
+        pipeline.connect(previous, name)
+        previous = f"{name}.out"
+    pipeline.connect(previous, f"{execute}.in")
+
+
 def check_parallelism(options: EngineOptions) -> None:
     """Check, without loading the model, what data and tensor parallelism need of it: the
     routing policy constructs, the model's heads divide by ``tensor_parallel_size`` (read
@@ -291,6 +317,16 @@ def check_parallelism(options: EngineOptions) -> None:
         resolved = resolve_model(options.model)
         config = model_config(resolved.path, options.model_impl)  # as the engine will read it
         check_tensor_parallel(config, options.tensor_parallel_size, resolved.name)
+    if options.pipeline_parallel_size > 1:
+        from stages.execute.model_impl import model_config
+        from stages.execute.pp_split import check_pipeline_parallel
+        from stages.models import resolve_model
+
+        resolved = resolve_model(options.model)
+        config = model_config(resolved.path, options.model_impl)
+        check_pipeline_parallel(
+            config, options.pipeline_parallel_size, options.pipeline_parallel_split, resolved.name
+        )
 
 
 def engine_bundle(options: EngineOptions) -> dict[str, float]:

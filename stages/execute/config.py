@@ -17,6 +17,7 @@ __all__ = [
     "QUANT_ACTIVATIONS",
     "ExecuteConfig",
     "ExecuteConfigError",
+    "parse_split",
 ]
 
 DEFAULT_KV_CACHE_MEMORY = 384 * 1024 * 1024
@@ -97,6 +98,11 @@ class ExecuteConfig:
     - ``tensor_parallel_size``: ranks the model is split over (see
       :mod:`stages.execute.tensor_parallel`); ``tensor_parallel_timeout``: seconds a
       collective may wait for the other ranks before the engine fails (a rank that hangs).
+    - ``pipeline_parallel_size``: shards the decoder's layers are split over, each a process
+      (see :mod:`stages.execute.pipeline_parallel`); ``pipeline_parallel_split``: their
+      layer counts, comma-separated (``"10,20"``; None: even, refused where it does not
+      divide); ``pipeline_parallel_timeout``: seconds the first shard waits for a step's
+      logits from the last before the engine fails (a shard that hangs).
     - ``quantization``: ``None`` (default: fp32 weights), ``"gguf"`` (run a GGUF model's own
       Q8_0/Q4_0/Q4_1/Q4_K weights as they are) or ``"int8"`` (quantize any checkpoint's
       linears to int8 at load); weight-only, fp32 activations and KV, CPU fp32 only
@@ -151,6 +157,9 @@ class ExecuteConfig:
     tune_allocator: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 30.0
+    pipeline_parallel_size: int = 1
+    pipeline_parallel_split: str | None = None
+    pipeline_parallel_timeout: float = 60.0
     quantization: str | None = None
     quant_activations: str = "auto"
     model_impl: str = "auto"
@@ -197,6 +206,7 @@ class ExecuteConfig:
             raise ExecuteConfigError(
                 "tensor_parallel_timeout", f"must be a number of seconds > 0, got {timeout!r}"
             )
+        self._check_pipeline_parallel()
         for flag in (
             "enable_prefix_caching",
             "use_cuda_graphs",
@@ -280,6 +290,36 @@ class ExecuteConfig:
                 f"{self.decode_attention!r} applies to 'gather_sdpa' (leave it 'auto')",
             )
 
+    def _check_pipeline_parallel(self) -> None:
+        self._check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        timeout = self.pipeline_parallel_timeout
+        if type(timeout) not in (int, float) or not 0 < timeout < float("inf"):
+            raise ExecuteConfigError(
+                "pipeline_parallel_timeout", f"must be a number of seconds > 0, got {timeout!r}"
+            )
+        size = self.pipeline_parallel_size
+        if self.pipeline_parallel_split is not None:
+            counts = parse_split(self.pipeline_parallel_split)
+            assert counts is not None
+            if len(counts) != size:
+                raise ExecuteConfigError(
+                    "pipeline_parallel_split",
+                    f"names {len(counts)} shards ({self.pipeline_parallel_split}), but "
+                    f"pipeline_parallel_size is {size}",
+                )
+        if size > 1:
+            others = {
+                "tensor_parallel_size": self.tensor_parallel_size != 1,
+                "quantization": self.quantization is not None,
+            }
+            clash = [name for name, set_ in others.items() if set_]
+            if clash:
+                raise ExecuteConfigError(
+                    "pipeline_parallel_size",
+                    f"is {size}; pipeline parallelism does not combine with {clash[0]} yet "
+                    "(docs/parallelism.md)",
+                )
+
     @property
     def kv_cache_bytes_budget(self) -> int:
         """The KV cache budget in bytes when ``num_blocks`` is not given."""
@@ -291,6 +331,22 @@ class ExecuteConfig:
     def _check_positive(field: str, value: object) -> None:
         if type(value) is not int or value < 1:
             raise ExecuteConfigError(field, f"must be a positive integer, got {value!r}")
+
+
+def parse_split(text: str | None, field: str = "pipeline_parallel_split") -> tuple[int, ...] | None:
+    """``"10,20"`` → ``(10, 20)``; None stays None.
+
+    Raises:
+        ExecuteConfigError: not a comma-separated list of positive integers.
+    """
+    if text is None:
+        return None
+    parts = [part.strip() for part in str(text).split(",")]
+    if not parts or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ExecuteConfigError(
+            field, f"must be comma-separated positive layer counts such as '10,20', got {text!r}"
+        )
+    return tuple(int(part) for part in parts)
 
 
 def _valid_device(device: str) -> bool:

@@ -230,10 +230,19 @@ class LlamaModel(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = False
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        use_cache: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [1, T] -> [1, T, H]
+        """``inputs_embeds [1, T, H]`` instead of ``input_ids``: a pipeline shard's input,
+        the hidden state of the shard before it (stages.execute.pipeline_parallel)."""
         del use_cache
-        hidden_states = self.embed_tokens(input_ids)  # [1, T, H]
+        if inputs_embeds is None:
+            assert input_ids is not None
+            inputs_embeds = self.embed_tokens(input_ids)  # [1, T, H]
+        hidden_states = inputs_embeds
         cos, sin = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos, sin)
@@ -294,15 +303,17 @@ class NativeLlamaForCausalLM(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         use_cache: bool = False,
         logits_to_keep: int | torch.Tensor = 0,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         del use_cache  # the paged KV cache lives outside the model
         if position_ids is None:
+            assert input_ids is not None
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        hidden_states = self.model(input_ids, position_ids)
+        hidden_states = self.model(input_ids, position_ids, inputs_embeds=inputs_embeds)
         if isinstance(logits_to_keep, int):
             hidden_states = hidden_states[:, -logits_to_keep:, :]
         else:

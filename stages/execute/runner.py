@@ -84,7 +84,9 @@ from stages.execute.native import (
     fused_ops_kernel,
     packed_gemm_kernel,
 )
+from stages.execute.pipeline_parallel import cut_layers, drop_embeddings
 from stages.execute.pooling import Pooler, capture_hidden_states, matryoshka_dimensions
+from stages.execute.pp_split import check_pipeline_parallel
 from stages.execute.probe_cache import checks_passed, record_passed
 from stages.execute.prompt_scores import (
     PromptScores,
@@ -201,6 +203,9 @@ class PreparedStep:
     packed: _Packed | None
     shard: ShardStep | None = None
     drafts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    #: with pipeline parallelism: the logits the last shard computed for the rows
+    #: :meth:`ModelRunner.pipeline_keep` named (``run`` samples them instead of a forward)
+    logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -213,6 +218,8 @@ class ModelRunner:
         rank: this runner's tensor-parallel rank (0 drives; see the module docstring).
         rendezvous: where the ranks meet, with ``config.tensor_parallel_size`` > 1.
         store: rank 0's ``TCPStore`` behind ``rendezvous`` (rank 0 only).
+        shard: this runner's pipeline-parallel shard (0, the first, drives; the others run
+            :meth:`forward_layers` on what the shard before sends).
     """
 
     def __init__(
@@ -223,6 +230,7 @@ class ModelRunner:
         rank: int = 0,
         rendezvous: Rendezvous | None = None,
         store: Any = None,
+        shard: int = 0,
     ) -> None:
         if config.tensor_parallel_size > 1 and rendezvous is None:
             raise ValueError("a tensor-parallel runner needs the ranks' rendezvous")
@@ -230,6 +238,7 @@ class ModelRunner:
             raise ValueError(f"rank {rank} is outside [0, {config.tensor_parallel_size})")
         self.config = config
         self.rank = rank
+        self.shard = shard
         self._rendezvous = rendezvous
         self._store = store
         self.group: TensorParallelGroup | None = None
@@ -282,6 +291,10 @@ class ModelRunner:
             )
         check_model_config(hf_config, config.max_model_len)
         check_tensor_parallel(hf_config, parallel, resolved.name)
+        stages = config.pipeline_parallel_size
+        ranges = check_pipeline_parallel(
+            hf_config, stages, config.pipeline_parallel_split, resolved.name
+        )
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self._bf16 = self._native_bf16()
         if self._bf16 is not None:
@@ -305,6 +318,10 @@ class ModelRunner:
         if self._bf16 is not None:
             model.float()
             self.dtype = torch.float32
+        if stages > 1:
+            # NOTE: before anything packs or quantizes: only the shard's layers get repacked
+            last = self.shard == stages - 1
+            cut_layers(model, ranges[self.shard], first=self.shard == 0, last=last)
         self.model = model
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -359,18 +376,28 @@ class ModelRunner:
         vocab_size = int(text_config.vocab_size)
         probe_ids = probe_token_ids(vocab_size, self.device)
         expected: torch.Tensor | None = None
-        if verify:
+        # NOTE: a pipeline shard cannot run the whole model to check its paged attention
+        # against the model's own (docs/parallelism.md); its linears are still checked
+        if verify and stages == 1:
             with torch.inference_mode():
                 # The model's own attention, before paged attention replaces it.
                 expected = model(input_ids=probe_ids, use_cache=False).logits[0].float()  # [8, V]
         enable_paged_attention(model)
-        layers = survey_layers(model, probe_ids, config.max_model_len or (1 << 62))
+        layers = survey_layers(
+            model if stages == 1 else model.get_decoder(),
+            probe_ids,
+            config.max_model_len or (1 << 62),
+        )
+        if stages > 1 and self.shard > 0:
+            drop_embeddings(model)
         shape = layer_shape(layers, text_config)
         num_layers, num_heads = int(text_config.num_hidden_layers), shape.num_heads
         num_kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self._bf16 is not None)
         block_bytes = KVCache.bytes_per_block(
-            num_layers=num_layers,
+            # every shard sizes its blocks for the largest shard: the first shard's allocator
+            # hands out block ids that every shard's cache must hold
+            num_layers=max(len(layer_range) for layer_range in ranges),
             block_size=config.block_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -499,6 +526,7 @@ class ModelRunner:
             self.device.type == "cpu"
             and self.config.use_cuda_graphs
             and self.config.tensor_parallel_size == 1
+            and self.config.pipeline_parallel_size == 1
             and self.dtype == torch.float32
             and self._decode_mode == "native"
             and not self._flex
@@ -535,7 +563,7 @@ class ModelRunner:
         return graph
 
     def _make_decode_graphs(self) -> Any:
-        if self.config.tensor_parallel_size > 1:
+        if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
             return None  # NOTE: captured graphs would need the collectives captured too
         on_cuda = self.device.type == "cuda" and self.config.use_cuda_graphs
         if not (on_cuda or self._force_static_decode):
@@ -598,7 +626,9 @@ class ModelRunner:
         unstage_drafts(self._requests, drafts, report.preempted)
         packed = self._pack(works) if works else None
         prepared = PreparedStep(step, works, report, packed, drafts=drafts)
-        if packed is not None and self.group is not None:
+        if packed is not None and (
+            self.group is not None or self.config.pipeline_parallel_size > 1
+        ):
             prepared.shard = _shard_step(step.step_id, packed)
         return prepared
 
@@ -637,14 +667,18 @@ class ModelRunner:
             # NOTE: the step graph and decode graphs know nothing of LoRA (stages.execute.lora)
             module_path = bool(pooled) or any(work.request.lora is not None for work in works)
             with capture_hidden_states(self.model, enabled=bool(pooled)) as hidden:
-                logits = self._forward(
-                    prepared.packed,
-                    kept,
-                    [*scored.packed_rows, *verified],
-                    module_path=module_path,
-                    token_rows=bool(drafted)
-                    and all(w.end - w.start == 1 or w.request.request_id in drafts for w in works),
-                )  # [K + E + D, V]
+                logits = prepared.logits
+                if logits is None:
+                    logits = self._forward(
+                        prepared.packed,
+                        kept,
+                        [*scored.packed_rows, *verified],
+                        module_path=module_path,
+                        token_rows=bool(drafted)
+                        and all(
+                            w.end - w.start == 1 or w.request.request_id in drafts for w in works
+                        ),
+                    )  # [K + E + D, V]
             if pooled:
                 embeddings = self._pooler.pool(hidden, [(w.request, w) for w in pooled])
             extra = logits[len(kept) :]  # [E + D, V]
@@ -733,18 +767,7 @@ class ModelRunner:
         """
         if self.kv_cache is None or self.group is None or self.rank == 0:
             raise RuntimeError("run_shard runs on a loaded tensor-parallel rank other than 0")
-        tables = shard.block_tables.tolist()
-        metadata, positions = build_step_metadata(
-            kv_cache=self.kv_cache,
-            block_tables=tables,
-            query_starts=shard.query_starts.tolist(),
-            query_lens=shard.query_lens.tolist(),
-            num_decode=shard.num_decode,
-            decode_mode=self._decode_mode,
-            flex=self._flex,
-            max_model_len=self.max_model_len,
-            device=self.device,
-        )
+        metadata, positions = self.shard_metadata(shard)
         input_ids = torch.tensor(shard.token_ids, dtype=torch.long).to(self.device)  # [T]
         decoder = self.model.get_decoder()
         with torch.inference_mode(), forward_context(metadata):
@@ -755,6 +778,22 @@ class ModelRunner:
             )
         self.kv_cache.prefault()
         self.group.take_seconds()
+
+    def shard_metadata(self, shard: ShardStep) -> tuple[Any, torch.Tensor]:
+        """The attention metadata and positions of the packed batch ``shard`` over this
+        runner's cache (a tensor-parallel rank's or a pipeline shard's step)."""
+        assert self.kv_cache is not None
+        return build_step_metadata(
+            kv_cache=self.kv_cache,
+            block_tables=shard.block_tables.tolist(),
+            query_starts=shard.query_starts.tolist(),
+            query_lens=shard.query_lens.tolist(),
+            num_decode=shard.num_decode,
+            decode_mode=self._decode_mode,
+            flex=self._flex,
+            max_model_len=self.max_model_len,
+            device=self.device,
+        )
 
     def _register(self, request: EngineRequest) -> None:
         sampling = new_sampling_state(

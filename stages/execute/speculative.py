@@ -51,6 +51,7 @@ class DraftedRequest(Protocol):
     sampling: SamplingState
     num_computed: int
     num_cached: int
+    cache_key: bytes
 
     @property
     def num_tokens(self) -> int: ...

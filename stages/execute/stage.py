@@ -4,7 +4,11 @@ Ports: ``in`` (SchedulerStep); ``out`` (StepResult), ``info`` (EngineInfo, once,
 and KV cache are ready — linked to schedule and admit), ``ranks`` (with tensor parallelism:
 the :class:`~stages.execute.tensor_parallel.Rendezvous`, then one
 :class:`~stages.execute.tensor_parallel.ShardStep` per step, to every other rank's
-:class:`~stages.execute.rank.TensorParallelRankStage`; linked to nothing otherwise).
+:class:`~stages.execute.rank.TensorParallelRankStage`; linked to nothing otherwise),
+``pipeline`` (with pipeline parallelism: each step's
+:class:`~stages.execute.pp_messages.PipelineStep` to the second shard; the last shard's
+:class:`~stages.execute.pp_messages.PipelineLogits` come back on ``in``;
+:mod:`stages.execute.pp_stage`).
 
 With ``tensor_parallel_size`` N > 1 this stage is rank 0 (``docs/architecture.md`` §8): it
 hosts the ranks' rendezvous, loads its shard while they load theirs, and for each step first
@@ -25,6 +29,8 @@ from typing import TYPE_CHECKING
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
 from stages.execute.crash_notes import note_step
+from stages.execute.pp_messages import PipelineLogits
+from stages.execute.pp_stage import PipelineDriver
 from stages.messages import EngineInfo, SchedulerStep, StepResult
 from stages.models import loading
 
@@ -41,14 +47,21 @@ RENDEZVOUS_HOST = "127.0.0.1"
 
 class ExecuteStage(Stage):
     inputs = ("in",)
-    outputs = ("out", "info", "ranks")
-    optional_outputs = ("ranks",)
+    outputs = ("out", "info", "ranks", "pipeline")
+    optional_outputs = ("ranks", "pipeline")
 
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)
         self.runner: ModelRunner | None = None
         self.step_threads: StepThreads | None = None
         self._store: object = None  # rank 0's TCPStore, alive as long as the group
+        #: the first shard's side of pipeline-parallel steps (stages.execute.pp_stage)
+        self._pipeline: PipelineDriver | None = None
+        if config.pipeline_parallel_size > 1:
+            self._pipeline = PipelineDriver(self, config.pipeline_parallel_timeout)
+
+    def idle(self) -> bool:
+        return self._pipeline is None or self._pipeline.idle
 
     async def start(self) -> None:
         # NOTE: torch and the model stack take seconds to import where nothing preloaded
@@ -89,7 +102,20 @@ class ExecuteStage(Stage):
 
     @handles(SchedulerStep)
     async def on_step(self, step: SchedulerStep) -> None:
+        if self._pipeline is not None:
+            # NOTE: beside the handlers: the step's logits arrive as a message to this stage
+            # (one step is in flight at a time: the scheduler sends the next on the result)
+            self.spawn(self._emit_step(step))
+            return
         await self.emit("out", await self.execute_step(step))
+
+    async def _emit_step(self, step: SchedulerStep) -> None:
+        await self.emit("out", await self.execute_step(step))
+
+    @handles(PipelineLogits)
+    async def on_pipeline_logits(self, logits: PipelineLogits) -> None:
+        assert self._pipeline is not None
+        self._pipeline.answer(logits)
 
     async def execute_step(self, step: SchedulerStep) -> StepResult:
         """Run ``step`` on the stage's worker thread: what a step sent to ``in`` does, less
@@ -98,6 +124,8 @@ class ExecuteStage(Stage):
         runner = self.runner
         assert runner is not None
         note_step(step)
+        if self._pipeline is not None:
+            return await self._pipeline.execute(runner, step)
         if runner.group is None:
             assert self.step_threads is not None
             return await self.run_in_thread(self.step_threads.run, runner.execute, step)

@@ -50,6 +50,24 @@ def test_tensor_parallel_offline_quick(
     assert result["identical_outputs"] == 8
 
 
+def test_pipeline_parallel_offline_quick(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tiny model's 2 layers on 2 shards, one each, against one engine."""
+    command = ["bench", "offline", "--quick", "--json", "--model", str(tiny_model_dir)]
+    args = bench_parser().parse_args([*command, "--pipeline-parallel-size", "2"])
+    assert args.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["pipeline"] is True
+    assert result["size"] == 2 and result["num_requests"] == 8
+    single, parallel = result["runs"]
+    assert (single["size"], parallel["size"]) == (1, 2)
+    assert single["tokens"] == parallel["tokens"] > 0
+    assert single["communication_seconds"] == 0 < parallel["communication_seconds"]
+    assert result["communication_ms_per_step"] > 0 and 0 < result["communication_share"] < 1
+    assert result["identical_outputs"] == 8
+
+
 def run_on_ray_quick(
     benchmark: str, model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> dict[str, Any]:
