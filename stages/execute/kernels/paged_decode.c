@@ -27,11 +27,14 @@
  * (gpt-oss, one logit per query head) joins the softmax's max and denominator and adds no
  * value, as transformers' eager attention does.
  *
- * The cache holds fp32 or bf16 (kv_cache_dtype, docs/architecture.md §6): the bf16 entry point
- * runs the same code with each key and value vector widened to fp32 as it is loaded (a bf16 is
- * the high half of an fp32: zero-extend and shift), so the dot products, the softmax and the
- * weighted sum stay in fp32 and only the bytes read halve. Queries and outputs are fp32 in
- * both. */
+ * The cache holds fp32 or bf16 (kv_cache_dtype, docs/architecture.md §3.1). Where the build
+ * has AVX512-BF16 (and ACTORLINE_ATTENTION_PORTABLE is not defined) the bf16 entry points run
+ * attend_dot(): each query rounded to bf16 once, VDPBF16PS dot products over the key rows as
+ * they lie in the cache, fp32 softmax, and an fp32 weighted sum over the value rows split into
+ * their even and odd elements (a shift and a mask, no widening per element). Elsewhere they run
+ * attend() with each key and value vector widened to fp32 as it is loaded (a bf16 is the high
+ * half of an fp32: zero-extend and shift), so all arithmetic is fp32 and only the bytes read
+ * halve. Queries and outputs are fp32 in both. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
