@@ -103,7 +103,9 @@ def reference(
     return (scores.softmax(-1) @ v).transpose(0, 1)  # [n, Hq, D]
 
 
-def random_chunk(generator: torch.Generator, length: int) -> tuple[torch.Tensor, ...]:
+def random_chunk(
+    generator: torch.Generator, length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     query = torch.randn(1, HEADS, length, HEAD_DIM, generator=generator) * 2
     key = torch.randn(1, KV_HEADS, length, HEAD_DIM, generator=generator) * 2
     value = torch.randn(1, KV_HEADS, length, HEAD_DIM, generator=generator)
@@ -125,7 +127,7 @@ def test_bf16_prefill_matches_float64_attention(window: int | None, prefix: int)
     generator = torch.Generator().manual_seed(prefix + (window or 0))
     table = [5, 2, 9, 11, 3, 17, 8, 20]  # shuffled, as an allocator hands blocks out
     context = random_chunk(generator, prefix + 19)
-    kwargs = {"sliding_window": window} if window is not None else {}
+    kwargs: dict[str, Any] = {"sliding_window": window} if window is not None else {}
     outputs = {}
     for bf16 in (True, False):
         cache = new_cache(bf16)
@@ -168,11 +170,12 @@ def test_runner_turns_bf16_prefill_on_for_native_bf16_weights(tiny_model_dir: Pa
     (AVX512-BF16), else off; an fp32 cache under bf16 weights and fp32 models: off."""
     kernel = bf16_gemm_kernel()
     native = kernel is not None and kernel.native
-    for fields, expected in (
+    cases: tuple[tuple[dict[str, Any], bool], ...] = (
         ({"dtype": "bfloat16"}, native),
         ({"dtype": "bfloat16", "kv_cache_dtype": "float32"}, False),
         ({"kv_cache_dtype": "bfloat16"}, False),
-    ):
+    )
+    for fields, expected in cases:
         runner = ModelRunner(ExecuteConfig(model=str(tiny_model_dir), num_blocks=16, **fields))
         runner.load()
         assert runner.kv_cache is not None
