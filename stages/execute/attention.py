@@ -88,6 +88,7 @@ __all__ = [
     "key_padding_mask",
     "paged_attention_forward",
     "plan_decode_groups",
+    "prefill_in_bf16",
     "survey_layers",
 ]
 
@@ -119,6 +120,9 @@ class KVCache:
     block_size: int
     # The CPU cache's whole mapping until prefault() hands it to its thread.
     unfaulted: torch.Tensor | None = None
+    # Prefill attention in bf16 (see prefill_in_bf16): q rounded to bf16 and attended over
+    # the bf16 keys and values as they are, the output widened back to the activations' fp32.
+    bf16_prefill: bool = False
 
     @classmethod
     def allocate(
@@ -455,6 +459,7 @@ def paged_attention_forward(
                 group_query, group_keys, group_values, attn_mask=group.mask(window), scale=scale
             )  # [g, Hkv, rep, D]
         output[group.start : group.end] = attended.reshape(rows, num_heads, head_dim)
+    bf16_prefill = metadata.kv_cache.bf16_prefill and cache_dtype == torch.bfloat16
     for sequence in metadata.prefills:
         start, end = sequence.query_start, sequence.query_end
         sequence_query = query[:, :, start:end]  # [1, Hq, n, D]
@@ -477,21 +482,27 @@ def paged_attention_forward(
             first_block, mask = sequence.window_keys(window, block_size, query.device)
         else:
             first_block = 0
+        # bf16 prefill (KVCache.bf16_prefill): the keys and values stay in the cache's bf16
+        # and the query is rounded to it; the variants that need eager attention stay fp32.
+        low = bf16_prefill and not variant.needs_eager
+        attend_dtype = cache_dtype if low else query.dtype
         if sequence.key_blocks is None:
             keys, values = key[:, :, start:end], value[:, :, start:end]  # [1, Hkv, n, D]
             if cache_dtype != key.dtype:
                 # NOTE: rounded as the cache holds them, so a prompt computed whole attends
                 # the keys a prefix-cache hit on it would read back (the same tokens).
-                keys = keys.to(cache_dtype).to(key.dtype)
-                values = values.to(cache_dtype).to(value.dtype)
+                keys = keys.to(cache_dtype).to(attend_dtype)
+                values = values.to(cache_dtype).to(attend_dtype)
         else:
             blocks = sequence.key_blocks[first_block:]
             length = sequence.context_len - first_block * block_size
             keys = gather_blocks(key_cache, blocks, block_size)[:length]  # [L, Hkv, D]
             values = gather_blocks(value_cache, blocks, block_size)[:length]
-            keys, values = keys.to(query.dtype), values.to(query.dtype)
+            keys, values = keys.to(attend_dtype), values.to(attend_dtype)
             keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             values = values.transpose(0, 1).unsqueeze(0)
+        if low:
+            sequence_query = sequence_query.to(cache_dtype)
         if variant.needs_eager:
             if mask is None:  # the whole context, square: plain causal
                 mask = causal_window_mask(count, 0, count, 0, None, query.device)
@@ -514,7 +525,7 @@ def paged_attention_forward(
                 scale=scale,
                 enable_gqa=group_size > 1,
             )  # [1, Hq, n, D]
-        output[start:end] = attended[0].transpose(0, 1)
+        output[start:end] = attended[0].transpose(0, 1)  # (widened back where bf16)
     return output.unsqueeze(0), None
 
 
@@ -524,6 +535,31 @@ def _sinks_view(variant: LayerVariant, *shape: int) -> torch.Tensor | None:
     if variant.sinks is None:
         return None
     return variant.sinks.reshape(*shape, 1)
+
+
+def prefill_in_bf16(
+    *, kv_dtype: torch.dtype, activations: torch.dtype, device: torch.device, native_bf16: bool
+) -> bool:
+    """Whether prefill attention runs in bf16 (:attr:`KVCache.bf16_prefill`): on CPU, for
+    fp32 activations over a bf16 KV cache where the model's weights are bf16 and the CPU
+    multiplies bf16 natively (``native_bf16``: the bf16 GEMM built on AVX512-BF16, so torch's
+    bf16 flash attention runs on oneDNN's AVX512-BF16 or AMX kernels, not an emulation).
+
+    The keys and values are then the cache's bf16 as they are (exactly what the fp32 path
+    widens), the query is rounded to bf16 once and the attention output is rounded to bf16
+    before it is widened back: the output projection rounds its input rows to bf16 anyway
+    (``stages.execute.bf16``). Scores, softmax and accumulation are fp32 inside torch's
+    kernel (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``: fp32 accumulators, the
+    probabilities rounded to bf16 for the P·V product). 1.4-2.2x fp32's flash attention per
+    call at 64-1,000-token prompts (docs/performance.md §12.2). Models with fp32 weights keep
+    fp32 attention whatever their cache holds.
+    """
+    return (
+        native_bf16
+        and device.type == "cpu"
+        and kv_dtype == torch.bfloat16
+        and activations == torch.float32
+    )
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ __all__ = [
     "GEMM_PANEL",
     "GEMM_SOURCE",
     "KERNEL_SOURCE",
+    "PORTABLE_DEFINE",
     "FusedOpsKernel",
     "NativeGemm",
     "NativeKernelError",
@@ -64,6 +65,9 @@ GEMM_SOURCE = Path(__file__).with_name("kernels") / "packed_gemm.c"
 FUSED_SOURCE = Path(__file__).with_name("kernels") / "fused_cpu.c"
 GEMM_PANEL = 16
 """Output columns per packed weight panel: a packable weight has a multiple of this many rows."""
+PORTABLE_DEFINE = "ACTORLINE_ATTENTION_PORTABLE"
+"""Built with this defined (``build_library(defines=...)``), the paged decode kernel leaves out
+its AVX512-BF16 path: the build a CPU without AVX512-BF16 gets (tests run both)."""
 _FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 _NATIVE_FLAGS = ("-march=native",)
 _LANES = 8  # floats per vector in the kernel: head_dim must be a multiple
@@ -214,10 +218,12 @@ def build_library(
 class PagedDecodeKernel:
     """Decode attention over a token-major paged KV cache, read in place (no gather).
 
-    Serves fp32 CPU queries over an fp32 or bf16 cache (``kv_cache_dtype``; bf16 is widened
-    to fp32 as it is read, the arithmetic fp32 either way), with ``head_dim`` a multiple of 8
-    (up to 256) and at most 16 query heads per KV head: :meth:`supports` says whether a model's
-    shapes qualify.
+    Serves fp32 CPU queries over an fp32 or bf16 cache (``kv_cache_dtype``), with ``head_dim``
+    a multiple of 8 (up to 256) and at most 16 query heads per KV head: :meth:`supports` says
+    whether a model's shapes qualify. Over a bf16 cache, where the build has AVX512-BF16
+    (:attr:`bf16_dot`), each query is rounded to bf16 and its scores are VDPBF16PS dot
+    products (fp32 sums), the softmax and the weighted sum of values fp32; elsewhere each
+    element is widened to fp32 as it is read and the arithmetic is fp32 throughout.
     """
 
     #: the cache dtypes the kernel reads, and each one's entry point
@@ -230,6 +236,8 @@ class PagedDecodeKernel:
         self.path = library
         lib = ctypes.CDLL(str(library))
         pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        #: whether a bf16 cache is attended with VDPBF16PS (queries rounded to bf16)
+        self.bf16_dot = bool(lib.actorline_paged_decode_bf16_dot())
         self._functions: dict[torch.dtype, Any] = {}
         #: each cache dtype's entry point's address (the step graph calls it from C)
         self.addresses: dict[torch.dtype, int] = {}

@@ -42,6 +42,7 @@ from stages.execute.attention import (
     check_model_config,
     enable_paged_attention,
     forward_context,
+    prefill_in_bf16,
     survey_layers,
 )
 from stages.execute.bf16 import (
@@ -428,6 +429,12 @@ class ModelRunner:
             head_dim=head_dim,
             dtype=self.kv_dtype,
             device=self.device,
+        )
+        self.kv_cache.bf16_prefill = prefill_in_bf16(
+            kv_dtype=self.kv_dtype,
+            activations=self.dtype,
+            device=self.device,
+            native_bf16=self._bf16 is not None and self._bf16.native,
         )
         self.allocator = BlockAllocator(
             usable_blocks + 1,

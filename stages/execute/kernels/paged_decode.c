@@ -27,11 +27,14 @@
  * (gpt-oss, one logit per query head) joins the softmax's max and denominator and adds no
  * value, as transformers' eager attention does.
  *
- * The cache holds fp32 or bf16 (kv_cache_dtype, docs/architecture.md §6): the bf16 entry point
- * runs the same code with each key and value vector widened to fp32 as it is loaded (a bf16 is
- * the high half of an fp32: zero-extend and shift), so the dot products, the softmax and the
- * weighted sum stay in fp32 and only the bytes read halve. Queries and outputs are fp32 in
- * both. */
+ * The cache holds fp32 or bf16 (kv_cache_dtype, docs/architecture.md §3.1). Where the build
+ * has AVX512-BF16 (and ACTORLINE_ATTENTION_PORTABLE is not defined) the bf16 entry points run
+ * attend_dot(): each query rounded to bf16 once, VDPBF16PS dot products over the key rows as
+ * they lie in the cache, fp32 softmax, and an fp32 weighted sum over the value rows split into
+ * their even and odd elements (a shift and a mask, no widening per element). Elsewhere they run
+ * attend() with each key and value vector widened to fp32 as it is loaded (a bf16 is the high
+ * half of an fp32: zero-extend and shift), so all arithmetic is fp32 and only the bytes read
+ * halve. Queries and outputs are fp32 in both. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -250,6 +253,186 @@ attend(const float *restrict query, int64_t q_head_stride, const void *restrict 
             *(vf *)(out + h * out_head_stride + i * LANES) = acc[h * vectors + i] * inv_sum[h];
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    !defined(ACTORLINE_ATTENTION_PORTABLE)
+#define BF16_DOT 1
+#include <immintrin.h>
+
+#define BF16_CHUNK 32 /* bf16 elements per 512-bit vector */
+#define MAX_CHUNKS (MAX_VECTORS * LANES / BF16_CHUNK)
+
+/* The sums of v[0..15] as one vector (lane t: the sum of v[t]'s lanes): four levels of
+ * pairwise shuffles and adds, then one permutation that puts the rows back in order. */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int p = 0; p < 8; ++p) /* rows 2p, 2p+1: lanes 0-7 and 8-15 */
+        a[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; ++p) /* rows 4p..4p+3: one per 128-bit lane, 4 partials each */
+        b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; ++p)
+        c[p] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * p], b[2 * p + 1]),
+                             _mm512_unpackhi_ps(b[2 * p], b[2 * p + 1]));
+    const __m512 d = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]))));
+    /* d's element 4k + j holds row 4j + k */
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, d);
+}
+
+/* attend() over a bf16 cache with AVX512-BF16: each head's query is rounded to bf16 (round to
+ * nearest even, as torch rounds) and its scores are VDPBF16PS dot products over the key rows
+ * as they lie in the cache (32 elements an instruction, fp32 sums; 16 rows reduced together
+ * by reduce16), so no key element is widened. Softmax as attend(). The weighted sum of values
+ * stays fp32: a bf16 pair is an fp32 with its low half cleared, so one 32-element load gives
+ * the even elements by a shift and the odd ones by a mask, two fp32 vectors accumulated with
+ * fp32 weights apart and interleaved once at the end (no rounding of the probabilities). The
+ * D tail (head_dim not a multiple of 32) is loaded masked, zeros beyond it.
+ * acc: heads * chunks * 32 floats of scratch. */
+static inline __attribute__((always_inline)) void
+attend_dot(const float *restrict query, int64_t q_head_stride, const void *restrict key_cache,
+           const void *restrict value_cache, const int64_t *restrict blocks, int64_t first,
+           int64_t context_len, int64_t row_stride, int kv_heads, int group, const int head_dim,
+           int block_size, float scale, float softcap, const float *restrict sinks,
+           float *restrict scores, float *restrict acc, float *restrict out,
+           int64_t out_head_stride) {
+    const int heads = kv_heads * group;
+    const int chunks = (head_dim + BF16_CHUNK - 1) / BF16_CHUNK;
+    const int tail = head_dim - (chunks - 1) * BF16_CHUNK; /* elements of the last chunk */
+    const __mmask32 tail_mask = tail == BF16_CHUNK ? 0xFFFFFFFFu : (1u << tail) - 1u;
+    const uint16_t *keys = (const uint16_t *)key_cache;
+    const uint16_t *vals = (const uint16_t *)value_cache;
+    const int64_t count = context_len - first;
+    for (int64_t j = first; j < context_len;) {
+        const int64_t offset = j % block_size;
+        const int64_t run = block_size - offset < context_len - j ? block_size - offset
+                                                                  : context_len - j;
+        const int64_t k = (blocks[j / block_size] * block_size + offset) * row_stride;
+        prefetch_block(key_cache, blocks, j, context_len, block_size, row_stride,
+                       (int64_t)kv_heads * head_dim, 2);
+        for (int h = 0; h < heads; ++h) {
+            __m512bh q[MAX_CHUNKS];
+            const float *qh = query + h * q_head_stride;
+            for (int c = 0; c < chunks; ++c) {
+                const int n = c == chunks - 1 ? tail : BF16_CHUNK;
+                const __mmask16 lo = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1u);
+                const __mmask16 hi = n >= 32 ? 0xFFFF : (__mmask16)((1u << (n > 16 ? n - 16 : 0)) - 1u);
+                q[c] = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, qh + c * BF16_CHUNK + 16),
+                                           _mm512_maskz_loadu_ps(lo, qh + c * BF16_CHUNK));
+            }
+            const int64_t kh = k + (h / group) * head_dim;
+            float *s = scores + h * count + j - first;
+            int64_t o = 0;
+            for (; o + 16 <= run; o += 16) {
+                __m512 d[16];
+                for (int t = 0; t < 16; ++t) {
+                    const uint16_t *row = keys + kh + (o + t) * row_stride;
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int c = 0; c < chunks; ++c) {
+                        const __m512i kv = c == chunks - 1
+                                               ? _mm512_maskz_loadu_epi16(tail_mask, row + c * BF16_CHUNK)
+                                               : _mm512_loadu_si512(row + c * BF16_CHUNK);
+                        sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)kv);
+                    }
+                    d[t] = sum;
+                }
+                _mm512_storeu_ps(s + o, _mm512_mul_ps(reduce16(d), _mm512_set1_ps(scale)));
+            }
+            for (; o < run; ++o) {
+                const uint16_t *row = keys + kh + o * row_stride;
+                __m512 sum = _mm512_setzero_ps();
+                for (int c = 0; c < chunks; ++c) {
+                    const __m512i kv = c == chunks - 1
+                                           ? _mm512_maskz_loadu_epi16(tail_mask, row + c * BF16_CHUNK)
+                                           : _mm512_loadu_si512(row + c * BF16_CHUNK);
+                    sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)kv);
+                }
+                s[o] = _mm512_reduce_add_ps(sum) * scale;
+            }
+            if (softcap > 0.0f)
+                for (o = 0; o < run; ++o) s[o] = softcap * tanhf(s[o] / softcap);
+        }
+        j += run;
+    }
+    float inv_sum[MAX_HEADS];
+    softmax_rows(scores, heads, count, sinks, inv_sum);
+    const int width = chunks * BF16_CHUNK; /* accumulator floats per head */
+    for (int i = 0; i < heads * width; ++i) acc[i] = 0.0f;
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t j = first; j < context_len;) {
+        const int64_t offset = j % block_size;
+        const int64_t run = block_size - offset < context_len - j ? block_size - offset
+                                                                  : context_len - j;
+        const int64_t v = (blocks[j / block_size] * block_size + offset) * row_stride;
+        prefetch_block(value_cache, blocks, j, context_len, block_size, row_stride,
+                       (int64_t)kv_heads * head_dim, 2);
+        for (int h = 0; h < heads; ++h) {
+            const float *p = scores + h * count + j - first;
+            const int64_t vh = v + (h / group) * head_dim;
+            __m512 even[MAX_CHUNKS], odd[MAX_CHUNKS];
+            for (int c = 0; c < chunks; ++c) {
+                even[c] = _mm512_loadu_ps(acc + h * width + c * BF16_CHUNK);
+                odd[c] = _mm512_loadu_ps(acc + h * width + c * BF16_CHUNK + 16);
+            }
+            for (int64_t o = 0; o < run; ++o) {
+                const __m512 weight = _mm512_set1_ps(p[o]);
+                const uint16_t *row = vals + vh + o * row_stride;
+                for (int c = 0; c < chunks; ++c) {
+                    const __m512i x = c == chunks - 1
+                                          ? _mm512_maskz_loadu_epi16(tail_mask, row + c * BF16_CHUNK)
+                                          : _mm512_loadu_si512(row + c * BF16_CHUNK);
+                    even[c] = _mm512_fmadd_ps(weight, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                                              even[c]);
+                    odd[c] = _mm512_fmadd_ps(weight, _mm512_castsi512_ps(_mm512_and_si512(x, high)),
+                                             odd[c]);
+                }
+            }
+            for (int c = 0; c < chunks; ++c) {
+                _mm512_storeu_ps(acc + h * width + c * BF16_CHUNK, even[c]);
+                _mm512_storeu_ps(acc + h * width + c * BF16_CHUNK + 16, odd[c]);
+            }
+        }
+        j += run;
+    }
+    /* element 2m of a chunk is even's lane m, element 2m + 1 odd's */
+    const __m512i first_half = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second_half =
+        _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int h = 0; h < heads; ++h) {
+        const __m512 norm = _mm512_set1_ps(inv_sum[h]);
+        float *oh = out + h * out_head_stride;
+        for (int c = 0; c < chunks; ++c) {
+            const __m512 e = _mm512_loadu_ps(acc + h * width + c * BF16_CHUNK);
+            const __m512 d = _mm512_loadu_ps(acc + h * width + c * BF16_CHUNK + 16);
+            const int n = c == chunks - 1 ? tail : BF16_CHUNK;
+            const __mmask16 lo = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1u);
+            const __mmask16 hi = n >= 32 ? 0xFFFF : (__mmask16)((1u << (n > 16 ? n - 16 : 0)) - 1u);
+            _mm512_mask_storeu_ps(oh + c * BF16_CHUNK, lo,
+                                  _mm512_mul_ps(_mm512_permutex2var_ps(e, first_half, d), norm));
+            _mm512_mask_storeu_ps(oh + c * BF16_CHUNK + 16, hi,
+                                  _mm512_mul_ps(_mm512_permutex2var_ps(e, second_half, d), norm));
+        }
+    }
+}
+#else
+#define BF16_DOT 0
+#endif
+
+/* Floats of accumulator scratch per head: the bf16-dot path keeps whole 32-element chunks. */
+static inline size_t acc_floats(int head_dim, int bf16) {
+#if BF16_DOT
+    if (bf16) return (size_t)(head_dim + BF16_CHUNK - 1) / BF16_CHUNK * BF16_CHUNK;
+#endif
+    (void)bf16;
+    return (size_t)head_dim;
+}
+
+/* 1 where bf16 caches are attended with VDPBF16PS (queries rounded to bf16), 0 where each
+ * key is widened to fp32 (no AVX512-BF16, or built with ACTORLINE_ATTENTION_PORTABLE). */
+int actorline_paged_decode_bf16_dot(void) { return BF16_DOT; }
+
 /* attend() with constant vector counts for the common head sizes, so the D loops unroll, and
  * the cache's type a constant (one instance per type). */
 #define ATTEND_ITEM(NAME, BF16)                                                                  \
@@ -273,7 +456,31 @@ attend(const float *restrict query, int64_t q_head_stride, const void *restrict 
                    scores, acc, out, out_head_stride, BF16);                                   \
     }
 ATTEND_ITEM(attend_item_f32, 0)
+#if BF16_DOT
+/* A bf16 cache's item: attend_dot() with the common head sizes constant (the chunk loops
+ * unroll). */
+static void attend_item_bf16(const float *query, int64_t q_head_stride, const void *key_cache,
+                             const void *value_cache, const int64_t *blocks, int64_t first,
+                             int64_t context_len, int64_t row_stride, int kv_heads, int group,
+                             int vectors, int block_size, float scale, float softcap,
+                             const float *sinks, float *scores, vf *acc, float *out,
+                             int64_t out_head_stride) {
+    if (vectors == 8)
+        attend_dot(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,
+                   row_stride, kv_heads, group, 64, block_size, scale, softcap, sinks, scores,
+                   (float *)acc, out, out_head_stride);
+    else if (vectors == 16)
+        attend_dot(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,
+                   row_stride, kv_heads, group, 128, block_size, scale, softcap, sinks, scores,
+                   (float *)acc, out, out_head_stride);
+    else
+        attend_dot(query, q_head_stride, key_cache, value_cache, blocks, first, context_len,
+                   row_stride, kv_heads, group, vectors * LANES, block_size, scale, softcap,
+                   sinks, scores, (float *)acc, out, out_head_stride);
+}
+#else
 ATTEND_ITEM(attend_item_bf16, 1)
+#endif
 
 /* Returns 0 on success, 1 when the scratch allocation failed, 2 on arguments it cannot serve.
  *
@@ -324,7 +531,7 @@ static int paged_decode(const float *query, int64_t q_row_stride, int64_t q_head
     const int items_per_row = num_kv_heads / item_kv_heads;
     const int64_t items = (int64_t)num_rows * items_per_row;
     const int item_heads = item_kv_heads * group;
-    const size_t per_thread = (size_t)item_heads * ((size_t)longest + (size_t)head_dim);
+    const size_t per_thread = (size_t)item_heads * ((size_t)longest + acc_floats(head_dim, bf16));
     float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)num_threads);
     if (scratch == NULL) return 1;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
@@ -397,7 +604,7 @@ static int paged_decode_heads(const float *query, int64_t q_head_stride, const v
         head_dim / LANES > MAX_VECTORS || block_size <= 0 || context_len <= 0)
         return 2;
     /* scores (count x context) and the vector accumulators (count x head_dim floats) */
-    const size_t need = (size_t)count * ((size_t)context_len + (size_t)head_dim);
+    const size_t need = (size_t)count * ((size_t)context_len + acc_floats(head_dim, bf16));
     if (need > capacity) {
         const size_t grown = need > 2 * capacity ? need : 2 * capacity;
         float *bigger = (float *)realloc(scratch, sizeof(float) * grown);

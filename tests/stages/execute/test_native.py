@@ -13,6 +13,7 @@ import torch
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.native import (
     KERNEL_SOURCE,
+    PORTABLE_DEFINE,
     NativeKernelError,
     PagedDecodeKernel,
     build_library,
@@ -26,6 +27,34 @@ def kernel() -> PagedDecodeKernel:
     built = paged_decode_kernel()
     assert built is not None, "the C compiler on this machine should build the kernel"
     return built
+
+
+@pytest.fixture(scope="module")
+def portable_kernel() -> PagedDecodeKernel:
+    """The kernel built without its AVX512-BF16 path (a bf16 cache widened to fp32 as read),
+    as a CPU without AVX512-BF16 runs it."""
+    built = PagedDecodeKernel(build_library(KERNEL_SOURCE, defines=(PORTABLE_DEFINE,)))
+    assert not built.bf16_dot
+    return built
+
+
+@pytest.fixture(params=["native", "portable"])
+def any_kernel(
+    request: pytest.FixtureRequest, kernel: PagedDecodeKernel, portable_kernel: PagedDecodeKernel
+) -> PagedDecodeKernel:
+    """Each build of the kernel: this CPU's (VDPBF16PS over a bf16 cache where it has
+    AVX512-BF16) and the portable one."""
+    return kernel if request.param == "native" else portable_kernel
+
+
+def kernel_query(
+    kernel: PagedDecodeKernel, query: torch.Tensor, kv_dtype: torch.dtype
+) -> torch.Tensor:
+    """The query as ``kernel`` multiplies it over a ``kv_dtype`` cache: rounded to bf16 where
+    it takes VDPBF16PS dot products, else as it is."""
+    if kv_dtype == torch.bfloat16 and kernel.bf16_dot:
+        return query.bfloat16().float()
+    return query
 
 
 def reference_attention(
@@ -86,7 +115,7 @@ KV_DTYPES = pytest.mark.parametrize(
     [(9, 3, 64, 16), (4, 4, 8, 4), (8, 2, 128, 16), (16, 1, 32, 8), (4, 2, 16, 7)],
 )
 def test_kernel_matches_attention_over_gathered_keys(
-    kernel: PagedDecodeKernel,
+    any_kernel: PagedDecodeKernel,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -94,8 +123,11 @@ def test_kernel_matches_attention_over_gathered_keys(
     repeat: int,
     kv_dtype: torch.dtype,
 ) -> None:
-    """A bf16 cache is widened exactly as it is read: the reference attends the same bf16
-    values in float64, to fp32's tolerance."""
+    """A bf16 cache is read exactly (widened, or multiplied by VDPBF16PS with the query
+    rounded to bf16): the reference attends the same bf16 values (and the query as the kernel
+    rounds it) in float64, to fp32's tolerance. Head sizes 8-128 cover the bf16 path's masked
+    tails (D not a multiple of 32), lengths its 16-row groups and their remainders."""
+    kernel = any_kernel
     generator = torch.Generator().manual_seed(num_heads * head_dim + block_size)
     # 7 rows (fewer than 4 per thread: one item per KV head) or 42 (one item per sequence).
     lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 50, 97, 2] * repeat)
@@ -116,7 +148,10 @@ def test_kernel_matches_attention_over_gathered_keys(
 
     kernel(query, key_cache, value_cache, tables, lens, out[: len(lens)], block_size, scale)
 
-    expected = reference_attention(query, key_cache, value_cache, tables, lens, block_size, scale)
+    expected = reference_attention(
+        kernel_query(kernel, query, kv_dtype), key_cache, value_cache, tables, lens, block_size,
+        scale,
+    )  # fmt: skip
     torch.testing.assert_close(out[: len(lens)].double(), expected, atol=2e-6, rtol=1e-5)
     assert out[len(lens) :].isnan().all(), "the kernel wrote outside its rows"
 
@@ -129,7 +164,7 @@ def test_kernel_matches_attention_over_gathered_keys(
     [(5, None, False), (16, 3.0, False), (7, None, True), (None, 2.5, True), (1, 3.0, True)],
 )
 def test_kernel_attention_variants(
-    kernel: PagedDecodeKernel,
+    any_kernel: PagedDecodeKernel,
     window: int | None,
     softcap: float | None,
     with_sinks: bool,
@@ -138,6 +173,7 @@ def test_kernel_attention_variants(
 ) -> None:
     """Windows (whose out-of-window blocks hold NaN, as a freed and reused block might:
     the kernel must never read them), capped scores and sinks, against the reference."""
+    kernel = any_kernel
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 4
     generator = torch.Generator().manual_seed(17)
     lens = torch.tensor([1, 3, 4, 5, 9, 16, 33] * repeat)
@@ -164,8 +200,9 @@ def test_kernel_attention_variants(
     )  # fmt: skip
 
     expected = reference_attention(
-        query, key_cache, value_cache, tables, lens, block_size, scale, window, softcap, sinks
-    )
+        kernel_query(kernel, query, kv_dtype), key_cache, value_cache, tables, lens, block_size,
+        scale, window, softcap, sinks,
+    )  # fmt: skip
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
 
 
