@@ -231,7 +231,7 @@ class BF16GemmKernel:
         out = torch.empty(rows, n // 2 if half else n)
         if rows == 0:
             return out
-        arguments = (x.data_ptr(), rows, k, packed.data_ptr())
+        arguments: tuple[int, ...] = (x.data_ptr(), rows, k, packed.data_ptr())
         if half:  # the NativeGemm convention: a format argument after the weights
             arguments = (*arguments, 0)
         status = function(
