@@ -239,7 +239,7 @@ def test_one_region_per_step_gives_the_per_op_logits_bit_for_bit(
     kernel = bf16_gemm_kernel() if fields.get("dtype") == "bfloat16" else None
     layers = len(runner.model.model.layers)
     assert runner.step_graph.silu_epilogues == (layers if kernel is not None else 0)
-    row_counts = (1, 3, MAX_ROWS)
+    row_counts: tuple[int, ...] = (1, 3, MAX_ROWS)
     if kernel is not None and kernel.amx:
         assert kernel.amx_rows <= MAX_ROWS
         row_counts = (1, 3, kernel.amx_rows, MAX_ROWS)  # the tiles from amx_rows
