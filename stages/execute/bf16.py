@@ -108,14 +108,25 @@ class BF16GemmKernel:
             and set(AMX_FEATURES) <= cpu_flags()
             and bool(lib.actorline_bf16_amx_enable())
         )
-        # C callers get the dispatching GEMM (tiles from amx_rows rows on) only where granted.
-        function = lib.actorline_bf16_gemm_tiles if self.amx else lib.actorline_bf16_gemm
+        # C callers get the dispatching entries (tiles from amx_rows rows on) only where granted.
+        tiles = "_tiles" if self.amx else ""
+
+        def address(name: str) -> int:
+            return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+
         #: the GEMM's address under :class:`~stages.execute.native.NativeGemm`'s convention
-        self.gemm_address = ctypes.cast(function, ctypes.c_void_p).value or 0
-        #: its column-range entry (:attr:`~stages.execute.native.NativeGemm.part`)
-        self.gemm_part_address = (
-            ctypes.cast(lib.actorline_bf16_gemm_part, ctypes.c_void_p).value or 0
-        )
+        self.gemm_address = address(f"actorline_bf16_gemm{tiles}")
+        #: its column-range entry (:attr:`~stages.execute.native.NativeGemm.part`), on the
+        #: tiles at the row counts where the whole call is
+        self.gemm_part_address = address(f"actorline_bf16_gemm{tiles}_part")
+        #: the SiLU-and-mul epilogue of a fused gate/up projection (:meth:`silu_mul`) under
+        #: NativeGemm's convention (its output ``n / 2`` columns wide), and its range entry
+        self.silu_address = address(f"actorline_bf16_silu_mul{tiles}")
+        self.silu_part_address = address(f"actorline_bf16_silu_mul{tiles}_part")
+        self._silu = getattr(lib, f"actorline_bf16_silu_mul{tiles}")
+        self._silu.argtypes = [pointer, i64, i64, pointer, ctypes.c_int, pointer, i64, pointer,
+                               ctypes.c_int]  # fmt: skip
+        self._silu.restype = ctypes.c_int
 
     @staticmethod
     def pack(*weights: torch.Tensor) -> torch.Tensor:
@@ -189,18 +200,42 @@ class BF16GemmKernel:
             raise NativeKernelError("bf16 GEMM: no AMX tiles in this process (see .amx)")
         return self._run(self._amx_gemm, x, packed, k, bias)
 
+    def silu_mul(
+        self, x: torch.Tensor, packed: torch.Tensor, k: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``silu(gate) * up`` of a fused gate/up projection in one call: ``packed`` holds the
+        gate's ``n / 2`` columns, then the up's (:meth:`pack` of the two), ``n`` a multiple of
+        32; ``x [M, K]`` contiguous fp32; returns ``[M, n / 2]`` fp32. Each 16 gate columns and
+        their up columns are multiplied (on the tiles from :attr:`amx_rows` rows where
+        :attr:`amx`, else VDPBF16PS) into a buffer that stays in L1, and only the activation is
+        stored: the products are those of calling the kernel, the SiLU-and-mul that of
+        ``kernels/fused_cpu.c`` (the same expression, so equal up to rounding).
+
+        Raises:
+            NativeKernelError: the kernel refused its arguments or could not allocate.
+        """
+        return self._run(self._silu, x, packed, k, bias, half=True)
+
     @staticmethod
     def _run(
-        function: Any, x: torch.Tensor, packed: torch.Tensor, k: int, bias: torch.Tensor | None
+        function: Any,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        k: int,
+        bias: torch.Tensor | None,
+        *,
+        half: bool = False,
     ) -> torch.Tensor:
         rows = x.shape[0]
         n = packed.shape[0] * GEMM_PANEL
-        out = torch.empty(rows, n)
+        out = torch.empty(rows, n // 2 if half else n)
         if rows == 0:
             return out
+        arguments: tuple[int, ...] = (x.data_ptr(), rows, k, packed.data_ptr())
+        if half:  # the NativeGemm convention: a format argument after the weights
+            arguments = (*arguments, 0)
         status = function(
-            x.data_ptr(), rows, k, packed.data_ptr(),
-            bias.data_ptr() if bias is not None else None, n, out.data_ptr(),
+            *arguments, bias.data_ptr() if bias is not None else None, n, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
@@ -266,6 +301,35 @@ class BF16Linear(torch.nn.Module):
         else:
             output = self._kernel(flat, self.packed, self.in_features, bias)  # [M, N]
         return output.view(*input.shape[:-1], self.out_features)
+
+    def fuses_silu_mul(self, rows: int) -> bool:
+        """Whether :meth:`silu_mul` serves ``rows`` rows: this linear is a fused gate/up
+        projection of two halves of whole panels, and the native kernel (not torch's matmul,
+        see :data:`TORCH_ROWS`) multiplies that many rows."""
+        return self.out_features % (2 * GEMM_PANEL) == 0 and (rows < TORCH_ROWS or self._kernel.amx)
+
+    def silu_mul(self, input: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N / 2]
+        """``silu(gate) * up`` where this linear is a fused gate/up projection (its first half
+        of columns the gate's, the second the up's): the GEMM with its SiLU-and-mul epilogue
+        (:meth:`BF16GemmKernel.silu_mul`), the fp32 ``[..., N]`` product never stored.
+
+        Raises:
+            NativeKernelError: the kernel refused (``out_features`` not a multiple of 32).
+        """
+        flat = input.reshape(-1, self.in_features).float().contiguous()  # [M, K]
+        bias = self.bias.detach() if self.bias is not None else None
+        output = self._kernel.silu_mul(flat, self.packed, self.in_features, bias)
+        return output.view(*input.shape[:-1], self.out_features // 2)
+
+    def silu_mul_gemm(self) -> NativeGemm:
+        """:meth:`silu_mul` as C code calls it: a :class:`~stages.execute.native.NativeGemm`
+        over this linear's panels whose ``function`` and ``part`` compute the activation
+        (output rows ``n / 2`` wide, ``part``'s columns the gate's)."""
+        kernel = self._kernel
+        return NativeGemm.of_panels(
+            kernel.silu_address, self.packed, self.bias, self.out_features, self.in_features,
+            kernel.silu_part_address,
+        )  # fmt: skip
 
     def weight_view(self) -> torch.Tensor:
         """The weight ``[N, K]`` in bf16, unpacked from the panels (a new tensor)."""

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from stages.execute.bf16 import BF16Linear
 from stages.execute.cpu import PackedLinear, file_backed_ranges, release_file_pages
 from stages.execute.llama import LlamaAttention, apply_rotary
 from stages.execute.native import GEMM_PANEL, FusedOpsKernel, PackedGemmKernel
@@ -68,7 +69,10 @@ class FusedRMSNorm(torch.nn.Module):
 
 class FusedGatedMLP(torch.nn.Module):
     """``down(silu(x W_gate^T) * (x W_up^T))`` with the gate and up projections as one packed
-    GEMM (``gate_up``: gate's columns, then up's) and the activation in one pass."""
+    GEMM (``gate_up``: gate's columns, then up's) and the activation in one pass; where
+    ``gate_up`` is bf16 panels (:class:`~stages.execute.bf16.BF16Linear`), the activation is
+    the GEMM's epilogue (:meth:`~stages.execute.bf16.BF16Linear.silu_mul`: the gate/up product
+    is never stored whole)."""
 
     def __init__(
         self, gate_up: torch.nn.Module, down_proj: torch.nn.Module, kernel: FusedOpsKernel
@@ -79,7 +83,10 @@ class FusedGatedMLP(torch.nn.Module):
         self._kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
-        return self.down_proj(self._kernel.silu_mul(self.gate_up(x)))
+        gate_up = self.gate_up
+        if type(gate_up) is BF16Linear and gate_up.fuses_silu_mul(x.numel() // x.shape[-1]):
+            return self.down_proj(gate_up.silu_mul(x))
+        return self.down_proj(self._kernel.silu_mul(gate_up(x)))
 
 
 def use_fused_ops(

@@ -56,6 +56,7 @@ from stages.execute.attention import (
     build_step_metadata,
     forward_context,
 )
+from stages.execute.bf16 import BF16Linear
 from stages.execute.cpu import PackedEmbedding
 from stages.execute.fused import FusedGatedMLP, FusedRMSNorm
 from stages.execute.llama import LlamaAttention, LlamaMLP, NativeLlamaForCausalLM
@@ -109,7 +110,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("norm1", _p), ("norm2", _p), ("eps1", _f32), ("eps2", _f32),
                 ("q", _Gemm), ("k", _Gemm), ("v", _Gemm), ("o", _Gemm),
                 ("gate", _Gemm), ("up", _Gemm), ("down", _Gemm),
-                ("key_cache", _p), ("value_cache", _p)]  # fmt: skip
+                ("key_cache", _p), ("value_cache", _p),
+                ("silu", _p), ("silu_part", _p)]  # fmt: skip
 
 
 _WORKSPACES = ("h", "xn", "q", "kb", "vb", "attn_out", "o", "gate_buf", "up_buf", "gate_up",
@@ -200,6 +202,8 @@ def _splits_by_columns(plan: _Plan, layers: Any, head_dim: int, inter: int) -> b
     for layer in layers:
         if not all(getattr(layer, name).part for name in ("q", "k", "v", "o", "gate", "down")):
             return False
+        if layer.silu and not layer.silu_part:
+            return False
         if layer.up.function is None:
             if inter % 32 != 0:
                 return False
@@ -223,6 +227,8 @@ class StepGraph:
         self.vocab_size = 0
         #: the engine's decode steps run so far
         self.steps = 0
+        #: layers whose gate/up projection runs with its SiLU-and-mul epilogue (bf16 panels)
+        self.silu_epilogues = 0
         self._can_thread = False
         self._library: ctypes.CDLL | None = None
         self._plan = _Plan()
@@ -290,6 +296,16 @@ class StepGraph:
                 entry.gate, gemms["gate"] = _gemm(mlp.gate_up, f"{where}'s gate/up", hidden,
                                                   2 * inter)  # fmt: skip
                 entry.up = _Gemm()
+                gate_up = mlp.gate_up
+                if (
+                    type(gate_up) is BF16Linear
+                    and gate_up.out_features == 2 * inter
+                    and gate_up.fuses_silu_mul(max_rows)
+                ):
+                    # the module path's epilogue (FusedGatedMLP.forward), so the same bits
+                    gemms["silu"] = gate_up.silu_mul_gemm()
+                    entry.silu, entry.silu_part = gemms["silu"].function, gemms["silu"].part
+                    graph.silu_epilogues += 1
             elif type(mlp) is LlamaMLP and type(mlp.act_fn).__name__ in _SILU_NAMES:
                 entry.gate, gemms["gate"] = _gemm(mlp.gate_proj, f"{where}'s gate", hidden, inter)
                 entry.up, gemms["up"] = _gemm(mlp.up_proj, f"{where}'s up_proj", hidden, inter)

@@ -92,17 +92,17 @@ static inline void acc_store(float *y, acc_t a) { *(vf *)y = a; }
 static inline acc_t acc_zero(void) { return (vf){0}; }
 #endif
 
-/* ``mr`` rows of pairs ``xp`` (row stride kp words) times ``np`` neighbouring panels (p0, and
- * p0 + kp * 32 when np is 2) into y (row stride ldy), bias added where given. */
+/* ``mr`` rows of pairs ``xp`` (row stride kp words) times panel p0 (bias b0, output y0) and,
+ * when np is 2, panel p1 (bias b1, output y1); outputs' rows ldy apart. */
 static inline __attribute__((always_inline)) void
-micro(const uint32_t *restrict xp, int64_t kp, const uint16_t *restrict p0, const float *restrict bias,
-      float *restrict y, int64_t ldy, const int mr, const int np) {
-    const uint16_t *p1 = p0 + kp * 2 * NR;
+micro(const uint32_t *restrict xp, int64_t kp, const uint16_t *restrict p0,
+      const uint16_t *restrict p1, const float *restrict b0, const float *restrict b1,
+      float *restrict y0, float *restrict y1, int64_t ldy, const int mr, const int np) {
     acc_t acc0[MR], acc1[MR];
-    const acc_t b0 = acc_load(bias), b1 = np > 1 ? acc_load(bias ? bias + NR : 0) : acc_zero();
+    const acc_t s0 = acc_load(b0), s1 = np > 1 ? acc_load(b1) : acc_zero();
     for (int i = 0; i < mr; ++i) {
-        acc0[i] = b0;
-        acc1[i] = b1;
+        acc0[i] = s0;
+        acc1[i] = s1;
     }
     int64_t p = 0;
     if (mr < 4) {
@@ -143,20 +143,21 @@ micro(const uint32_t *restrict xp, int64_t kp, const uint16_t *restrict p0, cons
         }
     }
     for (int i = 0; i < mr; ++i) {
-        acc_store(y + i * ldy, acc0[i]);
-        if (np > 1) acc_store(y + i * ldy + NR, acc1[i]);
+        acc_store(y0 + i * ldy, acc0[i]);
+        if (np > 1) acc_store(y1 + i * ldy, acc1[i]);
     }
 }
 
 #define TAIL(r)                                                                                \
-    case r: micro(xp + i * kp, kp, p0, bias, y + i * ldy, ldy, r, np); break;
+    case r: micro(xp + i * kp, kp, p0, p1, b0, b1, y0 + i * ldy, y1 + i * ldy, ldy, r, np); break;
 
-/* All ``rows`` of a row block through one unit (one panel, or two when ``np`` is 2). */
+/* All ``rows`` of a row block through one unit (panel p0, and p1 when ``np`` is 2). */
 static inline __attribute__((always_inline)) void
-unit_rows(const uint32_t *xp, int64_t rows, int64_t kp, const uint16_t *p0, const float *bias,
-          float *y, int64_t ldy, const int np) {
+unit_rows(const uint32_t *xp, int64_t rows, int64_t kp, const uint16_t *p0, const uint16_t *p1,
+          const float *b0, const float *b1, float *y0, float *y1, int64_t ldy, const int np) {
     int64_t i = 0;
-    for (; i + MR <= rows; i += MR) micro(xp + i * kp, kp, p0, bias, y + i * ldy, ldy, MR, np);
+    for (; i + MR <= rows; i += MR)
+        micro(xp + i * kp, kp, p0, p1, b0, b1, y0 + i * ldy, y1 + i * ldy, ldy, MR, np);
     switch ((int)(rows - i)) {
         TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6)
         TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
@@ -164,14 +165,28 @@ unit_rows(const uint32_t *xp, int64_t rows, int64_t kp, const uint16_t *p0, cons
     }
 }
 
+/* Two panels of a row block: p0's columns into y0, p1's into y1 (neighbours or not). */
+static void two_rows(const uint32_t *xp, int64_t rows, int64_t kp, const uint16_t *p0,
+                     const uint16_t *p1, const float *b0, const float *b1, float *y0, float *y1,
+                     int64_t ldy) {
+    unit_rows(xp, rows, kp, p0, p1, b0, b1, y0, y1, ldy, 2);
+}
+
 static void pair_rows(const uint32_t *xp, int64_t rows, int64_t kp, const uint16_t *p0,
                       const float *bias, float *y, int64_t ldy) {
-    unit_rows(xp, rows, kp, p0, bias, y, ldy, 2);
+    two_rows(xp, rows, kp, p0, p0 + kp * 2 * NR, bias, bias ? bias + NR : 0, y, y + NR, ldy);
 }
 
 static void single_rows(const uint32_t *xp, int64_t rows, int64_t kp, const uint16_t *p0,
                         const float *bias, float *y, int64_t ldy) {
-    unit_rows(xp, rows, kp, p0, bias, y, ldy, 1);
+    unit_rows(xp, rows, kp, p0, p0, bias, 0, y, y, ldy, 1);
+}
+
+/* Rows per block of the VDPBF16PS paths, so that a block of pairs stays in L2 while the
+ * panels pass. */
+static inline int64_t row_block(int64_t kp) {
+    int64_t mb = 256 * 1024 / 4 / kp / MR * MR;
+    return mb < 4 * MR ? 4 * MR : mb;
 }
 
 /* x: [M, K] fp32 contiguous; packed: [N / 16, ceil(K / 2), 16, 2] bf16 (see above); bias: [N]
@@ -184,9 +199,7 @@ int actorline_bf16_gemm_f32(const float *x, int64_t m, int64_t k, const uint16_t
     const int64_t panels = n / NR, pairs = panels / 2, units = pairs + (panels - 2 * pairs);
     uint32_t *xp = (uint32_t *)malloc((size_t)(m * kp) * sizeof(uint32_t));
     if (!xp) return 1;
-    /* Rows per block so that a block of pairs stays in L2 while the panels pass. */
-    int64_t mb = 256 * 1024 / 4 / kp / MR * MR;
-    if (mb < 4 * MR) mb = 4 * MR;
+    const int64_t mb = row_block(kp);
     if (num_threads < 1) num_threads = 1;
     const int threads = num_threads > units ? (int)units : num_threads;
 #pragma omp parallel num_threads(threads)
@@ -220,6 +233,30 @@ int actorline_bf16_gemm(const float *x, int64_t m, int64_t k, const void *packed
     return actorline_bf16_gemm_f32(x, m, k, (const uint16_t *)packed, bias, n, y, num_threads);
 }
 
+/* The calling thread's bf16 pairs of x[m, k] (see round_rows), in a buffer of its own kept
+ * between calls; with same_x (x holds the rows it held at this thread's last call) those of
+ * that call where it had the same x, m and k. NULL: out of memory. */
+static const uint32_t *thread_pairs(const float *x, int64_t m, int64_t k, int same_x) {
+    static __thread uint32_t *pairs_buffer = NULL;
+    static __thread size_t capacity = 0;
+    static __thread const float *rounded_x = NULL; /* the rows the buffer holds: x, m, k */
+    static __thread int64_t rounded_m = -1, rounded_k = -1;
+    const int64_t kp = (k + 1) / 2;
+    const size_t need = (size_t)(m * kp);
+    if (need > capacity) {
+        uint32_t *bigger = (uint32_t *)realloc(pairs_buffer, need * sizeof(uint32_t));
+        if (!bigger) return NULL;
+        pairs_buffer = bigger;
+        capacity = need;
+        rounded_x = NULL;
+    }
+    if (!(same_x && rounded_x == x && rounded_m == m && rounded_k == k)) {
+        round_rows(x, m, k, kp, pairs_buffer);
+        rounded_x = x, rounded_m = m, rounded_k = k;
+    }
+    return pairs_buffer;
+}
+
 /* Output columns [col0, col1) of the same GEMM on the calling thread, no OpenMP region: the CPU
  * step graph's threads each compute their share inside the one region of a step (stages/
  * execute/native.py: NativeGemm.part); col0 and col1 multiples of 16 (col1 at most n). Each
@@ -231,10 +268,6 @@ int actorline_bf16_gemm(const float *x, int64_t m, int64_t k, const void *packed
 int actorline_bf16_gemm_part(const float *x, int64_t m, int64_t k, const void *weights,
                              int format, const float *bias, int64_t n, float *y, int64_t col0,
                              int64_t col1, int same_x) {
-    static __thread uint32_t *pairs_buffer = NULL;
-    static __thread size_t capacity = 0;
-    static __thread const float *rounded_x = NULL; /* the rows the buffer holds: x, m, k */
-    static __thread int64_t rounded_m = -1, rounded_k = -1;
     (void)format;
     if (n % NR != 0 || k < 1 || m < 0 || col0 < 0 || col1 > n || col0 > col1 ||
         col0 % NR != 0 || col1 % NR != 0)
@@ -242,21 +275,9 @@ int actorline_bf16_gemm_part(const float *x, int64_t m, int64_t k, const void *w
     if (m == 0 || col0 == col1) return 0;
     const uint16_t *packed = (const uint16_t *)weights;
     const int64_t kp = (k + 1) / 2;
-    const size_t need = (size_t)(m * kp);
-    if (need > capacity) {
-        uint32_t *bigger = (uint32_t *)realloc(pairs_buffer, need * sizeof(uint32_t));
-        if (!bigger) return 1;
-        pairs_buffer = bigger;
-        capacity = need;
-        rounded_x = NULL;
-    }
-    uint32_t *xp = pairs_buffer;
-    if (!(same_x && rounded_x == x && rounded_m == m && rounded_k == k)) {
-        round_rows(x, m, k, kp, xp);
-        rounded_x = x, rounded_m = m, rounded_k = k;
-    }
-    int64_t mb = 256 * 1024 / 4 / kp / MR * MR;
-    if (mb < 4 * MR) mb = 4 * MR;
+    const uint32_t *xp = thread_pairs(x, m, k, same_x);
+    if (!xp) return 1;
+    const int64_t mb = row_block(kp);
     for (int64_t m0 = 0; m0 < m; m0 += mb) {
         const int64_t rows = m - m0 < mb ? m - m0 : mb;
         int64_t p = col0 / NR;
@@ -268,6 +289,129 @@ int actorline_bf16_gemm_part(const float *x, int64_t m, int64_t k, const void *w
                         bias ? bias + p * NR : 0, y + m0 * n + p * NR, n);
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The SiLU-and-mul epilogue of a fused gate/up projection: packed = gate's n / 2 columns, then
+ * up's (stages/execute/fused.py: FusedGatedMLP, packed by BF16GemmKernel.pack(gate, up)), and
+ * the output act[M, n / 2] = silu(gate) * up, gate column j paired with up column n / 2 + j
+ * (panel p with panel p + n / 32), so the fp32 gate/up product is never stored whole: each
+ * 16-column pair is multiplied into a small buffer (or tiles) that stays in L1 and only its
+ * activation goes out, half the columns (at 1,000 rows x 3,072 columns half the tiles' time
+ * was storing the fp32 output, and the SiLU-and-mul pass then read it back: docs/
+ * performance.md section 12.2). silu(g) * u = g / (1 + exp(-g)) * u with exp the vector
+ * polynomial of kernels/fused_cpu.c (Cephes expf's; the same expression, so within a rounding
+ * of that kernel's SiLU-and-mul; vLLM's silu_and_mul, csrc/cpu/activation.cpp, fuses it
+ * likewise, after its GEMM). ------------------------------------------------------------ */
+
+typedef int32_t vi __attribute__((vector_size(NR * sizeof(int32_t)), aligned(4)));
+
+static inline vf vexp(vf x) {
+    const vf lo = (vf){0} - 87.33654f, hi = (vf){0} + 88.72283f;
+    const vi below = x < lo, above = x > hi;
+    x = (vf)(((vi)x & ~below) | ((vi)lo & below));
+    x = (vf)(((vi)x & ~above) | ((vi)hi & above));
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
+}
+
+/* rows rows of 16 gate values (rows gu_stride floats apart, up's 16 values up_offset after
+ * each) into out (rows out_stride apart): silu(gate) * up. */
+static inline void silu_rows(const float *restrict gu, int64_t gu_stride, int64_t up_offset,
+                             float *restrict out, int64_t out_stride, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const vf g = *(const vf *)(gu + r * gu_stride), u = *(const vf *)(gu + r * gu_stride + up_offset);
+        *(vf *)(out + r * out_stride) = g / (1.0f + vexp(-g)) * u;
+    }
+}
+
+/* Gate panels [first, last) of the epilogue on VDPBF16PS: each row block's gate panel and its
+ * up panel into ``scratch`` (row_block rows x 32 floats), then their activation into act. */
+static void silu_panels(const uint32_t *xp, int64_t m, int64_t kp, const uint16_t *packed,
+                        const float *bias, int64_t inter, float *act, int64_t first,
+                        int64_t last, float *scratch) {
+    const int64_t mb = row_block(kp), half = inter / NR;
+    for (int64_t m0 = 0; m0 < m; m0 += mb) {
+        const int64_t rows = m - m0 < mb ? m - m0 : mb;
+        for (int64_t p = first; p < last; ++p) {
+            two_rows(xp + m0 * kp, rows, kp, packed + p * kp * 2 * NR,
+                     packed + (p + half) * kp * 2 * NR, bias ? bias + p * NR : 0,
+                     bias ? bias + (p + half) * NR : 0, scratch, scratch + NR, 2 * NR);
+            silu_rows(scratch, 2 * NR, NR, act + m0 * inter + p * NR, inter, rows);
+        }
+    }
+}
+
+/* A thread's scratch of at least floats floats, kept between calls (NULL: out of memory). */
+static float *thread_scratch(size_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (floats > capacity) {
+        float *bigger = (float *)realloc(buffer, sizeof(float) * floats);
+        if (!bigger) return NULL;
+        buffer = bigger;
+        capacity = floats;
+    }
+    return buffer;
+}
+
+/* The epilogue on VDPBF16PS (any row count), threads splitting the gate panels: act[M, n / 2]
+ * (see above); n: the fused projection's columns, a multiple of 32. */
+static int silu_mul_dp(const float *x, int64_t m, int64_t k, const uint16_t *packed,
+                       const float *bias, int64_t n, float *act, int num_threads) {
+    const int64_t kp = (k + 1) / 2, inter = n / 2, panels = inter / NR, mb = row_block(kp);
+    uint32_t *xp = (uint32_t *)malloc((size_t)(m * kp) * sizeof(uint32_t));
+    if (!xp) return 1;
+    if (num_threads < 1) num_threads = 1;
+    const int threads = num_threads > panels ? (int)panels : num_threads;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m; ++i) round_rows(x + i * k, 1, k, kp, xp + i * kp);
+        float *scratch = thread_scratch((size_t)(mb < m ? mb : m) * 2 * NR);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t m0 = 0; m0 < m; m0 += mb) {
+            const int64_t rows = m - m0 < mb ? m - m0 : mb;
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < panels; ++p)
+                if (scratch)
+                    silu_panels(xp + m0 * kp, rows, kp, packed, bias, inter, act + m0 * inter, p,
+                                p + 1, scratch);
+        }
+    }
+    free(xp);
+    return failed;
+}
+
+/* Gate columns [col0, col1) of the epilogue on the calling thread (multiples of 16, col1 at
+ * most n / 2), as actorline_bf16_gemm_part: act's other columns untouched. */
+static int silu_mul_dp_part(const float *x, int64_t m, int64_t k, const uint16_t *packed,
+                            const float *bias, int64_t n, float *act, int64_t col0, int64_t col1,
+                            int same_x) {
+    const int64_t kp = (k + 1) / 2, mb = row_block(kp);
+    const uint32_t *xp = thread_pairs(x, m, k, same_x);
+    float *scratch = thread_scratch((size_t)(mb < m ? mb : m) * 2 * NR);
+    if (!xp || !scratch) return 1;
+    silu_panels(xp, m, kp, packed, bias, n / 2, act, col0 / NR, col1 / NR, scratch);
+    return 0;
+}
+
+static inline int silu_shape_ok(int64_t m, int64_t k, int64_t n) {
+    return n % (2 * NR) == 0 && n > 0 && k >= 1 && m >= 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -323,7 +467,7 @@ int actorline_bf16_gemm_part(const float *x, int64_t m, int64_t k, const void *w
 
 int actorline_bf16_amx_rows(void) { return AMX_ROWS; }
 
-static int amx_granted = 0; /* 1 once the kernel granted the tile data state */
+static int amx_granted __attribute__((unused)) = 0; /* 1 once the kernel granted the tile data state */
 
 /* 1 where this build and this process can multiply on AMX tiles (asks Linux for the tile
  * state on the first call); 0 where the compiler did not target AMX-BF16, the CPU lacks it or
@@ -354,6 +498,16 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) tile_config;
 
+/* Eight tiles of 16 rows x 64 bytes (palette 1). */
+static void amx_config(tile_config *config) {
+    memset(config, 0, sizeof *config);
+    config->palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config->rows[t] = TILE_ROWS;
+        config->colsb[t] = 64;
+    }
+}
+
 /* Row i of x as bf16 into dst (kc values: x's k, then zeros), rounded as to_bf16. */
 static void amx_round_row(const float *x, int64_t k, int64_t kc, uint16_t *dst) {
     const __m512i keep = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
@@ -373,13 +527,15 @@ static void amx_round_row(const float *x, int64_t k, int64_t kc, uint16_t *dst) 
     }
 }
 
-/* One block: ``ma`` (1-2) A tiles of 16 rows at ``a`` (row stride lda bf16) times ``np`` (1-2)
- * panels from p0 (the next one kp lines on), ``valid`` rows of the block stored into y (row
- * stride ldy floats), each panel's bias tile (16 x 16, replicated) seeding its accumulators. */
-static void amx_block(const uint16_t *a, int64_t lda, int ma, const uint16_t *p0, int np,
-                      int64_t kp, const float *bias0, const float *bias1, float *y, int64_t ldy,
-                      int64_t valid, uint16_t *tail, float *scratch) {
-    const uint16_t *p1 = p0 + kp * 2 * NR;
+/* One block: ``ma`` (1-2) A tiles of 16 rows at ``a`` (row stride lda bf16) times panel p0 and,
+ * when np is 2, panel p1, each panel's bias tile (16 x 16, replicated) seeding its
+ * accumulators; ``valid`` rows of the block go out (rows ldy floats apart): p0's columns into
+ * y0 and p1's into y1, or with ``silu`` (np 2: p0 a gate panel, p1 its up panel) silu(gate) *
+ * up into y0. */
+static void amx_block(const uint16_t *a, int64_t lda, int ma, const uint16_t *p0,
+                      const uint16_t *p1, int np, int64_t kp, const float *bias0,
+                      const float *bias1, float *y0, float *y1, int64_t ldy, int64_t valid,
+                      int silu, uint16_t *tail, float *scratch) {
     const int64_t full = kp / 16, rest = kp - full * 16, stride_a = lda * 2;
     if (bias0) {
         _tile_loadd(0, bias0, NR * 4);
@@ -418,10 +574,25 @@ static void amx_block(const uint16_t *a, int64_t lda, int ma, const uint16_t *p0
             if (np > 1) _tile_dpbf16ps(3, 5, 7);
         }
     }
-    /* Full tiles straight into y; a tile with rows past m through the scratch. */
-#define STORE(t, i, j)                                                                          \
+    if (silu) {
+        /* gate and up tiles of each 16-row half into the scratch, their activation out */
+#define SILU(tg, tu, i)                                                                         \
     do {                                                                                       \
-        float *dst = y + (i) * TILE_ROWS * ldy + (j) * NR;                                     \
+        const int64_t rows = valid - (i) * TILE_ROWS;                                          \
+        _tile_stored(tg, scratch, NR * 4);                                                     \
+        _tile_stored(tu, scratch + TILE_ROWS * NR, NR * 4);                                    \
+        silu_rows(scratch, NR, TILE_ROWS * NR, y0 + (i) * TILE_ROWS * ldy, ldy,                \
+                  rows < TILE_ROWS ? rows : TILE_ROWS);                                        \
+    } while (0)
+        SILU(0, 1, 0);
+        if (ma > 1) SILU(2, 3, 1);
+#undef SILU
+        return;
+    }
+    /* Full tiles straight into y; a tile with rows past m through the scratch. */
+#define STORE(t, i, y)                                                                          \
+    do {                                                                                       \
+        float *dst = (y) + (i) * TILE_ROWS * ldy;                                              \
         const int64_t rows = valid - (i) * TILE_ROWS;                                          \
         if (rows >= TILE_ROWS) {                                                               \
             _tile_stored(t, dst, ldy * 4);                                                     \
@@ -430,28 +601,53 @@ static void amx_block(const uint16_t *a, int64_t lda, int ma, const uint16_t *p0
             for (int64_t r = 0; r < rows; ++r) memcpy(dst + r * ldy, scratch + r * NR, NR * 4); \
         }                                                                                      \
     } while (0)
-    STORE(0, 0, 0);
-    if (np > 1) STORE(1, 0, 1);
+    STORE(0, 0, y0);
+    if (np > 1) STORE(1, 0, y1);
     if (ma > 1) {
-        STORE(2, 1, 0);
-        if (np > 1) STORE(3, 1, 1);
+        STORE(2, 1, y0);
+        if (np > 1) STORE(3, 1, y1);
     }
 #undef STORE
 }
-#endif
 
-/* x: [M, K] fp32 contiguous; packed: bf16 panels as actorline_bf16_gemm_f32's; bias: [N] or
- * NULL; y: [M, N]. Returns 0; 1 when out of memory; 2 when N is not a multiple of 16; 3 when
- * AMX is not available (this build, this CPU, or actorline_bf16_amx_enable() not granted). */
-int actorline_bf16_gemm_amx_f32(const float *x, int64_t m, int64_t k, const uint16_t *packed,
-                                const float *bias, int64_t n, float *y, int num_threads) {
-    if (n % NR != 0 || k < 1 || m < 0) return 2;
-#if AMX
-    if (!__atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE)) return 3;
-    if (m == 0) return 0;
+/* Per thread: the scratch tiles amx_block needs and the bias tiles of the unit it holds. */
+typedef struct {
+    uint16_t tail[2 * 16 * 2 * NR] __attribute__((aligned(64)));
+    float scratch[2 * TILE_ROWS * NR] __attribute__((aligned(64)));
+    float bias[2][TILE_ROWS * NR] __attribute__((aligned(64)));
+    int64_t seeded; /* the panel whose bias bias[0] holds (-1: none) */
+} amx_locals;
+
+/* Unit u of a GEMM (silu 0: panels 2u and 2u + 1, the second where there is one) or of the
+ * epilogue (silu 1: gate panel u and its up panel u + panels / 2) over the 32-row block at
+ * ``row`` of the A buffer (mp rows, lda bf16 apart); y: [m, ldy], the GEMM's n or the
+ * epilogue's n / 2 columns. */
+static void amx_unit(const uint16_t *a, int64_t lda, int64_t mp, int64_t m, int64_t row,
+                     const uint16_t *packed, int64_t kp, int64_t panels, const float *bias,
+                     float *y, int64_t ldy, int64_t u, int silu, amx_locals *own) {
+    const int64_t p0 = silu ? u : 2 * u, p1 = silu ? u + panels / 2 : 2 * u + 1;
+    const int np = silu || p1 < panels ? 2 : 1, ma = mp - row > 16 ? 2 : 1;
+    if (bias && own->seeded != p0) {
+        for (int r = 0; r < TILE_ROWS; ++r) {
+            memcpy(own->bias[0] + r * NR, bias + p0 * NR, NR * 4);
+            if (np > 1) memcpy(own->bias[1] + r * NR, bias + p1 * NR, NR * 4);
+        }
+        own->seeded = p0;
+    }
+    float *out = y + row * ldy + (silu ? u * NR : p0 * NR);
+    amx_block(a + row * lda, lda, ma, packed + p0 * kp * 2 * NR, packed + p1 * kp * 2 * NR, np,
+              kp, bias ? own->bias[0] : 0, bias ? own->bias[1] : 0, out, out + NR, ldy, m - row,
+              silu, own->tail, own->scratch);
+}
+
+/* The whole GEMM (silu 0) or epilogue (silu 1) on the tiles, threads splitting units x 32-row
+ * blocks, the rows in passes whose bf16 copy stays in L2. */
+static int amx_run(const float *x, int64_t m, int64_t k, const uint16_t *packed,
+                   const float *bias, int64_t n, float *y, int num_threads, int silu) {
     const int64_t kp = (k + 1) / 2, lda = (kp + 15) / 16 * TILE_K;
     const int64_t mp = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-    const int64_t panels = n / NR, units = (panels + 1) / 2;
+    const int64_t panels = n / NR, units = silu ? panels / 2 : (panels + 1) / 2;
+    const int64_t ldy = silu ? n / 2 : n;
     uint16_t *a = (uint16_t *)aligned_alloc(64, (size_t)(mp * lda) * sizeof(uint16_t));
     if (!a) return 1;
     /* Rows per pass: 32-row blocks whose bf16 activations take at most ~512 KiB of L2. */
@@ -461,17 +657,11 @@ int actorline_bf16_gemm_amx_f32(const float *x, int64_t m, int64_t k, const uint
     const int64_t work = units * ((mp + 31) / 32);
     const int threads = num_threads > work ? (int)work : num_threads;
     tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        config.rows[t] = TILE_ROWS;
-        config.colsb[t] = 64;
-    }
+    amx_config(&config);
 #pragma omp parallel num_threads(threads)
     {
-        uint16_t tail[2 * 16 * 2 * NR] __attribute__((aligned(64)));
-        float scratch[TILE_ROWS * NR] __attribute__((aligned(64)));
-        float bias_tiles[2][TILE_ROWS * NR] __attribute__((aligned(64)));
+        amx_locals own;
+        own.seeded = -1;
         tile_config saved;
         _tile_storeconfig(&saved);
         _tile_loadconfig(&config);
@@ -482,30 +672,113 @@ int actorline_bf16_gemm_amx_f32(const float *x, int64_t m, int64_t k, const uint
         }
         for (int64_t m0 = 0; m0 < mp; m0 += pass) {
             const int64_t rows = mp - m0 < pass ? mp - m0 : pass, blocks = (rows + 31) / 32;
-            int64_t seeded = -1; /* the unit whose bias the tiles hold */
 #pragma omp for collapse(2) schedule(static) nowait
-            for (int64_t u = 0; u < units; ++u) {
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t p = 2 * u, row = m0 + 32 * b;
-                    const int np = p + 1 < panels ? 2 : 1, ma = mp - row > 16 ? 2 : 1;
-                    if (bias && seeded != u) {
-                        for (int r = 0; r < TILE_ROWS; ++r) {
-                            memcpy(bias_tiles[0] + r * NR, bias + p * NR, NR * 4);
-                            if (np > 1) memcpy(bias_tiles[1] + r * NR, bias + (p + 1) * NR, NR * 4);
-                        }
-                        seeded = u;
-                    }
-                    amx_block(a + row * lda, lda, ma, packed + p * kp * 2 * NR, np, kp,
-                              bias ? bias_tiles[0] : 0, bias ? bias_tiles[1] : 0,
-                              y + row * n + p * NR, n, m - row, tail, scratch);
-                }
-            }
+            for (int64_t u = 0; u < units; ++u)
+                for (int64_t b = 0; b < blocks; ++b)
+                    amx_unit(a, lda, mp, m, m0 + 32 * b, packed, kp, panels, bias, y, ldy, u,
+                             silu, &own);
         }
         if (saved.palette) _tile_loadconfig(&saved);
         else _tile_release();
     }
     free(a);
     return 0;
+}
+
+/* The calling thread's A buffer of x[m, k] (rows padded to 16, k to 32, zeros), kept between
+ * calls, reused with same_x as thread_pairs; *lda: its row stride. NULL: out of memory. */
+static const uint16_t *thread_tiles(const float *x, int64_t m, int64_t k, int same_x,
+                                    int64_t *lda) {
+    static __thread uint16_t *buffer = NULL;
+    static __thread size_t capacity = 0;
+    static __thread const float *rounded_x = NULL;
+    static __thread int64_t rounded_m = -1, rounded_k = -1;
+    const int64_t kp = (k + 1) / 2, mp = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    *lda = (kp + 15) / 16 * TILE_K;
+    const size_t need = (size_t)(mp * *lda);
+    if (need > capacity) {
+        free(buffer);
+        buffer = (uint16_t *)aligned_alloc(64, need * sizeof(uint16_t));
+        capacity = buffer ? need : 0;
+        rounded_x = NULL;
+        if (!buffer) return NULL;
+    }
+    if (!(same_x && rounded_x == x && rounded_m == m && rounded_k == k)) {
+        for (int64_t i = 0; i < mp; ++i) {
+            if (i < m) amx_round_row(x + i * k, k, *lda, buffer + i * *lda);
+            else memset(buffer + i * *lda, 0, (size_t)*lda * sizeof(uint16_t));
+        }
+        rounded_x = x, rounded_m = m, rounded_k = k;
+    }
+    return buffer;
+}
+
+/* Columns [col0, col1) of the GEMM (silu 0) or gate columns [col0, col1) of the epilogue
+ * (silu 1) on the tiles, on the calling thread (its own tile configuration, loaded here and the
+ * thread's previous one put back: an OpenMP thread of the step graph may run oneDNN's tiles
+ * between two calls); every element as amx_run computes it. */
+static int amx_part(const float *x, int64_t m, int64_t k, const uint16_t *packed,
+                    const float *bias, int64_t n, float *y, int64_t col0, int64_t col1,
+                    int same_x, int silu) {
+    int64_t lda;
+    const uint16_t *a = thread_tiles(x, m, k, same_x, &lda);
+    if (!a) return 1;
+    const int64_t kp = (k + 1) / 2, mp = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    const int64_t panels = n / NR, ldy = silu ? n / 2 : n;
+    tile_config config, saved;
+    amx_config(&config);
+    _tile_storeconfig(&saved);
+    _tile_loadconfig(&config);
+    amx_locals own;
+    own.seeded = -1;
+    /* units: the epilogue's gate panels; the GEMM's panel pairs from col0 (the last one alone
+     * where the range holds an odd number) */
+    const int64_t first = col0 / NR, last = col1 / NR;
+    for (int64_t p = first; p < last; p += silu ? 1 : 2) {
+        for (int64_t row = 0; row < mp; row += 32) {
+            if (silu) {
+                amx_unit(a, lda, mp, m, row, packed, kp, panels, bias, y, ldy, p, 1, &own);
+                continue;
+            }
+            const int np = p + 1 < last ? 2 : 1, ma = mp - row > 16 ? 2 : 1;
+            if (bias && own.seeded != p) {
+                for (int r = 0; r < TILE_ROWS; ++r) {
+                    memcpy(own.bias[0] + r * NR, bias + p * NR, NR * 4);
+                    if (np > 1) memcpy(own.bias[1] + r * NR, bias + (p + 1) * NR, NR * 4);
+                }
+                own.seeded = p;
+            }
+            float *out = y + row * ldy + p * NR;
+            amx_block(a + row * lda, lda, ma, packed + p * kp * 2 * NR,
+                      packed + (p + 1) * kp * 2 * NR, np, kp, bias ? own.bias[0] : 0,
+                      bias ? own.bias[1] : 0, out, out + NR, ldy, m - row, 0, own.tail,
+                      own.scratch);
+        }
+    }
+    if (saved.palette) _tile_loadconfig(&saved);
+    else _tile_release();
+    return 0;
+}
+#endif
+
+static inline int amx_ready(void) {
+#if AMX
+    return __atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE);
+#else
+    return 0;
+#endif
+}
+
+/* x: [M, K] fp32 contiguous; packed: bf16 panels as actorline_bf16_gemm_f32's; bias: [N] or
+ * NULL; y: [M, N]. Returns 0; 1 when out of memory; 2 when N is not a multiple of 16; 3 when
+ * AMX is not available (this build, this CPU, or actorline_bf16_amx_enable() not granted). */
+int actorline_bf16_gemm_amx_f32(const float *x, int64_t m, int64_t k, const uint16_t *packed,
+                                const float *bias, int64_t n, float *y, int num_threads) {
+    if (n % NR != 0 || k < 1 || m < 0) return 2;
+    if (!amx_ready()) return 3;
+    if (m == 0) return 0;
+#if AMX
+    return amx_run(x, m, k, packed, bias, n, y, num_threads, 0);
 #else
     (void)x; (void)packed; (void)bias; (void)y; (void)num_threads;
     return 3;
@@ -518,8 +791,91 @@ int actorline_bf16_gemm_tiles(const float *x, int64_t m, int64_t k, const void *
                               int format, const float *bias, int64_t n, float *y,
                               int num_threads) {
     (void)format;
-    if (m >= AMX_ROWS && __atomic_load_n(&amx_granted, __ATOMIC_ACQUIRE))
+    if (m >= AMX_ROWS && amx_ready())
         return actorline_bf16_gemm_amx_f32(x, m, k, (const uint16_t *)packed, bias, n, y,
                                            num_threads);
     return actorline_bf16_gemm_f32(x, m, k, (const uint16_t *)packed, bias, n, y, num_threads);
+}
+
+/* actorline_bf16_gemm_tiles' column-range entry (NativeGemm.part, as actorline_bf16_gemm_part):
+ * on the tiles from AMX_ROWS rows on where granted, each element as the whole call computes
+ * it (the step graph's one region then multiplies on the tiles at the row counts where the
+ * per-op form does: 2.5-4x VDPBF16PS at 8-64 rows). */
+int actorline_bf16_gemm_tiles_part(const float *x, int64_t m, int64_t k, const void *weights,
+                                   int format, const float *bias, int64_t n, float *y,
+                                   int64_t col0, int64_t col1, int same_x) {
+#if AMX
+    if (m >= AMX_ROWS && amx_ready()) {
+        if (n % NR != 0 || k < 1 || col0 < 0 || col1 > n || col0 > col1 || col0 % NR != 0 ||
+            col1 % NR != 0)
+            return 2;
+        if (col0 == col1) return 0;
+        return amx_part(x, m, k, (const uint16_t *)weights, bias, n, y, col0, col1, same_x, 0);
+    }
+#endif
+    return actorline_bf16_gemm_part(x, m, k, weights, format, bias, n, y, col0, col1, same_x);
+}
+
+/* The SiLU-and-mul epilogue (see above) under NativeGemm's arguments: weights the fused
+ * gate/up panels (n columns, a multiple of 32: gate's n / 2, then up's), bias [n] or NULL, y
+ * [M, n / 2] = silu(gate) * up; on the tiles from AMX_ROWS rows where ``tiles`` and granted,
+ * else on VDPBF16PS. Returns 0; 1 when out of memory; 2 on a shape it cannot serve. */
+static int silu_mul(const float *x, int64_t m, int64_t k, const void *weights,
+                    const float *bias, int64_t n, float *y, int num_threads, int tiles) {
+    if (!silu_shape_ok(m, k, n)) return 2;
+    if (m == 0) return 0;
+#if AMX
+    if (tiles && m >= AMX_ROWS && amx_ready())
+        return amx_run(x, m, k, (const uint16_t *)weights, bias, n, y, num_threads, 1);
+#endif
+    (void)tiles;
+    return silu_mul_dp(x, m, k, (const uint16_t *)weights, bias, n, y, num_threads);
+}
+
+/* The epilogue with actorline_bf16_gemm's products (VDPBF16PS at every row count). */
+int actorline_bf16_silu_mul(const float *x, int64_t m, int64_t k, const void *weights,
+                            int format, const float *bias, int64_t n, float *y,
+                            int num_threads) {
+    (void)format;
+    return silu_mul(x, m, k, weights, bias, n, y, num_threads, 0);
+}
+
+/* The epilogue with actorline_bf16_gemm_tiles' products (the tiles from AMX_ROWS rows). */
+int actorline_bf16_silu_mul_tiles(const float *x, int64_t m, int64_t k, const void *weights,
+                                  int format, const float *bias, int64_t n, float *y,
+                                  int num_threads) {
+    (void)format;
+    return silu_mul(x, m, k, weights, bias, n, y, num_threads, 1);
+}
+
+/* Gate columns [col0, col1) of the epilogue (multiples of 16, col1 at most n / 2) on the
+ * calling thread, as actorline_bf16_gemm_part for the GEMM: y's other columns untouched, each
+ * element as the whole call computes it (``tiles``: as actorline_bf16_silu_mul_tiles). */
+static int silu_mul_part(const float *x, int64_t m, int64_t k, const void *weights,
+                         const float *bias, int64_t n, float *y, int64_t col0, int64_t col1,
+                         int same_x, int tiles) {
+    if (!silu_shape_ok(m, k, n) || col0 < 0 || col1 > n / 2 || col0 > col1 || col0 % NR != 0 ||
+        col1 % NR != 0)
+        return 2;
+    if (m == 0 || col0 == col1) return 0;
+#if AMX
+    if (tiles && m >= AMX_ROWS && amx_ready())
+        return amx_part(x, m, k, (const uint16_t *)weights, bias, n, y, col0, col1, same_x, 1);
+#endif
+    (void)tiles;
+    return silu_mul_dp_part(x, m, k, (const uint16_t *)weights, bias, n, y, col0, col1, same_x);
+}
+
+int actorline_bf16_silu_mul_part(const float *x, int64_t m, int64_t k, const void *weights,
+                                 int format, const float *bias, int64_t n, float *y,
+                                 int64_t col0, int64_t col1, int same_x) {
+    (void)format;
+    return silu_mul_part(x, m, k, weights, bias, n, y, col0, col1, same_x, 0);
+}
+
+int actorline_bf16_silu_mul_tiles_part(const float *x, int64_t m, int64_t k, const void *weights,
+                                       int format, const float *bias, int64_t n, float *y,
+                                       int64_t col0, int64_t col1, int same_x) {
+    (void)format;
+    return silu_mul_part(x, m, k, weights, bias, n, y, col0, col1, same_x, 1);
 }

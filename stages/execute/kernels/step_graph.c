@@ -23,7 +23,9 @@
  *   2. attention: a range of the step's (row, query head) pairs;
  *   3. a range of o_proj's columns and of the residual add;
  *   4. the post-attention RMSNorm (the thread's buffer again), then per chunk a range of gate
- *      columns, the matching up columns of the fused gate/up projection, SiLU-and-mul of them;
+ *      columns, the matching up columns of the fused gate/up projection, SiLU-and-mul of them
+ *      (bf16 panels: one call of the GEMM's SiLU-and-mul epilogue on those gate columns, the
+ *      layer's silu_part, as the per-op form calls the whole epilogue);
  *   5. a range of down_proj's columns and of the residual add;
  * then the final norm and ranges of the LM head's columns. A linear's range goes through its
  * ``part`` entry (NativeGemm.part: the same micro-kernels on a column range, no region of its
@@ -88,6 +90,10 @@ typedef struct {
     sg_gemm up;
     sg_gemm down;
     void *key_cache, *value_cache; /* [num_slots, kv_heads, head_dim], fp32 or bf16 (kv_bf16) */
+    /* The fused gate/up projection's SiLU-and-mul epilogue (bf16_gemm.c: the gate argument's
+     * weights and shapes, output rows of n / 2 = inter floats) and its gate-column-range entry;
+     * 0: none (the GEMM, then SiLU-and-mul). */
+    void *silu, *silu_part;
 } sg_layer;
 
 typedef struct {
@@ -196,6 +202,12 @@ static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads
         p->rms(p->h, H, L->norm2, p->xn, rows, H, L->eps2, threads);
         const int64_t I = p->inter;
         const float *gate_up = p->gate_up;
+        if (L->silu != NULL) { /* the gate/up GEMM with its SiLU-and-mul epilogue */
+            if (((gemm_fn)L->silu)(p->xn, rows, L->gate.k, L->gate.weights, (int)L->gate.format,
+                                   L->gate.bias, L->gate.n, p->act, threads))
+                return 3;
+            goto down;
+        }
         if (L->up.function == NULL) { /* one gate/up GEMM */
             if (gemm(&L->gate, p->xn, rows, p->gate_buf, threads)) return 3;
             if (L->gate.n == 2 * I)
@@ -213,6 +225,7 @@ static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads
             }
         }
         p->silu(gate_up, rows, I, p->act, threads);
+    down:
         if (gemm(&L->down, p->act, rows, p->down, threads)) return 3;
         residual(p->h, p->down, rows, H, L->down.n);
     }
@@ -252,13 +265,19 @@ typedef struct {
     const float *x;
 } sg_last;
 
+/* Column-range entry ``entry`` (g's part, or a layer's silu_part over g's weights) on cols. */
+static inline int part_of(void *entry, const sg_gemm *g, const float *x, int64_t rows, float *y,
+                          span cols, sg_last *last) {
+    if (cols.first >= cols.last) return 0;
+    const int same_x = last->entry == entry && last->x == x;
+    last->entry = entry, last->x = x;
+    return ((gemm_part_fn)entry)(x, rows, g->k, g->weights, (int)g->format, g->bias, g->n, y,
+                                 cols.first, cols.last, same_x);
+}
+
 static inline int part(const sg_gemm *g, const float *x, int64_t rows, float *y, span cols,
                        sg_last *last) {
-    if (cols.first >= cols.last) return 0;
-    const int same_x = last->entry == g->part && last->x == x;
-    last->entry = g->part, last->x = x;
-    return ((gemm_part_fn)g->part)(x, rows, g->k, g->weights, (int)g->format, g->bias, g->n, y,
-                                   cols.first, cols.last, same_x);
+    return part_of(g->part, g, x, rows, y, cols, last);
 }
 
 /* h[r, cols] += add[r, cols] over the columns of cols below hidden. */
@@ -441,6 +460,10 @@ static void step_threaded(const sg_plan *p, int64_t rows, int64_t keep, int thre
                 const span cols = columns(I, (int)c, (int)chunks);
                 const int at_end = cols.last == I;
                 const float *up;
+                if (L->silu_part != NULL) { /* the epilogue: these gate columns' activations */
+                    error |= part_of(L->silu_part, &L->gate, xn, rows, p->act, cols, &last);
+                    continue;
+                }
                 if (L->up.function == NULL) { /* gate's columns, then up's, in one GEMM */
                     const span up_cols = {I + cols.first, at_end ? L->gate.n : I + cols.last};
                     error |= part(&L->gate, xn, rows, p->gate_buf, cols, &last);

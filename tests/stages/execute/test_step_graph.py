@@ -229,20 +229,25 @@ def test_one_region_per_step_gives_the_per_op_logits_bit_for_bit(
     tiny_model_dir: Path, tiny_gguf: Path, fields: dict[str, object]
 ) -> None:
     """Every thread count splits the columns, heads and (row, head) pairs otherwise; each
-    element is computed by the same code in the same order, so the logits are equal. Except
-    where the per-op form's bf16 GEMM multiplies on AMX tiles (from ``amx_rows`` rows, where
-    the CPU has them): the tile unit sums in another order (and flushes bf16 denormals) than
-    the threads' VDPBF16PS column ranges, so those rows agree to float noise only."""
+    element is computed by the same code in the same order, so the logits are equal. In bf16
+    the threads' column ranges multiply on AMX tiles at the row counts where the per-op form's
+    GEMM does (from ``amx_rows``, where the CPU has them), and the fused gate/up projection
+    takes its SiLU-and-mul epilogue in both forms, so those rows are equal too."""
     model = tiny_gguf if fields.get("quantization") == "gguf" else tiny_model_dir
     runner = load(model, num_blocks=128, block_size=4, **fields)
     assert runner.step_graph is not None and runner.step_graph.threaded
     kernel = bf16_gemm_kernel() if fields.get("dtype") == "bfloat16" else None
-    tiles_from = kernel.amx_rows if kernel is not None and kernel.amx else MAX_ROWS + 1
+    layers = len(runner.model.model.layers)
+    assert runner.step_graph.silu_epilogues == (layers if kernel is not None else 0)
+    row_counts: tuple[int, ...] = (1, 3, MAX_ROWS)
+    if kernel is not None and kernel.amx:
+        assert kernel.amx_rows <= MAX_ROWS
+        row_counts = (1, 3, kernel.amx_rows, MAX_ROWS)  # the tiles from amx_rows
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            for rows in (1, 3, MAX_ROWS):
+            for rows in row_counts:
                 # NOTE: the tiny GGUF model has 512 tokens
                 threaded, per_op = both_forms(
                     runner,
@@ -250,10 +255,7 @@ def test_one_region_per_step_gives_the_per_op_logits_bit_for_bit(
                     context=5 if rows > 1 else 9,
                     vocab=512 if model == tiny_gguf else 49152,
                 )
-                if rows < tiles_from:
-                    assert torch.equal(threaded, per_op), (count, rows)
-                else:
-                    torch.testing.assert_close(threaded, per_op, rtol=1e-3, atol=1e-3)
+                assert torch.equal(threaded, per_op), (count, rows)
     finally:
         torch.set_num_threads(threads)
 
