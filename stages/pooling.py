@@ -119,7 +119,7 @@ def check_dimensions(
     if embedding_size < 1:
         raise InvalidRequestError(
             f"model {model!r} computes no embeddings in this engine (the null model has no "
-            "hidden states)",
+            "hidden states; pipeline-parallel shards pass back logits only)",
             field="input",
             request_id=request_id,
         )

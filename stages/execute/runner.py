@@ -491,7 +491,11 @@ class ModelRunner:
             sliding_window=self._window,
             quantization=config.quantization,
             weight_bytes=weight_bytes(model),
-            embedding_size=int(text_config.hidden_size),
+            # NOTE: pipeline-parallel shards pass the last shard's logits back, not its
+            # hidden states, so such an engine pools none: 0 refuses embedding requests
+            embedding_size=0
+            if self.config.pipeline_parallel_size > 1
+            else int(text_config.hidden_size),
             pooling_type=config.pooling_type,
             matryoshka_dimensions=matryoshka_dimensions(resolved.path),
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),

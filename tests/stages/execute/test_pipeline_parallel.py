@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import pytest
 from transformers import LlamaConfig
 
-from pipeline import AsyncEngine, EngineDeadError, SamplingParams
+from pipeline import AsyncEngine, EngineDeadError, InvalidRequestError, SamplingParams
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
@@ -87,6 +87,11 @@ async def generate_all(
 async def outputs_of(model: str, **options: Any) -> tuple[list[tuple[int, ...]], Any]:
     """Greedy outputs of PROMPTS (the first alone first, so the rest hit its prefix)."""
     async with AsyncEngine(model, **SILENCE, **options) as engine:
+        if options.get("pipeline_parallel_size", 1) > 1:
+            # the shards pass back logits, not hidden states: an embedding request is refused
+            # on its own, and the engine serves on
+            with pytest.raises(InvalidRequestError, match="computes no embeddings"):
+                await engine.embed("an embedding request")
         first = await generate_all(engine, PROMPTS[:1])
         rest = await generate_all(engine, PROMPTS[1:])
         return first + rest, engine.stats
