@@ -20,20 +20,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+
+from benchmarks.step_native import FORMATS
 
 __all__ = ["main"]
-
-_FORMATS: dict[str, dict[str, Any]] = {
-    "fp32": {},
-    "bf16": {"dtype": "bfloat16"},
-    "gguf": {"quantization": "gguf"},
-}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("format", choices=sorted(_FORMATS))
+    parser.add_argument("format", choices=sorted(FORMATS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--load", type=int, default=2, help="busy processes in the middle phase")
     parser.add_argument("--seconds", type=float, default=30.0)
@@ -50,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stages.params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(ExecuteConfig(model=args.model, num_blocks=256, **_FORMATS[args.format]))
+    runner = ModelRunner(ExecuteConfig(model=args.model, num_blocks=256, **FORMATS[args.format]))
     runner.load()
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     prompt = tuple((17 * i + 3) % 49000 + 10 for i in range(64))

@@ -23,9 +23,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["FORMATS", "main"]
 
-_FORMATS: dict[str, dict[str, Any]] = {
+#: the weight formats these benchmarks load the default model in, as engine options
+FORMATS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "bf16": {"dtype": "bfloat16"},
     "gguf": {"quantization": "gguf"},
@@ -34,7 +35,7 @@ _FORMATS: dict[str, dict[str, Any]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("format", choices=sorted(_FORMATS))
+    parser.add_argument("format", choices=sorted(FORMATS))
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: its default)")
@@ -50,9 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    config = ExecuteConfig(
-        model=args.model, num_blocks=32 * args.rows + 16, **_FORMATS[args.format]
-    )
+    config = ExecuteConfig(model=args.model, num_blocks=32 * args.rows + 16, **FORMATS[args.format])
     runner = ModelRunner(config)
     info = runner.load()
     graph = runner.step_graph
