@@ -109,24 +109,16 @@ class LLM:
         """
         self._check_open()
         batch = _as_batch(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            per_prompt = [sampling_params or SamplingParams()] * len(batch)
-        else:
-            per_prompt = list(sampling_params)
-            if len(per_prompt) != len(batch):
-                raise InvalidRequestError(
-                    f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts",
-                    field="sampling_params",
-                )
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras: list[LoRARequest | None] = [lora_request] * len(batch)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(batch):
-                raise InvalidRequestError(
-                    f"got {len(loras)} LoRA requests for {len(batch)} prompts",
-                    field="lora_request",
-                )
+        per_prompt: list[SamplingParams] = _one_per_prompt(
+            SamplingParams() if sampling_params is None else sampling_params,
+            SamplingParams,
+            len(batch),
+            "SamplingParams",
+            "sampling_params",
+        )
+        loras: list[LoRARequest | None] = _one_per_prompt(
+            lora_request, LoRARequest, len(batch), "LoRA requests", "lora_request"
+        )
         # NOTE: every prompt through the validation core before anything is sent, once:
         # generate() takes the checked prompts as they are (docs/architecture.md §7.1).
         checked = [
@@ -266,6 +258,21 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _one_per_prompt(value: Any, kind: type, count: int, noun: str, field: str) -> list[Any]:
+    """``value`` for each of ``count`` prompts: one ``kind`` (or None) for all, or a sequence
+    of exactly one per prompt.
+
+    Raises:
+        InvalidRequestError: a sequence of another length (``field`` named).
+    """
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise InvalidRequestError(f"got {len(values)} {noun} for {count} prompts", field=field)
+    return values
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
