@@ -396,12 +396,10 @@ class EngineOptions:
             )
         if self.enable_lora and self.null_model:
             raise ValueError("enable_lora needs a model: null_model runs none")
-        if self.speculative_config is not None and (
-            self.tensor_parallel_size > 1 or self.null_model
-        ):
+        if self.speculative_config is not None and self.null_model:
             raise ValueError(
-                "speculative_config is verified with one engine rank running a model: not with "
-                "tensor_parallel_size > 1 or null_model yet (docs/speculative.md)"
+                "speculative_config needs a model to verify the drafts: null_model runs none "
+                "(docs/speculative.md)"
             )
         if self.speculative_config is not None and self.enable_lora:
             raise ValueError(

@@ -60,12 +60,11 @@ def test_engine_options_take_the_config_and_refuse_what_is_not_verified() -> Non
     assert options.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
     with pytest.raises(ValueError, match="num_speculative_tokens is required"):
         EngineOptions(speculative_config={})
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 or null_model"):
-        EngineOptions(
-            speculative_config={"num_speculative_tokens": 3},
-            tensor_parallel_size=2,
-            transport="zmq",
-        )
+    # the target's tensor-parallel ranks verify together (docs/speculative.md)
+    tp = EngineOptions(
+        speculative_config={"num_speculative_tokens": 3}, tensor_parallel_size=2, transport="zmq"
+    )
+    assert tp.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
     with pytest.raises(ValueError, match="null_model"):
         EngineOptions(speculative_config={"num_speculative_tokens": 3}, null_model=True)
 

@@ -1,0 +1,126 @@
+"""Speculative decoding with tensor and data parallelism, real processes (docs/speculative.md):
+
+- TP=2 (two gloo ranks): rank 0 samples and verifies, both ranks run the drafted rows of every
+  step and the same block tables (rank 0 truncates them after a rejection, the next step's
+  ShardStep carries the truncated ones), so greedy outputs equal those without speculation,
+  also through preemptions, and a seeded sampled run equals TP=1's speculative one; the
+  counters equal TP=1's;
+- DP=2: each replica's scheduler drafts for its own requests; greedy outputs equal those
+  without speculation and the engine's counters are the sum over both replicas (equal to
+  one engine's over the same requests: a greedy request's drafts do not depend on its
+  neighbours).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from pipeline import AsyncEngine, SamplingParams
+from tests.pipeline.engine.test_speculative import PROMPTS, SPEC
+
+T = TypeVar("T")
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+#: seeded temperature > 0: the drafts are verified by rejection sampling on rank 0
+SEEDED = [
+    SamplingParams(max_tokens=24, temperature=0.8, top_k=3, seed=seed, ignore_eos=True)
+    for seed in (11, 12, 13, 14)
+]
+
+
+def run(coroutine: Coroutine[Any, Any, T], timeout: float = 600) -> T:
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+async def outputs_of(
+    model: Path, params: list[SamplingParams], **options: Any
+) -> tuple[list[tuple[int, ...]], Any, list[str]]:
+    """Each of PROMPTS with its params, all at once: the token ids, the engine's stats and
+    (data parallelism) the replica each request was routed to."""
+    options.setdefault("num_blocks", 256)
+    async with AsyncEngine(str(model), **options) as engine:
+
+        async def one(index: int) -> tuple[int, ...]:
+            last = None
+            async for output in engine.generate(
+                {"prompt_token_ids": PROMPTS[index]}, params[index], request_id=f"r{index}"
+            ):
+                last = output
+            assert last is not None and last.finish_reason == "length"
+            return tuple(last.token_ids)
+
+        outputs = list(await asyncio.gather(*(one(i) for i in range(len(PROMPTS)))))
+        replicas: list[str] = []
+        if options.get("data_parallel_size", 1) > 1:
+            router = engine.running.stage("router")
+            replicas = [str(replica) for _, replica in router.recent]
+        return outputs, engine.stats, replicas
+
+
+def _counters(stats: Any) -> tuple[int, int, int, tuple[int, ...]]:
+    return (
+        stats.spec_num_drafts,
+        stats.spec_num_draft_tokens,
+        stats.spec_num_accepted_tokens,
+        tuple(stats.spec_accepted_per_position),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tp2_verifies_drafts_together_greedy_and_seeded(tiny_model_dir: Path) -> None:
+    greedy = [GREEDY] * len(PROMPTS)
+    plain, _, _ = run(outputs_of(tiny_model_dir, greedy, tensor_parallel_size=2))
+    spec, stats, _ = run(
+        outputs_of(tiny_model_dir, greedy, tensor_parallel_size=2, speculative_config=SPEC)
+    )
+    assert spec == plain
+    assert stats.spec_num_drafts > 0
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # roll-backs too
+    assert stats.communication_seconds > 0
+    one_rank, one_stats, _ = run(
+        outputs_of(tiny_model_dir, greedy, transport="memory", speculative_config=SPEC)
+    )
+    assert one_rank == spec
+    assert _counters(one_stats) == _counters(stats)
+    # 8 blocks of 16 tokens do not hold the four at once: preempted mid-run and recomputed
+    tight, tight_stats, _ = run(
+        outputs_of(
+            tiny_model_dir, greedy, tensor_parallel_size=2, speculative_config=SPEC,
+            num_blocks=8, block_size=16,
+        )
+    )  # fmt: skip
+    assert tight == plain
+    assert tight_stats.num_preemptions > 0
+    assert tight_stats.spec_num_accepted_tokens > 0
+    # temperature > 0, seeded: rank 0 draws from each request's own generator, as at TP=1
+    sampled, sampled_stats, _ = run(
+        outputs_of(tiny_model_dir, SEEDED, tensor_parallel_size=2, speculative_config=SPEC)
+    )
+    expected, _, _ = run(
+        outputs_of(tiny_model_dir, SEEDED, transport="memory", speculative_config=SPEC)
+    )
+    assert sampled == expected
+    assert sampled_stats.spec_num_drafts > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dp2_drafts_on_each_replica_and_sums_the_counters(tiny_model_dir: Path) -> None:
+    greedy = [GREEDY] * len(PROMPTS)
+    plain, _, _ = run(outputs_of(tiny_model_dir, greedy, transport="memory"))
+    one, one_stats, _ = run(
+        outputs_of(tiny_model_dir, greedy, transport="memory", speculative_config=SPEC)
+    )
+    spec, stats, replicas = run(
+        outputs_of(tiny_model_dir, greedy, data_parallel_size=2, speculative_config=SPEC)
+    )
+    assert sorted(set(replicas)) == ["0", "1"], replicas  # both replicas served requests
+    assert spec == plain == one
+    assert stats.spec_num_drafts > 0
+    assert _counters(stats) == _counters(one_stats)
