@@ -38,6 +38,12 @@ workload twice, unconstrained and with every other request constrained to a JSON
 request may generate, so its mask applies at every step), and prints the ratio (the target is at
 least 0.9x) and the grammar's compile time, cold and cached.
 
+With ``--speculative-config JSON`` it measures speculative decoding instead: the zmq topology
+on the same workload without and with it, alternated in every repeat (fresh processes), and
+prints the ratio (the target is at least 0.95x: at this batch size speculation turns itself
+down, ``disable_by_batch_size``), the acceptance rate and whether the outputs are identical
+(docs/speculative.md).
+
 With ``--quantization gguf|int8`` actorline runs 4/8-bit weights (docs/models.md); the HF
 baselines and the greedy check keep the fp32 checkpoint (for ``gguf`` that is the same weights,
 dequantized; for ``int8`` the check then measures the quantization itself).
@@ -45,6 +51,7 @@ dequantized; for ``int8`` the check then measures the quantization itself).
     actorline bench offline [--peer vllm] [--peer llamacpp] [--dtype bfloat16] [--repeats N]
         [--vllm-dtype bfloat16] [--quick] [--json] [--profile]
     actorline bench offline --structured [--quick] [--json]
+    actorline bench offline --speculative-config JSON [--repeats N] [--quick] [--json]
     actorline bench offline --quantization gguf|int8 [--quick] [--json] [--profile]
     actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
     actorline bench offline --pipeline-parallel-size 2 [--quick] [--repeats 2]
@@ -72,6 +79,7 @@ from pipeline.bench.offline_report import (
     GrammarCompileTimes,
     GreedyCheck,
     OfflineResult,
+    SpeculativeOffline,
     SystemResult,
     format_offline,
 )
@@ -117,6 +125,7 @@ PEERS = ("vllm", "llamacpp")
 ACTORLINE_ZMQ = "actorline (zmq)"
 ACTORLINE_MEMORY = "actorline (memory)"
 ACTORLINE_STRUCTURED = "actorline (zmq), half the requests JSON-constrained"
+ACTORLINE_SPECULATIVE = "actorline (zmq), speculative"
 HF_STATIC = "HF generate (static batches)"
 HF_CONTINUOUS = "HF continuous batching"
 _WARMUP_TOKENS = 4
@@ -154,9 +163,15 @@ class OfflineConfig:
     llamacpp: bool = False
     llamacpp_threads: int | None = None
     vllm_dtype: str | None = None
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         from pipeline.bench.llamacpp_peer import LlamaPeerError, format_of
+        from stages.speculative import parse_speculative_config
+
+        parse_speculative_config(self.speculative_config)
+        if (ACTORLINE_SPECULATIVE in self.systems) != (self.speculative_config is not None):
+            raise ValueError(f"{ACTORLINE_SPECULATIVE!r} runs with a speculative_config")
         from pipeline.bench.vllm_peer import VARIANTS
 
         if self.llamacpp:
@@ -181,7 +196,10 @@ class OfflineConfig:
             raise ValueError(f"check_requests must be >= 0, got {self.check_requests}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        known = (ACTORLINE_ZMQ, ACTORLINE_MEMORY, ACTORLINE_STRUCTURED, HF_STATIC, HF_CONTINUOUS)
+        known = (
+            ACTORLINE_ZMQ, ACTORLINE_MEMORY, ACTORLINE_STRUCTURED, ACTORLINE_SPECULATIVE,
+            HF_STATIC, HF_CONTINUOUS,
+        )  # fmt: skip
         if any(system not in known for system in self.systems):
             raise ValueError(f"systems must be a subset of {known}")
         if not self.systems and not self.vllm_variants and not self.llamacpp:
@@ -235,6 +253,7 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     profiles: dict[str, Profile] = {}
     peak_rss: int | None = None
     final_rss: int | None = None
+    spec_counts = [0, 0]  # draft tokens, accepted tokens (the speculative runs' sum)
 
     def record(name: str, seconds: float, tokens: int, output: Any) -> None:
         result = _system(name, seconds, tokens)
@@ -263,6 +282,11 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
         if zmq_run is not None and peak_rss is None:
             peak_rss, final_rss = zmq_run.engine_peak_rss, zmq_run.engine_final_rss
             weights = zmq_run.weight_bytes
+        if ACTORLINE_SPECULATIVE in config.systems:
+            spec = _run_actorline_fresh(config, "zmq", prompts, max_tokens, speculative=True)
+            record(ACTORLINE_SPECULATIVE, spec.seconds, spec.generated_tokens, spec.outputs)
+            spec_counts[0] += spec.spec_draft_tokens
+            spec_counts[1] += spec.spec_accepted_tokens
         for run in peer.run_all():
             record(run.name, run.seconds, run.generated_tokens, run.outputs)
         run_topology(ACTORLINE_MEMORY, "memory")
@@ -288,6 +312,13 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     checked = [
         name for name in outputs if name not in (HF_STATIC, HF_CONTINUOUS, ACTORLINE_STRUCTURED)
     ]
+    speculative = None
+    if ACTORLINE_SPECULATIVE in outputs and config.speculative_config is not None:
+        speculative = SpeculativeOffline(
+            config.speculative_config,
+            *spec_counts,
+            identical=outputs[ACTORLINE_SPECULATIVE] == outputs.get(ACTORLINE_ZMQ),
+        )
     if hf_wanted or (checked and config.check_requests):
         from pipeline.bench import hf
 
@@ -358,6 +389,7 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
         grammar_compile=grammar_compile,
         quantization=config.quantization,
         weight_bytes=weights,
+        speculative=speculative,
     )
 
 
@@ -402,9 +434,8 @@ def _system(name: str, seconds: float, tokens: int) -> SystemResult:
 def _ratios(systems: Sequence[SystemResult]) -> dict[str, float]:
     """Each actorline topology's throughput over every other system's."""
     ours = [s for s in systems if s.name in (ACTORLINE_ZMQ, ACTORLINE_MEMORY)]
-    theirs = [
-        s for s in systems if s.name not in (ACTORLINE_ZMQ, ACTORLINE_MEMORY, ACTORLINE_STRUCTURED)
-    ]
+    variants = (ACTORLINE_ZMQ, ACTORLINE_MEMORY, ACTORLINE_STRUCTURED, ACTORLINE_SPECULATIVE)
+    theirs = [s for s in systems if s.name not in variants]
     ratios = {
         f"{a.name} / {b.name}": a.tokens_per_second / b.tokens_per_second
         for a in ours
@@ -416,6 +447,8 @@ def _ratios(systems: Sequence[SystemResult]) -> dict[str, float]:
         ratios["structured / unconstrained (zmq)"] = (
             rate[ACTORLINE_STRUCTURED] / rate[ACTORLINE_ZMQ]
         )
+    if rate.get(ACTORLINE_SPECULATIVE) and rate.get(ACTORLINE_ZMQ):
+        ratios["speculative / without (zmq)"] = rate[ACTORLINE_SPECULATIVE] / rate[ACTORLINE_ZMQ]
     return ratios
 
 
@@ -445,6 +478,8 @@ class _ActorlineRun:
     num_blocks: int
     preemptions: int
     weight_bytes: int
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 def _run_actorline_fresh(
@@ -455,6 +490,7 @@ def _run_actorline_fresh(
     *,
     size_cache: bool = True,
     structured: bool = False,
+    speculative: bool = False,
 ) -> _ActorlineRun:
     """:func:`_run_actorline` in a freshly spawned process (results come back pickled
     between this benchmark's own processes)."""
@@ -468,6 +504,7 @@ def _run_actorline_fresh(
             max_tokens,
             size_cache=size_cache,
             structured=structured,
+            speculative=speculative,
         )
         return run.result()
 
@@ -480,6 +517,7 @@ def _run_actorline(
     *,
     size_cache: bool = True,
     structured: bool = False,
+    speculative: bool = False,
 ) -> _ActorlineRun:
     import time
 
@@ -504,6 +542,7 @@ def _run_actorline(
         num_blocks=num_blocks,
         max_num_seqs=max(len(prompts), 1),
         max_num_batched_tokens=config.max_num_batched_tokens,
+        speculative_config=config.speculative_config if speculative else None,
     ) as llm:
         warmup = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
         if structured:  # the grammar backend loads and the schema compiles before the timing
@@ -527,9 +566,12 @@ def _run_actorline(
         blocks = info.num_blocks if info is not None else 0
         weights = info.weight_bytes if info is not None else 0
         preemptions = stats.num_preemptions if stats is not None else 0
+        drafted = stats.spec_num_draft_tokens if stats is not None else 0
+        accepted = stats.spec_num_accepted_tokens if stats is not None else 0
     return _ActorlineRun(
-        seconds, generated, outputs, peak, final, profile, blocks, preemptions, weights
-    )
+        seconds, generated, outputs, peak, final, profile, blocks, preemptions, weights,
+        drafted, accepted,
+    )  # fmt: skip
 
 
 def _on_engine_loop(llm: Any, coroutine: Coroutine[Any, Any, T]) -> T:
@@ -623,6 +665,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="run the workload on N pipeline shards against one engine (and nothing else)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="speculative decoding: the zmq topology without and with this config, "
+        "alternated (and nothing else; docs/speculative.md)",
+    )
     add_ray_arguments(
         parser, help="run the workload with the engine's hosts on Ray against local processes"
     )
@@ -637,7 +686,13 @@ _SKIP_NAMES = {
 
 
 def config_from_args(args: argparse.Namespace) -> OfflineConfig:
-    """The configuration the options ask for (``--quick`` shrinks the defaults)."""
+    """The configuration the options ask for (``--quick`` shrinks the defaults).
+
+    Raises:
+        ValueError: ``--speculative-config`` with a peer, ``--structured``, parallelism or
+            Ray (it compares actorline's one engine with and without speculation), or the
+            configuration's own refusals.
+    """
     base = OfflineConfig.quick() if args.quick else OfflineConfig()
     workload = dataclasses.replace(base.workload, seed=args.seed)
     if args.requests is not None:
@@ -646,27 +701,44 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
     systems = base.systems
     if args.structured:
         systems = (ACTORLINE_ZMQ, ACTORLINE_STRUCTURED)
+    speculative = args.speculative_config is not None
+    if speculative and (
+        args.peer
+        or args.structured
+        or args.tensor_parallel_size > 1
+        or args.pipeline_parallel_size > 1
+        or asks_for_ray(args)
+    ):
+        raise ValueError(
+            "--speculative-config compares one actorline engine with and without speculation: "
+            "not with --peer, --structured, --tensor-parallel-size, --pipeline-parallel-size "
+            "or --ray"
+        )
+    if speculative:
+        systems = (ACTORLINE_ZMQ, ACTORLINE_SPECULATIVE)
+    single = args.structured or speculative  # one comparison, no roof, peers nor RSS runs
     return dataclasses.replace(
         base,
         model=args.model,
         workload=workload,
         dtype=args.dtype,
-        llamacpp="llamacpp" in args.peer and not args.structured,
+        llamacpp="llamacpp" in args.peer and not single,
         llamacpp_threads=args.llamacpp_threads,
         systems=tuple(system for system in systems if system not in skipped),
         cb_attention=args.cb_attention,
         quantization=args.quantization,
         profile=args.profile,
-        measure_default_budget="rss-default" not in args.skip and not args.structured,
+        measure_default_budget="rss-default" not in args.skip and not single,
         check_requests=0
         if args.structured
         else (base.check_requests if args.check_requests is None else args.check_requests),
-        roof="roof" not in args.skip and not args.structured,
+        roof="roof" not in args.skip and not single,
         vllm_variants=(tuple(args.vllm_variant) or ("default", "all-cores"))
-        if "vllm" in args.peer and not args.structured
+        if "vllm" in args.peer and not single
         else (),
         repeats=args.repeats,
         vllm_dtype=args.vllm_dtype,
+        speculative_config=args.speculative_config if speculative else None,
     )
 
 
@@ -677,12 +749,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         ValueError: ``--ray-auth-token-file`` without ``--ray``, or the Ray cluster refuses
             this process (RayConnectionError), among the configuration's own refusals.
     """
+    offline = config_from_args(args)
     if asks_for_ray(args):
         from pipeline.bench.parallel import run_ray_from_args
         from stages.params import SamplingParams
         from stages.tokenize import load_tokenizer
 
-        offline = config_from_args(args)
         workload = make_workload(offline.workload)
         tokenizer = load_tokenizer(offline.model)
         prompts = [prompt_ids(tokenizer, request.prompt) for request in workload]
@@ -704,7 +776,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         )
         from stages.tokenize import load_tokenizer
 
-        offline = config_from_args(args)
         tokenizer = load_tokenizer(offline.model)
         workload = make_workload(offline.workload)
         compared = run_tensor_parallel(
@@ -721,7 +792,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         )
         print_result(compared, format_tensor_parallel(compared), args.json)
         return 0
-    result = run_offline(config_from_args(args))
+    result = run_offline(offline)
     print_result(result, format_offline(result), args.json)
     return 0
 

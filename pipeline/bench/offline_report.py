@@ -9,17 +9,21 @@ from pipeline.bench.report import format_table
 from pipeline.bench.roof import Roof, format_share
 
 __all__ = [
+    "SPECULATIVE_TARGET_RATIO",
     "STRUCTURED_TARGET_RATIO",
     "DefaultBudgetRun",
     "GrammarCompileTimes",
     "GreedyCheck",
     "OfflineResult",
+    "SpeculativeOffline",
     "SystemResult",
     "format_offline",
 ]
 
 #: structured outputs against unconstrained, in the same run (the issue's target)
 STRUCTURED_TARGET_RATIO = 0.9
+#: speculative decoding against none at the offline batch size (issue 38's target)
+SPECULATIVE_TARGET_RATIO = 0.95
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,6 +94,24 @@ class OfflineResult:
     # the engine's model weights as loaded (EngineInfo.weight_bytes), from the zmq run
     weight_bytes: int | None = None
     grammar_compile: GrammarCompileTimes | None = None
+    speculative: SpeculativeOffline | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeculativeOffline:
+    """The speculative runs (``--speculative-config``): the config, the draft tokens verified
+    and accepted over all of them, and whether the best run's outputs equal the best run's
+    without speculation (greedy: they must)."""
+
+    config: str
+    draft_tokens: int
+    accepted_tokens: int
+    identical: bool
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens; None where nothing was drafted."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,7 +172,18 @@ def format_offline(result: OfflineResult) -> str:
         lines.append(f"{name}: {version}")
     for name, ratio in result.ratios.items():
         target = f" (target >= {STRUCTURED_TARGET_RATIO}x)" if name.startswith("structured") else ""
+        if name.startswith("speculative"):
+            target = f" (target >= {SPECULATIVE_TARGET_RATIO}x)"
         lines.append(f"ratio {name}: {ratio:.2f}x{target}")
+    spec = result.speculative
+    if spec is not None:
+        rate = spec.acceptance_rate
+        lines.append(
+            f"speculative {spec.config}: {spec.draft_tokens} draft tokens verified, "
+            f"{spec.accepted_tokens} accepted (acceptance rate "
+            + (f"{rate:.2f})" if rate is not None else "-: nothing drafted)")
+            + ("; outputs identical to without" if spec.identical else "; outputs DIFFER")
+        )
     if result.grammar_compile is not None:
         times = result.grammar_compile
         lines.append(
