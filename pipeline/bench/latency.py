@@ -35,7 +35,7 @@ config as its ``--spec-type ngram-simple``, see
 over llama.cpp without it, actorline+spec's over it, and its acceptance rate (its
 ``timings``' ``draft_n`` and ``draft_n_accepted``).
 
-    actorline bench latency [--peer llamacpp] [--formats fp32 bf16 q4_1] [--rounds N]
+    actorline bench latency [--peer llamacpp|none] [--formats fp32 bf16 q4_1] [--rounds N]
         [--tokens 256] [--streams 4 16] [--llamacpp-threads N] [--quick] [--json]
         [--speculative-config JSON] [--prompts chat|copy]
 """
@@ -541,9 +541,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer",
         action="append",
         default=[],
-        choices=PEERS,
+        choices=(*PEERS, "none"),
         help="the peer to compare with (llamacpp: llama-server built on first use under the "
-        "cache directory; the default)",
+        "cache directory; the default; none: actorline alone)",
     )
     parser.add_argument(
         "--formats", nargs="+", choices=tuple(FORMATS), default=None, help="formats (all three)"
@@ -575,8 +575,11 @@ def config_from_args(args: argparse.Namespace) -> LatencyConfig:
     """The configuration the options ask for (``--quick`` shrinks the defaults).
 
     Raises:
-        ValueError: an option is out of range (see :class:`LatencyConfig`).
+        ValueError: an option is out of range (see :class:`LatencyConfig`), or ``--peer none``
+            beside a peer.
     """
+    if "none" in args.peer and len(set(args.peer)) > 1:
+        raise ValueError("--peer none runs actorline alone: not with another --peer")
     base = LatencyConfig.quick() if args.quick else LatencyConfig()
     given = {
         "formats": tuple(args.formats) if args.formats else None,
@@ -585,7 +588,7 @@ def config_from_args(args: argparse.Namespace) -> LatencyConfig:
         "streams": tuple(args.streams) if args.streams else None,
         "concurrent_tokens": args.concurrent_tokens,
         "llamacpp_threads": args.llamacpp_threads,
-        "peers": tuple(dict.fromkeys(args.peer)) or None,
+        "peers": tuple(p for p in dict.fromkeys(args.peer) if p != "none") if args.peer else None,
         "speculative_config": args.speculative_config,
         "prompts": args.prompts,
     }

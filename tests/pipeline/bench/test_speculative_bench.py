@@ -127,6 +127,16 @@ def test_the_latency_cli_takes_a_speculative_config() -> None:
     config = config_from_args(args)
     assert config.speculative_config == SPEC and config.prompts == "copy"
     assert config.peers == ("llamacpp",)
+    alone = config_from_args(
+        bench_parser().parse_args(
+            ["bench", "latency", "--speculative-config", SPEC, "--peer", "none"]
+        )
+    )
+    assert alone.peers == ()  # actorline with and without speculation, no llama-server
+    with pytest.raises(ValueError, match="actorline alone"):
+        config_from_args(
+            bench_parser().parse_args(["bench", "latency", "--peer", "none", "--peer", "llamacpp"])
+        )
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         config_from_args(
             bench_parser().parse_args(
