@@ -32,7 +32,10 @@ class Rendezvous:
 class ShardStep:
     """One step's packed batch, from rank 0 to every other rank (see
     :func:`stages.execute.attention.build_step_metadata` for the meaning of each column).
-    ``block_tables`` is ``[rows, width]``, each row padded with the reserved block."""
+    ``block_tables`` is ``[rows, width]``, each row padded with the reserved block. A
+    speculative request's chunk is its last known token and its draft, packed like a short
+    prefill chunk; rank 0 alone verifies and rolls back, and the next step's tables are the
+    truncated ones (docs/speculative.md)."""
 
     step_id: int
     token_ids: np.ndarray  # [T] int64
