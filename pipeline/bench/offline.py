@@ -316,7 +316,8 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     if ACTORLINE_SPECULATIVE in outputs and config.speculative_config is not None:
         speculative = SpeculativeOffline(
             config.speculative_config,
-            *spec_counts,
+            draft_tokens=spec_counts[0],
+            accepted_tokens=spec_counts[1],
             identical=outputs[ACTORLINE_SPECULATIVE] == outputs.get(ACTORLINE_ZMQ),
         )
     if hf_wanted or (checked and config.check_requests):
