@@ -15,6 +15,7 @@ included. Mapping:
 error                                  status                  kind
 =====================================  ======================  ================
 AuthenticationError                    UNAUTHENTICATED         unauthenticated
+PermissionDeniedError                  PERMISSION_DENIED       permission_denied
 InvalidRequestError                    INVALID_ARGUMENT        invalid
 PromptTooLongError                     INVALID_ARGUMENT        prompt_too_long
 RateLimitedError, OverloadedError      RESOURCE_EXHAUSTED      rate_limited, overloaded
@@ -38,7 +39,7 @@ from google.rpc import error_details_pb2, status_pb2
 from pipeline.engine.errors import EngineDeadError
 from pipeline.engine.presets import ENGINE_HOST
 from pipeline.runtime.errors import PipelineError
-from pipeline.server.auth import AuthenticationError
+from pipeline.server.auth import AuthenticationError, PermissionDeniedError
 from stages.errors import (
     ERROR_KINDS,
     InvalidRequestError,
@@ -133,6 +134,8 @@ def status_for(error: BaseException) -> ErrorStatus:
     """The status a call ends with for ``error`` (see the module docstring)."""
     if isinstance(error, AuthenticationError):
         return ErrorStatus(grpc.StatusCode.UNAUTHENTICATED, str(error), error.kind)
+    if isinstance(error, PermissionDeniedError):
+        return ErrorStatus(grpc.StatusCode.PERMISSION_DENIED, str(error), error.kind, error.field)
     if isinstance(error, InvalidRequestError):
         return ErrorStatus(
             grpc.StatusCode.INVALID_ARGUMENT, _details(error, error.field), error.kind, error.field
