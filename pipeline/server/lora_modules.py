@@ -95,7 +95,17 @@ class LoRAModules:
 
     def add(self, name: str, path: str) -> LoRARequest:
         """Serve the adapter at ``path`` as ``name``, under a new id (its files are the
-        caller's to check).
+        caller's to check): :meth:`reserve` then :meth:`serve`.
+
+        Raises:
+            ValueError: ``name`` is served already, or a field is unusable (named).
+        """
+        return self.serve(self.reserve(name, path))
+
+    def reserve(self, name: str, path: str) -> LoRARequest:
+        """The adapter at ``path`` named ``name`` under a new id, not served yet (the caller
+        checks its files, then passes it to :meth:`serve`; an id reserved is never given
+        again).
 
         Raises:
             ValueError: ``name`` is served already, or a field is unusable (named).
@@ -104,7 +114,17 @@ class LoRAModules:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
         lora = check_lora_request(LoRARequest(name, self._last_id + 1, path))
         self._last_id += 1
-        self.adapters[name] = lora
+        return lora
+
+    def serve(self, lora: LoRARequest) -> LoRARequest:
+        """Serve ``lora`` (from :meth:`reserve`) by its name; returns it.
+
+        Raises:
+            ValueError: its name was served meanwhile.
+        """
+        if lora.lora_name in self.adapters:
+            raise ValueError(f"The lora adapter '{lora.lora_name}' has already been loaded.")
+        self.adapters[lora.lora_name] = lora
         return lora
 
     def remove(self, name: str) -> LoRARequest | None:

@@ -8,13 +8,13 @@ messages are vLLM's (``vllm/entrypoints/openai/serving_models.py``,
 ``Success: ...`` line; 400 for a missing field or a name loaded already; 404 for an unknown
 name on unload.
 
-A load checks the adapter's files against the engine's model before it is served
-(:func:`~stages.lora.read_adapter`: config, rank against ``max_lora_rank``, every tensor's
-name, dtype and shape): a bad adapter is a 400 naming it and the problem, and nothing of it
-is served. Its weights load when a request first uses it, on the execute stage's loader
-thread, beside the running streams. An unload stops serving the name at once; requests
-already running with it finish with it (as vLLM's), and the engine drops its weights past
-``max_cpu_loras`` once none uses it.
+A load checks the adapter's files against the engine's model before it is served (the
+engine's check, :func:`~stages.lora.read_adapter`, off the event loop: config, rank against
+``max_lora_rank``, every tensor's name, dtype and shape): a bad adapter is a 400 naming it
+and the problem, and nothing of it is served. Its weights load when a request first uses
+it, on the execute stage's loader thread, beside the running streams. An unload stops
+serving the name at once; requests already running with it finish with it (as vLLM's), and
+the engine drops its weights past ``max_cpu_loras`` once none uses it.
 
 Both sit under ``/v1/``, so they need an API key where the server has keys; a key bound to
 an adapter may not change the server's adapters (403).
@@ -22,6 +22,7 @@ an adapter may not change the server's adapters (403).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from fastapi import FastAPI, Request
@@ -33,13 +34,14 @@ from pipeline.server.http.errors import ApiError
 from pipeline.server.http.gate import tenant_of
 from pipeline.server.http.state import HttpService
 from stages.errors import RequestError
-from stages.lora import LoRATarget, read_adapter
 
 __all__ = ["LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest", "add_lora_update_routes"]
 
 logger = logging.getLogger("actorline.server.http")
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
+#: the prompt a load's check of the adapter goes with (the check is the adapter's)
+_CHECK_PROMPT = {"prompt_token_ids": [0]}
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -95,16 +97,15 @@ async def load_lora_adapter(service: HttpService, body: LoadLoRAAdapterRequest) 
         )
     if service.lora_modules.get(name) is not None:
         raise ApiError(400, f"The lora adapter '{name:.80}' has already been loaded.")
-    info = service.engine.info
-    assert info is not None  # service.problem() said it serves
-    targets = {target: LoRATarget(target, i, o) for target, i, o in info.lora_targets}
     try:
-        # NOTE: reads the config and hashes the weights file: off the event loop
+        lora = service.lora_modules.reserve(name, path)
+        # NOTE: the engine's own check of the adapter (stages.lora.read_adapter: it reads
+        # the config and hashes the weights file), off the event loop; it is cached, so the
+        # adapter's first request does not read the files again on the loop
         await run_in_threadpool(
-            read_adapter, path, targets, info.lora_layers, service.engine.options.max_lora_rank,
-            name=name,
-        )  # fmt: skip
-        lora = service.lora_modules.add(name, path)
+            functools.partial(service.engine.check, _CHECK_PROMPT, lora_request=lora)
+        )
+        service.lora_modules.serve(lora)
     except RequestError as exc:
         raise ApiError.from_error(exc) from None
     except ValueError as exc:  # loaded meanwhile by another call, or a field out of range
