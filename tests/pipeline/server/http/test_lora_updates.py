@@ -192,6 +192,19 @@ def test_a_bound_key_always_runs_its_adapter(serve: ServeProcess) -> None:
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert chat.model == "a1"
+    # over gRPC the same key runs a1 with no lora_name, and may not name another adapter
+    with grpc.insecure_channel(serve.address or "") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        params = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        metadata = (("authorization", f"Bearer {TENANT}"),)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling_params=params)
+        tokens = [t for r in stub.Generate(request, metadata=metadata) for t in r.token_ids]
+        assert tokens == adapter[1]
+        other = pb.GenerateRequest(text="hi", sampling_params=params, lora_name="other")
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(other, metadata=metadata))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "bound to the LoRA adapter 'a1'" in (refused.value.details() or "")
 
 
 def test_lora_metrics_are_scraped(serve: ServeProcess) -> None:
