@@ -195,7 +195,8 @@ def error_from_status(
     raised when the trailers name it, otherwise the closest one for the code.
 
     Returns:
-        AuthenticationError, InvalidRequestError (``field`` set), PromptTooLongError,
+        AuthenticationError, PermissionDeniedError, InvalidRequestError (``field`` set),
+        PromptTooLongError,
         RateLimitedError, OverloadedError, EngineDeadError, ServiceUnavailableError,
         TimeoutError (DEADLINE_EXCEEDED), RequestError, or ServiceError for any other code.
     """
@@ -203,6 +204,8 @@ def error_from_status(
     field = _trailer(trailing_metadata, ERROR_FIELD_KEY)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(details)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDeniedError(details, field=field)
     if code == grpc.StatusCode.UNAVAILABLE:
         if kind == _ENGINE_DEAD:
             dead = EngineDeadError(ENGINE_HOST, None)
