@@ -24,8 +24,10 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import re
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -42,7 +44,15 @@ from stages.lora import (
 )
 from stages.messages import EngineRequest
 
-__all__ = ["LoRABank", "LoRALinear", "LoRARows", "LoadedAdapter", "acquire_adapter", "lora_rows"]
+__all__ = [
+    "WANTED_SECONDS",
+    "LoRABank",
+    "LoRALinear",
+    "LoRARows",
+    "LoadedAdapter",
+    "acquire_adapter",
+    "lora_rows",
+]
 
 logger = logging.getLogger("actorline.execute")
 
@@ -51,6 +61,9 @@ _MODULE = re.compile(
 )
 _MLP = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$")
 _FUSED_PARTS = ("gate_proj", "up_proj")
+#: seconds an adapter a request was admitted for (:meth:`LoRABank.ready`,
+#: :meth:`LoRABank.offer`) is not unloaded, while the request may still wait in the queue
+WANTED_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,6 +159,8 @@ class LoRABank:
         # loader thread (offer, docs/lora.md "Loading"): every read or change of it holds
         # this lock, and nothing slow (a file read, a tensor copy) runs under it
         self._lock = threading.Lock()
+        #: id -> when a request was last admitted for it (kept loaded WANTED_SECONDS)
+        self._wanted: dict[int, float] = {}
         self.loads = 0  # adapters read from disk since start
         self.step_thread_loads = 0  # of which on the step thread (not prepared ahead)
 
@@ -231,33 +246,46 @@ class LoRABank:
             adapter = self._loaded.setdefault(lora.lora_int_id, adapter)
             self._loaded.move_to_end(lora.lora_int_id)
             excess = len(self._loaded) - self.max_cpu_loras
+            # NOTE: an adapter a request was admitted for in the last WANTED_SECONDS stays
+            # too (that request may wait in the queue behind max_loras): unloading it would
+            # have the step thread read it again when the request runs
+            recent = time.monotonic() - WANTED_SECONDS
             for lora_id in list(self._loaded):
                 if excess <= 0:
                     break
-                if lora_id != lora.lora_int_id and lora_id not in in_use:
+                if (
+                    lora_id != lora.lora_int_id
+                    and lora_id not in in_use
+                    and self._wanted.get(lora_id, -math.inf) < recent
+                ):
                     del self._loaded[lora_id]
+                    self._wanted.pop(lora_id, None)
                     excess -= 1
         return adapter
 
     def ready(self, lora: LoRARequest) -> bool:
-        """Whether ``lora`` is loaded (:meth:`acquire` will not read it); marks it the most
-        recently used, so it is the last to be unloaded while its request waits to run."""
+        """Whether ``lora`` is loaded (:meth:`acquire` will not read it), for a request about
+        to be scheduled: then it is marked the most recently used and wanted (not unloaded
+        for :data:`WANTED_SECONDS`, while the request may wait to run)."""
         with self._lock:
             adapter = self._loaded.get(lora.lora_int_id)
             if adapter is None or adapter.request != lora:
                 return False
             self._loaded.move_to_end(lora.lora_int_id)
+            self._wanted[lora.lora_int_id] = time.monotonic()
             return True
 
     def offer(self, adapter: LoadedAdapter) -> None:
         """Keep ``adapter`` (made by :meth:`prepare` off the step thread) as loaded, the most
-        recently used: swapping it in is all the step thread sees of its load. Unloading
-        past ``max_cpu_loras`` waits for the next :meth:`acquire` (which knows what is in
-        use). An adapter already loaded under its id stays as it is."""
+        recently used and wanted (see :meth:`ready`): swapping it in is all the step thread
+        sees of its load. Unloading past ``max_cpu_loras`` waits for the next
+        :meth:`acquire` (which knows what is in use). An adapter already loaded under its id
+        stays as it is."""
         lora_id = adapter.request.lora_int_id
         with self._lock:
             self._loaded.setdefault(lora_id, adapter)
             self._loaded.move_to_end(lora_id)
+            self._wanted[lora_id] = time.monotonic()
 
     def loaded(self) -> list[LoRARequest]:
         """The adapters loaded now, least recently used first."""

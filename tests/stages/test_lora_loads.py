@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,3 +96,52 @@ def test_a_stream_runs_on_while_an_adapter_loads(tiny_model_dir: Path, tmp_path:
             assert bank.step_thread_loads == 0
 
     asyncio.run(run())
+
+
+def test_an_adapter_admitted_for_a_waiting_request_stays_loaded(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With one adapter kept (max_loras 1), two adapters prepared off the step thread for
+    their requests both stay until those requests run: the second is not unloaded when the
+    first one's request registers, so the step thread reads neither."""
+    from stages.execute.config import ExecuteConfig
+    from stages.execute.runner import ModelRunner
+
+    runner = ModelRunner(ExecuteConfig(model=str(tiny_model_dir), enable_lora=True, num_blocks=16))
+    runner.load()
+    bank = runner.lora
+    assert bank is not None and bank.max_cpu_loras == 1
+    b1, b2, b3 = (
+        LoRARequest(f"b{i}", i, str(write_adapter(tmp_path / f"b{i}", bank))) for i in (1, 2, 3)
+    )
+    bank.offer(bank.prepare(b1))
+    bank.offer(bank.prepare(b2))
+    bank.acquire(b1, set())  # b1's request runs; b2's still waits
+    assert bank.ready(b2)
+    bank.acquire(b2, {1})
+    assert {lora.lora_name for lora in bank.loaded()} == {"b1", "b2"}
+    assert bank.step_thread_loads == 0 and bank.loads == 2
+    # an adapter not prepared ahead (execute on another host) is read on the step thread
+    bank.acquire(b3, set())
+    assert bank.step_thread_loads == 1
+
+
+def write_adapter(path: Path, bank: Any) -> Path:
+    """A rank-2 PEFT adapter on the q and down projections of every layer of ``bank``'s
+    model, random weights written as peft names them."""
+    import torch
+    from safetensors.torch import save_file
+
+    shapes = {name: (inputs, outputs) for name, inputs, outputs in bank.target_shapes()}
+    tensors = {}
+    for layer in range(bank.num_layers):
+        for name, part in (("q_proj", "self_attn"), ("down_proj", "mlp")):
+            inputs, outputs = shapes[name]
+            stem = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(2, inputs)
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(outputs, 2)
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": sorted(shapes)}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
