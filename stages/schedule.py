@@ -20,6 +20,11 @@ matchers (:class:`~stages.structured.manager.GrammarManager`). A matcher that fa
 refused, a limit of the grammar engine hit mid-way) ends its request with a typed error on
 ``rejected``, never with a "stop" its all-EOS mask would fake.
 
+LoRA adapters (docs/lora.md, "Loading"): where the colocated execute stage loads adapters
+beside the steps, a request whose adapter is not loaded yet waits here
+(:class:`~stages.lora_loads.AdapterLoads`) while it loads, and reaches the scheduler once it
+is; an adapter that cannot be served answers its requests alone on ``rejected``.
+
 The step itself (plan, execute, update) is :class:`~stages.engine_core.EngineCore`'s, in
 :mod:`stages.engine_core` (``docs/architecture.md`` §2.7). Where the execute stage linked to
 ``execute`` runs on this stage's host and offers ``execute_step`` (the default placement:
@@ -44,6 +49,8 @@ from pipeline.runtime.stage import Stage, handles, recoverable
 from stages.early_aborts import EarlyAborts
 from stages.engine_core import EngineCore, Execute, StepUpdate
 from stages.errors import InvalidRequestError, RequestError
+from stages.lora import LoRAAdapterError, LoRARequest
+from stages.lora_loads import AdapterLoads
 from stages.messages import (
     AbortRequests,
     EngineInfo,
@@ -94,6 +101,8 @@ class ScheduleStage(Stage):
         self._compiling: dict[str, EngineRequest] = {}
         self._compile_pool: CompileThread | None = None
         self._info_known = asyncio.Event()
+        # requests waiting for their LoRA adapter to load (None: execute loads none ahead)
+        self._adapter_loads: AdapterLoads | None = None
 
     async def start(self) -> None:
         # NOTE: a policy or grammar plugin that is missing, broken or invalid fails start-up
@@ -108,6 +117,22 @@ class ScheduleStage(Stage):
         execute_step = getattr(execute, "execute_step", None)
         if execute is not None and callable(execute_step):
             self._execute = functools.partial(self.call, execute, execute_step)
+        ready = getattr(execute, "adapter_ready", None)
+        load = getattr(execute, "load_adapter", None)
+        if callable(ready) and callable(load):
+            info_known = self._info_known
+
+            def loaded(lora: LoRARequest) -> bool:
+                return info_known.is_set() and bool(ready(lora))
+
+            async def load_adapter(lora: LoRARequest) -> LoRAAdapterError | None:
+                await info_known.wait()
+                # NOTE: not through Stage.call: the load runs beside the step in flight (on
+                # execute's loader thread), it is no step's work
+                error: LoRAAdapterError | None = await load(lora)
+                return error
+
+            self._adapter_loads = AdapterLoads(loaded, load_adapter, self._loaded, self.spawn)
 
     async def stop(self) -> None:
         self._steps.cancel()
@@ -132,6 +157,19 @@ class ScheduleStage(Stage):
         assert self.scheduler is not None
         if self._early_aborts.take(request.request_id):
             return  # aborted before it arrived
+        if self._adapter_loads is not None and self._adapter_loads.holds(request):
+            return  # its adapter loads first (_loaded takes it in)
+        await self._take_in(request)
+
+    async def _loaded(self, request: EngineRequest, error: LoRAAdapterError | None) -> None:
+        """``request``'s adapter loaded (``error``: it cannot be served)."""
+        if error is not None:
+            await self.emit("rejected", RequestRejected.of(request.request_id, error))
+            return
+        await self._take_in(request)
+
+    async def _take_in(self, request: EngineRequest) -> None:
+        """Compile ``request``'s grammar first, or hand it to the scheduler."""
         if request.params.structured_outputs is not None:
             await self._on_constrained(request)
             return
@@ -142,6 +180,8 @@ class ScheduleStage(Stage):
     async def on_abort(self, abort: AbortRequests) -> None:
         assert self.scheduler is not None
         for request_id in abort.request_ids:
+            if self._adapter_loads is not None and self._adapter_loads.drop(request_id):
+                continue  # its adapter's load goes on for the others
             if self._compiling.pop(request_id, None) is not None:
                 continue  # its compile finishes unheeded
             if not self.scheduler.has_request(request_id):
@@ -340,6 +380,8 @@ class ScheduleStage(Stage):
 
     def idle(self) -> bool:
         if self._compiling or self._stepping:
+            return False
+        if self._adapter_loads is not None and self._adapter_loads.pending:
             return False
         return self.scheduler is None or not (self.scheduler.has_work() or self.scheduler.in_flight)
 

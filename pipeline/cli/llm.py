@@ -356,9 +356,24 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(str(exc), 2) from exc
     if lora_modules and not args.enable_lora:
         raise CliError("--lora-modules serves LoRA adapters: give --enable-lora too", 2)
+    if settings.runtime_lora_updating() and not args.enable_lora_runtime_updates:
+        if not args.enable_lora:
+            raise CliError(
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING is set: runtime LoRA updates need --enable-lora",
+                2,
+            )
+        args.enable_lora_runtime_updates = True
     try:
         api_keys = ApiKeys.load(args.api_key, args.api_key_file)
     except (OSError, ValueError) as exc:
+        raise CliError(f"API keys: {exc}", 2) from exc
+    try:
+        lora_modules.check_bindings(
+            api_keys.tenant_adapters().values(),
+            args.enable_lora,
+            args.enable_lora_runtime_updates,
+        )
+    except ValueError as exc:
         raise CliError(f"API keys: {exc}", 2) from exc
     try:
         tls = (

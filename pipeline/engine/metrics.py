@@ -57,6 +57,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from pipeline.engine.async_engine import AsyncEngine, EngineObserver
+from pipeline.engine.lora_metrics import LoRAMetrics
 from pipeline.engine.vllm_metrics import VllmMetrics
 from pipeline.runtime.control import HANDLE_SECONDS_BUCKETS
 from stages.errors import ERROR_KINDS
@@ -389,6 +390,8 @@ class EngineMetrics:
         self.registry.register(_SnapshotCollector(self))
         engine.add_observer(self._observer)
         self.vllm = VllmMetrics(engine, self.registry, model_name or engine.options.model)
+        #: with enable_lora, the adapters' metrics (pipeline.engine.lora_metrics)
+        self.lora = LoRAMetrics(engine, self.registry) if engine.options.enable_lora else None
         self._poller: asyncio.Task[None] | None = None
         self._tasks = TaskSet("metrics")  # the poller
         self._http: tuple[WSGIServer, threading.Thread] | None = None
@@ -447,6 +450,8 @@ class EngineMetrics:
         """Stop polling and the HTTP server and detach from the engine. Idempotent."""
         self.engine.remove_observer(self._observer)
         self.vllm.close()
+        if self.lora is not None:
+            self.lora.close()
         poller, self._poller = self._poller, None
         if poller is not None:
             poller.cancel()

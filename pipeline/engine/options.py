@@ -180,6 +180,11 @@ class EngineOptions:
         help="adapters kept loaded, the least recently used unloaded past it (None: "
         "max_loras; those of running requests always stay)",
     )  # fmt: skip
+    enable_lora_runtime_updates: bool = option(
+        False, kind="bool", commands=_SERVE, group=_LORA,
+        help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs "
+        "--enable-lora; also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+    )  # fmt: skip
     # -- topology
     transport: str = option(
         "zmq", choices=TRANSPORTS,
@@ -394,6 +399,8 @@ class EngineOptions:
                 "enable_lora runs with tensor_parallel_size and data_parallel_size 1: adapters "
                 "are neither sharded nor routed to the replica holding them yet (docs/lora.md)"
             )
+        if self.enable_lora_runtime_updates and not self.enable_lora:
+            raise ValueError("enable_lora_runtime_updates loads LoRA adapters: needs enable_lora")
         if self.enable_lora and self.null_model:
             raise ValueError("enable_lora needs a model: null_model runs none")
         if self.speculative_config is not None and self.null_model:

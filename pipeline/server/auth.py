@@ -3,8 +3,10 @@ rate limits (pure logic: no grpc, no asyncio).
 
 Keys come from ``--api-key KEY`` (repeatable) and ``--api-key-file PATH``: one key per line,
 optionally followed by its limits, ``KEY REQUESTS_PER_SECOND TOKENS_PER_SECOND`` (``-``
-leaves one unlimited); blank lines and lines starting with ``#`` are skipped. A key without
-limits gets the server's default per-key limits. Calls carry ``authorization: Bearer KEY``.
+leaves one unlimited), and optionally last a LoRA adapter the key is bound to, ``lora=NAME``
+(its tenant's requests always run with that adapter: docs/lora.md, "An API key bound to an
+adapter"); blank lines and lines starting with ``#`` are skipped. A key without limits gets
+the server's default per-key limits. Calls carry ``authorization: Bearer KEY``.
 
 NOTE: a key is never kept, logged or put in an error message in clear text. Only its SHA-256
 digest is kept, and its tenant name (``key-`` plus 12 hex digits of the digest) is what the
@@ -27,6 +29,7 @@ __all__ = [
     "ApiKey",
     "ApiKeys",
     "AuthenticationError",
+    "PermissionDeniedError",
     "parse_api_key_file",
 ]
 
@@ -37,6 +40,8 @@ _BEARER = "bearer"
 _TENANT_DIGITS = 12
 _UNLIMITED = "-"
 _COMMENT = "#"
+#: the key file field that binds a key to a LoRA adapter, ``lora=NAME``
+_LORA_FIELD = "lora="
 #: a key line: the key alone, or the key and both limits
 _FIELDS_WITHOUT_LIMITS = 1
 _FIELDS_WITH_LIMITS = 3
@@ -46,6 +51,13 @@ class AuthenticationError(RequestError):
     """The call carried no API key, a malformed one, or one the server does not know."""
 
     kind = "unauthenticated"
+
+
+class PermissionDeniedError(RequestError):
+    """The call's API key may not do this: a key bound to a LoRA adapter naming another
+    model, or changing the server's adapters (HTTP 403, gRPC PERMISSION_DENIED)."""
+
+    kind = "permission_denied"
 
 
 def _digest(key: str) -> bytes:
@@ -74,31 +86,43 @@ def _check_limit(name: str, value: float | None) -> float | None:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ApiKey:
     """One accepted key, by digest. ``limits``: (requests/s, tokens/s) for this key, either
-    None for unlimited; ``limits=None`` means the server's default per-key limits.
+    None for unlimited; ``limits=None`` means the server's default per-key limits. ``lora``:
+    the LoRA adapter (served name) the key is bound to (None: none).
     Build one with :meth:`create`."""
 
     tenant: str
     digest: bytes = dataclasses.field(repr=False)
     limits: tuple[float | None, float | None] | None = None
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.digest) != hashlib.sha256().digest_size:
             raise ValueError("digest must be a SHA-256 digest")
+        if self.lora is not None and (
+            not isinstance(self.lora, str) or not self.lora or not self.lora.isprintable()
+        ):
+            raise ValueError(f"a key's LoRA adapter must be a non-empty name, got {self.lora!r}")
         if self.limits is not None:
             requests, tokens = self.limits
             _check_limit("requests_per_second", requests)
             _check_limit("tokens_per_second", tokens)
 
     @classmethod
-    def create(cls, key: str, limits: tuple[float | None, float | None] | None = None) -> ApiKey:
-        """The entry for ``key``.
+    def create(
+        cls,
+        key: str,
+        limits: tuple[float | None, float | None] | None = None,
+        lora: str | None = None,
+    ) -> ApiKey:
+        """The entry for ``key`` (bound to the adapter ``lora``, if given).
 
         Raises:
-            ValueError: an empty key, one with spaces or non-ASCII characters, or a limit
-                that is not a number > 0 (the message never contains the key).
+            ValueError: an empty key, one with spaces or non-ASCII characters, a limit
+                that is not a number > 0, or an empty adapter name (the message never
+                contains the key).
         """
         digest = _digest(_check_key(key))
-        return cls(f"key-{digest.hex()[:_TENANT_DIGITS]}", digest, limits)
+        return cls(f"key-{digest.hex()[:_TENANT_DIGITS]}", digest, limits, lora)
 
 
 def _parse_limit(text: str, name: str) -> float | None:
@@ -123,18 +147,23 @@ def parse_api_key_file(text: str, source: str = "<api keys>") -> list[ApiKey]:
         if not fields or fields[0].startswith(_COMMENT):
             continue
         try:
+            lora = None
+            if len(fields) > 1 and fields[-1].startswith(_LORA_FIELD):
+                lora = fields.pop().removeprefix(_LORA_FIELD)
+                if not lora:
+                    raise ValueError(f"'{_LORA_FIELD}' names no LoRA adapter")
             if len(fields) == _FIELDS_WITHOUT_LIMITS:
-                keys.append(ApiKey.create(fields[0]))
+                keys.append(ApiKey.create(fields[0], lora=lora))
             elif len(fields) == _FIELDS_WITH_LIMITS:
                 limits = (
                     _parse_limit(fields[1], "requests_per_second"),
                     _parse_limit(fields[2], "tokens_per_second"),
                 )
-                keys.append(ApiKey.create(fields[0], limits))
+                keys.append(ApiKey.create(fields[0], limits, lora))
             else:
                 raise ValueError(
-                    f"expected 'KEY' or 'KEY REQUESTS_PER_SECOND TOKENS_PER_SECOND', "
-                    f"got {len(fields)} fields"
+                    f"expected 'KEY' or 'KEY REQUESTS_PER_SECOND TOKENS_PER_SECOND', then "
+                    f"optionally '{_LORA_FIELD}NAME', got {len(fields)} fields"
                 )
         except ValueError as exc:
             raise ValueError(f"{source}:{number}: {exc}") from None
@@ -188,6 +217,10 @@ class ApiKeys:
         """Engine tenant → (requests/s, tokens/s) for the keys with their own limits (for
         :class:`~pipeline.engine.options.EngineOptions` ``tenant_limits``)."""
         return {key.tenant: key.limits for key in self._keys if key.limits is not None}
+
+    def tenant_adapters(self) -> dict[str, str]:
+        """Engine tenant → the LoRA adapter its key is bound to, for the bound keys."""
+        return {key.tenant: key.lora for key in self._keys if key.lora is not None}
 
     def authenticate(self, authorization: str | None) -> str:
         """The engine tenant of the call whose ``authorization`` metadata value is given.

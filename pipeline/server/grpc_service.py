@@ -26,7 +26,12 @@ from google.protobuf.message import DecodeError
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.server import generation_pb2 as pb
 from pipeline.server import generation_pb2_grpc as pb_grpc
-from pipeline.server.auth import AUTHORIZATION_KEY, ApiKeys, AuthenticationError
+from pipeline.server.auth import (
+    AUTHORIZATION_KEY,
+    ApiKeys,
+    AuthenticationError,
+    PermissionDeniedError,
+)
 from pipeline.server.convert import (
     embed_inputs_from_proto,
     model_info_to_proto,
@@ -44,6 +49,7 @@ from pipeline.server.limits import (
 from pipeline.server.lora_modules import LoRAModules
 from pipeline.server.status import ServiceUnavailableError, status_for
 from stages.errors import InvalidRequestError, RequestError
+from stages.lora import LoRARequest
 from stages.messages import RequestOutput
 from stages.pooling import PoolingParams
 from transports.tasks import TaskSet
@@ -80,6 +86,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._max_logprob_entries = max_logprob_entries
         self._trust_request_chat_template = trust_request_chat_template
         self._api_keys = api_keys if api_keys is not None else ApiKeys()
+        self._tenant_adapters = self._api_keys.tenant_adapters()
         self._running: set[str] = set()
         self._shutting_down = False
 
@@ -115,7 +122,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     self._max_logprob_entries,
                     params.prompt_logprobs,
                 )
-            lora = self._lora_modules.get(request.lora_name) if request.lora_name else None
+            lora = self._lora_of(request.lora_name, tenant)
             if request.lora_name and lora is None:
                 raise InvalidRequestError(
                     f"the LoRA adapter {request.lora_name!r:.80} does not exist; this server "
@@ -196,6 +203,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         call_id = uuid.uuid4().hex
         try:
             self._check_serving()
+            self._check_unbound(tenant)
             prompts = embed_inputs_from_proto(request)
             pooling = PoolingParams(
                 dimensions=request.dimensions if request.HasField("dimensions") else None,
@@ -309,6 +317,40 @@ class GenerationService(pb_grpc.GenerationServicer):
             # NOTE: one error object for every call while the engine is dead or restarting:
             # raised afresh, so its traceback does not grow by each call's frames
             raise self._engine.failure.with_traceback(None)
+
+    def _lora_of(self, name: str, tenant: str) -> LoRARequest | None:
+        """The adapter a Generate call runs with: the one its key is bound to (docs/lora.md,
+        "An API key bound to an adapter"; ``lora_name`` then empty or that adapter), else
+        the one ``name`` names (None: the base model, or no such adapter).
+
+        Raises:
+            PermissionDeniedError: a bound key naming another adapter.
+            InvalidRequestError: a bound key's adapter is not served now.
+        """
+        bound = self._tenant_adapters.get(tenant) if tenant else None
+        if bound is None:
+            return self._lora_modules.get(name) if name else None
+        lora = self._lora_modules.bound(bound, name, (), "lora_name")
+        if lora is None:
+            raise InvalidRequestError(
+                f"the LoRA adapter {bound!r:.80} this API key is bound to is not served now",
+                field="lora_name",
+            )
+        return lora
+
+    def _check_unbound(self, tenant: str) -> None:
+        """Refuse a key bound to an adapter on a call that serves none (Embed).
+
+        Raises:
+            PermissionDeniedError: naming the adapter.
+        """
+        bound = self._tenant_adapters.get(tenant) if tenant else None
+        if bound is not None:
+            raise PermissionDeniedError(
+                f"this API key is bound to the LoRA adapter {bound!r:.80}, which serves "
+                "Generate only",
+                field="lora_name",
+            )
 
     @staticmethod
     def _engine_request_id(tenant: str, request_id: str) -> str:

@@ -287,6 +287,15 @@ async def serve(
         raise ValueError("serve needs a gRPC port, an HTTP port or both")
     if lora_modules and not options.enable_lora:
         raise ValueError("--lora-modules serves LoRA adapters: give --enable-lora too")
+    # NOTE: one LoRAModules for both front ends: an adapter loaded at run time over HTTP is
+    # served over gRPC too
+    lora_modules = lora_modules if lora_modules is not None else LoRAModules()
+    if api_keys is not None:
+        lora_modules.check_bindings(
+            api_keys.tenant_adapters().values(),
+            options.enable_lora,
+            options.enable_lora_runtime_updates,
+        )
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -320,6 +329,8 @@ async def serve(
             from pipeline.engine.metrics import EngineMetrics
 
             metrics = await EngineMetrics(engine, model_name=served_model_name).start()
+            if metrics.lora is not None:
+                metrics.lora.serve(lora_modules.adapters.keys())
         if metrics is not None and metrics_port is not None:
             bound = metrics.start_http_server(metrics_host, metrics_port)
             metrics_url = f"http://{format_address(metrics_host, bound)}/metrics"

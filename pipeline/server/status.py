@@ -15,6 +15,7 @@ included. Mapping:
 error                                  status                  kind
 =====================================  ======================  ================
 AuthenticationError                    UNAUTHENTICATED         unauthenticated
+PermissionDeniedError                  PERMISSION_DENIED       permission_denied
 InvalidRequestError                    INVALID_ARGUMENT        invalid
 PromptTooLongError                     INVALID_ARGUMENT        prompt_too_long
 RateLimitedError, OverloadedError      RESOURCE_EXHAUSTED      rate_limited, overloaded
@@ -38,7 +39,7 @@ from google.rpc import error_details_pb2, status_pb2
 from pipeline.engine.errors import EngineDeadError
 from pipeline.engine.presets import ENGINE_HOST
 from pipeline.runtime.errors import PipelineError
-from pipeline.server.auth import AuthenticationError
+from pipeline.server.auth import AuthenticationError, PermissionDeniedError
 from stages.errors import (
     ERROR_KINDS,
     InvalidRequestError,
@@ -133,6 +134,8 @@ def status_for(error: BaseException) -> ErrorStatus:
     """The status a call ends with for ``error`` (see the module docstring)."""
     if isinstance(error, AuthenticationError):
         return ErrorStatus(grpc.StatusCode.UNAUTHENTICATED, str(error), error.kind)
+    if isinstance(error, PermissionDeniedError):
+        return ErrorStatus(grpc.StatusCode.PERMISSION_DENIED, str(error), error.kind, error.field)
     if isinstance(error, InvalidRequestError):
         return ErrorStatus(
             grpc.StatusCode.INVALID_ARGUMENT, _details(error, error.field), error.kind, error.field
@@ -192,7 +195,8 @@ def error_from_status(
     raised when the trailers name it, otherwise the closest one for the code.
 
     Returns:
-        AuthenticationError, InvalidRequestError (``field`` set), PromptTooLongError,
+        AuthenticationError, PermissionDeniedError, InvalidRequestError (``field`` set),
+        PromptTooLongError,
         RateLimitedError, OverloadedError, EngineDeadError, ServiceUnavailableError,
         TimeoutError (DEADLINE_EXCEEDED), RequestError, or ServiceError for any other code.
     """
@@ -200,6 +204,8 @@ def error_from_status(
     field = _trailer(trailing_metadata, ERROR_FIELD_KEY)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(details)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDeniedError(details, field=field)
     if code == grpc.StatusCode.UNAVAILABLE:
         if kind == _ENGINE_DEAD:
             dead = EngineDeadError(ENGINE_HOST, None)

@@ -24,7 +24,10 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import re
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -41,7 +44,15 @@ from stages.lora import (
 )
 from stages.messages import EngineRequest
 
-__all__ = ["LoRABank", "LoRALinear", "LoRARows", "LoadedAdapter", "acquire_adapter", "lora_rows"]
+__all__ = [
+    "WANTED_SECONDS",
+    "LoRABank",
+    "LoRALinear",
+    "LoRARows",
+    "LoadedAdapter",
+    "acquire_adapter",
+    "lora_rows",
+]
 
 logger = logging.getLogger("actorline.execute")
 
@@ -50,6 +61,9 @@ _MODULE = re.compile(
 )
 _MLP = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$")
 _FUSED_PARTS = ("gate_proj", "up_proj")
+#: seconds an adapter a request was admitted for (:meth:`LoRABank.ready`,
+#: :meth:`LoRABank.offer`) is not unloaded, while the request may still wait in the queue
+WANTED_SECONDS = 60.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,7 +155,14 @@ class LoRABank:
         self.fused_mlp = False
         self.step_rows: list[LoRARows] = []
         self._loaded: collections.OrderedDict[int, LoadedAdapter] = collections.OrderedDict()
+        # NOTE: _loaded is shared by the step thread (acquire) and the execute stage's
+        # loader thread (offer, docs/lora.md "Loading"): every read or change of it holds
+        # this lock, and nothing slow (a file read, a tensor copy) runs under it
+        self._lock = threading.Lock()
+        #: id -> when a request was last admitted for it (kept loaded WANTED_SECONDS)
+        self._wanted: dict[int, float] = {}
         self.loads = 0  # adapters read from disk since start
+        self.step_thread_loads = 0  # of which on the step thread (not prepared ahead)
 
     @classmethod
     def for_model(cls, model: Any, config: Any, device: torch.device) -> LoRABank:
@@ -203,14 +224,76 @@ class LoRABank:
 
     # ---------------------------------------------------------------- adapters
     def acquire(self, lora: LoRARequest, in_use: set[int]) -> LoadedAdapter:
-        """The loaded adapter of ``lora``, read and checked now if it is not loaded; then
-        the least recently used adapters not in ``in_use`` (ids) are unloaded past
-        ``max_cpu_loras``.
+        """The loaded adapter of ``lora``, read and checked now if it is not loaded (the
+        execute stage prepares adapters ahead on its loader thread, :meth:`prepare` and
+        :meth:`offer`, so this read is the fallback); then the least recently used adapters
+        not in ``in_use`` (ids) are unloaded past ``max_cpu_loras``.
 
         Raises:
             LoRAAdapterError: the adapter cannot be served (nothing of it stays loaded).
         """
-        adapter = self._loaded.get(lora.lora_int_id)
+        with self._lock:
+            adapter = self._loaded.get(lora.lora_int_id)
+        self._check_same(adapter, lora)
+        if adapter is None:
+            adapter = self.prepare(lora)
+            self.step_thread_loads += 1
+            logger.info(
+                "execute: LoRA adapter %r loaded on the step thread (not prepared ahead)",
+                lora.lora_name,
+            )
+        with self._lock:
+            adapter = self._loaded.setdefault(lora.lora_int_id, adapter)
+            self._loaded.move_to_end(lora.lora_int_id)
+            excess = len(self._loaded) - self.max_cpu_loras
+            # NOTE: an adapter a request was admitted for in the last WANTED_SECONDS stays
+            # too (that request may wait in the queue behind max_loras): unloading it would
+            # have the step thread read it again when the request runs
+            recent = time.monotonic() - WANTED_SECONDS
+            for lora_id in list(self._loaded):
+                if excess <= 0:
+                    break
+                if (
+                    lora_id != lora.lora_int_id
+                    and lora_id not in in_use
+                    and self._wanted.get(lora_id, -math.inf) < recent
+                ):
+                    del self._loaded[lora_id]
+                    self._wanted.pop(lora_id, None)
+                    excess -= 1
+        return adapter
+
+    def ready(self, lora: LoRARequest) -> bool:
+        """Whether ``lora`` is loaded (:meth:`acquire` will not read it), for a request about
+        to be scheduled: then it is marked the most recently used and wanted (not unloaded
+        for :data:`WANTED_SECONDS`, while the request may wait to run)."""
+        with self._lock:
+            adapter = self._loaded.get(lora.lora_int_id)
+            if adapter is None or adapter.request != lora:
+                return False
+            self._loaded.move_to_end(lora.lora_int_id)
+            self._wanted[lora.lora_int_id] = time.monotonic()
+            return True
+
+    def offer(self, adapter: LoadedAdapter) -> None:
+        """Keep ``adapter`` (made by :meth:`prepare` off the step thread) as loaded, the most
+        recently used and wanted (see :meth:`ready`): swapping it in is all the step thread
+        sees of its load. Unloading past ``max_cpu_loras`` waits for the next
+        :meth:`acquire` (which knows what is in use). An adapter already loaded under its id
+        stays as it is."""
+        lora_id = adapter.request.lora_int_id
+        with self._lock:
+            self._loaded.setdefault(lora_id, adapter)
+            self._loaded.move_to_end(lora_id)
+            self._wanted[lora_id] = time.monotonic()
+
+    def loaded(self) -> list[LoRARequest]:
+        """The adapters loaded now, least recently used first."""
+        with self._lock:
+            return [adapter.request for adapter in self._loaded.values()]
+
+    @staticmethod
+    def _check_same(adapter: LoadedAdapter | None, lora: LoRARequest) -> None:
         if adapter is not None and adapter.request != lora:
             raise LoRAAdapterError(
                 f"lora_int_id {lora.lora_int_id} is adapter {adapter.request.lora_name!r} "
@@ -218,25 +301,15 @@ class LoRABank:
                 "needs an id of its own",
                 field="lora_request",
             )
-        if adapter is None:
-            adapter = self._load(lora)
-            self._loaded[lora.lora_int_id] = adapter
-            self.loads += 1
-        self._loaded.move_to_end(lora.lora_int_id)
-        excess = len(self._loaded) - self.max_cpu_loras
-        for lora_id in list(self._loaded):
-            if excess <= 0:
-                break
-            if lora_id != lora.lora_int_id and lora_id not in in_use:
-                del self._loaded[lora_id]
-                excess -= 1
-        return adapter
 
-    def loaded(self) -> list[LoRARequest]:
-        """The adapters loaded now, least recently used first."""
-        return [adapter.request for adapter in self._loaded.values()]
+    def prepare(self, lora: LoRARequest) -> LoadedAdapter:
+        """``lora`` read from disk, checked against the model (:func:`read_adapter`) and its
+        weights laid out as :class:`LoRALinear` takes them, without keeping it (:meth:`offer`
+        does). Touches nothing the steps use: safe on another thread than the step's.
 
-    def _load(self, lora: LoRARequest) -> LoadedAdapter:
+        Raises:
+            LoRAAdapterError: the adapter cannot be served (named, with the problem).
+        """
         from safetensors import safe_open
 
         spec = read_adapter(
@@ -257,6 +330,8 @@ class LoRABank:
                 field="lora_request",
             ) from None
         adapter = self.adapter_of_weights(weights, spec.scale, lora, spec)
+        with self._lock:
+            self.loads += 1
         logger.info(
             "execute: loaded LoRA adapter %r (id %d, rank %d, %d projections)",
             lora.lora_name, lora.lora_int_id, spec.rank, len(adapter.deltas),

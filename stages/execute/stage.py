@@ -16,6 +16,11 @@ does the bookkeeping (:meth:`ModelRunner.prepare`), sends the packed batch to th
 then runs its forward pass and samples (:meth:`ModelRunner.run`). Each rank gets
 ``threads_per_rank(N)`` torch threads, so N ranks do not oversubscribe the cores.
 
+LoRA adapters (docs/lora.md, "Loading"): :meth:`ExecuteStage.load_adapter` reads, checks and
+lays out an adapter on the stage's loader thread, beside the steps, and hands it to the
+runner's :class:`~stages.execute.lora.LoRABank`; the schedule stage holds the adapter's
+requests until it is loaded (:mod:`stages.lora_loads`), so the step thread only swaps it in.
+
 NOTE: torch and the runner are imported when the stage starts, not with this module: the
 frontend imports every stage class to build and check the pipeline graph, and torch's import
 (1.4 s here) has no business on its side of the start-up (docs/performance.md §3).
@@ -23,6 +28,8 @@ frontend imports every stage class to build and check the pipeline graph, and to
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -31,6 +38,7 @@ from stages.execute.config import ExecuteConfig
 from stages.execute.crash_notes import note_step
 from stages.execute.pp_messages import PipelineLogits
 from stages.execute.pp_stage import PipelineDriver
+from stages.lora import LoRAAdapterError, LoRARequest
 from stages.messages import EngineInfo, SchedulerStep, StepResult
 from stages.models import loading
 
@@ -59,6 +67,8 @@ class ExecuteStage(Stage):
         self._pipeline: PipelineDriver | None = None
         if config.pipeline_parallel_size > 1:
             self._pipeline = PipelineDriver(self, config.pipeline_parallel_timeout)
+        #: the thread LoRA adapters load on (created on the first load)
+        self._lora_loader: concurrent.futures.ThreadPoolExecutor | None = None
 
     def idle(self) -> bool:
         return self._pipeline is None or self._pipeline.idle
@@ -99,6 +109,48 @@ class ExecuteStage(Stage):
 
         info = await self.run_in_thread(load)
         await self.emit("info", info)
+
+    async def stop(self) -> None:
+        if self._lora_loader is not None:
+            self._lora_loader.shutdown(wait=False, cancel_futures=True)
+            self._lora_loader = None
+
+    def adapter_ready(self, lora: LoRARequest) -> bool:
+        """Whether a request of ``lora`` may be scheduled without :meth:`load_adapter`: it is
+        loaded (or this stage serves no adapters, and its runner refuses the request)."""
+        runner = self.runner
+        bank = runner.lora if runner is not None else None
+        return bank is None or bank.ready(lora)
+
+    def lora_loader(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread adapters load on (one: loads run one at a time, in order)."""
+        if self._lora_loader is None:
+            self._lora_loader = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"actorline-{self.name}-lora"
+            )
+        return self._lora_loader
+
+    async def load_adapter(self, lora: LoRARequest) -> LoRAAdapterError | None:
+        """Load ``lora`` off the step thread: read, checked and laid out on this stage's
+        loader thread (:meth:`~stages.execute.lora.LoRABank.prepare`), then kept by the
+        runner's bank (:meth:`~stages.execute.lora.LoRABank.offer`). Called by the
+        colocated schedule stage before it schedules the adapter's first request.
+
+        Returns:
+            None once it is loaded; the error of an adapter that cannot be served (returned,
+            not raised: it is its requests' failure, not this stage's).
+        """
+        runner = self.runner
+        bank = runner.lora if runner is not None else None
+        if bank is None:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            adapter = await loop.run_in_executor(self.lora_loader(), bank.prepare, lora)
+        except LoRAAdapterError as error:
+            return error
+        bank.offer(adapter)
+        return None
 
     @handles(SchedulerStep)
     async def on_step(self, step: SchedulerStep) -> None:

@@ -6,7 +6,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 (:mod:`~pipeline.server.http.responses`, stateless), ``POST /v1/embeddings``
 (:mod:`~pipeline.server.http.embeddings`), vLLM's ``POST /tokenize``,
 ``POST /detokenize`` and
-``GET /version`` (:mod:`~pipeline.server.http.tokens`), ``GET /health`` (200 while the engine
+``GET /version`` (:mod:`~pipeline.server.http.tokens`), with ``enable_lora_runtime_updates``
+vLLM's ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+(:mod:`~pipeline.server.http.lora_updates`), ``GET /health`` (200 while the engine
 serves, with data parallelism each replica's state beside it; 503 once it died or the server
 is shutting down) and ``GET /metrics`` (Prometheus text, when a registry is given). ``/v1/``
 (and vLLM's token endpoints) need the API key when the server has keys
@@ -33,6 +35,7 @@ from pipeline.server.http.answers import Answer
 from pipeline.server.http.defaults import DEFAULT_MAX_REQUEST_BYTES
 from pipeline.server.http.errors import ApiError, add_error_handlers
 from pipeline.server.http.gate import Gate, tenant_of
+from pipeline.server.http.lora_updates import add_lora_update_routes
 from pipeline.server.http.requests import plan_chat, plan_completion
 from pipeline.server.http.response_output import ResponseShape, response_events, whole_response
 from pipeline.server.http.schema import (
@@ -146,6 +149,9 @@ def create_app(
         ]
         return {"object": "list", "data": cards}
 
+    if service.engine.options.enable_lora_runtime_updates:
+        add_lora_update_routes(app, service)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         return await tokens.tokenize(service, body)
@@ -202,7 +208,7 @@ def create_app(
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        lora = service.check_model(body.model)
+        lora = service.check_model(body.model, tenant=tenant_of(request.scope))
         return await answer(
             request,
             plan_completion(body),
@@ -216,7 +222,7 @@ def create_app(
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        lora = service.check_model(body.model)
+        lora = service.check_model(body.model, tenant=tenant_of(request.scope))
         return await answer(
             request,
             plan_chat(body),
@@ -235,7 +241,7 @@ def create_app(
     @app.post("/v1/responses", response_model=None)
     async def create_response(request: Request, raw: Annotated[Any, Body()]) -> Response:
         body = responses.parse_responses_body(raw)
-        service.check_model(body.model, adapters=False)
+        service.check_model(body.model, adapters=False, tenant=tenant_of(request.scope))
         plan = responses.plan_responses(body)
         request_id = f"resp_{uuid.uuid4().hex}"
         tenant = tenant_of(request.scope)

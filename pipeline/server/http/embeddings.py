@@ -169,7 +169,7 @@ async def create_embeddings(
             model does not allow, a prompt too long, ...); 404 for another model; 429 / 503
             as the engine refuses.
     """
-    service.check_model(body.model, adapters=False)
+    service.check_model(body.model, adapters=False, tenant=tenant_of(request.scope))
     check_extras(body.model_extra, EMBEDDINGS_ACCEPTED_AT)
     request_id = f"embd-{uuid.uuid4().hex}"
     tenant = tenant_of(request.scope)

@@ -8,6 +8,7 @@ body not JSON (or not UTF-8, too deep) 400     invalid_request_error  invalid_js
 invalid body or parameter              400     invalid_request_error  invalid_value, ...
 PromptTooLongError                     400     invalid_request_error  context_length_exceeded
 AuthenticationError (no or bad key)    401     invalid_request_error  invalid_api_key
+PermissionDeniedError (key may not)    403     invalid_request_error  permission_denied
 unknown model                          404     invalid_request_error  model_not_found
 unknown path                           404     invalid_request_error  not_found
 method the path does not serve         405     invalid_request_error  method_not_allowed
@@ -35,7 +36,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from pipeline.runtime.errors import PipelineError
-from pipeline.server.auth import AuthenticationError
+from pipeline.server.auth import AuthenticationError, PermissionDeniedError
 from pipeline.server.http.schema import describe_problem
 from stages.errors import (
     InvalidRequestError,
@@ -129,6 +130,8 @@ class ApiError(HTTPException):
             return error
         if isinstance(error, AuthenticationError):
             return cls(401, str(error), code="invalid_api_key")
+        if isinstance(error, PermissionDeniedError):
+            return cls(403, str(error), param=_param(error.field), code="permission_denied")
         if isinstance(error, PromptTooLongError):
             return cls(400, str(error), param=_param(error.field), code="context_length_exceeded")
         if isinstance(error, InvalidRequestError):

@@ -99,11 +99,14 @@ class HttpServer:
             self.limits.max_logprob_entries,
             self.limits.trust_request_chat_template,
             lora_modules,
+            api_keys.tenant_adapters() if api_keys is not None else None,
         )
         self._owns_metrics = metrics is None
         self.metrics = (
             metrics if metrics is not None else EngineMetrics(engine, model_name=model_name)
         )
+        if self.metrics.lora is not None:
+            self.metrics.lora.serve(self.service.lora_modules.adapters.keys())
         self.app: FastAPI = create_app(
             self.service,
             api_keys=api_keys,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -41,7 +41,9 @@ class HttpService:
     (:func:`~pipeline.server.limits.check_logprob_entries`);
     ``trust_request_chat_template``: whether a request may bring its own ``chat_template``
     (:func:`~pipeline.server.limits.check_request_template`); ``lora_modules``: the LoRA
-    adapters a request's ``model`` may name (docs/lora.md)."""
+    adapters a request's ``model`` may name (docs/lora.md); ``tenant_adapters``: the adapter
+    each bound API key's tenant always runs with
+    (:meth:`~pipeline.server.auth.ApiKeys.tenant_adapters`)."""
 
     def __init__(
         self,
@@ -50,9 +52,11 @@ class HttpService:
         max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
         trust_request_chat_template: bool = False,
         lora_modules: LoRAModules | None = None,
+        tenant_adapters: Mapping[str, str] | None = None,
     ) -> None:
         self.engine = engine
         self.lora_modules = lora_modules if lora_modules is not None else LoRAModules()
+        self.tenant_adapters: Mapping[str, str] = dict(tenant_adapters or {})
         self.model_name = model_name
         self.max_logprob_entries = max_logprob_entries
         self.trust_request_chat_template = trust_request_chat_template
@@ -79,16 +83,24 @@ class HttpService:
             return ApiError(503, "the engine is not started", error_type=SERVER_ERROR)
         return None
 
-    def check_model(self, model: str | None, *, adapters: bool = True) -> LoRARequest | None:
+    def check_model(
+        self, model: str | None, *, adapters: bool = True, tenant: str = ""
+    ) -> LoRARequest | None:
         """The LoRA adapter ``model`` names (docs/lora.md), or None for the model served
         (None, left out: it is, as vLLM takes it): its served name, or the ``root`` its model
         card names (the path or alias it was started with, which ``vllm bench serve`` sends
         when it found the model from ``/v1/models``: ``vllm/benchmarks/serve.py``, its prompt
-        alignment). ``adapters``: whether this endpoint serves adapters.
+        alignment). ``adapters``: whether this endpoint serves adapters. A ``tenant`` whose API
+        key is bound to an adapter always runs with it (:meth:`bound_adapter`).
 
         Raises:
-            ApiError: 404 for any other model (an adapter where ``adapters`` is off: 400).
+            ApiError: 404 for any other model (an adapter where ``adapters`` is off: 400);
+                for a bound key, 403 naming another model, 404 when its adapter is not
+                served.
         """
+        bound = self.tenant_adapters.get(tenant)
+        if bound is not None:
+            return self.bound_adapter(bound, model, adapters)
         if model is None or model in (self.model_name, self.engine.options.model):
             return None
         lora = self.lora_modules.get(model)
@@ -106,6 +118,32 @@ class HttpService:
                 param="model",
                 code="model_not_found",
             )
+        return lora
+
+    def bound_adapter(self, bound: str, model: str | None, adapters: bool) -> LoRARequest:
+        """The adapter ``bound`` of a bound API key's request naming ``model`` (docs/lora.md,
+        "An API key bound to an adapter"): ``model`` may be left out or name the base model
+        or the adapter; the request runs with the adapter either way.
+
+        Raises:
+            ApiError: 403 on an endpoint that serves no adapters or for another ``model``;
+                404 when ``bound`` is not served (removed at run time).
+        """
+        if not adapters:
+            raise ApiError(
+                403, f"this API key is bound to the LoRA adapter {bound!r:.80}, which serves "
+                "completions and chats only", param="model", code="permission_denied",
+            )  # fmt: skip
+        base_names = (self.model_name, self.engine.options.model)
+        try:
+            lora = self.lora_modules.bound(bound, model, base_names, "model")
+        except RequestError as exc:
+            raise ApiError.from_error(exc) from None
+        if lora is None:
+            raise ApiError(
+                404, f"the LoRA adapter {bound!r:.80} this API key is bound to is not served "
+                "now", param="model", code="model_not_found",
+            )  # fmt: skip
         return lora
 
     def token_texts(self, logprobs: int | None) -> TokenTexts | None:

@@ -20,6 +20,14 @@ def test_key_file_lines_give_keys_with_or_without_limits() -> None:
     assert keys.tenant_limits() == {beta.tenant: (2.5, 100.0), gamma.tenant: (None, 50.0)}
 
 
+def test_key_file_lines_may_bind_a_key_to_a_lora_adapter() -> None:
+    plain, bound, limited = parse_api_key_file("plain\nbound lora=sql\nlimited 2 - lora=chat\n")
+    assert (plain.lora, bound.lora, limited.lora) == (None, "sql", "chat")
+    assert bound.limits is None and limited.limits == (2.0, None)
+    keys = ApiKeys([plain, bound, limited])
+    assert keys.tenant_adapters() == {bound.tenant: "sql", limited.tenant: "chat"}
+
+
 @pytest.mark.parametrize(
     ("line", "problem"),
     [
@@ -30,6 +38,8 @@ def test_key_file_lines_give_keys_with_or_without_limits() -> None:
         ("s3cret -1 5", "requests_per_second must be a finite number > 0"),
         ("s3cret inf 5", "requests_per_second must be a finite number > 0"),
         ("sécret", "printable ASCII"),
+        ("s3cret lora=", "names no LoRA adapter"),
+        ("s3cret 1 lora=a", "got 2 fields"),
     ],
 )
 def test_bad_key_file_lines_name_the_line_but_not_the_key(line: str, problem: str) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.engine.errors import EngineDeadError
 from pipeline.runtime.errors import PipelineClosedError
-from pipeline.server.auth import AuthenticationError
+from pipeline.server.auth import AuthenticationError, PermissionDeniedError
 from pipeline.server.status import (
     ERROR_FIELD_KEY,
     STATUS_DETAILS_KEY,
@@ -26,6 +26,7 @@ from stages.errors import (
 
 ROUND_TRIPS = [
     (AuthenticationError("invalid API key"), grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError("bound to 'a1'", field="lora_name"), grpc.StatusCode.PERMISSION_DENIED),
     (
         InvalidRequestError("top_p must be in (0, 1]", field="top_p"),
         grpc.StatusCode.INVALID_ARGUMENT,

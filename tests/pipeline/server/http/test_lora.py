@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import grpc.aio
+import httpx
 import openai
 import pytest
 
@@ -118,6 +119,12 @@ def test_unknown_and_unservable_adapters_are_refused_by_name(client: openai.Open
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="a1", input="hi")
     assert greedy_token_ids(client, "a1")[0] == "a1"  # the server serves on
+
+
+def test_runtime_updates_are_off_by_default(lora_serve: ServeProcess) -> None:
+    body = {"lora_name": "a3", "lora_path": "/x"}
+    for path in ("load_lora_adapter", "unload_lora_adapter"):
+        assert httpx.post(f"{lora_serve.http_url}/{path}", json=body).status_code == 404
 
 
 def test_grpc_lora_name_selects_the_adapter(
