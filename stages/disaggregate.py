@@ -207,6 +207,9 @@ class PrefillDecodeRouterStage(RouterStage):
         await asyncio.sleep(self.config.transfer_timeout)
         state = self._prefilling.get(prefill_id)
         if state is None:
+            # NOTE: an aborted prefill sends no last output: forget its id now (a late row of
+            # it, from a step in flight at the abort, has come and gone by then)
+            self._prefill_ids.discard(prefill_id)
             return
         if state.replica in self._live:
             schedule = self._live[state.replica].schedule

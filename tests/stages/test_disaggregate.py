@@ -274,3 +274,32 @@ def test_a_transfer_that_does_not_come_runs_the_request_whole(tiny_model_dir: Pa
         assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
     run(body())
+
+
+@pytest.mark.slow
+def test_smollm2_prefill_decode_is_one_engine(default_model_dir: Path) -> None:
+    """The default model (30 layers; its KV cache as the engine chooses it by default):
+    P/D 1:1 gives one engine's greedy tokens, each prompt's full blocks moved."""
+    prompts = {name: PROMPTS[name] for name in ("a0", "a1", "b0")}
+
+    async def outputs(**options: Any) -> tuple[dict[str, tuple[int, ...]], Any]:
+        async with AsyncEngine(str(default_model_dir), **options) as engine:
+            done = {}
+            for name, prompt in prompts.items():
+                done[name] = (await final(engine, name, prompt, GREEDY)).token_ids
+            router = engine.running.stage("router") if options else None
+            moved = None
+            if isinstance(router, PrefillDecodeRouterStage):
+                moved = (router.transfers, router.blocks_moved, router.fallbacks)
+                hits = engine.replica_stats["1"].prefix_cache_hits
+                assert hits >= BLOCK * router.blocks_moved
+            return done, moved
+
+    async def body() -> None:
+        alone, _ = await outputs()
+        disaggregated, moved = await outputs(prefill_decode=(1, 1))
+        assert disaggregated == alone
+        assert moved is not None and moved[0] == len(prompts) and moved[2] == 0
+        assert moved[1] >= 3 * len(prompts)
+
+    run(body(), timeout=1200)
