@@ -14,9 +14,11 @@ engine computes the rest of the prompt (less than one block: the tail) and every
 with the request's own sampling, grammar and stops. So the output is the output of one engine
 by construction; the tail's recompute is what this design pays.
 
-Failures stay with their request. A transfer that does not come within
-``transfer_timeout`` seconds, a prefill the prefill engine refuses, and the requests of a
-prefill engine that dies are run whole on a decode engine (counted in
+Failures stay with their request. A transfer that is late (its prefill finished
+``transfer_timeout`` seconds ago without it, or its prefill engine ran no step for that long:
+a busy prefill engine that keeps stepping keeps its queue), a prefill the prefill engine
+refuses, and the requests of a prefill engine that dies are run whole on a decode engine
+(counted in
 :attr:`PrefillDecodeRouterStage.fallbacks`); a decode engine that dies is a lost replica as
 with data parallelism (:class:`~stages.route.RouterStage`): its requests that had streamed
 tokens fail with ``EngineDeadError``, the others go to an engine that lives. With no decode
@@ -30,6 +32,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import time
 from collections.abc import Collection
 from typing import Any, ClassVar
 
@@ -97,6 +100,8 @@ class _Prefilling:
     request: EngineRequest
     replica: str
     tokens: int
+    #: when its prefill's last output came (its blocks should be here by then)
+    finished: float | None = None
 
 
 class PrefillDecodeRouterStage(RouterStage):
@@ -113,6 +118,8 @@ class PrefillDecodeRouterStage(RouterStage):
         self._prefilling: dict[str, _Prefilling] = {}
         #: prefill ids whose prefill engine may still send outputs (dropped here)
         self._prefill_ids: set[str] = set()
+        #: when each engine's latest step outputs came (time.monotonic())
+        self._heard: dict[str, float] = {}
         #: transfers received, blocks and bytes moved since the start
         self.transfers = 0
         self.blocks_moved = 0
@@ -195,6 +202,9 @@ class PrefillDecodeRouterStage(RouterStage):
     async def _run_whole(self, prefill_id: str, why: str) -> None:
         """Run the request of ``prefill_id`` whole on a decode engine (or any live one)."""
         state = self._unbook(prefill_id)
+        # NOTE: its prefill may still send a row (an aborted one sends no last row); the
+        # frontend drops rows of ids it does not know, so the id need not be kept
+        self._prefill_ids.discard(prefill_id)
         if state is None:
             return
         self.fallbacks += 1
@@ -204,20 +214,30 @@ class PrefillDecodeRouterStage(RouterStage):
         await super()._route(state.request, self._decode_replicas() or None)
 
     async def _expire(self, prefill_id: str) -> None:
-        await asyncio.sleep(self.config.transfer_timeout)
-        state = self._prefilling.get(prefill_id)
-        if state is None:
-            # NOTE: an aborted prefill sends no last output: forget its id now (a late row of
-            # it, from a step in flight at the abort, has come and gone by then)
-            self._prefill_ids.discard(prefill_id)
-            return
+        """Run the request of ``prefill_id`` whole once its transfer is late: its prefill
+        finished ``transfer_timeout`` seconds ago and no blocks came, or its prefill engine
+        has run no step for that long. (A busy prefill engine that keeps stepping keeps its
+        queue: a request waiting its turn is not late.)"""
+        timeout = self.config.transfer_timeout
+        while True:
+            await asyncio.sleep(timeout)
+            state = self._prefilling.get(prefill_id)
+            if state is None:
+                return
+            now = time.monotonic()
+            if state.finished is not None:
+                if now - state.finished >= timeout:
+                    break
+            elif now - self._heard.get(state.replica, 0.0) >= timeout:
+                break
         if state.replica in self._live:
             schedule = self._live[state.replica].schedule
             await self.emit("aborts", AbortRequests((prefill_id,)), to=schedule)
+        late = "after its prefill" if state.finished is not None else "of a step"
         await self._run_whole(
             prefill_id,
-            f"its KV blocks did not come from prefill engine {state.replica} within "
-            f"{self.config.transfer_timeout:g} s",
+            f"prefill engine {state.replica} sent neither its KV blocks nor any sign {late} "
+            f"within {timeout:g} s",
         )
 
     @handles(KvBlocks)
@@ -240,6 +260,8 @@ class PrefillDecodeRouterStage(RouterStage):
 
     @handles(EngineOutputs)
     async def on_outputs(self, outputs: EngineOutputs) -> None:
+        if outputs.stats is not None:  # every step's outputs carry them: its engine steps
+            self._heard[outputs.stats.replica] = time.monotonic()
         prefill_ids = self._prefill_ids
         if prefill_ids and any(rid in prefill_ids for rid in outputs.request_ids):
             keep = []
@@ -248,6 +270,9 @@ class PrefillDecodeRouterStage(RouterStage):
                     keep.append(index)
                 elif outputs.finish_reasons[index] is not None:
                     prefill_ids.discard(request_id)
+                    state = self._prefilling.get(request_id)
+                    if state is not None:  # its blocks are late (or on their way)
+                        state.finished = time.monotonic()
             outputs = _rows(outputs, keep)  # kept even when empty: it carries the stats
         await super().on_outputs(outputs)
 
@@ -270,7 +295,9 @@ class PrefillDecodeRouterStage(RouterStage):
             state = self._unbook(prefill_id)
             if state is None:
                 rest.append(request_id)
-            elif state.replica in self._live:
+                continue
+            self._prefill_ids.discard(prefill_id)  # as in _run_whole
+            if state.replica in self._live:
                 schedule = self._live[state.replica].schedule
                 await self.emit("aborts", AbortRequests((prefill_id,)), to=schedule)
         if rest:

@@ -200,7 +200,8 @@ def test_a_killed_decode_engine_fails_only_what_it_streamed(tiny_model_dir: Path
 @pytest.mark.slow
 def test_a_killed_prefill_engine_fails_no_request(tiny_model_dir: Path) -> None:
     """The prefill engine is frozen (SIGSTOP), so the requests sent to it wait for their
-    blocks; then it is killed. They run whole on the decode engine, with one engine's tokens;
+    blocks (one of them is cancelled by its caller meanwhile: it is forgotten); then it is
+    killed. They run whole on the decode engine, with one engine's tokens;
     no caller sees an error."""
 
     async def body() -> None:
@@ -218,10 +219,19 @@ def test_a_killed_prefill_engine_fails_no_request(tiny_model_dir: Path) -> None:
             try:
                 tasks = {n: asyncio.create_task(final(engine, n, PROMPTS[n], GREEDY))
                          for n in before}  # fmt: skip
+                gone = asyncio.create_task(final(engine, "gone", PROMPTS["a0"], GREEDY))
                 deadline = time.monotonic() + PROMPTLY
-                while len(router._prefilling) < len(before):
+                while len(router._prefilling) < len(before) + 1:
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.01)
+                # a caller that gives up while its request waits for its prefill: aborted
+                gone.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await gone
+                while any(rid.startswith("gone") for rid in router._prefilling):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                assert not any(rid.startswith("gone") for rid in router._prefill_ids)
             finally:
                 killed = time.monotonic()
                 os.kill(frozen, signal.SIGKILL)
