@@ -283,8 +283,8 @@ class EngineOptions:
     )  # fmt: skip
     prefill_decode_timeout: float = option(
         30.0, kind="seconds>0", commands=_NO_FLAG,
-        help="seconds a request waits for its prompt's KV blocks before it runs whole on a "
-        "decode engine",
+        help="seconds a late KV transfer is waited for (after its prefill, or since its "
+        "prefill engine's last step) before the request runs whole on a decode engine",
     )  # fmt: skip
     router: str = option(
         "least-loaded", help="routing policy plugin of the replicas (actorline.routers)",
