@@ -51,9 +51,12 @@ def check_prefill_decode(options: Any) -> None:
     if options.prefill_decode is None:
         return
     prefill, decode = options.prefill_decode
+    if options.data_parallel_size > 1:
+        raise ValueError(
+            f"prefill_decode {prefill}:{decode} runs P + D engine replicas in place of "
+            f"data_parallel_size ({options.data_parallel_size}): give one of the two"
+        )
     clashes = (
-        ("data_parallel_size > 1 (the P + D engines are the replicas; give P and D instead)",
-         options.data_parallel_size > 1),
         ("tensor_parallel_size > 1", options.tensor_parallel_size > 1),
         ("pipeline_parallel_size > 1", options.pipeline_parallel_size > 1),
         ("ray", options.on_ray),

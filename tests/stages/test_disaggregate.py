@@ -133,7 +133,6 @@ def test_the_options_refuse_what_does_not_combine() -> None:
         with pytest.raises(ValueError, match="prefill_decode must be None or"):
             EngineOptions("m", prefill_decode=value)  # type: ignore[arg-type]
     for fields, clash in (
-        ({"data_parallel_size": 2}, "data_parallel_size > 1"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
         ({"transport": "memory"}, "transport 'memory'"),
         ({"enable_prefix_caching": False}, "enable_prefix_caching off"),
@@ -141,6 +140,8 @@ def test_the_options_refuse_what_does_not_combine() -> None:
     ):
         with pytest.raises(ValueError, match=f"does not combine with {clash}"):
             EngineOptions("m", prefill_decode=(1, 1), **fields)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"in place of data_parallel_size \(2\): give one"):
+        EngineOptions("m", prefill_decode=(1, 1), data_parallel_size=2)
 
 
 def test_the_pipeline_links_the_prefill_engines_to_the_router() -> None:
@@ -313,3 +314,37 @@ def test_smollm2_prefill_decode_is_one_engine(default_model_dir: Path) -> None:
         assert moved[1] >= 3 * len(prompts)
 
     run(body(), timeout=1200)
+
+
+@pytest.mark.slow
+def test_a_restarted_prefill_engine_moves_blocks_again(tiny_model_dir: Path) -> None:
+    """With ``restart_engine`` a killed prefill engine is restarted on its own; once it runs
+    again its blocks reach the router over the restored link (no request runs whole)."""
+
+    async def body() -> None:
+        async with AsyncEngine(
+            str(tiny_model_dir),
+            num_blocks=256,
+            prefill_decode=(1, 1),
+            restart_engine=True,
+            restart_backoff=0.5,
+        ) as engine:
+            router = engine.running.stage("router")
+            assert isinstance(router, PrefillDecodeRouterStage)
+            first = await final(engine, "first", PROMPTS["b1"], GREEDY)
+            victim = engine.running.pids["engine"]
+            assert victim is not None
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + PROMPTLY
+            while "0" in router.live_replicas:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            while "0" not in router.live_replicas:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert not process_alive(victim)
+            again = await final(engine, "again", PROMPTS["b1"], GREEDY)
+            assert again.token_ids == first.token_ids
+            assert router.transfers == 2 and router.fallbacks == 0
+
+    run(body())
