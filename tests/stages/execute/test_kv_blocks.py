@@ -133,3 +133,29 @@ def test_a_prompt_of_one_block_or_less_exports_nothing(tiny_model_dir: Path) -> 
     request = EngineRequest("short", prompts()[0][:BLOCK], GREEDY)
     (moved,) = exported(tiny_model_dir, [request])
     assert moved.num_blocks == 0 and moved.nbytes == 0
+
+
+def test_the_scheduler_hands_the_blocks_to_execute_once_and_keeps_none() -> None:
+    """The moved K/V (megabytes for a long prompt) goes to execute with the request's first
+    step; the scheduler's own record of the request keeps none of it while it runs."""
+    from stages.messages import EngineInfo
+    from stages.policies import FcfsPolicy
+    from stages.scheduler import Scheduler, SchedulerConfig
+
+    scheduler = Scheduler(SchedulerConfig(), FcfsPolicy())
+    info = EngineInfo(
+        model="fake", vocab_size=50000, max_model_len=256, eos_token_ids=(0,), num_blocks=64,
+        block_size=BLOCK, dtype="float32", device="cpu", kv_cache_bytes=0,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+    scheduler.set_engine_info(info)
+    prompt = prompts()[4]
+    data = np.zeros((2, 2, 4, BLOCK, 2, 16), dtype=np.float32)
+    moved = KvBlocks("r", prompt[: 4 * BLOCK], BLOCK, "float32", data)
+    scheduler.add_request(EngineRequest("r", prompt, GREEDY, kv_blocks=moved))
+    step = scheduler.schedule()
+    assert step is not None
+    (sent,) = step.new_requests
+    assert sent.kv_blocks is moved
+    held = [state.request for state in scheduler._running.values()]
+    assert [r.request_id for r in held] == ["r"] and held[0].kv_blocks is None
