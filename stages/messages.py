@@ -22,6 +22,7 @@ import dataclasses
 import numpy as np
 
 from stages.errors import RequestError
+from stages.kv_transfer import KvBlocks
 from stages.lora import LoRARequest
 from stages.params import SamplingParams
 from stages.pooling import PoolingParams
@@ -164,7 +165,10 @@ class EngineRequest:
     registers the request's text state). ``parsing``: how the parse stage reads its output
     (None: it passes through). ``bad_words_token_ids``: the token sequences of
     ``params.bad_words``, tokenized by the tokenize stage (vLLM's ``_bad_words_token_ids``).
-    ``pooling``: an embedding request, ``lora`` its adapter (see :class:`GenerateRequest`)."""
+    ``pooling``: an embedding request, ``lora`` its adapter (see :class:`GenerateRequest`).
+    ``kv_blocks``: its prompt's leading blocks as a prefill engine computed them, which the
+    execute stage imports into its prefix cache before the request's first step
+    (disaggregated prefill and decode, :mod:`stages.kv_transfer`)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -176,6 +180,7 @@ class EngineRequest:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     pooling: PoolingParams | None = None
     lora: LoRARequest | None = None
+    kv_blocks: KvBlocks | None = None
 
 
 @message()

@@ -35,7 +35,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Any
+from collections.abc import Collection
+from typing import Any, ClassVar
 
 from pipeline.runtime.replicas import ReplicaLost, ReplicaRestored
 from pipeline.runtime.stage import Stage, handles
@@ -118,7 +119,7 @@ class _Routed:
 
 
 class RouterStage(Stage):
-    inputs = ("in", "abort", "outputs", "info")
+    inputs: ClassVar[tuple[str, ...]] = ("in", "abort", "outputs", "info")
     outputs = ("requests", "aborts", "out", "info")
 
     def __init__(self, config: RouterConfig) -> None:
@@ -166,8 +167,20 @@ class RouterStage(Stage):
             return  # aborted before it got here
         await self._route(request)
 
-    async def _route(self, request: EngineRequest) -> None:
-        """Send ``request`` to the live replica the policy picks, and count it there."""
+    def route_request(self, request: EngineRequest) -> RouteRequest:
+        """What the routing policy reads of ``request``."""
+        prompt = request.prompt_token_ids
+        return RouteRequest(
+            request.request_id,
+            request.tenant,
+            len(prompt),
+            block_hashes(prompt, self.config.block_size, self.config.affinity_blocks),
+        )
+
+    async def _route(self, request: EngineRequest, among: Collection[str] | None = None) -> None:
+        """Send ``request`` to the live replica the policy picks (among the live replicas
+        named in ``among``, when given: disaggregated prefill and decode's decode engines,
+        stages/disaggregate.py), and count it there."""
         assert self.policy is not None
         request_id = request.request_id
         if not self._live:
@@ -176,13 +189,8 @@ class RouterStage(Stage):
             )
             return
         prompt = request.prompt_token_ids
-        route_request = RouteRequest(
-            request_id,
-            request.tenant,
-            len(prompt),
-            block_hashes(prompt, self.config.block_size, self.config.affinity_blocks),
-        )
-        name = self.policy.choose(route_request, [self.load(name) for name in self._live])
+        names = list(self._live) if among is None else [n for n in among if n in self._live]
+        name = self.policy.choose(self.route_request(request), [self.load(n) for n in names])
         route = self._live.get(name)
         if route is None:
             raise RuntimeError(

@@ -572,6 +572,8 @@ class Scheduler:
                 state.sent_to_execute = True
                 state.scheduled_time = self._clock()
                 new_requests.append(state.request)
+                if state.request.kv_blocks is not None:  # imported once: not kept (P/D)
+                    state.request = dataclasses.replace(state.request, kv_blocks=None)
             self._add_chunk(state, size, plan, block_size)
         return new_requests
 

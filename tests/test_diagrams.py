@@ -29,6 +29,7 @@ PIPELINES: dict[str, Callable[[], str]] = {
     "data-parallel-2": lambda: llm_pipeline(EngineOptions(data_parallel_size=2)).describe(),
     "tensor-parallel-2": lambda: llm_pipeline(EngineOptions(tensor_parallel_size=2)).describe(),
     "pipeline-parallel-2": lambda: llm_pipeline(EngineOptions(pipeline_parallel_size=2)).describe(),
+    "prefill-decode-1-1": lambda: llm_pipeline(EngineOptions(prefill_decode=(1, 1))).describe(),
 }
 
 MARKED = re.compile(r"(<!-- describe: ([\w-]+) -->\n```text\n)(.*?)(```)", re.DOTALL)

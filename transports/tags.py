@@ -73,6 +73,8 @@ WIRE_TAGS: Mapping[str, int] = MappingProxyType(
         "stages.execute.rank_messages.ShardStep": 141,
         "stages.execute.pp_messages.PipelineStep": 142,
         "stages.execute.pp_messages.PipelineLogits": 143,
+        # disaggregated prefill and decode (stages/kv_transfer.py)
+        "stages.kv_transfer.KvBlocks": 163,
         # the conformance kit's samples (transports/_kit_samples.py)
         "transports._kit_samples.KitPing": 900,
         "transports._kit_samples.KitPayload": 901,

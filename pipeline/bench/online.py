@@ -20,6 +20,12 @@ With ``--http`` (or ``--peer vllm``, ``--peer llamacpp``) the same load goes ove
 ``--formats``) instead: :mod:`pipeline.bench.online_http`.
 
     actorline bench online --peer llamacpp --rates 1 [--formats fp32 bf16 q4_1] [--rounds 2]
+
+With ``--prefill-decode P:D`` it compares disaggregated prefill and decode with data
+parallelism on as many engines, under a mix of long and short prompts
+(:mod:`pipeline.bench.disaggregated`; ``--rates``' first rate, ``--requests``, ``--rounds``).
+
+    actorline bench online --prefill-decode 1:1 [--rates 1] [--requests 24] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -232,6 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--requests", type=int, default=None, help="requests per rate (24)")
     add_option_argument(parser, EngineOptions, "transport")
+    add_option_argument(parser, EngineOptions, "prefill_decode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--http",
@@ -260,7 +267,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="over HTTP: every server this many times, alternating, best kept (1; 2 with "
-        "--peer llamacpp)",
+        "--peer llamacpp); with --prefill-decode: each variant this many times, alternating "
+        "(2)",
     )
     parser.add_argument(
         "--llamacpp-threads", type=int, default=None, help="llama-server's -t (every core)"
@@ -328,6 +336,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         ValueError: an option is out of range, or one that applies over HTTP only
             (``--rounds``, ``--formats``, ``--llamacpp-threads``) without it.
     """
+    if args.prefill_decode is not None:
+        return _run_prefill_decode(args)
     if not (args.http or args.peer) and (
         args.rounds is not None or args.formats or args.llamacpp_threads is not None
     ):
@@ -338,6 +348,47 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 0
     result = run_online(config_from_args(args))
     print_result(result, format_online(result), args.json)
+    return 0
+
+
+def _run_prefill_decode(args: argparse.Namespace) -> int:
+    """``--prefill-decode P:D``: :mod:`pipeline.bench.disaggregated`.
+
+    Raises:
+        ValueError: an option that does not apply to it (over HTTP, ``--profile``, more
+            than one rate), or a value out of range.
+    """
+    from pipeline.bench.disaggregated import (
+        DisaggregatedConfig,
+        format_disaggregated,
+        run_disaggregated,
+    )
+    from pipeline.engine.prefill_decode import parse_prefill_decode
+
+    if args.http or args.peer or args.profile or args.formats or args.vllm_variant:
+        raise ValueError("--prefill-decode runs in this process, without --http, --peer, "
+                         "--profile, --formats or --vllm-variant")  # fmt: skip
+    if args.rates is not None and len(args.rates) != 1:
+        raise ValueError(f"--prefill-decode runs at one rate, got --rates {args.rates}")
+    pair = parse_prefill_decode(args.prefill_decode)
+    assert pair is not None
+    overrides: dict[str, object] = {
+        "model": args.model,
+        "prefill_decode": pair,
+        "transport": args.transport,
+        "seed": args.seed,
+    }
+    if args.rates is not None:
+        overrides["rate"] = args.rates[0]
+    if args.requests is not None:
+        overrides["num_requests"] = args.requests
+    if args.rounds is not None:
+        overrides["rounds"] = args.rounds
+    config = (
+        DisaggregatedConfig.quick(**overrides) if args.quick else DisaggregatedConfig(**overrides)  # type: ignore[arg-type]
+    )
+    result = run_disaggregated(config)
+    print_result(result, format_disaggregated(result), args.json)
     return 0
 
 

@@ -73,6 +73,8 @@ _CLI_TYPES: Mapping[str, type] = {
     "bool": bool,
     # its JSON text; the field's __post_init__ reads it (pipeline/engine/options.py)
     "SpeculativeConfig": str,
+    # "P:D"; the field's __post_init__ reads it (pipeline/engine/prefill_decode.py)
+    "PrefillDecode": str,
 }
 
 

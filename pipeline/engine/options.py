@@ -10,6 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.engine.option_fields import check_options, option
+from pipeline.engine.prefill_decode import (
+    PrefillDecode,
+    check_prefill_decode,
+    parse_prefill_decode,
+)
 from stages.execute.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -275,6 +280,17 @@ class EngineOptions:
         1, help="run this many engine replicas behind a router stage", kind="int>=1",
         group=_PARALLEL,
     )  # fmt: skip
+    prefill_decode: PrefillDecode | None = option(  # noqa: RUF009 (a tuple)
+        None, group=_PARALLEL, metavar="P:D",
+        help="disaggregated prefill and decode: P prefill and D decode engines behind the "
+        "router, each prompt's KV blocks moved from one to the other (e.g. 1:1; not with "
+        "data_parallel_size > 1)",
+    )  # fmt: skip
+    prefill_decode_timeout: float = option(
+        30.0, kind="seconds>0", commands=_NO_FLAG,
+        help="seconds a late KV transfer is waited for (after its prefill, or since its "
+        "prefill engine's last step) before the request runs whole on a decode engine",
+    )  # fmt: skip
     router: str = option(
         "least-loaded", help="routing policy plugin of the replicas (actorline.routers)",
         kind="name", phrase="a routing policy name", feeds=("router.policy",), group=_PARALLEL,
@@ -333,7 +349,9 @@ class EngineOptions:
         object.__setattr__(
             self, "speculative_config", parse_speculative_config(self.speculative_config)
         )
+        object.__setattr__(self, "prefill_decode", parse_prefill_decode(self.prefill_decode))
         check_options(self)
+        check_prefill_decode(self)
         # the rules across fields, and the checks of a value built from several fields
         from stages.structured.limits import GrammarLimits
 

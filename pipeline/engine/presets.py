@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.engine.option_fields import fed
 from pipeline.engine.options import EngineOptions
@@ -145,9 +145,12 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     pipeline.add(
         "tokenize", TokenizeStage, TokenizeConfig(options.model, **fed(options, "tokenize"))
     )
-    replicas = options.data_parallel_size
+    replicas = engine_replicas(options)
     for index in range(replicas):
         suffix = replica_suffix(index)
+        replica_execute = execute
+        if options.prefill_decode is not None and index < options.prefill_decode[0]:
+            replica_execute = dataclasses.replace(execute, kv_export=True)  # a prefill engine
         replica_schedule = schedule
         if replicas > 1:
             replica_schedule = dataclasses.replace(
@@ -161,7 +164,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
 
             pipeline.add(f"execute{suffix}", NullExecuteStage, execute, host=host)
         else:
-            pipeline.add(f"execute{suffix}", ExecuteStage, execute, host=host)
+            pipeline.add(f"execute{suffix}", ExecuteStage, replica_execute, host=host)
             _add_ranks(pipeline, f"execute{suffix}", execute, host)
             _add_shards(pipeline, f"execute{suffix}", execute, host)
     pipeline.add("detokenize", DetokenizeStage, DetokenizeConfig(options.model))
@@ -217,6 +220,14 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
     return pipeline
 
 
+def engine_replicas(options: EngineOptions) -> int:
+    """How many engine replicas ``options`` run: ``data_parallel_size``, or with
+    ``prefill_decode=(P, D)`` P + D (replicas 0..P-1 the prefill engines)."""
+    if options.prefill_decode is not None:
+        return sum(options.prefill_decode)
+    return options.data_parallel_size
+
+
 def replica_suffix(index: int) -> str:
     """What the names of engine replica ``index``'s stages and host end with: replica 0 is
     the engine of one replica (``admit``, ``schedule``, ``execute`` on ``engine``), replica
@@ -234,19 +245,37 @@ def _add_router(pipeline: Pipeline, options: EngineOptions) -> None:
     """The router stage in front of the replicas (``docs/architecture.md`` §8)."""
     from stages.route import ReplicaRoute, RouterConfig, RouterStage
 
-    suffixes = [replica_suffix(index) for index in range(options.data_parallel_size)]
+    suffixes = [replica_suffix(index) for index in range(engine_replicas(options))]
     routes = tuple(
         ReplicaRoute(str(index), f"admit{suffix}", f"schedule{suffix}")
         for index, suffix in enumerate(suffixes)
     )
     config = RouterConfig(routes, replica_set=REPLICA_SET, **fed(options, "router"))
-    pipeline.add("router", RouterStage, config)
+    if options.prefill_decode is None:
+        pipeline.add("router", RouterStage, config)
+    else:
+        from stages.disaggregate import PrefillDecodeConfig, PrefillDecodeRouterStage
+
+        prefill = tuple(route.name for route in routes[: options.prefill_decode[0]])
+        config = PrefillDecodeConfig(
+            **_fields_of(config),
+            prefill=prefill,
+            transfer_timeout=options.prefill_decode_timeout,
+        )
+        pipeline.add("router", PrefillDecodeRouterStage, config)
+        for suffix in suffixes[: len(prefill)]:
+            pipeline.connect(f"execute{suffix}.kv", "router.kv")
     pipeline.connect("tokenize.out", "router.in")
     pipeline.connect("router.out", "detokenize")
     for route, suffix in zip(routes, suffixes):
         pipeline.connect("router.requests", f"{route.admit}.in")
         pipeline.connect("router.aborts", f"{route.schedule}.abort")
         pipeline.connect(f"execute{suffix}.info", "router.info")
+
+
+def _fields_of(config: Any) -> dict[str, Any]:
+    """A dataclass instance's fields, by name (``dataclasses.asdict`` without its deep copy)."""
+    return {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
 
 
 def tensor_parallel_host(engine_host: str, rank: int) -> str:
@@ -305,7 +334,7 @@ def check_parallelism(options: EngineOptions) -> None:
     """
     if options.on_ray:
         require_ray()
-    if options.data_parallel_size > 1:
+    if engine_replicas(options) > 1:
         from stages.router import load_router
 
         load_router(options.router)

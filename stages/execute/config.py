@@ -171,6 +171,9 @@ class ExecuteConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    #: a prefill engine of disaggregated prefill and decode: export each prompt's full
+    #: blocks once computed (stages/execute/kv_blocks.py, docs/parallelism.md)
+    kv_export: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -216,6 +219,7 @@ class ExecuteConfig:
             "tune_allocator",
             "pooling_normalize",
             "enable_lora",
+            "kv_export",
         ):
             if type(getattr(self, flag)) is not bool:
                 raise ExecuteConfigError(flag, "must be a boolean")

@@ -65,6 +65,7 @@ from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_line
 from stages.execute.flex import use_flex
 from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import grammar_rows
+from stages.execute.kv_blocks import export_computed_prompts, import_moved_blocks
 from stages.execute.llama import load_native_llama
 from stages.execute.loading import (
     PROBE_REQUEST,
@@ -118,6 +119,7 @@ from stages.execute.tensor_parallel import (
     rank_device,
     shard_model,
 )
+from stages.kv_transfer import KvBlocks
 from stages.lora import lora_cache_key
 from stages.messages import (
     EngineInfo,
@@ -246,6 +248,8 @@ class ModelRunner:
         self._force_static_decode = force_static_decode
         self.model: Any = None
         self.kv_cache: KVCache | None = None
+        #: with ``config.kv_export``: the prompts' blocks exported since the stage took them
+        self.kv_exports: list[KvBlocks] = []
         self.allocator: BlockAllocator | None = None
         self.info: EngineInfo | None = None
         self.device = torch.device("cpu")
@@ -628,6 +632,7 @@ class ModelRunner:
         self._pooler.forget((*step.finished, *step.preempted))
         for new_request in step.new_requests:
             self._register(new_request)
+        import_moved_blocks(self.kv_cache, allocator, step.new_requests)  # prefill/decode
         drafts = stage_drafts(self._requests, step.chunks)
 
         report = PlanReport()
@@ -740,6 +745,8 @@ class ModelRunner:
                     work.request.request_id not in accepted_ids
                 ):  # settled: stages/execute/speculative.py
                     commit_chunk(allocator, work.request, work.end)
+            if self.config.kv_export:  # a prefill engine (stages/execute/kv_blocks.py)
+                self.kv_exports += export_computed_prompts(self.kv_cache, allocator, works)
             assert self.kv_cache is not None
             self.kv_cache.prefault()
         release_behind_windows(

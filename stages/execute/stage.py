@@ -8,7 +8,9 @@ the :class:`~stages.execute.tensor_parallel.Rendezvous`, then one
 ``pipeline`` (with pipeline parallelism: each step's
 :class:`~stages.execute.pp_messages.PipelineStep` to the second shard; the last shard's
 :class:`~stages.execute.pp_messages.PipelineLogits` come back on ``in``;
-:mod:`stages.execute.pp_stage`).
+:mod:`stages.execute.pp_stage`), ``kv`` (with ``kv_export``, a prefill engine of
+disaggregated prefill and decode: each prompt's :class:`~stages.kv_transfer.KvBlocks`, once
+computed, to the router; :mod:`stages.execute.kv_blocks`).
 
 With ``tensor_parallel_size`` N > 1 this stage is rank 0 (``docs/architecture.md`` §8): it
 hosts the ranks' rendezvous, loads its shard while they load theirs, and for each step first
@@ -55,8 +57,8 @@ RENDEZVOUS_HOST = "127.0.0.1"
 
 class ExecuteStage(Stage):
     inputs = ("in",)
-    outputs = ("out", "info", "ranks", "pipeline")
-    optional_outputs = ("ranks", "pipeline")
+    outputs = ("out", "info", "ranks", "pipeline", "kv")
+    optional_outputs = ("ranks", "pipeline", "kv")
 
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)
@@ -175,6 +177,14 @@ class ExecuteStage(Stage):
         its host (:mod:`stages.engine_core`)."""
         runner = self.runner
         assert runner is not None
+        result = await self._execute_step(runner, step)
+        if runner.kv_exports:  # a prefill engine's: sent before the step's tokens
+            exports, runner.kv_exports = runner.kv_exports, []
+            for blocks in exports:
+                await self.emit("kv", blocks)
+        return result
+
+    async def _execute_step(self, runner: ModelRunner, step: SchedulerStep) -> StepResult:
         note_step(step)
         if self._pipeline is not None:
             return await self._pipeline.execute(runner, step)
