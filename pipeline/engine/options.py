@@ -119,9 +119,10 @@ class EngineOptions:
     )  # fmt: skip
     #: a SpeculativeConfig, vLLM's keys as a mapping, or their JSON text (the flag's)
     speculative_config: SpeculativeConfig | None = option(  # noqa: RUF009 (frozen)
-        None, feeds=("scheduler",), metavar="JSON",
+        None, feeds=("scheduler", "execute"), metavar="JSON",
         help="speculative decoding, vLLM's keys: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} "
+        "or {\"method\": \"draft_model\", \"model\": ..., \"num_speculative_tokens\": k} "
         "(docs/speculative.md)",
     )  # fmt: skip
     scheduler: str = option("fcfs", help="scheduling policy plugin name (actorline.schedulers)",
