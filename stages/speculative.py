@@ -170,8 +170,11 @@ class SpeculativeConfig:
             )
 
     def to_json(self) -> str:
-        """The config as the JSON object ``--speculative-config`` takes."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """The config as the JSON object ``--speculative-config`` takes (its method's keys)."""
+        fields = dataclasses.asdict(self)
+        for key in _NGRAM_KEYS if self.drafts_in_execute else _DRAFT_KEYS:
+            del fields[key]
+        return json.dumps(fields, sort_keys=True)
 
 
 def parse_speculative_config(value: object) -> SpeculativeConfig | None:

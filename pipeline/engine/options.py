@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.engine.option_fields import check_options, option
+from pipeline.engine.option_fields import check_options, fed, option
 from stages.execute.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -18,6 +18,7 @@ from stages.execute.config import (
     OMP_WAIT_POLICIES,
     QUANT_ACTIVATIONS,
     QUANTIZATIONS,
+    ExecuteConfig,
 )
 from stages.pooling import POOLING_TYPES
 from stages.speculative import SpeculativeConfig, parse_speculative_config
@@ -404,6 +405,9 @@ class EngineOptions:
                 "speculative_config is verified with one engine rank running a model: not with "
                 "tensor_parallel_size > 1 or null_model yet (docs/speculative.md)"
             )
+        if self.speculative_config is not None and self.speculative_config.drafts_in_execute:
+            # the draft model's own options are execute options: checked as those now
+            ExecuteConfig(**fed(self, "execute")).draft_config()
         if self.speculative_config is not None and self.enable_lora:
             raise ValueError(
                 "speculative_config with enable_lora is not built yet: drafts are verified "

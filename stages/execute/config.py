@@ -327,7 +327,9 @@ class ExecuteConfig:
                 speculative_config=None,
             )
         except ExecuteConfigError as exc:
-            raise ExecuteConfigError("speculative_config", f"(the draft model's) {exc}") from None
+            raise ExecuteConfigError(
+                "speculative_config", f"(the draft model's) {exc.field} {exc.problem}"
+            ) from None
 
     def _check_pipeline_parallel(self) -> None:
         self._check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
