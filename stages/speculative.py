@@ -479,9 +479,7 @@ class Speculator:
         draft = tuple(self.proposer.propose(token_ids, num_tokens))[:num_tokens]
         return draft
 
-    def receive(
-        self, request_ids: Collection[str], drafts: Mapping[str, tuple[int, ...]]
-    ) -> None:
+    def receive(self, request_ids: Collection[str], drafts: Mapping[str, tuple[int, ...]]) -> None:
         """Take execute's drafts for the requests that got tokens in a step (``request_ids``;
         ``draft_model``): each replaces the request's last one, and a request that got tokens
         and no draft has none (a draft follows the tokens it was made after)."""

@@ -202,7 +202,10 @@ class Drafter:
         chunks: list[ScheduledChunk] = []
         wanted: dict[str, int] = {}
         for query in queries:
-            if not query.token_ids or len(query.token_ids) + query.num_tokens > runner.max_model_len:
+            if (
+                not query.token_ids
+                or len(query.token_ids) + query.num_tokens > runner.max_model_len
+            ):
                 continue
             chunk = self._catch_up(query.request_id, list(query.token_ids), new_requests)
             chunks.append(chunk)
@@ -242,9 +245,7 @@ class Drafter:
             while common < limit and known[common] == tokens[common]:
                 common += 1
             if common >= held.prompt_len:
-                computed = self.runner.rewind(
-                    request_id, common - held.prompt_len, tokens[common:]
-                )
+                computed = self.runner.rewind(request_id, common - held.prompt_len, tokens[common:])
                 held.tokens = tokens
                 return ScheduledChunk(request_id, computed, len(tokens) - computed)
             # NOTE: cannot happen while the target only appends; kept exact anyway

@@ -73,9 +73,7 @@ def test_a_model_drafting_for_itself_drafts_its_own_greedy_continuation(
     assert result.draft_token_ids == {"a": tuple(expected[1:5])}
     # the target verifies the draft (all accepted: the same model), the next draft follows
     result = drafter.execute(
-        SchedulerStep(
-            2, chunks=(ScheduledChunk("a", len(PROMPT), 5, tuple(expected[1:5])),)
-        )
+        SchedulerStep(2, chunks=(ScheduledChunk("a", len(PROMPT), 5, tuple(expected[1:5])),))
     )
     assert result.accepted_token_ids == {"a": tuple(expected[1:5])}
     assert list(result.token_ids) == expected[5:6]
@@ -165,5 +163,5 @@ def test_a_draft_model_of_another_vocabulary_is_refused(
     config = ExecuteConfig(model=str(tiny_model_dir), num_blocks=8, speculative_config=spec)
     target = ModelRunner(config)
     target.load()
-    with pytest.raises(ValueError, match="speculative_config.*vocabulary of 512"):
+    with pytest.raises(ValueError, match=r"speculative_config.*vocabulary of 512"):
         Drafter(config, target).load()
