@@ -117,6 +117,7 @@ class Drafter:
             raise RuntimeError("the target runner must be loaded before its drafter")
         draft = self.config.draft_config(num_blocks=target.num_blocks)
         self.runner = ModelRunner(draft)
+        self.runner.chunks_as_rows = True
         info = self.runner.load()
         if info.vocab_size != target.vocab_size:
             raise ExecuteConfigError(

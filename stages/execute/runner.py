@@ -263,6 +263,10 @@ class ModelRunner:
         self._step_graph: StepGraph | None = None  # CPU decode steps in one native call
         self._pooler = Pooler(config.pooling_type, config.pooling_normalize)
         self.lora: LoRABank | None = None  # the adapters served, with enable_lora
+        #: run every step of short chunks as decode rows on the step graph, prompt chunks too
+        #: (the draft model's runner, stages/execute/drafter.py: its rounding need not match
+        #: the module path's, and its catch-up chunks are a few tokens)
+        self.chunks_as_rows = False
 
     # ----------------------------------------------------------------- loading
     def load(self) -> EngineInfo:
@@ -685,9 +689,13 @@ class ModelRunner:
                         kept,
                         [*scored.packed_rows, *verified],
                         module_path=module_path,
-                        token_rows=bool(drafted)
-                        and all(
-                            w.end - w.start == 1 or w.request.request_id in drafts for w in works
+                        token_rows=self.chunks_as_rows
+                        or (
+                            bool(drafted)
+                            and all(
+                                w.end - w.start == 1 or w.request.request_id in drafts
+                                for w in works
+                            )
                         ),
                     )  # [K + E + D, V]
             if pooled:
