@@ -10,6 +10,9 @@ the :class:`~stages.execute.tensor_parallel.Rendezvous`, then one
 :class:`~stages.execute.pp_messages.PipelineLogits` come back on ``in``;
 :mod:`stages.execute.pp_stage`).
 
+With ``speculative_config`` method ``draft_model`` the stage also runs the draft model after
+each step (:mod:`stages.execute.drafter`): the result carries the requests' next drafts.
+
 With ``tensor_parallel_size`` N > 1 this stage is rank 0 (``docs/architecture.md`` §8): it
 hosts the ranks' rendezvous, loads its shard while they load theirs, and for each step first
 does the bookkeeping (:meth:`ModelRunner.prepare`), sends the packed batch to the other ranks,
