@@ -66,6 +66,8 @@ class _Drafting:
 
     tokens: list[int]
     prompt_len: int
+    #: the tokens of the last query (their count): the target only appends to those
+    confirmed: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -241,19 +243,23 @@ class Drafter:
         held = self._drafting.get(request_id)
         if held is not None:
             known = held.tokens
-            common = 0
             limit = min(len(known), len(tokens) - 1)  # at least the last token is computed
+            # NOTE: the last query's tokens begin these (the target appends only), so the
+            # shared prefix is looked for past them; their last token is checked anyway
+            common = held.confirmed if 0 < held.confirmed <= limit else 0
+            if common and known[common - 1] != tokens[common - 1]:
+                common = 0
             while common < limit and known[common] == tokens[common]:
                 common += 1
             if common >= held.prompt_len:
                 computed = self.runner.rewind(request_id, common - held.prompt_len, tokens[common:])
-                held.tokens = tokens
+                held.tokens, held.confirmed = tokens, len(tokens)
                 return ScheduledChunk(request_id, computed, len(tokens) - computed)
             # NOTE: cannot happen while the target only appends; kept exact anyway
             del self._drafting[request_id]
             self._forgotten.append(request_id)
             self._run([], [])
-        self._drafting[request_id] = _Drafting(tokens, len(tokens))
+        self._drafting[request_id] = _Drafting(tokens, len(tokens), len(tokens))
         new_requests.append(EngineRequest(request_id, tuple(tokens), _GREEDY))
         return ScheduledChunk(request_id, 0, len(tokens))
 
