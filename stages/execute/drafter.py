@@ -41,9 +41,14 @@ from stages.messages import (
 from stages.params import SamplingParams
 from stages.speculative import Backoff, SpeculativeConfig, may_draft
 
-__all__ = ["DraftQuery", "Drafter"]
+__all__ = ["CATCH_UP_TOKENS", "DraftQuery", "Drafter"]
 
 logger = logging.getLogger("actorline.execute")
+
+#: the most tokens of one request the draft model catches up with in one step (a new
+#: request's prompt, a resumed one's tokens): its prefill is spread over the target's first
+#: decode steps instead of delaying one of them by all of it
+CATCH_UP_TOKENS = 64
 
 #: how the draft model samples: greedily (a point-mass draft distribution)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
@@ -172,7 +177,9 @@ class Drafter:
         if target is None:
             return None
         outputs = self.target.output_token_ids(request_id)
-        if not may_draft(target.params, len(outputs)):
+        # NOTE: not with its first token: that goes out without waiting for the draft
+        # model's prefill, which starts with the next step
+        if len(outputs) < 2 or not may_draft(target.params, len(outputs)):
             return None
         num_tokens = self.spec.num_speculative_tokens
         if target.params.max_tokens is not None:
@@ -238,12 +245,14 @@ class Drafter:
         """The chunk that brings the draft runner's copy of ``request_id`` to ``tokens`` and
         samples its first draft token: its cache rolled back to the longest prefix it shares
         with ``tokens`` (rejected drafts out) and the rest computed; a request it does not
-        hold yet (or holds with another prompt) is registered with ``tokens`` as its prompt."""
+        hold yet (or holds with another prompt) is registered with ``tokens`` as its prompt.
+        At most :data:`CATCH_UP_TOKENS` are computed: a chunk that stops short of the end
+        samples nothing, so the request gets no draft this step."""
         assert self.runner is not None
         held = self._drafting.get(request_id)
         if held is not None:
             known = held.tokens
-            limit = min(len(known), len(tokens) - 1)  # at least the last token is computed
+            limit = min(len(known), len(tokens))
             # NOTE: the last query's tokens begin these (the target appends only), so the
             # shared prefix is looked for past them; their last token is checked anyway
             common = held.confirmed if 0 < held.confirmed <= limit else 0
@@ -251,17 +260,25 @@ class Drafter:
                 common = 0
             while common < limit and known[common] == tokens[common]:
                 common += 1
+            # tokens it holds already: where all are computed, the last one is computed again
+            # to sample after it (a rewind that keeps everything just reads the count)
+            if (
+                common == len(tokens)
+                and self.runner.rewind(request_id, len(known) - held.prompt_len, ()) >= common
+            ):
+                common -= 1
             if common >= held.prompt_len:
                 computed = self.runner.rewind(request_id, common - held.prompt_len, tokens[common:])
                 held.tokens, held.confirmed = tokens, len(tokens)
-                return ScheduledChunk(request_id, computed, len(tokens) - computed)
+                size = min(len(tokens) - computed, CATCH_UP_TOKENS)
+                return ScheduledChunk(request_id, computed, size)
             # NOTE: cannot happen while the target only appends; kept exact anyway
             del self._drafting[request_id]
             self._forgotten.append(request_id)
             self._run([], [])
         self._drafting[request_id] = _Drafting(tokens, len(tokens), len(tokens))
         new_requests.append(EngineRequest(request_id, tuple(tokens), _GREEDY))
-        return ScheduledChunk(request_id, 0, len(tokens))
+        return ScheduledChunk(request_id, 0, min(len(tokens), CATCH_UP_TOKENS))
 
     def _run(
         self, new_requests: Sequence[EngineRequest], chunks: Sequence[ScheduledChunk]
