@@ -332,6 +332,9 @@ class StepResult:
     tokens the target accepted (maybe none); its new tokens are these, then its entry of
     ``token_ids`` (the corrected or bonus token). Its computed tokens are the chunk's start
     plus one plus the accepted ones: the rejected tokens' KV slots are rolled back.
+    ``draft_token_ids``: with a draft model (docs/speculative.md), for requests that got
+    tokens this step, the draft the execute stage's drafter proposes to follow them (the
+    scheduler may send it, cut shorter, with the request's next chunk).
     """
 
     step_id: int
@@ -356,6 +359,7 @@ class StepResult:
     # 0: unchanged)
     threads: int = 0
     accepted_token_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    draft_token_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @message()

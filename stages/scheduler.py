@@ -855,4 +855,6 @@ class Scheduler:
             state.num_computed_tokens -= num_drafted - len(taken)
             if self._speculator is not None and state.status is _Status.RUNNING:
                 self._speculator.observe(request_id, num_drafted, len(taken))
+        if self._speculator is not None:  # draft_model: the drafts for the next step
+            self._speculator.receive(result.request_ids, result.draft_token_ids)
         return accepted

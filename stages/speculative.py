@@ -9,6 +9,12 @@ checked by :mod:`plugins`): a class constructed with the :class:`SpeculativeConf
 when it plans a request's decode; execute verifies the draft in the same forward pass
 (:mod:`stages.execute.speculative`) and the scheduler reports back how much was accepted.
 
+The ``draft_model`` method is built in and is no plugin: a second, smaller model drafts, and it
+runs in the execute stage beside the target (:mod:`stages.execute.drafter`), whose step results
+bring each request's next draft (:attr:`stages.messages.StepResult.draft_token_ids`); the
+:class:`Speculator` hands those out instead of asking a proposer (as vLLM V1's drafters,
+``vllm/v1/spec_decode/draft_model.py``, run in its model runner after the target samples).
+
 The n-gram proposer is prompt lookup as vLLM's (``vllm/v1/spec_decode/ngram_proposer.py``):
 the longest suffix of the request's tokens (prompt and output) of ``prompt_lookup_max`` down to
 ``prompt_lookup_min`` tokens that occurred earlier, and the tokens that followed its most recent
@@ -28,7 +34,9 @@ from stages.params import SamplingParams
 
 __all__ = [
     "API_VERSION",
+    "DRAFT_MODEL",
     "NOT_BUILT_METHODS",
+    "Backoff",
     "NgramProposer",
     "Proposer",
     "SpeculativeConfig",
@@ -42,9 +50,11 @@ __all__ = [
 
 API_VERSION = 1
 
+#: the built-in method whose drafts come from a draft model run by the execute stage
+DRAFT_MODEL = "draft_model"
+
 #: vLLM's methods that actorline does not run yet: refused by name
 NOT_BUILT_METHODS = (
-    "draft_model",
     "eagle",
     "eagle3",
     "medusa",
@@ -63,7 +73,14 @@ _KEYS = (
     "prompt_lookup_max",
     "prompt_lookup_min",
     "disable_by_batch_size",
+    "model",
+    "quantization",
+    "dtype",
+    "draft_tensor_parallel_size",
 )
+#: the keys of the n-gram proposer alone / of the draft model alone
+_NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
+_DRAFT_KEYS = ("model", "quantization", "dtype", "draft_tensor_parallel_size")
 #: the default of disable_by_batch_size: at this many running requests or more no one drafts
 #: (a CPU step there is no longer bound by reading the weights once)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
@@ -85,6 +102,12 @@ class SpeculativeConfig:
     proposer matches (vLLM's defaults: 5 and 5 when neither is given, one the other when one
     is). ``disable_by_batch_size``: no request drafts while this many requests or more run.
 
+    With ``method`` ``"draft_model"``: ``model`` (an alias, HF directory or ``.gguf`` file of
+    the same vocabulary as the target), the draft model's own ``quantization`` (``"gguf"``,
+    ``"int8"`` or None) and ``dtype`` (``"float32"`` unless given); ``draft_tensor_parallel_size``
+    may only be 1 (the draft runs unsharded). Its values are checked as the execute stage's own
+    (:class:`stages.execute.config.ExecuteConfig`) when the engine's config is built.
+
     Raises:
         ValueError: naming the key that is wrong.
     """
@@ -94,6 +117,16 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None
+    quantization: str | None = None
+    dtype: str = "float32"
+    draft_tensor_parallel_size: int = 1
+
+    @property
+    def drafts_in_execute(self) -> bool:
+        """Whether the drafts come from a draft model in the execute stage (``draft_model``)
+        rather than from a proposer the scheduler asks."""
+        return self.method == DRAFT_MODEL
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
@@ -103,7 +136,25 @@ class SpeculativeConfig:
         if self.method in NOT_BUILT_METHODS:
             raise ValueError(
                 f"speculative_config: method {self.method!r} is not supported yet; actorline "
-                "runs 'ngram' (prompt lookup) for now"
+                "runs 'ngram' (prompt lookup) and 'draft_model' for now"
+            )
+        if self.method == DRAFT_MODEL:
+            if not isinstance(self.model, str) or not self.model.strip():
+                raise ValueError(
+                    "speculative_config: method 'draft_model' needs model, the draft model's "
+                    f"alias or path, got {self.model!r}"
+                )
+            if self.draft_tensor_parallel_size != 1:
+                raise ValueError(
+                    "speculative_config: draft_tensor_parallel_size must be 1 (the draft model "
+                    f"runs unsharded), got {self.draft_tensor_parallel_size!r}"
+                )
+            if not isinstance(self.dtype, str):
+                raise ValueError(f"speculative_config: dtype must be a string, got {self.dtype!r}")
+        elif self.model is not None or self.quantization is not None:
+            raise ValueError(
+                f"speculative_config: model and quantization are the draft model's keys; "
+                f"method {self.method!r} takes none (use method 'draft_model')"
             )
         for name in (
             "num_speculative_tokens",
@@ -119,8 +170,11 @@ class SpeculativeConfig:
             )
 
     def to_json(self) -> str:
-        """The config as the JSON object ``--speculative-config`` takes."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """The config as the JSON object ``--speculative-config`` takes (its method's keys)."""
+        fields = dataclasses.asdict(self)
+        for key in _NGRAM_KEYS if self.drafts_in_execute else _DRAFT_KEYS:
+            del fields[key]
+        return json.dumps(fields, sort_keys=True)
 
 
 def parse_speculative_config(value: object) -> SpeculativeConfig | None:
@@ -145,12 +199,12 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
             f"{', '.join(_KEYS)}, got {type(value).__name__}"
         )
     fields: dict[str, Any] = dict(value)
-    method = fields.get("method", "ngram")
-    if method in NOT_BUILT_METHODS or "model" in fields:
-        shown = method if method in NOT_BUILT_METHODS else "draft_model"
+    method = fields.get("method", DRAFT_MODEL if "model" in fields else "ngram")
+    fields["method"] = method
+    if method in NOT_BUILT_METHODS:
         raise ValueError(
-            f"speculative_config: method {shown!r} is not supported yet; actorline runs "
-            "'ngram' (prompt lookup) for now"
+            f"speculative_config: method {method!r} is not supported yet; actorline runs "
+            "'ngram' (prompt lookup) and 'draft_model' for now"
         )
     unknown = sorted(set(fields) - set(_KEYS))
     if unknown:
@@ -160,6 +214,26 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
         )
     if "num_speculative_tokens" not in fields:
         raise ValueError("speculative_config: num_speculative_tokens is required")
+    if method == DRAFT_MODEL:
+        given = sorted(set(fields) & set(_NGRAM_KEYS))
+        if given:
+            raise ValueError(
+                f"speculative_config: {', '.join(map(repr, given))} are the n-gram proposer's "
+                "keys; method 'draft_model' takes none"
+            )
+        if fields.get("dtype") is None:
+            fields["dtype"] = "float32"
+        if fields.get("draft_tensor_parallel_size") is None:
+            fields["draft_tensor_parallel_size"] = 1
+        if fields.get("disable_by_batch_size") is None:
+            fields["disable_by_batch_size"] = DEFAULT_DISABLE_BY_BATCH_SIZE
+        return SpeculativeConfig(**fields)
+    given = sorted(set(fields) & set(_DRAFT_KEYS))
+    if given:
+        raise ValueError(
+            f"speculative_config: {', '.join(map(repr, given))} are the draft model's keys; "
+            f"method {method!r} takes none (use method 'draft_model')"
+        )
     # vLLM's defaults (vllm/config/speculative.py): one lookup bound gives the other
     low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
     if low is None and high is None:
@@ -336,15 +410,51 @@ class _Backoff:
     skip: int = 0  # steps left before it drafts again
 
 
+class Backoff:
+    """Per-request back-off after wholly rejected drafts: a request whose draft is wholly
+    rejected skips 1, 3, 7, ... steps (up to :data:`MAX_BACKOFF_STEPS`) before drafting again;
+    any accepted token resets it. The scheduler keeps one for its proposers, the execute
+    stage's drafter one for the draft model."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, _Backoff] = {}
+
+    def skips(self, request_id: str) -> bool:
+        """Whether the request skips drafting this step (counting the step down)."""
+        state = self._states.get(request_id)
+        if state is not None and state.skip > 0:
+            state.skip -= 1
+            return True
+        return False
+
+    def observe(self, request_id: str, num_accepted: int) -> None:
+        """A verified draft of the request had ``num_accepted`` tokens accepted."""
+        state = self._states.setdefault(request_id, _Backoff())
+        if num_accepted == 0:
+            state.misses += 1
+            state.skip = min(2**state.misses - 1, MAX_BACKOFF_STEPS)
+        else:
+            state.misses = state.skip = 0
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's state."""
+        self._states.pop(request_id, None)
+
+
 class Speculator:
-    """The scheduler's side of speculative decoding: a proposer, the per-request back-off and
-    the counters. A request whose draft is wholly rejected skips 1, 3, 7, ... steps (up to
-    :data:`MAX_BACKOFF_STEPS`) before drafting again; any accepted token resets it."""
+    """The scheduler's side of speculative decoding: a proposer, the per-request
+    :class:`Backoff` and the counters. With ``draft_model`` there is no proposer here: the
+    drafts come with execute's step results (:meth:`receive`) and the drafter there backs
+    off itself."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
-        self.proposer = proposer if proposer is not None else load_proposer(config)
-        self._backoff: dict[str, _Backoff] = {}
+        self.proposer: Proposer | None = None
+        if not config.drafts_in_execute:
+            self.proposer = proposer if proposer is not None else load_proposer(config)
+        self._backoff = Backoff()
+        #: request id -> the draft execute proposed after its last step (draft_model)
+        self._received: dict[str, tuple[int, ...]] = {}
         self._num_drafts = 0
         self._num_draft_tokens = 0
         self._num_accepted = 0
@@ -356,16 +466,29 @@ class Speculator:
 
     def propose(self, request_id: str, token_ids: Sequence[int], limit: int) -> tuple[int, ...]:
         """A draft of at most ``min(num_speculative_tokens, limit)`` tokens for the request
-        (empty while it backs off)."""
-        backoff = self._backoff.get(request_id)
-        if backoff is not None and backoff.skip > 0:
-            backoff.skip -= 1
+        (empty while it backs off). With ``draft_model``: the draft execute proposed with the
+        request's last step, if any (taken: it follows the tokens as they are now)."""
+        if self.proposer is None:
+            received = self._received.pop(request_id, ())
+            return received[: max(0, min(self.config.num_speculative_tokens, limit))]
+        if self._backoff.skips(request_id):
             return ()
         num_tokens = min(self.config.num_speculative_tokens, limit)
         if num_tokens < 1:
             return ()
         draft = tuple(self.proposer.propose(token_ids, num_tokens))[:num_tokens]
         return draft
+
+    def receive(self, request_ids: Collection[str], drafts: Mapping[str, tuple[int, ...]]) -> None:
+        """Take execute's drafts for the requests that got tokens in a step (``request_ids``;
+        ``draft_model``): each replaces the request's last one, and a request that got tokens
+        and no draft has none (a draft follows the tokens it was made after)."""
+        for request_id in request_ids:
+            draft = drafts.get(request_id)
+            if draft:
+                self._received[request_id] = tuple(draft)
+            else:
+                self._received.pop(request_id, None)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """Count a verified draft of ``num_drafted`` tokens of which the first
@@ -377,16 +500,12 @@ class Speculator:
         self._num_accepted += num_accepted
         for position in range(min(num_accepted, len(self._per_position))):
             self._per_position[position] += 1
-        backoff = self._backoff.setdefault(request_id, _Backoff())
-        if num_accepted == 0:
-            backoff.misses += 1
-            backoff.skip = min(2**backoff.misses - 1, MAX_BACKOFF_STEPS)
-        else:
-            backoff.misses = backoff.skip = 0
+        self._backoff.observe(request_id, num_accepted)
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's back-off."""
-        self._backoff.pop(request_id, None)
+        """Drop a finished or preempted request's back-off and received draft."""
+        self._backoff.forget(request_id)
+        self._received.pop(request_id, None)
 
     def stats(self) -> SpeculativeStats:
         """The counters so far."""

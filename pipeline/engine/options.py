@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.engine.option_fields import check_options, option
+from pipeline.engine.option_fields import check_options, fed, option
 from pipeline.engine.prefill_decode import (
     PrefillDecode,
     check_prefill_decode,
@@ -23,6 +23,7 @@ from stages.execute.config import (
     OMP_WAIT_POLICIES,
     QUANT_ACTIVATIONS,
     QUANTIZATIONS,
+    ExecuteConfig,
 )
 from stages.pooling import POOLING_TYPES
 from stages.speculative import SpeculativeConfig, parse_speculative_config
@@ -124,9 +125,10 @@ class EngineOptions:
     )  # fmt: skip
     #: a SpeculativeConfig, vLLM's keys as a mapping, or their JSON text (the flag's)
     speculative_config: SpeculativeConfig | None = option(  # noqa: RUF009 (frozen)
-        None, feeds=("scheduler",), metavar="JSON",
+        None, feeds=("scheduler", "execute"), metavar="JSON",
         help="speculative decoding, vLLM's keys: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": m} "
+        "or {\"method\": \"draft_model\", \"model\": ..., \"num_speculative_tokens\": k} "
         "(docs/speculative.md)",
     )  # fmt: skip
     scheduler: str = option("fcfs", help="scheduling policy plugin name (actorline.schedulers)",
@@ -426,6 +428,19 @@ class EngineOptions:
                 "speculative_config needs a model to verify the drafts: null_model runs none "
                 "(docs/speculative.md)"
             )
+        if (
+            self.speculative_config is not None
+            and self.speculative_config.drafts_in_execute
+            and self.tensor_parallel_size > 1
+        ):
+            raise ValueError(
+                "speculative_config method draft_model runs with tensor_parallel_size 1: the "
+                "draft model runs beside rank 0 only, not verified with sharded ranks yet "
+                "(docs/speculative.md)"
+            )
+        if self.speculative_config is not None and self.speculative_config.drafts_in_execute:
+            # the draft model's own options are execute options: checked as those now
+            ExecuteConfig(**fed(self, "execute")).draft_config()
         if self.speculative_config is not None and self.enable_lora:
             raise ValueError(
                 "speculative_config with enable_lora is not built yet: drafts are verified "

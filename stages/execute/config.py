@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from stages.pooling import POOLING_TYPES
+from stages.speculative import SpeculativeConfig
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -133,6 +134,9 @@ class ExecuteConfig:
     - ``enable_lora``: serve requests with LoRA adapters (docs/lora.md): ``max_loras``
       adapters in one batch, of rank at most ``max_lora_rank``, ``max_cpu_loras`` kept loaded
       (None: ``max_loras``; adapters of running requests stay loaded). vLLM's names.
+    - ``speculative_config``: with method ``draft_model`` this stage also runs the draft
+      model (:meth:`draft_config`, :mod:`stages.execute.drafter`; docs/speculative.md); the
+      n-gram proposer runs in the scheduler and needs nothing here.
 
     Raises:
         ExecuteConfigError: a field is out of range or of the wrong type.
@@ -174,6 +178,7 @@ class ExecuteConfig:
     #: a prefill engine of disaggregated prefill and decode: export each prompt's full
     #: blocks once computed (stages/execute/kv_blocks.py, docs/parallelism.md)
     kv_export: bool = False
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -293,6 +298,42 @@ class ExecuteConfig:
                 f"'flex' attends decode rows itself; decode_attention "
                 f"{self.decode_attention!r} applies to 'gather_sdpa' (leave it 'auto')",
             )
+
+        if self.speculative_config is not None and self.speculative_config.drafts_in_execute:
+            self.draft_config()
+
+    def draft_config(self, num_blocks: int | None = None) -> ExecuteConfig:
+        """How the draft model of ``speculative_config`` (method ``draft_model``) loads: its
+        own model, dtype and quantization, this stage's device, block size and seed, no prefix
+        caching (its drafted tokens are rolled back) and ``num_blocks`` blocks.
+
+        Raises:
+            ExecuteConfigError: (``speculative_config``) no draft model is configured, or
+                its options are not valid execute options (the message says which).
+        """
+        spec = self.speculative_config
+        if spec is None or not spec.drafts_in_execute or spec.model is None:
+            raise ExecuteConfigError("speculative_config", "names no draft model")
+        try:
+            return dataclasses.replace(
+                self,
+                model=spec.model,
+                dtype=spec.dtype,
+                quantization=spec.quantization,
+                quant_activations="auto",
+                kv_cache_dtype="auto",
+                num_blocks=num_blocks,
+                enable_prefix_caching=False,
+                tensor_parallel_size=1,
+                pipeline_parallel_size=1,
+                pipeline_parallel_split=None,
+                enable_lora=False,
+                speculative_config=None,
+            )
+        except ExecuteConfigError as exc:
+            raise ExecuteConfigError(
+                "speculative_config", f"(the draft model's) {exc.field} {exc.problem}"
+            ) from None
 
     def _check_pipeline_parallel(self) -> None:
         self._check_positive("pipeline_parallel_size", self.pipeline_parallel_size)

@@ -267,6 +267,10 @@ class ModelRunner:
         self._step_graph: StepGraph | None = None  # CPU decode steps in one native call
         self._pooler = Pooler(config.pooling_type, config.pooling_normalize)
         self.lora: LoRABank | None = None  # the adapters served, with enable_lora
+        #: run every step of short chunks as decode rows on the step graph, prompt chunks too
+        #: (the draft model's runner, stages/execute/drafter.py: its rounding need not match
+        #: the module path's, and its catch-up chunks are a few tokens)
+        self.chunks_as_rows = False
 
     # ----------------------------------------------------------------- loading
     def load(self) -> EngineInfo:
@@ -690,9 +694,13 @@ class ModelRunner:
                         kept,
                         [*scored.packed_rows, *verified],
                         module_path=module_path,
-                        token_rows=bool(drafted)
-                        and all(
-                            w.end - w.start == 1 or w.request.request_id in drafts for w in works
+                        token_rows=self.chunks_as_rows
+                        or (
+                            bool(drafted)
+                            and all(
+                                w.end - w.start == 1 or w.request.request_id in drafts
+                                for w in works
+                            )
                         ),
                     )  # [K + E + D, V]
             if pooled:
@@ -961,6 +969,30 @@ class ModelRunner:
     def output_token_ids(self, request_id: str) -> list[int]:
         """The tokens sampled so far for ``request_id`` (a copy)."""
         return list(self._requests[request_id].sampling.output_token_ids)
+
+    def rewind(self, request_id: str, num_outputs: int, append: Sequence[int]) -> int:
+        """Keep the first ``num_outputs`` outputs of ``request_id``, append ``append`` to them
+        and forget the positions computed past the kept tokens, giving back the blocks they
+        alone need (the draft model's roll-back, stages/execute/drafter.py; its runner
+        publishes nothing to the prefix cache, so any position can be rolled back).
+
+        Returns:
+            The request's computed tokens now (its next chunk starts there).
+        Raises:
+            KeyError: unknown request. ValueError: ``num_outputs`` out of range.
+        """
+        request = self._requests[request_id]
+        outputs = request.sampling.output_token_ids
+        if not 0 <= num_outputs <= len(outputs):
+            raise ValueError(f"{request_id!r} has {len(outputs)} outputs, not {num_outputs}")
+        del outputs[num_outputs:]
+        outputs.extend(append)
+        kept = len(request.sampling.prompt_token_ids) + num_outputs
+        if request.num_computed > kept:
+            request.num_computed = kept
+            assert self.allocator is not None
+            self.allocator.truncate(request_id, kept)
+        return request.num_computed
 
 
 def _shard_step(step_id: int, packed: _Packed) -> ShardStep:

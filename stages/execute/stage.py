@@ -12,6 +12,9 @@ the :class:`~stages.execute.tensor_parallel.Rendezvous`, then one
 disaggregated prefill and decode: each prompt's :class:`~stages.kv_transfer.KvBlocks`, once
 computed, to the router; :mod:`stages.execute.kv_blocks`).
 
+With ``speculative_config`` method ``draft_model`` the stage also runs the draft model after
+each step (:mod:`stages.execute.drafter`): the result carries the requests' next drafts.
+
 With ``tensor_parallel_size`` N > 1 this stage is rank 0 (``docs/architecture.md`` §8): it
 hosts the ranks' rendezvous, loads its shard while they load theirs, and for each step first
 does the bookkeeping (:meth:`ModelRunner.prepare`), sends the packed batch to the other ranks,
@@ -45,6 +48,7 @@ from stages.messages import EngineInfo, SchedulerStep, StepResult
 from stages.models import loading
 
 if TYPE_CHECKING:
+    from stages.execute.drafter import Drafter
     from stages.execute.runner import ModelRunner
     from stages.execute.step_threads import StepThreads
 
@@ -64,6 +68,8 @@ class ExecuteStage(Stage):
         super().__init__(config)
         self.runner: ModelRunner | None = None
         self.step_threads: StepThreads | None = None
+        #: the draft model, with speculative_config method draft_model (stages.execute.drafter)
+        self.drafter: Drafter | None = None
         self._store: object = None  # rank 0's TCPStore, alive as long as the group
         #: the first shard's side of pipeline-parallel steps (stages.execute.pp_stage)
         self._pipeline: PipelineDriver | None = None
@@ -105,6 +111,12 @@ class ExecuteStage(Stage):
                 torch.set_num_threads(threads_per_rank(size))
             with loading():
                 info = runner.load()
+                spec = self.config.speculative_config
+                if spec is not None and spec.drafts_in_execute:
+                    from stages.execute.drafter import Drafter
+
+                    self.drafter = Drafter(self.config, runner)
+                    self.drafter.load()
             # on the worker thread: its thread count is the steps'
             self.step_threads = StepThreads(self.config.omp_wait_policy if size == 1 else "")
             return dataclasses.replace(info, omp_wait_policy=self.step_threads.wait_policy)
@@ -190,7 +202,9 @@ class ExecuteStage(Stage):
             return await self._pipeline.execute(runner, step)
         if runner.group is None:
             assert self.step_threads is not None
-            return await self.run_in_thread(self.step_threads.run, runner.execute, step)
+            # with a draft model the step also drafts the requests' next tokens
+            execute = runner.execute if self.drafter is None else self.drafter.execute
+            return await self.run_in_thread(self.step_threads.run, execute, step)
         prepared = await self.run_in_thread(runner.prepare, step)
         if prepared.shard is not None:
             await self.emit("ranks", prepared.shard)

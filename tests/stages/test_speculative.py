@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 import plugins
+from pipeline.engine.option_fields import fed
 from pipeline.engine.options import EngineOptions
+from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.params import SamplingParams
 from stages.speculative import (
     NgramProposer,
@@ -29,6 +31,50 @@ def test_the_config_reads_vllms_keys_from_a_mapping_or_json() -> None:
     )
     assert parse_speculative_config(config.to_json()) == config
     assert parse_speculative_config(None) is None
+    # a model names the draft model's method (vLLM's rule); its own options ride along
+    draft = parse_speculative_config(
+        {"model": "smollm2-135m", "quantization": "gguf", "num_speculative_tokens": 3}
+    )
+    assert draft == SpeculativeConfig(
+        "draft_model", 3, model="smollm2-135m", quantization="gguf", dtype="float32"
+    )
+    assert draft is not None and draft.drafts_in_execute
+    assert parse_speculative_config(draft.to_json()) == draft
+
+
+def test_the_draft_models_options_are_checked_as_execute_options() -> None:
+    spec = {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3}
+    options = EngineOptions(speculative_config={**spec, "quantization": "gguf"})
+    draft = ExecuteConfig(**fed(options, "execute")).draft_config(num_blocks=7)
+    assert (draft.model, draft.quantization, draft.dtype, draft.num_blocks) == (
+        "smollm2-135m", "gguf", "float32", 7,
+    )  # fmt: skip
+    assert not draft.enable_prefix_caching and draft.speculative_config is None
+    for bad, words in (("quantization", "q5"), ("dtype", "float8")):
+        with pytest.raises(ExecuteConfigError, match="speculative_config") as caught:
+            EngineOptions(speculative_config={**spec, bad: words})
+        assert f"the draft model's) {bad}" in str(caught.value)
+    with pytest.raises(ExecuteConfigError, match="names no draft model"):
+        ExecuteConfig().draft_config()
+
+
+def test_draft_model_drafts_come_from_the_step_results() -> None:
+    config = SpeculativeConfig("draft_model", 3, model="smollm2-135m")
+    speculator = Speculator(config)
+    assert speculator.proposer is None
+    speculator.receive(["a", "b"], {"a": (5, 6, 7), "c": (1,)})
+    assert speculator.propose("a", [1, 2], 2) == (5, 6)  # cut to the limit, taken
+    assert speculator.propose("a", [1, 2], 2) == ()
+    speculator.receive(["b"], {"b": (9,)})
+    speculator.receive(["b"], {})  # tokens came without a draft: the old one no longer follows
+    assert speculator.propose("b", [1], 3) == ()
+    speculator.receive(["b"], {"b": (4, 4, 4, 4)})
+    speculator.forget("b")
+    assert speculator.propose("b", [1], 3) == ()
+    # no back-off here: the drafter in execute backs off itself
+    speculator.observe("a", 3, 0)
+    speculator.receive(["a"], {"a": (8,)})
+    assert speculator.propose("a", [1], 3) == (8,)
 
 
 @pytest.mark.parametrize(
@@ -42,10 +88,14 @@ def test_the_config_reads_vllms_keys_from_a_mapping_or_json() -> None:
         ({"num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer >= 1"),
         ({"num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
          "prompt_lookup_min 4 must not exceed prompt_lookup_max 2"),
-        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3},
-         "'draft_model' is not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "needs model"),
+        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3,
+          "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size must be 1"),
+        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3,
+          "prompt_lookup_max": 3}, "'prompt_lookup_max' are the n-gram proposer's keys"),
+        ({"method": "ngram", "model": "x", "num_speculative_tokens": 3},
+         "'model' are the draft model's keys"),
         ({"method": "eagle3", "num_speculative_tokens": 3}, "'eagle3' is not supported yet"),
-        ({"model": "smollm2-135m", "num_speculative_tokens": 3}, "not supported yet"),
         ({"method": "telepathy", "num_speculative_tokens": 3}, "names no installed proposer"),
     ],
 )  # fmt: skip

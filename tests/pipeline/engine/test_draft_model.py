@@ -1,0 +1,191 @@
+"""Speculative decoding with a draft model end to end (docs/speculative.md): the execute
+stage's drafter proposes, the target verifies; outputs are token-identical to decoding
+without it (a tiny model drafting for itself, another tiny model drafting for it, and the
+default model's Q4_1 GGUF drafting for its fp32 self), sampling keeps the target's
+distribution, and aborts, max_tokens and preemption stay exact mid-draft."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from pipeline import LLM
+from pipeline.engine.async_engine import AsyncEngine
+from stages.params import SamplingParams
+from tests.conftest import TINY_LLAMA
+
+PROMPTS = [
+    [100, 200, 300, 400, 500, 100, 200, 300, 400, 500, 100, 200],
+    [7, 8, 9, 7, 8, 9, 7, 8],
+    list(range(1000, 1030)) + list(range(1000, 1010)),
+    [42] * 20,
+]
+
+
+def _spec(model: Path | str, k: int = 4, **extra: Any) -> dict[str, Any]:
+    return {
+        "method": "draft_model",
+        "model": str(model),
+        "num_speculative_tokens": k,
+        "disable_by_batch_size": 256,
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def other_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """Another tiny random Llama (one layer, another seed) on the same tokenizer: a draft
+    model that mostly disagrees with the target."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-draft")
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": 1})).save_pretrained(out)
+    for name in tiny_model_dir.iterdir():
+        if not name.name.startswith(("model", "config", "generation_config")):
+            shutil.copy(name, out / name.name)
+    return out
+
+
+def _generate(model: Path, params: list[SamplingParams], **options: Any) -> tuple[list[Any], Any]:
+    with LLM(str(model), transport="memory", **options) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        return outputs, llm.engine.stats
+
+
+@pytest.mark.slow
+def test_greedy_outputs_identical_with_a_draft_model(
+    tiny_model_dir: Path, other_tiny_model_dir: Path
+) -> None:
+    # max_tokens cut runs mid-draft (7, 13), the others run long
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 7, 13, 64)
+    ]
+    plain, _ = _generate(tiny_model_dir, params, num_blocks=256)
+    itself, stats = _generate(
+        tiny_model_dir, params, num_blocks=256, speculative_config=_spec(tiny_model_dir)
+    )
+    assert [o.token_ids for o in itself] == [o.token_ids for o in plain]
+    assert [o.text for o in itself] == [o.text for o in plain]
+    assert [len(o.token_ids) for o in itself] == [40, 7, 13, 64]
+    # the model drafting for itself: every draft token is accepted
+    assert stats.spec_num_drafts > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
+    other, stats = _generate(
+        tiny_model_dir, params, num_blocks=256, speculative_config=_spec(other_tiny_model_dir)
+    )
+    assert [o.token_ids for o in other] == [o.token_ids for o in plain]
+    assert stats.spec_num_drafts > 0
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+@pytest.mark.slow
+def test_preemption_and_an_abort_mid_draft_stay_exact(tiny_model_dir: Path) -> None:
+    params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
+    plain, _ = _generate(tiny_model_dir, params, num_blocks=256)
+    # 12 blocks of 16 tokens cannot hold the four requests at once: some are preempted (their
+    # draft blocks freed with the target's), then resumed and drafted for again
+    spec, stats = _generate(
+        tiny_model_dir,
+        params,
+        num_blocks=12,
+        block_size=16,
+        speculative_config=_spec(tiny_model_dir),
+    )
+    assert stats.num_preemptions > 0
+    assert stats.spec_num_accepted_tokens > 0
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+    async def main() -> tuple[list[int], list[int]]:
+        async with AsyncEngine(
+            str(tiny_model_dir),
+            transport="memory",
+            num_blocks=64,
+            speculative_config=_spec(tiny_model_dir),
+        ) as engine:
+
+            async def run(prompt: list[int], request_id: str, stop_after: int | None) -> list[int]:
+                tokens: list[int] = []
+                async for output in engine.generate(
+                    {"prompt_token_ids": prompt}, greedy, request_id=request_id
+                ):
+                    tokens = list(output.token_ids)
+                    if stop_after is not None and len(tokens) >= stop_after:
+                        await engine.abort(request_id)
+                        break
+                return tokens
+
+            aborted, kept = await asyncio.gather(
+                run(PROMPTS[3], "a", 5), run(PROMPTS[0], "b", None)
+            )
+            after = await run(PROMPTS[3], "c", None)
+            assert len(aborted) >= 5
+            return kept, after
+
+    kept, after = asyncio.run(main())
+    with LLM(str(tiny_model_dir), transport="memory", num_blocks=64) as llm:
+        expected = llm.generate(
+            [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[3]}], greedy
+        )
+    assert kept == list(expected[0].token_ids)
+    assert after == list(expected[1].token_ids)
+
+
+def _sampled(model: Path, prompt: list[int], count: int, **options: Any) -> tuple[list[Any], Any]:
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
+    with LLM(str(model), transport="memory", num_blocks=1024, max_num_seqs=64, **options) as llm:
+        outputs = llm.generate([{"prompt_token_ids": prompt}] * count, params)
+        return [tuple(o.token_ids) for o in outputs], llm.engine.stats
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sampling_with_a_draft_model_keeps_the_target_distribution(tiny_model_dir: Path) -> None:
+    # The draft is the model's own greedy choice (a point mass): at temperature 1 with top-k 3
+    # it is accepted with the target's probability of it, else the residual is sampled.
+    prompt = PROMPTS[1]
+    count = 400
+    plain, _ = _sampled(tiny_model_dir, prompt, count)
+    spec, stats = _sampled(
+        tiny_model_dir, prompt, count, speculative_config=_spec(tiny_model_dir, 3)
+    )
+    assert stats.spec_num_drafts > 0
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    for position in (1, 2, 3):
+        a = collections.Counter(run[position] for run in plain)
+        b = collections.Counter(run[position] for run in spec)
+        tokens = sorted(set(a) | set(b))
+        table = [[a[t] + 0.5 for t in tokens], [b[t] + 0.5 for t in tokens]]
+        if len(tokens) > 1:
+            assert chi2_contingency(table).pvalue > 1e-4, (position, a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_default_models_q4_1_gguf_drafts_for_its_fp32_self() -> None:
+    # the default model runs fp32 (dequantized from its GGUF); its own Q4_1 weights, run as
+    # they are, draft for it: the outputs are the fp32 model's, most drafts accepted
+    messages = [
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+    ]
+    greedy = SamplingParams(max_tokens=48, temperature=0.0)
+    with LLM("smollm2-135m", transport="memory") as llm:
+        plain = llm.chat(messages, greedy)
+    spec = _spec("smollm2-135m", 4, quantization="gguf")
+    with LLM("smollm2-135m", transport="memory", speculative_config=spec) as llm:
+        drafted = llm.chat(messages, greedy)
+        stats = llm.engine.stats
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens > 0.5
