@@ -117,6 +117,13 @@ def test_engine_options_take_the_config_and_refuse_what_is_not_verified() -> Non
     assert tp.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
     with pytest.raises(ValueError, match="null_model"):
         EngineOptions(speculative_config={"num_speculative_tokens": 3}, null_model=True)
+    # a draft model runs beside rank 0 only: refused sharded before anything loads
+    with pytest.raises(ValueError, match="draft_model runs with tensor_parallel_size 1"):
+        EngineOptions(
+            speculative_config={"model": "smollm2-135m", "num_speculative_tokens": 3},
+            tensor_parallel_size=2,
+            transport="zmq",
+        )
 
 
 def test_the_ngram_proposer_is_a_plugin_of_its_group() -> None:
