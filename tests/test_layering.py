@@ -50,6 +50,7 @@ PURE_MODULES = (
     "stages.validation",
     "stages.recovery",
     "stages.execute.contention",
+    "stages.execute.quant.gguf_table",
 )
 FORBIDDEN = ("asyncio", "anyio", "zmq", "grpc", "torch")
 
