@@ -158,13 +158,12 @@ def test_bad_input_fails_with_one_clear_line(args: list[str], message: str) -> N
 
 def test_both_model_classes_generate_the_same_text(tiny_model_dir: Path) -> None:
     """``--model-impl``: actorline's own Llama class and transformers' give the same greedy
-    text through the whole CLI (over the memory transport: the model class is the question,
-    not the engine's process, which the other generate tests cover)."""
+    text through the whole CLI."""
     texts = []
     for impl in ("native", "transformers"):
         result = actorline(
             "generate", "Hello", "--model", str(tiny_model_dir), "--model-impl", impl,
-            "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--transport", "memory",
+            "--max-tokens", "6", "--temperature", "0", "--ignore-eos",
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         texts.append(result.stdout)

@@ -74,10 +74,7 @@ def test_a_damaged_cache_fails_generate_with_one_line_and_its_rebuild_fixes_it(
     assert prepared.returncode == 0, prepared.stderr
     weights = Path(prepared.stdout.split(": ", 1)[1].strip()) / "model.safetensors"
     zero_bytes(weights)
-    # NOTE: the memory transport: the cache is checked before any engine process would start
-    # (the default model's test below takes the zmq path)
-    generate = ["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2", "--ignore-eos",
-                "--transport", "memory"]  # fmt: skip
+    generate = ["generate", "hi", "--model", str(tiny_gguf), "--max-tokens", "2", "--ignore-eos"]
     line = one_line(actorline(cache, *generate))
     assert f"the cached model file {weights} does not match the sha256" in line
     rebuild = line.split("rebuild the cache with: ", 1)[1]
