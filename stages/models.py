@@ -507,7 +507,7 @@ def _needed_bytes(gguf: Path) -> int:
     """
     import mmap
 
-    from stages.execute.quant.gguf import read_tensor_table
+    from stages.execute.quant.gguf_table import read_tensor_table
 
     try:
         with (

@@ -51,6 +51,7 @@ PURE_MODULES = (
     "stages.recovery",
     "stages.execute.contention",
     "stages.kv_transfer",
+    "stages.execute.quant.gguf_table",
 )
 FORBIDDEN = ("asyncio", "anyio", "zmq", "grpc", "torch")
 

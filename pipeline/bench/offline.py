@@ -135,7 +135,8 @@ _WARMUP_TOKENS = 4
 class OfflineConfig:
     """The offline run: the workload, which systems, the vLLM variants to run as peers
     (:data:`pipeline.bench.vllm_peer.VARIANTS` names; none by default) and their dtype
-    (``vllm_dtype``; None: ``dtype``), whether to measure the roof, how many round-robin
+    (``vllm_dtype``; None: ``dtype``), whether to measure the roof (``roof_quick``: on
+    :meth:`RoofConfig.quick`'s few GEMM shapes, a smoke run's), how many round-robin
     repeats of actorline and the peers, the HF batch size and how many requests the greedy
     check compares against HF ``generate`` one by one.
 
@@ -154,6 +155,7 @@ class OfflineConfig:
     vllm_variants: tuple[str, ...] = ()
     roof: bool = True
     roof_rounds: int = 5
+    roof_quick: bool = False
     repeats: int = 1
     max_num_batched_tokens: int = 2048
     cb_attention: str = "sdpa"
@@ -218,6 +220,7 @@ class OfflineConfig:
             "hf_batch_size": 4,
             "check_requests": 2,
             "roof_rounds": 1,
+            "roof_quick": True,
         }
         values.update(overrides)
         return cls(**values)
@@ -241,7 +244,8 @@ def run_offline(config: OfflineConfig) -> OfflineResult:
     if pad_token_id is None:
         pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     load_average = os.getloadavg()
-    roof_config = RoofConfig(
+    roof_shapes = RoofConfig.quick if config.roof_quick else RoofConfig
+    roof_config = roof_shapes(
         model=config.model, workload=config.workload, rounds=config.roof_rounds
     )
     roof = run_roof(roof_config).roof if config.roof else None

@@ -203,6 +203,7 @@ def run_quantization(config: QuantizationBenchConfig) -> QuantizationResult:
                         systems=(ACTORLINE_ZMQ,),
                         check_requests=0,
                         measure_default_budget=False,
+                        roof=False,  # only the tokens/s and the engine's RSS are kept
                         quantization=_quantization(system),
                     )
                 )

@@ -3,22 +3,20 @@
 
 The engine loads a GGUF model as the HF checkpoint transformers converts it to (dequantized to
 fp32 once and cached: :mod:`stages.models`). With ``quantization="gguf"`` its linears run on
-the file's own blocks instead. This module reads the file's tensor table (the GGUF format:
-``ggml/docs/gguf.md``; header, metadata skipped but for the architecture and alignment, tensor
-infos; far quicker than ``gguf.GGUFReader``, which builds every metadata array, the tokenizer's
-included), maps each HF parameter to its tensor with the gguf package's name map for the
-file's architecture (as ``transformers/modeling_gguf_pytorch_utils.py``'s
-``get_gguf_hf_weights_map`` does), applies Llama's q/k row permutation (transformers'
-``LlamaTensorProcessor``: it moves whole rows, so it holds for raw blocks too), and hands the
-raw blocks of Q8_0, Q4_0, Q4_1 and Q4_K to :func:`~stages.execute.quant.layers.pack_gguf`.
-Other types (F32, F16, Q5, Q6_K, ...) are left to the fp32 checkpoint.
+the file's own blocks instead. This module reads the file's tensor table
+(:mod:`stages.execute.quant.gguf_table`: far quicker than ``gguf.GGUFReader``, which builds
+every metadata array, the tokenizer's included), maps each HF parameter to its tensor with the
+gguf package's name map for the file's architecture (as
+``transformers/modeling_gguf_pytorch_utils.py``'s ``get_gguf_hf_weights_map`` does), applies
+Llama's q/k row permutation (transformers' ``LlamaTensorProcessor``: it moves whole rows, so
+it holds for raw blocks too), and hands the raw blocks of Q8_0, Q4_0, Q4_1 and Q4_K to
+:func:`~stages.execute.quant.layers.pack_gguf`. Other types (F32, F16, Q5, Q6_K, ...) are
+left to the fp32 checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -26,94 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from stages.execute.quant.gguf_table import GGUF_TYPES, GGUFTensor, read_tensor_table
 from stages.execute.quant.kernel import QuantGemmKernel
 from stages.execute.quant.layers import QuantizedWeight, pack_gguf
 
 __all__ = ["GGUF_TYPES", "GGUFTensor", "GGUFWeights", "read_tensor_table"]
-
-#: the GGML tensor types run as they are, by GGML type number (ggml.h: enum ggml_type)
-GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
-_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # size by type
-_STRING, _ARRAY = 8, 9
-_DEFAULT_ALIGNMENT = 32
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GGUFTensor:
-    """One tensor of the table: its GGML type, dims (``ne``, innermost first) and the byte
-    offset of its data in the file."""
-
-    name: str
-    ggml_type: int
-    dims: tuple[int, ...]
-    offset: int
-
-
-class _Cursor:
-    def __init__(self, data: Any) -> None:
-        self.data = data
-        self.at = 0
-
-    def take(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.data, self.at)
-        self.at += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        length = self.take("<Q")
-        text = bytes(self.data[self.at : self.at + length]).decode("utf-8", "replace")
-        self.at += length
-        return text
-
-    def skip(self, value_type: int) -> None:
-        if value_type == _STRING:
-            length = self.take("<Q")  # NOTE: not `self.at += self.take(...)`: take moves at
-            self.at += length
-        elif value_type == _ARRAY:
-            element, count = self.take("<I"), self.take("<Q")
-            if element in _SCALARS:
-                self.at += _SCALARS[element] * count
-            else:
-                for _ in range(count):
-                    self.skip(element)
-        elif value_type in _SCALARS:
-            self.at += _SCALARS[value_type]
-        else:
-            raise ValueError(f"unknown GGUF value type {value_type}")
-
-
-def read_tensor_table(data: Any) -> tuple[str, list[GGUFTensor]]:
-    """The architecture and tensor table of a GGUF file's bytes (a buffer); offsets are
-    absolute.
-
-    Raises:
-        ValueError: not a GGUF file this reads (version 2 or 3).
-    """
-    cursor = _Cursor(data)
-    if bytes(data[:4]) != b"GGUF":
-        raise ValueError("not a GGUF file (bad magic)")
-    cursor.at = 4
-    version = cursor.take("<I")
-    if version not in (2, 3):
-        raise ValueError(f"GGUF version {version} is not read here (2 or 3)")
-    count, kv_count = cursor.take("<Q"), cursor.take("<Q")
-    architecture, alignment = "", _DEFAULT_ALIGNMENT
-    for _ in range(kv_count):
-        key, value_type = cursor.string(), cursor.take("<I")
-        if key == "general.architecture" and value_type == _STRING:
-            architecture = cursor.string()
-        elif key == "general.alignment" and value_type == 4:
-            alignment = cursor.take("<I")
-        else:
-            cursor.skip(value_type)
-    infos = []
-    for _ in range(count):
-        name = cursor.string()
-        dims = tuple(cursor.take("<Q") for _ in range(cursor.take("<I")))
-        infos.append((name, cursor.take("<I"), dims, cursor.take("<Q")))
-    start = -(-cursor.at // alignment) * alignment
-    tensors = [GGUFTensor(name, kind, dims, start + at) for name, kind, dims, at in infos]
-    return architecture, tensors
 
 
 class GGUFWeights:
