@@ -229,6 +229,11 @@ class EngineOptions:
         help="capture decode steps as CUDA graphs (on CPU: small decode steps as one native "
         "call, the step graph of stages.execute.step_graph)",
     )  # fmt: skip
+    cuda_graph_max_batch_size: int = option(
+        128, kind="int>=1", feeds=("execute",), commands=_NO_FLAG,
+        help="largest decode batch captured as a CUDA graph (on CPU: run as one step-graph "
+        "call where the weights are bf16 panels; 16 for other weights)",
+    )  # fmt: skip
     attention_backend: str = option(
         "auto", choices=ATTENTION_BACKENDS, feeds=("execute",),
         help="how attention reads the paged KV cache: gather + SDPA (auto) or FlexAttention "

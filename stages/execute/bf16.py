@@ -302,11 +302,17 @@ class BF16Linear(torch.nn.Module):
             output = self._kernel(flat, self.packed, self.in_features, bias)  # [M, N]
         return output.view(*input.shape[:-1], self.out_features)
 
+    def native_rows(self, rows: int) -> bool:
+        """Whether :meth:`forward` multiplies ``rows`` rows on the native kernel (the AMX tiles
+        at every count, else VDPBF16PS below :data:`TORCH_ROWS`), not torch's matmul: the
+        kernel the step graph calls (stages.execute.step_graph)."""
+        return rows < TORCH_ROWS or self._kernel.amx
+
     def fuses_silu_mul(self, rows: int) -> bool:
         """Whether :meth:`silu_mul` serves ``rows`` rows: this linear is a fused gate/up
         projection of two halves of whole panels, and the native kernel (not torch's matmul,
         see :data:`TORCH_ROWS`) multiplies that many rows."""
-        return self.out_features % (2 * GEMM_PANEL) == 0 and (rows < TORCH_ROWS or self._kernel.amx)
+        return self.out_features % (2 * GEMM_PANEL) == 0 and self.native_rows(rows)
 
     def silu_mul(self, input: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N / 2]
         """``silu(gate) * up`` where this linear is a fused gate/up projection (its first half

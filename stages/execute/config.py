@@ -79,9 +79,10 @@ class ExecuteConfig:
       ``max_position_embeddings``, capped by what the cache holds.
     - ``seed``: seeds torch's global generator (requests without their own seed).
     - ``use_cuda_graphs``: capture decode batches up to ``cuda_graph_max_batch_size`` rows
-      as CUDA graphs on CUDA; on CPU, the same switch runs decode steps of up to 16 rows of
-      actorline's own Llama as one native call, the CPU step graph
-      (:mod:`stages.execute.step_graph`; checked against the module path at load).
+      as CUDA graphs on CUDA; on CPU, the same switch runs decode steps of actorline's own
+      Llama as one native call, the CPU step graph (:mod:`stages.execute.step_graph`; checked
+      against the module path at load): up to ``cuda_graph_max_batch_size`` rows where the
+      weights are bf16 panels, up to 16 rows otherwise (``step_graph.plan_rows``).
     - ``decode_attention``: ``auto`` (default: ``native`` on CPU in fp32 when the kernel
       builds, else ``grouped`` on CPU and ``padded`` on CUDA), ``native`` (the compiled
       kernel of :mod:`stages.execute.native`, reading the paged cache in place), ``grouped``,

@@ -105,10 +105,10 @@ from stages.execute.speculative import (
     verify_drafts,
 )
 from stages.execute.step_graph import (
-    MAX_ROWS,
     StepGraph,
     StepGraphUnsupported,
     check_step_graph,
+    plan_rows,
 )
 from stages.execute.tensor_parallel import (
     Rendezvous,
@@ -562,8 +562,9 @@ class ModelRunner:
         try:
             if self._window is not None or variants:
                 raise StepGraphUnsupported("sliding windows, soft caps and sinks")
+            rows = plan_rows(self.model, self.config.cuda_graph_max_batch_size)
             graph = StepGraph.build(
-                self.model, self.kv_cache, max_rows=MAX_ROWS, max_model_len=self.max_model_len
+                self.model, self.kv_cache, max_rows=rows, max_model_len=self.max_model_len
             )
             if verify:
                 check_step_graph(
@@ -578,7 +579,7 @@ class ModelRunner:
         except StepGraphUnsupported as reason:
             logger.info("execute: decode steps take the module path (step graph: %s)", reason)
             return None
-        logger.info("execute: decode steps of up to %d rows run as one native call", MAX_ROWS)
+        logger.info("execute: decode steps of up to %d rows run as one native call", rows)
         return graph
 
     def _make_decode_graphs(self) -> Any:

@@ -1,5 +1,5 @@
 """The CPU step graph: a decode-only step of actorline's own Llama (every row one new token, up
-to :data:`MAX_ROWS` rows) run as ONE native call, ``kernels/step_graph.c`` — the CPU analogue of
+to :func:`plan_rows` rows) run as ONE native call, ``kernels/step_graph.c`` — the CPU analogue of
 the CUDA graphs of :mod:`stages.execute.cuda_graphs` (docs/architecture.md §6.5).
 
 At one stream the module path's forward is mostly Python: ~15 module calls and as many ctypes
@@ -32,8 +32,8 @@ What it does not serve (:class:`StepGraphUnsupported` says which): a model other
 :class:`~stages.execute.llama.NativeLlamaForCausalLM`, norms or MLPs not in their fused forms, a
 linear without ``native_gemm()``, a layer without the fused rotary embeddings, or native kernels
 that do not build. The runner also keeps the module path for prefill and mixed steps, batches
-over ``max_rows``, CUDA, tensor parallelism, sliding windows, soft caps and sinks, and
-``use_cuda_graphs=False`` (one switch for both kinds of graph).
+over ``max_rows`` (:func:`plan_rows`), CUDA, tensor parallelism, sliding windows, soft caps and
+sinks, and ``use_cuda_graphs=False`` (one switch for both kinds of graph).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ __all__ = [
     "StepGraphLibrary",
     "StepGraphUnsupported",
     "check_step_graph",
+    "plan_rows",
     "step_graph_library",
 ]
 
@@ -89,8 +90,9 @@ logger = logging.getLogger("actorline.execute")
 
 STEP_GRAPH_SOURCE = Path(__file__).with_name("kernels") / "step_graph.c"
 MAX_ROWS = 16
-"""Decode rows one plan serves (larger steps take the module path, whose per-op Python cost is
-shared by more rows)."""
+"""Decode rows a plan serves unless every linear is bf16 panels (:func:`plan_rows`): larger steps
+take the module path, whose per-op Python cost is shared by more rows (not measured above 16 in
+fp32 and with 4/8-bit weights)."""
 _MAX_TABLE_BYTES = 64 << 20  # the rotary cos/sin table over every position
 _SILU_NAMES = ("SiLU", "SiLUActivation")
 # The step graph against the module path, relative to the largest logit: the same kernels in the
@@ -210,6 +212,20 @@ def _splits_by_columns(plan: _Plan, layers: Any, head_dim: int, inter: int) -> b
         elif not layer.up.part or layer.up.n != layer.gate.n:
             return False
     return True
+
+
+def plan_rows(model: torch.nn.Module, limit: int) -> int:
+    """The decode rows a step graph of ``model`` serves, given the engine's bound ``limit``
+    (``cuda_graph_max_batch_size``, the CUDA graphs' bound): ``limit`` where every linear is
+    bf16 panels that multiply that many rows on the native kernel (the AMX tiles; VDPBF16PS
+    below :data:`~stages.execute.bf16.TORCH_ROWS`), the very kernel the module path calls at
+    that count, so 32- and 64-row steps of an offline batch are one native call too (measured:
+    docs/performance.md §12.2, "The step graph at 64 rows"); else at most :data:`MAX_ROWS`.
+    """
+    linears = [m for m in model.modules() if callable(getattr(m, "native_gemm", None))]
+    if linears and all(type(m) is BF16Linear and m.native_rows(limit) for m in linears):
+        return limit
+    return min(limit, MAX_ROWS)
 
 
 def _norm(module: Any, what: str, hidden: int) -> FusedRMSNorm:

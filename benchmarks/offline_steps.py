@@ -1,0 +1,156 @@
+"""Where §1's offline time goes by kind of step, and the step graph's row bound A/B
+(docs/performance.md §12.2, "The step graph at 64 rows"): §1's workload (64 chat-templated
+requests, ``max_tokens`` from {16, 32, 64, 128}, greedy, ``ignore_eos``) through ``LLM`` in the
+memory topology, one fresh process per variant, the variants alternating, best of
+``--rounds``. A variant is a ``cuda_graph_max_batch_size`` (the step graph's bound on CPU where
+the weights are bf16 panels: ``stages.execute.step_graph.plan_rows``); each run times every
+``ModelRunner.execute`` call and sorts it into prefill or mixed steps, decode steps on the step
+graph, and decode steps on the module path (wall time and the process's CPU time).
+
+    python -m benchmarks.offline_steps --limits 16,128 --rounds 2 --dtype bfloat16
+
+The engine's OpenMP wait policy is set as an engine process sets it (``auto``) before torch
+loads, so the one-process run waits between regions as ``bench offline``'s engine does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "run_one"]
+
+KINDS = ("prefill or mixed", "decode, step graph", "decode, module path")
+
+
+def run_one(limit: int, requests: int, dtype: str, model: str) -> dict[str, Any]:
+    """In this process: §1's workload at ``cuda_graph_max_batch_size=limit``; tokens/s and,
+    per kind of step, the steps, rows, wall and CPU seconds."""
+    from pipeline.runtime.omp_policy import apply_omp_policy
+
+    apply_omp_policy("auto")  # before torch loads, as host_main does for an engine process
+    from pipeline.bench.workload import WorkloadSpec, blocks_to_hold, make_workload, prompt_ids
+    from pipeline.engine.llm import LLM
+    from stages.execute.runner import ModelRunner
+    from stages.messages import SchedulerStep, StepResult
+    from stages.params import SamplingParams
+    from stages.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    workload = make_workload(WorkloadSpec(num_requests=requests))
+    prompts = [prompt_ids(tokenizer, request.prompt) for request in workload]
+    max_tokens = [request.max_tokens for request in workload]
+    totals = {kind: [0, 0, 0.0, 0.0] for kind in KINDS}  # steps, rows, wall, cpu
+    timing = [False]
+    prompt_lengths: dict[str, int] = {}
+    original = ModelRunner.execute
+
+    def timed(runner: ModelRunner, step: SchedulerStep) -> StepResult:
+        for request in step.new_requests:
+            prompt_lengths[request.request_id] = len(request.prompt_token_ids)
+        if not timing[0] or not step.chunks:
+            return original(runner, step)
+        graph = runner.step_graph
+        before = graph.steps if graph is not None else 0
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = original(runner, step)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        rows = sum(chunk.num_tokens for chunk in step.chunks)
+        if graph is not None and graph.steps > before:
+            kind = KINDS[1]
+        elif rows != len(step.chunks) or any(
+            chunk.start < prompt_lengths.get(chunk.request_id, 0) for chunk in step.chunks
+        ):
+            kind = KINDS[0]
+        else:
+            kind = KINDS[2]
+        entry = totals[kind]
+        entry[0] += 1
+        entry[1] += rows
+        entry[2] += wall
+        entry[3] += cpu
+        return result
+
+    ModelRunner.execute = timed  # type: ignore[method-assign,assignment]  # measuring
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    with LLM(
+        model,
+        transport="memory",
+        dtype=dtype,
+        num_blocks=blocks_to_hold(prompts, max_tokens, 16) + 1,
+        max_num_seqs=len(prompts),
+        cuda_graph_max_batch_size=limit,
+    ) as llm:
+        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        llm.generate([prompts[0]], warm, use_tqdm=False)
+        timing[0] = True
+        began, window = time.perf_counter(), [time.monotonic()]
+        cpu = time.process_time()
+        results = llm.generate(list(prompts), params, use_tqdm=False)
+        seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+        window.append(time.monotonic())
+    generated = sum(len(result.token_ids) for result in results)
+    # NOTE: the timed window on CLOCK_MONOTONIC, to cut a `perf record -k CLOCK_MONOTONIC`
+    return {
+        "limit": limit,
+        "seconds": seconds,
+        "tokens_per_s": generated / seconds,
+        "tokens_per_cpu_s": generated / cpu,
+        "kinds": totals,
+        "monotonic_window": window,
+    }
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limits", default="16,128", help="cuda_graph_max_batch_size values")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(run_one(args.one, args.requests, args.dtype, args.model)))
+        return 0
+    limits = [int(value) for value in args.limits.split(",")]
+    best: dict[int, dict[str, Any]] = {}
+    print(f"load average {_load()} at start")
+    for round_index in range(args.rounds):
+        order = limits if round_index % 2 == 0 else limits[::-1]
+        for limit in order:
+            command = [sys.executable, "-m", "benchmarks.offline_steps", "--one", str(limit),
+                       "--requests", str(args.requests), "--dtype", args.dtype,
+                       "--model", args.model]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"round {round_index + 1}, limit {limit}: {result['tokens_per_s']:.1f} tok/s, "
+                  f"{result['tokens_per_cpu_s']:.1f} per CPU second (load {_load()})",
+                  flush=True)  # fmt: skip
+            if limit not in best or result["tokens_per_s"] > best[limit]["tokens_per_s"]:
+                best[limit] = result
+    print(f"load average {_load()} at the end; best of {args.rounds} per limit:")
+    for limit, result in best.items():
+        wall = sum(entry[2] for entry in result["kinds"].values()) or 1.0
+        print(f"limit {limit}: {result['tokens_per_s']:.1f} tok/s, {result['seconds']:.2f} s")
+        for kind, (steps, rows, seconds, cpu) in result["kinds"].items():
+            print(f"  {kind:22} {steps:5d} steps {rows:6d} rows {seconds:7.2f} s wall "
+                  f"({100 * seconds / wall:4.1f}% of execute) {cpu:7.2f} s CPU")  # fmt: skip
+    if len(best) == 2:
+        first, second = (best[limit]["tokens_per_s"] for limit in limits)
+        print(f"limit {limits[1]} / limit {limits[0]}: {second / first:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
