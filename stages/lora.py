@@ -101,8 +101,9 @@ class LoRATarget:
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdapterSpec:
     """What :func:`read_adapter` found: ``rank``, ``scale`` (of ``B @ A``), the tensors of
-    each ``(layer, module)`` (their names in the file: ``(A, B)``) and ``digest``, the
-    SHA-256 of the config and weights files (it keys the adapter's prefix-cache blocks)."""
+    each ``(layer, module)`` (their names in the file: ``(A, B)``) and ``digest``, a SHA-256
+    of the config file, the weights file's tensor table, size and modification time (cheap:
+    the frontend checks an adapter on the event loop, so the weights' bytes are not read)."""
 
     path: str
     rank: int
@@ -258,7 +259,7 @@ def _rank_and_scale(
 
 def _safetensors_header(path: str, digest: Any, fail: _Fail) -> dict[str, object]:
     """The header of a safetensors file (an 8-byte little-endian length, then JSON), its
-    bytes and the rest of the file fed to ``digest``."""
+    bytes, the file's size and modification time fed to ``digest``."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as file:
@@ -271,9 +272,8 @@ def _safetensors_header(path: str, digest: Any, fail: _Fail) -> dict[str, object
             raw = file.read(length)
             digest.update(prefix)
             digest.update(raw)
+            digest.update(f"{size}:{os.stat(file.fileno()).st_mtime_ns}".encode())
             end = 8 + length
-            while chunk := file.read(1 << 20):
-                digest.update(chunk)
         header = json.loads(raw)
     except (OSError, ValueError) as exc:
         raise fail(f"{ADAPTER_WEIGHTS} is not readable ({exc})") from None
