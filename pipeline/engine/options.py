@@ -389,10 +389,10 @@ class EngineOptions:
                 f"max_cpu_loras must be None or an integer >= max_loras ({self.max_loras}), "
                 f"got {self.max_cpu_loras!r}"
             )
-        if self.enable_lora and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
+        if self.enable_lora and self.data_parallel_size > 1:
             raise ValueError(
-                "enable_lora runs with tensor_parallel_size and data_parallel_size 1: adapters "
-                "are neither sharded nor routed to the replica holding them yet (docs/lora.md)"
+                "enable_lora runs with data_parallel_size 1: adapters are not routed to the "
+                "replica holding them yet (docs/lora.md)"
             )
         if self.enable_lora and self.null_model:
             raise ValueError("enable_lora needs a model: null_model runs none")

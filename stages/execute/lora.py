@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from stages.execute.bookkeeping import StepError
+from stages.execute.lora_shard import LoRAShard, full_shape, shard_weights
 from stages.lora import (
     LORA_TARGETS,
     AdapterSpec,
@@ -130,12 +131,21 @@ class LoRABank:
         max_lora_rank: the highest rank accepted.
         max_cpu_loras: adapters kept loaded.
         device: where their weights live.
+        shard: with tensor parallelism, this rank's share of each adapter
+            (:mod:`stages.execute.lora_shard`; None: all of it).
     """
 
-    def __init__(self, max_lora_rank: int, max_cpu_loras: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        device: torch.device,
+        shard: LoRAShard | None = None,
+    ) -> None:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.device = device
+        self.shard = shard
         self.targets: dict[str, LoRATarget] = {}
         self.num_layers = 0
         self.fused_mlp = False
@@ -144,15 +154,18 @@ class LoRABank:
         self.loads = 0  # adapters read from disk since start
 
     @classmethod
-    def for_model(cls, model: Any, config: Any, device: torch.device) -> LoRABank:
+    def for_model(
+        cls, model: Any, config: Any, device: torch.device, shard: LoRAShard | None = None
+    ) -> LoRABank:
         """A bank serving ``model`` under ``config`` (an ExecuteConfig with enable_lora), its
-        projections wrapped (:meth:`install`).
+        projections wrapped (:meth:`install`); ``shard``: this rank's share, with tensor
+        parallelism.
 
         Raises:
             LoRAAdapterError: the model has no projection an adapter could target.
         """
         kept = config.max_cpu_loras if config.max_cpu_loras is not None else config.max_loras
-        bank = cls(config.max_lora_rank, kept, device)
+        bank = cls(config.max_lora_rank, kept, device, shard)
         count = bank.install(model)
         logger.info("execute: LoRA on %d projections of %d layers", count, bank.num_layers)
         return bank
@@ -179,7 +192,10 @@ class LoRABank:
                 parent = model.get_submodule(name.rpartition(".")[0])
                 wraps.append((parent, name.rpartition(".")[2], int(match.group(1)), match[2]))
                 self.targets[match[2]] = LoRATarget(
-                    match[2], int(module.in_features), int(module.out_features)
+                    match[2],
+                    *full_shape(
+                        self.shard, match[2], int(module.in_features), int(module.out_features)
+                    ),
                 )
                 layers.add(int(match.group(1)))
             elif (match := _MLP.search(name)) is not None and hasattr(module, "gate_up"):
@@ -187,7 +203,9 @@ class LoRABank:
                 half = int(gate_up.out_features) // 2
                 wraps.append((module, "gate_up", int(match.group(1)), "gate_up"))
                 for part in _FUSED_PARTS:
-                    self.targets[part] = LoRATarget(part, int(gate_up.in_features), half)
+                    self.targets[part] = LoRATarget(
+                        part, *full_shape(self.shard, part, int(gate_up.in_features), half)
+                    )
                 layers.add(int(match.group(1)))
                 self.fused_mlp = True
         if not wraps:
@@ -271,8 +289,11 @@ class LoRABank:
         spec: AdapterSpec | None = None,
     ) -> LoadedAdapter:
         """An adapter of ``weights`` (``(layer, projection) -> (A [r, in], B [out, r])``,
-        checked already) and ``scale``, its gate/up deltas fused where the model's are; not
-        kept by the bank (:meth:`acquire` keeps what it loads)."""
+        checked already; the whole model's, this rank keeps its share) and ``scale``, its
+        gate/up deltas fused where the model's are; not kept by the bank (:meth:`acquire`
+        keeps what it loads)."""
+        whole = weights
+        weights = shard_weights(self.shard, whole)
         deltas: dict[tuple[int, str], _Delta] = {}
         fused = self.fused_mlp
         for (layer, module), (a, b) in weights.items():
@@ -282,14 +303,15 @@ class LoRABank:
         if fused:
             for layer in sorted({layer for layer, module in weights if module in _FUSED_PARTS}):
                 a_parts, b_parts = [], []
-                rank = next(pair[0].shape[0] for (at, part), pair in weights.items()
+                rank = next(pair[0].shape[0] for (at, part), pair in whole.items()
                             if at == layer and part in _FUSED_PARTS)  # fmt: skip
                 for part in _FUSED_PARTS:
                     pair = weights.get((layer, part))
                     if pair is None:  # the adapter leaves this half alone: a zero delta
                         target = self.targets[part]
-                        pair = (torch.zeros(rank, target.in_features),
-                                torch.zeros(target.out_features, rank))  # fmt: skip
+                        zeros = (torch.zeros(rank, target.in_features),
+                                 torch.zeros(target.out_features, rank))  # fmt: skip
+                        pair = shard_weights(self.shard, {(layer, part): zeros})[layer, part]
                     a_parts.append(pair[0])
                     b_parts.append(pair[1])
                 deltas[layer, "gate_up"] = self._delta(a_parts, b_parts, scale)

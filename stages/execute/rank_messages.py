@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from stages.lora import LoRARequest
 from transports.codec import message
 
 __all__ = ["Rendezvous", "ShardStep"]
@@ -32,7 +33,10 @@ class Rendezvous:
 class ShardStep:
     """One step's packed batch, from rank 0 to every other rank (see
     :func:`stages.execute.attention.build_step_metadata` for the meaning of each column).
-    ``block_tables`` is ``[rows, width]``, each row padded with the reserved block."""
+    ``block_tables`` is ``[rows, width]``, each row padded with the reserved block.
+    ``lora_adapters``: the step's LoRA adapters (docs/lora.md), ``lora_index`` each row
+    group's among them (-1: the base model); both empty in a step of base rows only
+    (:func:`stages.execute.lora_shard.shard_lora_fields`)."""
 
     step_id: int
     token_ids: np.ndarray  # [T] int64
@@ -40,3 +44,5 @@ class ShardStep:
     query_lens: np.ndarray  # [R] int64
     num_decode: int
     block_tables: np.ndarray  # [R, W] int64
+    lora_adapters: tuple[LoRARequest, ...] = ()
+    lora_index: tuple[int, ...] = ()  # [R], or () with no adapter
