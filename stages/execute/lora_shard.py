@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stages.execute.bookkeeping import StepError
 from stages.lora import LoRARequest
 
 if TYPE_CHECKING:
@@ -141,9 +142,6 @@ def shard_lora_rows(
         LoRAAdapterError: an adapter rank 0 loaded cannot be loaded here (its files changed
             in between).
     """
-    from stages.execute.bookkeeping import StepError
-    from stages.execute.lora import lora_rows
-
     if not shard.lora_adapters:
         return contextlib.nullcontext()
     if bank is None:
@@ -155,4 +153,4 @@ def shard_lora_rows(
     for length, index in zip(shard.query_lens.tolist(), shard.lora_index, strict=True):
         groups.append((None if index < 0 else loaded[index], end, end + int(length)))
         end += int(length)
-    return lora_rows(bank, groups)
+    return bank.rows(groups)

@@ -74,37 +74,59 @@ def test_shard_step_names_each_row_groups_adapter_on_the_wire() -> None:
     assert decoded.lora_adapters == (a2, a1) and decoded.lora_index == (-1, 0, 1, 0)
 
 
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[LoRARequest]:
+    """One adapter on every projection, one on k/o/up only (half the fused gate/up delta
+    zero)."""
+    root = tmp_path_factory.mktemp("lora-parallel")
+    a1 = make_adapter(tiny_model_dir, root / "a1", seed=31)
+    a2 = make_adapter(
+        tiny_model_dir, root / "a2", seed=32, rank=4, targets=("k_proj", "o_proj", "up_proj")
+    )
+    return [LoRARequest("a1", 1, str(a1)), LoRARequest("a2", 2, str(a2))]
+
+
+def generate_mixed(
+    model_dir: Path, adapters: list[LoRARequest], **options: object
+) -> tuple[list[list[int]], list[LoRARequest | None]]:
+    """Each prompt as the base model and under each adapter, all in one batch."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(3)]
+    loras: list[LoRARequest | None] = [None, *adapters] * len(PROMPTS)
+    with LLM(str(model_dir), enable_lora=True, max_loras=2, num_blocks=64, **options) as llm:
+        results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    return [list(result.token_ids) for result in results], loras
+
+
+def check_as_merged_hf(
+    model_dir: Path, outputs: list[list[int]], loras: list[LoRARequest | None]
+) -> None:
+    references = {None: HFReference(model_dir)}
+    for lora in loras:
+        if lora is not None:
+            references[lora.lora_name] = HFReference(Path(f"{lora.lora_path}-merged"))
+    for index, (got, lora) in enumerate(zip(outputs, loras, strict=True)):
+        name = lora.lora_name if lora is not None else None
+        assert got == references[name].greedy(PROMPTS[index // 3], 12), name
+    assert outputs[1] != outputs[0] and outputs[2] != outputs[0]
+
+
 @pytest.mark.slow
 def test_tp2_with_adapters_gives_the_greedy_tokens_of_tp1(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, adapters: list[LoRARequest]
 ) -> None:
-    """Base requests and requests of two adapters (one on every projection, one on k/o/up
-    only: half the fused gate/up delta zero) in one batch: TP=2 as TP=1, as HF merged."""
-    a1 = LoRARequest("a1", 1, str(make_adapter(tiny_model_dir, tmp_path / "a1", seed=31)))
-    path = make_adapter(
-        tiny_model_dir, tmp_path / "a2", seed=32, rank=4, targets=("k_proj", "o_proj", "up_proj")
-    )
-    a2 = LoRARequest("a2", 2, str(path))
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(3)]
-    loras = [None, a1, a2] * len(PROMPTS)
-    outputs = {}
-    for size in (1, 2):
-        with LLM(
-            str(tiny_model_dir),
-            enable_lora=True,
-            max_loras=2,
-            num_blocks=64,
-            tensor_parallel_size=size,
-        ) as llm:
-            results = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
-            outputs[size] = [list(result.token_ids) for result in results]
-    assert outputs[2] == outputs[1]
-    references = {
-        None: HFReference(tiny_model_dir),
-        "a1": HFReference(Path(f"{a1.lora_path}-merged")),
-        "a2": HFReference(Path(f"{a2.lora_path}-merged")),
-    }
-    for prompt, lora, got in zip(prompts, loras, outputs[2], strict=True):
-        name = lora.lora_name if lora is not None else None
-        assert got == references[name].greedy(prompt["prompt_token_ids"], 12), name
-    assert outputs[2][1] != outputs[2][0] and outputs[2][2] != outputs[2][0]
+    """Base requests and requests of two adapters in one batch: TP=2 (gloo, a rank
+    process) as TP=1, as HF with each adapter merged."""
+    expected, loras = generate_mixed(tiny_model_dir, adapters)
+    got, _ = generate_mixed(tiny_model_dir, adapters, tensor_parallel_size=2)
+    assert got == expected
+    check_as_merged_hf(tiny_model_dir, got, loras)
+
+
+@pytest.mark.slow
+def test_dp2_serves_two_adapters_on_both_replicas(
+    tiny_model_dir: Path, adapters: list[LoRARequest]
+) -> None:
+    """Two replicas behind the router, each loading an adapter when a request of it first
+    comes: base and two adapters mixed, each as HF merged."""
+    got, loras = generate_mixed(tiny_model_dir, adapters, data_parallel_size=2)
+    check_as_merged_hf(tiny_model_dir, got, loras)
