@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from stages.execute.bookkeeping import StepError
+from stages.execute.lora_segments import ConcatCache, StepSegments
 from stages.execute.lora_shard import LoRAShard, full_shape, shard_weights
 from stages.lora import (
     LORA_TARGETS,
@@ -105,6 +106,12 @@ class LoRALinear(torch.nn.Module):
         flat_x = x.reshape(-1, x.shape[-1])
         flat = output.view(-1, output.shape[-1])  # [T, N], the same storage
         key = (self.layer, self.kind)
+        segments = self._bank.step_segments
+        if segments is not None:  # several adapters: two GEMMs (stages.execute.lora_segments)
+            delta = segments.delta(key, flat_x)
+            if delta is not None:
+                flat[:, : delta.shape[1]] += delta
+            return output
         for group in groups:
             delta = group.adapter.deltas.get(key)
             if delta is None:
@@ -150,6 +157,11 @@ class LoRABank:
         self.num_layers = 0
         self.fused_mlp = False
         self.step_rows: list[LoRARows] = []
+        #: a step's groups as concatenated weights, where it has several adapters
+        self.step_segments: StepSegments | None = None
+        #: several adapters in a step take the concatenated path (False: a loop over groups)
+        self.segmented = True
+        self._concat = ConcatCache()
         self._loaded: collections.OrderedDict[int, LoadedAdapter] = collections.OrderedDict()
         self.loads = 0  # adapters read from disk since start
 
@@ -342,10 +354,13 @@ class LoRABank:
             index = None if len(rows) == total else torch.tensor(rows, device=self.device)
             step_rows.append(LoRARows(adapter, index))
         self.step_rows = step_rows
+        if self.segmented and len(step_rows) > 1:
+            self.step_segments = StepSegments(step_rows, total, self._concat)
         try:
             yield
         finally:
             self.step_rows = []
+            self.step_segments = None
 
 
 def lora_rows(
