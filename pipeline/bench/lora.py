@@ -148,7 +148,7 @@ def make_random_adapters(model: str, count: int, rank: int, directory: Path) -> 
             r=rank, lora_alpha=2 * rank, target_modules=list(LORA_TARGETS), init_lora_weights=False
         )
         path = directory / f"adapter{index + 1}"
-        get_peft_model(base, config).save_pretrained(path)
+        get_peft_model(base, config).save_pretrained(str(path))
         paths.append(path)
     return paths
 

@@ -108,9 +108,9 @@ class LoRALinear(torch.nn.Module):
         key = (self.layer, self.kind)
         segments = self._bank.step_segments
         if segments is not None:  # several adapters: two GEMMs (stages.execute.lora_segments)
-            delta = segments.delta(key, flat_x)
-            if delta is not None:
-                flat[:, : delta.shape[1]] += delta
+            update = segments.delta(key, flat_x)  # [T, out']
+            if update is not None:
+                flat[:, : update.shape[1]] += update
             return output
         for group in groups:
             delta = group.adapter.deltas.get(key)
