@@ -159,8 +159,10 @@ class LoRABank:
         self.step_rows: list[LoRARows] = []
         #: a step's groups as concatenated weights, where it has several adapters
         self.step_segments: StepSegments | None = None
-        #: several adapters in a step take the concatenated path (False: a loop over groups)
-        self.segmented = True
+        #: several adapters in a step take the concatenated path (False, the default: the
+        #: loop over groups; the concatenated one was not faster where it was measured,
+        #: docs/lora.md "Benchmark")
+        self.segmented = False
         self._concat = ConcatCache()
         self._loaded: collections.OrderedDict[int, LoadedAdapter] = collections.OrderedDict()
         self.loads = 0  # adapters read from disk since start
