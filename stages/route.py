@@ -24,6 +24,11 @@ each replica's execute stage); ``requests`` (to every replica's admit stage, eac
 one), ``aborts`` (to every replica's schedule stage, each abort to the one holding it),
 ``out`` (to detokenize), ``info`` (EngineInfo, once).
 
+With LoRA adapters (docs/lora.md) the router keeps, per replica, the adapters it sent it
+last (at most ``max_cpu_loras``, as the replica keeps them loaded) and passes them to the
+policy in each :class:`ReplicaLoad`, whose adapter affinity then prefers a replica that has
+the request's adapter loaded.
+
 A request the router fails on (the policy raised, or the link to the chosen replica cannot
 carry it: an ``EncodeError``) fails alone (``docs/architecture.md`` §7.2): what the router
 recorded of it is undone, as if it had never come, and a :class:`RequestRejected` goes on to
@@ -83,7 +88,9 @@ class ReplicaRoute:
 class RouterConfig:
     """``replicas``: the engine replicas, named as in the pipeline's replica set
     ``replica_set``. ``policy``: a name in ``actorline.routers``. Prefix affinity hashes the
-    first ``affinity_blocks`` KV blocks of ``block_size`` tokens.
+    first ``affinity_blocks`` KV blocks of ``block_size`` tokens. ``max_loras`` and
+    ``max_cpu_loras``: the replicas' (the adapters each keeps loaded, ``max_cpu_loras`` or
+    else ``max_loras``).
 
     Raises:
         ValueError: no replica, a replica named twice, or a size below 1.
@@ -94,12 +101,14 @@ class RouterConfig:
     replica_set: str = "engines"
     block_size: int = 16
     affinity_blocks: int = 4
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         names = [replica.name for replica in self.replicas]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"replicas must be distinct and at least one, got {names}")
-        for field in ("block_size", "affinity_blocks"):
+        for field in ("block_size", "affinity_blocks", "max_loras"):
             value = getattr(self, field)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
@@ -129,6 +138,10 @@ class RouterStage(Stage):
         self._routed: dict[str, _Routed] = {}
         self._outstanding: dict[str, int] = dict.fromkeys(self._live, 0)
         self._held: dict[str, int] = dict.fromkeys(self._live, 0)
+        #: per replica, the adapters it was sent last, least recently first
+        self._adapters: dict[str, collections.OrderedDict[str, None]] = {
+            name: collections.OrderedDict() for name in self._live
+        }
         self._early_aborts = EarlyAborts()
         self._infos = 0
         self._max_model_len: int | None = None
@@ -150,7 +163,8 @@ class RouterStage(Stage):
 
     def load(self, replica: str) -> ReplicaLoad:
         """What the router counts against live replica ``replica``."""
-        return ReplicaLoad(replica, self._outstanding[replica], self._held[replica])
+        adapters = frozenset(self._adapters[replica])
+        return ReplicaLoad(replica, self._outstanding[replica], self._held[replica], adapters)
 
     @handles(EngineInfo)
     async def on_info(self, info: EngineInfo) -> None:
@@ -170,11 +184,14 @@ class RouterStage(Stage):
     def route_request(self, request: EngineRequest) -> RouteRequest:
         """What the routing policy reads of ``request``."""
         prompt = request.prompt_token_ids
+        adapter = request.lora.lora_name if request.lora is not None else ""
+        config = self.config
         return RouteRequest(
             request.request_id,
             request.tenant,
             len(prompt),
-            block_hashes(prompt, self.config.block_size, self.config.affinity_blocks),
+            block_hashes(prompt, config.block_size, config.affinity_blocks, adapter),
+            adapter,
         )
 
     async def _route(self, request: EngineRequest, among: Collection[str] | None = None) -> None:
@@ -190,7 +207,9 @@ class RouterStage(Stage):
             return
         prompt = request.prompt_token_ids
         names = list(self._live) if among is None else [n for n in among if n in self._live]
-        name = self.policy.choose(self.route_request(request), [self.load(n) for n in names])
+        route_request = self.route_request(request)
+        adapter = route_request.adapter
+        name = self.policy.choose(route_request, [self.load(n) for n in names])
         route = self._live.get(name)
         if route is None:
             raise RuntimeError(
@@ -207,6 +226,8 @@ class RouterStage(Stage):
         self._held[name] += 1
         self.routed[name] += 1
         self.recent.append((request_id, name))
+        if adapter:
+            self.record_adapter(name, adapter)
         await self.emit("requests", request, to=route.admit)
 
     async def recover(self, message: Any, port: str, error: Exception) -> bool:
@@ -322,12 +343,23 @@ class RouterStage(Stage):
         self._live[route.name] = route
         self._outstanding[route.name] = 0
         self._held[route.name] = 0
+        self._adapters[route.name] = collections.OrderedDict()  # a fresh engine loaded none
         hook = getattr(self.policy, "restore_replica", None)
         if callable(hook):
             hook(route.name)
         logger.warning(
             "engine replica %s runs again; routing to %d replicas", route.name, len(self._live)
         )
+
+    def record_adapter(self, replica: str, adapter: str) -> None:
+        """``replica`` loads ``adapter`` (if it has not), its least recently used past
+        what it keeps loaded going."""
+        kept = self._adapters[replica]
+        kept[adapter] = None
+        kept.move_to_end(adapter)
+        capacity = self.config.max_cpu_loras or self.config.max_loras
+        while len(kept) > capacity:
+            kept.popitem(last=False)
 
     def _forget(self, request_id: str) -> _Routed | None:
         """Drop ``request_id`` from the books (its replica's load with it)."""

@@ -19,7 +19,13 @@ Built in:
   loaded one (then the load wins). After SGLang's cache-aware router
   (``sgl-router/src/policies/cache_aware.rs``: a prefix match picks the worker unless the load
   imbalance passes its absolute and relative thresholds), with the prefix tree reduced to the
-  chained hashes of the first few KV blocks.
+  chained hashes of the first few KV blocks; and **adapter affinity** (docs/lora.md): a
+  request of a LoRA adapter goes to the least loaded replica that holds that adapter loaded
+  (each replica loads an adapter the first time one of its requests uses it), under the same
+  balance rule, so an adapter is loaded on as few replicas as the load allows. A request's
+  block hashes start from its adapter's name, so its prefix affinity only ever points at a
+  replica whose cache holds that prefix under the same adapter (prefix caching is keyed by
+  adapter).
 - ``round-robin``: replicas in turn (a baseline).
 
 Everything here is pure Python (no asyncio, zmq, grpc or torch).
@@ -60,23 +66,27 @@ BALANCE_TOKENS = 4096
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """What a policy may read about a request: its id, tenant, prompt length, and the
-    chained hashes of its first full KV blocks (``block_hashes[i]`` covers blocks 0..i)."""
+    """What a policy may read about a request: its id, tenant, prompt length, the
+    chained hashes of its first full KV blocks (``block_hashes[i]`` covers blocks 0..i), and
+    its LoRA adapter's name (``""``: the base model)."""
 
     request_id: str
     tenant: str
     num_prompt_tokens: int
     block_hashes: tuple[int, ...]
+    adapter: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplicaLoad:
-    """A live replica: its name, the tokens its requests have left (``outstanding_tokens``)
-    and how many requests it holds."""
+    """A live replica: its name, the tokens its requests have left (``outstanding_tokens``),
+    how many requests it holds, and the LoRA adapters the router sent it last (those it
+    keeps loaded, as far as the router can tell: at most its ``max_cpu_loras``)."""
 
     name: str
     outstanding_tokens: int
     num_requests: int
+    adapters: frozenset[str] = frozenset()
 
 
 @runtime_checkable
@@ -95,11 +105,14 @@ class RoutingPolicy(Protocol):
         ...
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> tuple[int, ...]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, max_blocks: int, adapter: str = ""
+) -> tuple[int, ...]:
     """Chained hashes of the first ``max_blocks`` full blocks of ``token_ids`` (a request
-    shorter than one block has none). Equal prompts prefixes give equal leading hashes."""
+    shorter than one block has none), from its LoRA ``adapter``'s name (``""``: the base
+    model). Equal prompts prefixes under one adapter give equal leading hashes."""
     hashes: list[int] = []
-    previous = 0
+    previous = hash(("lora", adapter)) if adapter else 0
     for index in range(min(len(token_ids) // block_size, max_blocks)):
         block = tuple(token_ids[index * block_size : (index + 1) * block_size])
         previous = hash((previous, block))
@@ -132,16 +145,23 @@ class LeastLoadedPolicy:
         self._owners: collections.OrderedDict[int, str] = collections.OrderedDict()
         #: how many routings prefix affinity decided (for tests and statistics)
         self.affinity_hits = 0
+        #: how many routings adapter affinity decided (prefix affinity may then refine them)
+        self.adapter_hits = 0
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> str:
         by_name = {replica.name: replica for replica in replicas}
         least = _least_loaded(replicas)
+        limit = self.balance_ratio * least.outstanding_tokens + self.balance_tokens
         chosen = least
+        if request.adapter:
+            holders = [replica for replica in replicas if request.adapter in replica.adapters]
+            if holders and (holder := _least_loaded(holders)).outstanding_tokens <= limit:
+                chosen = holder
+                self.adapter_hits += 1
         for prefix in reversed(request.block_hashes):  # the longest shared prefix first
             owner = by_name.get(self._owners.get(prefix, ""))
             if owner is None:
                 continue
-            limit = self.balance_ratio * least.outstanding_tokens + self.balance_tokens
             if owner.outstanding_tokens <= limit:
                 chosen = owner
                 self.affinity_hits += 1

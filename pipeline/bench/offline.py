@@ -55,9 +55,12 @@ dequantized; for ``int8`` the check then measures the quantization itself).
     actorline bench offline --quantization gguf|int8 [--quick] [--json] [--profile]
     actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
     actorline bench offline --pipeline-parallel-size 2 [--quick] [--repeats 2]
+    actorline bench offline --lora 4 [--quick] [--repeats 2] [--json]
 
-The last forms run the workload on N tensor-parallel ranks (pipeline shards) against one
-engine instead (:mod:`pipeline.bench.parallel`).
+The parallel forms run the workload on N tensor-parallel ranks (pipeline shards) against one
+engine instead (:mod:`pipeline.bench.parallel`); ``--lora N`` runs it with N LoRA adapters
+mixed in each batch against the base model alone, and measures what loading an adapter
+costs running streams (:mod:`pipeline.bench.lora`).
 """
 
 from __future__ import annotations
@@ -677,6 +680,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding: the zmq topology without and with this config, "
         "alternated (and nothing else; docs/speculative.md)",
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the workload with N LoRA adapters (rank 8, random, made with peft) mixed in "
+        "each batch against the base model alone (and nothing else)",
+    )
     add_ray_arguments(
         parser, help="run the workload with the engine's hosts on Ray against local processes"
     )
@@ -718,6 +729,19 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
             "--speculative-config compares one actorline engine with and without speculation: "
             "not with --peer, --structured, --tensor-parallel-size, --pipeline-parallel-size "
             "or --ray"
+        )
+    if args.lora and (
+        args.peer
+        or args.structured
+        or speculative
+        or args.tensor_parallel_size > 1
+        or args.pipeline_parallel_size > 1
+        or asks_for_ray(args)
+    ):
+        raise ValueError(
+            "--lora compares one actorline engine with and without adapters: not with --peer, "
+            "--structured, --speculative-config, --tensor-parallel-size, "
+            "--pipeline-parallel-size or --ray"
         )
     if speculative:
         systems = (ACTORLINE_ZMQ, ACTORLINE_SPECULATIVE)
@@ -773,6 +797,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         return run_ray_from_args(
             args, "offline", offline.model, options, prompts, params, repeats=args.repeats
         )
+    if args.lora:
+        return _run_lora_from_args(args)
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         from pipeline.bench.parallel import (
             TensorParallelConfig,
@@ -799,6 +825,35 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 0
     result = run_offline(offline)
     print_result(result, format_offline(result), args.json)
+    return 0
+
+
+def _run_lora_from_args(args: argparse.Namespace) -> int:
+    """``--lora N``: :func:`pipeline.bench.lora.run_lora_bench` on the offline workload.
+
+    Raises:
+        ValueError: N is below 1.
+    """
+    from pipeline.bench.lora import LoRABenchConfig, format_lora, run_lora_bench
+    from stages.tokenize import load_tokenizer
+
+    offline = config_from_args(args)
+    config = LoRABenchConfig(
+        model=offline.model,
+        adapters=args.lora,
+        repeats=args.repeats,
+        dtype=offline.dtype,
+        quantization=offline.quantization,
+        max_num_batched_tokens=offline.max_num_batched_tokens,
+    )
+    tokenizer = load_tokenizer(offline.model)
+    workload = make_workload(offline.workload)
+    result = run_lora_bench(
+        config,
+        [prompt_ids(tokenizer, request.prompt) for request in workload],
+        [request.max_tokens for request in workload],
+    )
+    print_result(result, format_lora(result), args.json)
     return 0
 
 

@@ -177,13 +177,13 @@ class EngineOptions:
         "--lora-modules)",
     )  # fmt: skip
     max_loras: int = option(
-        1, kind="int>=1", feeds=("execute", "scheduler"), group=_LORA,
+        1, kind="int>=1", feeds=("execute", "scheduler", "router"), group=_LORA,
         help="distinct adapters among the running requests (so in one batch); others wait",
     )  # fmt: skip
     max_lora_rank: int = option(16, kind="int>=1", feeds=("execute",), group=_LORA,
                                 help="the highest adapter rank accepted")  # fmt: skip
     max_cpu_loras: int | None = option(
-        None, feeds=("execute",), group=_LORA,
+        None, feeds=("execute", "router"), group=_LORA,
         help="adapters kept loaded, the least recently used unloaded past it (None: "
         "max_loras; those of running requests always stay)",
     )  # fmt: skip
@@ -418,11 +418,6 @@ class EngineOptions:
             raise ValueError(
                 f"max_cpu_loras must be None or an integer >= max_loras ({self.max_loras}), "
                 f"got {self.max_cpu_loras!r}"
-            )
-        if self.enable_lora and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
-            raise ValueError(
-                "enable_lora runs with tensor_parallel_size and data_parallel_size 1: adapters "
-                "are neither sharded nor routed to the replica holding them yet (docs/lora.md)"
             )
         if self.enable_lora_runtime_updates and not self.enable_lora:
             raise ValueError("enable_lora_runtime_updates loads LoRA adapters: needs enable_lora")

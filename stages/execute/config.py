@@ -273,12 +273,6 @@ class ExecuteConfig:
                     f"({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
                     "a batch's adapters are all loaded",
                 )
-        if self.enable_lora and self.tensor_parallel_size != 1:
-            raise ExecuteConfigError(
-                "enable_lora",
-                "LoRA adapters are not sharded: they run with tensor_parallel_size 1, got "
-                f"{self.tensor_parallel_size} (docs/lora.md)",
-            )
         if self.pooling_type not in POOLING_TYPES:
             raise ExecuteConfigError(
                 "pooling_type", f"must be one of {POOLING_TYPES}, got {self.pooling_type!r}"

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from stages.execute.bookkeeping import StepError
+from stages.execute.lora_segments import ConcatCache, StepSegments
+from stages.execute.lora_shard import LoRAShard, full_shape, shard_weights
 from stages.lora import (
     LORA_TARGETS,
     AdapterSpec,
@@ -118,6 +120,12 @@ class LoRALinear(torch.nn.Module):
         flat_x = x.reshape(-1, x.shape[-1])
         flat = output.view(-1, output.shape[-1])  # [T, N], the same storage
         key = (self.layer, self.kind)
+        segments = self._bank.step_segments
+        if segments is not None:  # several adapters: two GEMMs (stages.execute.lora_segments)
+            update = segments.delta(key, flat_x)  # [T, out']
+            if update is not None:
+                flat[:, : update.shape[1]] += update
+            return output
         for group in groups:
             delta = group.adapter.deltas.get(key)
             if delta is None:
@@ -144,16 +152,32 @@ class LoRABank:
         max_lora_rank: the highest rank accepted.
         max_cpu_loras: adapters kept loaded.
         device: where their weights live.
+        shard: with tensor parallelism, this rank's share of each adapter
+            (:mod:`stages.execute.lora_shard`; None: all of it).
     """
 
-    def __init__(self, max_lora_rank: int, max_cpu_loras: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        device: torch.device,
+        shard: LoRAShard | None = None,
+    ) -> None:
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.device = device
+        self.shard = shard
         self.targets: dict[str, LoRATarget] = {}
         self.num_layers = 0
         self.fused_mlp = False
         self.step_rows: list[LoRARows] = []
+        #: a step's groups as concatenated weights, where it has several adapters
+        self.step_segments: StepSegments | None = None
+        #: several adapters in a step take the concatenated path (False, the default: the
+        #: loop over groups; the concatenated one was not faster where it was measured,
+        #: docs/lora.md "Benchmark")
+        self.segmented = False
+        self._concat = ConcatCache()
         self._loaded: collections.OrderedDict[int, LoadedAdapter] = collections.OrderedDict()
         # NOTE: _loaded is shared by the step thread (acquire) and the execute stage's
         # loader thread (offer, docs/lora.md "Loading"): every read or change of it holds
@@ -165,15 +189,18 @@ class LoRABank:
         self.step_thread_loads = 0  # of which on the step thread (not prepared ahead)
 
     @classmethod
-    def for_model(cls, model: Any, config: Any, device: torch.device) -> LoRABank:
+    def for_model(
+        cls, model: Any, config: Any, device: torch.device, shard: LoRAShard | None = None
+    ) -> LoRABank:
         """A bank serving ``model`` under ``config`` (an ExecuteConfig with enable_lora), its
-        projections wrapped (:meth:`install`).
+        projections wrapped (:meth:`install`); ``shard``: this rank's share, with tensor
+        parallelism.
 
         Raises:
             LoRAAdapterError: the model has no projection an adapter could target.
         """
         kept = config.max_cpu_loras if config.max_cpu_loras is not None else config.max_loras
-        bank = cls(config.max_lora_rank, kept, device)
+        bank = cls(config.max_lora_rank, kept, device, shard)
         count = bank.install(model)
         logger.info("execute: LoRA on %d projections of %d layers", count, bank.num_layers)
         return bank
@@ -200,7 +227,10 @@ class LoRABank:
                 parent = model.get_submodule(name.rpartition(".")[0])
                 wraps.append((parent, name.rpartition(".")[2], int(match.group(1)), match[2]))
                 self.targets[match[2]] = LoRATarget(
-                    match[2], int(module.in_features), int(module.out_features)
+                    match[2],
+                    *full_shape(
+                        self.shard, match[2], int(module.in_features), int(module.out_features)
+                    ),
                 )
                 layers.add(int(match.group(1)))
             elif (match := _MLP.search(name)) is not None and hasattr(module, "gate_up"):
@@ -208,7 +238,9 @@ class LoRABank:
                 half = int(gate_up.out_features) // 2
                 wraps.append((module, "gate_up", int(match.group(1)), "gate_up"))
                 for part in _FUSED_PARTS:
-                    self.targets[part] = LoRATarget(part, int(gate_up.in_features), half)
+                    self.targets[part] = LoRATarget(
+                        part, *full_shape(self.shard, part, int(gate_up.in_features), half)
+                    )
                 layers.add(int(match.group(1)))
                 self.fused_mlp = True
         if not wraps:
@@ -346,8 +378,11 @@ class LoRABank:
         spec: AdapterSpec | None = None,
     ) -> LoadedAdapter:
         """An adapter of ``weights`` (``(layer, projection) -> (A [r, in], B [out, r])``,
-        checked already) and ``scale``, its gate/up deltas fused where the model's are; not
-        kept by the bank (:meth:`acquire` keeps what it loads)."""
+        checked already; the whole model's, this rank keeps its share) and ``scale``, its
+        gate/up deltas fused where the model's are; not kept by the bank (:meth:`acquire`
+        keeps what it loads)."""
+        whole = weights
+        weights = shard_weights(self.shard, whole)
         deltas: dict[tuple[int, str], _Delta] = {}
         fused = self.fused_mlp
         for (layer, module), (a, b) in weights.items():
@@ -357,14 +392,15 @@ class LoRABank:
         if fused:
             for layer in sorted({layer for layer, module in weights if module in _FUSED_PARTS}):
                 a_parts, b_parts = [], []
-                rank = next(pair[0].shape[0] for (at, part), pair in weights.items()
+                rank = next(pair[0].shape[0] for (at, part), pair in whole.items()
                             if at == layer and part in _FUSED_PARTS)  # fmt: skip
                 for part in _FUSED_PARTS:
                     pair = weights.get((layer, part))
                     if pair is None:  # the adapter leaves this half alone: a zero delta
                         target = self.targets[part]
-                        pair = (torch.zeros(rank, target.in_features),
-                                torch.zeros(target.out_features, rank))  # fmt: skip
+                        zeros = (torch.zeros(rank, target.in_features),
+                                 torch.zeros(target.out_features, rank))  # fmt: skip
+                        pair = shard_weights(self.shard, {(layer, part): zeros})[layer, part]
                     a_parts.append(pair[0])
                     b_parts.append(pair[1])
                 deltas[layer, "gate_up"] = self._delta(a_parts, b_parts, scale)
@@ -395,10 +431,13 @@ class LoRABank:
             index = None if len(rows) == total else torch.tensor(rows, device=self.device)
             step_rows.append(LoRARows(adapter, index))
         self.step_rows = step_rows
+        if self.segmented and len(step_rows) > 1:
+            self.step_segments = StepSegments(step_rows, total, self._concat)
         try:
             yield
         finally:
             self.step_rows = []
+            self.step_segments = None
 
 
 def lora_rows(

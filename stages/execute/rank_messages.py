@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from stages.lora import LoRARequest
 from transports.codec import message
 
 __all__ = ["Rendezvous", "ShardStep"]
@@ -35,7 +36,9 @@ class ShardStep:
     ``block_tables`` is ``[rows, width]``, each row padded with the reserved block. A
     speculative request's chunk is its last known token and its draft, packed like a short
     prefill chunk; rank 0 alone verifies and rolls back, and the next step's tables are the
-    truncated ones (docs/speculative.md)."""
+    truncated ones (docs/speculative.md). ``lora_adapters``: the step's LoRA adapters
+    (docs/lora.md), ``lora_index`` each row group's among them (-1: the base model); both
+    empty in a step of base rows only (:func:`stages.execute.lora_shard.shard_lora_fields`)."""
 
     step_id: int
     token_ids: np.ndarray  # [T] int64
@@ -43,3 +46,5 @@ class ShardStep:
     query_lens: np.ndarray  # [R] int64
     num_decode: int
     block_tables: np.ndarray  # [R, W] int64
+    lora_adapters: tuple[LoRARequest, ...] = ()
+    lora_index: tuple[int, ...] = ()  # [R], or () with no adapter

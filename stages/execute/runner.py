@@ -79,6 +79,7 @@ from stages.execute.loading import (
     resolve_kv_dtype,
 )
 from stages.execute.lora import LoadedAdapter, LoRABank, acquire_adapter, lora_rows
+from stages.execute.lora_shard import lora_shard_of, shard_lora_fields, shard_lora_rows
 from stages.execute.model_impl import NativeConfig, eos_token_ids, model_config
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import (
@@ -366,7 +367,8 @@ class ModelRunner:
             raise ExecuteConfigError("dtype", "'bfloat16': the native bf16 GEMM failed its check")
         if config.enable_lora:
             # NOTE: after every linear took its final kind: the wrappers call whichever it is
-            self.lora = LoRABank.for_model(model, config, self.device)
+            shard = lora_shard_of(model, self.rank, parallel)  # sharded like the linears
+            self.lora = LoRABank.for_model(model, config, self.device, shard)
         if parallel > 1:
             # NOTE: every rank has loaded its shard before the group forms, so the first
             # collective never waits on a slow load (the group's timeout is for steps).
@@ -797,7 +799,8 @@ class ModelRunner:
         metadata, positions = self.shard_metadata(shard)
         input_ids = torch.tensor(shard.token_ids, dtype=torch.long).to(self.device)  # [T]
         decoder = self.model.get_decoder()
-        with torch.inference_mode(), forward_context(metadata):
+        lora = shard_lora_rows(self.lora, shard)
+        with torch.inference_mode(), forward_context(metadata), lora:
             decoder(
                 input_ids=input_ids.unsqueeze(0),
                 position_ids=positions.unsqueeze(0),
@@ -1009,4 +1012,7 @@ def _shard_step(step_id: int, packed: _Packed) -> ShardStep:
         query_lens=np.asarray(packed.query_lens, dtype=np.int64),
         num_decode=packed.num_decode,
         block_tables=tables,
+        **shard_lora_fields(
+            [w.request.lora.request if w.request.lora else None for w in packed.order]
+        ),
     )

@@ -71,5 +71,5 @@ def test_lora_options_are_checked() -> None:
         EngineOptions(max_loras=0)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineOptions(max_loras=3, max_cpu_loras=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size and data_parallel_size 1"):
-        EngineOptions(enable_lora=True, data_parallel_size=2)
+    # sharded over ranks, routed over replicas (tests/stages/execute/test_lora_parallel.py)
+    EngineOptions(enable_lora=True, tensor_parallel_size=2, data_parallel_size=2)

@@ -1,0 +1,121 @@
+"""The LoRA delta of a step with several adapters in two GEMMs instead of a loop over its row
+groups (docs/lora.md): the adapters' ``A`` of one projection concatenated along the rank
+(``[sum R, in]``), their ``B`` likewise (``[out, sum R]``); every row is shrunk by all of
+them at once, a 0/1 mask keeps each row's own adapter's rank columns (none for a base row),
+and one expand adds the delta:
+
+    delta = ((x @ A_cat^T) * mask) @ B_cat^T
+
+The shrink computes ``G`` times the columns it keeps and the expand multiplies by zeros, but
+with ranks of 8-64 both are thin GEMMs, so two calls beat ``4 G`` small ones (an
+``index_select``, a shrink, an expand and an ``index_add_`` per group), as vLLM's punica
+kernels (``vllm/lora/ops/torch_ops/lora_ops.py``: ``bgmv_shrink`` / ``bgmv_expand``) batch
+the groups in one call.
+
+The concatenated weights are built once for a set of adapters and kept
+(:class:`ConcatCache`, the last few sets: a batch's adapters change rarely between steps);
+the masks once per step.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["CONCAT_SETS", "ConcatCache", "StepSegments"]
+
+#: sets of adapters whose concatenated weights a bank keeps
+CONCAT_SETS = 4
+
+
+class ConcatCache:
+    """Per set of adapters (their identities, in the step's order), each projection's
+    concatenated ``A`` and ``B`` and its rank widths; the least recently used set dropped
+    past :data:`CONCAT_SETS`. A set holds its adapters, so an identity is never reused
+    while its set is kept."""
+
+    def __init__(self, capacity: int = CONCAT_SETS) -> None:
+        self._capacity = capacity
+        self._sets: collections.OrderedDict[
+            tuple[int, ...],
+            tuple[
+                tuple[Any, ...],
+                dict[Any, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None],
+            ],
+        ] = collections.OrderedDict()
+
+    def weights_of(
+        self, adapters: Sequence[Any]
+    ) -> dict[Any, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None]:
+        """The (lazily filled) projections of the set ``adapters`` (each with ``deltas``)."""
+        key = tuple(id(adapter) for adapter in adapters)
+        entry = self._sets.get(key)
+        if entry is None:
+            entry = self._sets[key] = (tuple(adapters), {})
+            while len(self._sets) > self._capacity:
+                self._sets.popitem(last=False)
+        self._sets.move_to_end(key)
+        return entry[1]
+
+
+class StepSegments:
+    """One step's row groups (``groups``: each with ``adapter`` and ``rows``, a tensor of
+    packed rows or None for every row) over ``total`` packed rows, served by
+    :meth:`delta`."""
+
+    def __init__(self, groups: Sequence[Any], total: int, cache: ConcatCache) -> None:
+        self._groups = groups
+        self._total = total
+        self._weights = cache.weights_of([group.adapter for group in groups])
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def weights(self, key: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
+        """Projection ``key``'s concatenated ``A [sum R, in]``, ``B [out, sum R]`` and each
+        group's rank width (0: its adapter leaves it alone); None where none touches it."""
+        if key in self._weights:
+            return self._weights[key]
+        a_parts, b_parts, widths = [], [], []
+        for group in self._groups:
+            delta = group.adapter.deltas.get(key)
+            widths.append(0 if delta is None else delta.a.shape[0])
+            if delta is not None:
+                a_parts.append(delta.a)
+                b_parts.append(delta.b)
+        entry = None
+        if a_parts:
+            entry = (
+                torch.cat(a_parts, dim=0).contiguous(),
+                torch.cat(b_parts, dim=1).contiguous(),
+                tuple(widths),
+            )
+        self._weights[key] = entry
+        return entry
+
+    def _mask(self, widths: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        mask = self._masks.get(widths)
+        if mask is None:
+            mask = torch.zeros(self._total, sum(widths), dtype=like.dtype, device=like.device)
+            column = 0
+            for group, width in zip(self._groups, widths, strict=True):
+                if width:
+                    if group.rows is None:
+                        mask[:, column : column + width] = 1
+                    else:
+                        mask[group.rows, column : column + width] = 1
+                column += width
+            self._masks[widths] = mask
+        return mask
+
+    def delta(self, key: Any, x: torch.Tensor) -> torch.Tensor | None:
+        """The delta of projection ``key`` for the packed rows ``x [T, in]``: ``[T, out']``
+        (``out'``: the adapters' output width, at most the linear's), or None where no
+        adapter of the step touches it."""
+        entry = self.weights(key)
+        if entry is None:
+            return None
+        a, b, widths = entry
+        a, b = a.to(x.dtype), b.to(x.dtype)
+        return ((x @ a.t()) * self._mask(widths, x)) @ b.t()
