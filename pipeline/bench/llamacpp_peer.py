@@ -439,21 +439,41 @@ def server_command(
 
 def speculative_arguments(config: str | SpeculativeConfig) -> list[str]:
     """llama-server's options for actorline's ``speculative_config`` (its JSON text or the
-    parsed config): the n-gram proposer as ``ngram-simple`` (see the module docstring).
+    parsed config): the n-gram proposer as ``ngram-simple`` (see the module docstring), a
+    draft model as ``draft-simple`` over the draft's GGUF file (the draft must be a GGUF:
+    a ``.gguf`` file or an alias whose weights ship as one, with ``quantization`` ``gguf``),
+    up to ``num_speculative_tokens`` drafted per step as ours.
 
     Raises:
         ValueError: ``config`` is not a valid speculative_config.
-        LlamaPeerError: its method has no llama.cpp counterpart here.
+        LlamaPeerError: its method (or its draft model) has no llama.cpp counterpart here.
     """
-    from stages.speculative import parse_speculative_config
+    from stages.speculative import DRAFT_MODEL, parse_speculative_config
 
     parsed = parse_speculative_config(config)
     if parsed is None:
         raise ValueError("speculative_config must be given")
+    if parsed.method == DRAFT_MODEL:
+        from stages.models import resolve_model
+
+        assert parsed.model is not None  # the config requires it with draft_model
+        gguf = resolve_model(parsed.model).gguf if parsed.quantization == "gguf" else None
+        if gguf is None:
+            raise LlamaPeerError(
+                f"draft model {parsed.model!r} has no GGUF file for llama.cpp's draft-simple: "
+                "give a .gguf draft or an alias with quantization 'gguf'"
+            )
+        return [
+            "--spec-type", "draft-simple",
+            "--spec-draft-model", str(gguf),
+            "--spec-draft-n-max", str(parsed.num_speculative_tokens),
+            "--spec-draft-n-min", "0",
+        ]  # fmt: skip
     if parsed.method != "ngram":
         raise LlamaPeerError(
             f"speculative method {parsed.method!r} has no llama.cpp counterpart in this "
-            "benchmark (only 'ngram', as --spec-type ngram-simple)"
+            "benchmark (only 'ngram', as --spec-type ngram-simple, and 'draft_model', as "
+            "draft-simple)"
         )
     return [
         "--spec-type", "ngram-simple",

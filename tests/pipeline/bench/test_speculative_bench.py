@@ -118,6 +118,26 @@ def test_llamacpps_speculative_options_follow_our_ngram_config() -> None:
         speculative_arguments(SpeculativeConfig(method="other", num_speculative_tokens=2))
 
 
+def test_llamacpps_draft_model_options_take_the_drafts_gguf_file() -> None:
+    from pipeline.bench.llamacpp_peer import LlamaPeerError, speculative_arguments
+    from stages.models import resolve_model
+
+    draft = '{"model": "smollm2-135m", "quantization": "gguf", "num_speculative_tokens": 4}'
+    command = speculative_arguments(draft)
+    options = dict(zip(command[::2], command[1::2], strict=True))
+    gguf = resolve_model("smollm2-135m").gguf
+    assert gguf is not None and gguf.is_file()
+    assert options == {
+        "--spec-type": "draft-simple",
+        "--spec-draft-model": str(gguf),  # the wheel's own Q4_1 file, as ours drafts with
+        "--spec-draft-n-max": "4",
+        "--spec-draft-n-min": "0",
+    }
+    # a draft llama.cpp cannot load (no GGUF) is refused by name
+    with pytest.raises(LlamaPeerError, match="has no GGUF file"):
+        speculative_arguments('{"model": "smollm2-135m", "num_speculative_tokens": 4}')
+
+
 def test_the_latency_cli_takes_a_speculative_config() -> None:
     from pipeline.bench.latency import config_from_args
 
