@@ -1,7 +1,8 @@
 """LoRA adapters on the model runner (docs/lora.md): each targeted projection's linear is
 wrapped in a :class:`LoRALinear` that adds, to the base linear's output, the delta of each
-row group's adapter, ``scale * (x_g @ A^T) @ B^T`` (segmented by adapter, in torch), as
-vLLM's punica wrapper adds its ``lora_shrink`` / ``lora_expand`` to the base output
+row's adapter, ``scale * (x @ A^T) @ B^T`` (in torch: the step's adapters concatenated in
+one shrink and one expand, :mod:`stages.execute.lora_segments`), as vLLM's punica wrapper
+adds its ``lora_shrink`` / ``lora_expand`` to the base output
 (``vllm/lora/layers/base_linear.py``, ``vllm/lora/punica_wrapper/punica_cpu.py``). The base
 weights are never touched, so base rows and rows of different adapters share one step, and
 the delta follows any kind of base linear (fp32, packed, bf16 panels, int8, GGUF): the
