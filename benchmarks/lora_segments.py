@@ -2,10 +2,12 @@
 (:mod:`stages.execute.lora_segments`) against the loop over row groups, by alternation in one
 process (best of ``--rounds``), on the default model's wrapped projections (every q/k/v/o and
 fused gate/up/down of its 30 layers): ``--adapters`` random adapters of rank ``--rank`` on
-every projection, ``--rows`` packed rows spread evenly over them (decode rows of one step),
-and the base model's own linears alone for scale.
+every projection, ``--rows`` packed rows spread evenly over them (decode rows of one step:
+each adapter's rows contiguous, or with ``--interleaved`` row ``i`` under adapter ``i mod N``
+as ``bench offline --lora N`` packs them), and the base model's own linears alone for scale.
 
     python -m benchmarks.lora_segments [--adapters 4] [--rank 8] [--rows 64] [--rounds 7]
+        [--interleaved]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeat", type=int, default=5, help="passes timed per round")
+    parser.add_argument("--interleaved", action="store_true", help="row i under adapter i mod N")
     args = parser.parse_args(argv)
 
     import torch
@@ -50,7 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 weights[layer, name] = (a, b)
         adapters.append(bank.adapter_of_weights(weights, 2.0))
     share = args.rows // args.adapters
-    spans = [(adapter, i * share, (i + 1) * share) for i, adapter in enumerate(adapters)]
+    if args.interleaved:
+        spans = [(adapters[i % len(adapters)], i, i + 1) for i in range(share * len(adapters))]
+    else:
+        spans = [(adapter, i * share, (i + 1) * share) for i, adapter in enumerate(adapters)]
     inputs = {m.in_features: torch.randn(1, share * args.adapters, m.in_features) for m in wrapped}
 
     def one_pass(mode: str) -> float:
@@ -75,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             best[mode] = min(best[mode], one_pass(mode))
     print(
         f"{args.model}: {len(wrapped)} wrapped projections, {args.adapters} adapters of rank "
-        f"{args.rank}, {share * args.adapters} rows, {torch.get_num_threads()} threads, load "
+        f"{args.rank}, {share * args.adapters} rows"
+        f"{' interleaved' if args.interleaved else ''}, {torch.get_num_threads()} threads, load "
         f"average {os.getloadavg()[0]:.2f}"
     )
     for mode, milliseconds in best.items():

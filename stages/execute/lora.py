@@ -1,7 +1,8 @@
 """LoRA adapters on the model runner (docs/lora.md): each targeted projection's linear is
 wrapped in a :class:`LoRALinear` that adds, to the base linear's output, the delta of each
-row group's adapter, ``scale * (x_g @ A^T) @ B^T`` (segmented by adapter, in torch), as
-vLLM's punica wrapper adds its ``lora_shrink`` / ``lora_expand`` to the base output
+row's adapter, ``scale * (x @ A^T) @ B^T`` (in torch: the step's adapters concatenated in
+one shrink and one expand, :mod:`stages.execute.lora_segments`), as vLLM's punica wrapper
+adds its ``lora_shrink`` / ``lora_expand`` to the base output
 (``vllm/lora/layers/base_linear.py``, ``vllm/lora/punica_wrapper/punica_cpu.py``). The base
 weights are never touched, so base rows and rows of different adapters share one step, and
 the delta follows any kind of base linear (fp32, packed, bf16 panels, int8, GGUF): the
@@ -121,18 +122,17 @@ class LoRALinear(torch.nn.Module):
         flat = output.view(-1, output.shape[-1])  # [T, N], the same storage
         key = (self.layer, self.kind)
         segments = self._bank.step_segments
-        if segments is not None:  # several adapters: two GEMMs (stages.execute.lora_segments)
-            update = segments.delta(key, flat_x)  # [T, out']
-            if update is not None:
-                flat[:, : update.shape[1]] += update
+        if segments is not None:  # some rows: two GEMMs (stages.execute.lora_segments)
+            segments.add_delta(key, flat_x, flat)
             return output
         for group in groups:
             delta = group.adapter.deltas.get(key)
             if delta is None:
                 continue  # the adapter leaves this projection alone
             a, b = delta.a.to(flat_x.dtype), delta.b.to(flat_x.dtype)
-            if group.rows is None:
-                flat[:, : b.shape[0]] += (flat_x @ a.t()) @ b.t()
+            if group.rows is None:  # every row: the expand fused with the add
+                target = flat if b.shape[0] == flat.shape[1] else flat[:, : b.shape[0]]
+                target.addmm_(flat_x @ a.t(), b.t())
             else:
                 rows = flat_x.index_select(0, group.rows)
                 update = (rows @ a.t()) @ b.t()  # [G, out]
@@ -171,12 +171,13 @@ class LoRABank:
         self.num_layers = 0
         self.fused_mlp = False
         self.step_rows: list[LoRARows] = []
-        #: a step's groups as concatenated weights, where it has several adapters
+        #: a step's groups as concatenated weights, where its adapters cover only some rows
         self.step_segments: StepSegments | None = None
-        #: several adapters in a step take the concatenated path (False, the default: the
-        #: loop over groups; the concatenated one was not faster where it was measured,
-        #: docs/lora.md "Benchmark")
-        self.segmented = False
+        #: a step whose adapters cover only some of its rows (several adapters, or base rows
+        #: beside one) takes the concatenated path (True, the default: 3 torch calls per
+        #: projection against the loop's 4-6 per row group, docs/lora.md "Benchmark");
+        #: False: the loop over row groups
+        self.segmented = True
         self._concat = ConcatCache()
         self._loaded: collections.OrderedDict[int, LoadedAdapter] = collections.OrderedDict()
         # NOTE: _loaded is shared by the step thread (acquire) and the execute stage's
@@ -431,7 +432,7 @@ class LoRABank:
             index = None if len(rows) == total else torch.tensor(rows, device=self.device)
             step_rows.append(LoRARows(adapter, index))
         self.step_rows = step_rows
-        if self.segmented and len(step_rows) > 1:
+        if self.segmented and any(group.rows is not None for group in step_rows):
             self.step_segments = StepSegments(step_rows, total, self._concat)
         try:
             yield

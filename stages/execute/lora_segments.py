@@ -119,3 +119,18 @@ class StepSegments:
         a, b, widths = entry
         a, b = a.to(x.dtype), b.to(x.dtype)
         return ((x @ a.t()) * self._mask(widths, x)) @ b.t()
+
+    def add_delta(self, key: Any, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add the delta of projection ``key`` for the packed rows ``x [T, in]`` to ``out
+        [T, N]`` in place (its first ``out'`` columns, see :meth:`delta`), in three torch
+        calls: the shrink, the mask (in place) and the expand fused with the add
+        (``addmm_``); nothing where no adapter of the step touches it."""
+        entry = self.weights(key)
+        if entry is None:
+            return
+        a, b, widths = entry
+        if a.dtype != x.dtype:
+            a, b = a.to(x.dtype), b.to(x.dtype)
+        shrunk = torch.mm(x, a.t()).mul_(self._mask(widths, x))  # [T, sum R]
+        target = out if b.shape[0] == out.shape[1] else out[:, : b.shape[0]]
+        target.addmm_(shrunk, b.t())

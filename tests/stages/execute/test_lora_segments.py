@@ -1,6 +1,7 @@
 """The concatenated LoRA delta (stages/execute/lora_segments.py): a step of several adapters
 (each on some projections, of different ranks) and base rows gives, in two GEMMs, what the
-loop over its row groups gives; the concatenated weights are kept per set of adapters."""
+loop over its row groups gives (one adapter beside base rows too); the concatenated weights are
+kept per set of adapters."""
 
 from __future__ import annotations
 
@@ -49,6 +50,25 @@ def test_concatenated_delta_equals_the_loop_over_groups(tiny_model_dir: Path) ->
         base_q = q_proj.base(x_q)
     for name in ("q", "mlp"):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5)
+    # one adapter beside base rows takes the concatenated path too; on every row, one
+    # shrink and one addmm_
+    one_spans = [(None, 0, 4), (adapters[0], 4, 13)]
+    outputs = []
+    with torch.inference_mode():
+        for segmented in (True, False):
+            bank.segmented = segmented
+            with bank.rows(one_spans):
+                assert (bank.step_segments is not None) is segmented
+                outputs.append((q_proj(x_q), gate_up(x_mlp)))
+        with bank.rows([(adapters[0], 0, 13)]):
+            assert bank.step_segments is None
+            every_row = q_proj(x_q)
+    for got_one, expected_one in zip(outputs[0], outputs[1], strict=True):
+        torch.testing.assert_close(got_one, expected_one, rtol=1e-5, atol=1e-5)
+    delta = adapters[0].deltas[0, "q_proj"]
+    torch.testing.assert_close(
+        every_row, base_q + (x_q @ delta.a.t()) @ delta.b.t(), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(got["q"][0, 1:3], base_q[0, 1:3], rtol=0, atol=0)  # base rows
     assert not torch.equal(got["q"][0, :1], base_q[0, :1])
     # one set of adapters: its weights concatenated once, kept for the next step
