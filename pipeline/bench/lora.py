@@ -238,6 +238,7 @@ def _measure_load_cost(
     from pipeline.engine.async_engine import AsyncEngine
     from stages.lora import LoRARequest
     from stages.params import SamplingParams
+    from transports.tasks import TaskSet
 
     warm, cold = (LoRARequest(f"load{i + 1}", 100 + i, path) for i, path in enumerate(adapters))
     stream_params = SamplingParams(max_tokens=_STREAM_TOKENS, temperature=0.0, ignore_eos=True)
@@ -245,7 +246,10 @@ def _measure_load_cost(
     options = _engine_options(config, 2, 512)
 
     async def measure() -> LoRALoadCost:
-        async with AsyncEngine(config.model, max_num_seqs=_STREAMS + 2, **options) as engine:
+        async with (
+            AsyncEngine(config.model, max_num_seqs=_STREAMS + 2, **options) as engine,
+            TaskSet("bench:lora") as tasks,
+        ):
 
             async def run(
                 prompt: list[int], params: Any, lora: Any = None, ready: Any = None
@@ -262,7 +266,7 @@ def _measure_load_cost(
             await run(prompts[0], short, warm)  # the warm adapter loaded before the streams
             ready = [asyncio.Event() for _ in range(_STREAMS)]
             streams = [
-                asyncio.ensure_future(run(prompts[i % len(prompts)], stream_params, None, event))
+                tasks.spawn(run(prompts[i % len(prompts)], stream_params, None, event))
                 for i, event in enumerate(ready)
             ]
             # the streams run a while before anything joins
