@@ -6,7 +6,6 @@ distribution, and aborts, max_tokens and preemption stay exact mid-draft."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import shutil
 from pathlib import Path
@@ -16,16 +15,14 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from pipeline import LLM
-from pipeline.engine.async_engine import AsyncEngine
 from stages.params import SamplingParams
 from tests.conftest import TINY_LLAMA
-
-PROMPTS = [
-    [100, 200, 300, 400, 500, 100, 200, 300, 400, 500, 100, 200],
-    [7, 8, 9, 7, 8, 9, 7, 8],
-    list(range(1000, 1030)) + list(range(1000, 1010)),
-    [42] * 20,
-]
+from tests.pipeline.engine.test_speculative import (
+    PROMPTS,
+    check_an_abort_mid_draft,
+    generate_with,
+    sampled,
+)
 
 
 def _spec(model: Path | str, k: int = 4, **extra: Any) -> dict[str, Any]:
@@ -54,12 +51,6 @@ def other_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_di
     return out
 
 
-def _generate(model: Path, params: list[SamplingParams], **options: Any) -> tuple[list[Any], Any]:
-    with LLM(str(model), transport="memory", **options) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        return outputs, llm.engine.stats
-
-
 @pytest.mark.slow
 def test_greedy_outputs_identical_with_a_draft_model(
     tiny_model_dir: Path, other_tiny_model_dir: Path
@@ -68,8 +59,8 @@ def test_greedy_outputs_identical_with_a_draft_model(
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 7, 13, 64)
     ]
-    plain, _ = _generate(tiny_model_dir, params, num_blocks=256)
-    itself, stats = _generate(
+    plain, _ = generate_with(tiny_model_dir, params, num_blocks=256)
+    itself, stats = generate_with(
         tiny_model_dir, params, num_blocks=256, speculative_config=_spec(tiny_model_dir)
     )
     assert [o.token_ids for o in itself] == [o.token_ids for o in plain]
@@ -79,7 +70,7 @@ def test_greedy_outputs_identical_with_a_draft_model(
     assert stats.spec_num_drafts > 0
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
     assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
-    other, stats = _generate(
+    other, stats = generate_with(
         tiny_model_dir, params, num_blocks=256, speculative_config=_spec(other_tiny_model_dir)
     )
     assert [o.token_ids for o in other] == [o.token_ids for o in plain]
@@ -90,10 +81,10 @@ def test_greedy_outputs_identical_with_a_draft_model(
 @pytest.mark.slow
 def test_preemption_and_an_abort_mid_draft_stay_exact(tiny_model_dir: Path) -> None:
     params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
-    plain, _ = _generate(tiny_model_dir, params, num_blocks=256)
+    plain, _ = generate_with(tiny_model_dir, params, num_blocks=256)
     # 12 blocks of 16 tokens cannot hold the four requests at once: some are preempted (their
     # draft blocks freed with the target's), then resumed and drafted for again
-    spec, stats = _generate(
+    spec, stats = generate_with(
         tiny_model_dir,
         params,
         num_blocks=12,
@@ -104,48 +95,7 @@ def test_preemption_and_an_abort_mid_draft_stay_exact(tiny_model_dir: Path) -> N
     assert stats.spec_num_accepted_tokens > 0
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
-    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-
-    async def main() -> tuple[list[int], list[int]]:
-        async with AsyncEngine(
-            str(tiny_model_dir),
-            transport="memory",
-            num_blocks=64,
-            speculative_config=_spec(tiny_model_dir),
-        ) as engine:
-
-            async def run(prompt: list[int], request_id: str, stop_after: int | None) -> list[int]:
-                tokens: list[int] = []
-                async for output in engine.generate(
-                    {"prompt_token_ids": prompt}, greedy, request_id=request_id
-                ):
-                    tokens = list(output.token_ids)
-                    if stop_after is not None and len(tokens) >= stop_after:
-                        await engine.abort(request_id)
-                        break
-                return tokens
-
-            aborted, kept = await asyncio.gather(
-                run(PROMPTS[3], "a", 5), run(PROMPTS[0], "b", None)
-            )
-            after = await run(PROMPTS[3], "c", None)
-            assert len(aborted) >= 5
-            return kept, after
-
-    kept, after = asyncio.run(main())
-    with LLM(str(tiny_model_dir), transport="memory", num_blocks=64) as llm:
-        expected = llm.generate(
-            [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[3]}], greedy
-        )
-    assert kept == list(expected[0].token_ids)
-    assert after == list(expected[1].token_ids)
-
-
-def _sampled(model: Path, prompt: list[int], count: int, **options: Any) -> tuple[list[Any], Any]:
-    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
-    with LLM(str(model), transport="memory", num_blocks=1024, max_num_seqs=64, **options) as llm:
-        outputs = llm.generate([{"prompt_token_ids": prompt}] * count, params)
-        return [tuple(o.token_ids) for o in outputs], llm.engine.stats
+    check_an_abort_mid_draft(tiny_model_dir, _spec(tiny_model_dir), PROMPTS[3], PROMPTS[0])
 
 
 @pytest.mark.slow
@@ -155,8 +105,8 @@ def test_sampling_with_a_draft_model_keeps_the_target_distribution(tiny_model_di
     # it is accepted with the target's probability of it, else the residual is sampled.
     prompt = PROMPTS[1]
     count = 400
-    plain, _ = _sampled(tiny_model_dir, prompt, count)
-    spec, stats = _sampled(
+    plain, _ = sampled(tiny_model_dir, prompt, count)
+    spec, stats = sampled(
         tiny_model_dir, prompt, count, speculative_config=_spec(tiny_model_dir, 3)
     )
     assert stats.spec_num_drafts > 0

@@ -33,7 +33,9 @@ PROMPTS = [
 ]
 
 
-def _generate(model: Path, params: list[SamplingParams], **options: Any) -> tuple[list[Any], Any]:
+def generate_with(
+    model: Path, params: list[SamplingParams], **options: Any
+) -> tuple[list[Any], Any]:
     with LLM(str(model), transport="memory", **options) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         return outputs, llm.engine.stats
@@ -44,8 +46,8 @@ def test_greedy_outputs_identical_with_and_without_speculation(tiny_model_dir: P
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 7, 13, 64)
     ]
-    plain, _ = _generate(tiny_model_dir, params, num_blocks=256)
-    spec, stats = _generate(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
+    plain, _ = generate_with(tiny_model_dir, params, num_blocks=256)
+    spec, stats = generate_with(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert [len(o.token_ids) for o in spec] == [40, 7, 13, 64]
     assert [o.text for o in spec] == [o.text for o in plain]
@@ -69,7 +71,7 @@ def test_stop_strings_cut_a_drafted_run_exactly(tiny_model_dir: Path) -> None:
             for stop in stops
         ]
         expected = llm.generate(prompts, params)
-    spec, stats = _generate(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
+    spec, stats = generate_with(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
     assert [(o.text, o.finish_reason) for o in spec] == [
         (o.text, o.finish_reason) for o in expected
     ]
@@ -80,9 +82,9 @@ def test_stop_strings_cut_a_drafted_run_exactly(tiny_model_dir: Path) -> None:
 @pytest.mark.slow
 def test_preemption_mid_run_keeps_greedy_identity(tiny_model_dir: Path) -> None:
     params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
-    plain, _ = _generate(tiny_model_dir, params, num_blocks=256)
+    plain, _ = generate_with(tiny_model_dir, params, num_blocks=256)
     # 12 blocks of 16 tokens cannot hold the four requests at once: some are preempted
-    spec, stats = _generate(
+    spec, stats = generate_with(
         tiny_model_dir, params, num_blocks=12, block_size=16, speculative_config=SPEC
     )
     assert stats.num_preemptions > 0
@@ -107,11 +109,19 @@ def test_prefix_cache_after_speculation_serves_only_accepted_tokens(tiny_model_d
 
 
 def test_an_abort_mid_run_leaves_the_others_exact(tiny_model_dir: Path) -> None:
+    check_an_abort_mid_draft(tiny_model_dir, SPEC, PROMPTS[3], PROMPTS[0])
+
+
+def check_an_abort_mid_draft(
+    model: Path, spec: dict[str, Any], aborted_prompt: list[int], kept_prompt: list[int]
+) -> None:
+    """A request aborted after 5 tokens, mid-draft, beside one that runs on: the kept one and
+    the aborted prompt run again give the greedy tokens of an engine without ``spec``."""
     greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
     async def main() -> tuple[list[int], list[int]]:
         async with AsyncEngine(
-            str(tiny_model_dir), transport="memory", num_blocks=64, speculative_config=SPEC
+            str(model), transport="memory", num_blocks=64, speculative_config=spec
         ) as engine:
 
             async def run(prompt: list[int], request_id: str, stop_after: int | None) -> list[int]:
@@ -126,22 +136,22 @@ def test_an_abort_mid_run_leaves_the_others_exact(tiny_model_dir: Path) -> None:
                 return tokens
 
             aborted, kept = await asyncio.gather(
-                run(PROMPTS[3], "a", 5), run(PROMPTS[0], "b", None)
+                run(aborted_prompt, "a", 5), run(kept_prompt, "b", None)
             )
-            after = await run(PROMPTS[3], "c", None)
+            after = await run(aborted_prompt, "c", None)
             assert len(aborted) >= 5
             return kept, after
 
     kept, after = asyncio.run(main())
-    with LLM(str(tiny_model_dir), transport="memory", num_blocks=64) as llm:
+    with LLM(str(model), transport="memory", num_blocks=64) as llm:
         expected = llm.generate(
-            [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[3]}], greedy
+            [{"prompt_token_ids": kept_prompt}, {"prompt_token_ids": aborted_prompt}], greedy
         )
     assert kept == list(expected[0].token_ids)
     assert after == list(expected[1].token_ids)
 
 
-def _sampled(model: Path, prompt: list[int], count: int, **options: Any) -> tuple[list[Any], Any]:
+def sampled(model: Path, prompt: list[int], count: int, **options: Any) -> tuple[list[Any], Any]:
     params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
     with LLM(str(model), transport="memory", num_blocks=1024, max_num_seqs=64, **options) as llm:
         outputs = llm.generate([{"prompt_token_ids": prompt}] * count, params)
@@ -158,8 +168,8 @@ def test_sampling_keeps_the_target_distribution(tiny_model_dir: Path) -> None:
         loop = list(llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy)[0].token_ids)
     prompt = [*PROMPTS[1], *loop]
     count = 500
-    plain, _ = _sampled(tiny_model_dir, prompt, count)
-    spec, stats = _sampled(tiny_model_dir, prompt, count, speculative_config=SPEC)
+    plain, _ = sampled(tiny_model_dir, prompt, count)
+    spec, stats = sampled(tiny_model_dir, prompt, count, speculative_config=SPEC)
     assert stats.spec_num_drafts > 0
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     # each of the drafted positions (2nd to 4th token): the two samples' token counts agree
@@ -177,8 +187,8 @@ def test_seeded_sampling_is_reproducible_with_speculation(tiny_model_dir: Path) 
         SamplingParams(max_tokens=24, temperature=0.8, top_k=2, seed=seed, ignore_eos=True)
         for seed in (1, 2, 3, 4)
     ]
-    first, stats = _generate(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
-    second, _ = _generate(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
+    first, stats = generate_with(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
+    second, _ = generate_with(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert stats.spec_num_drafts > 0
 
@@ -193,8 +203,8 @@ def test_requests_the_verifier_cannot_treat_like_decode_rows_do_not_draft(
         SamplingParams(max_tokens=16, temperature=0.0, min_tokens=16, ignore_eos=True),
         SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=0.5, ignore_eos=True),
     ]
-    plain, _ = _generate(tiny_model_dir, params, num_blocks=256)
-    spec, stats = _generate(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
+    plain, _ = generate_with(tiny_model_dir, params, num_blocks=256)
+    spec, stats = generate_with(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec[0].logprobs == plain[0].logprobs
     assert stats.spec_num_drafts == 0
