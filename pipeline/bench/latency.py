@@ -426,18 +426,11 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
                 command = actorline_command(config.model, fmt, config) + spec
                 systems.append((ACTORLINE_SPEC, command, None))
             if binary is not None:
-                port = free_port()
-                command = llamacpp_peer.server_command(
-                    binary,
-                    ggufs[name],
-                    port,
-                    threads=config.threads,
-                    slots=config.slots,
-                    context_per_slot=config.context_per_slot,
-                    repack=fmt.repack,
-                )
-                systems.append((LLAMACPP, command, port))
+                peer_systems: list[tuple[str, list[str]]] = [(LLAMACPP, [])]
                 if config.speculative_config is not None:
+                    spec = speculative_arguments(config.speculative_config)
+                    peer_systems.append((LLAMACPP_SPEC, spec))
+                for system, extra in peer_systems:
                     port = free_port()
                     command = llamacpp_peer.server_command(
                         binary,
@@ -447,8 +440,8 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
                         slots=config.slots,
                         context_per_slot=config.context_per_slot,
                         repack=fmt.repack,
-                    ) + speculative_arguments(config.speculative_config)
-                    systems.append((LLAMACPP_SPEC, command, port))
+                    )
+                    systems.append((system, command + extra, port))
             if index % 2:
                 systems.reverse()
             for system, command, known_port in systems:
