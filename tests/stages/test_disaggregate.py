@@ -12,9 +12,8 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -24,8 +23,8 @@ from pipeline.engine.presets import llm_pipeline
 from stages.disaggregate import PREFILL_SUFFIX, PrefillDecodeRouterStage
 from stages.structured.params import StructuredOutputsParams
 from tests.processes import process_alive
+from tests.stages.test_route import PROMPTLY, PROMPTS, run  # the two prompt families
 
-T = TypeVar("T")
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 CHOICE = SamplingParams(
@@ -33,20 +32,6 @@ CHOICE = SamplingParams(
     temperature=0.0,
     structured_outputs=StructuredOutputsParams(choice=("red river", "green bridge", "blue")),
 )
-FAMILIES = {
-    "a": " ".join(["alpha beta gamma delta"] * 12),
-    "b": " ".join(["one two three four"] * 12),
-}
-PROMPTS = {
-    f"{family}{index}": f"{prefix} question {index}: {topic}?"
-    for family, prefix in FAMILIES.items()
-    for index, topic in enumerate(["rivers", "trains", "bridges"])
-}
-PROMPTLY = 60.0
-
-
-def run(coroutine: Coroutine[Any, Any, T], timeout: float = 600) -> T:
-    return asyncio.run(asyncio.wait_for(coroutine, timeout))
 
 
 async def final(engine: AsyncEngine, request_id: str, prompt: str, params: SamplingParams) -> Any:

@@ -170,9 +170,14 @@ def test_sampling_keeps_the_target_distribution(tiny_model_dir: Path) -> None:
     count = 500
     plain, _ = sampled(tiny_model_dir, prompt, count)
     spec, stats = sampled(tiny_model_dir, prompt, count, speculative_config=SPEC)
+    check_same_distribution(plain, spec, stats)
+
+
+def check_same_distribution(plain: list[Any], spec: list[Any], stats: Any) -> None:
+    """Drafts were made, some accepted and some rejected, and at each of the drafted
+    positions (2nd to 4th token) the two samples' token counts agree (chi-square)."""
     assert stats.spec_num_drafts > 0
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
-    # each of the drafted positions (2nd to 4th token): the two samples' token counts agree
     for position in (1, 2, 3):
         a = collections.Counter(run[position] for run in plain)
         b = collections.Counter(run[position] for run in spec)
