@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "option",
     "option_specs",
     "options_table",
+    "refuse_clashes",
 ]
 
 
@@ -374,3 +375,19 @@ def options_table(cls: Any) -> str:
         cells = (f"`{field.name}`", flag, f"`{shown}`", meaning, feeds)
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def refuse_clashes(subject: str, clashes: Iterable[tuple[str, bool]], section: str) -> None:
+    """Refuse the first option ``subject`` does not combine with yet: ``clashes`` pairs what
+    it clashes with (as the message names it) with whether it is set; ``section`` is the
+    docs/parallelism.md section that says why.
+
+    Raises:
+        ValueError: "``subject`` does not combine with ``what``: not built yet (...)".
+    """
+    for what, clash in clashes:
+        if clash:
+            raise ValueError(
+                f"{subject} does not combine with {what}: not built yet "
+                f"(docs/parallelism.md, {section})"
+            )

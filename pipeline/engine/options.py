@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.engine.option_fields import check_options, fed, option
+from pipeline.engine.option_fields import check_options, fed, option, refuse_clashes
 from pipeline.engine.prefill_decode import (
     PrefillDecode,
     check_prefill_decode,
@@ -490,12 +490,7 @@ class EngineOptions:
             ("transport 'memory' (every stage in the calling process; use 'zmq' or 'grpc')",
              not self.split_processes),
         )  # fmt: skip
-        for what, clash in clashes:
-            if clash:
-                raise ValueError(
-                    f"pipeline_parallel_size {size} does not combine with {what}: not built "
-                    "yet (docs/parallelism.md, Pipeline parallelism)"
-                )
+        refuse_clashes(f"pipeline_parallel_size {size}", clashes, "Pipeline parallelism")
 
     @classmethod
     def create(cls, model: str | None = None, **options: Any) -> EngineOptions:

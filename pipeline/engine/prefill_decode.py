@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.engine.option_fields import refuse_clashes
+
 __all__ = ["PrefillDecode", "check_prefill_decode", "parse_prefill_decode"]
 
 #: ``(P, D)``: P prefill engines and D decode engines
@@ -68,9 +70,6 @@ def check_prefill_decode(options: Any) -> None:
         ("transport 'memory' (every stage in the calling process; use 'zmq' or 'grpc')",
          not options.split_processes),
     )  # fmt: skip
-    for what, clash in clashes:
-        if clash:
-            raise ValueError(
-                f"prefill_decode {prefill}:{decode} does not combine with {what}: not built yet "
-                "(docs/parallelism.md, Disaggregated prefill and decode)"
-            )
+    refuse_clashes(
+        f"prefill_decode {prefill}:{decode}", clashes, "Disaggregated prefill and decode"
+    )
