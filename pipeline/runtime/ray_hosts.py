@@ -276,6 +276,11 @@ class _HostActor:
         stages see through :func:`host_node_ip` and :func:`host_gpu_ids`)."""
         return os.getpid(), self._ip, host_gpu_ids()
 
+    async def node_id(self) -> str:
+        """The id of the Ray node this actor runs on (as ``ray.nodes()`` names it: nodes of
+        one machine share an IP, not an id)."""
+        return str(import_ray().get_runtime_context().get_node_id())
+
 
 _ACTOR_CLASSES: dict[str, Any] = {}
 
@@ -318,6 +323,8 @@ class RayActorHost:
         #: once spawned: the IP of the actor's node and the GPUs Ray assigned it
         self.node_ip: str | None = None
         self.gpu_ids: tuple[str, ...] = ()
+        #: once spawned: the id of the Ray node it runs on
+        self.node_id: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -353,11 +360,13 @@ class RayActorHost:
         self.actor = _actor_class().options(**options).remote(self.plan, list(sys.path))
         del ray
         self._pid, self.node_ip, self.gpu_ids = await self._call(self.actor.where)
+        self.node_id = await self._call(self.actor.node_id)
         logger.info(
-            "host %r runs as Ray actor %s on node %s (GPUs: %s)",
+            "host %r runs as Ray actor %s on node %s (%s; GPUs: %s)",
             self.name,
             self.actor_name,
             self.node_ip,
+            self.node_id,
             ", ".join(self.gpu_ids) or "none",
         )
         self._watch = self._tasks.spawn(self._watch_events(), name=f"ray-watch:{self.name}")

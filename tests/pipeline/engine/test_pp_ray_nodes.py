@@ -1,0 +1,224 @@
+"""Pipeline parallelism on a Ray cluster of two nodes, started as users start one
+(docs/parallelism.md, "Pipeline parallelism on Ray"): ``ray start --head`` and a second
+``ray start --address HEAD --resources '{"second": 1}'`` on this machine, each in a session
+of its own (tests/ray_started.py), token authentication on as Ray turns it on for a user with
+a token. A driver process of the cluster's user starts the tiny model at PP=2 with the engine
+on Ray:
+
+- pinned by ``ray_shard_resources`` (the head's ``node:__internal_head__``, the second node's
+  ``second``), and spread by ``ray_placement_strategy="STRICT_SPREAD"``: the shards' actors
+  report different node ids, each the node that holds its resource, and each actor process is
+  in its node's session; the greedy tokens are one local engine's;
+- ``ray.kill`` of the second shard's actor fails every pending stream with EngineDeadError in
+  bounded time; once closed, no host actor is left on either node.
+
+The options' plain data (bundles, strategies, refusals) needs no cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.cli.llm import engine_options_from
+from pipeline.cli.main import build_parser
+from pipeline.engine.options import EngineOptions
+from pipeline.engine.presets import start_options
+from tests.pipeline.engine.test_ray_engine import GREEDY, PROMPTS
+from tests.pipeline.engine.test_ray_started import local_tokens, wait_no_host_actor
+from tests.pipeline.server.serving import REPOSITORY
+from tests.ray_started import StartedRay, StartedRayNode, generate_token
+
+__all__ = ["local_tokens"]  # the fixture, shared with test_ray_engine
+
+#: seconds every stream may take to fail once a shard's actor is killed (Ray reports the death
+#: at once; the rest is the engine's teardown on a loaded machine)
+KILLED_SHARD_SECONDS = 15.0
+#: the driver: start each engine of argv[3] (JSON option sets) on the cluster at argv[2], report
+#: where its hosts run and its greedy tokens; the first also has its last shard killed mid-stream
+DRIVER = """
+import asyncio, json, os, sys, time
+import ray
+from pipeline import AsyncEngine, EngineDeadError, SamplingParams
+
+model, address, option_sets, prompts, max_tokens = sys.argv[1:6]
+
+async def run(options, kill):
+    engine = AsyncEngine(model, ray_address=address, num_blocks=128, heartbeat_timeout=60.0,
+                         **options)
+    await engine.start()
+    report = {}
+    try:
+        hosts = sorted(h for h in engine.running.pids if h.startswith("engine"))
+        report["hosts"] = {}
+        for host in hosts:
+            actor = engine.running.ray_actor(host)
+            pid, _, _ = await actor.where.remote()
+            report["hosts"][host] = {"node": await actor.node_id.remote(),
+                                     "session": os.getsid(pid)}
+        greedy = SamplingParams(max_tokens=int(max_tokens), temperature=0.0, ignore_eos=True)
+
+        async def one(prompt, params):
+            tokens = ()
+            try:
+                async for out in engine.generate(prompt, params):
+                    tokens = out.token_ids
+                    started.set()
+            except EngineDeadError as error:
+                return type(error).__name__
+            return list(tokens)
+
+        started = asyncio.Event()
+        report["tokens"] = await asyncio.gather(*(one(p, greedy) for p in json.loads(prompts)))
+        if kill:
+            started.clear()
+            long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+            tasks = [asyncio.create_task(one(p, long)) for p in json.loads(prompts)]
+            await asyncio.wait_for(started.wait(), 120)
+            ray.kill(engine.running.ray_actor(hosts[-1]))
+            killed = time.monotonic()
+            report["killed"] = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            report["seconds"] = time.monotonic() - killed
+            report["failure"] = type(engine.failure).__name__
+    finally:
+        await engine.close()
+    return report
+
+async def main():
+    reports = []
+    for index, options in enumerate(json.loads(option_sets)):
+        reports.append(await run(options, kill=index == 0))
+    nodes = {n["NodeID"]: sorted(n["Resources"]) for n in ray.nodes() if n["Alive"]}
+    print(json.dumps({"engines": reports, "nodes": nodes}))
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StartedRay, StartedRay]]:
+    """The head (2 CPUs) and a second node (2 CPUs, resource ``second``) of one cluster,
+    started by a user with a Ray token."""
+    home = tmp_path_factory.mktemp("ray-two-nodes")
+    generate_token(home)
+    head = StartedRay(home)
+    try:
+        node = StartedRayNode(head, num_cpus=2, resources={"second": 1})
+        try:
+            yield head, node
+        finally:
+            node.stop()
+    finally:
+        head.stop()
+
+
+# -- plain data ----------------------------------------------------------------------------------
+
+
+def test_shards_are_bundles_of_their_replicas_group_pinned_or_spread_as_asked() -> None:
+    options = EngineOptions(
+        pipeline_parallel_size=3,
+        data_parallel_size=2,
+        ray=True,
+        ray_num_cpus=0.5,
+        ray_shard_resources="node:10.0.0.5,,gpu_box",
+    )
+    started = start_options(options)
+    assert sorted(started.hosts) == [
+        "engine", "engine_1", "engine_1_pp1", "engine_1_pp2", "engine_pp1", "engine_pp2"
+    ]  # fmt: skip
+    assert started.hosts["engine_1_pp2"].placement_group == "replica1"
+    assert started.hosts["engine_1_pp2"].bundle_index == 2
+    for group in started.placement_groups.values():
+        # PACK by default with shards: one node where they fit, else several
+        assert group.strategy == "PACK"
+        assert group.bundles == (
+            {"CPU": 0.5, "node:10.0.0.5": 0.001},
+            {"CPU": 0.5},
+            {"CPU": 0.5, "gpu_box": 0.001},
+        )
+    spread = EngineOptions(pipeline_parallel_size=2, ray=True, ray_placement_strategy="SPREAD")
+    assert start_options(spread).placement_groups["replica0"].strategy == "SPREAD"
+    # without shards the engine's hosts keep to one node, as before
+    plain = EngineOptions(tensor_parallel_size=2, ray=True)
+    assert start_options(plain).placement_groups["replica0"].strategy == "STRICT_PACK"
+    # the flags reach the options
+    args = build_parser().parse_args(
+        ["serve", "--ray", "auto", "--pipeline-parallel-size", "2",
+         "--ray-placement-strategy", "STRICT_SPREAD", "--ray-shard-resources", "a,b"]
+    )  # fmt: skip
+    parsed = EngineOptions.create(**engine_options_from(args))
+    assert (parsed.ray_placement_strategy, parsed.ray_shard_resources) == ("STRICT_SPREAD", "a,b")
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        (dict(ray_placement_strategy="SPREAD"), "ray_placement_strategy places the engine's hosts"),
+        (dict(ray_shard_resources="a"), "ray_shard_resources places the engine's hosts"),
+        (dict(ray=True, ray_placement_strategy="spread"), "must be one of"),
+        (dict(ray=True, pipeline_parallel_size=2, ray_shard_resources="a"),
+         "names 1 shards (a), but pipeline_parallel_size is 2"),
+        (dict(ray=True, pipeline_parallel_size=2, ray_shard_resources=","), "names no resource"),
+        (dict(ray=True, pipeline_parallel_size=2, ray_shard_resources="a b,c"), "whitespace"),
+    ],
+)  # fmt: skip
+def test_placement_options_are_refused_where_they_cannot_apply(
+    options: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        EngineOptions(**options)
+
+
+# -- on two nodes started with `ray start` -------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
+    tiny_model_dir: Path,
+    two_nodes: tuple[StartedRay, StartedRay],
+    local_tokens: list[tuple[int, ...]],
+) -> None:
+    head, node = two_nodes
+    pinned = dict(pipeline_parallel_size=2, ray_num_cpus=0.5,
+                  ray_shard_resources="node:__internal_head__,second")  # fmt: skip
+    spread = dict(pipeline_parallel_size=2, ray_num_cpus=0.5,
+                  ray_placement_strategy="STRICT_SPREAD")  # fmt: skip
+    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address,
+               json.dumps([pinned, spread]), json.dumps(PROMPTS), str(GREEDY.max_tokens)]  # fmt: skip
+    result = subprocess.run(
+        command,
+        env={**head.environment(), "PYTHONPATH": str(REPOSITORY)},
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    second = [nid for nid, resources in report["nodes"].items() if "second" in resources]
+    first = [nid for nid, resources in report["nodes"].items() if "second" not in resources]
+    assert len(second) == len(first) == 1, report["nodes"]
+    sessions = {head.process.pid: first[0], node.process.pid: second[0]}
+    for engine in report["engines"]:
+        hosts = engine["hosts"]
+        assert sorted(hosts) == ["engine", "engine_pp1"]
+        assert hosts["engine"]["node"] != hosts["engine_pp1"]["node"]
+        for where in hosts.values():  # each actor's process runs under its node's `ray start`
+            assert sessions[where["session"]] == where["node"]
+        assert [tuple(tokens) for tokens in engine["tokens"]] == local_tokens
+    pinned_report = report["engines"][0]
+    assert pinned_report["hosts"]["engine"]["node"] == first[0]
+    assert pinned_report["hosts"]["engine_pp1"]["node"] == second[0]
+    assert pinned_report["killed"] == ["EngineDeadError"] * len(PROMPTS)
+    assert pinned_report["seconds"] < KILLED_SHARD_SECONDS
+    assert pinned_report["failure"] == "EngineDeadError"
+    wait_no_host_actor(head)
+    wait_no_host_actor(node)
