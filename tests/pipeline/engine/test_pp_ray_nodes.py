@@ -62,6 +62,8 @@ async def run(options, kill):
             pid, _, _ = await actor.where.remote()
             report["hosts"][host] = {"node": await actor.node_id.remote(),
                                      "session": os.getsid(pid)}
+        # (the engine connected this process to Ray, and disconnects it as it closes)
+        report["nodes"] = {n["NodeID"]: sorted(n["Resources"]) for n in ray.nodes() if n["Alive"]}
         greedy = SamplingParams(max_tokens=int(max_tokens), temperature=0.0, ignore_eos=True)
 
         async def one(prompt, params):
@@ -94,8 +96,7 @@ async def main():
     reports = []
     for index, options in enumerate(json.loads(option_sets)):
         reports.append(await run(options, kill=index == 0))
-    nodes = {n["NodeID"]: sorted(n["Resources"]) for n in ray.nodes() if n["Alive"]}
-    print(json.dumps({"engines": reports, "nodes": nodes}))
+    print(json.dumps(reports))
 
 asyncio.run(main())
 """
@@ -109,7 +110,8 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Starte
     generate_token(home)
     head = StartedRay(home)
     try:
-        node = StartedRayNode(head, num_cpus=2, resources={"second": 1})
+        # as Ray's docs ask of every node of a cluster with token authentication
+        node = StartedRayNode(head, num_cpus=2, resources={"second": 1}, RAY_AUTH_MODE="token")
         try:
             yield head, node
         finally:
@@ -191,8 +193,9 @@ def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
                   ray_shard_resources="node:__internal_head__,second")  # fmt: skip
     spread = dict(pipeline_parallel_size=2, ray_num_cpus=0.5,
                   ray_placement_strategy="STRICT_SPREAD")  # fmt: skip
-    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address,
-               json.dumps([pinned, spread]), json.dumps(PROMPTS), str(GREEDY.max_tokens)]  # fmt: skip
+    engines, prompts = json.dumps([pinned, spread]), json.dumps(PROMPTS)
+    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address, engines, prompts,
+               str(GREEDY.max_tokens)]  # fmt: skip
     result = subprocess.run(
         command,
         env={**head.environment(), "PYTHONPATH": str(REPOSITORY)},
@@ -202,19 +205,21 @@ def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
         timeout=800,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    second = [nid for nid, resources in report["nodes"].items() if "second" in resources]
-    first = [nid for nid, resources in report["nodes"].items() if "second" not in resources]
-    assert len(second) == len(first) == 1, report["nodes"]
+    reports = json.loads(result.stdout.strip().splitlines()[-1])
+    nodes = reports[0]["nodes"]
+    second = [nid for nid, resources in nodes.items() if "second" in resources]
+    first = [nid for nid, resources in nodes.items() if "second" not in resources]
+    assert len(second) == len(first) == 1, nodes
     sessions = {head.process.pid: first[0], node.process.pid: second[0]}
-    for engine in report["engines"]:
+    for engine in reports:
+        assert engine["nodes"] == nodes
         hosts = engine["hosts"]
         assert sorted(hosts) == ["engine", "engine_pp1"]
         assert hosts["engine"]["node"] != hosts["engine_pp1"]["node"]
         for where in hosts.values():  # each actor's process runs under its node's `ray start`
             assert sessions[where["session"]] == where["node"]
         assert [tuple(tokens) for tokens in engine["tokens"]] == local_tokens
-    pinned_report = report["engines"][0]
+    pinned_report = reports[0]
     assert pinned_report["hosts"]["engine"]["node"] == first[0]
     assert pinned_report["hosts"]["engine_pp1"]["node"] == second[0]
     assert pinned_report["killed"] == ["EngineDeadError"] * len(PROMPTS)

@@ -21,7 +21,6 @@ from pipeline.engine.presets import llm_pipeline
 from stages.route import RouterStage
 from tests.processes import process_alive
 from tests.stages.execute.test_pipeline_parallel import (
-    GREEDY,
     KILLED_SHARD_SECONDS,
     PROMPTLY,
     PROMPTS,
