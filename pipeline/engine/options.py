@@ -307,8 +307,8 @@ class EngineOptions:
         False, kind="bool", group=_PARALLEL, nargs="?", const="", cli_default=None,
         metavar="ADDRESS", from_flag=_ray_flag,
         help="run the engine's hosts as Ray actors, one placement group per replica "
-        "(ray_placement_strategy), on the cluster at ADDRESS ('auto': the one running here; none: RAY_ADDRESS, "
-        "else a new local cluster); needs actorline[ray]",
+        "(ray_placement_strategy), on the cluster at ADDRESS ('auto': the one running here; "
+        "none: RAY_ADDRESS, else a new local cluster); needs actorline[ray]",
     )  # fmt: skip
     ray_address: str | None = option(
         None, kind="name", feeds=("start",), commands=_NO_FLAG,
