@@ -6,11 +6,14 @@ a token. A driver process of the cluster's user starts the tiny model at PP=2 wi
 on Ray:
 
 - pinned by ``ray_shard_resources`` (the head's ``node:__internal_head__``, the second node's
-  ``second``), and spread by ``ray_placement_strategy="STRICT_SPREAD"``: the shards' actors
-  report different node ids, each the node that holds its resource, and each actor process is
-  in its node's session; the greedy tokens are one local engine's;
-- ``ray.kill`` of the second shard's actor fails every pending stream with EngineDeadError in
-  bounded time; once closed, no host actor is left on either node.
+  ``second``): the shards' actors report different node ids, each the node that holds its
+  resource, and each actor process is in its node's session; the greedy tokens are one local
+  engine's; ``ray.kill`` of the second shard's actor fails every pending stream with
+  EngineDeadError in bounded time;
+- two replicas (DP=2 x PP=2) spread by ``ray_placement_strategy="STRICT_SPREAD"``: each
+  replica's shards on both nodes, one engine's tokens; ``ray.kill`` of replica 1's second
+  shard fails only replica 1's streams, in bounded time, and replica 0 serves on;
+- once closed, no host actor is left on either node.
 
 The options' plain data (bundles, strategies, refusals) needs no cluster.
 """
@@ -40,24 +43,36 @@ __all__ = ["local_tokens"]  # the fixture, shared with test_ray_engine
 #: seconds every stream may take to fail once a shard's actor is killed (Ray reports the death
 #: at once; the rest is the engine's teardown on a loaded machine)
 KILLED_SHARD_SECONDS = 15.0
-#: the driver: start each engine of argv[3] (JSON option sets) on the cluster at argv[2], report
-#: where its hosts run and its greedy tokens; the first also has its last shard killed mid-stream
+#: the driver: start each engine of argv[3] (JSON: [options, host to kill]) on the cluster at
+#: argv[2], report where its hosts run and its greedy tokens, then kill the host's actor with
+#: a stream on every prompt and report how the streams of its replica ended, and how long
+#: that took; with replicas, the survivors' and a new request's
 DRIVER = """
 import asyncio, json, os, sys, time
 import ray
 from pipeline import AsyncEngine, EngineDeadError, SamplingParams
 
-model, address, option_sets, prompts, max_tokens = sys.argv[1:6]
+model, address, engines, prompts, max_tokens = sys.argv[1:6]
+prompts = json.loads(prompts)
+
+async def one(engine, prompt, params, started=None):
+    tokens = ()
+    try:
+        async for out in engine.generate(prompt, params, request_id=f"{prompt}@{time.monotonic()}"):
+            tokens = out.token_ids
+            if started is not None:
+                started.set()
+    except EngineDeadError as error:
+        return type(error).__name__
+    return list(tokens)
 
 async def run(options, kill):
     engine = AsyncEngine(model, ray_address=address, num_blocks=128, heartbeat_timeout=60.0,
                          **options)
     await engine.start()
-    report = {}
+    report = {"hosts": {}}
     try:
-        hosts = sorted(h for h in engine.running.pids if h.startswith("engine"))
-        report["hosts"] = {}
-        for host in hosts:
+        for host in sorted(h for h in engine.running.pids if h.startswith("engine")):
             actor = engine.running.ray_actor(host)
             pid, _, _ = await actor.where.remote()
             report["hosts"][host] = {"node": await actor.node_id.remote(),
@@ -65,38 +80,33 @@ async def run(options, kill):
         # (the engine connected this process to Ray, and disconnects it as it closes)
         report["nodes"] = {n["NodeID"]: sorted(n["Resources"]) for n in ray.nodes() if n["Alive"]}
         greedy = SamplingParams(max_tokens=int(max_tokens), temperature=0.0, ignore_eos=True)
-
-        async def one(prompt, params):
-            tokens = ()
-            try:
-                async for out in engine.generate(prompt, params):
-                    tokens = out.token_ids
-                    started.set()
-            except EngineDeadError as error:
-                return type(error).__name__
-            return list(tokens)
-
-        started = asyncio.Event()
-        report["tokens"] = await asyncio.gather(*(one(p, greedy) for p in json.loads(prompts)))
-        if kill:
-            started.clear()
-            long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
-            tasks = [asyncio.create_task(one(p, long)) for p in json.loads(prompts)]
-            await asyncio.wait_for(started.wait(), 120)
-            ray.kill(engine.running.ray_actor(hosts[-1]))
-            killed = time.monotonic()
-            report["killed"] = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-            report["seconds"] = time.monotonic() - killed
-            report["failure"] = type(engine.failure).__name__
+        report["tokens"] = await asyncio.gather(*(one(engine, p, greedy) for p in prompts))
+        long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+        started = {p: asyncio.Event() for p in prompts}
+        tasks = {p: asyncio.create_task(one(engine, p, long, started[p])) for p in prompts}
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
+        replica = kill.partition("_pp")[0].partition("_")[2] or "0"
+        victims = prompts
+        if options.get("data_parallel_size", 1) > 1:
+            routed = {rid.partition("@")[0]: r for rid, r in engine.running.stage("router").recent}
+            victims = [p for p in prompts if routed[p] == replica]
+        ray.kill(engine.running.ray_actor(kill))
+        killed = time.monotonic()
+        report["killed"] = [await asyncio.wait_for(tasks[p], 120) for p in victims]
+        report["seconds"] = time.monotonic() - killed
+        report["survivors_running"] = [not tasks[p].done() for p in prompts if p not in victims]
+        report["failure"] = type(engine.failure).__name__ if engine.failure else None
+        if engine.failure is None:
+            report["after"] = await asyncio.gather(*(one(engine, p, greedy) for p in prompts))
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
     finally:
         await engine.close()
     return report
 
 async def main():
-    reports = []
-    for index, options in enumerate(json.loads(option_sets)):
-        reports.append(await run(options, kill=index == 0))
-    print(json.dumps(reports))
+    print(json.dumps([await run(options, kill) for options, kill in json.loads(engines)]))
 
 asyncio.run(main())
 """
@@ -189,13 +199,14 @@ def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
     local_tokens: list[tuple[int, ...]],
 ) -> None:
     head, node = two_nodes
+    # the shards pinned by resources; two replicas spread, the survivor serving on
     pinned = dict(pipeline_parallel_size=2, ray_num_cpus=0.5,
                   ray_shard_resources="node:__internal_head__,second")  # fmt: skip
-    spread = dict(pipeline_parallel_size=2, ray_num_cpus=0.5,
-                  ray_placement_strategy="STRICT_SPREAD")  # fmt: skip
-    engines, prompts = json.dumps([pinned, spread]), json.dumps(PROMPTS)
-    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address, engines, prompts,
-               str(GREEDY.max_tokens)]  # fmt: skip
+    spread = dict(pipeline_parallel_size=2, data_parallel_size=2, router="round-robin",
+                  ray_num_cpus=0.5, ray_placement_strategy="STRICT_SPREAD")  # fmt: skip
+    engines = json.dumps([[pinned, "engine_pp1"], [spread, "engine_1_pp1"]])
+    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address, engines,
+               json.dumps(PROMPTS), str(GREEDY.max_tokens)]  # fmt: skip
     result = subprocess.run(
         command,
         env={**head.environment(), "PYTHONPATH": str(REPOSITORY)},
@@ -214,16 +225,23 @@ def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
     for engine in reports:
         assert engine["nodes"] == nodes
         hosts = engine["hosts"]
-        assert sorted(hosts) == ["engine", "engine_pp1"]
-        assert hosts["engine"]["node"] != hosts["engine_pp1"]["node"]
         for where in hosts.values():  # each actor's process runs under its node's `ray start`
             assert sessions[where["session"]] == where["node"]
         assert [tuple(tokens) for tokens in engine["tokens"]] == local_tokens
-    pinned_report = reports[0]
-    assert pinned_report["hosts"]["engine"]["node"] == first[0]
-    assert pinned_report["hosts"]["engine_pp1"]["node"] == second[0]
-    assert pinned_report["killed"] == ["EngineDeadError"] * len(PROMPTS)
-    assert pinned_report["seconds"] < KILLED_SHARD_SECONDS
-    assert pinned_report["failure"] == "EngineDeadError"
+        assert engine["seconds"] < KILLED_SHARD_SECONDS
+    one, two = reports
+    assert (one["hosts"]["engine"]["node"], one["hosts"]["engine_pp1"]["node"]) == (
+        first[0], second[0]
+    )  # fmt: skip
+    assert one["killed"] == ["EngineDeadError"] * len(PROMPTS)
+    assert one["failure"] == "EngineDeadError"
+    assert sorted(two["hosts"]) == ["engine", "engine_1", "engine_1_pp1", "engine_pp1"]
+    for replica in ("engine", "engine_1"):  # each replica's shards on both nodes
+        assert two["hosts"][replica]["node"] != two["hosts"][f"{replica}_pp1"]["node"]
+    # round-robin: replica 1 held half the streams; they failed, the others ran on
+    assert two["killed"] == ["EngineDeadError"] * (len(PROMPTS) // 2)
+    assert two["survivors_running"] == [True] * (len(PROMPTS) // 2)
+    assert two["failure"] is None
+    assert [tuple(tokens) for tokens in two["after"]] == local_tokens
     wait_no_host_actor(head)
     wait_no_host_actor(node)
