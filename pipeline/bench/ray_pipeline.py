@@ -155,8 +155,9 @@ async def measure_ray_pipeline(
     nodes: dict[str, str] = {}
     for _ in range(repeats):
         for shards in (1, size):
-            # NOTE: a fresh engine each run: two engines of one pipeline name cannot hold their
-            # placement groups (named after it) in one cluster at once
+            # NOTE: a fresh engine each run: two engines of one pipeline name in one process
+            # cannot hold their placement groups (named after it, in the process's Ray
+            # namespace) at once
             extra: dict[str, Any] = split if shards > 1 else {}
             async with AsyncEngine(model, **options, **on_ray, **extra) as engine:
                 for host in sorted(engine.running.pids):
