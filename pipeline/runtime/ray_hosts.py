@@ -77,6 +77,7 @@ __all__ = [
     "host_node_ip",
     "largest_node_cpus",
     "node_ip",
+    "placement_shortfall",
     "reachable_plan",
     "remove_placement_groups",
     "require_ray",
@@ -482,14 +483,44 @@ class RayActorHost:
         self._gone.set()
 
 
+def placement_shortfall(group: RayPlacementGroup, nodes: list[Mapping[str, Any]]) -> str | None:
+    """Why the live ``nodes`` (as ``ray.nodes()`` lists them) cannot hold ``group`` as they
+    are (None: nothing obvious): a resource that no live node has, a bundle larger than any
+    node, or ``STRICT_SPREAD`` over more bundles than there are nodes. Total free capacity is
+    not judged (Ray's own reservation decides that)."""
+    alive = [dict(node.get("Resources", {})) for node in nodes if node.get("Alive")]
+    for bundle in group.bundles:
+        for resource in bundle:
+            if bundle[resource] > 0 and not any(resource in node for node in alive):
+                return f"no live node has resource {resource!r}"
+        if not any(all(node.get(r, 0.0) >= a for r, a in bundle.items()) for node in alive):
+            return f"no live node is large enough for bundle {dict(bundle)}"
+    if group.strategy == "STRICT_SPREAD" and len(group.bundles) > len(alive):
+        return f"STRICT_SPREAD needs {len(group.bundles)} nodes, the cluster has {len(alive)} live"
+    return None
+
+
 async def create_placement_group(name: str, group: RayPlacementGroup, timeout: float | None) -> Any:
-    """Create ``group`` in the cluster and wait until its bundles are reserved.
+    """Create ``group`` in the cluster and wait until its bundles are reserved (a group the
+    live nodes cannot hold as they are is warned about at once: nodes may still join).
 
     Raises:
         TimeoutError: the cluster could not reserve the bundles within ``timeout``.
     """
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
+
+    shortfall = placement_shortfall(group, await asyncio.to_thread(ray.nodes))
+    if shortfall is not None:
+        logger.warning(
+            "Ray cannot reserve placement group %r (%s, %d bundles: %s) on the cluster's live "
+            "nodes now: %s; waiting for nodes to join (start_timeout)",
+            name,
+            group.strategy,
+            len(group.bundles),
+            [dict(b) for b in group.bundles],
+            shortfall,
+        )
 
     created = placement_group(
         [dict(bundle) for bundle in group.bundles], strategy=group.strategy, name=name
@@ -502,7 +533,13 @@ async def create_placement_group(name: str, group: RayPlacementGroup, timeout: f
             f"Ray could not reserve placement group {name!r} ({group.strategy}, "
             f"{len(group.bundles)} bundles: {[dict(b) for b in group.bundles]}) within "
             f"{timeout:g} s: the cluster lacks the resources"
+            + (f" ({shortfall})" if shortfall else "")
         ) from None
+    except BaseException:
+        # NOTE: cancelled (the pipeline's own start_timeout ran out first, or its start was
+        # abandoned): the group is nobody's yet, so it would stay pending in the cluster
+        remove_placement_group(created)
+        raise
     del ray
     return created
 

@@ -29,12 +29,16 @@ from typing import Any
 
 import pytest
 
+from pipeline import AsyncEngine
 from pipeline.cli.llm import engine_options_from
 from pipeline.cli.main import build_parser
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import start_options
+from pipeline.runtime.ray_hosts import RayPlacementGroup, placement_shortfall
 from tests.pipeline.engine.test_ray_engine import GREEDY, PROMPTS
 from tests.pipeline.engine.test_ray_started import local_tokens, wait_no_host_actor
+from tests.pipeline.runtime.test_ray_hosts import wait_until_gone
+from tests.pipeline.runtime.test_running import run
 from tests.pipeline.server.serving import REPOSITORY
 from tests.ray_started import StartedRay, StartedRayNode, generate_token
 
@@ -186,6 +190,41 @@ def test_placement_options_are_refused_where_they_cannot_apply(
 ) -> None:
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         EngineOptions(**options)
+
+
+def test_a_placement_the_live_nodes_cannot_hold_is_named() -> None:
+    head = {"Alive": True, "Resources": {"CPU": 2.0, "node:__internal_head__": 1.0}}
+    second = {"Alive": True, "Resources": {"CPU": 2.0, "second": 1.0}}
+    gone = {"Alive": False, "Resources": {"CPU": 8.0, "third": 1.0}}
+    nodes = [head, second, gone]
+    pinned = RayPlacementGroup(({"CPU": 1.0, "second": 0.001}, {"CPU": 1.0}), "PACK")
+    assert placement_shortfall(pinned, nodes) is None
+    missing = RayPlacementGroup(({"CPU": 1.0, "third": 0.001},), "PACK")
+    assert placement_shortfall(missing, nodes) == "no live node has resource 'third'"
+    large = RayPlacementGroup(({"CPU": 4.0},), "PACK")
+    assert placement_shortfall(large, nodes) == "no live node is large enough for bundle " + str(
+        {"CPU": 4.0}
+    )
+    spread = RayPlacementGroup(({"CPU": 0.5},) * 3, "STRICT_SPREAD")
+    assert placement_shortfall(spread, nodes) == (
+        "STRICT_SPREAD needs 3 nodes, the cluster has 2 live"
+    )
+    assert placement_shortfall(RayPlacementGroup(({"CPU": 0.5},) * 3, "SPREAD"), nodes) is None
+
+
+@pytest.mark.slow
+def test_shards_pinned_to_a_resource_no_node_has_are_warned_of_and_time_out(
+    tiny_model_dir: Path, ray_cluster: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = AsyncEngine(
+        str(tiny_model_dir), pipeline_parallel_size=2, ray=True, ray_num_cpus=0.5,
+        ray_shard_resources=",nowhere", start_timeout=8.0,
+    )  # fmt: skip
+    with pytest.raises(TimeoutError):
+        run(engine.start, timeout=300)
+    run(engine.close)
+    assert "no live node has resource 'nowhere'; waiting for nodes to join" in caplog.text
+    run(lambda: wait_until_gone(ray_cluster, "llm"))
 
 
 # -- on two nodes started with `ray start` -------------------------------------------------------
