@@ -10,6 +10,7 @@ left over is found by its session and killed by pid.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 __all__ = [
     "RAY_START_TIMEOUT",
     "StartedRay",
+    "StartedRayNode",
     "free_port",
     "generate_token",
     "ray_processes",
@@ -131,16 +133,12 @@ class StartedRay:
         command = [
             str(Path(sys.executable).with_name("ray")),
             "start",
-            "--head",
+            *self._role(),
             "--block",
-            "--num-cpus",
-            "2",
-            "--include-dashboard",
-            "false",
             "--disable-usage-stats",
             "--temp-dir",
             self.temp_dir,
-            *(f"{flag}={port}" for flag, port in ports.items()),
+            *(f"{flag}={port}" for flag, port in ports.items() if self._takes(flag)),
         ]
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(
@@ -150,6 +148,14 @@ class StartedRay:
             env=self.environment(**self._variables),
             start_new_session=True,
         )
+
+    def _role(self) -> list[str]:
+        """``ray start``'s arguments that make this node the head (2 CPUs, no dashboard)."""
+        return ["--head", "--num-cpus", "2", "--include-dashboard", "false"]
+
+    def _takes(self, flag: str) -> bool:
+        """Whether this node's ``ray start`` takes the port flag ``flag``."""
+        return True
 
     def environment(self, **variables: str) -> dict[str, str]:
         """This process's environment for a process of the cluster's user: its home, none of
@@ -168,12 +174,17 @@ class StartedRay:
     def _wait_up(self) -> str:
         deadline = time.monotonic() + RAY_START_TIMEOUT
         while time.monotonic() < deadline and self.process.poll() is None:
-            if "block forever" in self.output and (match := ADDRESS_LINE.search(self.output)):
-                return match.group(1)
+            if "block forever" in self.output and (address := self._address()):
+                return address
             time.sleep(0.2)
         output = self.output
         self.stop()
-        raise AssertionError(f"ray start --head did not come up:\n{output[-3000:]}")
+        raise AssertionError(f"ray start {self._role()[0]} did not come up:\n{output[-3000:]}")
+
+    def _address(self) -> str | None:
+        """The cluster's address as ``ray start`` printed it (None: not yet)."""
+        match = ADDRESS_LINE.search(self.output)
+        return match.group(1) if match else None
 
     def stop(self) -> None:
         """Terminate the head (Ray's reaper ends its processes), wait for them all to go,
@@ -201,3 +212,37 @@ class StartedRay:
                 pass
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         assert not left, f"Ray processes left behind: {left}"
+
+
+class StartedRayNode(StartedRay):
+    """A second node joining the cluster of ``head`` as users add one: ``ray start --address
+    HEAD --block`` with ``num_cpus`` CPUs and the custom ``resources`` (``ray start
+    --resources``), the head's user (home) and ``variables``, its own temporary directory and
+    free ports; on this machine, so two nodes share an IP and differ by their node ids.
+    :attr:`address` is the head's. Stopped as the head is (:meth:`StartedRay.stop`): stop the
+    node before the head.
+
+    Raises (from the constructor): AssertionError as :class:`StartedRay`.
+    """
+
+    def __init__(
+        self, head: StartedRay, num_cpus: int, resources: dict[str, float], **variables: str
+    ) -> None:
+        self.head, self.num_cpus, self.resources = head, num_cpus, resources
+        super().__init__(head.home, **variables)
+
+    def _role(self) -> list[str]:
+        return [
+            "--address",
+            self.head.address,
+            "--num-cpus",
+            str(self.num_cpus),
+            "--resources",
+            json.dumps(self.resources),
+        ]
+
+    def _takes(self, flag: str) -> bool:
+        return flag not in ("--port", "--ray-client-server-port")  # the head's only
+
+    def _address(self) -> str | None:
+        return self.head.address if "Ray runtime started" in self.output else None

@@ -88,6 +88,7 @@ from pipeline.bench.offline_report import (
 )
 from pipeline.bench.process import peak_rss_bytes, rss_bytes
 from pipeline.bench.profile import Profile, build_profile, take_snapshot
+from pipeline.bench.ray_pipeline import add_ray_pipeline_arguments, check_ray_pipeline_arguments
 from pipeline.bench.report import (
     add_common_arguments,
     add_ray_arguments,
@@ -689,8 +690,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each batch against the base model alone (and nothing else)",
     )
     add_ray_arguments(
-        parser, help="run the workload with the engine's hosts on Ray against local processes"
+        parser,
+        help="run the workload with the engine's hosts on Ray against local processes (with "
+        "--pipeline-parallel-size N: N shards on Ray against PP=1 on Ray)",
     )
+    add_ray_pipeline_arguments(parser)
 
 
 _SKIP_NAMES = {
@@ -779,6 +783,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             this process (RayConnectionError), among the configuration's own refusals.
     """
     offline = config_from_args(args)
+    check_ray_pipeline_arguments(args, asks_for_ray(args))
     if asks_for_ray(args):
         from pipeline.bench.parallel import run_ray_from_args
         from stages.params import SamplingParams
@@ -794,6 +799,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             "max_num_batched_tokens": offline.max_num_batched_tokens,
         }
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in limits]
+        if args.pipeline_parallel_size > 1:
+            from pipeline.bench.ray_pipeline import run_ray_pipeline_from_args
+
+            typed: dict[str, Any] = {**options, "dtype": offline.dtype}
+            return run_ray_pipeline_from_args(args, offline.model, typed, prompts, params)
         return run_ray_from_args(
             args, "offline", offline.model, options, prompts, params, repeats=args.repeats
         )

@@ -15,6 +15,7 @@ from pipeline.engine.prefill_decode import (
     check_prefill_decode,
     parse_prefill_decode,
 )
+from pipeline.engine.ray_placement import PLACEMENT_STRATEGIES, check_ray_placement
 from stages.execute.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -305,9 +306,9 @@ class EngineOptions:
     ray: bool = option(
         False, kind="bool", group=_PARALLEL, nargs="?", const="", cli_default=None,
         metavar="ADDRESS", from_flag=_ray_flag,
-        help="run the engine's hosts as Ray actors, one STRICT_PACK placement group per "
-        "replica, on the cluster at ADDRESS ('auto': the one running here; none: RAY_ADDRESS, "
-        "else a new local cluster); needs actorline[ray]",
+        help="run the engine's hosts as Ray actors, one placement group per replica "
+        "(ray_placement_strategy), on the cluster at ADDRESS ('auto': the one running here; "
+        "none: RAY_ADDRESS, else a new local cluster); needs actorline[ray]",
     )  # fmt: skip
     ray_address: str | None = option(
         None, kind="name", feeds=("start",), commands=_NO_FLAG,
@@ -319,6 +320,19 @@ class EngineOptions:
         metavar="FILE",
         help="file holding the Ray cluster's token, where the cluster authenticates (default: "
         "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token, as Ray's CLI finds it)",
+    )  # fmt: skip
+    ray_placement_strategy: str = option(
+        "auto", choices=("auto", *PLACEMENT_STRATEGIES), group=_PARALLEL,
+        help="how each replica's placement group puts its hosts on Ray's nodes: auto is "
+        "STRICT_PACK (one node) without pipeline parallelism, PACK with it (one node where "
+        "the shards fit, else several); SPREAD or STRICT_SPREAD put the shards on different "
+        "nodes",
+    )  # fmt: skip
+    ray_shard_resources: str | None = option(
+        None, group=_PARALLEL, metavar="NAME,NAME,...",
+        help="one Ray resource per pipeline shard, comma-separated, that the shard's node must "
+        "have (one of `ray start --resources`, or node:IP; empty: any node): pins each shard "
+        "to a node",
     )  # fmt: skip
     ray_num_cpus: float = option(1.0, help="CPUs each engine host takes on Ray",
                                  kind="number>=0", group=_PARALLEL)  # fmt: skip
@@ -394,6 +408,7 @@ class EngineOptions:
                 "ray_auth_token_file is the token of a Ray cluster, but the engine's hosts are "
                 "not on Ray: give ray (--ray [ADDRESS]) or ray_address too"
             )
+        check_ray_placement(self)
         if self.on_ray and not self.split_processes:
             raise ValueError(
                 "ray places the engine's hosts on Ray; transport 'memory' keeps every stage in "
@@ -483,8 +498,6 @@ class EngineOptions:
             return
         clashes = (
             ("tensor_parallel_size > 1 (PP x TP)", self.tensor_parallel_size > 1),
-            ("data_parallel_size > 1 (each replica its own shards)", self.data_parallel_size > 1),
-            ("ray (shards as Ray actors)", self.on_ray),
             ("null_model (no model to split)", self.null_model),
             ("quantization", self.quantization is not None),
             ("transport 'memory' (every stage in the calling process; use 'zmq' or 'grpc')",

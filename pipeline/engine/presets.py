@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.engine.option_fields import fed
 from pipeline.engine.options import EngineOptions
+from pipeline.engine.ray_placement import parse_shard_resources, placement_strategy, shard_bundle
 from pipeline.runtime.graph import Pipeline
 from pipeline.runtime.ray_hosts import RayHost, RayPlacementGroup, require_ray
 from pipeline.runtime.running import StartOptions
@@ -236,9 +237,18 @@ def replica_suffix(index: int) -> str:
 
 
 def _replica_hosts(host: str, options: EngineOptions) -> tuple[str, ...]:
-    """The hosts of the engine replica on ``host``: its own and its ranks'."""
+    """The hosts of the engine replica on ``host``: its own and its ranks', then its later
+    pipeline shards' (a shard that dies is a dead replica)."""
+    return tuple(name for name, _ in _replica_shards(host, options))
+
+
+def _replica_shards(host: str, options: EngineOptions) -> tuple[tuple[str, int], ...]:
+    """:func:`_replica_hosts`, each with the pipeline shard it computes (0: the first)."""
     ranks = 1 if options.null_model else options.tensor_parallel_size
-    return (host, *(tensor_parallel_host(host, rank) for rank in range(1, ranks)))
+    first = ((host, 0), *((tensor_parallel_host(host, rank), 0) for rank in range(1, ranks)))
+    shards = 1 if options.null_model else options.pipeline_parallel_size
+    later = ((pipeline_parallel_host(host, shard), shard) for shard in range(1, shards))
+    return (*first, *later)
 
 
 def _add_router(pipeline: Pipeline, options: EngineOptions) -> None:
@@ -370,18 +380,30 @@ def engine_bundle(options: EngineOptions) -> dict[str, float]:
 
 def start_options(options: EngineOptions) -> StartOptions:
     """How to start the LLM pipeline for ``options`` (with ``options.on_ray``: every engine
-    host a Ray actor, each replica's hosts in one ``STRICT_PACK`` placement group, host k of
-    the replica in bundle k, each bundle :func:`engine_bundle`)."""
+    host a Ray actor, each replica's hosts in one placement group (``ray_placement_strategy``:
+    ``STRICT_PACK`` by default, ``PACK`` with pipeline shards), host k of the replica (its
+    engine host, its ranks, its later shards) in bundle k, each bundle :func:`engine_bundle`
+    and the shard's ``ray_shard_resources`` entry; :mod:`pipeline.engine.ray_placement`)."""
     transport = options.transport if options.split_processes else "zmq"
     hosts: dict[str, RayHost] = {}
     groups: dict[str, RayPlacementGroup] = {}
     if options.on_ray:
         engine = ENGINE_HOST
         cpus, gpus = options.ray_num_cpus, options.ray_num_gpus
+        strategy = placement_strategy(
+            options.ray_placement_strategy, options.pipeline_parallel_size
+        )
+        pins = parse_shard_resources(options.ray_shard_resources) or ("",) * (
+            options.pipeline_parallel_size
+        )
         for index in range(options.data_parallel_size):
-            replica = _replica_hosts(engine + replica_suffix(index), options)
+            shards = _replica_shards(engine + replica_suffix(index), options)
+            replica = [host for host, _ in shards]
             group = f"replica{index}"
-            groups[group] = RayPlacementGroup(tuple(engine_bundle(options) for _ in replica))
+            groups[group] = RayPlacementGroup(
+                tuple(shard_bundle(engine_bundle(options), pins[shard]) for _, shard in shards),
+                strategy,
+            )
             for bundle, host in enumerate(replica):
                 hosts[host] = RayHost(
                     num_cpus=cpus, num_gpus=gpus, placement_group=group, bundle_index=bundle

@@ -77,6 +77,7 @@ __all__ = [
     "host_node_ip",
     "largest_node_cpus",
     "node_ip",
+    "placement_shortfall",
     "reachable_plan",
     "remove_placement_groups",
     "require_ray",
@@ -276,6 +277,11 @@ class _HostActor:
         stages see through :func:`host_node_ip` and :func:`host_gpu_ids`)."""
         return os.getpid(), self._ip, host_gpu_ids()
 
+    async def node_id(self) -> str:
+        """The id of the Ray node this actor runs on (as ``ray.nodes()`` names it: nodes of
+        one machine share an IP, not an id)."""
+        return str(import_ray().get_runtime_context().get_node_id())
+
 
 _ACTOR_CLASSES: dict[str, Any] = {}
 
@@ -318,6 +324,8 @@ class RayActorHost:
         #: once spawned: the IP of the actor's node and the GPUs Ray assigned it
         self.node_ip: str | None = None
         self.gpu_ids: tuple[str, ...] = ()
+        #: once spawned: the id of the Ray node it runs on
+        self.node_id: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -353,11 +361,13 @@ class RayActorHost:
         self.actor = _actor_class().options(**options).remote(self.plan, list(sys.path))
         del ray
         self._pid, self.node_ip, self.gpu_ids = await self._call(self.actor.where)
+        self.node_id = await self._call(self.actor.node_id)
         logger.info(
-            "host %r runs as Ray actor %s on node %s (GPUs: %s)",
+            "host %r runs as Ray actor %s on node %s (%s; GPUs: %s)",
             self.name,
             self.actor_name,
             self.node_ip,
+            self.node_id,
             ", ".join(self.gpu_ids) or "none",
         )
         self._watch = self._tasks.spawn(self._watch_events(), name=f"ray-watch:{self.name}")
@@ -473,14 +483,44 @@ class RayActorHost:
         self._gone.set()
 
 
+def placement_shortfall(group: RayPlacementGroup, nodes: list[Mapping[str, Any]]) -> str | None:
+    """Why the live ``nodes`` (as ``ray.nodes()`` lists them) cannot hold ``group`` as they
+    are (None: nothing obvious): a resource that no live node has, a bundle larger than any
+    node, or ``STRICT_SPREAD`` over more bundles than there are nodes. Total free capacity is
+    not judged (Ray's own reservation decides that)."""
+    alive = [dict(node.get("Resources", {})) for node in nodes if node.get("Alive")]
+    for bundle in group.bundles:
+        for resource in bundle:
+            if bundle[resource] > 0 and not any(resource in node for node in alive):
+                return f"no live node has resource {resource!r}"
+        if not any(all(node.get(r, 0.0) >= a for r, a in bundle.items()) for node in alive):
+            return f"no live node is large enough for bundle {dict(bundle)}"
+    if group.strategy == "STRICT_SPREAD" and len(group.bundles) > len(alive):
+        return f"STRICT_SPREAD needs {len(group.bundles)} nodes, the cluster has {len(alive)} live"
+    return None
+
+
 async def create_placement_group(name: str, group: RayPlacementGroup, timeout: float | None) -> Any:
-    """Create ``group`` in the cluster and wait until its bundles are reserved.
+    """Create ``group`` in the cluster and wait until its bundles are reserved (a group the
+    live nodes cannot hold as they are is warned about at once: nodes may still join).
 
     Raises:
         TimeoutError: the cluster could not reserve the bundles within ``timeout``.
     """
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
+
+    shortfall = placement_shortfall(group, await asyncio.to_thread(ray.nodes))
+    if shortfall is not None:
+        logger.warning(
+            "Ray cannot reserve placement group %r (%s, %d bundles: %s) on the cluster's live "
+            "nodes now: %s; waiting for nodes to join (start_timeout)",
+            name,
+            group.strategy,
+            len(group.bundles),
+            [dict(b) for b in group.bundles],
+            shortfall,
+        )
 
     created = placement_group(
         [dict(bundle) for bundle in group.bundles], strategy=group.strategy, name=name
@@ -493,7 +533,13 @@ async def create_placement_group(name: str, group: RayPlacementGroup, timeout: f
             f"Ray could not reserve placement group {name!r} ({group.strategy}, "
             f"{len(group.bundles)} bundles: {[dict(b) for b in group.bundles]}) within "
             f"{timeout:g} s: the cluster lacks the resources"
+            + (f" ({shortfall})" if shortfall else "")
         ) from None
+    except BaseException:
+        # NOTE: cancelled (the pipeline's own start_timeout ran out first, or its start was
+        # abandoned): the group is nobody's yet, so it would stay pending in the cluster
+        remove_placement_group(created)
+        raise
     del ray
     return created
 

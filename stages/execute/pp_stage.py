@@ -1,7 +1,8 @@
 """The stages of pipeline parallelism (``docs/architecture.md`` §8, docs/parallelism.md
 "Pipeline parallelism"): the shards after the first, and the first shard's side of a step.
 
-Shard ``k`` (1 .. N-1) is a :class:`PipelineShardStage` on a host of its own (a process),
+Shard ``k`` (1 .. N-1) is a :class:`PipelineShardStage` on a host of its own (a process, or
+a Ray actor on any node of the cluster: ``pipeline.engine.ray_placement``),
 linked ``execute.pipeline → execute_pp1 → ... → execute_pp<N-1> → execute.in``.
 It loads its layers when it starts (the engine starts when every shard has), then for each
 :class:`~stages.execute.pp_messages.PipelineStep` runs its layers and sends the next shard

@@ -127,11 +127,9 @@ def test_layer_ranges_split_evenly_or_as_given_and_refuse_with_the_numbers() -> 
 def test_options_refuse_what_pipeline_parallelism_does_not_combine_with_yet() -> None:
     for extra, words in (
         (dict(tensor_parallel_size=2), "PP x TP"),
-        (dict(data_parallel_size=2), "data_parallel_size"),
         (dict(transport="memory"), "transport 'memory'"),
         (dict(null_model=True), "null_model"),
         (dict(quantization="int8"), "quantization"),
-        (dict(ray=True), "ray"),
     ):
         with pytest.raises(ValueError, match=words):
             EngineOptions(pipeline_parallel_size=2, **extra)

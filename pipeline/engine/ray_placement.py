@@ -1,0 +1,107 @@
+"""Where an engine's hosts go on a Ray cluster (docs/parallelism.md, "Pipeline parallelism on
+Ray"): each replica is one placement group whose bundle k is its host k (the engine host, its
+tensor-parallel ranks, then its pipeline shards), placed by ``ray_placement_strategy``;
+``ray_shard_resources`` pins each pipeline shard's bundles to a node that has a resource.
+
+- **Strategy.** ``auto`` keeps an engine without pipeline parallelism on one node
+  (``STRICT_PACK``, the ranks of a tensor-parallel group meet over the node's loopback
+  bandwidth), and packs a pipeline-parallel one with ``PACK``: one node where the shards fit,
+  else several, which is what vLLM's Ray executor asks for its placement group
+  (vllm/executor/ray_utils.py, ``initialize_ray_cluster``). ``SPREAD`` and ``STRICT_SPREAD``
+  are Ray's own: bundles on different nodes (best effort, or refused where there are too few).
+- **Pinning.** A shard whose entry names a resource asks for :data:`PIN_AMOUNT` of it in each
+  of its bundles, so the bundle lands on a node that has it: a custom resource given to the
+  node (``ray start --resources '{"gpu_box_2": 1}'``) or the ``node:IP`` resource Ray gives
+  every node (the way vLLM pins its driver's bundle to the driver's node, also
+  vllm/executor/ray_utils.py). A tiny amount, so that every host of a node fits under a
+  resource of 1.
+
+Plain data: nothing here talks to Ray; the runtime creates the groups
+(:mod:`pipeline.runtime.ray_hosts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline.runtime.ray_hosts import PLACEMENT_STRATEGIES
+
+__all__ = [
+    "PIN_AMOUNT",
+    "PLACEMENT_STRATEGIES",
+    "check_ray_placement",
+    "parse_shard_resources",
+    "placement_strategy",
+    "shard_bundle",
+]
+
+#: how much of a pinning resource each bundle of a pinned shard asks for
+PIN_AMOUNT = 0.001
+
+
+def parse_shard_resources(text: str | None) -> tuple[str, ...] | None:
+    """``"a,,node:10.0.0.5"`` → ``("a", "", "node:10.0.0.5")`` (an empty entry: any node).
+
+    Raises:
+        ValueError: not a string, an entry with whitespace, or every entry empty.
+    """
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise ValueError(
+            f"ray_shard_resources must be comma-separated resource names, got {text!r}"
+        )
+    names = tuple(name.strip() for name in text.split(","))
+    for name in names:
+        if any(char.isspace() for char in name):
+            raise ValueError(
+                f"ray_shard_resources: {name!r} is not a Ray resource name (it has whitespace)"
+            )
+    if not any(names):
+        raise ValueError(
+            f"ray_shard_resources {text!r} names no resource: give one per shard, such as "
+            "'node:10.0.0.5,gpu_box_2' (an empty entry: any node)"
+        )
+    return names
+
+
+def check_ray_placement(options: Any) -> None:
+    """The rules of ``ray_placement_strategy`` and ``ray_shard_resources`` across the other
+    engine options (``options``: an EngineOptions).
+
+    Raises:
+        ValueError: either is given without Ray, or the resources do not name one entry per
+            pipeline shard.
+    """
+    strategy, resources = options.ray_placement_strategy, options.ray_shard_resources
+    if not options.on_ray:
+        for name, given in (("ray_placement_strategy", strategy != "auto"),
+                            ("ray_shard_resources", resources is not None)):  # fmt: skip
+            if given:
+                raise ValueError(
+                    f"{name} places the engine's hosts on Ray's nodes, but they are not on "
+                    "Ray: give ray (--ray [ADDRESS]) or ray_address too"
+                )
+    names = parse_shard_resources(resources)
+    if names is not None and len(names) != options.pipeline_parallel_size:
+        raise ValueError(
+            f"ray_shard_resources names {len(names)} shards ({resources}), but "
+            f"pipeline_parallel_size is {options.pipeline_parallel_size}: give one resource "
+            "per shard (an empty entry: any node)"
+        )
+
+
+def placement_strategy(strategy: str, pipeline_parallel_size: int) -> str:
+    """The Ray strategy of each replica's placement group (``auto`` resolved)."""
+    if strategy != "auto":
+        return strategy
+    return "PACK" if pipeline_parallel_size > 1 else "STRICT_PACK"
+
+
+def shard_bundle(bundle: Mapping[str, float], resource: str) -> dict[str, float]:
+    """``bundle`` asking besides for :data:`PIN_AMOUNT` of ``resource`` (none: as it is)."""
+    pinned = dict(bundle)
+    if resource:
+        pinned[resource] = PIN_AMOUNT
+    return pinned

@@ -1,0 +1,286 @@
+"""Pipeline parallelism on a Ray cluster of two nodes, started as users start one
+(docs/parallelism.md, "Pipeline parallelism on Ray"): ``ray start --head`` and a second
+``ray start --address HEAD --resources '{"second": 1}'`` on this machine, each in a session
+of its own (tests/ray_started.py), token authentication on as Ray turns it on for a user with
+a token. A driver process of the cluster's user starts the tiny model at PP=2 with the engine
+on Ray:
+
+- pinned by ``ray_shard_resources`` (the head's ``node:__internal_head__``, the second node's
+  ``second``): the shards' actors report different node ids, each the node that holds its
+  resource, and each actor process is in its node's session; the greedy tokens are one local
+  engine's; ``ray.kill`` of the second shard's actor fails every pending stream with
+  EngineDeadError in bounded time;
+- two replicas (DP=2 x PP=2) spread by ``ray_placement_strategy="STRICT_SPREAD"``: each
+  replica's shards on both nodes, one engine's tokens; ``ray.kill`` of replica 1's second
+  shard fails only replica 1's streams, in bounded time, and replica 0 serves on;
+- once closed, no host actor is left on either node.
+
+The options' plain data (bundles, strategies, refusals) needs no cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline import AsyncEngine
+from pipeline.cli.llm import engine_options_from
+from pipeline.cli.main import build_parser
+from pipeline.engine.options import EngineOptions
+from pipeline.engine.presets import start_options
+from pipeline.runtime.ray_hosts import RayPlacementGroup, placement_shortfall
+from tests.pipeline.engine.test_ray_engine import GREEDY, PROMPTS
+from tests.pipeline.engine.test_ray_started import local_tokens, wait_no_host_actor
+from tests.pipeline.runtime.test_ray_hosts import wait_until_gone
+from tests.pipeline.runtime.test_running import run
+from tests.pipeline.server.serving import REPOSITORY
+from tests.ray_started import StartedRay, StartedRayNode, generate_token
+
+__all__ = ["local_tokens"]  # the fixture, shared with test_ray_engine
+
+#: seconds every stream may take to fail once a shard's actor is killed (Ray reports the death
+#: at once; the rest is the engine's teardown on a loaded machine)
+KILLED_SHARD_SECONDS = 15.0
+#: the driver: start each engine of argv[3] (JSON: [options, host to kill]) on the cluster at
+#: argv[2], report where its hosts run and its greedy tokens, then kill the host's actor with
+#: a stream on every prompt and report how the streams of its replica ended, and how long
+#: that took; with replicas, the survivors' and a new request's
+DRIVER = """
+import asyncio, json, os, sys, time
+import ray
+from pipeline import AsyncEngine, EngineDeadError, SamplingParams
+
+model, address, engines, prompts, max_tokens = sys.argv[1:6]
+prompts = json.loads(prompts)
+
+async def one(engine, prompt, params, started=None):
+    tokens = ()
+    try:
+        async for out in engine.generate(prompt, params, request_id=f"{prompt}@{time.monotonic()}"):
+            tokens = out.token_ids
+            if started is not None:
+                started.set()
+    except EngineDeadError as error:
+        return type(error).__name__
+    return list(tokens)
+
+async def run(options, kill):
+    engine = AsyncEngine(model, ray_address=address, num_blocks=128, heartbeat_timeout=60.0,
+                         **options)
+    await engine.start()
+    report = {"hosts": {}}
+    try:
+        for host in sorted(h for h in engine.running.pids if h.startswith("engine")):
+            actor = engine.running.ray_actor(host)
+            pid, _, _ = await actor.where.remote()
+            report["hosts"][host] = {"node": await actor.node_id.remote(),
+                                     "session": os.getsid(pid)}
+        # (the engine connected this process to Ray, and disconnects it as it closes)
+        report["nodes"] = {n["NodeID"]: sorted(n["Resources"]) for n in ray.nodes() if n["Alive"]}
+        greedy = SamplingParams(max_tokens=int(max_tokens), temperature=0.0, ignore_eos=True)
+        report["tokens"] = await asyncio.gather(*(one(engine, p, greedy) for p in prompts))
+        long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+        started = {p: asyncio.Event() for p in prompts}
+        tasks = {p: asyncio.create_task(one(engine, p, long, started[p])) for p in prompts}
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
+        replica = kill.partition("_pp")[0].partition("_")[2] or "0"
+        victims = prompts
+        if options.get("data_parallel_size", 1) > 1:
+            routed = {rid.partition("@")[0]: r for rid, r in engine.running.stage("router").recent}
+            victims = [p for p in prompts if routed[p] == replica]
+        ray.kill(engine.running.ray_actor(kill))
+        killed = time.monotonic()
+        report["killed"] = [await asyncio.wait_for(tasks[p], 120) for p in victims]
+        report["seconds"] = time.monotonic() - killed
+        report["survivors_running"] = [not tasks[p].done() for p in prompts if p not in victims]
+        report["failure"] = type(engine.failure).__name__ if engine.failure else None
+        if engine.failure is None:
+            report["after"] = await asyncio.gather(*(one(engine, p, greedy) for p in prompts))
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+    finally:
+        await engine.close()
+    return report
+
+async def main():
+    print(json.dumps([await run(options, kill) for options, kill in json.loads(engines)]))
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StartedRay, StartedRay]]:
+    """The head (2 CPUs) and a second node (2 CPUs, resource ``second``) of one cluster,
+    started by a user with a Ray token."""
+    home = tmp_path_factory.mktemp("ray-two-nodes")
+    generate_token(home)
+    head = StartedRay(home)
+    try:
+        # as Ray's docs ask of every node of a cluster with token authentication
+        node = StartedRayNode(head, num_cpus=2, resources={"second": 1}, RAY_AUTH_MODE="token")
+        try:
+            yield head, node
+        finally:
+            node.stop()
+    finally:
+        head.stop()
+
+
+# -- plain data ----------------------------------------------------------------------------------
+
+
+def test_shards_are_bundles_of_their_replicas_group_pinned_or_spread_as_asked() -> None:
+    options = EngineOptions(
+        pipeline_parallel_size=3,
+        data_parallel_size=2,
+        ray=True,
+        ray_num_cpus=0.5,
+        ray_shard_resources="node:10.0.0.5,,gpu_box",
+    )
+    started = start_options(options)
+    assert sorted(started.hosts) == [
+        "engine", "engine_1", "engine_1_pp1", "engine_1_pp2", "engine_pp1", "engine_pp2"
+    ]  # fmt: skip
+    assert started.hosts["engine_1_pp2"].placement_group == "replica1"
+    assert started.hosts["engine_1_pp2"].bundle_index == 2
+    for group in started.placement_groups.values():
+        # PACK by default with shards: one node where they fit, else several
+        assert group.strategy == "PACK"
+        assert group.bundles == (
+            {"CPU": 0.5, "node:10.0.0.5": 0.001},
+            {"CPU": 0.5},
+            {"CPU": 0.5, "gpu_box": 0.001},
+        )
+    spread = EngineOptions(pipeline_parallel_size=2, ray=True, ray_placement_strategy="SPREAD")
+    assert start_options(spread).placement_groups["replica0"].strategy == "SPREAD"
+    # without shards the engine's hosts keep to one node, as before
+    plain = EngineOptions(tensor_parallel_size=2, ray=True)
+    assert start_options(plain).placement_groups["replica0"].strategy == "STRICT_PACK"
+    # the flags reach the options
+    args = build_parser().parse_args(
+        ["serve", "--ray", "auto", "--pipeline-parallel-size", "2",
+         "--ray-placement-strategy", "STRICT_SPREAD", "--ray-shard-resources", "a,b"]
+    )  # fmt: skip
+    parsed = EngineOptions.create(**engine_options_from(args))
+    assert (parsed.ray_placement_strategy, parsed.ray_shard_resources) == ("STRICT_SPREAD", "a,b")
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        (dict(ray_placement_strategy="SPREAD"), "ray_placement_strategy places the engine's hosts"),
+        (dict(ray_shard_resources="a"), "ray_shard_resources places the engine's hosts"),
+        (dict(ray=True, ray_placement_strategy="spread"), "must be one of"),
+        (dict(ray=True, pipeline_parallel_size=2, ray_shard_resources="a"),
+         "names 1 shards (a), but pipeline_parallel_size is 2"),
+        (dict(ray=True, pipeline_parallel_size=2, ray_shard_resources=","), "names no resource"),
+        (dict(ray=True, pipeline_parallel_size=2, ray_shard_resources="a b,c"), "whitespace"),
+    ],
+)  # fmt: skip
+def test_placement_options_are_refused_where_they_cannot_apply(
+    options: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        EngineOptions(**options)
+
+
+def test_a_placement_the_live_nodes_cannot_hold_is_named() -> None:
+    head = {"Alive": True, "Resources": {"CPU": 2.0, "node:__internal_head__": 1.0}}
+    second = {"Alive": True, "Resources": {"CPU": 2.0, "second": 1.0}}
+    gone = {"Alive": False, "Resources": {"CPU": 8.0, "third": 1.0}}
+    nodes = [head, second, gone]
+    pinned = RayPlacementGroup(({"CPU": 1.0, "second": 0.001}, {"CPU": 1.0}), "PACK")
+    assert placement_shortfall(pinned, nodes) is None
+    missing = RayPlacementGroup(({"CPU": 1.0, "third": 0.001},), "PACK")
+    assert placement_shortfall(missing, nodes) == "no live node has resource 'third'"
+    large = RayPlacementGroup(({"CPU": 4.0},), "PACK")
+    assert placement_shortfall(large, nodes) == "no live node is large enough for bundle " + str(
+        {"CPU": 4.0}
+    )
+    spread = RayPlacementGroup(({"CPU": 0.5},) * 3, "STRICT_SPREAD")
+    assert placement_shortfall(spread, nodes) == (
+        "STRICT_SPREAD needs 3 nodes, the cluster has 2 live"
+    )
+    assert placement_shortfall(RayPlacementGroup(({"CPU": 0.5},) * 3, "SPREAD"), nodes) is None
+
+
+@pytest.mark.slow
+def test_shards_pinned_to_a_resource_no_node_has_are_warned_of_and_time_out(
+    tiny_model_dir: Path, ray_cluster: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = AsyncEngine(
+        str(tiny_model_dir), pipeline_parallel_size=2, ray=True, ray_num_cpus=0.5,
+        ray_shard_resources=",nowhere", start_timeout=8.0,
+    )  # fmt: skip
+    with pytest.raises(TimeoutError):
+        run(engine.start, timeout=300)
+    run(engine.close)
+    assert "no live node has resource 'nowhere'; waiting for nodes to join" in caplog.text
+    run(lambda: wait_until_gone(ray_cluster, "llm"))
+
+
+# -- on two nodes started with `ray start` -------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
+    tiny_model_dir: Path,
+    two_nodes: tuple[StartedRay, StartedRay],
+    local_tokens: list[tuple[int, ...]],
+) -> None:
+    head, node = two_nodes
+    # the shards pinned by resources; two replicas spread, the survivor serving on
+    pinned = dict(pipeline_parallel_size=2, ray_num_cpus=0.5,
+                  ray_shard_resources="node:__internal_head__,second")  # fmt: skip
+    spread = dict(pipeline_parallel_size=2, data_parallel_size=2, router="round-robin",
+                  ray_num_cpus=0.5, ray_placement_strategy="STRICT_SPREAD")  # fmt: skip
+    engines = json.dumps([[pinned, "engine_pp1"], [spread, "engine_1_pp1"]])
+    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address, engines,
+               json.dumps(PROMPTS), str(GREEDY.max_tokens)]  # fmt: skip
+    result = subprocess.run(
+        command,
+        env={**head.environment(), "PYTHONPATH": str(REPOSITORY)},
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = json.loads(result.stdout.strip().splitlines()[-1])
+    nodes = reports[0]["nodes"]
+    second = [nid for nid, resources in nodes.items() if "second" in resources]
+    first = [nid for nid, resources in nodes.items() if "second" not in resources]
+    assert len(second) == len(first) == 1, nodes
+    sessions = {head.process.pid: first[0], node.process.pid: second[0]}
+    for engine in reports:
+        assert engine["nodes"] == nodes
+        hosts = engine["hosts"]
+        for where in hosts.values():  # each actor's process runs under its node's `ray start`
+            assert sessions[where["session"]] == where["node"]
+        assert [tuple(tokens) for tokens in engine["tokens"]] == local_tokens
+        assert engine["seconds"] < KILLED_SHARD_SECONDS
+    one, two = reports
+    assert (one["hosts"]["engine"]["node"], one["hosts"]["engine_pp1"]["node"]) == (
+        first[0], second[0]
+    )  # fmt: skip
+    assert one["killed"] == ["EngineDeadError"] * len(PROMPTS)
+    assert one["failure"] == "EngineDeadError"
+    assert sorted(two["hosts"]) == ["engine", "engine_1", "engine_1_pp1", "engine_pp1"]
+    for replica in ("engine", "engine_1"):  # each replica's shards on both nodes
+        assert two["hosts"][replica]["node"] != two["hosts"][f"{replica}_pp1"]["node"]
+    # round-robin: replica 1 held half the streams; they failed, the others ran on
+    assert two["killed"] == ["EngineDeadError"] * (len(PROMPTS) // 2)
+    assert two["survivors_running"] == [True] * (len(PROMPTS) // 2)
+    assert two["failure"] is None
+    assert [tuple(tokens) for tokens in two["after"]] == local_tokens
+    wait_no_host_actor(head)
+    wait_no_host_actor(node)
