@@ -482,7 +482,6 @@ class EngineOptions:
         if size == 1:
             return
         clashes = (
-            ("tensor_parallel_size > 1 (PP x TP)", self.tensor_parallel_size > 1),
             ("data_parallel_size > 1 (each replica its own shards)", self.data_parallel_size > 1),
             ("ray (shards as Ray actors)", self.on_ray),
             ("null_model (no model to split)", self.null_model),

@@ -283,9 +283,12 @@ def tensor_parallel_host(engine_host: str, rank: int) -> str:
     return f"{engine_host}_tp{rank}"
 
 
-def _add_ranks(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_host: str) -> None:
-    """The other tensor-parallel ranks of the execute stage ``execute``, each on its own host,
-    fed by its ``ranks`` port (``docs/architecture.md`` §8)."""
+def _add_ranks(
+    pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_host: str, shard: int = 0
+) -> None:
+    """The other tensor-parallel ranks of the execute stage ``execute`` (or of pipeline shard
+    ``shard``'s stage), each on its own host, fed by its ``ranks`` port
+    (``docs/architecture.md`` §8)."""
     if config.tensor_parallel_size == 1:
         return  # NOTE: before the import: the rank stage's module imports torch
     from stages.execute.rank import RankConfig, TensorParallelRankStage
@@ -293,7 +296,7 @@ def _add_ranks(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_h
     for rank in range(1, config.tensor_parallel_size):
         name = f"{execute}_tp{rank}"
         host = tensor_parallel_host(engine_host, rank)
-        pipeline.add(name, TensorParallelRankStage, RankConfig(config, rank), host=host)
+        pipeline.add(name, TensorParallelRankStage, RankConfig(config, rank, shard), host=host)
         pipeline.connect(f"{execute}.ranks", name)
 
 
@@ -317,6 +320,7 @@ def _add_shards(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_
         host = pipeline_parallel_host(engine_host, shard)
         pipeline.add(name, PipelineShardStage, PipelineShardConfig(config, shard), host=host)
         pipeline.connect(previous, name)
+        _add_ranks(pipeline, name, config, host, shard)  # PP x TP: each shard a TP group
         previous = f"{name}.out"
     pipeline.connect(previous, f"{execute}.in")
 
