@@ -485,7 +485,6 @@ class EngineOptions:
             ("data_parallel_size > 1 (each replica its own shards)", self.data_parallel_size > 1),
             ("ray (shards as Ray actors)", self.on_ray),
             ("null_model (no model to split)", self.null_model),
-            ("quantization", self.quantization is not None),
             ("transport 'memory' (every stage in the calling process; use 'zmq' or 'grpc')",
              not self.split_processes),
         )  # fmt: skip

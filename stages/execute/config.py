@@ -347,12 +347,6 @@ class ExecuteConfig:
                     f"names {len(counts)} shards ({self.pipeline_parallel_split}), but "
                     f"pipeline_parallel_size is {size}",
                 )
-        if size > 1 and self.quantization is not None:
-            raise ExecuteConfigError(
-                "pipeline_parallel_size",
-                f"is {size}; pipeline parallelism does not combine with quantization yet "
-                "(docs/parallelism.md)",
-            )
 
     @property
     def kv_cache_bytes_budget(self) -> int:

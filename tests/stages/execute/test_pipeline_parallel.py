@@ -129,7 +129,6 @@ def test_options_refuse_what_pipeline_parallelism_does_not_combine_with_yet() ->
         (dict(data_parallel_size=2), "data_parallel_size"),
         (dict(transport="memory"), "transport 'memory'"),
         (dict(null_model=True), "null_model"),
-        (dict(quantization="int8"), "quantization"),
         (dict(ray=True), "ray"),
     ):
         with pytest.raises(ValueError, match=words):
@@ -140,8 +139,8 @@ def test_options_refuse_what_pipeline_parallelism_does_not_combine_with_yet() ->
         EngineOptions(pipeline_parallel_size=2, pipeline_parallel_split="1;2")
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
         EngineOptions(pipeline_parallel_size=0)
-    # PP x TP is built (tests/stages/execute/test_pp_tensor.py)
-    for extra in (dict(tensor_parallel_size=2),):
+    # built: PP x TP (test_pp_tensor.py), PP with quantized weights (test_pp_quantized.py)
+    for extra in (dict(tensor_parallel_size=2), dict(quantization="int8")):
         EngineOptions(pipeline_parallel_size=2, **extra)
         ExecuteConfig(pipeline_parallel_size=2, **extra)
 

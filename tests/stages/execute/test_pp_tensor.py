@@ -1,5 +1,6 @@
-"""Pipeline x tensor parallelism with real processes: each pipeline shard a tensor-parallel group of spawned ranks (gloo all-reduces
-inside a shard, the hidden state over ZeroMQ between shards), docs/parallelism.md.
+"""Pipeline x tensor parallelism with real processes: each pipeline shard a tensor-parallel
+group of spawned ranks (gloo all-reduces inside a shard, the hidden state over ZeroMQ between
+shards), docs/parallelism.md.
 
 - the graph: every shard's rank 0 feeds its own ranks;
 - a 6-layer tiny Llama at PP=2 x TP=2 gives the greedy tokens of one engine (prefix caching
