@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.execute.config import ExecuteConfig
-from stages.execute.rank_messages import Rendezvous
+from stages.execute.rank_messages import RENDEZVOUS_HOST, Rendezvous
 
 __all__ = ["shard_group"]
 
@@ -33,7 +33,6 @@ def shard_group(config: ExecuteConfig) -> tuple[Rendezvous | None, Any]:
         return None, None
     import torch
 
-    from stages.execute.stage import RENDEZVOUS_HOST
     from stages.execute.tensor_parallel import host_rendezvous, rendezvous_host, threads_per_rank
 
     torch.set_num_threads(threads_per_rank(size))

@@ -39,7 +39,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 PROMPTLY = 60.0
 #: how soon every request must fail once a rank is SIGKILLed (the runtime sees its process
 #: exit at once; the rest is the teardown of 4 processes on a loaded 2-core machine)
-KILLED_RANK_SECONDS = 20.0
+KILLED_RANK_SECONDS = 30.0
 #: hosts may stay silent this long (the shared 2-core machine starves loops while 4 ranks load)
 SILENCE = dict(heartbeat_timeout=60.0)
 
