@@ -5,8 +5,8 @@ shards), docs/parallelism.md.
 - the graph: every shard's rank 0 feeds its own ranks;
 - a 6-layer tiny Llama at PP=2 x TP=2 gives the greedy tokens of one engine (prefix caching
   and preemption at work);
-- a killed rank of shard 1 fails every pending request with EngineDeadError in bounded time
-  and leaves no process behind;
+- a killed rank of shard 1, and a hung one (after ``tensor_parallel_timeout``), fail every
+  pending request with EngineDeadError in bounded time and leave no process behind;
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ PROMPTLY = 60.0
 #: how soon every request must fail once a rank is SIGKILLed (the runtime sees its process
 #: exit at once; the rest is the teardown of 4 processes on a loaded 2-core machine)
 KILLED_RANK_SECONDS = 30.0
+#: tensor_parallel_timeout of the hung-rank test, and how long past it the requests may take
+HANG_TIMEOUT = 2.0
+HANG_MARGIN = 15.0
 #: hosts may stay silent this long (the shared 2-core machine starves loops while 4 ranks load)
 SILENCE = dict(heartbeat_timeout=60.0)
 
@@ -114,45 +117,67 @@ def test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine(tiny6_model_dir: Path)
     assert stats.communication_seconds > 0
 
 
+async def fails_every_request(engine: AsyncEngine, hurt: Any) -> float:
+    """Start streams, ``hurt`` a rank mid-stream; every stream must end in EngineDeadError.
+    Returns how long after the hurt the last one ended."""
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    started = asyncio.Event()
+
+    async def stream(prompt: str) -> BaseException | None:
+        try:
+            async for _ in engine.generate(prompt, params):
+                started.set()
+        except EngineDeadError as error:
+            return error
+        return None
+
+    tasks = [asyncio.create_task(stream(prompt)) for prompt in PROMPTS[:3]]
+    await asyncio.wait_for(started.wait(), PROMPTLY)
+    hurt()
+    hurt_at = time.monotonic()
+    errors = await asyncio.wait_for(asyncio.gather(*tasks), PROMPTLY)
+    assert all(isinstance(error, EngineDeadError) for error in errors), errors
+    return time.monotonic() - hurt_at
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_killed_rank_of_shard_1_fails_every_pending_request(tiny6_model_dir: Path) -> None:
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"], ids=["killed", "hung"])
+def test_a_killed_or_hung_rank_of_shard_1_fails_every_pending_request(
+    tiny6_model_dir: Path, signal_name: str
+) -> None:
+    """SIGKILL: the runtime sees the host exit at once. SIGSTOP: the shard's rank 0 waits in
+    an all-reduce until ``tensor_parallel_timeout``, then its stage fails the engine."""
+    hang = signal_name == "SIGSTOP"
+
     async def body() -> None:
         engine = AsyncEngine(
             str(tiny6_model_dir),
             pipeline_parallel_size=2,
             tensor_parallel_size=2,
             num_blocks=512,
+            **(dict(tensor_parallel_timeout=HANG_TIMEOUT) if hang else {}),
             **SILENCE,
         )
         await engine.start()
         pids = dict(engine.running.pids)
         assert set(pids) >= {"engine", "engine_tp1", "engine_pp1", "engine_pp1_tp1"}, pids
-        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        started = asyncio.Event()
-
-        async def stream(prompt: str) -> BaseException | None:
-            try:
-                async for _ in engine.generate(prompt, params):
-                    started.set()
-            except EngineDeadError as error:
-                return error
-            return None
-
         try:
-            tasks = [asyncio.create_task(stream(prompt)) for prompt in PROMPTS[:3]]
-            await asyncio.wait_for(started.wait(), PROMPTLY)
             pid = pids["engine_pp1_tp1"]
             assert pid is not None
-            os.kill(pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            errors = await asyncio.wait_for(asyncio.gather(*tasks), PROMPTLY)
-            took = time.monotonic() - killed_at
-            assert all(isinstance(error, EngineDeadError) for error in errors), errors
+            took = await fails_every_request(
+                engine, lambda: os.kill(pid, getattr(signal, signal_name))
+            )
             assert isinstance(engine.failure, EngineDeadError)
-            assert took < KILLED_RANK_SECONDS, took
+            if hang:
+                assert "tensor-parallel all-reduce failed" in str(engine.failure)
+                assert took <= HANG_TIMEOUT + HANG_MARGIN, took
+            else:
+                assert took < KILLED_RANK_SECONDS, took
+            closing = time.monotonic()
         finally:
             await engine.close()
+        assert time.monotonic() - closing < PROMPTLY
         assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
     run(body())
