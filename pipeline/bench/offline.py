@@ -54,7 +54,8 @@ dequantized; for ``int8`` the check then measures the quantization itself).
     actorline bench offline --speculative-config JSON [--repeats N] [--quick] [--json]
     actorline bench offline --quantization gguf|int8 [--quick] [--json] [--profile]
     actorline bench offline --tensor-parallel-size 3 [--quick] [--repeats 2]
-    actorline bench offline --pipeline-parallel-size 2 [--quick] [--repeats 2]
+    actorline bench offline --pipeline-parallel-size 2 [--tensor-parallel-size 3] [--quick]
+        [--repeats 2]
     actorline bench offline --lora 4 [--quick] [--repeats 2] [--json]
 
 The parallel forms run the workload on N tensor-parallel ranks (pipeline shards) against one
@@ -666,7 +667,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         type=int,
         default=1,
-        help="run the workload on N ranks against one rank (and nothing else)",
+        help="run the workload on N ranks against one rank (and nothing else); with "
+        "--pipeline-parallel-size, N ranks in each shard against one engine",
     )
     parser.add_argument(
         "--pipeline-parallel-size",
@@ -819,11 +821,14 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         tokenizer = load_tokenizer(offline.model)
         workload = make_workload(offline.workload)
+        pipeline = args.pipeline_parallel_size
         compared = run_tensor_parallel(
             TensorParallelConfig(
                 model=offline.model,
-                size=max(args.tensor_parallel_size, args.pipeline_parallel_size),
-                pipeline=args.pipeline_parallel_size > 1,
+                size=pipeline if pipeline > 1 else args.tensor_parallel_size,
+                pipeline=pipeline > 1,
+                # PP x TP: each shard a group of that many ranks, against one engine
+                tensor=args.tensor_parallel_size if pipeline > 1 else 1,
                 repeats=args.repeats,
                 dtype=offline.dtype,
                 max_num_batched_tokens=offline.max_num_batched_tokens,

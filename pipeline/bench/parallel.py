@@ -1,6 +1,7 @@
 """Parallelism against its peer in the same run (``docs/parallelism.md``):
 
-- **tensor parallelism** (``actorline bench offline --tensor-parallel-size N``): the offline
+- **tensor parallelism** (``actorline bench offline --tensor-parallel-size N``; with
+  ``--pipeline-parallel-size M`` too, M shards of N ranks each, PP x TP): the offline
   workload of :mod:`pipeline.bench.offline` on the engine with N ranks against one rank, each
   run in a fresh process, alternating; generated tokens/s, their ratio, whether the greedy
   outputs are identical, and rank 0's communication: seconds in all-reduces per engine step (the
@@ -79,12 +80,27 @@ class TensorParallelConfig:
     max_num_batched_tokens: int = 2048
     #: pipeline shards (``pipeline_parallel_size``) instead of tensor-parallel ranks
     pipeline: bool = False
+    #: with ``pipeline``: tensor-parallel ranks per shard (PP x TP, against one engine)
+    tensor: int = 1
 
     def __post_init__(self) -> None:
         if self.size < 2:
             raise ValueError(f"size must be >= 2 (compared with 1 rank), got {self.size}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.tensor < 1 or (self.tensor > 1 and not self.pipeline):
+            raise ValueError(
+                f"tensor ({self.tensor}) gives each pipeline shard's ranks: >= 1, and > 1 only "
+                "with pipeline"
+            )
+
+    def engine_options(self, size: int) -> dict[str, int]:
+        """The parallelism options of the run at ``size`` (1: one engine)."""
+        if not self.pipeline:
+            return {"tensor_parallel_size": size}
+        if size == 1:
+            return {"pipeline_parallel_size": 1}
+        return {"pipeline_parallel_size": size, "tensor_parallel_size": self.tensor}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,6 +134,7 @@ class TensorParallelResult:
     load_average: tuple[float, float, float]
     cpu_count: int
     pipeline: bool = False
+    tensor: int = 1  # tensor-parallel ranks per pipeline shard
 
 
 def run_tensor_parallel(
@@ -151,6 +168,7 @@ def run_tensor_parallel(
         load_average=load_average,
         cpu_count=os.cpu_count() or 0,
         pipeline=config.pipeline,
+        tensor=config.tensor,
     )
 
 
@@ -174,7 +192,7 @@ def _offline_run(
     with LLM(
         config.model,
         dtype=config.dtype,
-        **{"pipeline_parallel_size" if config.pipeline else "tensor_parallel_size": size},
+        **config.engine_options(size),
         num_blocks=blocks_to_hold(prompts, max_tokens, 16) + 1,
         max_num_seqs=max(len(prompts), 1),
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -199,9 +217,13 @@ def _offline_run(
 def format_tensor_parallel(result: TensorParallelResult) -> str:
     """The readable report."""
     name = "PP" if result.pipeline else "TP"
+
+    def label(size: int) -> str:
+        return f"{name}={size}" + (f"xTP={result.tensor}" if size > 1 and result.tensor > 1 else "")
+
     rows = [
         [
-            f"{name}={run.size}",
+            label(run.size),
             run.tokens,
             run.seconds,
             run.tokens_per_second,
@@ -227,7 +249,7 @@ def format_tensor_parallel(result: TensorParallelResult) -> str:
                 f"(the offline workload, greedy); {result.cpu_count} CPUs, load average "
                 f"{result.load_average[0]:.2f} at start",
             ),
-            f"best {name}={result.size} {format_rate(result.best_parallel)} against {name}=1 "
+            f"best {label(result.size)} {format_rate(result.best_parallel)} against {name}=1 "
             f"{format_rate(result.best_single)}: {result.ratio:.2f}x",
             (
                 "hidden states and logits between the shards (the round trip less the other "

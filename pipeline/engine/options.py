@@ -497,9 +497,7 @@ class EngineOptions:
         if size == 1:
             return
         clashes = (
-            ("tensor_parallel_size > 1 (PP x TP)", self.tensor_parallel_size > 1),
             ("null_model (no model to split)", self.null_model),
-            ("quantization", self.quantization is not None),
             ("transport 'memory' (every stage in the calling process; use 'zmq' or 'grpc')",
              not self.split_processes),
         )  # fmt: skip

@@ -243,12 +243,17 @@ def _replica_hosts(host: str, options: EngineOptions) -> tuple[str, ...]:
 
 
 def _replica_shards(host: str, options: EngineOptions) -> tuple[tuple[str, int], ...]:
-    """:func:`_replica_hosts`, each with the pipeline shard it computes (0: the first)."""
+    """:func:`_replica_hosts`, each with the pipeline shard it computes (0: the first): each
+    shard's host, then its tensor-parallel ranks' (PP x TP: every shard a TP group)."""
     ranks = 1 if options.null_model else options.tensor_parallel_size
-    first = ((host, 0), *((tensor_parallel_host(host, rank), 0) for rank in range(1, ranks)))
     shards = 1 if options.null_model else options.pipeline_parallel_size
-    later = ((pipeline_parallel_host(host, shard), shard) for shard in range(1, shards))
-    return (*first, *later)
+    return tuple(
+        (tensor_parallel_host(leader, rank) if rank else leader, shard)
+        for shard, leader in enumerate(
+            (host, *(pipeline_parallel_host(host, shard) for shard in range(1, shards)))
+        )
+        for rank in range(ranks)
+    )
 
 
 def _add_router(pipeline: Pipeline, options: EngineOptions) -> None:
@@ -293,9 +298,12 @@ def tensor_parallel_host(engine_host: str, rank: int) -> str:
     return f"{engine_host}_tp{rank}"
 
 
-def _add_ranks(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_host: str) -> None:
-    """The other tensor-parallel ranks of the execute stage ``execute``, each on its own host,
-    fed by its ``ranks`` port (``docs/architecture.md`` §8)."""
+def _add_ranks(
+    pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_host: str, shard: int = 0
+) -> None:
+    """The other tensor-parallel ranks of the execute stage ``execute`` (or of pipeline shard
+    ``shard``'s stage), each on its own host, fed by its ``ranks`` port
+    (``docs/architecture.md`` §8)."""
     if config.tensor_parallel_size == 1:
         return  # NOTE: before the import: the rank stage's module imports torch
     from stages.execute.rank import RankConfig, TensorParallelRankStage
@@ -303,7 +311,7 @@ def _add_ranks(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_h
     for rank in range(1, config.tensor_parallel_size):
         name = f"{execute}_tp{rank}"
         host = tensor_parallel_host(engine_host, rank)
-        pipeline.add(name, TensorParallelRankStage, RankConfig(config, rank), host=host)
+        pipeline.add(name, TensorParallelRankStage, RankConfig(config, rank, shard), host=host)
         pipeline.connect(f"{execute}.ranks", name)
 
 
@@ -327,6 +335,7 @@ def _add_shards(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_
         host = pipeline_parallel_host(engine_host, shard)
         pipeline.add(name, PipelineShardStage, PipelineShardConfig(config, shard), host=host)
         pipeline.connect(previous, name)
+        _add_ranks(pipeline, name, config, host, shard)  # PP x TP: each shard a TP group
         previous = f"{name}.out"
     pipeline.connect(previous, f"{execute}.in")
 

@@ -347,18 +347,6 @@ class ExecuteConfig:
                     f"names {len(counts)} shards ({self.pipeline_parallel_split}), but "
                     f"pipeline_parallel_size is {size}",
                 )
-        if size > 1:
-            others = {
-                "tensor_parallel_size": self.tensor_parallel_size != 1,
-                "quantization": self.quantization is not None,
-            }
-            clash = [name for name, set_ in others.items() if set_]
-            if clash:
-                raise ExecuteConfigError(
-                    "pipeline_parallel_size",
-                    f"is {size}; pipeline parallelism does not combine with {clash[0]} yet "
-                    "(docs/parallelism.md)",
-                )
 
     @property
     def kv_cache_bytes_budget(self) -> int:

@@ -16,6 +16,14 @@ rows that sample and sends their logits back to the first, which samples. Layer 
 follow vLLM's ``get_pp_indices`` (``vllm/distributed/utils.py``) and its models' first/last
 rank split (``vllm/model_executor/models/llama.py``: ``make_layers``, ``PPMissingLayer``);
 the hand-off of the hidden state over an ordinary link is actorline's own.
+
+With ``tensor_parallel_size`` N > 1 too, each shard is a tensor-parallel group of N ranks
+(:mod:`stages.execute.tensor_parallel`) over its own layers: its rank 0 (the execute stage,
+or the shard's :class:`~stages.execute.pp_stage.PipelineShardStage`) does what is written
+above, and its other ranks run the same layers over their heads in lockstep
+(:func:`forward_ranks`; shard 0's run ``ModelRunner.run_shard`` as without pipeline
+parallelism), their all-reduces within the shard's group. Only a shard's rank 0 sends the
+next shard anything: the hidden state after the all-reduce is the same on every rank of it.
 """
 
 from __future__ import annotations
@@ -33,7 +41,14 @@ if TYPE_CHECKING:
     from stages.execute.rank_messages import ShardStep
     from stages.execute.runner import ModelRunner, PreparedStep
 
-__all__ = ["cut_layers", "drop_embeddings", "forward_layers", "pipeline_keep", "run_layers"]
+__all__ = [
+    "cut_layers",
+    "drop_embeddings",
+    "forward_layers",
+    "forward_ranks",
+    "pipeline_keep",
+    "run_layers",
+]
 
 
 def cut_layers(model: Any, layers: range, *, first: bool, last: bool) -> None:
@@ -152,3 +167,27 @@ def forward_layers(
         result = output.float().cpu().numpy()
     runner.kv_cache.prefault()
     return result
+
+
+def forward_ranks(runner: ModelRunner, shard: ShardStep, hidden: np.ndarray) -> None:
+    """A tensor-parallel rank other than 0 of a pipeline shard after the first: its part of
+    the shard's layers over the step ``shard`` from the shard before's ``hidden [T, H]``,
+    all-reducing with the shard's rank 0 (which runs :func:`forward_layers` on the same
+    step); K/V of its heads go to its cache. Nothing comes back: rank 0 sends on.
+
+    Raises:
+        RuntimeError: the runner is not loaded, or is not a rank other than 0.
+        TensorParallelError: a collective failed or timed out.
+    """
+    group = runner.group
+    if runner.kv_cache is None or group is None or runner.rank == 0:
+        raise RuntimeError("forward_ranks runs on a loaded tensor-parallel rank other than 0")
+    metadata, positions = runner.shard_metadata(shard)
+    with torch.inference_mode(), forward_context(metadata):
+        run_layers(
+            runner.model,
+            positions,
+            hidden=torch.tensor(hidden, device=runner.device, dtype=runner.dtype),
+        )
+    runner.kv_cache.prefault()
+    group.take_seconds()

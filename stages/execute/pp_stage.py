@@ -13,6 +13,14 @@ embeddings and its layers, send the step on, wait for the logits (at most
 ``pipeline_parallel_timeout``), and hand them to the runner, which samples. A shard that dies
 is a host that dies: the runtime's supervision fails the engine at once; one that hangs makes
 the wait time out with :class:`~stages.execute.pp_split.PipelineParallelError`.
+
+With ``tensor_parallel_size`` N > 1 (PP x TP) each shard is a tensor-parallel group: the
+execute stage sends its ranks each step's ``ShardStep`` (port ``ranks``) before its layers run,
+as without pipeline parallelism; a :class:`PipelineShardStage` is its shard's rank 0: it hosts
+its ranks' rendezvous (port ``ranks``, to ``<execute>_pp<k>_tp<r>`` on hosts
+``<engine>_pp<k>_tp<r>``), and hands them each step it receives before running its own part.
+A rank that dies is a host that dies; one that hangs makes its shard's next all-reduce fail
+after ``tensor_parallel_timeout``, which fails the engine.
 """
 
 from __future__ import annotations
@@ -56,11 +64,13 @@ class PipelineShardConfig:
 
 class PipelineShardStage(Stage):
     inputs = ("in",)
-    outputs = ("out",)
+    outputs = ("out", "ranks")
+    optional_outputs = ("ranks",)
 
     def __init__(self, config: PipelineShardConfig) -> None:
         super().__init__(config)
         self.runner: ModelRunner | None = None
+        self._store: object = None  # the shard's ranks' TCPStore, alive as long as the group
 
     @property
     def last(self) -> bool:
@@ -71,10 +81,19 @@ class PipelineShardStage(Stage):
         # the graph, and torch has no business on its side of the start-up. On the stage's
         # thread, so the host's loop keeps sending heartbeats meanwhile (as the execute
         # stage's start).
+        from stages.execute.pp_tensor import shard_group
+
+        rendezvous, self._store = await self.run_in_thread(shard_group, self.config.execute)
+        if rendezvous is not None:
+            await self.emit("ranks", rendezvous)
+
         def load() -> ModelRunner:
             from stages.execute.runner import ModelRunner
 
-            runner = ModelRunner(self.config.execute, shard=self.config.shard)
+            execute = self.config.execute
+            runner = ModelRunner(
+                execute, shard=self.config.shard, rendezvous=rendezvous, store=self._store
+            )
             with loading():
                 runner.load()
             return runner
@@ -89,6 +108,8 @@ class PipelineShardStage(Stage):
 
         keep = step.keep if self.last else None
         began = time.perf_counter()
+        if runner.group is not None:  # PP x TP: this shard's other ranks run it too
+            await self.emit("ranks", step)
         output = await self.run_in_thread(forward_layers, runner, step.shard, step.hidden, keep)
         seconds = (*step.compute_seconds, time.perf_counter() - began)
         if self.last:
@@ -134,6 +155,8 @@ class PipelineDriver:
             return await stage.run_in_thread(runner.run, prepared)
         keep = np.asarray(pipeline_keep(prepared), dtype=np.int64)
         began = time.perf_counter()
+        if runner.group is not None:  # PP x TP: shard 0's other ranks run its layers too
+            await stage.emit("ranks", shard)
         hidden = await stage.run_in_thread(forward_layers, runner, shard, None, None)
         first = time.perf_counter() - began
         future: asyncio.Future[PipelineLogits] = asyncio.get_running_loop().create_future()

@@ -13,7 +13,11 @@ import numpy as np
 from stages.lora import LoRARequest
 from transports.codec import message
 
-__all__ = ["Rendezvous", "ShardStep"]
+__all__ = ["RENDEZVOUS_HOST", "Rendezvous", "ShardStep"]
+
+#: where a rank 0 (the execute stage, or a pipeline shard's) hosts its ranks' rendezvous in a
+#: local process (on a Ray host: its node's IP, stages.execute.tensor_parallel.rendezvous_host)
+RENDEZVOUS_HOST = "127.0.0.1"
 
 
 @message()

@@ -343,7 +343,10 @@ class ModelRunner:
                     f"({config.quantization!r}) serves fp32 models on CPU (weight-only, fp32 "
                     f"activations); got {self.dtype} on {self.device}",
                 )
-            quantize_model(model, config.quantization, resolved.gguf, config.quant_activations)
+            quantize_model(
+                model, config.quantization, resolved.gguf, config.quant_activations,
+                layer_offset=ranges[self.shard].start,
+            )  # fmt: skip
         row_parallel = shard_model(model, self.rank, parallel) if parallel > 1 else []
         key = load_key(
             config, resolved.path, device=self.device, dtype=self.dtype,

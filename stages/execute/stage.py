@@ -43,6 +43,7 @@ from stages.execute.config import ExecuteConfig
 from stages.execute.crash_notes import note_step
 from stages.execute.pp_messages import PipelineLogits
 from stages.execute.pp_stage import PipelineDriver
+from stages.execute.rank_messages import RENDEZVOUS_HOST
 from stages.lora import LoRAAdapterError, LoRARequest
 from stages.messages import EngineInfo, SchedulerStep, StepResult
 from stages.models import loading
@@ -53,10 +54,6 @@ if TYPE_CHECKING:
     from stages.execute.step_threads import StepThreads
 
 __all__ = ["RENDEZVOUS_HOST", "ExecuteStage"]
-
-#: where rank 0 hosts the ranks' rendezvous in a local process (on a Ray host: its node's IP,
-#: stages.execute.tensor_parallel.rendezvous_host)
-RENDEZVOUS_HOST = "127.0.0.1"
 
 
 class ExecuteStage(Stage):

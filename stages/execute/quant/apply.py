@@ -87,11 +87,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def quantize_model(
-    model: Any, mode: str, gguf: Path | None, activations: str = "fp32"
+    model: Any, mode: str, gguf: Path | None, activations: str = "fp32", layer_offset: int = 0
 ) -> QuantizationReport:
     """Replace ``model``'s fp32 CPU linears and input embeddings by quantized ones (see the
     module docstring), one at a time (the fp32 weight's file pages are dropped as each goes);
-    ``activations`` is ``ExecuteConfig.quant_activations``.
+    ``activations`` is ``ExecuteConfig.quant_activations``; ``layer_offset``: where a
+    pipeline shard's layers start in the whole model (its GGUF tensors are found by that
+    place, docs/parallelism.md).
 
     Raises:
         ExecuteConfigError: ``quantization`` cannot be served here (``"gguf"`` for a model
@@ -114,7 +116,7 @@ def quantize_model(
                 "'gguf' runs a GGUF file's own weights, and this model is an HF checkpoint; "
                 "use a .gguf model (or an alias shipped as one) or quantization='int8'",
             )
-        source = GGUFWeights(gguf, model, kernel)
+        source = GGUFWeights(gguf, model, kernel, layer_offset)
     names: dict[int, list[str]] = defaultdict(list)
     for name, parameter in model.named_parameters(remove_duplicate=False):
         names[id(parameter)].append(name)

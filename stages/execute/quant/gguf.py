@@ -17,6 +17,7 @@ left to the fp32 checkpoint.
 from __future__ import annotations
 
 import mmap
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -28,18 +29,37 @@ from stages.execute.quant.gguf_table import GGUF_TYPES, GGUFTensor, read_tensor_
 from stages.execute.quant.kernel import QuantGemmKernel
 from stages.execute.quant.layers import QuantizedWeight, pack_gguf
 
-__all__ = ["GGUF_TYPES", "GGUFTensor", "GGUFWeights", "read_tensor_table"]
+__all__ = ["GGUF_TYPES", "GGUFTensor", "GGUFWeights", "file_layer_name", "read_tensor_table"]
+
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def file_layer_name(hf_name: str, layer_offset: int) -> str:
+    """``hf_name`` with its decoder layer index moved up by ``layer_offset``
+    (``model.layers.0.mlp.up_proj.weight`` -> ``model.layers.15.mlp.up_proj.weight`` at 15):
+    the name in the whole model of a pipeline shard's parameter."""
+    if not layer_offset:
+        return hf_name
+    return _LAYER.sub(
+        lambda match: f"{match.group(1)}layers.{int(match.group(2)) + layer_offset}.",
+        hf_name,
+        count=1,
+    )
 
 
 class GGUFWeights:
     """The quantized tensors of the GGUF file ``path`` for ``model`` (the HF model converted
-    from it).
+    from it; with ``layer_offset``, a pipeline shard of it whose layer 0 is the whole
+    model's layer ``layer_offset``).
 
     Raises:
         ValueError: the file cannot be read, or gguf knows no name map for its architecture.
     """
 
-    def __init__(self, path: Path, model: Any, kernel: QuantGemmKernel) -> None:
+    def __init__(
+        self, path: Path, model: Any, kernel: QuantGemmKernel, layer_offset: int = 0
+    ) -> None:
         from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
         from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -51,11 +71,14 @@ class GGUFWeights:
         arch = next((key for key, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
         if arch is None:
             raise ValueError(f"{path}: the gguf package knows no architecture {architecture!r}")
-        name_map = get_tensor_name_map(arch, int(model.config.get_text_config().num_hidden_layers))
+        num_layers = int(model.config.get_text_config().num_hidden_layers)
+        name_map = get_tensor_name_map(arch, layer_offset + num_layers)
         by_name = {tensor.name: tensor for tensor in tensors}
         self._tensors: dict[str, GGUFTensor] = {}
         for hf_name in model.state_dict():
-            base, dot, suffix = hf_name.rpartition(".")
+            # NOTE: a pipeline shard's layers are renumbered from 0 (cut_layers); the file
+            # names them by their place in the whole model
+            base, dot, suffix = file_layer_name(hf_name, layer_offset).rpartition(".")
             gguf_base = name_map.get_name(base) if dot else None
             tensor = by_name.get(f"{gguf_base}.{suffix}") if gguf_base else None
             if tensor is not None:

@@ -126,10 +126,8 @@ def test_layer_ranges_split_evenly_or_as_given_and_refuse_with_the_numbers() -> 
 
 def test_options_refuse_what_pipeline_parallelism_does_not_combine_with_yet() -> None:
     for extra, words in (
-        (dict(tensor_parallel_size=2), "PP x TP"),
         (dict(transport="memory"), "transport 'memory'"),
         (dict(null_model=True), "null_model"),
-        (dict(quantization="int8"), "quantization"),
     ):
         with pytest.raises(ValueError, match=words):
             EngineOptions(pipeline_parallel_size=2, **extra)
@@ -139,8 +137,10 @@ def test_options_refuse_what_pipeline_parallelism_does_not_combine_with_yet() ->
         EngineOptions(pipeline_parallel_size=2, pipeline_parallel_split="1;2")
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
         EngineOptions(pipeline_parallel_size=0)
-    with pytest.raises(ExecuteConfigError, match="does not combine with tensor_parallel_size"):
-        ExecuteConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
+    # built: PP x TP (test_pp_tensor.py), PP with quantized weights (test_pp_quantized.py)
+    for extra in (dict(tensor_parallel_size=2), dict(quantization="int8")):
+        EngineOptions(pipeline_parallel_size=2, **extra)
+        ExecuteConfig(pipeline_parallel_size=2, **extra)
 
 
 def test_the_graph_chains_the_shards_back_to_the_first() -> None:

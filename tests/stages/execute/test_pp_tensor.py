@@ -1,0 +1,183 @@
+"""Pipeline x tensor parallelism with real processes: each pipeline shard a tensor-parallel
+group of spawned ranks (gloo all-reduces inside a shard, the hidden state over ZeroMQ between
+shards), docs/parallelism.md.
+
+- the graph: every shard's rank 0 feeds its own ranks;
+- a 6-layer tiny Llama at PP=2 x TP=2 gives the greedy tokens of one engine (prefix caching
+  and preemption at work);
+- a killed rank of shard 1, and a hung one (after ``tensor_parallel_timeout``), fail every
+  pending request with EngineDeadError in bounded time and leave no process behind;
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from transformers import LlamaConfig
+
+from pipeline import AsyncEngine, EngineDeadError, SamplingParams
+from pipeline.engine.options import EngineOptions
+from pipeline.engine.presets import llm_pipeline
+from tests.conftest import TINY_LLAMA
+from tests.processes import process_alive
+
+T = TypeVar("T")
+
+PREFIX = " ".join(["alpha beta gamma delta"] * 10)
+PROMPTS = [f"{PREFIX} request {index} asks about {topic}" for index, topic in enumerate(
+    ["rivers", "mountains", "the sea", "old towns"]
+)] + ["short one", "The quick brown fox jumps over the lazy dog"]  # fmt: skip
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+PROMPTLY = 60.0
+#: how soon every request must fail once a rank is SIGKILLed (the runtime sees its process
+#: exit at once; the rest is the teardown of 4 processes on a loaded 2-core machine)
+KILLED_RANK_SECONDS = 30.0
+#: tensor_parallel_timeout of the hung-rank test, and how long past it the requests may take
+HANG_TIMEOUT = 2.0
+HANG_MARGIN = 15.0
+#: hosts may stay silent this long (the shared 2-core machine starves loops while 4 ranks load)
+SILENCE = dict(heartbeat_timeout=60.0)
+
+
+def run(coroutine: Coroutine[Any, Any, T], timeout: float = 900) -> T:
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+@pytest.fixture(scope="module")
+def tiny6_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The tiny Llama with 6 layers (seeded; 4 query and 2 KV heads: TP=2 divides them),
+    the tokenizer of the 2-layer one."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny6-llama-tp")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": 6})).save_pretrained(out)
+    for name in tiny_model_dir.iterdir():
+        if not (out / name.name).exists():
+            shutil.copy(name, out / name.name)
+    return out
+
+
+async def generate_all(
+    engine: AsyncEngine, prompts: list[str], params: SamplingParams = GREEDY
+) -> list[tuple[int, ...]]:
+    async def one(prompt: str) -> tuple[int, ...]:
+        last = None
+        async for output in engine.generate(prompt, params):
+            last = output
+        assert last is not None and last.finish_reason == "length"
+        return last.token_ids
+
+    return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
+
+
+async def outputs_of(
+    model: str, prompts: list[str] = PROMPTS, **options: Any
+) -> tuple[list[tuple[int, ...]], Any]:
+    """Greedy outputs of ``prompts`` (the first alone first, so the rest hit its prefix)."""
+    async with AsyncEngine(model, **SILENCE, **options) as engine:
+        first = await generate_all(engine, prompts[:1])
+        rest = await generate_all(engine, prompts[1:])
+        return first + rest, engine.stats
+
+
+def test_the_graph_gives_every_shard_its_own_tensor_parallel_ranks() -> None:
+    text = llm_pipeline(EngineOptions(pipeline_parallel_size=2, tensor_parallel_size=3)).describe()
+    for rank in (1, 2):
+        assert f"stage execute_tp{rank} [TensorParallelRankStage] on engine_tp{rank}" in text
+        assert (
+            f"stage execute_pp1_tp{rank} [TensorParallelRankStage] on engine_pp1_tp{rank}" in text
+        )
+        assert f"execute.ranks -> execute_tp{rank}.in" in text
+        assert f"execute_pp1.ranks -> execute_pp1_tp{rank}.in" in text
+    assert "execute_pp1.out -> execute.in" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # 1 + 4 processes on the shared 2-core machine
+def test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine(tiny6_model_dir: Path) -> None:
+    model = str(tiny6_model_dir)
+    expected, _ = run(outputs_of(model, num_blocks=512))
+    # a cache too small for all of them at once: requests are preempted and recomputed
+    got, stats = run(
+        outputs_of(model, num_blocks=14, pipeline_parallel_size=2, tensor_parallel_size=2)
+    )
+    assert got == expected
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    assert stats.communication_seconds > 0
+
+
+async def fails_every_request(engine: AsyncEngine, hurt: Any) -> float:
+    """Start streams, ``hurt`` a rank mid-stream; every stream must end in EngineDeadError.
+    Returns how long after the hurt the last one ended."""
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    started = asyncio.Event()
+
+    async def stream(prompt: str) -> BaseException | None:
+        try:
+            async for _ in engine.generate(prompt, params):
+                started.set()
+        except EngineDeadError as error:
+            return error
+        return None
+
+    tasks = [asyncio.create_task(stream(prompt)) for prompt in PROMPTS[:3]]
+    await asyncio.wait_for(started.wait(), PROMPTLY)
+    hurt()
+    hurt_at = time.monotonic()
+    errors = await asyncio.wait_for(asyncio.gather(*tasks), PROMPTLY)
+    assert all(isinstance(error, EngineDeadError) for error in errors), errors
+    return time.monotonic() - hurt_at
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"], ids=["killed", "hung"])
+def test_a_killed_or_hung_rank_of_shard_1_fails_every_pending_request(
+    tiny6_model_dir: Path, signal_name: str
+) -> None:
+    """SIGKILL: the runtime sees the host exit at once. SIGSTOP: the shard's rank 0 waits in
+    an all-reduce until ``tensor_parallel_timeout``, then its stage fails the engine."""
+    hang = signal_name == "SIGSTOP"
+
+    async def body() -> None:
+        engine = AsyncEngine(
+            str(tiny6_model_dir),
+            pipeline_parallel_size=2,
+            tensor_parallel_size=2,
+            num_blocks=512,
+            **(dict(tensor_parallel_timeout=HANG_TIMEOUT) if hang else {}),
+            **SILENCE,
+        )
+        await engine.start()
+        pids = dict(engine.running.pids)
+        assert set(pids) >= {"engine", "engine_tp1", "engine_pp1", "engine_pp1_tp1"}, pids
+        try:
+            pid = pids["engine_pp1_tp1"]
+            assert pid is not None
+            took = await fails_every_request(
+                engine, lambda: os.kill(pid, getattr(signal, signal_name))
+            )
+            assert isinstance(engine.failure, EngineDeadError)
+            if hang:
+                assert "tensor-parallel all-reduce failed" in str(engine.failure)
+                assert took <= HANG_TIMEOUT + HANG_MARGIN, took
+            else:
+                assert took < KILLED_RANK_SECONDS, took
+            closing = time.monotonic()
+        finally:
+            await engine.close()
+        assert time.monotonic() - closing < PROMPTLY
+        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
+
+    run(body())
