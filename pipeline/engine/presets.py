@@ -167,6 +167,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
             pipeline.add(f"execute{suffix}", ExecuteStage, replica_execute, host=host)
             _add_ranks(pipeline, f"execute{suffix}", execute, host)
             _add_shards(pipeline, f"execute{suffix}", execute, host)
+            _add_drafter(pipeline, f"execute{suffix}", replica_execute, host, suffix)
     pipeline.add("detokenize", DetokenizeStage, DetokenizeConfig(options.model))
     pipeline.add("stop_check", StopCheckStage)
     pipeline.add("parse", ParseStage)
@@ -297,6 +298,38 @@ def _add_ranks(pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_h
         pipeline.connect(f"{execute}.ranks", name)
 
 
+def _draft_hosts(engine_host: str, options: EngineOptions) -> tuple[str, ...]:
+    """The draft stage's host beside the engine on ``engine_host``, where the draft model
+    is placed apart (``speculative_config`` ``"placement": "host"``)."""
+    spec = options.speculative_config
+    if spec is None or not spec.drafts_apart or options.null_model:
+        return ()
+    from stages.execute.draft_stage import draft_host
+
+    return (draft_host(engine_host),)
+
+
+def _add_drafter(
+    pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_host: str, suffix: str
+) -> None:
+    """The draft stage of the execute stage ``execute`` where the draft model is placed
+    apart (docs/speculative.md "Where the draft model runs"): on a host of its own, fed by
+    execute's ``draft`` port and its ``info``, answering on execute's ``in``; the host an
+    expendable replica set, so its loss costs drafts, never the pipeline."""
+    spec = config.speculative_config
+    if spec is None or not spec.drafts_apart or engine_host == MAIN_HOST:
+        return  # NOTE: before the import, as _add_ranks
+    from stages.execute.draft_stage import DraftStage, draft_host
+
+    name = f"draft{suffix}"
+    host = draft_host(engine_host)
+    pipeline.add(name, DraftStage, config, host=host)
+    pipeline.connect(f"{execute}.info", name)
+    pipeline.connect(f"{execute}.draft", name)
+    pipeline.connect(f"{name}.out", f"{execute}.in")
+    pipeline.replica_set(name, {"0": (host,)}, expendable=True)
+
+
 def pipeline_parallel_host(engine_host: str, shard: int) -> str:
     """The host of pipeline shard ``shard`` (>= 1) of the engine on ``engine_host``."""
     return f"{engine_host}_pp{shard}"
@@ -371,7 +404,8 @@ def engine_bundle(options: EngineOptions) -> dict[str, float]:
 def start_options(options: EngineOptions) -> StartOptions:
     """How to start the LLM pipeline for ``options`` (with ``options.on_ray``: every engine
     host a Ray actor, each replica's hosts in one ``STRICT_PACK`` placement group, host k of
-    the replica in bundle k, each bundle :func:`engine_bundle`)."""
+    the replica in bundle k, each bundle :func:`engine_bundle`; a draft host placed apart is
+    its replica's last bundle)."""
     transport = options.transport if options.split_processes else "zmq"
     hosts: dict[str, RayHost] = {}
     groups: dict[str, RayPlacementGroup] = {}
@@ -379,7 +413,8 @@ def start_options(options: EngineOptions) -> StartOptions:
         engine = ENGINE_HOST
         cpus, gpus = options.ray_num_cpus, options.ray_num_gpus
         for index in range(options.data_parallel_size):
-            replica = _replica_hosts(engine + replica_suffix(index), options)
+            host = engine + replica_suffix(index)
+            replica = (*_replica_hosts(host, options), *_draft_hosts(host, options))
             group = f"replica{index}"
             groups[group] = RayPlacementGroup(tuple(engine_bundle(options) for _ in replica))
             for bundle, host in enumerate(replica):
