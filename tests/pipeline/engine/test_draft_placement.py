@@ -19,7 +19,7 @@ from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline
 from stages.params import SamplingParams
-from tests.pipeline.engine.test_speculative import PROMPTS, check_same_distribution
+from tests.pipeline.engine.test_speculative import PROMPTS, check_same_distribution, generate_with
 
 GREEDY = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 7, 13, 64)]
 
@@ -170,6 +170,7 @@ def test_a_killed_draft_host_leaves_the_requests_decoding_without_speculation(
     assert all(o.finish_reason == "length" for o in outputs)
     assert after[-1].token_ids == plain[2].token_ids
     assert stats.spec_num_drafts > 0  # it drafted before the kill
+    assert stats.spec_num_drafts_dropped > 0  # and went without drafts after it
 
 
 @pytest.mark.slow
@@ -187,3 +188,43 @@ def test_each_data_parallel_replica_drafts_with_its_own_draft_host(tiny_model_di
     )
     assert [o.token_ids for o in beside] == [o.token_ids for o in plain]
     assert stats.spec_num_drafts > 0
+
+
+@pytest.mark.slow
+def test_drafts_that_come_late_are_never_used(tiny_model_dir: Path) -> None:
+    # a bound no answer meets: each step goes on without its drafts, and a late answer is
+    # dropped when it arrives (its drafts follow tokens the target has passed)
+    plain, _ = _generate(tiny_model_dir, GREEDY)
+    late = _spec(tiny_model_dir, placement="host", draft_timeout=1e-4)
+    apart, stats = _generate(tiny_model_dir, GREEDY, speculative_config=late)
+    assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert stats.spec_num_drafts_dropped > 0
+
+
+def test_a_drafter_that_raises_costs_the_drafts_not_the_requests(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the draft model beside the target (one process, transport memory): its third call
+    # that drafts raises; the target decodes on without speculation
+    from stages.execute.drafter import Drafter
+
+    calls = 0
+    propose = Drafter.propose
+
+    def failing(self: Drafter, queries: Any, forget: Any = ()) -> Any:
+        nonlocal calls
+        if queries:
+            calls += 1
+            if calls == 3:
+                raise RuntimeError("a drafter bug")
+        return propose(self, queries, forget)
+
+    monkeypatch.setattr(Drafter, "propose", failing)
+    plain, _ = generate_with(tiny_model_dir, GREEDY, num_blocks=256)
+    spec, stats = generate_with(
+        tiny_model_dir, GREEDY, num_blocks=256, speculative_config=_spec(tiny_model_dir)
+    )
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert calls == 3  # it drafts no more after the failure
+    assert stats.spec_num_drafts > 0
+    assert stats.spec_num_drafts_dropped > 0
