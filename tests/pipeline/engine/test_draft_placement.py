@@ -17,7 +17,7 @@ import pytest
 from pipeline import LLM
 from pipeline.engine.async_engine import AsyncEngine
 from pipeline.engine.options import EngineOptions
-from pipeline.engine.presets import llm_pipeline
+from pipeline.engine.presets import llm_pipeline, start_options
 from stages.params import SamplingParams
 from tests.pipeline.engine.test_speculative import PROMPTS, check_same_distribution, generate_with
 
@@ -62,6 +62,23 @@ def test_the_draft_stage_is_a_node_of_the_pipeline_on_a_host_of_its_own(
     # placed with the engine (the default): no stage of its own
     beside = EngineOptions.create(str(tiny_model_dir), speculative_config=_spec(tiny_model_dir))
     assert "DraftStage" not in llm_pipeline(beside).describe()
+
+
+def test_on_ray_the_draft_host_is_its_replicas_last_bundle(tiny_model_dir: Path) -> None:
+    options = EngineOptions.create(
+        str(tiny_model_dir),
+        ray=True,
+        data_parallel_size=2,
+        speculative_config=_apart(tiny_model_dir),
+    )
+    started = start_options(options)
+    for index, engine in enumerate(("engine", "engine_1")):
+        group = f"replica{index}"
+        assert len(started.placement_groups[group].bundles) == 2
+        assert started.hosts[engine].placement_group == group
+        assert started.hosts[engine].bundle_index == 0
+        draft = started.hosts[f"{engine}_draft"]
+        assert (draft.placement_group, draft.bundle_index) == (group, 1)
 
 
 def test_placement_is_checked(tiny_model_dir: Path) -> None:
