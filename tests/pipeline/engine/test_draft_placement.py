@@ -245,3 +245,17 @@ def test_a_drafter_that_raises_costs_the_drafts_not_the_requests(
     assert calls == 3  # it drafts no more after the failure
     assert stats.spec_num_drafts > 0
     assert stats.spec_num_drafts_dropped > 0
+
+
+@pytest.mark.slow
+def test_a_draft_stage_that_cannot_draft_for_the_target_costs_only_the_drafts(
+    tiny_model_dir: Path, tiny_gguf: Path
+) -> None:
+    # a draft model of another vocabulary (512 tokens): beside the target it is refused as
+    # the engine starts; apart, the draft stage says why it cannot draft and the target
+    # decodes on without speculation
+    plain, _ = _generate(tiny_model_dir, GREEDY)
+    apart, stats = _generate(tiny_model_dir, GREEDY, speculative_config=_apart(tiny_gguf))
+    assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert stats.spec_num_drafts == 0
+    assert stats.spec_num_drafts_dropped > 0
