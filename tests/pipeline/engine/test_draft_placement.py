@@ -259,3 +259,47 @@ def test_a_draft_stage_that_cannot_draft_for_the_target_costs_only_the_drafts(
     assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
     assert stats.spec_num_drafts == 0
     assert stats.spec_num_drafts_dropped > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_on_ray_the_draft_host_is_an_actor_whose_death_costs_only_drafts(
+    tiny_model_dir: Path, ray_cluster: object
+) -> None:
+    from tests.pipeline.runtime.test_ray_hosts import pipeline_state, wait_until_gone
+    from tests.pipeline.runtime.test_running import run
+
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    plain, _ = _generate(tiny_model_dir, params)
+
+    async def on_ray() -> None:
+        engine = AsyncEngine(
+            str(tiny_model_dir),
+            num_blocks=256,
+            ray=True,
+            ray_num_cpus=0.5,
+            speculative_config=_apart(tiny_model_dir),
+        )
+        await engine.start()
+        try:
+
+            async def one(prompt: list[int]) -> Any:
+                last = None
+                async for output in engine.generate({"prompt_token_ids": prompt}, params):
+                    last = output
+                return last
+
+            drafted = await asyncio.gather(*(one(p) for p in PROMPTS))
+            assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+            assert engine.stats is not None and engine.stats.spec_num_drafts > 0
+            actors, groups = pipeline_state(ray_cluster, "llm")
+            assert len(actors) == 2 and groups == ["actorline:llm:replica0"]
+            ray_cluster.kill(engine.running.ray_actor("engine_draft"))  # type: ignore[attr-defined]
+            after = await asyncio.gather(*(one(p) for p in PROMPTS))
+            assert [o.token_ids for o in after] == [o.token_ids for o in plain]
+            assert engine.failure is None and engine.replicas == []
+        finally:
+            await engine.close()
+        await wait_until_gone(ray_cluster, "llm")
+
+    run(on_ray, timeout=500)
