@@ -218,6 +218,7 @@ def test_drafts_that_come_late_are_never_used(tiny_model_dir: Path) -> None:
     assert stats.spec_num_drafts_dropped > 0
 
 
+@pytest.mark.slow
 def test_a_drafter_that_raises_costs_the_drafts_not_the_requests(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
