@@ -334,7 +334,9 @@ class StepResult:
     plus one plus the accepted ones: the rejected tokens' KV slots are rolled back.
     ``draft_token_ids``: with a draft model (docs/speculative.md), for requests that got
     tokens this step, the draft the execute stage's drafter proposes to follow them (the
-    scheduler may send it, cut shorter, with the request's next chunk).
+    scheduler may send it, cut shorter, with the request's next chunk). ``drafts_dropped``:
+    how many requests asked the draft model for a draft this step and got none because it
+    failed or answered too late (a draft stage placed apart, :mod:`stages.execute.draft_stage`).
     """
 
     step_id: int
@@ -360,6 +362,7 @@ class StepResult:
     threads: int = 0
     accepted_token_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     draft_token_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    drafts_dropped: int = 0
 
 
 @message()
@@ -371,7 +374,8 @@ class EngineStats:
     the engine replica these are of, with data parallelism ("" with one). ``step_tokens``: the
     tokens the last step computed (its prompt chunks' tokens plus one per decoding request).
     ``spec_*``: speculative decoding's counters (:class:`stages.speculative.SpeculativeStats`:
-    verified drafts, drafted and accepted tokens, acceptances per draft position)."""
+    verified drafts, drafted and accepted tokens, acceptances per draft position, and drafts
+    the draft model failed to deliver)."""
 
     num_running: int
     num_waiting: int
@@ -393,6 +397,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    spec_num_drafts_dropped: int = 0
 
 
 @message()

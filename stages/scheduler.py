@@ -856,5 +856,7 @@ class Scheduler:
             if self._speculator is not None and state.status is _Status.RUNNING:
                 self._speculator.observe(request_id, num_drafted, len(taken))
         if self._speculator is not None:  # draft_model: the drafts for the next step
-            self._speculator.receive(result.request_ids, result.draft_token_ids)
+            self._speculator.receive(
+                result.request_ids, result.draft_token_ids, result.drafts_dropped
+            )
         return accepted

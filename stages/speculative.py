@@ -34,7 +34,9 @@ from stages.params import SamplingParams
 
 __all__ = [
     "API_VERSION",
+    "DEFAULT_DRAFT_TIMEOUT",
     "DRAFT_MODEL",
+    "DRAFT_PLACEMENTS",
     "NOT_BUILT_METHODS",
     "Backoff",
     "NgramProposer",
@@ -77,10 +79,24 @@ _KEYS = (
     "quantization",
     "dtype",
     "draft_tensor_parallel_size",
+    "placement",
+    "draft_timeout",
 )
 #: the keys of the n-gram proposer alone / of the draft model alone
 _NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
-_DRAFT_KEYS = ("model", "quantization", "dtype", "draft_tensor_parallel_size")
+_DRAFT_KEYS = (
+    "model",
+    "quantization",
+    "dtype",
+    "draft_tensor_parallel_size",
+    "placement",
+    "draft_timeout",
+)
+#: where the draft model runs (``placement``): in the execute stage (``engine``) or as a
+#: draft stage on a host of its own (``host``: a process, or a Ray actor under ``ray``)
+DRAFT_PLACEMENTS = ("engine", "host")
+#: how long the execute stage waits for a draft host's answer by default, in seconds
+DEFAULT_DRAFT_TIMEOUT = 1.0
 #: the default of disable_by_batch_size: at this many running requests or more no one drafts
 #: (a CPU step there is no longer bound by reading the weights once)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
@@ -105,7 +121,11 @@ class SpeculativeConfig:
     With ``method`` ``"draft_model"``: ``model`` (an alias, HF directory or ``.gguf`` file of
     the same vocabulary as the target), the draft model's own ``quantization`` (``"gguf"``,
     ``"int8"`` or None) and ``dtype`` (``"float32"`` unless given); ``draft_tensor_parallel_size``
-    may only be 1 (the draft runs unsharded). Its values are checked as the execute stage's own
+    may only be 1 (the draft runs unsharded). ``placement`` (actorline's): where the draft
+    model runs, ``"engine"`` (in the execute stage, the default) or ``"host"`` (a draft stage
+    on a host of its own, :mod:`stages.execute.draft_stage`); ``draft_timeout``: how many
+    seconds the execute stage waits for a draft host's proposals before it goes on without
+    them. Its values are checked as the execute stage's own
     (:class:`stages.execute.config.ExecuteConfig`) when the engine's config is built.
 
     Raises:
@@ -121,6 +141,13 @@ class SpeculativeConfig:
     quantization: str | None = None
     dtype: str = "float32"
     draft_tensor_parallel_size: int = 1
+    placement: str = "engine"
+    draft_timeout: float = DEFAULT_DRAFT_TIMEOUT
+
+    @property
+    def drafts_apart(self) -> bool:
+        """Whether the draft model runs as a stage of its own (``placement`` ``"host"``)."""
+        return self.drafts_in_execute and self.placement == "host"
 
     @property
     def drafts_in_execute(self) -> bool:
@@ -151,10 +178,20 @@ class SpeculativeConfig:
                 )
             if not isinstance(self.dtype, str):
                 raise ValueError(f"speculative_config: dtype must be a string, got {self.dtype!r}")
-        elif self.model is not None or self.quantization is not None:
+            if self.placement not in DRAFT_PLACEMENTS:
+                raise ValueError(
+                    f"speculative_config: placement must be one of {', '.join(DRAFT_PLACEMENTS)}"
+                    f" (where the draft model runs), got {self.placement!r}"
+                )
+            if type(self.draft_timeout) not in (int, float) or not 0 < self.draft_timeout <= 600:
+                raise ValueError(
+                    "speculative_config: draft_timeout must be seconds in (0, 600], got "
+                    f"{self.draft_timeout!r}"
+                )
+        elif self.model is not None or self.quantization is not None or self.placement != "engine":
             raise ValueError(
-                f"speculative_config: model and quantization are the draft model's keys; "
-                f"method {self.method!r} takes none (use method 'draft_model')"
+                "speculative_config: model, quantization and placement are the draft model's "
+                f"keys; method {self.method!r} takes none (use method 'draft_model')"
             )
         for name in (
             "num_speculative_tokens",
@@ -227,6 +264,10 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
             fields["draft_tensor_parallel_size"] = 1
         if fields.get("disable_by_batch_size") is None:
             fields["disable_by_batch_size"] = DEFAULT_DISABLE_BY_BATCH_SIZE
+        if fields.get("placement") is None:
+            fields["placement"] = "engine"
+        if fields.get("draft_timeout") is None:
+            fields["draft_timeout"] = DEFAULT_DRAFT_TIMEOUT
         return SpeculativeConfig(**fields)
     given = sorted(set(fields) & set(_DRAFT_KEYS))
     if given:
@@ -359,6 +400,8 @@ class SpeculativeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()
+    #: drafts the draft model failed to deliver (it raised, or its host answered late or died)
+    num_drafts_dropped: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -372,6 +415,7 @@ class SpeculativeStats:
             "spec_num_draft_tokens": self.num_draft_tokens,
             "spec_num_accepted_tokens": self.num_accepted_tokens,
             "spec_accepted_per_position": self.accepted_per_position,
+            "spec_num_drafts_dropped": self.num_drafts_dropped,
         }
 
 
@@ -459,6 +503,7 @@ class Speculator:
         self._num_draft_tokens = 0
         self._num_accepted = 0
         self._per_position = [0] * config.num_speculative_tokens
+        self._num_dropped = 0
 
     def enabled_for(self, num_running: int) -> bool:
         """Whether requests draft at all with ``num_running`` requests running."""
@@ -479,10 +524,17 @@ class Speculator:
         draft = tuple(self.proposer.propose(token_ids, num_tokens))[:num_tokens]
         return draft
 
-    def receive(self, request_ids: Collection[str], drafts: Mapping[str, tuple[int, ...]]) -> None:
+    def receive(
+        self,
+        request_ids: Collection[str],
+        drafts: Mapping[str, tuple[int, ...]],
+        dropped: int = 0,
+    ) -> None:
         """Take execute's drafts for the requests that got tokens in a step (``request_ids``;
         ``draft_model``): each replaces the request's last one, and a request that got tokens
-        and no draft has none (a draft follows the tokens it was made after)."""
+        and no draft has none (a draft follows the tokens it was made after). ``dropped``:
+        the step's drafts the draft model failed to deliver (counted)."""
+        self._num_dropped += dropped
         for request_id in request_ids:
             draft = drafts.get(request_id)
             if draft:
@@ -514,4 +566,5 @@ class Speculator:
             self._num_draft_tokens,
             self._num_accepted,
             tuple(self._per_position),
+            self._num_dropped,
         )

@@ -20,7 +20,7 @@ from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/architecture.md", "docs/parallelism.md")
+DOCS = ("README.md", "docs/architecture.md", "docs/parallelism.md", "docs/speculative.md")
 REFRESH = "PYTHONPATH=. python -m tests.test_diagrams --write"
 
 #: the name a marker gives -> the pipeline it shows
@@ -30,6 +30,16 @@ PIPELINES: dict[str, Callable[[], str]] = {
     "tensor-parallel-2": lambda: llm_pipeline(EngineOptions(tensor_parallel_size=2)).describe(),
     "pipeline-parallel-2": lambda: llm_pipeline(EngineOptions(pipeline_parallel_size=2)).describe(),
     "prefill-decode-1-1": lambda: llm_pipeline(EngineOptions(prefill_decode=(1, 1))).describe(),
+    "draft-host": lambda: llm_pipeline(
+        EngineOptions(
+            speculative_config={
+                "model": "smollm2-135m",
+                "quantization": "gguf",
+                "num_speculative_tokens": 4,
+                "placement": "host",
+            }
+        )
+    ).describe(),
 }
 
 MARKED = re.compile(r"(<!-- describe: ([\w-]+) -->\n```text\n)(.*?)(```)", re.DOTALL)

@@ -38,6 +38,7 @@ PURE_MODULES = (
     "stages.policies",
     "stages.execute.allocator",
     "stages.execute.bookkeeping",
+    "stages.execute.draft_tracker",
     "stages.stop_checker",
     "stages.detokenizer",
     "stages.token_bucket",

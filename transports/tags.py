@@ -73,6 +73,11 @@ WIRE_TAGS: Mapping[str, int] = MappingProxyType(
         "stages.execute.rank_messages.ShardStep": 141,
         "stages.execute.pp_messages.PipelineStep": 142,
         "stages.execute.pp_messages.PipelineLogits": 143,
+        # the draft model placed apart (stages/execute/draft_messages.py)
+        "stages.execute.draft_messages.DraftQuery": 181,
+        "stages.execute.draft_messages.DraftFeed": 182,
+        "stages.execute.draft_messages.DraftProposals": 183,
+        "stages.execute.draft_messages.DraftReady": 184,
         # disaggregated prefill and decode (stages/kv_transfer.py)
         "stages.kv_transfer.KvBlocks": 163,
         # the conformance kit's samples (transports/_kit_samples.py)

@@ -33,6 +33,7 @@ from pipeline.engine.errors import EngineCrashLoopError, EngineDeadError, WrongE
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import (
     ENGINE_HOST,
+    REPLICA_SET,
     check_parallelism,
     llm_pipeline,
     options_of,
@@ -245,7 +246,7 @@ class AsyncEngine:
         self._healer.adopt(running)
         running.add_replica_callback(self._on_replica_lost)
         for callback in self._replica_callbacks:
-            running.add_replica_callback(callback)
+            running.add_replica_callback(_engine_replicas_only(callback))
         # NOTE: last: called at once if this generation has failed already
         running.add_failure_callback(functools.partial(self._on_failure, running))
 
@@ -323,13 +324,16 @@ class AsyncEngine:
         parallelism), in this engine generation and the ones after a restart."""
         self._replica_callbacks.append(callback)
         if self._running is not None:
-            self._running.add_replica_callback(callback)
+            self._running.add_replica_callback(_engine_replicas_only(callback))
 
     @property
     def replicas(self) -> list[ReplicaStatus]:
         """The engine replicas (data parallelism), each with its failure once it is lost;
-        empty with one engine. The engine serves while one replica lives."""
-        return self._running.replicas() if self._running is not None else []
+        empty with one engine. The engine serves while one replica lives. (A draft host
+        placed apart is an expendable replica set of its own, not listed here.)"""
+        if self._running is None:
+            return []
+        return [status for status in self._running.replicas() if status.replica_set == REPLICA_SET]
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -709,6 +713,8 @@ class AsyncEngine:
         self.stats = _summed(tuple(self.replica_stats.values()), stats)
 
     def _on_replica_lost(self, lost: ReplicaLost) -> None:
+        if lost.replica_set != REPLICA_SET:
+            return  # a draft host (its execute stage logs it and decodes on without drafts)
         logger.error(
             "engine replica %s failed (%s: %s); the others serve on",
             lost.replica,
@@ -917,6 +923,7 @@ def _summed(replicas: tuple[EngineStats, ...], latest: EngineStats) -> EngineSta
         spec_num_drafts=sum(s.spec_num_drafts for s in replicas),
         spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in replicas),
         spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in replicas),
+        spec_num_drafts_dropped=sum(s.spec_num_drafts_dropped for s in replicas),
         spec_accepted_per_position=tuple(
             map(
                 sum,
@@ -965,3 +972,16 @@ def _check_parent(parent: object, request_id: str) -> tuple[str, int]:
         field="parent",
         request_id=request_id,
     )
+
+
+def _engine_replicas_only(
+    callback: Callable[[ReplicaLost], None],
+) -> Callable[[ReplicaLost], None]:
+    """``callback`` called for lost engine replicas only (not a draft host placed apart,
+    docs/speculative.md, whose loss costs drafts, not requests)."""
+
+    def call(lost: ReplicaLost) -> None:
+        if lost.replica_set == REPLICA_SET:
+            callback(lost)
+
+    return call

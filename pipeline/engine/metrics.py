@@ -283,6 +283,12 @@ class _SnapshotCollector(Collector):
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted, since start.",
                       stats.spec_num_accepted_tokens if stats else 0)  # fmt: skip
         yield counter(
+            "spec_decode_num_drafts_dropped",
+            "Drafts the draft model failed to deliver (it raised, or its host answered late "
+            "or died), since start.",
+            stats.spec_num_drafts_dropped if stats else 0,
+        )
+        yield counter(
             "engine_restarts",
             "Times a fresh engine replaced one that died or froze (restart_engine).",
             self._metrics.engine.restarts,

@@ -453,6 +453,16 @@ class EngineOptions:
                 "draft model runs beside rank 0 only, not verified with sharded ranks yet "
                 "(docs/speculative.md)"
             )
+        if (
+            self.speculative_config is not None
+            and self.speculative_config.drafts_apart
+            and not self.split_processes
+        ):
+            raise ValueError(
+                "speculative_config placement 'host' runs the draft model in a process of its "
+                "own; transport 'memory' keeps every stage in the calling process (use 'zmq' "
+                "or 'grpc', or placement 'engine')"
+            )
         if self.speculative_config is not None and self.speculative_config.drafts_in_execute:
             # the draft model's own options are execute options: checked as those now
             ExecuteConfig(**fed(self, "execute")).draft_config()

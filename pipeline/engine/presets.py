@@ -168,6 +168,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
             pipeline.add(f"execute{suffix}", ExecuteStage, replica_execute, host=host)
             _add_ranks(pipeline, f"execute{suffix}", execute, host)
             _add_shards(pipeline, f"execute{suffix}", execute, host)
+            _add_drafter(pipeline, f"execute{suffix}", replica_execute, host, suffix)
     pipeline.add("detokenize", DetokenizeStage, DetokenizeConfig(options.model))
     pipeline.add("stop_check", StopCheckStage)
     pipeline.add("parse", ParseStage)
@@ -315,6 +316,38 @@ def _add_ranks(
         pipeline.connect(f"{execute}.ranks", name)
 
 
+def _draft_hosts(engine_host: str, options: EngineOptions) -> tuple[str, ...]:
+    """The draft stage's host beside the engine on ``engine_host``, where the draft model
+    is placed apart (``speculative_config`` ``"placement": "host"``)."""
+    spec = options.speculative_config
+    if spec is None or not spec.drafts_apart or options.null_model:
+        return ()
+    from stages.execute.draft_stage import draft_host
+
+    return (draft_host(engine_host),)
+
+
+def _add_drafter(
+    pipeline: Pipeline, execute: str, config: ExecuteConfig, engine_host: str, suffix: str
+) -> None:
+    """The draft stage of the execute stage ``execute`` where the draft model is placed
+    apart (docs/speculative.md "Where the draft model runs"): on a host of its own, fed by
+    execute's ``draft`` port and its ``info``, answering on execute's ``in``; the host an
+    expendable replica set, so its loss costs drafts, never the pipeline."""
+    spec = config.speculative_config
+    if spec is None or not spec.drafts_apart or engine_host == MAIN_HOST:
+        return  # NOTE: before the import, as _add_ranks
+    from stages.execute.draft_stage import DraftStage, draft_host
+
+    name = f"draft{suffix}"
+    host = draft_host(engine_host)
+    pipeline.add(name, DraftStage, config, host=host)
+    pipeline.connect(f"{execute}.info", name)
+    pipeline.connect(f"{execute}.draft", name)
+    pipeline.connect(f"{name}.out", f"{execute}.in")
+    pipeline.replica_set(name, {"0": (host,)}, expendable=True)
+
+
 def pipeline_parallel_host(engine_host: str, shard: int) -> str:
     """The host of pipeline shard ``shard`` (>= 1) of the engine on ``engine_host``."""
     return f"{engine_host}_pp{shard}"
@@ -391,8 +424,9 @@ def start_options(options: EngineOptions) -> StartOptions:
     """How to start the LLM pipeline for ``options`` (with ``options.on_ray``: every engine
     host a Ray actor, each replica's hosts in one placement group (``ray_placement_strategy``:
     ``STRICT_PACK`` by default, ``PACK`` with pipeline shards), host k of the replica (its
-    engine host, its ranks, its later shards) in bundle k, each bundle :func:`engine_bundle`
-    and the shard's ``ray_shard_resources`` entry; :mod:`pipeline.engine.ray_placement`)."""
+    engine host, its ranks, its later shards, a draft host placed apart last) in bundle k, each
+    bundle :func:`engine_bundle` and the shard's ``ray_shard_resources`` entry (a draft host:
+    the first shard's); :mod:`pipeline.engine.ray_placement`)."""
     transport = options.transport if options.split_processes else "zmq"
     hosts: dict[str, RayHost] = {}
     groups: dict[str, RayPlacementGroup] = {}
@@ -406,8 +440,12 @@ def start_options(options: EngineOptions) -> StartOptions:
             options.pipeline_parallel_size
         )
         for index in range(options.data_parallel_size):
-            shards = _replica_shards(engine + replica_suffix(index), options)
-            replica = [host for host, _ in shards]
+            host = engine + replica_suffix(index)
+            shards = (
+                *_replica_shards(host, options),
+                *((draft, 0) for draft in _draft_hosts(host, options)),
+            )
+            replica = [name for name, _ in shards]
             group = f"replica{index}"
             groups[group] = RayPlacementGroup(
                 tuple(shard_bundle(engine_bundle(options), pins[shard]) for _, shard in shards),

@@ -125,11 +125,15 @@ class Pipeline:
         self._stages[stage] = dataclasses.replace(spec, host=_host(host))
         return self
 
-    def replica_set(self, name: str, replicas: Mapping[str, Sequence[str]]) -> Pipeline:
+    def replica_set(
+        self, name: str, replicas: Mapping[str, Sequence[str]], *, expendable: bool = False
+    ) -> Pipeline:
         """Declare ``replicas`` (each replica's name → the hosts it consists of) one replica
         set: a failure on a replica's hosts is contained, the pipeline fails only once every
-        replica has failed (see :mod:`pipeline.runtime.replicas`). Declaring a set again
-        replaces it. The hosts are checked when the pipeline starts (:meth:`validate`).
+        replica has failed (see :mod:`pipeline.runtime.replicas`), or never where the set is
+        ``expendable`` (the pipeline works on without it: a helper such as a draft model).
+        Declaring a set again replaces it. The hosts are checked when the pipeline starts
+        (:meth:`validate`).
 
         Raises:
             GraphError: an invalid name, no replica, a replica with no host or an invalid
@@ -152,7 +156,7 @@ class Pipeline:
                     raise GraphError(f"host {host!r} is named twice in replica set {name!r}")
                 seen.add(host)
             entries.append((replica, tuple(hosts)))
-        self._replica_sets[name] = ReplicaSet(name, tuple(entries))
+        self._replica_sets[name] = ReplicaSet(name, tuple(entries), expendable)
         return self
 
     # -- editing --------------------------------------------------------------------------------
@@ -316,7 +320,8 @@ class Pipeline:
             replicas = ", ".join(
                 f"{name}: {'+'.join(hosts)}" for name, hosts in replica_set.replicas
             )
-            lines.append(f"  replica set {replica_set.name} ({replicas})")
+            expendable = ", expendable" if replica_set.expendable else ""
+            lines.append(f"  replica set {replica_set.name} ({replicas}){expendable}")
         return "\n".join(lines)
 
     def validate(self) -> None:

@@ -14,7 +14,9 @@ rest of the pipeline (messages still sent to a cut link are dropped), and delive
 that replica had sent it, through :meth:`Stage.on_replica_lost
 <pipeline.runtime.stage.Stage.on_replica_lost>`. Those stages decide what it means for their
 work (the LLM router fails the requests it had sent there and routes around it). The pipeline
-goes on; only when every replica of a set is lost does it fail, with the last replica's error.
+goes on; only when every replica of a set is lost does it fail, with the last replica's error,
+unless the set is *expendable*: hosts the pipeline can work on without (the LLM engine's
+draft model placed apart, docs/speculative.md), whose last replica's loss is contained too.
 Failures while the pipeline starts are never contained: a start fails whole.
 """
 
@@ -29,10 +31,12 @@ __all__ = ["ReplicaLost", "ReplicaRestored", "ReplicaSet", "ReplicaStatus"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplicaSet:
-    """A named set of replicas: ``replicas`` maps each replica's name to its hosts."""
+    """A named set of replicas: ``replicas`` maps each replica's name to its hosts;
+    ``expendable``: losing all of them does not fail the pipeline either."""
 
     name: str
     replicas: tuple[tuple[str, tuple[str, ...]], ...]
+    expendable: bool = False
 
     def hosts(self, replica: str) -> tuple[str, ...]:
         """The hosts of ``replica``.

@@ -18,7 +18,7 @@ that host's process has exited (or exits within :data:`_EXIT_GRACE`) the failure
 Hosts of a replica set (:mod:`pipeline.runtime.replicas`) are the exception: once the
 pipeline has started, a failure attributed to one of them (by the same rules) is contained
 to its replica, which is killed and cut off; the pipeline fails only when every replica of
-the set is lost.
+the set is lost (never, for an expendable set).
 
 Shutdown runs once, in a task of its own that every stop waits for: first gracefully (every
 host stops its stages and closes its links), then, whatever that left (all of it when a stop
@@ -523,7 +523,9 @@ class RunningPipeline:
         hosts = replica_set.hosts(name)
         self._lost[replica] = error
         self._lost_hosts.update(hosts)
-        if all((set_name, other) in self._lost for other in replica_set.names):
+        if not replica_set.expendable and all(
+            (set_name, other) in self._lost for other in replica_set.names
+        ):
             logger.error("pipeline %r: the last replica of %r failed", self.pipeline.name, set_name)
             self._fail(error)
             return

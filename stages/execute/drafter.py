@@ -19,8 +19,13 @@ request the target finishes or preempts is dropped here too (its draft blocks fr
 resumed one is registered again with all its tokens as its prompt.
 
 The drafter's interface is two messages' worth (:class:`DraftQuery` in, proposals out, plus
-the requests to forget), so it could run as a stage of its own; here it runs in-process on
-the execute stage's worker thread (:meth:`Drafter.execute`).
+the requests to forget, :mod:`stages.execute.draft_messages`): with ``placement`` ``"engine"``
+(the default) it runs in-process on the execute stage's worker thread
+(:meth:`Drafter.execute`); with ``"host"`` the draft stage runs it on a host of its own
+(:mod:`stages.execute.draft_stage`) and the execute stage only tracks what to draft
+(:class:`~stages.execute.draft_tracker.DraftTracker`). Either way a drafter that raises
+costs its drafts, never a request: it is logged once and drafts no more
+(``StepResult.drafts_dropped`` counts the requests that went without).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import logging
 from collections.abc import Sequence
 
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
+from stages.execute.draft_messages import DraftQuery
+from stages.execute.draft_tracker import DraftTracker, with_dropped
 from stages.execute.runner import ModelRunner
 from stages.messages import (
     EngineInfo,
@@ -39,7 +46,7 @@ from stages.messages import (
     StepResult,
 )
 from stages.params import SamplingParams
-from stages.speculative import Backoff, SpeculativeConfig, may_draft
+from stages.speculative import SpeculativeConfig
 
 __all__ = ["CATCH_UP_TOKENS", "DraftQuery", "Drafter"]
 
@@ -54,16 +61,6 @@ CATCH_UP_TOKENS = 64
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class DraftQuery:
-    """Draft at most ``num_tokens`` tokens to follow ``token_ids`` (the request's prompt and
-    its outputs so far) of ``request_id``."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    num_tokens: int
-
-
 @dataclasses.dataclass(slots=True)
 class _Drafting:
     """A request as the draft runner holds it: its known tokens there (prompt then outputs,
@@ -75,27 +72,21 @@ class _Drafting:
     confirmed: int = 0
 
 
-@dataclasses.dataclass(slots=True)
-class _Target:
-    """What the drafter keeps of a request the target runs."""
-
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-
-
 class Drafter:
     """The execute stage's draft model (see the module docstring).
 
     Args:
         config: the execute stage's config; its ``speculative_config`` has method
             ``draft_model``.
-        target: the target's runner (loaded), whose request tokens the drafts follow.
+        target: the target's runner (loaded), whose request tokens the drafts follow; None
+            in a draft stage (:mod:`stages.execute.draft_stage`), which is told the target's
+            info (:meth:`load`) and the tokens (:meth:`propose`).
 
     Raises:
         ExecuteConfigError: ``config`` names no draft model.
     """
 
-    def __init__(self, config: ExecuteConfig, target: ModelRunner) -> None:
+    def __init__(self, config: ExecuteConfig, target: ModelRunner | None = None) -> None:
         spec = config.speculative_config
         if spec is None or not spec.drafts_in_execute:
             raise ExecuteConfigError("speculative_config", "names no draft model")
@@ -103,14 +94,16 @@ class Drafter:
         self.config = config
         self.target = target
         self.runner: ModelRunner | None = None
+        self.tracker = DraftTracker(spec)
+        #: why the drafter drafts no more (it raised once), or None
+        self.failure: BaseException | None = None
         self._drafting: dict[str, _Drafting] = {}
-        self._targets: dict[str, _Target] = {}
-        self._backoff = Backoff()
         self._step_id = 0
         self._forgotten: list[str] = []  # dropped here, freed in the draft runner's next step
 
-    def load(self) -> EngineInfo:
-        """Load the draft model with as many KV blocks as the target's.
+    def load(self, target: EngineInfo | None = None) -> EngineInfo:
+        """Load the draft model with as many KV blocks as the target's (``target``: the
+        target's info; by default its runner's).
 
         Returns:
             The draft model's engine info.
@@ -119,7 +112,8 @@ class Drafter:
                 the target's.
             stages.models.ModelError, UnsupportedModelError: as :meth:`ModelRunner.load`.
         """
-        target = self.target.info
+        if target is None and self.target is not None:
+            target = self.target.info
         if target is None:
             raise RuntimeError("the target runner must be loaded before its drafter")
         draft = self.config.draft_config(num_blocks=target.num_blocks)
@@ -143,50 +137,33 @@ class Drafter:
         Returns:
             The target's result with ``draft_token_ids``.
         Raises:
-            As :meth:`ModelRunner.execute` (before any drafting).
+            As :meth:`ModelRunner.execute` (before any drafting; drafting itself never
+            raises, :meth:`after_step`).
         """
+        assert self.target is not None
         result = self.target.execute(step)
         return self.after_step(step, result)
 
     def after_step(self, step: SchedulerStep, result: StepResult) -> StepResult:
-        """Track ``step``'s requests, count its verified drafts for the back-off, and draft
-        for each request that got a token and may draft (:func:`stages.speculative.may_draft`,
-        not backing off, fewer running requests than ``disable_by_batch_size``, tokens left
-        before ``max_tokens``)."""
-        for new in step.new_requests:
-            self._targets[new.request_id] = _Target(new.prompt_token_ids, new.params)
-        for request_id in step.finished:
-            self._targets.pop(request_id, None)
-            self._backoff.forget(request_id)
-        forget = [*step.finished, *step.preempted, *result.preempted]
-        for request_id, accepted in result.accepted_token_ids.items():
-            self._backoff.observe(request_id, len(accepted))
-        queries: list[DraftQuery] = []
-        if len(self._targets) < self.spec.disable_by_batch_size:
-            for request_id in result.request_ids:
-                query = self._query(request_id)
-                if query is not None:
-                    queries.append(query)
-        drafts = self.propose(queries, forget)
+        """Track ``step``'s requests (:class:`~stages.execute.draft_tracker.DraftTracker`)
+        and draft for those that may. A drafter that raises is logged once and drafts no
+        more: the result goes without drafts, ``drafts_dropped`` counting the requests that
+        asked for one."""
+        assert self.target is not None
+        queries, forget = self.tracker.observe(step, result, self.target.output_token_ids)
+        if self.failure is not None:
+            return with_dropped(result, len(queries))
+        try:
+            drafts = self.propose(queries, forget)
+        except Exception as exc:  # NOTE: a drafter bug costs the drafts, never the step
+            self.failure = exc
+            logger.exception(
+                "execute: the draft model failed; decoding goes on without speculation"
+            )
+            return with_dropped(result, len(queries))
         if not drafts:
             return result
         return dataclasses.replace(result, draft_token_ids=drafts)
-
-    def _query(self, request_id: str) -> DraftQuery | None:
-        target = self._targets.get(request_id)
-        if target is None:
-            return None
-        outputs = self.target.output_token_ids(request_id)
-        # NOTE: not with its first token: that goes out without waiting for the draft
-        # model's prefill, which starts with the next step
-        if len(outputs) < 2 or not may_draft(target.params, len(outputs)):
-            return None
-        num_tokens = self.spec.num_speculative_tokens
-        if target.params.max_tokens is not None:
-            num_tokens = min(num_tokens, target.params.max_tokens - len(outputs) - 1)
-        if num_tokens < 1 or self._backoff.skips(request_id):
-            return None
-        return DraftQuery(request_id, (*target.prompt_token_ids, *outputs), num_tokens)
 
     # ----------------------------------------------------------------- the drafter proper
     def propose(

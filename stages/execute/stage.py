@@ -13,7 +13,9 @@ disaggregated prefill and decode: each prompt's :class:`~stages.kv_transfer.KvBl
 computed, to the router; :mod:`stages.execute.kv_blocks`).
 
 With ``speculative_config`` method ``draft_model`` the stage also runs the draft model after
-each step (:mod:`stages.execute.drafter`): the result carries the requests' next drafts.
+each step (:mod:`stages.execute.drafter`): the result carries the requests' next drafts. With
+``"placement": "host"`` the draft model is a stage of its own (:mod:`stages.execute.draft_stage`)
+on port ``draft``, whose proposals come back on ``in`` (:mod:`stages.execute.draft_client`).
 
 With ``tensor_parallel_size`` N > 1 this stage is rank 0 (``docs/architecture.md`` §8): it
 hosts the ranks' rendezvous, loads its shard while they load theirs, and for each step first
@@ -38,9 +40,13 @@ import concurrent.futures
 import dataclasses
 from typing import TYPE_CHECKING
 
+from pipeline.runtime.replicas import ReplicaLost
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
 from stages.execute.crash_notes import note_step
+from stages.execute.draft_client import DRAFT_PORT, DraftClient
+from stages.execute.draft_messages import DraftProposals, DraftReady
+from stages.execute.draft_stage import DRAFT_HOST_SUFFIX
 from stages.execute.pp_messages import PipelineLogits
 from stages.execute.pp_stage import PipelineDriver
 from stages.execute.rank_messages import RENDEZVOUS_HOST
@@ -58,8 +64,8 @@ __all__ = ["RENDEZVOUS_HOST", "ExecuteStage"]
 
 class ExecuteStage(Stage):
     inputs = ("in",)
-    outputs = ("out", "info", "ranks", "pipeline", "kv")
-    optional_outputs = ("ranks", "pipeline", "kv")
+    outputs = ("out", "info", "ranks", "pipeline", "kv", DRAFT_PORT)
+    optional_outputs = ("ranks", "pipeline", "kv", DRAFT_PORT)
 
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)
@@ -67,6 +73,12 @@ class ExecuteStage(Stage):
         self.step_threads: StepThreads | None = None
         #: the draft model, with speculative_config method draft_model (stages.execute.drafter)
         self.drafter: Drafter | None = None
+        #: the draft model placed apart, with "placement": "host" (stages.execute.draft_client)
+        self.draft_client: DraftClient | None = None
+        spec = config.speculative_config
+        if spec is not None and spec.drafts_apart:
+            self.draft_client = DraftClient(self, spec)
+        self._steps_in_flight = 0  # steps its handler runs beside it (pipeline, draft stage)
         self._store: object = None  # rank 0's TCPStore, alive as long as the group
         #: the first shard's side of pipeline-parallel steps (stages.execute.pp_stage)
         self._pipeline: PipelineDriver | None = None
@@ -76,7 +88,7 @@ class ExecuteStage(Stage):
         self._lora_loader: concurrent.futures.ThreadPoolExecutor | None = None
 
     def idle(self) -> bool:
-        return self._pipeline is None or self._pipeline.idle
+        return not self._steps_in_flight and (self._pipeline is None or self._pipeline.idle)
 
     async def start(self) -> None:
         # NOTE: torch and the model stack take seconds to import where nothing preloaded
@@ -109,7 +121,7 @@ class ExecuteStage(Stage):
             with loading():
                 info = runner.load()
                 spec = self.config.speculative_config
-                if spec is not None and spec.drafts_in_execute:
+                if spec is not None and spec.drafts_in_execute and not spec.drafts_apart:
                     from stages.execute.drafter import Drafter
 
                     self.drafter = Drafter(self.config, runner)
@@ -165,15 +177,38 @@ class ExecuteStage(Stage):
 
     @handles(SchedulerStep)
     async def on_step(self, step: SchedulerStep) -> None:
-        if self._pipeline is not None:
-            # NOTE: beside the handlers: the step's logits arrive as a message to this stage
-            # (one step is in flight at a time: the scheduler sends the next on the result)
+        if self._pipeline is not None or self.draft_client is not None:
+            # NOTE: beside the handlers: the step's logits (the draft stage's proposals) arrive
+            # as messages to this stage (one step is in flight at a time: the scheduler sends
+            # the next on the result)
+            self._steps_in_flight += 1
             self.spawn(self._emit_step(step))
             return
         await self.emit("out", await self.execute_step(step))
 
     async def _emit_step(self, step: SchedulerStep) -> None:
-        await self.emit("out", await self.execute_step(step))
+        try:
+            await self.emit("out", await self.execute_step(step))
+        finally:
+            self._steps_in_flight -= 1
+
+    @handles(DraftReady)
+    async def on_draft_ready(self, ready: DraftReady) -> None:
+        if self.draft_client is not None:
+            self.draft_client.on_ready(ready)
+
+    @handles(DraftProposals)
+    async def on_draft_proposals(self, proposals: DraftProposals) -> None:
+        if self.draft_client is not None:
+            self.draft_client.on_proposals(proposals)
+
+    async def on_replica_lost(self, lost: ReplicaLost) -> None:
+        # the draft stage's host (an expendable replica set, pipeline.engine.presets)
+        if self.draft_client is not None and all(
+            host.endswith(DRAFT_HOST_SUFFIX) for host in lost.hosts
+        ):
+            self.draft_client.lost(f"{lost.error_type}: {lost.message}")
+        await super().on_replica_lost(lost)
 
     @handles(PipelineLogits)
     async def on_pipeline_logits(self, logits: PipelineLogits) -> None:
@@ -201,7 +236,10 @@ class ExecuteStage(Stage):
             assert self.step_threads is not None
             # with a draft model the step also drafts the requests' next tokens
             execute = runner.execute if self.drafter is None else self.drafter.execute
-            return await self.run_in_thread(self.step_threads.run, execute, step)
+            result = await self.run_in_thread(self.step_threads.run, execute, step)
+            if self.draft_client is not None:  # the draft stage placed apart drafts
+                result = await self.draft_client.after_step(step, result, runner.output_token_ids)
+            return result
         prepared = await self.run_in_thread(runner.prepare, step)
         if prepared.shard is not None:
             await self.emit("ranks", prepared.shard)

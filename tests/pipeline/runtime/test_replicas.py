@@ -181,6 +181,30 @@ def test_a_stage_failing_on_a_replica_is_contained_until_the_last_replica_fails(
     run(body)
 
 
+def test_the_last_replica_of_an_expendable_set_is_contained_too() -> None:
+    # a helper the pipeline works on without (the LLM engine's draft host): losing all of
+    # it is contained, the stage linked to it is told, and the rest of the pipeline runs on
+    async def body() -> None:
+        pipeline = replicated()
+        pipeline.replica_set("workers", {"a": ("host_a",), "b": ("host_b",)}, expendable=True)
+        assert "replica set workers (a: host_a, b: host_b), expendable" in pipeline.describe()
+        async with await pipeline.start() as running:
+            front = running.stage("front")
+            assert isinstance(front, Front)
+            await running.send("tasks", Task(-1, replica="a"))
+            await receive(running, 1)
+            pid = running.pids["host_b"]
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            while len(front.lost) < 2:  # noqa: ASYNC110 - the stage's own state, polled
+                await asyncio.sleep(0.01)
+            assert running.failure is None
+            assert [status.alive for status in running.replicas()] == [False, False]
+            assert {stats.host for stats in await running.statistics()} == {"main"}
+
+    run(body)
+
+
 def test_emit_to_a_stage_the_port_is_not_linked_to_fails_the_sender() -> None:
     class Misdirect(Stage):
         @handles(Task)

@@ -1,0 +1,306 @@
+"""The draft model placed apart (docs/speculative.md, "Where the draft model runs"): a draft
+stage on a host of its own feeds the target the same drafts as the drafter beside it, so
+greedy outputs stay token-identical and sampling keeps the target's distribution; a draft
+host that dies costs the drafts, never a request; with data parallelism each replica has its
+own draft host. Real processes, the tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline import LLM
+from pipeline.engine.async_engine import AsyncEngine
+from pipeline.engine.options import EngineOptions
+from pipeline.engine.presets import llm_pipeline, start_options
+from stages.params import SamplingParams
+from tests.pipeline.engine.test_speculative import PROMPTS, check_same_distribution, generate_with
+
+GREEDY = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 7, 13, 64)]
+
+
+def _spec(model: Path, k: int = 4, **extra: Any) -> dict[str, Any]:
+    return {
+        "method": "draft_model",
+        "model": str(model),
+        "num_speculative_tokens": k,
+        "disable_by_batch_size": 256,
+        **extra,
+    }
+
+
+def _apart(model: Path, k: int = 4, **extra: Any) -> dict[str, Any]:
+    # a generous bound: the draft host must never miss a step on a loaded machine here
+    return _spec(model, k, placement="host", draft_timeout=60, **extra)
+
+
+def _generate(model: Path, params: Any, **options: Any) -> tuple[list[Any], Any]:
+    with LLM(str(model), transport="zmq", num_blocks=256, **options) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        return outputs, llm.engine.stats
+
+
+def test_the_draft_stage_is_a_node_of_the_pipeline_on_a_host_of_its_own(
+    tiny_model_dir: Path,
+) -> None:
+    options = EngineOptions.create(
+        str(tiny_model_dir), speculative_config=_apart(tiny_model_dir), data_parallel_size=2
+    )
+    text = llm_pipeline(options).describe()
+    assert "stage draft [DraftStage] on engine_draft" in text
+    assert "stage draft_1 [DraftStage] on engine_1_draft" in text
+    for suffix in ("", "_1"):
+        assert f"execute{suffix}.draft -> draft{suffix}.in" in text
+        assert f"execute{suffix}.info -> draft{suffix}.in" in text
+        assert f"draft{suffix}.out -> execute{suffix}.in" in text
+    assert "replica set draft (0: engine_draft), expendable" in text
+    # placed with the engine (the default): no stage of its own
+    beside = EngineOptions.create(str(tiny_model_dir), speculative_config=_spec(tiny_model_dir))
+    assert "DraftStage" not in llm_pipeline(beside).describe()
+
+
+def test_on_ray_the_draft_host_is_its_replicas_last_bundle(tiny_model_dir: Path) -> None:
+    options = EngineOptions.create(
+        str(tiny_model_dir),
+        ray=True,
+        data_parallel_size=2,
+        speculative_config=_apart(tiny_model_dir),
+    )
+    started = start_options(options)
+    for index, engine in enumerate(("engine", "engine_1")):
+        group = f"replica{index}"
+        assert len(started.placement_groups[group].bundles) == 2
+        assert started.hosts[engine].placement_group == group
+        assert started.hosts[engine].bundle_index == 0
+        draft = started.hosts[f"{engine}_draft"]
+        assert (draft.placement_group, draft.bundle_index) == (group, 1)
+
+
+def test_placement_is_checked(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="placement must be one of engine, host"):
+        EngineOptions.create(
+            str(tiny_model_dir), speculative_config=_spec(tiny_model_dir, placement="ray")
+        )
+    with pytest.raises(ValueError, match="transport 'memory' keeps every stage"):
+        EngineOptions.create(
+            str(tiny_model_dir), transport="memory", speculative_config=_apart(tiny_model_dir)
+        )
+    with pytest.raises(ValueError, match="draft_timeout must be seconds"):
+        EngineOptions.create(
+            str(tiny_model_dir), speculative_config=_spec(tiny_model_dir, draft_timeout=0)
+        )
+    with pytest.raises(ValueError, match="draft model's keys"):
+        EngineOptions.create(
+            str(tiny_model_dir),
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "placement": "host",
+            },
+        )
+
+
+@pytest.mark.slow
+def test_greedy_outputs_identical_with_the_draft_model_on_its_own_host(
+    tiny_model_dir: Path,
+) -> None:
+    plain, _ = _generate(tiny_model_dir, GREEDY)
+    apart, stats = _generate(tiny_model_dir, GREEDY, speculative_config=_apart(tiny_model_dir))
+    assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert [o.text for o in apart] == [o.text for o in plain]
+    # the model drafting for itself from another process: every draft token accepted
+    assert stats.spec_num_drafts > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    assert stats.spec_num_drafts_dropped == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sampling_with_the_draft_model_apart_keeps_the_target_distribution(
+    tiny_model_dir: Path,
+) -> None:
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
+    count = 300
+
+    def sampled(**options: Any) -> tuple[list[Any], Any]:
+        with LLM(
+            str(tiny_model_dir), transport="zmq", num_blocks=1024, max_num_seqs=64, **options
+        ) as llm:
+            outputs = llm.generate([{"prompt_token_ids": PROMPTS[1]}] * count, params)
+            return [tuple(o.token_ids) for o in outputs], llm.engine.stats
+
+    plain, _ = sampled()
+    spec, stats = sampled(speculative_config=_apart(tiny_model_dir, 3))
+    check_same_distribution(plain, spec, stats)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_draft_host_leaves_the_requests_decoding_without_speculation(
+    tiny_model_dir: Path,
+) -> None:
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_model_dir), transport="zmq", num_blocks=256) as llm:
+        plain = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+
+    async def run() -> tuple[list[Any], Any, list[Any]]:
+        engine = AsyncEngine(
+            str(tiny_model_dir),
+            transport="zmq",
+            num_blocks=256,
+            speculative_config=_apart(tiny_model_dir),
+        )
+        await engine.start()
+        try:
+            killed = asyncio.Event()
+
+            async def one(index: int) -> Any:
+                final = None
+                count = 0
+                async for output in engine.generate(
+                    {"prompt_token_ids": PROMPTS[index]}, params, request_id=f"r{index}"
+                ):
+                    final = output
+                    count = len(output.token_ids)
+                    if index == 0 and count >= 30 and not killed.is_set():
+                        killed.set()
+                        pid = engine.running.pids["engine_draft"]
+                        assert pid is not None
+                        os.kill(pid, signal.SIGKILL)
+                return final
+
+            outputs = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            assert killed.is_set()
+            # new requests after the loss are served (without drafts)
+            after = [o async for o in engine.generate({"prompt_token_ids": PROMPTS[2]}, params)]
+            return list(outputs), engine.stats, after
+        finally:
+            await engine.close()
+
+    outputs, stats, after = asyncio.run(run())
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert after[-1].token_ids == plain[2].token_ids
+    assert stats.spec_num_drafts > 0  # it drafted before the kill
+    assert stats.spec_num_drafts_dropped > 0  # and went without drafts after it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_each_data_parallel_replica_drafts_with_its_own_draft_host(tiny_model_dir: Path) -> None:
+    plain, _ = _generate(tiny_model_dir, GREEDY)
+    apart, stats = _generate(
+        tiny_model_dir, GREEDY, data_parallel_size=2, speculative_config=_apart(tiny_model_dir)
+    )
+    assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert stats.spec_num_drafts > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    beside, stats = _generate(
+        tiny_model_dir, GREEDY, data_parallel_size=2, speculative_config=_spec(tiny_model_dir)
+    )
+    assert [o.token_ids for o in beside] == [o.token_ids for o in plain]
+    assert stats.spec_num_drafts > 0
+
+
+@pytest.mark.slow
+def test_drafts_that_come_late_are_never_used(tiny_model_dir: Path) -> None:
+    # a bound no answer meets: each step goes on without its drafts, and a late answer is
+    # dropped when it arrives (its drafts follow tokens the target has passed)
+    plain, _ = _generate(tiny_model_dir, GREEDY)
+    late = _spec(tiny_model_dir, placement="host", draft_timeout=1e-4)
+    apart, stats = _generate(tiny_model_dir, GREEDY, speculative_config=late)
+    assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert stats.spec_num_drafts_dropped > 0
+
+
+@pytest.mark.slow
+def test_a_drafter_that_raises_costs_the_drafts_not_the_requests(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the draft model beside the target (one process, transport memory): its third call
+    # that drafts raises; the target decodes on without speculation
+    from stages.execute.drafter import Drafter
+
+    calls = 0
+    propose = Drafter.propose
+
+    def failing(self: Drafter, queries: Any, forget: Any = ()) -> Any:
+        nonlocal calls
+        if queries:
+            calls += 1
+            if calls == 3:
+                raise RuntimeError("a drafter bug")
+        return propose(self, queries, forget)
+
+    monkeypatch.setattr(Drafter, "propose", failing)
+    plain, _ = generate_with(tiny_model_dir, GREEDY, num_blocks=256)
+    spec, stats = generate_with(
+        tiny_model_dir, GREEDY, num_blocks=256, speculative_config=_spec(tiny_model_dir)
+    )
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert calls == 3  # it drafts no more after the failure
+    assert stats.spec_num_drafts > 0
+    assert stats.spec_num_drafts_dropped > 0
+
+
+@pytest.mark.slow
+def test_a_draft_stage_that_cannot_draft_for_the_target_costs_only_the_drafts(
+    tiny_model_dir: Path, tiny_gguf: Path
+) -> None:
+    # a draft model of another vocabulary (512 tokens): beside the target it is refused as
+    # the engine starts; apart, the draft stage says why it cannot draft and the target
+    # decodes on without speculation
+    plain, _ = _generate(tiny_model_dir, GREEDY)
+    apart, stats = _generate(tiny_model_dir, GREEDY, speculative_config=_apart(tiny_gguf))
+    assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert stats.spec_num_drafts == 0
+    assert stats.spec_num_drafts_dropped > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_on_ray_the_draft_host_is_an_actor_whose_death_costs_only_drafts(
+    tiny_model_dir: Path, ray_cluster: object
+) -> None:
+    from tests.pipeline.runtime.test_ray_hosts import pipeline_state, wait_until_gone
+    from tests.pipeline.runtime.test_running import run
+
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    plain, _ = _generate(tiny_model_dir, params)
+
+    async def on_ray() -> None:
+        engine = AsyncEngine(
+            str(tiny_model_dir),
+            num_blocks=256,
+            ray=True,
+            ray_num_cpus=0.5,
+            speculative_config=_apart(tiny_model_dir),
+        )
+        await engine.start()
+        try:
+
+            async def one(prompt: list[int]) -> Any:
+                last = None
+                async for output in engine.generate({"prompt_token_ids": prompt}, params):
+                    last = output
+                return last
+
+            drafted = await asyncio.gather(*(one(p) for p in PROMPTS))
+            assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+            assert engine.stats is not None and engine.stats.spec_num_drafts > 0
+            actors, groups = pipeline_state(ray_cluster, "llm")
+            assert len(actors) == 2 and groups == ["actorline:llm:replica0"]
+            ray_cluster.kill(engine.running.ray_actor("engine_draft"))  # type: ignore[attr-defined]
+            after = await asyncio.gather(*(one(p) for p in PROMPTS))
+            assert [o.token_ids for o in after] == [o.token_ids for o in plain]
+            assert engine.failure is None and engine.replicas == []
+        finally:
+            await engine.close()
+        await wait_until_gone(ray_cluster, "llm")
+
+    run(on_ray, timeout=500)
