@@ -56,7 +56,7 @@ def test_mixed_decode_rows_run_on_the_graph_and_match_merged_hf(
     up) in the same decode steps: every decode step runs on the step graph, and each request
     is greedy-identical to HF with its adapter merged."""
     runner = load_runner(tiny_model_dir, num_blocks=128)
-    prompts = prompts_of((5, 19, 33), seed=17)
+    prompts = prompts_of((5, 19), seed=17)
     requests = [
         EngineRequest(
             f"{name}-{i}",
@@ -79,7 +79,7 @@ def test_mixed_decode_rows_run_on_the_graph_and_match_merged_hf(
             expected = references[name].greedy(prompt, MAX_TOKENS)
             assert report.outputs[f"{name}-{index}"] == expected, (name, index)
     for name in NAMES[1:]:  # the adapters change the tokens
-        assert any(report.outputs[f"{name}-{i}"] != report.outputs[f"base-{i}"] for i in range(3))
+        assert any(report.outputs[f"{name}-{i}"] != report.outputs[f"base-{i}"] for i in range(2))
 
 
 def one_step_three_ways(
