@@ -16,7 +16,8 @@ stacked, its ``B`` the two ``B`` block-diagonal, so one shrink and one expand gi
 :class:`LoRABank` owns the loaded adapters (at most ``max_cpu_loras``; the least recently
 used one not in use is unloaded past it) and the step's row groups, which the runner sets
 around a forward pass with :meth:`LoRABank.rows`. A step with no adapter row leaves every
-wrapper a pass-through (and the CPU step graph, which knows nothing of LoRA, may run it).
+wrapper a pass-through. The CPU step graph runs decode steps with adapter rows too: its native
+code adds the same concatenated deltas after each linear (:mod:`stages.execute.step_graph_lora`).
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ class LoRALinear(torch.nn.Module):
         self.out_features = int(base.out_features)
         self._bank = bank
         if callable(getattr(base, "native_gemm", None)):
-            # NOTE: the base linear's, for the CPU step graph, which runs the steps with no
-            # adapter row (the runner takes the module path for the others)
+            # NOTE: the base linear's, for the CPU step graph, which adds the deltas after
+            # it in native code (stages.execute.step_graph_lora)
             self.native_gemm = base.native_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
@@ -416,6 +417,13 @@ class LoRABank:
         return _Delta(a.contiguous().to(self.device), b.contiguous().to(self.device))
 
     # ---------------------------------------------------------------- steps
+    def segments(self, adapters: Sequence[LoadedAdapter]) -> StepSegments:
+        """The concatenated weights of the set ``adapters`` (in this order), from the cache
+        the module path's steps use (:mod:`stages.execute.lora_segments`): the CPU step graph
+        points its native code at the same tensors (:mod:`stages.execute.step_graph_lora`)."""
+        groups = [LoRARows(adapter, None) for adapter in adapters]
+        return StepSegments(groups, 0, self._concat)
+
     @contextlib.contextmanager
     def rows(self, groups: Sequence[tuple[LoadedAdapter | None, int, int]]) -> Iterator[None]:
         """Serve the forward pass inside with the packed rows ``[start, end)`` of each group

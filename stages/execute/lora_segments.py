@@ -14,7 +14,9 @@ the groups in one call.
 
 The concatenated weights are built once for a set of adapters and kept
 (:class:`ConcatCache`, the last few sets: a batch's adapters change rarely between steps);
-the masks once per step.
+the masks once per step. ``B`` is kept transposed, ``B_cat^T [sum R, out]`` contiguous, the
+layout the CPU step graph's expand reads (:mod:`stages.execute.step_graph_lora` points its
+native code at these very tensors).
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ class StepSegments:
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
 
     def weights(self, key: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
-        """Projection ``key``'s concatenated ``A [sum R, in]``, ``B [out, sum R]`` and each
-        group's rank width (0: its adapter leaves it alone); None where none touches it."""
+        """Projection ``key``'s concatenated ``A [sum R, in]``, ``B^T [sum R, out]`` (both
+        contiguous, kept while the set is) and each group's rank width (0: its adapter leaves
+        it alone); None where none touches it."""
         if key in self._weights:
             return self._weights[key]
         a_parts, b_parts, widths = [], [], []
@@ -83,12 +86,12 @@ class StepSegments:
             widths.append(0 if delta is None else delta.a.shape[0])
             if delta is not None:
                 a_parts.append(delta.a)
-                b_parts.append(delta.b)
+                b_parts.append(delta.b.t())
         entry = None
         if a_parts:
             entry = (
                 torch.cat(a_parts, dim=0).contiguous(),
-                torch.cat(b_parts, dim=1).contiguous(),
+                torch.cat(b_parts, dim=0).contiguous(),
                 tuple(widths),
             )
         self._weights[key] = entry
@@ -116,9 +119,9 @@ class StepSegments:
         entry = self.weights(key)
         if entry is None:
             return None
-        a, b, widths = entry
-        a, b = a.to(x.dtype), b.to(x.dtype)
-        return ((x @ a.t()) * self._mask(widths, x)) @ b.t()
+        a, bt, widths = entry
+        a, bt = a.to(x.dtype), bt.to(x.dtype)
+        return ((x @ a.t()) * self._mask(widths, x)) @ bt
 
     def add_delta(self, key: Any, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the delta of projection ``key`` for the packed rows ``x [T, in]`` to ``out
@@ -128,9 +131,9 @@ class StepSegments:
         entry = self.weights(key)
         if entry is None:
             return
-        a, b, widths = entry
+        a, bt, widths = entry
         if a.dtype != x.dtype:
-            a, b = a.to(x.dtype), b.to(x.dtype)
+            a, bt = a.to(x.dtype), bt.to(x.dtype)
         shrunk = torch.mm(x, a.t()).mul_(self._mask(widths, x))  # [T, sum R]
-        target = out if b.shape[0] == out.shape[1] else out[:, : b.shape[0]]
-        target.addmm_(shrunk, b.t())
+        target = out if bt.shape[1] == out.shape[1] else out[:, : bt.shape[1]]
+        target.addmm_(shrunk, bt)

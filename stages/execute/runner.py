@@ -111,6 +111,7 @@ from stages.execute.step_graph import (
     check_step_graph,
     plan_rows,
 )
+from stages.execute.step_graph_lora import StepGraphLoRA, lora_tables, step_lora
 from stages.execute.tensor_parallel import (
     Rendezvous,
     ShardStep,
@@ -266,6 +267,7 @@ class ModelRunner:
         self._window: int | None = None  # bounds every layer: blocks behind it are freed
         self._decode_graphs: Any = None  # stages.execute.cuda_graphs.DecodeGraphs
         self._step_graph: StepGraph | None = None  # CPU decode steps in one native call
+        self._step_graph_lora: StepGraphLoRA | None = None  # and their LoRA deltas
         self._pooler = Pooler(config.pooling_type, config.pooling_normalize)
         self.lora: LoRABank | None = None  # the adapters served, with enable_lora
         #: run every step of short chunks as decode rows on the step graph, prompt chunks too
@@ -479,6 +481,7 @@ class ModelRunner:
                 kv_dtype=self.kv_dtype,
             )  # fmt: skip
         self._step_graph = self._make_step_graph(layers, verify=expected is not None)
+        self._step_graph_lora = lora_tables(self.lora, self._step_graph)
         # NOTE: a refused step graph records nothing: the next load checks everything again
         # rather than trusting a plan it would build unchecked.
         if expected is not None and (self._step_graph is not None or not self._wants_step_graph):
@@ -690,8 +693,11 @@ class ModelRunner:
             verified = draft_rows(
                 [(w.packed_end, len(drafts[w.request.request_id])) for w in drafted]
             )
-            # NOTE: the step graph and decode graphs know nothing of LoRA (stages.execute.lora)
-            module_path = bool(pooled) or any(work.request.lora is not None for work in works)
+            # NOTE: the decode graphs know nothing of LoRA; the step graph adds the deltas
+            # where it serves them (stages.execute.step_graph_lora)
+            module_path = bool(pooled) or (
+                self._step_graph_lora is None and any(w.request.lora is not None for w in works)
+            )
             with capture_hidden_states(self.model, enabled=bool(pooled)) as hidden:
                 logits = prepared.logits
                 if logits is None:
@@ -910,7 +916,10 @@ class ModelRunner:
                 t for w, t in zip(order, block_tables, strict=True) for _ in range(w.end - w.start)
             ]
             kept_rows = [w.packed_end - 1 for w in sampling] + list(extra_rows)
-            return step_graph.run(tokens, row_positions, row_tables, kept_rows)  # [S + E, V]
+            lora = step_lora(
+                self._step_graph_lora, [(w.request.lora, w.end - w.start) for w in order]
+            )
+            return step_graph.run(tokens, row_positions, row_tables, kept_rows, lora)  # [S + E, V]
         if (
             not module_path
             and not extra_rows
@@ -924,6 +933,7 @@ class ModelRunner:
                 [w.start for w in decode],
                 block_tables,
                 [rows[id(w)] for w in sampling],
+                step_lora(self._step_graph_lora, [(w.request.lora, 1) for w in decode]),
             )  # [S, V]
 
         graphs = self._decode_graphs
@@ -931,6 +941,7 @@ class ModelRunner:
             not module_path
             and not extra_rows
             and num_decode == len(order)
+            and all(w.request.lora is None for w in order)
             and graphs is not None
             and graphs.can_run(len(decode), decode[-1].end)
         ):

@@ -76,11 +76,13 @@ _HEADS_ENTRY_POINTS = {
 }
 
 __all__ = [
+    "LORA_SLOTS",
     "MAX_ROWS",
     "STEP_GRAPH_SOURCE",
     "StepGraph",
     "StepGraphLibrary",
     "StepGraphUnsupported",
+    "StepLoRA",
     "check_step_graph",
     "plan_rows",
     "step_graph_library",
@@ -136,7 +138,26 @@ class _Plan(ctypes.Structure):
         ("final_norm", _p), ("head", _Gemm), ("layers", _p),
         *((name, _p) for name in _INPUTS),
         *((name, _p) for name in _WORKSPACES),
+        ("lora", _p), ("lora_rows", _p), ("lora_rank", _i64),
     ]  # fmt: skip
+
+
+#: a layer's linears in the order of step_graph.c's LoRA entries (SG_Q .. SG_DOWN)
+LORA_SLOTS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepLoRA:
+    """A decode step's LoRA deltas for :meth:`StepGraph.run` (made by
+    :mod:`stages.execute.step_graph_lora`): ``table``, the address of ``len(LORA_SLOTS)``
+    ``sg_lora`` entries a layer (``step_graph.c``), alive while the caller holds ``keep``;
+    ``rank``, the largest rank of an entry; ``groups``, each row's adapter group (-1: the
+    base model)."""
+
+    table: int
+    rank: int
+    groups: tuple[int, ...]
+    keep: object
 
 
 class StepGraphUnsupported(Exception):
@@ -253,6 +274,7 @@ class StepGraph:
         self._logits = torch.empty(0)
         self._hidden = torch.empty(0)
         self._embed: torch.nn.Module | None = None  # embeddings the C code cannot read
+        self._lora_rows = np.zeros(0, dtype=np.int64)  # each row's adapter group, with LoRA
 
     @classmethod
     def build(
@@ -388,7 +410,28 @@ class StepGraph:
                              dtype=np.int64)  # fmt: skip
             graph._inputs[name] = array
             setattr(plan, name, array.ctypes.data)
+        graph._lora_rows = np.full(max_rows, -1, dtype=np.int64)
+        plan.lora_rows = graph._lora_rows.ctypes.data
         return graph
+
+    def linear_shape(self, layer: int, slot: str) -> tuple[int, int] | None:
+        """``(k, n)`` of layer ``layer``'s linear ``slot`` (one of :data:`LORA_SLOTS`; ``gate``:
+        the fused gate/up projection where ``up`` is None), None where the plan has none.
+
+        Raises:
+            IndexError: no such layer.
+        """
+        if not 0 <= layer < self._plan.num_layers:
+            raise IndexError(f"the plan has {self._plan.num_layers} layers, not {layer + 1}")
+        entry = getattr(ctypes.cast(self._plan.layers, ctypes.POINTER(_Layer))[layer], slot)
+        return (int(entry.k), int(entry.n)) if entry.function else None
+
+    @property
+    def serves_lora(self) -> bool:
+        """Whether LoRA deltas can be added after every linear: not where a gate/up
+        projection runs with its SiLU-and-mul epilogue (a delta would have to go in before
+        the SiLU; a bank wraps gate/up, so a plan of a LoRA model never records one)."""
+        return self.silu_epilogues == 0
 
     @property
     def threaded(self) -> bool:
@@ -459,16 +502,20 @@ class StepGraph:
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         keep: Sequence[int],
+        lora: StepLoRA | None = None,
     ) -> torch.Tensor:
         """One decode step: row ``r`` computes token ``token_ids[r]`` at ``positions[r]`` with
-        its K/V in the blocks of ``block_tables[r]`` (attending every position up to it).
+        its K/V in the blocks of ``block_tables[r]`` (attending every position up to it);
+        ``lora``: the rows' LoRA deltas (:mod:`stages.execute.step_graph_lora`), added after
+        each linear they target.
 
         Returns:
             ``[len(keep), V]`` logits of rows ``keep`` (a new tensor).
 
         Raises:
-            ValueError: more rows than the plan's, a block table too wide, or a token,
-                position or slot out of range (nothing of the cache was written then).
+            ValueError: more rows than the plan's, a block table too wide, a LoRA group per
+                row missing, or a token, position, slot or group out of range (nothing of
+                the cache was written then).
             NativeKernelError: a kernel refused its arguments midway.
         """
         rows = len(positions)
@@ -488,14 +535,27 @@ class StepGraph:
                 table[position // block_size] * block_size + position % block_size
             )
             inputs["context_lens"][row] = position + 1
+        plan = self._plan
+        if lora is None:
+            plan.lora, plan.lora_rank = None, 0
+        else:
+            if len(lora.groups) != rows:
+                raise ValueError(f"{len(lora.groups)} LoRA groups for {rows} rows")
+            if not self.serves_lora:
+                raise ValueError("this plan fuses SiLU into gate/up: it serves no LoRA delta")
+            self._lora_rows[:rows] = lora.groups
+            plan.lora, plan.lora_rank = lora.table, lora.rank
         if self._embed is not None:
             with torch.inference_mode():
                 rows_in = self._embed(torch.tensor(token_ids, dtype=torch.long).unsqueeze(0))[0]
             self._hidden[:rows].copy_(rows_in)
         assert self._library is not None
-        status = self._library.actorline_step_graph(
-            ctypes.addressof(self._plan), rows, len(keep), torch.get_num_threads()
-        )
+        try:
+            status = self._library.actorline_step_graph(
+                ctypes.addressof(plan), rows, len(keep), torch.get_num_threads()
+            )
+        finally:
+            plan.lora = None  # the table lives while the caller holds it: not past the step
         self.steps += 1
         if status == 2:
             raise ValueError(

@@ -88,6 +88,19 @@ typedef struct {
     int64_t n, k;
 } sg_gemm;
 
+/* A linear's LoRA deltas for a step's set of adapters (stages/execute/step_graph_lora.py):
+ * the adapters' A concatenated along the rank, a [rank, k], and their B likewise, transposed
+ * and scaled, bt [rank, out] (the same tensors the module path's lora_segments.py multiplies);
+ * adapter group g owns the rank columns [offsets[g], offsets[g + 1]) (empty: it leaves this
+ * linear alone). a NULL: no adapter of the set touches the linear. */
+typedef struct {
+    const float *a, *bt;
+    const int64_t *offsets;
+    int64_t rank, out;
+} sg_lora;
+
+enum { SG_Q, SG_K, SG_V, SG_O, SG_GATE, SG_UP, SG_DOWN, SG_TARGETS };
+
 typedef struct {
     const float *norm1, *norm2;
     float eps1, eps2;
@@ -132,6 +145,12 @@ typedef struct {
     /* workspaces, max_rows rows each (row widths: the producing GEMM's n) */
     float *h, *xn, *q, *kb, *vb, *attn_out, *o, *gate_buf, *up_buf, *gate_up, *act, *down;
     float *cos, *sin, *kept, *logits;
+    /* LoRA (NULL: a step of base rows): SG_TARGETS entries a layer, and each row's adapter
+     * group (-1: the base model); lora_rank: the largest rank of an entry (the shrink
+     * buffers' width) */
+    const sg_lora *lora;
+    const int64_t *lora_rows;
+    int64_t lora_rank;
 } sg_plan;
 
 int actorline_step_graph_abi(void) { return (int)sizeof(sg_plan) * 1000 + (int)sizeof(sg_layer); }
@@ -146,6 +165,65 @@ static void residual(float *restrict h, const float *restrict add, int64_t rows,
                      int64_t add_stride) {
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < hidden; ++j) h[r * hidden + j] += add[r * add_stride + j];
+}
+
+/* The LoRA entry of layer ``index``'s linear ``target``, or NULL (no adapter touches it). */
+static inline const sg_lora *lora_of(const sg_plan *p, int64_t index, int target) {
+    if (p->lora == NULL) return NULL;
+    const sg_lora *l = p->lora + index * SG_TARGETS + target;
+    return l->a != NULL && l->rank > 0 ? l : NULL;
+}
+
+/* x[:k] . a[:k], in 16 independent partial sums (vectorised without reassociation flags). */
+static inline float dot(const float *restrict x, const float *restrict a, int64_t k) {
+    float part[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16)
+        for (int u = 0; u < 16; ++u) part[u] += x[j + u] * a[j + u];
+    float total = 0.0f;
+    for (; j < k; ++j) total += x[j] * a[j];
+    for (int u = 0; u < 16; ++u) total += part[u];
+    return total;
+}
+
+/* The LoRA shrink: s[r, t] = x[r] . a[t] over each row's own group's rank columns (rows of
+ * the base model: nothing), s's rows l->rank apart. */
+static void lora_shrink(const sg_plan *p, const sg_lora *l, const float *x, int64_t x_stride,
+                        int64_t rows, int64_t k, float *s) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t g = p->lora_rows[r];
+        if (g < 0) continue;
+        for (int64_t t = l->offsets[g]; t < l->offsets[g + 1]; ++t)
+            s[r * l->rank + t] = dot(x + r * x_stride, l->a + t * k, k);
+    }
+}
+
+/* The LoRA expand over columns [first, last) (cut at the adapters' width): y[r, j] +=
+ * s[r, t] * bt[t, j] over each row's group's rank columns. */
+static void lora_expand(const sg_plan *p, const sg_lora *l, const float *s, int64_t rows,
+                        float *y, int64_t y_stride, int64_t first, int64_t last) {
+    if (last > l->out) last = l->out;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t g = p->lora_rows[r];
+        if (g < 0) continue;
+        float *restrict out = y + r * y_stride;
+        for (int64_t t = l->offsets[g]; t < l->offsets[g + 1]; ++t) {
+            const float v = s[r * l->rank + t];
+            const float *restrict b = l->bt + t * l->out;
+            for (int64_t j = first; j < last; ++j) out[j] += v * b[j];
+        }
+    }
+}
+
+/* The whole LoRA delta of layer index's target on every column (the per-op form), s a buffer
+ * of max_rows * lora_rank floats. */
+static void lora_add(const sg_plan *p, int64_t index, int target, const float *x,
+                     int64_t x_stride, int64_t rows, int64_t k, float *y, int64_t y_stride,
+                     float *s) {
+    const sg_lora *l = lora_of(p, index, target);
+    if (l == NULL) return;
+    lora_shrink(p, l, x, x_stride, rows, k, s);
+    lora_expand(p, l, s, rows, y, y_stride, 0, l->out);
 }
 
 /* fp32 -> bf16, rounding to nearest even (NaN: the quiet NaN 0x7fc0), as torch's
@@ -187,7 +265,8 @@ static void write_kv_heads(const sg_plan *p, const sg_layer *L, int64_t rows, co
 }
 
 /* The layers one op at a time, each kernel with its own OpenMP region. Returns 0 or 3. */
-static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads) {
+/* s: a LoRA shrink buffer of max_rows * lora_rank floats (NULL without LoRA). */
+static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads, float *s) {
     const int64_t H = p->hidden, D = p->head_dim;
     for (int64_t index = 0; index < p->num_layers; ++index) {
         const sg_layer *L = p->layers + index;
@@ -195,6 +274,9 @@ static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads
         if (gemm(&L->q, p->xn, rows, p->q, threads) || gemm(&L->k, p->xn, rows, p->kb, threads) ||
             gemm(&L->v, p->xn, rows, p->vb, threads))
             return 3;
+        lora_add(p, index, SG_Q, p->xn, H, rows, L->q.k, p->q, L->q.n, s);
+        lora_add(p, index, SG_K, p->xn, H, rows, L->k.k, p->kb, L->k.n, s);
+        lora_add(p, index, SG_V, p->xn, H, rows, L->v.k, p->vb, L->v.n, s);
         p->rope(p->q, L->q.n, (int)p->heads, p->kb, L->k.n, (int)p->kv_heads, rows, (int)D, p->cos,
                 p->sin, threads);
         write_kv_heads(p, L, rows, p->kb, L->k.n, p->vb, L->v.n, 0, p->kv_heads);
@@ -204,11 +286,13 @@ static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads
                     p->num_cache_blocks, p->scale, threads, 0, 0.0f, NULL))
             return 3;
         if (gemm(&L->o, p->attn_out, rows, p->o, threads)) return 3;
+        lora_add(p, index, SG_O, p->attn_out, p->heads * D, rows, L->o.k, p->o, L->o.n, s);
         residual(p->h, p->o, rows, H, L->o.n);
         p->rms(p->h, H, L->norm2, p->xn, rows, H, L->eps2, threads);
         const int64_t I = p->inter;
         const float *gate_up = p->gate_up;
         if (L->silu != NULL) { /* the gate/up GEMM with its SiLU-and-mul epilogue */
+            if (lora_of(p, index, SG_GATE) != NULL) return 3; /* no delta before the epilogue */
             if (((gemm_fn)L->silu)(p->xn, rows, L->gate.k, L->gate.weights, (int)L->gate.format,
                                    L->gate.bias, L->gate.n, p->act, threads))
                 return 3;
@@ -216,6 +300,7 @@ static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads
         }
         if (L->up.function == NULL) { /* one gate/up GEMM */
             if (gemm(&L->gate, p->xn, rows, p->gate_buf, threads)) return 3;
+            lora_add(p, index, SG_GATE, p->xn, H, rows, L->gate.k, p->gate_buf, L->gate.n, s);
             if (L->gate.n == 2 * I)
                 gate_up = p->gate_buf;
             else
@@ -225,6 +310,8 @@ static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads
             if (gemm(&L->gate, p->xn, rows, p->gate_buf, threads) ||
                 gemm(&L->up, p->xn, rows, p->up_buf, threads))
                 return 3;
+            lora_add(p, index, SG_GATE, p->xn, H, rows, L->gate.k, p->gate_buf, L->gate.n, s);
+            lora_add(p, index, SG_UP, p->xn, H, rows, L->up.k, p->up_buf, L->up.n, s);
             for (int64_t r = 0; r < rows; ++r) {
                 memcpy(p->gate_up + r * 2 * I, p->gate_buf + r * L->gate.n, sizeof(float) * I);
                 memcpy(p->gate_up + r * 2 * I + I, p->up_buf + r * L->up.n, sizeof(float) * I);
@@ -233,6 +320,7 @@ static int step_per_op(const sg_plan *p, int64_t rows, int64_t keep, int threads
         p->silu(gate_up, rows, I, p->act, threads);
     down:
         if (gemm(&L->down, p->act, rows, p->down, threads)) return 3;
+        lora_add(p, index, SG_DOWN, p->act, I, rows, L->down.k, p->down, L->down.n, s);
         residual(p->h, p->down, rows, H, L->down.n);
     }
     if (keep == 0) return 0;
@@ -422,8 +510,11 @@ static void step_threaded(const sg_plan *p, int64_t rows, int64_t keep, int thre
     const int64_t q_units = (heads + per_unit - 1) / per_unit;
     const int64_t kv_units = (kv_heads + per_unit - 1) / per_unit;
     const int64_t head_units = q_units + 2 * kv_units;
-    float *xn = thread_floats((size_t)(p->max_rows * H));
+    const int64_t lora_floats = p->lora != NULL ? p->max_rows * p->lora_rank : 0;
+    float *xn = thread_floats((size_t)(p->max_rows * H + 3 * lora_floats));
     if (xn == NULL) return;
+    /* the thread's LoRA shrinks of the phase's linears (every thread all rows, as the norm) */
+    float *s0 = xn + p->max_rows * H, *s1 = s0 + lora_floats, *s2 = s1 + lora_floats;
     int error = 0;
     sg_last last = {NULL, NULL};
     sg_phase *ph = phases;
@@ -434,17 +525,27 @@ static void step_threaded(const sg_plan *p, int64_t rows, int64_t keep, int thre
         chunks = chunk_count(head_units, threads);
         if (phase_open(ph, phases, chunks, before, &last)) {
             p->rms_rows(p->h, H, L->norm1, xn, H, rows, H, L->eps1);
+            const sg_lora *lq = lora_of(p, index, SG_Q), *lk = lora_of(p, index, SG_K);
+            const sg_lora *lv = lora_of(p, index, SG_V);
+            if (lq != NULL) lora_shrink(p, lq, xn, H, rows, L->q.k, s0);
+            if (lk != NULL) lora_shrink(p, lk, xn, H, rows, L->k.k, s1);
+            if (lv != NULL) lora_shrink(p, lv, xn, H, rows, L->v.k, s2);
             for (int64_t c; (c = claim(ph)) < chunks; finish(ph, chunks)) {
                 const span units = share(head_units, (int)c, (int)chunks);
                 const span q_heads = head_range(units, 0, heads, per_unit);
                 const span k_heads = head_range(units, q_units, kv_heads, per_unit);
                 const span v_heads = head_range(units, q_units + kv_units, kv_heads, per_unit);
-                error |= part(&L->q, xn, rows, p->q, head_columns(q_heads, heads, D, L->q.n),
-                              &last);
-                error |= part(&L->k, xn, rows, p->kb, head_columns(k_heads, kv_heads, D, L->k.n),
-                              &last);
-                error |= part(&L->v, xn, rows, p->vb, head_columns(v_heads, kv_heads, D, L->v.n),
-                              &last);
+                const span q_cols = head_columns(q_heads, heads, D, L->q.n);
+                const span k_cols = head_columns(k_heads, kv_heads, D, L->k.n);
+                const span v_cols = head_columns(v_heads, kv_heads, D, L->v.n);
+                error |= part(&L->q, xn, rows, p->q, q_cols, &last);
+                error |= part(&L->k, xn, rows, p->kb, k_cols, &last);
+                error |= part(&L->v, xn, rows, p->vb, v_cols, &last);
+                if (lq != NULL) lora_expand(p, lq, s0, rows, p->q, L->q.n, q_cols.first, q_cols.last);
+                if (lk != NULL)
+                    lora_expand(p, lk, s1, rows, p->kb, L->k.n, k_cols.first, k_cols.last);
+                if (lv != NULL)
+                    lora_expand(p, lv, s2, rows, p->vb, L->v.n, v_cols.first, v_cols.last);
                 for (int64_t r = 0; r < rows; ++r) {
                     const float *cos = p->cos + r * D, *sin = p->sin + r * D;
                     if (q_heads.last > q_heads.first)
@@ -484,17 +585,25 @@ static void step_threaded(const sg_plan *p, int64_t rows, int64_t keep, int thre
         /* 3: o_proj and the residual */
         const int64_t o_units = (L->o.n + UNIT - 1) / UNIT;
         chunks = chunk_count(o_units, threads);
-        if (phase_open(ph, phases, chunks, before, &last))
+        if (phase_open(ph, phases, chunks, before, &last)) {
+            const sg_lora *lo = lora_of(p, index, SG_O);
+            if (lo != NULL) lora_shrink(p, lo, p->attn_out, heads * D, rows, L->o.k, s0);
             for (int64_t c; (c = claim(ph)) < chunks; finish(ph, chunks)) {
                 const span cols = columns(L->o.n, (int)c, (int)chunks);
                 error |= part(&L->o, p->attn_out, rows, p->o, cols, &last);
+                if (lo != NULL) lora_expand(p, lo, s0, rows, p->o, L->o.n, cols.first, cols.last);
                 residual_cols(p->h, p->o, rows, H, L->o.n, cols);
             }
+        }
         before = chunks, ++ph;
         /* 4: norm, gate/up and SiLU-and-mul, by gate columns */
         chunks = chunk_count((I + UNIT - 1) / UNIT, threads);
         if (phase_open(ph, phases, chunks, before, &last)) {
             p->rms_rows(p->h, H, L->norm2, xn, H, rows, H, L->eps2);
+            const sg_lora *lg = lora_of(p, index, SG_GATE), *lu = lora_of(p, index, SG_UP);
+            if (lg != NULL) lora_shrink(p, lg, xn, H, rows, L->gate.k, s0);
+            if (lu != NULL) lora_shrink(p, lu, xn, H, rows, L->up.k, s1);
+            if (lg != NULL && L->silu_part != NULL) error = 1; /* no delta before the epilogue */
             for (int64_t c; (c = claim(ph)) < chunks; finish(ph, chunks)) {
                 const span cols = columns(I, (int)c, (int)chunks);
                 const int at_end = cols.last == I;
@@ -507,12 +616,24 @@ static void step_threaded(const sg_plan *p, int64_t rows, int64_t keep, int thre
                     const span up_cols = {I + cols.first, at_end ? L->gate.n : I + cols.last};
                     error |= part(&L->gate, xn, rows, p->gate_buf, cols, &last);
                     error |= part(&L->gate, xn, rows, p->gate_buf, up_cols, &last);
+                    if (lg != NULL) {
+                        lora_expand(p, lg, s0, rows, p->gate_buf, L->gate.n, cols.first,
+                                    cols.last);
+                        lora_expand(p, lg, s0, rows, p->gate_buf, L->gate.n, up_cols.first,
+                                    up_cols.last);
+                    }
                     up = p->gate_buf + I;
                 } else {
                     const span g_cols = {cols.first, at_end ? L->gate.n : cols.last};
                     const span u_cols = {cols.first, at_end ? L->up.n : cols.last};
                     error |= part(&L->gate, xn, rows, p->gate_buf, g_cols, &last);
                     error |= part(&L->up, xn, rows, p->up_buf, u_cols, &last);
+                    if (lg != NULL)
+                        lora_expand(p, lg, s0, rows, p->gate_buf, L->gate.n, g_cols.first,
+                                    g_cols.last);
+                    if (lu != NULL)
+                        lora_expand(p, lu, s1, rows, p->up_buf, L->up.n, u_cols.first,
+                                    u_cols.last);
                     up = p->up_buf;
                 }
                 p->silu_cols(p->gate_buf, up, L->gate.n, p->act, I, rows, I, cols.first,
@@ -523,12 +644,17 @@ static void step_threaded(const sg_plan *p, int64_t rows, int64_t keep, int thre
         /* 5: down_proj and the residual */
         const int64_t down_units = (L->down.n + UNIT - 1) / UNIT;
         chunks = chunk_count(down_units, threads);
-        if (phase_open(ph, phases, chunks, before, &last))
+        if (phase_open(ph, phases, chunks, before, &last)) {
+            const sg_lora *ld = lora_of(p, index, SG_DOWN);
+            if (ld != NULL) lora_shrink(p, ld, p->act, I, rows, L->down.k, s0);
             for (int64_t c; (c = claim(ph)) < chunks; finish(ph, chunks)) {
                 const span cols = columns(L->down.n, (int)c, (int)chunks);
                 error |= part(&L->down, p->act, rows, p->down, cols, &last);
+                if (ld != NULL)
+                    lora_expand(p, ld, s0, rows, p->down, L->down.n, cols.first, cols.last);
                 residual_cols(p->h, p->down, rows, H, L->down.n, cols);
             }
+        }
         before = chunks, ++ph;
     }
     if (keep > 0) {
@@ -587,7 +713,20 @@ int actorline_step_graph(const sg_plan *p, int64_t rows, int64_t keep, int threa
         memcpy(p->cos + r * D, p->cos_table + p->positions[r] * D, sizeof(float) * D);
         memcpy(p->sin + r * D, p->sin_table + p->positions[r] * D, sizeof(float) * D);
     }
-    if (!p->threaded) return step_per_op(p, rows, keep, threads);
+    if (p->lora != NULL) { /* every row's group, and the entries' rank columns, in range */
+        if (p->lora_rows == NULL || p->lora_rank < 1) return 2;
+        for (int64_t r = 0; r < rows; ++r)
+            if (p->lora_rows[r] < -1 || p->lora_rows[r] >= p->max_rows) return 2;
+    }
+    if (!p->threaded) {
+        float *s = NULL;
+        if (p->lora != NULL &&
+            (s = (float *)malloc(sizeof(float) * (size_t)(p->max_rows * p->lora_rank))) == NULL)
+            return 3;
+        const int status = step_per_op(p, rows, keep, threads, s);
+        free(s);
+        return status;
+    }
     if (p->num_layers < 1) return 2;
     const int64_t count = 5 * p->num_layers + (keep > 0);
     sg_phase *phases = (sg_phase *)aligned_alloc(64, sizeof(sg_phase) * (size_t)count);

@@ -25,7 +25,16 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("lora")
+    return three_adapters(tiny_model_dir, tmp_path_factory.mktemp("lora"))
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir: Path, adapters: dict[str, Path]) -> dict[str, HFReference]:
+    return merged_references(tiny_model_dir, adapters)
+
+
+def three_adapters(tiny_model_dir: Path, root: Path) -> dict[str, Path]:
+    """Three adapters of the tiny model under ``root``, each beside its merged model."""
     return {
         "a1": make_adapter(tiny_model_dir, root / "a1", seed=1),
         # attention only, rsLoRA scaling: the fused gate/up takes no delta
@@ -42,8 +51,8 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     }
 
 
-@pytest.fixture(scope="module")
-def references(tiny_model_dir: Path, adapters: dict[str, Path]) -> dict[str, HFReference]:
+def merged_references(tiny_model_dir: Path, adapters: dict[str, Path]) -> dict[str, HFReference]:
+    """HF on the base model and on each adapter merged."""
     refs = {"base": HFReference(tiny_model_dir)}
     for name, path in adapters.items():
         refs[name] = HFReference(Path(f"{path}-merged"))
