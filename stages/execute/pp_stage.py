@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -31,9 +32,11 @@ from stages.messages import SchedulerStep, StepResult
 from stages.models import loading
 
 if TYPE_CHECKING:
-    from stages.execute.runner import ModelRunner
+    from stages.execute.runner import ModelRunner, PreparedStep
 
 __all__ = ["PipelineDriver", "PipelineShardConfig", "PipelineShardStage"]
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,17 +100,23 @@ class PipelineShardStage(Stage):
 
 
 class PipelineDriver:
-    """The first shard's side of pipeline-parallel steps (see the module docstring): one
-    step in flight at a time (the scheduler keeps one), its logits awaited by step id."""
+    """The first shard's side of pipeline-parallel steps (see the module docstring). Several
+    steps may be in flight (micro-batches, :mod:`stages.steps_in_flight`): each is prepared,
+    run through the first shard's layers and sent on in the order its call came (the
+    shards run them in that order), its logits awaited by step id, and its result counted
+    with the last step prepared by then (``StepResult.prepared_through``)."""
 
     def __init__(self, stage: Stage, timeout: float) -> None:
         self._stage = stage
         self._timeout = timeout
         self._pending: dict[int, asyncio.Future[PipelineLogits]] = {}
+        # a step's prepare, first layers and send, one step at a time, in call order
+        self._order = asyncio.Lock()
+        self._prepared_through = -1  # set on the stage's worker thread
 
     @property
     def idle(self) -> bool:
-        return not self._pending
+        return not self._pending and not self._order.locked()
 
     def answer(self, logits: PipelineLogits) -> None:
         """The last shard's logits arrived (late ones, of a step given up on, are dropped)."""
@@ -118,7 +127,9 @@ class PipelineDriver:
     async def execute(self, runner: ModelRunner, step: SchedulerStep) -> StepResult:
         """Run ``step`` over the shards: bookkeeping and the first layers here, the rest on
         the other shards, sampling here. The result's ``communication_seconds`` is the round
-        trip less the other shards' compute: transfer and queueing.
+        trip less the other shards' compute: transfer and queueing (behind the other steps
+        in flight too); ``shard_seconds`` each shard's busy seconds in the step (the first's
+        bookkeeping and sampling included).
 
         Raises:
             PipelineParallelError: the logits did not come back within the timeout.
@@ -127,36 +138,72 @@ class PipelineDriver:
         from stages.execute.pipeline_parallel import forward_layers, pipeline_keep
 
         stage = self._stage
-        prepared = await stage.run_in_thread(runner.prepare, step)
-        shard = prepared.shard
+        clock = time.perf_counter
+        async with self._order:
+            began = clock()
+            prepared, first = await stage.run_in_thread(_timed, self._prepare, runner, step)
+            shard = prepared.shard
+            if shard is not None:
+                keep = np.asarray(pipeline_keep(prepared), dtype=np.int64)
+                hidden, seconds = await stage.run_in_thread(
+                    _timed, forward_layers, runner, shard, None, None
+                )
+                first += seconds
+                future: asyncio.Future[PipelineLogits] = asyncio.get_running_loop().create_future()
+                self._pending[shard.step_id] = future
+                try:
+                    await stage.emit("pipeline", PipelineStep(shard, hidden, keep, (first,)))
+                except BaseException:
+                    self._pending.pop(shard.step_id, None)
+                    raise
         if shard is None:  # nothing computes: frees and preemptions only
-            return await stage.run_in_thread(runner.run, prepared)
-        keep = np.asarray(pipeline_keep(prepared), dtype=np.int64)
-        began = time.perf_counter()
-        hidden = await stage.run_in_thread(forward_layers, runner, shard, None, None)
-        first = time.perf_counter() - began
-        future: asyncio.Future[PipelineLogits] = asyncio.get_running_loop().create_future()
-        self._pending[shard.step_id] = future
+            return await stage.run_in_thread(self._run, runner, prepared)
         try:
-            await stage.emit("pipeline", PipelineStep(shard, hidden, keep, (first,)))
-            try:
-                answer = await asyncio.wait_for(future, self._timeout)
-            except TimeoutError:
-                raise PipelineParallelError(
-                    f"pipeline-parallel step {shard.step_id}: the last shard sent no logits "
-                    f"within pipeline_parallel_timeout ({self._timeout:g} s); a shard hangs"
-                ) from None
+            answer = await asyncio.wait_for(future, self._timeout)
+        except TimeoutError:
+            raise PipelineParallelError(
+                f"pipeline-parallel step {shard.step_id}: the last shard sent no logits "
+                f"within pipeline_parallel_timeout ({self._timeout:g} s); a shard hangs"
+            ) from None
         finally:
             self._pending.pop(shard.step_id, None)
-        round_trip = time.perf_counter() - began
-        prepared.logits = await stage.run_in_thread(_as_tensor, runner, answer.logits)
-        result = await stage.run_in_thread(runner.run, prepared)
-        compute = sum(answer.compute_seconds)
+        round_trip = clock() - began
+        result, sampling = await stage.run_in_thread(
+            _timed, self._sample, runner, prepared, answer.logits
+        )
+        compute = answer.compute_seconds
         return dataclasses.replace(
             result,
             forward_seconds=result.forward_seconds + round_trip,
-            communication_seconds=max(0.0, round_trip - compute),
+            communication_seconds=max(0.0, round_trip - sum(compute)),
+            shard_seconds=(compute[0] + sampling, *compute[1:]) if compute else (),
         )
+
+    def _prepare(self, runner: ModelRunner, step: SchedulerStep) -> PreparedStep:
+        """:meth:`ModelRunner.prepare` on the worker thread, noting the step prepared."""
+        prepared = runner.prepare(step)
+        self._prepared_through = step.step_id
+        return prepared
+
+    def _sample(
+        self, runner: ModelRunner, prepared: PreparedStep, logits: np.ndarray
+    ) -> StepResult:
+        """The step's logits sampled (:meth:`_run`)."""
+        prepared.logits = _as_tensor(runner, logits)
+        return self._run(runner, prepared)
+
+    def _run(self, runner: ModelRunner, prepared: PreparedStep) -> StepResult:
+        """:meth:`ModelRunner.run` on the worker thread; its free-block count is with the
+        steps up to ``prepared_through`` allocated (the worker thread runs one at a time)."""
+        result = runner.run(prepared)
+        return dataclasses.replace(result, prepared_through=self._prepared_through)
+
+
+def _timed(function: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``function(*args)`` and the seconds it took (on the worker thread: its own time, not
+    the wait for the thread)."""
+    began = time.perf_counter()
+    return function(*args), time.perf_counter() - began
 
 
 def _as_tensor(runner: ModelRunner, logits: np.ndarray) -> Any:

@@ -170,7 +170,7 @@ class ExecuteStage(Stage):
     async def on_step(self, step: SchedulerStep) -> None:
         if self._pipeline is not None:
             # NOTE: beside the handlers: the step's logits arrive as a message to this stage
-            # (one step is in flight at a time: the scheduler sends the next on the result)
+            # (several steps may be in flight: stages.steps_in_flight)
             self.spawn(self._emit_step(step))
             return
         await self.emit("out", await self.execute_step(step))
