@@ -34,7 +34,7 @@ from stages.models import loading
 if TYPE_CHECKING:
     from stages.execute.runner import ModelRunner, PreparedStep
 
-__all__ = ["PipelineDriver", "PipelineShardConfig", "PipelineShardStage"]
+__all__ = ["PipelineDriver", "PipelineShardConfig", "PipelineShardStage", "hop_seconds"]
 
 T = TypeVar("T")
 
@@ -63,6 +63,7 @@ class PipelineShardStage(Stage):
     def __init__(self, config: PipelineShardConfig) -> None:
         super().__init__(config)
         self.runner: ModelRunner | None = None
+        self._idle_since = 0.0  # when this shard finished its last step (time.time())
 
     @property
     def last(self) -> bool:
@@ -90,13 +91,19 @@ class PipelineShardStage(Stage):
         from stages.execute.pipeline_parallel import forward_layers
 
         keep = step.keep if self.last else None
+        transfer = step.transfer_seconds + hop_seconds(step.sent_at, self._idle_since)
         began = time.perf_counter()
         output = await self.run_in_thread(forward_layers, runner, step.shard, step.hidden, keep)
         seconds = (*step.compute_seconds, time.perf_counter() - began)
+        self._idle_since = sent_at = time.time()
         if self.last:
-            await self.emit("out", PipelineLogits(step.shard.step_id, output, seconds))
+            await self.emit(
+                "out", PipelineLogits(step.shard.step_id, output, seconds, sent_at, transfer)
+            )
         else:
-            await self.emit("out", PipelineStep(step.shard, output, step.keep, seconds))
+            await self.emit(
+                "out", PipelineStep(step.shard, output, step.keep, seconds, sent_at, transfer)
+            )
 
 
 class PipelineDriver:
@@ -110,6 +117,7 @@ class PipelineDriver:
         self._stage = stage
         self._timeout = timeout
         self._pending: dict[int, asyncio.Future[PipelineLogits]] = {}
+        self._received: dict[int, float] = {}  # when each step's logits arrived
         # a step's prepare, first layers and send, one step at a time, in call order
         self._order = asyncio.Lock()
         self._prepared_through = -1  # set on the stage's worker thread
@@ -122,14 +130,15 @@ class PipelineDriver:
         """The last shard's logits arrived (late ones, of a step given up on, are dropped)."""
         future = self._pending.get(logits.step_id)
         if future is not None and not future.done():
+            self._received[logits.step_id] = time.time()
             future.set_result(logits)
 
     async def execute(self, runner: ModelRunner, step: SchedulerStep) -> StepResult:
         """Run ``step`` over the shards: bookkeeping and the first layers here, the rest on
-        the other shards, sampling here. The result's ``communication_seconds`` is the round
-        trip less the other shards' compute: transfer and queueing (behind the other steps
-        in flight too); ``shard_seconds`` each shard's busy seconds in the step (the first's
-        bookkeeping and sampling included).
+        the other shards, sampling here. The result's ``communication_seconds`` is the
+        step's transfer: over each hop, the seconds its receiver sat waiting for the message
+        (:func:`hop_seconds`); ``shard_seconds`` each shard's busy seconds in the step (the
+        first's bookkeeping and sampling included).
 
         Raises:
             PipelineParallelError: the logits did not come back within the timeout.
@@ -152,7 +161,8 @@ class PipelineDriver:
                 future: asyncio.Future[PipelineLogits] = asyncio.get_running_loop().create_future()
                 self._pending[shard.step_id] = future
                 try:
-                    await stage.emit("pipeline", PipelineStep(shard, hidden, keep, (first,)))
+                    sent = PipelineStep(shard, hidden, keep, (first,), time.time())
+                    await stage.emit("pipeline", sent)
                 except BaseException:
                     self._pending.pop(shard.step_id, None)
                     raise
@@ -167,15 +177,19 @@ class PipelineDriver:
             ) from None
         finally:
             self._pending.pop(shard.step_id, None)
+            received = self._received.pop(shard.step_id, 0.0)
         round_trip = clock() - began
         result, sampling = await stage.run_in_thread(
             _timed, self._sample, runner, prepared, answer.logits
         )
         compute = answer.compute_seconds
+        # NOTE: the first shard's loop takes the logits in at once (its compute is on its
+        # worker thread), so the last hop is all transfer
+        transfer = answer.transfer_seconds + hop_seconds(answer.sent_at, 0.0, received)
         return dataclasses.replace(
             result,
             forward_seconds=result.forward_seconds + round_trip,
-            communication_seconds=max(0.0, round_trip - sum(compute)),
+            communication_seconds=transfer,
             shard_seconds=(compute[0] + sampling, *compute[1:]) if compute else (),
         )
 
@@ -197,6 +211,16 @@ class PipelineDriver:
         steps up to ``prepared_through`` allocated (the worker thread runs one at a time)."""
         result = runner.run(prepared)
         return dataclasses.replace(result, prepared_through=self._prepared_through)
+
+
+def hop_seconds(sent_at: float, idle_since: float, received: float | None = None) -> float:
+    """The part of one hop between shards that kept the receiver waiting: from when the
+    message was sent, or when the receiver finished its previous step if later (until then
+    it was busy: the message's transfer overlapped its compute), to when it was taken in
+    (``received``, by default now). Wall-clock stamps of two processes: on one host the same
+    clock; across hosts their skew shows too (a negative hop counts 0)."""
+    now = time.time() if received is None else received
+    return max(0.0, now - max(sent_at, idle_since))
 
 
 def _timed(function: Callable[..., T], *args: Any) -> tuple[T, float]:
