@@ -200,12 +200,16 @@ def test_the_engine_refuses_an_indivisible_split_before_spawning_anything(
     [
         dict(pipeline_parallel_size=2),
         dict(pipeline_parallel_size=3),
-        # transformers' model class (the others run actorline's own, stages.execute.llama)
-        dict(pipeline_parallel_size=3, pipeline_parallel_split="1,2,3", model_impl="transformers"),
+        # transformers' model class (the others run actorline's own, stages.execute.llama),
         # one step in flight: the shards compute in turn
-        dict(pipeline_parallel_size=2, pipeline_parallel_micro_batches=1),
+        dict(
+            pipeline_parallel_size=3,
+            pipeline_parallel_split="1,2,3",
+            model_impl="transformers",
+            pipeline_parallel_micro_batches=1,
+        ),
     ],
-    ids=["pp2", "pp3", "pp3-uneven-transformers", "pp2-one-step"],
+    ids=["pp2", "pp3", "pp3-uneven-transformers-one-step"],
 )
 def test_tiny_model_gives_the_greedy_tokens_of_one_engine(
     tiny6_model_dir: Path, options: dict[str, Any]
@@ -213,12 +217,16 @@ def test_tiny_model_gives_the_greedy_tokens_of_one_engine(
     model = str(tiny6_model_dir)
     impl = {"model_impl": options["model_impl"]} if "model_impl" in options else {}
     expected, _ = run(outputs_of(model, num_blocks=512, **impl))
-    # a cache too small for all of them at once: requests are preempted and recomputed
+    # a cache too small for all of them at once: requests wait for blocks, or (with one
+    # step in flight; with several only when none is, stages/steps_in_flight.py) are
+    # preempted and recomputed
     got, stats = run(outputs_of(model, num_blocks=14, **options))
     assert got == expected
-    assert stats.num_preemptions > 0
+    if options.get("pipeline_parallel_micro_batches") == 1:
+        assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
     assert stats.communication_seconds > 0  # the hops' transfer and queueing, measured
+    assert len(stats.shard_busy_seconds) == options["pipeline_parallel_size"]
 
 
 @pytest.mark.slow
@@ -248,7 +256,7 @@ def test_steps_in_flight_over_messages_give_the_greedy_tokens_of_one_engine(
     pipeline = llm_pipeline(options).place("execute", "model")
     got, stats = run(outputs_of(model, pipeline=pipeline))
     assert got == expected
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.prefix_cache_hits > 0
     assert len(stats.shard_busy_seconds) == 3 and all(s > 0 for s in stats.shard_busy_seconds)
 
 
