@@ -30,6 +30,7 @@ from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.pp_split import check_pipeline_parallel, layer_ranges
+from stages.execute.pp_stage import hop_seconds
 from tests.conftest import TINY_LLAMA
 from tests.processes import child_processes, process_alive
 
@@ -156,6 +157,13 @@ def test_options_refuse_what_pipeline_parallelism_does_not_combine_with_yet() ->
         EngineOptions(pipeline_parallel_micro_batches=2)
     with pytest.raises(ValueError, match="pipeline_parallel_micro_batches must be an integer"):
         EngineOptions(pipeline_parallel_size=2, pipeline_parallel_micro_batches=0)
+
+
+def test_a_hop_counts_only_the_seconds_its_receiver_waited() -> None:
+    assert hop_seconds(10.0, 0.0, 10.5) == pytest.approx(0.5)  # the receiver was idle
+    assert hop_seconds(10.0, 10.4, 10.5) == pytest.approx(0.1)  # busy until 10.4
+    assert hop_seconds(10.0, 0.0, 9.5) == 0.0  # another host's clock runs ahead
+    assert hop_seconds(time.time() - 60, 0.0) >= 60  # now, by default
 
 
 def test_micro_batches_default_to_the_pipeline_size_in_the_scheduler() -> None:
