@@ -286,7 +286,7 @@ class EngineOptions:
     pipeline_parallel_micro_batches: int | None = option(
         None, help="pipeline steps in flight at once, over disjoint requests, so the shards "
         "compute together (None: pipeline_parallel_size; 1: one step at a time)",
-        kind="int>=1", group=_PARALLEL,
+        kind="int>=1", feeds=("execute",), group=_PARALLEL,
     )  # fmt: skip
     data_parallel_size: int = option(
         1, help="run this many engine replicas behind a router stage", kind="int>=1",

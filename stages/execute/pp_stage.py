@@ -34,7 +34,13 @@ from stages.models import loading
 if TYPE_CHECKING:
     from stages.execute.runner import ModelRunner, PreparedStep
 
-__all__ = ["PipelineDriver", "PipelineShardConfig", "PipelineShardStage", "hop_seconds"]
+__all__ = [
+    "PipelineDriver",
+    "PipelineShardConfig",
+    "PipelineShardStage",
+    "hop_seconds",
+    "shard_threads",
+]
 
 T = TypeVar("T")
 
@@ -78,6 +84,11 @@ class PipelineShardStage(Stage):
             from stages.execute.runner import ModelRunner
 
             runner = ModelRunner(self.config.execute, shard=self.config.shard)
+            threads = shard_threads(self.config.execute)
+            if threads is not None:
+                import torch
+
+                torch.set_num_threads(threads)  # this worker thread's, where steps run
             with loading():
                 runner.load()
             return runner
@@ -211,6 +222,20 @@ class PipelineDriver:
         steps up to ``prepared_through`` allocated (the worker thread runs one at a time)."""
         result = runner.run(prepared)
         return dataclasses.replace(result, prepared_through=self._prepared_through)
+
+
+def shard_threads(config: ExecuteConfig) -> int | None:
+    """The torch threads of each shard's worker thread: with several steps in flight the
+    shards compute at once, so each takes an even share of this machine's cores (as tensor
+    parallelism's ranks do); None (torch's default, every core) with one step in flight,
+    where they compute in turn, or without pipeline parallelism."""
+    size = config.pipeline_parallel_size
+    steps = config.pipeline_parallel_micro_batches or size
+    if size == 1 or steps == 1:
+        return None
+    from stages.execute.tensor_parallel import threads_per_rank
+
+    return threads_per_rank(size)
 
 
 def hop_seconds(sent_at: float, idle_since: float, received: float | None = None) -> float:

@@ -42,7 +42,7 @@ from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
 from stages.execute.crash_notes import note_step
 from stages.execute.pp_messages import PipelineLogits
-from stages.execute.pp_stage import PipelineDriver
+from stages.execute.pp_stage import PipelineDriver, shard_threads
 from stages.lora import LoRAAdapterError, LoRARequest
 from stages.messages import EngineInfo, SchedulerStep, StepResult
 from stages.models import loading
@@ -109,6 +109,8 @@ class ExecuteStage(Stage):
         def load() -> EngineInfo:
             if size > 1:
                 torch.set_num_threads(threads_per_rank(size))
+            elif (threads := shard_threads(self.config)) is not None:  # PP micro-batches
+                torch.set_num_threads(threads)
             with loading():
                 info = runner.load()
                 spec = self.config.speculative_config
