@@ -17,7 +17,8 @@ schedule and execute in one engine host) it calls the stage's :meth:`execute_ste
 runs; where it runs elsewhere (another host or process, or a user's execute stage
 without :meth:`execute_step`) the step goes out on the ``execute`` port and
 :meth:`update` runs when the :class:`~stages.messages.StepResult` comes back. Either way one
-step is in flight at a time, and requests, aborts and compiled grammars are taken in while it
+step is in flight at a time (several with pipeline parallelism's micro-batches:
+:mod:`stages.micro_batches`), and requests, aborts and compiled grammars are taken in while it
 runs. Flow after vLLM v1 (``vllm/v1/engine/core.py``: ``EngineCore.step``) and nano-vllm
 (``nanovllm/engine/llm_engine.py``: ``LLMEngine.step``).
 """

@@ -292,6 +292,10 @@ class SchedulerStep:
     preempted: tuple[str, ...] = ()
     grammar_request_ids: tuple[str, ...] = ()
     grammar_bitmask: np.ndarray | None = None
+    # whether execute's prefix cache may serve a chunk past its end with free blocks no chunk
+    # of this step needs (False with several steps in flight: the later ones were planned on
+    # those blocks; stages.steps_in_flight)
+    spare_blocks: bool = True
 
 
 @message()
@@ -363,6 +367,10 @@ class StepResult:
     accepted_token_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     draft_token_ids: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     drafts_dropped: int = 0
+    # pipeline micro-batches (stages.steps_in_flight): the last step execute had prepared
+    # when it counted free_blocks (-1: this one), and each shard's busy seconds in this step
+    prepared_through: int = -1
+    shard_seconds: tuple[float, ...] = ()
 
 
 @message()
@@ -398,6 +406,8 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
     spec_num_drafts_dropped: int = 0
+    # each pipeline shard's busy seconds since start (stages.steps_in_flight; () with one)
+    shard_busy_seconds: tuple[float, ...] = ()
 
 
 @message()

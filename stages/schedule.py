@@ -32,7 +32,8 @@ admit, schedule and execute in one engine host), a loop in this stage runs
 :meth:`EngineCore.step`'s plan, execute and update with it, directly
 (:meth:`~pipeline.runtime.stage.Stage.call`: counted as execute's work, its failure
 execute's); otherwise each step goes out on ``execute`` and its StepResult comes back on
-``result``. Either way exactly one step is in flight, and requests, aborts and compiled
+``result``. Either way one step is in flight (up to ``max_steps_in_flight`` with pipeline
+parallelism's micro-batches: :mod:`stages.micro_batches`), and requests, aborts and compiled
 grammars are taken in while it runs. On both paths the next step is started *before* the
 outputs go to the frontend, so their sending (and detokenize and stop-check on a shared host)
 overlaps the next forward pass.
@@ -59,6 +60,7 @@ from stages.messages import (
     SchedulerStep,
     StepResult,
 )
+from stages.micro_batches import run_steps_in_flight
 from stages.policies import load_policy
 from stages.recovery import rejection
 from stages.scheduler import Scheduler, SchedulerConfig
@@ -149,7 +151,11 @@ class ScheduleStage(Stage):
         self._info_known.set()
         if self._execute is not None and not self._running:
             self._running = self._stepping = True
-            self.spawn(self._run_steps(self._execute))
+            limit = self.config.scheduler.max_steps_in_flight
+            if limit > 1:  # pipeline parallelism's micro-batches (stages.micro_batches)
+                self.spawn(self._run_steps_in_flight(self._execute, limit))
+            else:
+                self.spawn(self._run_steps(self._execute))
         await self._dispatch_step()
 
     @handles(EngineRequest)
@@ -252,6 +258,24 @@ class ScheduleStage(Stage):
             done = core.update(result, plan)
             # this stage's part of the step (plan, update, sending), as a handler counts it
             self.record_work(working + clock() - began)
+
+    async def _run_steps_in_flight(self, execute: Execute, limit: int) -> None:
+        """:func:`~stages.micro_batches.run_steps_in_flight` over this stage's core."""
+        assert self.core is not None
+
+        def stepping(busy: bool) -> None:
+            self._stepping = busy
+
+        await run_steps_in_flight(
+            self.core,
+            execute,
+            limit,
+            tasks=self._steps,
+            wake=self._wake,
+            publish=self._publish,
+            record_work=self.record_work,
+            stepping=stepping,
+        )
 
     async def _publish(self, update: StepUpdate) -> None:
         """Send a step's outputs to the frontend, its failed requests' errors, its stats."""
@@ -372,11 +396,10 @@ class ScheduleStage(Stage):
             self._wake.set()
             return
         assert self.core is not None
-        plan = self.core.plan()
-        if plan is None:
-            return
-        await self.emit("execute", plan.step)
-        await self._reject(plan.rejected)
+        # NOTE: with max_steps_in_flight > 1 several go out; the scheduler says when not
+        while (plan := self.core.plan()) is not None:
+            await self.emit("execute", plan.step)
+            await self._reject(plan.rejected)
 
     def idle(self) -> bool:
         if self._compiling or self._stepping:

@@ -59,6 +59,7 @@ from stages.messages import (
 )
 from stages.policies import SchedulingPolicy, StepObservation
 from stages.speculative import SpeculativeConfig, Speculator, accepted_drafts, may_draft
+from stages.steps_in_flight import fair_share, free_after, sum_shard_seconds
 from stages.validation import resolve_max_tokens
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerError"]
@@ -84,7 +85,9 @@ class SchedulerConfig:
     ``max_loras``: distinct LoRA adapters among the running requests (so in any one step); a
     waiting request of another adapter waits until one is free (docs/lora.md; None: no bound).
     ``speculative_config``: draft tokens for decoding requests (None: no speculative decoding;
-    docs/speculative.md).
+    docs/speculative.md). ``max_steps_in_flight``: steps planned before the oldest one's
+    result returns, over disjoint requests (pipeline parallelism's micro-batches:
+    docs/parallelism.md; 1: plan, wait for the result, plan again).
 
     Raises:
         ValueError: a limit is not a positive integer.
@@ -96,9 +99,10 @@ class SchedulerConfig:
     replica: str = ""
     max_loras: int | None = None
     speculative_config: SpeculativeConfig | None = None
+    max_steps_in_flight: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("max_num_seqs", "max_num_batched_tokens"):
+        for field in ("max_num_seqs", "max_num_batched_tokens", "max_steps_in_flight"):
             value = getattr(self, field)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
@@ -166,13 +170,15 @@ class _RequestState:
 
 @dataclasses.dataclass(slots=True)
 class _InFlight:
-    """The step sent to execute and not yet answered."""
+    """A step sent to execute and not yet answered."""
 
     step: SchedulerStep
     started: float
     states: dict[str, _RequestState]  # every request with a chunk in the step
     sampling: set[str]  # requests whose chunk reaches the end of their known tokens
     decoding: set[str]  # requests whose chunk is a single decode token (and its draft)
+    #: the free blocks its plan took, net of the blocks its frees credited (may be < 0)
+    net_blocks: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -185,6 +191,8 @@ class _Plan:
     preempted: list[str] = dataclasses.field(default_factory=list)
     # Blocks freed in this plan were credited below what comes free (shared ones).
     free_is_lower_bound: bool = False
+    # Requests the step may still take (its share of them with several steps in flight).
+    seqs_left: int = 1 << 62
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -196,8 +204,10 @@ class Scheduler:
 
     Use: :meth:`set_engine_info` once execute is ready, :meth:`add_request` /
     :meth:`abort` as messages arrive, then alternate :meth:`schedule` (send the step to
-    execute) and :meth:`update` (with execute's :class:`StepResult`). Exactly one step is in
-    flight at a time. ``clock`` (seconds, monotonic) stamps arrivals and times steps.
+    execute) and :meth:`update` (with execute's :class:`StepResult`). At most
+    ``config.max_steps_in_flight`` steps are in flight (one by default); with more, see
+    :mod:`stages.steps_in_flight` for the rules that keep the mirror exact. ``clock``
+    (seconds, monotonic) stamps arrivals and times steps.
     """
 
     def __init__(
@@ -222,7 +232,9 @@ class Scheduler:
         # Requests that ended without ever reaching execute (prompt does not fit): reported
         # in the next update().
         self._unrunnable: list[_RequestState] = []
-        self._in_flight: _InFlight | None = None
+        # the steps in flight, oldest first, and the step each in-flight request's chunk is in
+        self._in_flight: dict[int, _InFlight] = {}
+        self._busy: dict[str, int] = {}
         self._next_step_id = 0
         self._arrivals = 0
         self._num_preemptions = 0
@@ -233,6 +245,7 @@ class Scheduler:
         self._last_forward_seconds = 0.0
         self._last_step_tokens = 0
         self._communication_seconds = 0.0
+        self._shard_busy_seconds: tuple[float, ...] = ()
         self._execute_threads = 0
         speculative = config.speculative_config
         self._speculator = None if speculative is None else Speculator(speculative)
@@ -312,7 +325,12 @@ class Scheduler:
     @property
     def in_flight(self) -> bool:
         """A step was scheduled and its result has not arrived yet."""
-        return self._in_flight is not None
+        return bool(self._in_flight)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps scheduled whose results have not arrived yet."""
+        return len(self._in_flight)
 
     def has_work(self) -> bool:
         """Whether there is something to send to execute (once no step is in flight)."""
@@ -321,11 +339,12 @@ class Scheduler:
         return bool(self._waiting or self._running or self._pending_finish or self._unrunnable)
 
     def sampling_request_ids(self) -> list[str]:
-        """The requests whose chunk in the step in flight samples a token (it reaches the end
-        of their known tokens), in the step's chunk order; empty when no step is in flight."""
-        in_flight = self._in_flight
-        if in_flight is None:
+        """The requests whose chunk in the newest step in flight samples a token (it reaches
+        the end of their known tokens), in the step's chunk order; empty when no step is in
+        flight."""
+        if not self._in_flight:
             return []
+        in_flight = self._in_flight[next(reversed(self._in_flight))]
         return [c.request_id for c in in_flight.step.chunks if c.request_id in in_flight.sampling]
 
     def num_output_tokens(self, request_id: str) -> int:
@@ -366,6 +385,7 @@ class Scheduler:
             replica=self.config.replica,
             step_tokens=self._last_step_tokens,
             execute_threads=self._execute_threads,
+            shard_busy_seconds=self._shard_busy_seconds,
             **({} if self._speculator is None else self._speculator.stats().engine_stats()),
         )
 
@@ -397,7 +417,9 @@ class Scheduler:
     def _finish(self, state: _RequestState) -> None:
         """Retire ``state`` (done or aborted) and queue the free of its execute state."""
         state.status = _Status.DONE
-        if state.sent_to_execute:
+        # NOTE: a request whose chunk is in flight is freed after its result (update()):
+        # execute samples it then, and frees it only in a step planned after that
+        if state.sent_to_execute and self._busy.get(state.request_id) is None:
             self._pending_finish.append(state)
         if self._speculator is not None:
             self._speculator.forget(state.request_id)
@@ -424,9 +446,13 @@ class Scheduler:
         finished (all it holds but those another request also held at the last step; the
         credit is then a lower bound) and take them from ``state``."""
         shared = self._shared_blocks.get(state.request_id, 0)
-        plan.free_blocks += state.num_blocks - shared
-        if shared:
+        if self._in_flight:
+            # NOTE: nothing with steps in flight: a step execute has not prepared yet may
+            # share these blocks (stages.steps_in_flight); execute's count will show them
             plan.free_is_lower_bound = True
+        else:
+            plan.free_blocks += state.num_blocks - shared
+            plan.free_is_lower_bound |= shared > 0
         state.num_blocks = 0
 
     def _chunk_size(self, state: _RequestState, budget: int) -> int:
@@ -447,10 +473,10 @@ class Scheduler:
         ordered = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         ordered += [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
         for state in ordered:
-            if plan.budget == 0:
+            if plan.budget == 0 or plan.seqs_left == 0:
                 break
-            if state.status is not _Status.RUNNING:
-                continue  # preempted earlier in this plan
+            if state.status is not _Status.RUNNING or state.request_id in self._busy:
+                continue  # preempted earlier in this plan, or its chunk is in flight
             wanted = self._chunk_size(state, plan.budget)
             draft = self._draft(state, plan) if wanted == 1 else ()
             wanted += len(draft)
@@ -462,6 +488,8 @@ class Scheduler:
                 size = min(wanted, fits - state.num_computed_tokens)
                 if size >= 1:
                     break
+                if self._in_flight:
+                    break  # no preemption with steps in flight: it waits for their results
                 victim = self._select_victim()
                 if victim is state and plan.free_is_lower_bound:
                     break  # sit this step out (size < 1)
@@ -508,6 +536,7 @@ class Scheduler:
         assert needed <= plan.free_blocks, "planned more blocks than free"
         plan.free_blocks -= needed
         plan.budget -= size
+        plan.seqs_left -= 1
         plan.chunks[state.request_id] = ScheduledChunk(state.request_id, start, size, draft)
         state.num_blocks += needed
         state.num_computed_tokens = start + size
@@ -544,6 +573,10 @@ class Scheduler:
         for state in self._ordered_waiting():
             if plan.budget == 0 or len(self._running) >= self.config.max_num_seqs:
                 break
+            if plan.seqs_left == 0:
+                break
+            if state.request_id in self._busy:
+                continue  # an aborted request of this id is still in flight
             if adapters is not None and not adapters.admits(state.request.lora):
                 continue  # its adapter would exceed max_loras: it waits (as vLLM's scheduler)
             if state.num_prompt_tokens >= limit:
@@ -586,11 +619,15 @@ class Scheduler:
         Raises:
             SchedulerError: the policy answered with requests it was not given.
         """
-        if self._in_flight is not None or self._info is None:
+        if len(self._in_flight) >= self.config.max_steps_in_flight or self._info is None:
             return None
         block_size = self._info.block_size
         finishing, self._pending_finish = self._pending_finish, []
         plan = _Plan(budget=self.config.max_num_batched_tokens, free_blocks=self._free_blocks)
+        if self.config.max_steps_in_flight > 1:
+            plan.seqs_left = fair_share(
+                len(self._running) + len(self._waiting), self.config.max_steps_in_flight
+            )
         for state in finishing:
             self._credit_freed_blocks(state, plan)
         self._schedule_running(plan, block_size)
@@ -611,6 +648,7 @@ class Scheduler:
             chunks=tuple(plan.chunks.values()),
             finished=tuple(s.request_id for s in finishing),
             preempted=tuple(plan.preempted),
+            spare_blocks=self.config.max_steps_in_flight == 1,
         )
         self._next_step_id += 1
         states = {request_id: self._running[request_id] for request_id in plan.chunks}
@@ -626,7 +664,13 @@ class Scheduler:
             if plan.chunks[rid].num_tokens == 1 + len(plan.chunks[rid].draft_token_ids)
             and states[rid].num_output_tokens > 0
         }
-        self._in_flight = _InFlight(step, self._clock(), states, sampling, decoding)
+        net = self._free_blocks - plan.free_blocks
+        self._free_blocks = plan.free_blocks
+        self._in_flight[step.step_id] = _InFlight(
+            step, self._clock(), states, sampling, decoding, net
+        )
+        for request_id in states:
+            self._busy[request_id] = step.step_id
         return step
 
     # ------------------------------------------------------------------ results
@@ -648,7 +692,7 @@ class Scheduler:
         return None
 
     def update(self, result: StepResult) -> EngineOutputs:
-        """Apply execute's result of the step in flight.
+        """Apply execute's result of a step in flight.
 
         Returns:
             The new token of every request that sampled (and any request ended without
@@ -658,18 +702,27 @@ class Scheduler:
                 are reported, or execute returned a token for a request whose chunk did not
                 sample (or none for one whose chunk did).
         """
-        in_flight = self._in_flight
-        if in_flight is None:
+        if not self._in_flight:
             raise SchedulerError(f"StepResult {result.step_id} arrived with no step in flight")
-        if result.step_id != in_flight.step.step_id:
+        in_flight = self._in_flight.get(result.step_id)
+        if in_flight is None:
             raise SchedulerError(
-                f"StepResult {result.step_id} does not answer step {in_flight.step.step_id}"
+                f"StepResult {result.step_id} does not answer step "
+                f"{' or '.join(str(step_id) for step_id in self._in_flight)}"
             )
         if result.total_blocks < 1:
             raise SchedulerError(f"StepResult {result.step_id} reports no KV blocks in total")
-        self._in_flight = None
+        del self._in_flight[result.step_id]
         self._num_steps += 1
-        self._free_blocks = result.free_blocks
+        # execute counted its free blocks with the steps up to prepared_through allocated:
+        # the later ones in flight take (or give) theirs still
+        self._free_blocks = free_after(
+            result, [(step_id, f.net_blocks) for step_id, f in self._in_flight.items()]
+        )
+        for request_id, settled in in_flight.states.items():
+            del self._busy[request_id]
+            if settled.status is _Status.DONE:  # aborted while in flight: freed now
+                self._pending_finish.append(settled)
         self._shared_blocks = result.shared_blocks
         self._total_blocks = result.total_blocks
         self._prefix_cache_queries = result.prefix_cache_queries
@@ -677,6 +730,7 @@ class Scheduler:
         self._last_step_seconds = max(self._clock() - in_flight.started, 0.0)
         self._last_forward_seconds = result.forward_seconds
         self._communication_seconds += result.communication_seconds
+        self._shard_busy_seconds = sum_shard_seconds(self._shard_busy_seconds, result.shard_seconds)
         self._execute_threads = result.threads or self._execute_threads
 
         preempted = set(result.preempted)

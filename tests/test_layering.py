@@ -34,6 +34,7 @@ CHECKED = (*PACKAGES, BENCHMARKS)
 
 PURE_MODULES = (
     "stages.scheduler",
+    "stages.steps_in_flight",
     "stages.engine_core",
     "stages.policies",
     "stages.execute.allocator",

@@ -58,9 +58,11 @@ dequantized; for ``int8`` the check then measures the quantization itself).
         [--repeats 2]
     actorline bench offline --lora 4 [--quick] [--repeats 2] [--json]
 
-The parallel forms run the workload on N tensor-parallel ranks (pipeline shards) against one
-engine instead (:mod:`pipeline.bench.parallel`); ``--lora N`` runs it with N LoRA adapters
-mixed in each batch against the base model alone, and measures what loading an adapter
+The parallel forms run the workload on N tensor-parallel ranks against one engine instead
+(:mod:`pipeline.bench.parallel`), or on N pipeline shards, one step in flight and N, against
+one engine (:mod:`pipeline.bench.pipeline_parallel`: tokens/s, transfer per step, bubble);
+``--lora N`` runs it with N LoRA adapters mixed in each batch against the base model alone,
+and measures what loading an adapter
 costs running streams (:mod:`pipeline.bench.lora`).
 """
 
@@ -674,7 +676,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline-parallel-size",
         type=int,
         default=1,
-        help="run the workload on N pipeline shards against one engine (and nothing else)",
+        help="run the workload on N pipeline shards (one step in flight, then N: micro-batches) "
+        "against one engine (and nothing else)",
     )
     parser.add_argument(
         "--speculative-config",
@@ -811,6 +814,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         )
     if args.lora:
         return _run_lora_from_args(args)
+    if args.pipeline_parallel_size > 1 and args.tensor_parallel_size == 1:
+        return _run_pipeline_from_args(args, offline)
     if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         from pipeline.bench.parallel import (
             TensorParallelConfig,
@@ -840,6 +845,33 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 0
     result = run_offline(offline)
     print_result(result, format_offline(result), args.json)
+    return 0
+
+
+def _run_pipeline_from_args(args: argparse.Namespace, offline: OfflineConfig) -> int:
+    """``--pipeline-parallel-size N``: one engine, N shards one step at a time and N shards
+    with micro-batches (:mod:`pipeline.bench.pipeline_parallel`)."""
+    from pipeline.bench.pipeline_parallel import (
+        PipelineParallelConfig,
+        format_pipeline_parallel,
+        run_pipeline_parallel,
+    )
+    from stages.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(offline.model)
+    workload = make_workload(offline.workload)
+    compared = run_pipeline_parallel(
+        PipelineParallelConfig(
+            model=offline.model,
+            size=args.pipeline_parallel_size,
+            repeats=args.repeats,
+            dtype=offline.dtype,
+            max_num_batched_tokens=offline.max_num_batched_tokens,
+        ),
+        [prompt_ids(tokenizer, request.prompt) for request in workload],
+        [request.max_tokens for request in workload],
+    )
+    print_result(compared, format_pipeline_parallel(compared), args.json)
     return 0
 
 

@@ -284,6 +284,11 @@ class EngineOptions:
         60.0, help="seconds a step waits for a pipeline shard that hangs", kind="seconds>0",
         feeds=("execute",), commands=_NO_FLAG,
     )  # fmt: skip
+    pipeline_parallel_micro_batches: int | None = option(
+        None, help="pipeline steps in flight at once, over disjoint requests, so the shards "
+        "compute together (None: pipeline_parallel_size; 1: one step at a time)",
+        kind="int>=1", feeds=("execute",), group=_PARALLEL,
+    )  # fmt: skip
     data_parallel_size: int = option(
         1, help="run this many engine replicas behind a router stage", kind="int>=1",
         group=_PARALLEL,
@@ -504,6 +509,13 @@ class EngineOptions:
                     f"{self.pipeline_parallel_size}"
                 )
         size = self.pipeline_parallel_size
+        micro_batches = self.pipeline_parallel_micro_batches
+        if size == 1 and micro_batches is not None and micro_batches > 1:
+            raise ValueError(
+                f"pipeline_parallel_micro_batches {micro_batches} needs pipeline_parallel_size "
+                "> 1: several steps in flight keep pipeline shards busy at once; one engine "
+                "runs one step at a time"
+            )
         if size == 1:
             return
         clashes = (
@@ -512,6 +524,12 @@ class EngineOptions:
              not self.split_processes),
         )  # fmt: skip
         refuse_clashes(f"pipeline_parallel_size {size}", clashes, "Pipeline parallelism")
+
+    @property
+    def steps_in_flight(self) -> int:
+        """The scheduler's ``max_steps_in_flight``: ``pipeline_parallel_micro_batches``, by
+        default the pipeline size (one without pipeline parallelism)."""
+        return self.pipeline_parallel_micro_batches or self.pipeline_parallel_size
 
     @classmethod
     def create(cls, model: str | None = None, **options: Any) -> EngineOptions:

@@ -131,7 +131,7 @@ def llm_pipeline(options: EngineOptions | None = None) -> Pipeline:
         },
     )
     schedule = ScheduleConfig(
-        SchedulerConfig(**fed(options, "scheduler")),
+        SchedulerConfig(**fed(options, "scheduler"), max_steps_in_flight=options.steps_in_flight),
         **fed(options, "schedule"),
         grammar=GrammarConfig(
             options.model,

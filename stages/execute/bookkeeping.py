@@ -160,17 +160,19 @@ def plan_chunks(
     requests: Mapping[str, TrackedT],
     chunks: Sequence[ScheduledChunk],
     report: PlanReport,
+    use_spare: bool = True,
 ) -> list[tuple[TrackedT, int, int]]:
     """:func:`plan_chunk` for each of a (validated, released) step's chunks in order, each
     told how many free blocks it may take past its end: those that no chunk of the step
-    needs (each chunk counted at most ``ceil(end / block_size)`` less what it holds).
+    needs (each chunk counted at most ``ceil(end / block_size)`` less what it holds); none
+    without ``use_spare`` (the step's ``spare_blocks``: steps planned after it count on them).
 
     Returns:
         ``(request, first position to compute, end)`` for each chunk with tokens to compute.
     """
     size = allocator.block_size
     needs: list[int] = []
-    if allocator.enable_prefix_caching:
+    if allocator.enable_prefix_caching and use_spare:
         for chunk in chunks:
             end = chunk.start + chunk.num_tokens
             if chunk.start == 0:  # a (re)start: what it holds is freed first

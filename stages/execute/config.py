@@ -104,7 +104,10 @@ class ExecuteConfig:
       (see :mod:`stages.execute.pipeline_parallel`); ``pipeline_parallel_split``: their
       layer counts, comma-separated (``"10,20"``; None: even, refused where it does not
       divide); ``pipeline_parallel_timeout``: seconds the first shard waits for a step's
-      logits from the last before the engine fails (a shard that hangs).
+      logits from the last before the engine fails (a shard that hangs);
+      ``pipeline_parallel_micro_batches``: steps in flight at once (None: the pipeline
+      size; more than one: the shards compute at once, so each takes its share of the
+      cores, :func:`~stages.execute.pp_stage.shard_threads`).
     - ``quantization``: ``None`` (default: fp32 weights), ``"gguf"`` (run a GGUF model's own
       Q8_0/Q4_0/Q4_1/Q4_K weights as they are) or ``"int8"`` (quantize any checkpoint's
       linears to int8 at load); weight-only, fp32 activations and KV, CPU fp32 only
@@ -165,6 +168,7 @@ class ExecuteConfig:
     pipeline_parallel_size: int = 1
     pipeline_parallel_split: str | None = None
     pipeline_parallel_timeout: float = 60.0
+    pipeline_parallel_micro_batches: int | None = None
     quantization: str | None = None
     quant_activations: str = "auto"
     model_impl: str = "auto"
@@ -336,6 +340,12 @@ class ExecuteConfig:
         if type(timeout) not in (int, float) or not 0 < timeout < float("inf"):
             raise ExecuteConfigError(
                 "pipeline_parallel_timeout", f"must be a number of seconds > 0, got {timeout!r}"
+            )
+        micro_batches = self.pipeline_parallel_micro_batches
+        if micro_batches is not None and (type(micro_batches) is not int or micro_batches < 1):
+            raise ExecuteConfigError(
+                "pipeline_parallel_micro_batches",
+                f"must be None or an integer >= 1, got {micro_batches!r}",
             )
         size = self.pipeline_parallel_size
         if self.pipeline_parallel_split is not None:

@@ -237,7 +237,7 @@ class NullRunner:
             self._register(new_request)
 
         report = PlanReport()
-        planned = plan_chunks(allocator, self._requests, step.chunks, report)
+        planned = plan_chunks(allocator, self._requests, step.chunks, report, step.spare_blocks)
         sampling = [request for request, _, end in planned if end == request.num_tokens]
         for request, _, end in planned:
             commit_chunk(allocator, request, end)

@@ -34,6 +34,10 @@ class PipelineStep:
     keep: np.ndarray  # [K] int64
     #: seconds each earlier shard spent computing this step (forward only), in shard order
     compute_seconds: tuple[float, ...] = ()
+    #: when the sender sent it (``time.time()``), and the hops' transfer seconds so far
+    #: (stages.execute.pp_stage: the part of each hop the receiving shard sat idle for)
+    sent_at: float = 0.0
+    transfer_seconds: float = 0.0
 
 
 @message()
@@ -46,3 +50,6 @@ class PipelineLogits:
     step_id: int
     logits: np.ndarray  # [K, V] float32
     compute_seconds: tuple[float, ...] = ()
+    #: when the last shard sent it (``time.time()``), and the earlier hops' transfer seconds
+    sent_at: float = 0.0
+    transfer_seconds: float = 0.0

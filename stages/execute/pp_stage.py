@@ -28,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -40,9 +41,17 @@ from stages.messages import SchedulerStep, StepResult
 from stages.models import loading
 
 if TYPE_CHECKING:
-    from stages.execute.runner import ModelRunner
+    from stages.execute.runner import ModelRunner, PreparedStep
 
-__all__ = ["PipelineDriver", "PipelineShardConfig", "PipelineShardStage"]
+__all__ = [
+    "PipelineDriver",
+    "PipelineShardConfig",
+    "PipelineShardStage",
+    "hop_seconds",
+    "shard_threads",
+]
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,6 +80,7 @@ class PipelineShardStage(Stage):
         super().__init__(config)
         self.runner: ModelRunner | None = None
         self._store: object = None  # the shard's ranks' TCPStore, alive as long as the group
+        self._idle_since = 0.0  # when this shard finished its last step (time.time())
 
     @property
     def last(self) -> bool:
@@ -94,6 +104,11 @@ class PipelineShardStage(Stage):
             runner = ModelRunner(
                 execute, shard=self.config.shard, rendezvous=rendezvous, store=self._store
             )
+            threads = shard_threads(execute)
+            if threads is not None:
+                import torch
+
+                torch.set_num_threads(threads)  # this worker thread's, where steps run
             with loading():
                 runner.load()
             return runner
@@ -107,40 +122,56 @@ class PipelineShardStage(Stage):
         from stages.execute.pipeline_parallel import forward_layers
 
         keep = step.keep if self.last else None
+        transfer = step.transfer_seconds + hop_seconds(step.sent_at, self._idle_since)
         began = time.perf_counter()
         if runner.group is not None:  # PP x TP: this shard's other ranks run it too
             await self.emit("ranks", step)
         output = await self.run_in_thread(forward_layers, runner, step.shard, step.hidden, keep)
         seconds = (*step.compute_seconds, time.perf_counter() - began)
+        self._idle_since = sent_at = time.time()
         if self.last:
-            await self.emit("out", PipelineLogits(step.shard.step_id, output, seconds))
+            await self.emit(
+                "out", PipelineLogits(step.shard.step_id, output, seconds, sent_at, transfer)
+            )
         else:
-            await self.emit("out", PipelineStep(step.shard, output, step.keep, seconds))
+            await self.emit(
+                "out", PipelineStep(step.shard, output, step.keep, seconds, sent_at, transfer)
+            )
 
 
 class PipelineDriver:
-    """The first shard's side of pipeline-parallel steps (see the module docstring): one
-    step in flight at a time (the scheduler keeps one), its logits awaited by step id."""
+    """The first shard's side of pipeline-parallel steps (see the module docstring). Several
+    steps may be in flight (micro-batches, :mod:`stages.steps_in_flight`): each is prepared,
+    run through the first shard's layers and sent on in the order its call came (the
+    shards run them in that order), its logits awaited by step id, and its result counted
+    with the last step prepared by then (``StepResult.prepared_through``)."""
 
     def __init__(self, stage: Stage, timeout: float) -> None:
         self._stage = stage
         self._timeout = timeout
         self._pending: dict[int, asyncio.Future[PipelineLogits]] = {}
+        self._received: dict[int, float] = {}  # when each step's logits arrived
+        # a step's prepare, first layers and send, one step at a time, in call order
+        self._order = asyncio.Lock()
+        self._prepared_through = -1  # set on the stage's worker thread
 
     @property
     def idle(self) -> bool:
-        return not self._pending
+        return not self._pending and not self._order.locked()
 
     def answer(self, logits: PipelineLogits) -> None:
         """The last shard's logits arrived (late ones, of a step given up on, are dropped)."""
         future = self._pending.get(logits.step_id)
         if future is not None and not future.done():
+            self._received[logits.step_id] = time.time()
             future.set_result(logits)
 
     async def execute(self, runner: ModelRunner, step: SchedulerStep) -> StepResult:
         """Run ``step`` over the shards: bookkeeping and the first layers here, the rest on
-        the other shards, sampling here. The result's ``communication_seconds`` is the round
-        trip less the other shards' compute: transfer and queueing.
+        the other shards, sampling here. The result's ``communication_seconds`` is the
+        step's transfer: over each hop, the seconds its receiver sat waiting for the message
+        (:func:`hop_seconds`); ``shard_seconds`` each shard's busy seconds in the step (the
+        first's bookkeeping and sampling included).
 
         Raises:
             PipelineParallelError: the logits did not come back within the timeout.
@@ -149,38 +180,103 @@ class PipelineDriver:
         from stages.execute.pipeline_parallel import forward_layers, pipeline_keep
 
         stage = self._stage
-        prepared = await stage.run_in_thread(runner.prepare, step)
-        shard = prepared.shard
+        clock = time.perf_counter
+        async with self._order:
+            began = clock()
+            prepared, first = await stage.run_in_thread(_timed, self._prepare, runner, step)
+            shard = prepared.shard
+            if shard is not None:
+                keep = np.asarray(pipeline_keep(prepared), dtype=np.int64)
+                if runner.group is not None:  # PP x TP: shard 0's other ranks run its layers too
+                    await stage.emit("ranks", shard)
+                hidden, seconds = await stage.run_in_thread(
+                    _timed, forward_layers, runner, shard, None, None
+                )
+                first += seconds
+                future: asyncio.Future[PipelineLogits] = asyncio.get_running_loop().create_future()
+                self._pending[shard.step_id] = future
+                try:
+                    sent = PipelineStep(shard, hidden, keep, (first,), time.time())
+                    await stage.emit("pipeline", sent)
+                except BaseException:
+                    self._pending.pop(shard.step_id, None)
+                    raise
         if shard is None:  # nothing computes: frees and preemptions only
-            return await stage.run_in_thread(runner.run, prepared)
-        keep = np.asarray(pipeline_keep(prepared), dtype=np.int64)
-        began = time.perf_counter()
-        if runner.group is not None:  # PP x TP: shard 0's other ranks run its layers too
-            await stage.emit("ranks", shard)
-        hidden = await stage.run_in_thread(forward_layers, runner, shard, None, None)
-        first = time.perf_counter() - began
-        future: asyncio.Future[PipelineLogits] = asyncio.get_running_loop().create_future()
-        self._pending[shard.step_id] = future
+            return await stage.run_in_thread(self._run, runner, prepared)
         try:
-            await stage.emit("pipeline", PipelineStep(shard, hidden, keep, (first,)))
-            try:
-                answer = await asyncio.wait_for(future, self._timeout)
-            except TimeoutError:
-                raise PipelineParallelError(
-                    f"pipeline-parallel step {shard.step_id}: the last shard sent no logits "
-                    f"within pipeline_parallel_timeout ({self._timeout:g} s); a shard hangs"
-                ) from None
+            answer = await asyncio.wait_for(future, self._timeout)
+        except TimeoutError:
+            raise PipelineParallelError(
+                f"pipeline-parallel step {shard.step_id}: the last shard sent no logits "
+                f"within pipeline_parallel_timeout ({self._timeout:g} s); a shard hangs"
+            ) from None
         finally:
             self._pending.pop(shard.step_id, None)
-        round_trip = time.perf_counter() - began
-        prepared.logits = await stage.run_in_thread(_as_tensor, runner, answer.logits)
-        result = await stage.run_in_thread(runner.run, prepared)
-        compute = sum(answer.compute_seconds)
+            received = self._received.pop(shard.step_id, 0.0)
+        round_trip = clock() - began
+        result, sampling = await stage.run_in_thread(
+            _timed, self._sample, runner, prepared, answer.logits
+        )
+        compute = answer.compute_seconds
+        # NOTE: the first shard's loop takes the logits in at once (its compute is on its
+        # worker thread), so the last hop is all transfer
+        transfer = answer.transfer_seconds + hop_seconds(answer.sent_at, 0.0, received)
         return dataclasses.replace(
             result,
             forward_seconds=result.forward_seconds + round_trip,
-            communication_seconds=max(0.0, round_trip - compute),
+            communication_seconds=transfer,
+            shard_seconds=(compute[0] + sampling, *compute[1:]) if compute else (),
         )
+
+    def _prepare(self, runner: ModelRunner, step: SchedulerStep) -> PreparedStep:
+        """:meth:`ModelRunner.prepare` on the worker thread, noting the step prepared."""
+        prepared = runner.prepare(step)
+        self._prepared_through = step.step_id
+        return prepared
+
+    def _sample(
+        self, runner: ModelRunner, prepared: PreparedStep, logits: np.ndarray
+    ) -> StepResult:
+        """The step's logits sampled (:meth:`_run`)."""
+        prepared.logits = _as_tensor(runner, logits)
+        return self._run(runner, prepared)
+
+    def _run(self, runner: ModelRunner, prepared: PreparedStep) -> StepResult:
+        """:meth:`ModelRunner.run` on the worker thread; its free-block count is with the
+        steps up to ``prepared_through`` allocated (the worker thread runs one at a time)."""
+        result = runner.run(prepared)
+        return dataclasses.replace(result, prepared_through=self._prepared_through)
+
+
+def shard_threads(config: ExecuteConfig) -> int | None:
+    """The torch threads of each shard's worker thread: with several steps in flight the
+    shards compute at once, so each takes an even share of this machine's cores (as tensor
+    parallelism's ranks do); None (torch's default, every core) with one step in flight,
+    where they compute in turn, or without pipeline parallelism."""
+    size = config.pipeline_parallel_size
+    steps = config.pipeline_parallel_micro_batches or size
+    if size == 1 or steps == 1:
+        return None
+    from stages.execute.tensor_parallel import threads_per_rank
+
+    return threads_per_rank(size)
+
+
+def hop_seconds(sent_at: float, idle_since: float, received: float | None = None) -> float:
+    """The part of one hop between shards that kept the receiver waiting: from when the
+    message was sent, or when the receiver finished its previous step if later (until then
+    it was busy: the message's transfer overlapped its compute), to when it was taken in
+    (``received``, by default now). Wall-clock stamps of two processes: on one host the same
+    clock; across hosts their skew shows too (a negative hop counts 0)."""
+    now = time.time() if received is None else received
+    return max(0.0, now - max(sent_at, idle_since))
+
+
+def _timed(function: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``function(*args)`` and the seconds it took (on the worker thread: its own time, not
+    the wait for the thread)."""
+    began = time.perf_counter()
+    return function(*args), time.perf_counter() - began
 
 
 def _as_tensor(runner: ModelRunner, logits: np.ndarray) -> Any:

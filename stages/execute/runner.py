@@ -647,10 +647,10 @@ class ModelRunner:
             self._register(new_request)
         import_moved_blocks(self.kv_cache, allocator, step.new_requests)  # prefill/decode
         drafts = stage_drafts(self._requests, step.chunks)
-
         report = PlanReport()
         works: list[_Work] = []
-        for request, start, end in plan_chunks(allocator, self._requests, step.chunks, report):
+        chunks = plan_chunks(allocator, self._requests, step.chunks, report, step.spare_blocks)
+        for request, start, end in chunks:
             works.append(_Work(request, start, end, samples=end == request.num_tokens))
         unstage_drafts(self._requests, drafts, report.preempted)
         packed = self._pack(works) if works else None

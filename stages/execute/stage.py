@@ -48,7 +48,7 @@ from stages.execute.draft_client import DRAFT_PORT, DraftClient
 from stages.execute.draft_messages import DraftProposals, DraftReady
 from stages.execute.draft_stage import DRAFT_HOST_SUFFIX
 from stages.execute.pp_messages import PipelineLogits
-from stages.execute.pp_stage import PipelineDriver
+from stages.execute.pp_stage import PipelineDriver, shard_threads
 from stages.execute.rank_messages import RENDEZVOUS_HOST
 from stages.lora import LoRAAdapterError, LoRARequest
 from stages.messages import EngineInfo, SchedulerStep, StepResult
@@ -118,6 +118,8 @@ class ExecuteStage(Stage):
         def load() -> EngineInfo:
             if size > 1:
                 torch.set_num_threads(threads_per_rank(size))
+            elif (threads := shard_threads(self.config)) is not None:  # PP micro-batches
+                torch.set_num_threads(threads)
             with loading():
                 info = runner.load()
                 spec = self.config.speculative_config
@@ -179,8 +181,8 @@ class ExecuteStage(Stage):
     async def on_step(self, step: SchedulerStep) -> None:
         if self._pipeline is not None or self.draft_client is not None:
             # NOTE: beside the handlers: the step's logits (the draft stage's proposals) arrive
-            # as messages to this stage (one step is in flight at a time: the scheduler sends
-            # the next on the result)
+            # as messages to this stage (several pipeline steps may be in flight:
+            # stages.steps_in_flight)
             self._steps_in_flight += 1
             self.spawn(self._emit_step(step))
             return

@@ -53,19 +53,26 @@ def test_tensor_parallel_offline_quick(
 def test_pipeline_parallel_offline_quick(
     tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The tiny model's 2 layers on 2 shards, one each, against one engine."""
+    """The tiny model's 2 layers on 2 shards, one each, one step in flight and two, against
+    one engine."""
+    from pipeline.bench.pipeline_parallel import PipelineRun
+
     command = ["bench", "offline", "--quick", "--json", "--model", str(tiny_model_dir)]
     args = bench_parser().parse_args([*command, "--pipeline-parallel-size", "2"])
     assert args.run(args) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["pipeline"] is True
     assert result["size"] == 2 and result["num_requests"] == 8
-    single, parallel = result["runs"]
-    assert (single["size"], parallel["size"]) == (1, 2)
-    assert single["tokens"] == parallel["tokens"] > 0
-    assert single["communication_seconds"] == 0 < parallel["communication_seconds"]
-    assert result["communication_ms_per_step"] > 0 and 0 < result["communication_share"] < 1
-    assert result["identical_outputs"] == 8
+    runs = [PipelineRun(**{**run, "shard_busy_seconds": tuple(run["shard_busy_seconds"])})
+            for run in result["runs"]]  # fmt: skip
+    assert [(run.shards, run.steps_in_flight) for run in runs] == [(1, 1), (2, 1), (2, 2)]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens > 0
+    assert runs[0].communication_seconds == 0 and runs[0].shard_busy_seconds == ()
+    for run in runs[1:]:
+        assert run.communication_seconds > 0 and run.communication_ms_per_step > 0
+        assert len(run.shard_busy_seconds) == 2 and all(s > 0 for s in run.shard_busy_seconds)
+        assert 0 <= run.bubble < 1
+    assert result["ratios"][0] == 1.0 and all(ratio > 0 for ratio in result["ratios"])
+    assert result["identical_outputs"] == [8, 8, 8]
 
 
 def run_on_ray_quick(

@@ -4,9 +4,11 @@ of the decoder's layers, the hidden state passed shard to shard over ZeroMQ.
 - layer splits: even by default, explicit on request, refused before loading with the numbers
   (and combinations not built yet refused by the options);
 - a 6-layer tiny Llama at PP=2, PP=3 and an uneven 1,2,3 split, and the default model at
-  PP=2, give greedy tokens identical to one engine, with prefix caching and preemption at work;
+  PP=2 and PP=3, give greedy tokens identical to one engine, with prefix caching and
+  preemption at work; with micro-batches (several steps in flight, the default) and without,
+  with the execute stage beside the scheduler (called) and on a host of its own (messages);
 - a killed shard, and a shard that hangs, fail every pending request with EngineDeadError in
-  bounded time and leave no process behind.
+  bounded time and leave no process behind (with steps in flight).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.pp_split import check_pipeline_parallel, layer_ranges
+from stages.execute.pp_stage import hop_seconds
 from tests.conftest import TINY_LLAMA
 from tests.processes import child_processes, process_alive
 
@@ -85,9 +88,16 @@ async def generate_all(
 
 
 async def outputs_of(model: str, **options: Any) -> tuple[list[tuple[int, ...]], Any]:
-    """Greedy outputs of PROMPTS (the first alone first, so the rest hit its prefix)."""
-    async with AsyncEngine(model, **SILENCE, **options) as engine:
-        if options.get("pipeline_parallel_size", 1) > 1:
+    """Greedy outputs of PROMPTS (the first alone first, so the rest hit its prefix);
+    ``pipeline=``: that pipeline instead of the model's and the options."""
+    pipeline = options.pop("pipeline", None)
+    engine = (
+        AsyncEngine(model, **SILENCE, **options)
+        if pipeline is None
+        else AsyncEngine(pipeline=pipeline)
+    )
+    async with engine:
+        if pipeline is not None or options.get("pipeline_parallel_size", 1) > 1:
             # the shards pass back logits, not hidden states: an embedding request is refused
             # on its own, and the engine serves on
             with pytest.raises(InvalidRequestError, match="computes no embeddings"):
@@ -141,6 +151,29 @@ def test_options_refuse_what_pipeline_parallelism_does_not_combine_with_yet() ->
     for extra in (dict(tensor_parallel_size=2), dict(quantization="int8")):
         EngineOptions(pipeline_parallel_size=2, **extra)
         ExecuteConfig(pipeline_parallel_size=2, **extra)
+    with pytest.raises(ValueError, match="micro_batches 2 needs pipeline_parallel_size > 1"):
+        EngineOptions(pipeline_parallel_micro_batches=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_micro_batches must be an integer"):
+        EngineOptions(pipeline_parallel_size=2, pipeline_parallel_micro_batches=0)
+
+
+def test_a_hop_counts_only_the_seconds_its_receiver_waited() -> None:
+    assert hop_seconds(10.0, 0.0, 10.5) == pytest.approx(0.5)  # the receiver was idle
+    assert hop_seconds(10.0, 10.4, 10.5) == pytest.approx(0.1)  # busy until 10.4
+    assert hop_seconds(10.0, 0.0, 9.5) == 0.0  # another host's clock runs ahead
+    assert hop_seconds(time.time() - 60, 0.0) >= 60  # now, by default
+
+
+def test_micro_batches_default_to_the_pipeline_size_in_the_scheduler() -> None:
+    def in_flight(**options: Any) -> int:
+        schedule = llm_pipeline(EngineOptions(**options))["schedule"].config
+        return int(schedule.scheduler.max_steps_in_flight)
+
+    assert in_flight() == 1
+    assert in_flight(pipeline_parallel_micro_batches=1) == 1
+    assert in_flight(pipeline_parallel_size=3) == 3
+    assert in_flight(pipeline_parallel_size=3, pipeline_parallel_micro_batches=1) == 1
+    assert in_flight(pipeline_parallel_size=2, pipeline_parallel_micro_batches=4) == 4
 
 
 def test_the_graph_chains_the_shards_back_to_the_first() -> None:
@@ -173,10 +206,16 @@ def test_the_engine_refuses_an_indivisible_split_before_spawning_anything(
     [
         dict(pipeline_parallel_size=2),
         dict(pipeline_parallel_size=3),
-        # transformers' model class (the others run actorline's own, stages.execute.llama)
-        dict(pipeline_parallel_size=3, pipeline_parallel_split="1,2,3", model_impl="transformers"),
+        # transformers' model class (the others run actorline's own, stages.execute.llama),
+        # one step in flight: the shards compute in turn
+        dict(
+            pipeline_parallel_size=3,
+            pipeline_parallel_split="1,2,3",
+            model_impl="transformers",
+            pipeline_parallel_micro_batches=1,
+        ),
     ],
-    ids=["pp2", "pp3", "pp3-uneven-transformers"],
+    ids=["pp2", "pp3", "pp3-uneven-transformers-one-step"],
 )
 def test_tiny_model_gives_the_greedy_tokens_of_one_engine(
     tiny6_model_dir: Path, options: dict[str, Any]
@@ -184,12 +223,16 @@ def test_tiny_model_gives_the_greedy_tokens_of_one_engine(
     model = str(tiny6_model_dir)
     impl = {"model_impl": options["model_impl"]} if "model_impl" in options else {}
     expected, _ = run(outputs_of(model, num_blocks=512, **impl))
-    # a cache too small for all of them at once: requests are preempted and recomputed
+    # a cache too small for all of them at once: requests wait for blocks, or (with one
+    # step in flight; with several only when none is, stages/steps_in_flight.py) are
+    # preempted and recomputed
     got, stats = run(outputs_of(model, num_blocks=14, **options))
     assert got == expected
-    assert stats.num_preemptions > 0
+    if options.get("pipeline_parallel_micro_batches") == 1:
+        assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
     assert stats.communication_seconds > 0  # the hops' transfer and queueing, measured
+    assert len(stats.shard_busy_seconds) == options["pipeline_parallel_size"]
 
 
 @pytest.mark.slow
@@ -204,6 +247,38 @@ def test_default_model_at_pp2_gives_the_greedy_tokens_of_one_engine() -> None:
             return await generate_all(engine, prompts, params)
 
     assert run(outputs(pipeline_parallel_size=2)) == run(outputs())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_steps_in_flight_over_messages_give_the_greedy_tokens_of_one_engine(
+    tiny6_model_dir: Path,
+) -> None:
+    """The execute stage on a host of its own: the steps go out as messages (several at once),
+    their results come back as messages, in any order."""
+    model = str(tiny6_model_dir)
+    expected, _ = run(outputs_of(model, num_blocks=512))
+    options = EngineOptions.create(model, pipeline_parallel_size=3, num_blocks=14, **SILENCE)
+    pipeline = llm_pipeline(options).place("execute", "model")
+    got, stats = run(outputs_of(model, pipeline=pipeline))
+    assert got == expected
+    assert stats.prefix_cache_hits > 0
+    assert len(stats.shard_busy_seconds) == 3 and all(s > 0 for s in stats.shard_busy_seconds)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.timeout(900)
+def test_default_model_at_pp3_with_micro_batches_gives_the_greedy_tokens_of_one_engine() -> None:
+    """SmolLM2-135M's 30 layers 10 + 10 + 10, three steps in flight over five requests."""
+    prompts = PROMPTS[:5]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def outputs(**options: Any) -> list[tuple[int, ...]]:
+        async with AsyncEngine("smollm2-135m", num_blocks=256, **SILENCE, **options) as engine:
+            return await generate_all(engine, prompts, params)
+
+    assert run(outputs(pipeline_parallel_size=3)) == run(outputs())
 
 
 # -- a shard that dies or hangs ---------------------------------------------------------------
