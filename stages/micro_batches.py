@@ -77,7 +77,7 @@ async def run_steps_in_flight(
             oldest = flight[0][1]
             if len(flight) < limit:
                 # a slot is free: new work (a request, an abort's free) may be planned into it
-                waiter = asyncio.ensure_future(wake.wait())
+                waiter = tasks.spawn(wake.wait())
                 try:
                     await asyncio.wait((oldest, waiter), return_when=asyncio.FIRST_COMPLETED)
                 finally:
