@@ -11,6 +11,8 @@ from pipeline.engine.options import EngineOptions
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.params import SamplingParams
 from stages.speculative import (
+    PROPOSER_FREE_MISSES,
+    Backoff,
     NgramProposer,
     SpeculativeConfig,
     Speculator,
@@ -26,8 +28,12 @@ def test_the_config_reads_vllms_keys_from_a_mapping_or_json() -> None:
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
     )
     assert config == SpeculativeConfig("ngram", 4, prompt_lookup_max=3, prompt_lookup_min=3)
+    # neither bound given: 2 to 5 (vLLM's are 5 and 5; docs/speculative.md says why)
     assert parse_speculative_config({"num_speculative_tokens": 2}) == SpeculativeConfig(
-        num_speculative_tokens=2, prompt_lookup_max=5, prompt_lookup_min=5
+        num_speculative_tokens=2, prompt_lookup_max=5, prompt_lookup_min=2
+    )
+    assert parse_speculative_config({"num_speculative_tokens": 2, "prompt_lookup_min": 3}) == (
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=3)
     )
     assert parse_speculative_config(config.to_json()) == config
     assert parse_speculative_config(None) is None
@@ -158,18 +164,50 @@ def test_the_speculator_backs_off_after_misses_and_counts_per_position() -> None
     tokens = [1, 2, 3, 1, 2]
     assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
     assert speculator.propose("r", tokens, limit=2) == (3, 1)
-    speculator.observe("r", 3, 0)  # a miss: skip one step
+    speculator.observe("r", 3, 0)  # a lone miss (an edit in copied text): drafts on
+    assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
+    speculator.observe("r", 3, 0)  # a second miss in a row: skip one step
     assert speculator.propose("r", tokens, limit=10) == ()
     assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
-    speculator.observe("r", 3, 0)  # a second miss in a row: skip three
+    speculator.observe("r", 3, 0)  # a third: skip three
     assert [speculator.propose("r", tokens, 10) for _ in range(4)] == [(), (), (), (3, 1, 2)]
-    speculator.observe("r", 3, 2)  # accepted: no more skipping
+    speculator.observe("r", 3, 2)  # accepted: no more skipping, the next miss is free again
+    assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
+    speculator.observe("r", 3, 0)
     assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
     stats = speculator.stats()
-    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 2)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (5, 15, 2)
     assert stats.accepted_per_position == (1, 1, 0)
-    assert stats.acceptance_rate == pytest.approx(2 / 9)
+    assert stats.acceptance_rate == pytest.approx(2 / 15)
     assert speculator.enabled_for(3) and not speculator.enabled_for(4)
+
+
+def test_the_back_off_skips_1_3_7_up_to_its_cap_after_its_free_misses() -> None:
+    def skipped_between_drafts(backoff: Backoff, misses: int) -> list[int]:
+        runs = []
+        for _ in range(misses):
+            backoff.observe("r", 0)
+            skipped = 0
+            while backoff.skips("r"):
+                skipped += 1
+            runs.append(skipped)
+        return runs
+
+    # the draft model's (none free) and a proposer's (one free)
+    assert skipped_between_drafts(Backoff(), 7) == [1, 3, 7, 15, 31, 32, 32]
+    assert skipped_between_drafts(Backoff(PROPOSER_FREE_MISSES), 7) == [0, 1, 3, 7, 15, 31, 32]
+    # where nothing is ever accepted, a proposer's request drafts on 8 of its first 100 steps
+    backoff, drafted, step = Backoff(PROPOSER_FREE_MISSES), 0, 0
+    while step < 100:
+        step += 1
+        if not backoff.skips("r"):
+            drafted += 1
+            backoff.observe("r", 0)
+    assert drafted == 8
+    backoff.forget("r")
+    assert not backoff.skips("r")
+    with pytest.raises(ValueError, match="free_misses"):
+        Backoff(-1)
 
 
 def test_only_requests_sampled_like_one_decode_row_draft() -> None:
