@@ -77,7 +77,7 @@ MAX_BACKOFF_STEPS = 32
 PROPOSER_FREE_MISSES = 1
 #: the n-gram bounds when neither ``prompt_lookup_min`` nor ``prompt_lookup_max`` is given
 #: (vLLM's are 5 and 5, "arbitrarily chosen" in ``vllm/config/speculative.py``): a 2-gram
-#: matches again two tokens after an edit where a 5-gram needs five: 11% fewer steps over the
+#: matches again two tokens after an edit where a 5-gram needs five: 10% fewer steps over the
 #: latency bench's greedy outputs, copy and chat prompts alike (docs/speculative.md)
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 5
