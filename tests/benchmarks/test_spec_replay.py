@@ -1,6 +1,6 @@
 """benchmarks/spec_replay.py: the scheduler's speculator replayed over greedy answers counts
 the steps a drafted decode takes (exact, no timing), and a quick run answers real prompts with
-the tiny model."""
+the tiny model; benchmarks/spec_miss_cost.py: drafts that all miss, on real tiny-model steps."""
 
 from __future__ import annotations
 
@@ -66,3 +66,26 @@ def test_quick_run_answers_the_latency_benchs_copy_prompts(tiny_model_dir: Path)
         assert row["bound"] == pytest.approx(row["tokens"] / row["steps"])
         assert len(row["per_prompt"]) == 2
     assert "steps for 46 tokens" in format_replay(result)
+
+
+@pytest.mark.slow
+def test_the_miss_cost_quick_run_drafts_where_the_back_off_lets_and_accepts_nothing(
+    tiny_model_dir: Path,
+) -> None:
+    """benchmarks/spec_miss_cost.py on the tiny model: its drafts are all rejected, the
+    back-off lets the first two of every round through (one free miss, then a skip of 1), and
+    both variants' rounds are timed."""
+    from benchmarks.spec_miss_cost import MissCostConfig, format_miss_cost, run_miss_cost
+
+    result = run_miss_cost(
+        MissCostConfig(model=str(tiny_model_dir), dtype="float32", steps=10, rounds=2, k=3)
+    )
+    assert result["accepted_tokens"] == 0
+    # steps 1, 2, 4 and 8 of each round draft (free miss, then skips of 1 and 3)
+    assert result["drafted_steps"] == 2 * 4
+    assert all(len(rounds) == 2 and min(rounds) > 0 for rounds in result["seconds"].values())
+    assert result["ratio_best"] > 0 and "drafted steps" in format_miss_cost(result)
+    assert result["one_row_step_ms"] > 0 and result["drafted_step_ms"] > 0
+    assert result["ratio_from_steps"] > 0
+    with pytest.raises(ValueError, match="must be >= 1"):
+        MissCostConfig(steps=0)
