@@ -47,6 +47,7 @@ __all__ = [
     "SpeculativeStats",
     "Speculator",
     "accepted_drafts",
+    "draft_room",
     "load_proposer",
     "may_draft",
     "parse_speculative_config",
@@ -286,6 +287,18 @@ def may_draft(params: SamplingParams, num_output_tokens: int) -> bool:
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
     )
+
+
+def draft_room(step_graph_rows: int, num_decoding: int) -> int:
+    """The most draft tokens each of ``num_decoding`` decoding requests may add so that a step
+    of their rows stays within one step graph pass of ``step_graph_rows`` rows (0: no step
+    graph, no bound; a large number is returned). A step of more rows takes the model's module
+    path, several times slower per step on a CPU (fp32's graph runs 16 rows: four streams of
+    ``k`` 4 are 20 rows), so drafting there would cost more than it saves.
+    """
+    if step_graph_rows < 1:
+        return 1 << 30
+    return max(0, step_graph_rows // max(1, num_decoding) - 1)
 
 
 @runtime_checkable

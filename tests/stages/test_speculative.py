@@ -17,6 +17,7 @@ from stages.speculative import (
     SpeculativeConfig,
     Speculator,
     accepted_drafts,
+    draft_room,
     load_proposer,
     may_draft,
     parse_speculative_config,
@@ -231,3 +232,52 @@ def test_accepted_drafts_must_begin_the_draft() -> None:
         accepted_drafts(drafts, {"a": ()}, ())  # b's answer is missing
     with pytest.raises(ValueError, match="drafted none"):
         accepted_drafts(drafts, {"a": (), "b": (), "c": ()}, ())
+
+
+def test_draft_room_keeps_a_drafted_step_within_one_step_graph_pass() -> None:
+    assert draft_room(16, 1) == 15
+    assert draft_room(16, 4) == 3  # four streams of 1 + 3 rows: 16
+    assert draft_room(16, 5) == 2
+    assert draft_room(16, 16) == 0 and draft_room(16, 40) == 0
+    assert draft_room(0, 4) >= 1 << 20  # no step graph (CUDA, null model): no bound
+
+
+@pytest.mark.parametrize(("step_graph_rows", "widest"), [(0, 4 * 7), (16, 16)])
+def test_the_scheduler_drafts_within_the_step_graphs_rows(
+    step_graph_rows: int, widest: int
+) -> None:
+    """Four streams drafting ``k`` 6 with the real scheduler (execute accepts every FILLER, as
+    a greedy target that always samples it would): with the step graph's 16 rows (fp32 on a
+    CPU) their all-decode steps stay within 16 rows (3 draft tokens each), without a graph
+    they draft all 6."""
+    import dataclasses
+
+    from stages.messages import EngineRequest
+    from stages.policies import FcfsPolicy
+    from stages.scheduler import Scheduler, SchedulerConfig
+    from tests.stages.test_scheduler import FILLER, FakeClock, engine_info
+    from tests.stages.test_scheduler_prefix_cache import BookkeepingExecute
+
+    info = dataclasses.replace(engine_info(256, 4, 128), step_graph_rows=step_graph_rows)
+    spec = SpeculativeConfig(num_speculative_tokens=6, prompt_lookup_min=1, prompt_lookup_max=3)
+    scheduler = Scheduler(
+        SchedulerConfig(8, 256, None, speculative_config=spec), FcfsPolicy(), clock=FakeClock()
+    )
+    scheduler.set_engine_info(info)
+    execute = BookkeepingExecute(info.num_blocks, info.block_size, info.max_model_len)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    for index in range(4):
+        scheduler.add_request(EngineRequest(f"r{index}", (FILLER,) * 8, params))
+    widest_step = most_drafted = 0
+    for _ in range(200):
+        if not scheduler.has_work():
+            break
+        step = scheduler.schedule()
+        assert step is not None
+        if all(c.num_tokens == 1 + len(c.draft_token_ids) for c in step.chunks):
+            widest_step = max(widest_step, sum(c.num_tokens for c in step.chunks))
+            most_drafted = max([most_drafted, *(len(c.draft_token_ids) for c in step.chunks)])
+        scheduler.update(execute.run(step))
+    assert not scheduler.has_work()
+    assert widest_step == widest
+    assert most_drafted == (6 if step_graph_rows == 0 else 3)
