@@ -291,12 +291,13 @@ def may_draft(params: SamplingParams, num_output_tokens: int) -> bool:
 
 def draft_room(step_graph_rows: int, num_decoding: int) -> int:
     """The most draft tokens each of ``num_decoding`` decoding requests may add so that a step
-    of their rows stays within one step graph pass of ``step_graph_rows`` rows (0: no step
-    graph, no bound; a large number is returned). A step of more rows takes the model's module
-    path, several times slower per step on a CPU (fp32's graph runs 16 rows: four streams of
-    ``k`` 4 are 20 rows), so drafting there would cost more than it saves.
+    of their rows stays within one step graph pass of ``step_graph_rows`` rows. A step of more
+    rows takes the model's module path, many times slower per step on a CPU (fp32's graph runs
+    16 rows: four streams of ``k`` 4 are 20 rows), so drafting across that line costs more
+    than it saves. No bound (a large number) with no step graph (0 rows) or where the plain
+    decode rows exceed it already (the step takes the module path with or without drafts).
     """
-    if step_graph_rows < 1:
+    if step_graph_rows < 1 or num_decoding > step_graph_rows:
         return 1 << 30
     return max(0, step_graph_rows // max(1, num_decoding) - 1)
 

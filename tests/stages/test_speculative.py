@@ -238,8 +238,10 @@ def test_draft_room_keeps_a_drafted_step_within_one_step_graph_pass() -> None:
     assert draft_room(16, 1) == 15
     assert draft_room(16, 4) == 3  # four streams of 1 + 3 rows: 16
     assert draft_room(16, 5) == 2
-    assert draft_room(16, 16) == 0 and draft_room(16, 40) == 0
+    assert draft_room(16, 16) == 0  # the plain step fills the graph: no room
     assert draft_room(0, 4) >= 1 << 20  # no step graph (CUDA, null model): no bound
+    # 40 decode rows take the module path anyway: drafts cross no line there
+    assert draft_room(16, 40) >= 1 << 20
 
 
 @pytest.mark.parametrize(("step_graph_rows", "widest"), [(0, 4 * 7), (16, 16)])
