@@ -252,6 +252,10 @@ class EngineInfo:
     # an adapter against them before sending its request; empty: no LoRA).
     lora_targets: tuple[tuple[str, int, int], ...] = ()
     lora_layers: int = 0
+    # The most rows one CPU step graph pass runs (0: no step graph): a step of more decode rows
+    # takes the module path, so the scheduler keeps drafted steps within it
+    # (docs/speculative.md).
+    step_graph_rows: int = 0
 
 
 @message()

@@ -58,7 +58,13 @@ from stages.messages import (
     StepResult,
 )
 from stages.policies import SchedulingPolicy, StepObservation
-from stages.speculative import SpeculativeConfig, Speculator, accepted_drafts, may_draft
+from stages.speculative import (
+    SpeculativeConfig,
+    Speculator,
+    accepted_drafts,
+    draft_room,
+    may_draft,
+)
 from stages.steps_in_flight import fair_share, free_after, sum_shard_seconds
 from stages.validation import resolve_max_tokens
 
@@ -517,11 +523,26 @@ class Scheduler:
             plan.budget - 1,
             state.max_tokens - state.num_output_tokens - 1,
             self._token_limit() - state.num_tokens - 1,
+            self._draft_room(plan),
         )
         if limit < 1:
             return ()
         tokens = [*state.request.prompt_token_ids, *state.output_token_ids]
         return speculator.propose(state.request_id, tokens, limit)
+
+    def _draft_room(self, plan: _Plan) -> int:
+        """The draft tokens a decoding request may add this step: a step of the running
+        decode rows and their drafts stays within one step graph pass
+        (:func:`stages.speculative.draft_room`). Decodes are planned first, so the chunks
+        planned so far are decodes (their mirror counts them computed already)."""
+        info = self._info
+        rows = info.step_graph_rows if info is not None else 0
+        waiting = sum(
+            1
+            for s in self._running.values()
+            if s.request_id not in plan.chunks and s.num_tokens - s.num_computed_tokens == 1
+        )
+        return draft_room(rows, len(plan.chunks) + waiting)
 
     def _add_chunk(
         self,

@@ -19,7 +19,8 @@ The n-gram proposer is prompt lookup as vLLM's (``vllm/v1/spec_decode/ngram_prop
 the longest suffix of the request's tokens (prompt and output) of ``prompt_lookup_max`` down to
 ``prompt_lookup_min`` tokens that occurred earlier, and the tokens that followed its most recent
 earlier occurrence (repeating, where they reach the end of the tokens: a loop goes on); the
-config keys and their defaults as vLLM's ``SpeculativeConfig`` (``vllm/config/speculative.py``).
+config keys as vLLM's ``SpeculativeConfig`` (``vllm/config/speculative.py``), and its defaults
+but for the n-gram bounds given neither (:data:`DEFAULT_PROMPT_LOOKUP_MIN`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ from stages.params import SamplingParams
 __all__ = [
     "API_VERSION",
     "DEFAULT_DRAFT_TIMEOUT",
+    "DEFAULT_PROMPT_LOOKUP_MAX",
+    "DEFAULT_PROMPT_LOOKUP_MIN",
     "DRAFT_MODEL",
     "DRAFT_PLACEMENTS",
     "NOT_BUILT_METHODS",
+    "PROPOSER_FREE_MISSES",
     "Backoff",
     "NgramProposer",
     "Proposer",
@@ -45,6 +49,7 @@ __all__ = [
     "SpeculativeStats",
     "Speculator",
     "accepted_drafts",
+    "draft_room",
     "load_proposer",
     "may_draft",
     "parse_speculative_config",
@@ -68,6 +73,17 @@ NOT_BUILT_METHODS = (
 #: a request whose drafts were all rejected this many times in a row skips at most this many
 #: steps before it drafts again (the skip doubles with each miss: 1, 3, 7, ...)
 MAX_BACKOFF_STEPS = 32
+#: the wholly rejected drafts in a row a proposer's request makes before it backs off at all:
+#: in copy-heavy text a lone miss is an edit (the model changed a word), and the copy goes on
+#: right after it, while a miss costs only the draft's extra rows of one step (about 2% of a
+#: one-row step per row on a CPU, docs/speculative.md)
+PROPOSER_FREE_MISSES = 1
+#: the n-gram bounds when neither ``prompt_lookup_min`` nor ``prompt_lookup_max`` is given
+#: (vLLM's are 5 and 5, "arbitrarily chosen" in ``vllm/config/speculative.py``): a 2-gram
+#: matches again two tokens after an edit where a 5-gram needs five: 10% fewer steps over the
+#: latency bench's greedy outputs, copy and chat prompts alike (docs/speculative.md)
+DEFAULT_PROMPT_LOOKUP_MIN = 2
+DEFAULT_PROMPT_LOOKUP_MAX = 5
 
 _KEYS = (
     "method",
@@ -115,8 +131,9 @@ class SpeculativeConfig:
     ``method``: the proposer (a name of the ``actorline.proposers`` group; built in:
     ``"ngram"``). ``num_speculative_tokens``: the most tokens drafted per step.
     ``prompt_lookup_max`` / ``prompt_lookup_min``: the longest and shortest n-gram the n-gram
-    proposer matches (vLLM's defaults: 5 and 5 when neither is given, one the other when one
-    is). ``disable_by_batch_size``: no request drafts while this many requests or more run.
+    proposer matches (2 and 5 when neither is given, where vLLM's are 5 and 5: see
+    :data:`DEFAULT_PROMPT_LOOKUP_MIN`; one the other when one is, as vLLM's).
+    ``disable_by_batch_size``: no request drafts while this many requests or more run.
 
     With ``method`` ``"draft_model"``: ``model`` (an alias, HF directory or ``.gguf`` file of
     the same vocabulary as the target), the draft model's own ``quantization`` (``"gguf"``,
@@ -134,8 +151,8 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
-    prompt_lookup_max: int = 5
-    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     model: str | None = None
     quantization: str | None = None
@@ -275,10 +292,10 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
             f"speculative_config: {', '.join(map(repr, given))} are the draft model's keys; "
             f"method {method!r} takes none (use method 'draft_model')"
         )
-    # vLLM's defaults (vllm/config/speculative.py): one lookup bound gives the other
+    # as vLLM's (vllm/config/speculative.py) one lookup bound gives the other; neither: ours
     low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
     if low is None and high is None:
-        low = high = 5
+        low, high = DEFAULT_PROMPT_LOOKUP_MIN, DEFAULT_PROMPT_LOOKUP_MAX
     elif low is None:
         low = high
     elif high is None:
@@ -311,6 +328,19 @@ def may_draft(params: SamplingParams, num_output_tokens: int) -> bool:
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
     )
+
+
+def draft_room(step_graph_rows: int, num_decoding: int) -> int:
+    """The most draft tokens each of ``num_decoding`` decoding requests may add so that a step
+    of their rows stays within one step graph pass of ``step_graph_rows`` rows. A step of more
+    rows takes the model's module path, many times slower per step on a CPU (fp32's graph runs
+    16 rows: four streams of ``k`` 4 are 20 rows), so drafting across that line costs more
+    than it saves. No bound (a large number) with no step graph (0 rows) or where the plain
+    decode rows exceed it already (the step takes the module path with or without drafts).
+    """
+    if step_graph_rows < 1 or num_decoding > step_graph_rows:
+        return 1 << 30
+    return max(0, step_graph_rows // max(1, num_decoding) - 1)
 
 
 @runtime_checkable
@@ -455,12 +485,20 @@ class _Backoff:
 
 
 class Backoff:
-    """Per-request back-off after wholly rejected drafts: a request whose draft is wholly
-    rejected skips 1, 3, 7, ... steps (up to :data:`MAX_BACKOFF_STEPS`) before drafting again;
-    any accepted token resets it. The scheduler keeps one for its proposers, the execute
-    stage's drafter one for the draft model."""
+    """Per-request back-off after wholly rejected drafts: after ``free_misses`` wholly
+    rejected drafts in a row, each further one makes the request skip 1, 3, 7, ... steps (up
+    to :data:`MAX_BACKOFF_STEPS`) before drafting again; any accepted token resets it. The
+    scheduler keeps one for its proposers (:data:`PROPOSER_FREE_MISSES`), the execute stage's
+    drafter one for the draft model (none free: a draft model's miss costs its ``k`` steps).
 
-    def __init__(self) -> None:
+    Raises:
+        ValueError: ``free_misses`` below 0.
+    """
+
+    def __init__(self, free_misses: int = 0) -> None:
+        if type(free_misses) is not int or free_misses < 0:
+            raise ValueError(f"free_misses must be an integer >= 0, got {free_misses!r}")
+        self.free_misses = free_misses
         self._states: dict[str, _Backoff] = {}
 
     def skips(self, request_id: str) -> bool:
@@ -476,7 +514,8 @@ class Backoff:
         state = self._states.setdefault(request_id, _Backoff())
         if num_accepted == 0:
             state.misses += 1
-            state.skip = min(2**state.misses - 1, MAX_BACKOFF_STEPS)
+            if state.misses > self.free_misses:
+                state.skip = min(2 ** (state.misses - self.free_misses) - 1, MAX_BACKOFF_STEPS)
         else:
             state.misses = state.skip = 0
 
@@ -496,7 +535,7 @@ class Speculator:
         self.proposer: Proposer | None = None
         if not config.drafts_in_execute:
             self.proposer = proposer if proposer is not None else load_proposer(config)
-        self._backoff = Backoff()
+        self._backoff = Backoff(0 if config.drafts_in_execute else PROPOSER_FREE_MISSES)
         #: request id -> the draft execute proposed after its last step (draft_model)
         self._received: dict[str, tuple[int, ...]] = {}
         self._num_drafts = 0

@@ -27,10 +27,11 @@ With ``--speculative-config JSON`` actorline also runs with speculative decoding
 (``actorline+spec``, a fresh server alternated with the plain one in every round), and the
 report adds its ratio over actorline without it and its acceptance rate (drafted and accepted
 tokens from the server's ``/metrics``). ``--prompts copy`` makes every prompt ask for a text
-to be rewritten (the text itself in the prompt: copy-heavy work, where the n-gram proposer's
-drafts are accepted) instead of the ordinary chat prompts (docs/speculative.md). Where the peer
-runs, llama.cpp runs with its own speculative decoding too (``llama.cpp+spec``: the same n-gram
-config as its ``--spec-type ngram-simple``, see
+to be rewritten (the text itself in the prompt, :data:`COPY_TEXTS` of the workload's texts
+long so that the rewrite covers the tokens measured: copy-heavy work, where the n-gram
+proposer's drafts are accepted) instead of the ordinary chat prompts (docs/speculative.md).
+Where the peer runs, llama.cpp runs with its own speculative decoding too
+(``llama.cpp+spec``: the same n-gram config as its ``--spec-type ngram-simple``, see
 :func:`~pipeline.bench.llamacpp_peer.speculative_arguments`), and the report adds its ratio
 over llama.cpp without it, actorline+spec's over it, and its acceptance rate (its
 ``timings``' ``draft_n`` and ``draft_n_accepted``).
@@ -65,6 +66,7 @@ from pipeline.bench.report import add_common_arguments, format_table, print_resu
 __all__ = [
     "ACTORLINE",
     "ACTORLINE_SPEC",
+    "COPY_TEXTS",
     "LLAMACPP",
     "LLAMACPP_SPEC",
     "PEERS",
@@ -74,6 +76,7 @@ __all__ = [
     "actorline_command",
     "add_arguments",
     "copy_prompt",
+    "copy_prompts",
     "format_latency",
     "main",
     "measure_streams",
@@ -87,6 +90,10 @@ __all__ = [
 ACTORLINE = "actorline"
 ACTORLINE_SPEC = "actorline+spec"
 PROMPT_KINDS = ("chat", "copy")
+#: the workload's texts (~100 tokens each) one copy prompt's text joins: its rewrite then runs
+#: past the one stream's 256 tokens (of one text, the rewrite ended after ~110 of them and the
+#: rest, past the end of text, ignore_eos, was a new made-up conversation: no copy work)
+COPY_TEXTS = 3
 LLAMACPP = "llama.cpp"
 LLAMACPP_SPEC = "llama.cpp+spec"
 PEERS = ("llamacpp",)
@@ -356,6 +363,14 @@ def copy_prompt(text: str) -> str:
     )
 
 
+def copy_prompts(texts: Sequence[str]) -> list[str]:
+    """One copy-heavy prompt per text: each rewrites its text and the :data:`COPY_TEXTS` - 1
+    after it (wrapping around), joined as one paragraph."""
+    count = len(texts)
+    joined = (" ".join(texts[(i + j) % count] for j in range(COPY_TEXTS)) for i in range(count))
+    return [copy_prompt(text) for text in joined]
+
+
 def ratios(best: Sequence[WorkloadRun]) -> dict[str, float]:
     """actorline's headline over llama.cpp's per format and stream count."""
     ours = {(r.format, r.streams): r for r in best if r.system == ACTORLINE}
@@ -402,7 +417,7 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
     workload = make_workload(WorkloadSpec(num_requests=count, seed=config.seed))
     texts = [request.prompt for request in workload]
     if config.prompts == "copy":
-        texts = [copy_prompt(text) for text in texts]
+        texts = copy_prompts(texts)
     prompts = [prompt_ids(tokenizer, text) for text in texts]
     _ACCEPTANCE.clear()
     binary: Path | None = None

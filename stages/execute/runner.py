@@ -516,6 +516,7 @@ class ModelRunner:
             matryoshka_dimensions=matryoshka_dimensions(resolved.path),
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             lora_targets=self.lora.target_shapes() if self.lora is not None else (),
+            step_graph_rows=self._step_graph.max_rows if self._step_graph is not None else 0,
             lora_layers=self.lora.num_layers if self.lora is not None else 0,
         )
         if on_cpu and config.tune_allocator:

@@ -11,10 +11,13 @@ from pipeline.engine.options import EngineOptions
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.params import SamplingParams
 from stages.speculative import (
+    PROPOSER_FREE_MISSES,
+    Backoff,
     NgramProposer,
     SpeculativeConfig,
     Speculator,
     accepted_drafts,
+    draft_room,
     load_proposer,
     may_draft,
     parse_speculative_config,
@@ -26,8 +29,12 @@ def test_the_config_reads_vllms_keys_from_a_mapping_or_json() -> None:
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
     )
     assert config == SpeculativeConfig("ngram", 4, prompt_lookup_max=3, prompt_lookup_min=3)
+    # neither bound given: 2 to 5 (vLLM's are 5 and 5; docs/speculative.md says why)
     assert parse_speculative_config({"num_speculative_tokens": 2}) == SpeculativeConfig(
-        num_speculative_tokens=2, prompt_lookup_max=5, prompt_lookup_min=5
+        num_speculative_tokens=2, prompt_lookup_max=5, prompt_lookup_min=2
+    )
+    assert parse_speculative_config({"num_speculative_tokens": 2, "prompt_lookup_min": 3}) == (
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=3)
     )
     assert parse_speculative_config(config.to_json()) == config
     assert parse_speculative_config(None) is None
@@ -158,18 +165,50 @@ def test_the_speculator_backs_off_after_misses_and_counts_per_position() -> None
     tokens = [1, 2, 3, 1, 2]
     assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
     assert speculator.propose("r", tokens, limit=2) == (3, 1)
-    speculator.observe("r", 3, 0)  # a miss: skip one step
+    speculator.observe("r", 3, 0)  # a lone miss (an edit in copied text): drafts on
+    assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
+    speculator.observe("r", 3, 0)  # a second miss in a row: skip one step
     assert speculator.propose("r", tokens, limit=10) == ()
     assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
-    speculator.observe("r", 3, 0)  # a second miss in a row: skip three
+    speculator.observe("r", 3, 0)  # a third: skip three
     assert [speculator.propose("r", tokens, 10) for _ in range(4)] == [(), (), (), (3, 1, 2)]
-    speculator.observe("r", 3, 2)  # accepted: no more skipping
+    speculator.observe("r", 3, 2)  # accepted: no more skipping, the next miss is free again
+    assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
+    speculator.observe("r", 3, 0)
     assert speculator.propose("r", tokens, limit=10) == (3, 1, 2)
     stats = speculator.stats()
-    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 2)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (5, 15, 2)
     assert stats.accepted_per_position == (1, 1, 0)
-    assert stats.acceptance_rate == pytest.approx(2 / 9)
+    assert stats.acceptance_rate == pytest.approx(2 / 15)
     assert speculator.enabled_for(3) and not speculator.enabled_for(4)
+
+
+def test_the_back_off_skips_1_3_7_up_to_its_cap_after_its_free_misses() -> None:
+    def skipped_between_drafts(backoff: Backoff, misses: int) -> list[int]:
+        runs = []
+        for _ in range(misses):
+            backoff.observe("r", 0)
+            skipped = 0
+            while backoff.skips("r"):
+                skipped += 1
+            runs.append(skipped)
+        return runs
+
+    # the draft model's (none free) and a proposer's (one free)
+    assert skipped_between_drafts(Backoff(), 7) == [1, 3, 7, 15, 31, 32, 32]
+    assert skipped_between_drafts(Backoff(PROPOSER_FREE_MISSES), 7) == [0, 1, 3, 7, 15, 31, 32]
+    # where nothing is ever accepted, a proposer's request drafts on 8 of its first 100 steps
+    backoff, drafted, step = Backoff(PROPOSER_FREE_MISSES), 0, 0
+    while step < 100:
+        step += 1
+        if not backoff.skips("r"):
+            drafted += 1
+            backoff.observe("r", 0)
+    assert drafted == 8
+    backoff.forget("r")
+    assert not backoff.skips("r")
+    with pytest.raises(ValueError, match="free_misses"):
+        Backoff(-1)
 
 
 def test_only_requests_sampled_like_one_decode_row_draft() -> None:
@@ -193,3 +232,54 @@ def test_accepted_drafts_must_begin_the_draft() -> None:
         accepted_drafts(drafts, {"a": ()}, ())  # b's answer is missing
     with pytest.raises(ValueError, match="drafted none"):
         accepted_drafts(drafts, {"a": (), "b": (), "c": ()}, ())
+
+
+def test_draft_room_keeps_a_drafted_step_within_one_step_graph_pass() -> None:
+    assert draft_room(16, 1) == 15
+    assert draft_room(16, 4) == 3  # four streams of 1 + 3 rows: 16
+    assert draft_room(16, 5) == 2
+    assert draft_room(16, 16) == 0  # the plain step fills the graph: no room
+    assert draft_room(0, 4) >= 1 << 20  # no step graph (CUDA, null model): no bound
+    # 40 decode rows take the module path anyway: drafts cross no line there
+    assert draft_room(16, 40) >= 1 << 20
+
+
+@pytest.mark.parametrize(("step_graph_rows", "widest"), [(0, 4 * 7), (16, 16)])
+def test_the_scheduler_drafts_within_the_step_graphs_rows(
+    step_graph_rows: int, widest: int
+) -> None:
+    """Four streams drafting ``k`` 6 with the real scheduler (execute accepts every FILLER, as
+    a greedy target that always samples it would): with the step graph's 16 rows (fp32 on a
+    CPU) their all-decode steps stay within 16 rows (3 draft tokens each), without a graph
+    they draft all 6."""
+    import dataclasses
+
+    from stages.messages import EngineRequest
+    from stages.policies import FcfsPolicy
+    from stages.scheduler import Scheduler, SchedulerConfig
+    from tests.stages.test_scheduler import FILLER, FakeClock, engine_info
+    from tests.stages.test_scheduler_prefix_cache import BookkeepingExecute
+
+    info = dataclasses.replace(engine_info(256, 4, 128), step_graph_rows=step_graph_rows)
+    spec = SpeculativeConfig(num_speculative_tokens=6, prompt_lookup_min=1, prompt_lookup_max=3)
+    scheduler = Scheduler(
+        SchedulerConfig(8, 256, None, speculative_config=spec), FcfsPolicy(), clock=FakeClock()
+    )
+    scheduler.set_engine_info(info)
+    execute = BookkeepingExecute(info.num_blocks, info.block_size, info.max_model_len)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    for index in range(4):
+        scheduler.add_request(EngineRequest(f"r{index}", (FILLER,) * 8, params))
+    widest_step = most_drafted = 0
+    for _ in range(200):
+        if not scheduler.has_work():
+            break
+        step = scheduler.schedule()
+        assert step is not None
+        if all(c.num_tokens == 1 + len(c.draft_token_ids) for c in step.chunks):
+            widest_step = max(widest_step, sum(c.num_tokens for c in step.chunks))
+            most_drafted = max([most_drafted, *(len(c.draft_token_ids) for c in step.chunks)])
+        scheduler.update(execute.run(step))
+    assert not scheduler.has_work()
+    assert widest_step == widest
+    assert most_drafted == (6 if step_graph_rows == 0 else 3)

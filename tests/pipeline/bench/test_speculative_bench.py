@@ -138,6 +138,24 @@ def test_llamacpps_draft_model_options_take_the_drafts_gguf_file() -> None:
         speculative_arguments('{"model": "smollm2-135m", "num_speculative_tokens": 4}')
 
 
+def test_copy_prompts_rewrite_a_text_long_enough_for_the_tokens_measured() -> None:
+    from pipeline.bench.latency import COPY_TEXTS, copy_prompts
+    from pipeline.bench.workload import WorkloadSpec, make_workload, prompt_ids
+    from stages.tokenize import load_tokenizer
+
+    texts = [request.prompt for request in make_workload(WorkloadSpec(num_requests=6, seed=0))]
+    prompts = copy_prompts(texts)
+    assert len(prompts) == len(texts)
+    for index, prompt in enumerate(prompts):
+        paragraph = " ".join(texts[(index + j) % len(texts)] for j in range(COPY_TEXTS))
+        assert prompt.count(paragraph) == 2  # given in full, twice, as copy_prompt does
+    # the one stream's prompt holds more text to copy than its 256 tokens, and fits a
+    # slot's context (1024) with them
+    tokenizer = load_tokenizer("smollm2-135m")
+    lengths = [len(prompt_ids(tokenizer, prompt)) for prompt in prompts]
+    assert all(length // 2 > 256 for length in lengths[1:2]) and max(lengths) + 256 <= 1024
+
+
 def test_the_latency_cli_takes_a_speculative_config() -> None:
     from pipeline.bench.latency import config_from_args
 
