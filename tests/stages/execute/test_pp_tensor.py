@@ -107,9 +107,20 @@ def test_the_graph_gives_every_shard_its_own_tensor_parallel_ranks() -> None:
 def test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine(tiny6_model_dir: Path) -> None:
     model = str(tiny6_model_dir)
     expected, _ = run(outputs_of(model, num_blocks=512))
-    # a cache too small for all of them at once: requests are preempted and recomputed
+    # several steps in flight (the default micro-batches): every rank of each shard runs them
+    got, stats = run(outputs_of(model, pipeline_parallel_size=2, tensor_parallel_size=2))
+    assert got == expected
+    assert stats.communication_seconds > 0
+    # one step at a time and a cache too small for all of them at once: requests are
+    # preempted and recomputed (with steps in flight a request that does not fit waits)
     got, stats = run(
-        outputs_of(model, num_blocks=14, pipeline_parallel_size=2, tensor_parallel_size=2)
+        outputs_of(
+            model,
+            num_blocks=14,
+            pipeline_parallel_size=2,
+            tensor_parallel_size=2,
+            pipeline_parallel_micro_batches=1,
+        )
     )
     assert got == expected
     assert stats.num_preemptions > 0
