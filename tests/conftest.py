@@ -17,6 +17,20 @@ import pytest
 
 from tests.processes import child_processes
 
+#: the modules whose tests start Ray clusters (``ray start --head`` subprocesses): one worker
+#: runs them all, as does every test that takes the session's ``ray_cluster``
+RAY_MODULES = ("test_ray_started.py",)
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The group of ``item`` under ``pytest -n N --dist loadgroup`` (the Makefile's test
+    command): a worker runs a group whole, in order. A module is a group (its module-scoped
+    servers and engines start once, not once per worker), except that every test of a Ray
+    cluster is in the one group ``ray`` (one session cluster, no two heads at once)."""
+    if "ray_cluster" in getattr(item, "fixturenames", ()) or item.path.name in RAY_MODULES:
+        return "ray"
+    return item.nodeid.split("::", 1)[0]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
@@ -30,6 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
 
 
 @pytest.fixture
