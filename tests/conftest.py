@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.runtime.settings import cache_dir
 from tests.processes import child_processes
+
+#: the run's compiled native kernels (keyed by source, flags and CPU: any cache may use them)
+KERNELS = cache_dir() / "kernels"
 
 #: the modules whose tests start Ray clusters (``ray start --head`` subprocesses): one worker
 #: runs them all, as does every test that takes the session's ``ray_cluster``
@@ -170,6 +174,18 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **GGUF_LLAMA))
     return write_gguf(source, "Q8_0", tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
+
+
+def share_kernels(cache: Path) -> Path:
+    """``cache``, a cache directory of a test's own, created, with the run's compiled kernels
+    linked in as its ``kernels``: a test of the model cache starts without converted models,
+    not without kernels (a process compiles the five of them again otherwise, the C compiler
+    at -O3 for tens of seconds on a loaded machine). Returns ``cache``."""
+    KERNELS.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    if not (cache / "kernels").exists():
+        (cache / "kernels").symlink_to(KERNELS, target_is_directory=True)
+    return cache
 
 
 @contextlib.contextmanager
