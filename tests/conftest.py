@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,19 +22,34 @@ from tests.processes import child_processes
 #: the run's compiled native kernels (keyed by source, flags and CPU: any cache may use them)
 KERNELS = cache_dir() / "kernels"
 
-#: the modules whose tests start Ray clusters (``ray start --head`` subprocesses): one worker
-#: runs them all, as does every test that takes the session's ``ray_cluster``
-RAY_MODULES = ("test_ray_started.py",)
+#: the modules of the Ray tests (the session's ``ray_cluster``, ``ray start --head``
+#: subprocesses): one xdist worker runs them all (see xdist_group)
+RAY_MODULES = ("test_ray_started.py", "test_ray_engine.py", "test_ray_hosts.py", "test_parallel.py")
 
 
-def xdist_group(item: pytest.Item) -> str:
-    """The group of ``item`` under ``pytest -n N --dist loadgroup`` (the Makefile's test
-    command): a worker runs a group whole, in order. A module is a group (its module-scoped
-    servers and engines start once, not once per worker), except that every test of a Ray
-    cluster is in the one group ``ray`` (one session cluster, no two heads at once)."""
-    if "ray_cluster" in getattr(item, "fixturenames", ()) or item.path.name in RAY_MODULES:
-        return "ray"
-    return item.nodeid.split("::", 1)[0]
+def xdist_group(nodeid: str) -> str:
+    """The group of the test ``nodeid`` under ``pytest -n N --dist loadgroup`` (the Makefile's
+    test command): a worker runs a group whole, in order. A module is a group (its
+    module-scoped servers and engines start once, not once per worker), except that the Ray
+    modules are one group ``ray`` (one session cluster, no two clusters at once)."""
+    module = nodeid.split("::", 1)[0]
+    return "ray" if Path(module).name in RAY_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` groups by :func:`xdist_group`. NOTE: xdist's own loadgroup reads
+    ``xdist_group`` marks by renaming each item's ``_nodeid``, which pytest 9 no longer reads
+    (``Node.nodeid`` is ``str(self._id)``): its groups came out one test each."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -49,7 +65,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if "cuda" in item.keywords:
                 item.add_marker(skip)
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
+        uses_ray = "ray_cluster" in getattr(item, "fixturenames", ())
+        if uses_ray and item.path.name not in RAY_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} takes ray_cluster: add its module to conftest's RAY_MODULES"
+            )
 
 
 @pytest.fixture
