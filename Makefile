@@ -1,7 +1,8 @@
 # The two commands of the README:
 #   make run    set everything up, then stream a generation from the default model
-#   make test   set everything up, then lint, type-check and run the whole test suite (its
-#               25 slowest tests listed at the end, so a CI log shows where the time goes)
+#   make test   set everything up, then lint, type-check and run the whole test suite on
+#               TEST_WORKERS pytest-xdist workers (its 25 slowest tests listed at the end, so a
+#               CI log shows where the time goes)
 #
 # TORCH_SPEC picks the torch build. The default, torch==2.13.0, is the CPU build (small and
 # quick to install); on a machine with an NVIDIA GPU use e.g. `make run TORCH_SPEC=torch`.
@@ -13,6 +14,14 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test: CI's machine has 2 cores and a serial run leaves one
+# mostly idle (its tests wait on the servers and engine processes they start); a module, or
+# every test of a Ray cluster, runs whole on one worker (tests/conftest.py: xdist_group), and
+# the modules go out in the order they were collected (--no-loadscope-reorder), so both workers
+# stay in one package while its package-scoped server or engine is up (xdist's default order,
+# by test count, would mix packages and start those fixtures again on every return).
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.actorline-installed-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
@@ -57,7 +66,8 @@ typecheck: setup
 	$(BIN)/mypy
 
 test: lint typecheck browser
-	$(BIN)/python -m pytest --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+		--durations=25 $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/actorline bench transports

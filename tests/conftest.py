@@ -12,10 +12,44 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pipeline.runtime.settings import cache_dir
 from tests.processes import child_processes
+
+#: the run's compiled native kernels (keyed by source, flags and CPU: any cache may use them)
+KERNELS = cache_dir() / "kernels"
+
+#: the modules of the Ray tests (the session's ``ray_cluster``, ``ray start --head``
+#: subprocesses): one xdist worker runs them all (see xdist_group)
+RAY_MODULES = ("test_ray_started.py", "test_ray_engine.py", "test_ray_hosts.py", "test_parallel.py")
+
+
+def xdist_group(nodeid: str) -> str:
+    """The group of the test ``nodeid`` under ``pytest -n N --dist loadgroup`` (the Makefile's
+    test command): a worker runs a group whole, in order. A module is a group (its
+    module-scoped servers and engines start once, not once per worker), except that the Ray
+    modules are one group ``ray`` (one session cluster, no two clusters at once)."""
+    module = nodeid.split("::", 1)[0]
+    return "ray" if Path(module).name in RAY_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` groups by :func:`xdist_group`. NOTE: xdist's own loadgroup reads
+    ``xdist_group`` marks by renaming each item's ``_nodeid``, which pytest 9 no longer reads
+    (``Node.nodeid`` is ``str(self._id)``): its groups came out one test each."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,6 +64,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+    for item in items:
+        uses_ray = "ray_cluster" in getattr(item, "fixturenames", ())
+        if uses_ray and item.path.name not in RAY_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} takes ray_cluster: add its module to conftest's RAY_MODULES"
+            )
 
 
 @pytest.fixture
@@ -154,6 +194,18 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **GGUF_LLAMA))
     return write_gguf(source, "Q8_0", tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
+
+
+def share_kernels(cache: Path) -> Path:
+    """``cache``, a cache directory of a test's own, created, with the run's compiled kernels
+    linked in as its ``kernels``: a test of the model cache starts without converted models,
+    not without kernels (a process compiles the five of them again otherwise, the C compiler
+    at -O3 for tens of seconds on a loaded machine). Returns ``cache``."""
+    KERNELS.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    if not (cache / "kernels").exists():
+        (cache / "kernels").symlink_to(KERNELS, target_is_directory=True)
+    return cache
 
 
 @contextlib.contextmanager

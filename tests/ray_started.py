@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline.runtime.settings import cache_dir
+
 __all__ = [
     "RAY_START_TIMEOUT",
     "StartedRay",
@@ -54,8 +56,11 @@ def free_port() -> int:
 
 def user_environment(home: Path | None = None, **variables: str) -> dict[str, str]:
     """This process's environment without Ray's variables (see RAY_VARIABLES), with
-    ``variables`` and, given one, ``home`` as the home directory."""
+    ``variables`` and, given one, ``home`` as the home directory. Its actorline cache stays
+    this process's (``ACTORLINE_CACHE_DIR``): a fresh home would otherwise be a fresh cache,
+    and every cluster's engine would compile the C kernels again."""
     env = {k: v for k, v in os.environ.items() if k not in RAY_VARIABLES}
+    env.setdefault("ACTORLINE_CACHE_DIR", str(cache_dir()))
     if home is not None:
         env["HOME"] = str(home)
     return {**env, **variables}

@@ -10,7 +10,10 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["add_commands"]
+__all__ = ["HELP", "add_commands", "add_placeholder"]
+
+#: the ``bench`` command's one-line help (the full command and its placeholder share it)
+HELP = "run a benchmark (figures and how to read them: docs/performance.md)"
 
 
 def _usage_errors(
@@ -27,6 +30,13 @@ def _usage_errors(
             parser.error(str(error))
 
     return checked
+
+
+def add_placeholder(commands: Any) -> None:
+    """Add ``bench`` by name and help only, for a command line that runs another command:
+    building the benchmarks' parsers imports every benchmark module (46 modules, a fifth of
+    the CLI's start-up), which ``generate`` and ``serve`` never use."""
+    commands.add_parser("bench", help=HELP)
 
 
 def add_commands(commands: Any) -> None:
@@ -52,9 +62,7 @@ def add_commands(commands: Any) -> None:
         ("transports", transports, "links against raw pyzmq and raw grpc.aio, same bytes"),
         ("quantization", quantization, "4/8-bit weights against fp32: memory, speed, accuracy"),
     )
-    bench = commands.add_parser(
-        "bench", help="run a benchmark (figures and how to read them: docs/performance.md)"
-    )
+    bench = commands.add_parser("bench", help=HELP)
     names = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, module, help_text in benchmarks:
         parser = names.add_parser(name, help=help_text, description=help_text)

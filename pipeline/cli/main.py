@@ -93,9 +93,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``actorline`` command line's parser, every command and its flags (what :func:`main`
-    parses; the deploy test checks the manifests' commands against it)."""
+    parses; the deploy test checks the manifests' commands against it). Given the
+    ``command`` a command line runs, a command other than ``bench`` gets ``bench`` by name
+    and help only (see :func:`pipeline.cli.bench.add_placeholder`)."""
     parser = _Parser(
         prog="actorline", description="actorline: LLM inference as a pipeline of actors."
     )
@@ -124,14 +126,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     llm_commands.add_commands(commands)
-    bench_commands.add_commands(commands)
+    if command is None or command == "bench":
+        bench_commands.add_commands(commands)
+    else:
+        bench_commands.add_placeholder(commands)
     return parser
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` runs (its first argument, the top level having no options but
+    ``--help``), or None when it starts with an option."""
+    return argv[0] if argv and not argv[0].startswith("-") else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command(arguments))
+    args = parser.parse_args(arguments)
     run: Command = args.run
     try:
         return run(args)

@@ -25,13 +25,14 @@ from stages.models import (
     ModelFormatError,
     resolve_model,
 )
-from tests.conftest import small_tmpfs
+from tests.conftest import share_kernels, small_tmpfs
 
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty cache directory of the test's own (never the shared real cache)."""
-    monkeypatch.setenv("ACTORLINE_CACHE_DIR", str(tmp_path / "cache"))
+    """A cache directory of the test's own, without models (never the shared real cache; the
+    run's compiled kernels linked in)."""
+    monkeypatch.setenv("ACTORLINE_CACHE_DIR", str(share_kernels(tmp_path / "cache")))
     return tmp_path / "cache"
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from pipeline import LLM, SamplingParams
 from pipeline.cli.llm import EXIT_BROKEN_PIPE
+from tests.conftest import imported_after
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
 
@@ -282,3 +283,28 @@ def test_grpc_transport_shuts_down_without_grpc_log_lines(tiny_model_dir: Path) 
     assert result.stdout.strip()
     assert "chttp2" not in result.stderr and "goaway" not in result.stderr.lower()
     assert result.stderr == ""
+
+
+def test_a_command_other_than_bench_imports_no_benchmark() -> None:
+    """``actorline serve`` (any command but ``bench``) parses its arguments without importing
+    the benchmark modules, and the top level's help still lists ``bench`` as the full parser
+    does; ``bench`` builds every benchmark's parser."""
+    from pipeline.cli.main import build_parser
+
+    script = (
+        "import contextlib, io\n"
+        "from pipeline.cli.main import main\n"
+        "try:\n"
+        "    with contextlib.redirect_stderr(io.StringIO()):\n"
+        "        main(['serve', '--port', 'abc'])\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 2, exit.code\n"
+        "else:\n"
+        "    raise AssertionError('a bad port was accepted')\n"
+    )
+    assert imported_after(script, ["pipeline.bench", "pipeline.bench.offline"]) == []
+    full = build_parser()
+    assert build_parser("serve").format_help() == full.format_help()
+    assert "bench" in full.format_help()
+    offline = build_parser("bench").parse_args(["bench", "offline", "--model", "tiny"])
+    assert offline.benchmark == "offline" and callable(offline.run)

@@ -17,15 +17,16 @@ import pytest
 
 from pipeline import LLM
 from stages.models import ModelCacheCorruptError, resolve_model
-from tests.conftest import small_tmpfs
+from tests.conftest import share_kernels, small_tmpfs
 from tests.stages.test_model_cache import random_bytes, zero_bytes
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
 
 
 def actorline(cache: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """The CLI with ``cache`` as its cache directory (never the shared real one)."""
-    env = {**os.environ, "ACTORLINE_CACHE_DIR": str(cache)}
+    """The CLI with ``cache`` as its cache directory (never the shared real one; the run's
+    compiled kernels linked in)."""
+    env = {**os.environ, "ACTORLINE_CACHE_DIR": str(share_kernels(cache))}
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stages.execute.probe_cache import checks_passed, probe_key, record_passed
+from tests.conftest import share_kernels
 
 
 def _key(model_dir: Path, **config: object) -> str:
@@ -58,7 +59,7 @@ def test_a_second_load_skips_the_checks(
     from stages.execute.config import ExecuteConfig
     from stages.execute.runner import ModelRunner
 
-    monkeypatch.setenv("ACTORLINE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ACTORLINE_CACHE_DIR", str(share_kernels(tmp_path / "cache")))
     probes: list[int] = []
     original = runner_module.check_paged_attention
 
