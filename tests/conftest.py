@@ -24,7 +24,15 @@ KERNELS = cache_dir() / "kernels"
 
 #: the modules of the Ray tests (the session's ``ray_cluster``, ``ray start --head``
 #: subprocesses): one xdist worker runs them all (see xdist_group)
-RAY_MODULES = ("test_ray_started.py", "test_ray_engine.py", "test_ray_hosts.py", "test_parallel.py")
+RAY_MODULES = (
+    "test_ray_started.py",
+    "test_ray_engine.py",
+    "test_ray_hosts.py",
+    "test_parallel.py",
+    "test_pp_ray_nodes.py",
+    "test_ray_pipeline_bench.py",
+    "test_draft_placement.py",
+)
 
 
 def xdist_group(nodeid: str) -> str:
