@@ -33,6 +33,7 @@ from stages.execute.pp_split import check_pipeline_parallel, layer_ranges
 from stages.execute.pp_stage import hop_seconds
 from tests.conftest import TINY_LLAMA
 from tests.processes import child_processes, process_alive
+from tests.stages.execute.test_tensor_parallel import fails_every_request
 
 T = TypeVar("T")
 
@@ -284,29 +285,6 @@ def test_default_model_at_pp3_with_micro_batches_gives_the_greedy_tokens_of_one_
 # -- a shard that dies or hangs ---------------------------------------------------------------
 
 
-async def _fails_every_request(engine: AsyncEngine, hurt: Any) -> float:
-    """Start streams, ``hurt`` a shard mid-stream; every stream must end in EngineDeadError.
-    Returns how long after the hurt the last one ended."""
-    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    started = asyncio.Event()
-
-    async def stream(prompt: str) -> BaseException | None:
-        try:
-            async for _ in engine.generate(prompt, params):
-                started.set()
-        except EngineDeadError as error:
-            return error
-        return None
-
-    tasks = [asyncio.create_task(stream(prompt)) for prompt in PROMPTS[:4]]
-    await asyncio.wait_for(started.wait(), PROMPTLY)
-    hurt()
-    hurt_at = time.monotonic()
-    errors = await asyncio.wait_for(asyncio.gather(*tasks), PROMPTLY)
-    assert all(isinstance(error, EngineDeadError) for error in errors), errors
-    return time.monotonic() - hurt_at
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("shard", ["engine_pp1", "engine_pp2"])
 def test_a_killed_shard_fails_every_pending_request(tiny6_model_dir: Path, shard: str) -> None:
@@ -319,7 +297,7 @@ def test_a_killed_shard_fails_every_pending_request(tiny6_model_dir: Path, shard
         try:
             pid = pids[shard]
             assert pid is not None
-            took = await _fails_every_request(engine, lambda: os.kill(pid, signal.SIGKILL))
+            took = await fails_every_request(engine, lambda: os.kill(pid, signal.SIGKILL))
             assert isinstance(engine.failure, EngineDeadError)
             assert took < KILLED_SHARD_SECONDS, took
         finally:
@@ -343,7 +321,7 @@ def test_a_hung_shard_fails_every_pending_request_after_the_timeout(tiny6_model_
         try:
             pid = pids["engine_pp1"]
             assert pid is not None
-            took = await _fails_every_request(engine, lambda: os.kill(pid, signal.SIGSTOP))
+            took = await fails_every_request(engine, lambda: os.kill(pid, signal.SIGSTOP))
             assert "pipeline_parallel_timeout" in str(engine.failure)
             assert took <= HANG_TIMEOUT + HANG_MARGIN, took
             closing = time.monotonic()

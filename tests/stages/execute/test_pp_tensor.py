@@ -28,6 +28,7 @@ from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline
 from tests.conftest import TINY_LLAMA
 from tests.processes import process_alive
+from tests.stages.execute.test_tensor_parallel import fails_every_request
 
 T = TypeVar("T")
 
@@ -128,29 +129,6 @@ def test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine(tiny6_model_dir: Path)
     assert stats.communication_seconds > 0
 
 
-async def fails_every_request(engine: AsyncEngine, hurt: Any) -> float:
-    """Start streams, ``hurt`` a rank mid-stream; every stream must end in EngineDeadError.
-    Returns how long after the hurt the last one ended."""
-    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    started = asyncio.Event()
-
-    async def stream(prompt: str) -> BaseException | None:
-        try:
-            async for _ in engine.generate(prompt, params):
-                started.set()
-        except EngineDeadError as error:
-            return error
-        return None
-
-    tasks = [asyncio.create_task(stream(prompt)) for prompt in PROMPTS[:3]]
-    await asyncio.wait_for(started.wait(), PROMPTLY)
-    hurt()
-    hurt_at = time.monotonic()
-    errors = await asyncio.wait_for(asyncio.gather(*tasks), PROMPTLY)
-    assert all(isinstance(error, EngineDeadError) for error in errors), errors
-    return time.monotonic() - hurt_at
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"], ids=["killed", "hung"])
@@ -177,7 +155,7 @@ def test_a_killed_or_hung_rank_of_shard_1_fails_every_pending_request(
             pid = pids["engine_pp1_tp1"]
             assert pid is not None
             took = await fails_every_request(
-                engine, lambda: os.kill(pid, getattr(signal, signal_name))
+                engine, lambda: os.kill(pid, getattr(signal, signal_name)), streams=3
             )
             assert isinstance(engine.failure, EngineDeadError)
             if hang:

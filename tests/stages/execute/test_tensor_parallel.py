@@ -264,9 +264,10 @@ def test_rank_0_sends_one_shard_step_per_step_and_only_it_allocates(tiny_model_d
 # -- a rank that dies or hangs ----------------------------------------------------------------
 
 
-async def _fails_every_request(engine: AsyncEngine, hurt: Any) -> float:
-    """Start streams, ``hurt`` a rank mid-stream; every stream must end in EngineDeadError.
-    Returns how long after the hurt the last one ended."""
+async def fails_every_request(engine: AsyncEngine, hurt: Any, streams: int = 4) -> float:
+    """Start ``streams`` streams, ``hurt`` a process of the engine (a rank, a shard)
+    mid-stream; every stream must end in EngineDeadError. Returns how long after the hurt the
+    last one ended (the tensor- and pipeline-parallel failure tests share it)."""
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     started = asyncio.Event()
 
@@ -278,7 +279,7 @@ async def _fails_every_request(engine: AsyncEngine, hurt: Any) -> float:
             return error
         return None
 
-    tasks = [asyncio.create_task(stream(prompt)) for prompt in PROMPTS[:4]]
+    tasks = [asyncio.create_task(stream(prompt)) for prompt in PROMPTS[:streams]]
     await asyncio.wait_for(started.wait(), PROMPTLY)
     hurt()
     hurt_at = time.monotonic()
@@ -296,7 +297,7 @@ def test_a_killed_rank_fails_every_pending_request(tiny_model_dir: Path) -> None
         try:
             rank = pids["engine_tp1"]
             assert rank is not None
-            took = await _fails_every_request(engine, lambda: os.kill(rank, signal.SIGKILL))
+            took = await fails_every_request(engine, lambda: os.kill(rank, signal.SIGKILL))
             assert isinstance(engine.failure, EngineDeadError)
             # the runtime sees the rank's process exit at once: far less than a collective's
             # timeout (tensor_parallel_timeout, 30 s by default), docs/parallelism.md
@@ -319,7 +320,7 @@ def test_a_hung_rank_fails_every_pending_request_after_the_timeout(tiny_model_di
         try:
             rank = pids["engine_tp1"]
             assert rank is not None
-            took = await _fails_every_request(engine, lambda: os.kill(rank, signal.SIGSTOP))
+            took = await fails_every_request(engine, lambda: os.kill(rank, signal.SIGSTOP))
             assert "tensor-parallel all-reduce failed" in str(engine.failure)
             # rank 0's next all-reduce gives up after tensor_parallel_timeout
             # (docs/parallelism.md): the requests fail then, not at some later time
