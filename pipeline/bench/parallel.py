@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DataParallelResult",
+    "OfflineTiming",
     "ParallelRun",
     "PlacementRun",
     "RayResult",
@@ -55,11 +56,13 @@ __all__ = [
     "format_data_parallel",
     "format_ray",
     "format_tensor_parallel",
+    "generate_all",
     "measure_ray",
     "run_data_parallel",
     "run_ray",
     "run_ray_from_args",
     "run_tensor_parallel",
+    "time_offline",
 ]
 
 _WARMUP_TOKENS = 4
@@ -185,17 +188,62 @@ def _fresh(
 def _offline_run(
     config: TensorParallelConfig, size: int, prompts: list[list[int]], max_tokens: list[int]
 ) -> tuple[ParallelRun, tuple[tuple[int, ...], ...]]:
+    timing = time_offline(
+        config.model,
+        config.dtype,
+        prompts,
+        max_tokens,
+        config.max_num_batched_tokens,
+        **config.engine_options(size),
+    )
+    tokens, seconds = timing.tokens, timing.seconds
+    steps, communication = int(timing.change("num_steps")), timing.change("communication_seconds")
+    run = ParallelRun(size, tokens, seconds, tokens / seconds, steps, communication)
+    return run, timing.outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineTiming:
+    """One timed greedy run of the offline workload (:func:`time_offline`): the outputs, the
+    seconds they took, and the engine's statistics before and after (``EngineStats``)."""
+
+    outputs: tuple[tuple[int, ...], ...]
+    seconds: float
+    before: Any
+    after: Any
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(output) for output in self.outputs)
+
+    def change(self, field: str) -> float:
+        """How much the statistic ``field`` grew over the run (0 where there were none)."""
+        after = getattr(self.after, field) if self.after is not None else 0
+        return float(after - (getattr(self.before, field) if self.before is not None else 0))
+
+
+def time_offline(
+    model: str,
+    dtype: str,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    max_num_batched_tokens: int | None,
+    **engine: Any,
+) -> OfflineTiming:
+    """Run ``prompts`` greedily (``max_tokens`` each, EOS ignored) on a fresh ``LLM`` with
+    ``engine``'s options and room for them all, after a warm-up request; what the parallel
+    benchmarks time in each of their fresh processes."""
     from pipeline.engine.llm import LLM
     from stages.params import SamplingParams
 
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     with LLM(
-        config.model,
-        dtype=config.dtype,
-        **config.engine_options(size),
+        model,
+        dtype=dtype,
         num_blocks=blocks_to_hold(prompts, max_tokens, 16) + 1,
         max_num_seqs=max(len(prompts), 1),
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
+        **engine,
     ) as llm:
         warmup = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
         llm.generate([prompts[0]], warmup, use_tqdm=False)
@@ -205,13 +253,7 @@ def _offline_run(
         seconds = time.perf_counter() - began
         after = llm.engine.stats
     outputs = tuple(tuple(result.token_ids) for result in results)
-    tokens = sum(len(output) for output in outputs)
-    steps = (after.num_steps if after else 0) - (before.num_steps if before else 0)
-    communication = (after.communication_seconds if after else 0.0) - (
-        before.communication_seconds if before else 0.0
-    )
-    run = ParallelRun(size, tokens, seconds, tokens / seconds, steps, communication)
-    return run, outputs
+    return OfflineTiming(outputs, seconds, before, after)
 
 
 def format_tensor_parallel(result: TensorParallelResult) -> str:
@@ -459,11 +501,11 @@ async def measure_ray(
     async with on_ray, local:  # (on Ray first: a cluster that refuses, before any work)
         warmup = [params[0]]
         for engine in (local, on_ray):
-            await _generate_all(engine, prompts[:1], warmup)
+            await generate_all(engine, prompts[:1], warmup)
         for _ in range(repeats):
             for placement, engine in (("local", local), ("ray", on_ray)):
                 began = time.perf_counter()
-                results = await _generate_all(engine, prompts, params)
+                results = await generate_all(engine, prompts, params)
                 seconds = time.perf_counter() - began
                 tokens = sum(len(tokens) for tokens in results)
                 runs.append(PlacementRun(placement, tokens, seconds, tokens / seconds))
@@ -500,7 +542,7 @@ def _local_cpus_on_ray() -> float:
     return cpus
 
 
-async def _generate_all(
+async def generate_all(
     engine: AsyncEngine, prompts: Sequence[Any], params: Sequence[SamplingParams]
 ) -> list[tuple[int, ...]]:
     """Stream every prompt concurrently; each one's generated token ids."""

@@ -21,11 +21,10 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import time
 from concurrent.futures import ProcessPoolExecutor
 
+from pipeline.bench.parallel import time_offline
 from pipeline.bench.report import format_rate, format_table
-from pipeline.bench.workload import blocks_to_hold
 from stages.steps_in_flight import bubble_fraction
 
 __all__ = [
@@ -170,10 +169,6 @@ def _offline_run(
     prompts: list[list[int]],
     max_tokens: list[int],
 ) -> tuple[PipelineRun, tuple[tuple[int, ...], ...]]:
-    from pipeline.engine.llm import LLM
-    from stages.params import SamplingParams
-
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     pipeline = {}
     if shards > 1:
         pipeline = dict(
@@ -181,35 +176,22 @@ def _offline_run(
             pipeline_parallel_split=config.split,
             pipeline_parallel_micro_batches=in_flight,
         )
-    with LLM(
-        config.model,
-        dtype=config.dtype,
-        num_blocks=blocks_to_hold(prompts, max_tokens, 16) + 1,
-        max_num_seqs=max(len(prompts), 1),
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        **pipeline,
-    ) as llm:
-        warmup = SamplingParams(max_tokens=_WARMUP_TOKENS, temperature=0.0, ignore_eos=True)
-        llm.generate([prompts[0]], warmup, use_tqdm=False)
-        before = llm.engine.stats
-        began = time.perf_counter()
-        results = llm.generate(list(prompts), params, use_tqdm=False)
-        seconds = time.perf_counter() - began
-        after = llm.engine.stats
-    outputs = tuple(tuple(result.token_ids) for result in results)
-    tokens = sum(len(output) for output in outputs)
+    timing = time_offline(
+        config.model, config.dtype, prompts, max_tokens, config.max_num_batched_tokens, **pipeline
+    )
+    before, after = timing.before, timing.after
     assert after is not None
-    steps = after.num_steps - (before.num_steps if before else 0)
-    communication = after.communication_seconds - (before.communication_seconds if before else 0)
     busy_before = before.shard_busy_seconds if before else ()
     busy = tuple(
         total - (busy_before[shard] if shard < len(busy_before) else 0.0)
         for shard, total in enumerate(after.shard_busy_seconds)
     )
+    tokens, seconds = timing.tokens, timing.seconds
+    steps, communication = int(timing.change("num_steps")), timing.change("communication_seconds")
     run = PipelineRun(
         shards, in_flight, tokens, seconds, tokens / seconds, steps, communication, busy
     )
-    return run, outputs
+    return run, timing.outputs
 
 
 def format_pipeline_parallel(result: PipelineParallelResult) -> str:

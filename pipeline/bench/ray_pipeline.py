@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pipeline.bench.parallel import generate_all
 from pipeline.bench.report import format_rate, format_table, print_result
 
 if TYPE_CHECKING:
@@ -163,7 +164,7 @@ async def measure_ray_pipeline(
                 for host in sorted(engine.running.pids):
                     actor = engine.running.ray_actor(host)
                     nodes[f"pp{shards} {host}"] = str(await actor.node_id.remote())
-                await _generate_all(engine, prompts[:1], params[:1])  # warm-up
+                await generate_all(engine, prompts[:1], params[:1])  # warm-up
                 run, tokens = await _measured(engine, shards, prompts, params)
             runs.append(run)
             outputs[shards] = tokens
@@ -193,7 +194,7 @@ async def _measured(
 ) -> tuple[RayPipelineRun, list[tuple[int, ...]]]:
     before = engine.stats
     began = time.perf_counter()
-    outputs = await _generate_all(engine, prompts, params)
+    outputs = await generate_all(engine, prompts, params)
     seconds = time.perf_counter() - began
     after = engine.stats
     steps = (after.num_steps if after else 0) - (before.num_steps if before else 0)
@@ -203,24 +204,6 @@ async def _measured(
     tokens = sum(len(output) for output in outputs)
     run = RayPipelineRun(shards, tokens, seconds, tokens / seconds, steps, communication)
     return run, outputs
-
-
-async def _generate_all(
-    engine: AsyncEngine, prompts: Sequence[Any], params: Sequence[SamplingParams]
-) -> list[tuple[int, ...]]:
-    """Stream every prompt concurrently; each one's generated token ids."""
-
-    async def one(prompt: Any, sampling: SamplingParams) -> tuple[int, ...]:
-        tokens: tuple[int, ...] = ()
-        async for output in engine.generate(prompt, sampling):
-            tokens = output.token_ids
-        return tokens
-
-    return list(
-        await asyncio.gather(
-            *(one(prompt, params[index % len(params)]) for index, prompt in enumerate(prompts))
-        )
-    )
 
 
 def run_ray_pipeline_from_args(
