@@ -6,10 +6,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from transformers import LlamaConfig
 
 from stages.execute.native import fused_ops_kernel, packed_gemm_kernel, paged_decode_kernel
 from stages.execute.quant.kernel import quant_gemm_kernel
 from stages.execute.step_graph import step_graph_library
+from tests.conftest import TINY_LLAMA
 
 
 def _forget_kernels() -> None:
@@ -30,3 +32,22 @@ def no_c_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[N
     yield
     monkeypatch.undo()
     _forget_kernels()  # the next user builds (or loads from the real cache) again
+
+
+@pytest.fixture(scope="module")
+def tiny6_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The tiny Llama with 6 decoder layers (seeded; 4 query and 2 KV heads, so TP=2 divides
+    them; 6 layers split in 2 or 3 shards), the tokenizer of the 2-layer one: the pipeline-
+    and PP x TP tests' model."""
+    import shutil
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny6-llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": 6})).save_pretrained(out)
+    for name in tiny_model_dir.iterdir():
+        if not (out / name.name).exists():
+            shutil.copy(name, out / name.name)
+    return out

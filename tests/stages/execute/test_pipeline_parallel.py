@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import time
 from collections.abc import Coroutine
@@ -48,7 +47,6 @@ PROMPTLY = 60.0
 KILLED_SHARD_SECONDS = 15.0
 HANG_TIMEOUT = 2.0
 HANG_MARGIN = 10.0
-LAYERS = 6
 #: hosts may stay silent this long: on the shared 2-core machine (load ~16) the test process's
 #: own loop was seen starved past the default 10 s while engines started
 SILENCE = dict(heartbeat_timeout=60.0)
@@ -56,23 +54,6 @@ SILENCE = dict(heartbeat_timeout=60.0)
 
 def run(coroutine: Coroutine[Any, Any, T], timeout: float = 900) -> T:
     return asyncio.run(asyncio.wait_for(coroutine, timeout))
-
-
-@pytest.fixture(scope="module")
-def tiny6_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    """The tiny Llama with 6 layers (seeded), the tokenizer of the 2-layer one."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny6-llama")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": LAYERS})).save_pretrained(
-        out
-    )
-    for name in tiny_model_dir.iterdir():
-        if not (out / name.name).exists():
-            shutil.copy(name, out / name.name)
-    return out
 
 
 async def generate_all(

@@ -11,74 +11,35 @@ shards), docs/parallelism.md.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import shutil
 import signal
 import time
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from transformers import LlamaConfig
 
-from pipeline import AsyncEngine, EngineDeadError, SamplingParams
+from pipeline import AsyncEngine, EngineDeadError
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline
-from tests.conftest import TINY_LLAMA
 from tests.processes import process_alive
+from tests.stages.execute.test_pipeline_parallel import (
+    PROMPTLY,
+    PROMPTS,
+    SILENCE,
+    generate_all,
+    run,
+)
 from tests.stages.execute.test_tensor_parallel import fails_every_request
 
 T = TypeVar("T")
 
-PREFIX = " ".join(["alpha beta gamma delta"] * 10)
-PROMPTS = [f"{PREFIX} request {index} asks about {topic}" for index, topic in enumerate(
-    ["rivers", "mountains", "the sea", "old towns"]
-)] + ["short one", "The quick brown fox jumps over the lazy dog"]  # fmt: skip
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-PROMPTLY = 60.0
 #: how soon every request must fail once a rank is SIGKILLed (the runtime sees its process
 #: exit at once; the rest is the teardown of 4 processes on a loaded 2-core machine)
 KILLED_RANK_SECONDS = 30.0
 #: tensor_parallel_timeout of the hung-rank test, and how long past it the requests may take
 HANG_TIMEOUT = 2.0
 HANG_MARGIN = 15.0
-#: hosts may stay silent this long (the shared 2-core machine starves loops while 4 ranks load)
-SILENCE = dict(heartbeat_timeout=60.0)
-
-
-def run(coroutine: Coroutine[Any, Any, T], timeout: float = 900) -> T:
-    return asyncio.run(asyncio.wait_for(coroutine, timeout))
-
-
-@pytest.fixture(scope="module")
-def tiny6_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    """The tiny Llama with 6 layers (seeded; 4 query and 2 KV heads: TP=2 divides them),
-    the tokenizer of the 2-layer one."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny6-llama-tp")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": 6})).save_pretrained(out)
-    for name in tiny_model_dir.iterdir():
-        if not (out / name.name).exists():
-            shutil.copy(name, out / name.name)
-    return out
-
-
-async def generate_all(
-    engine: AsyncEngine, prompts: list[str], params: SamplingParams = GREEDY
-) -> list[tuple[int, ...]]:
-    async def one(prompt: str) -> tuple[int, ...]:
-        last = None
-        async for output in engine.generate(prompt, params):
-            last = output
-        assert last is not None and last.finish_reason == "length"
-        return last.token_ids
-
-    return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
 
 
 async def outputs_of(
