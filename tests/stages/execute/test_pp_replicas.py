@@ -27,10 +27,7 @@ from tests.stages.execute.test_pipeline_parallel import (
     SILENCE,
     generate_all,
     run,
-    tiny6_model_dir,
 )
-
-__all__ = ["tiny6_model_dir"]  # the fixture, shared with test_pipeline_parallel
 
 
 def test_each_replica_gets_its_own_chain_of_shards() -> None:
