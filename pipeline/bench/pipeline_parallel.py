@@ -35,8 +35,6 @@ __all__ = [
     "run_pipeline_parallel",
 ]
 
-_WARMUP_TOKENS = 4
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PipelineParallelConfig:
