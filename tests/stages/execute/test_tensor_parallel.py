@@ -216,6 +216,12 @@ def test_rank_0_sends_one_shard_step_per_step_and_only_it_allocates(tiny_model_d
         async with AsyncEngine(pipeline=pipeline) as engine:
             rank = engine.running.stage("execute_tp1")
             assert isinstance(rank, TensorParallelRankStage)
+            # NOTE: the engine is ready once rank 0 has loaded; rank 1 may still be sizing
+            # its KV cache after the ranks' last load-time collective (its handler returns,
+            # and sets its runner, a moment later; a ShardStep would wait in its inbox)
+            deadline = time.monotonic() + 60
+            while rank.runner is None and time.monotonic() < deadline:  # noqa: ASYNC110 - the stage's own state, polled
+                await asyncio.sleep(0.05)
             runner = rank.runner
             assert runner is not None and runner.group is not None
             allocator = runner.allocator
