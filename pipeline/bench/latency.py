@@ -31,7 +31,8 @@ to be rewritten (the text itself in the prompt, :data:`COPY_TEXTS` of the worklo
 long so that the rewrite covers the tokens measured: copy-heavy work, where the n-gram
 proposer's drafts are accepted) instead of the ordinary chat prompts (docs/speculative.md).
 Where the peer runs, llama.cpp runs with its own speculative decoding too
-(``llama.cpp+spec``: the same n-gram config as its ``--spec-type ngram-simple``, see
+(``llama.cpp+spec``: the same n-gram config as its ``--spec-type ngram-simple``, a draft
+model's GGUF file as its ``draft-simple`` without repacking, see
 :func:`~pipeline.bench.llamacpp_peer.speculative_arguments`), and the report adds its ratio
 over llama.cpp without it, actorline+spec's over it, and its acceptance rate (its
 ``timings``' ``draft_n`` and ``draft_n_accepted``).
@@ -60,6 +61,7 @@ from pipeline.bench.llamacpp_peer import (
     LlamaFormat,
     parse_timings,
     speculative_arguments,
+    speculative_repack,
 )
 from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
 
@@ -80,6 +82,7 @@ __all__ = [
     "format_latency",
     "main",
     "measure_streams",
+    "peer_speculative_options",
     "ratios",
     "run_from_args",
     "run_latency",
@@ -219,6 +222,8 @@ class LatencyResult:
     peer_speculative_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
     spec_vs_peer_ratios: dict[str, float] = dataclasses.field(default_factory=dict)
     peer_acceptance_rate: float | None = None
+    #: llama.cpp+spec's llama-server options beyond llama.cpp's (see peer_speculative_options)
+    peer_speculative_options: tuple[str, ...] = ()
 
 
 def summarize(system: str, fmt: str, traces: Sequence[StreamTrace]) -> WorkloadRun:
@@ -441,11 +446,10 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
                 command = actorline_command(config.model, fmt, config) + spec
                 systems.append((ACTORLINE_SPEC, command, None))
             if binary is not None:
-                peer_systems: list[tuple[str, list[str]]] = [(LLAMACPP, [])]
+                peer_systems: list[tuple[str, str | None]] = [(LLAMACPP, None)]
                 if config.speculative_config is not None:
-                    spec = speculative_arguments(config.speculative_config)
-                    peer_systems.append((LLAMACPP_SPEC, spec))
-                for system, extra in peer_systems:
+                    peer_systems.append((LLAMACPP_SPEC, config.speculative_config))
+                for system, speculative in peer_systems:
                     port = free_port()
                     command = llamacpp_peer.server_command(
                         binary,
@@ -455,8 +459,9 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
                         slots=config.slots,
                         context_per_slot=config.context_per_slot,
                         repack=fmt.repack,
+                        speculative=speculative,
                     )
-                    systems.append((system, command + extra, port))
+                    systems.append((system, command, port))
             if index % 2:
                 systems.reverse()
             for system, command, known_port in systems:
@@ -483,7 +488,27 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
         peer_speculative_ratios=speculative_ratios(ordered, LLAMACPP_SPEC, LLAMACPP),
         spec_vs_peer_ratios=speculative_ratios(ordered, ACTORLINE_SPEC, LLAMACPP_SPEC),
         peer_acceptance_rate=peer_drafts[1] / peer_drafts[0] if peer_drafts[0] else None,
+        peer_speculative_options=peer_speculative_options(config),
     )
+
+
+def peer_speculative_options(config: LatencyConfig) -> tuple[str, ...]:
+    """The options llama.cpp+spec's ``llama-server`` runs with beyond its speculation-less
+    twin's (empty without a speculative config or the peer): the speculative ones, and
+    ``--no-repack`` where a draft model turns repacking off for a format that allows it
+    (:func:`~pipeline.bench.llamacpp_peer.speculative_repack`).
+
+    Raises:
+        ValueError: the speculative config is not valid.
+        pipeline.bench.llamacpp_peer.LlamaPeerError: llama.cpp has no counterpart for it.
+    """
+    if config.speculative_config is None or "llamacpp" not in config.peers:
+        return ()
+    options = speculative_arguments(config.speculative_config)
+    repacks = any(FORMATS[name].repack for name in config.formats)
+    if repacks and not speculative_repack(config.speculative_config):
+        options = ["--no-repack", *options]
+    return tuple(options)
 
 
 def _acceptance_rate() -> float | None:
@@ -539,6 +564,17 @@ def format_latency(result: LatencyResult) -> str:
         lines.append(f"ratio actorline+spec / llama.cpp+spec, {key} streams: {ratio:.2f}x")
     if result.peer_acceptance_rate is not None:
         lines.append(f"llama.cpp speculative acceptance rate: {result.peer_acceptance_rate:.2f}")
+    if result.peer_speculative_options:
+        lines.append(
+            "llama.cpp+spec runs llama-server with "
+            + " ".join(result.peer_speculative_options)
+            + (
+                " (a draft model inherits the target's repacking, and its Q4_1 AMX kernel "
+                "dies of SIGILL here; an fp32/bf16 target has nothing to repack)"
+                if "--no-repack" in result.peer_speculative_options
+                else ""
+            )
+        )
     return "\n".join(lines)
 
 

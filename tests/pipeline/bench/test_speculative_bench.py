@@ -7,6 +7,7 @@ draft counts, the report's ratios)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,48 @@ def test_a_recorded_speculative_llama_server_stream_counts_its_drafts(
         parse_timings({"timings": {**trace.timings, "draft_n": "many"}})
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "q4_1"])
+def test_llamacpp_runs_a_draft_model_without_repacking_in_every_format(fmt: str) -> None:
+    # the draft inherits the target's repacking, and its Q4_1 AMX kernel died of SIGILL on
+    # an AMX Xeon before serving (exit 132): with a draft llama-server runs --no-repack
+    # (once, also for q4_1, which runs without it already); the n-gram peer keeps the format's
+    from pipeline.bench.llamacpp_peer import FORMATS, server_command, speculative_repack
+
+    draft = '{"model": "smollm2-135m", "quantization": "gguf", "num_speculative_tokens": 4}'
+    assert not speculative_repack(draft) and speculative_repack(SPEC)
+
+    def command(speculative: str | None = None) -> list[str]:
+        return server_command(
+            Path("llama-server"), Path("m.gguf"), 1, threads=2, slots=1, context_per_slot=64,
+            repack=FORMATS[fmt].repack, speculative=speculative,
+        )  # fmt: skip
+
+    with_draft = command(draft)
+    assert with_draft.count("--no-repack") == 1
+    assert with_draft[with_draft.index("--spec-type") + 1] == "draft-simple"
+    with_ngram, plain = command(SPEC), command()
+    assert ("--no-repack" in with_ngram) == ("--no-repack" in plain) == (not FORMATS[fmt].repack)
+    assert with_ngram[: len(plain)] == plain and "ngram-simple" in with_ngram
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        command('{"num_speculative_tokens": 0}')
+
+
+def test_the_latency_report_names_the_draft_peers_options() -> None:
+    from pipeline.bench.latency import LatencyConfig, peer_speculative_options
+    from stages.models import resolve_model
+
+    draft = '{"model": "smollm2-135m", "quantization": "gguf", "num_speculative_tokens": 4}'
+    options = peer_speculative_options(LatencyConfig(formats=("fp32",), speculative_config=draft))
+    assert options[0] == "--no-repack" and str(resolve_model("smollm2-135m").gguf) in options
+    # q4_1 alone runs without repacking anyway; the n-gram peer adds only its own options;
+    # actorline alone has no peer options
+    q4 = peer_speculative_options(LatencyConfig(formats=("q4_1",), speculative_config=draft))
+    assert q4 == options[1:]
+    assert "--no-repack" not in peer_speculative_options(LatencyConfig(speculative_config=SPEC))
+    alone = LatencyConfig(peers=(), speculative_config=draft)
+    assert peer_speculative_options(alone) == ()
+
+
 def _run(system: str, streams: int, rate: float, drafted: int = 0, accepted: int = 0) -> Any:
     from pipeline.bench.latency import WorkloadRun
 
@@ -247,3 +290,10 @@ def test_the_latency_report_sets_both_speculative_runs_beside_each_other() -> No
     assert "ratio actorline+spec / llama.cpp+spec, fp32 @ 1 streams: 0.80x" in text
     assert "speculative acceptance rate: 0.50" in text
     assert "llama.cpp speculative acceptance rate: 0.75" in text
+    assert "llama.cpp+spec runs llama-server with" not in text
+    drafted = dataclasses.replace(
+        result, peer_speculative_options=("--no-repack", "--spec-type", "draft-simple")
+    )
+    line = format_latency(drafted).splitlines()[-1]
+    assert line.startswith("llama.cpp+spec runs llama-server with --no-repack --spec-type ")
+    assert "SIGILL" in line
