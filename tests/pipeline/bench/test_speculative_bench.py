@@ -211,6 +211,24 @@ def test_a_recorded_speculative_llama_server_stream_counts_its_drafts(
         parse_timings({"timings": {**trace.timings, "draft_n": "many"}})
 
 
+def test_a_recorded_draft_model_llama_server_stream_counts_its_drafts(
+    recorded_llama_draft_server: ReplayServer,
+) -> None:
+    # draft-simple reports its drafts in the same timings keys as ngram-simple
+    from pipeline.bench.http_load import stream_completion
+    from pipeline.bench.latency import LLAMACPP_SPEC, summarize
+
+    async def replay() -> Any:
+        seen: list[SeenRequest] = []
+        async with await recorded_llama_draft_server(seen) as server:
+            port = server.sockets[0].getsockname()[1]
+            return await stream_completion("127.0.0.1", port, {"prompt": [1, 2], "max_tokens": 24})
+
+    run = summarize(LLAMACPP_SPEC, "fp32", [asyncio.run(replay())])
+    assert run.tokens == 24 and (run.draft_tokens, run.accepted_tokens) == (18, 18)
+    assert run.server_tokens_per_second == pytest.approx(8.386, abs=0.001)
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "q4_1"])
 def test_llamacpp_runs_a_draft_model_without_repacking_in_every_format(fmt: str) -> None:
     # the draft inherits the target's repacking, and its Q4_1 AMX kernel died of SIGILL on
