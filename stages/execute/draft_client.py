@@ -85,6 +85,22 @@ class DraftClient:
         """The draft stage's host died or was cut off: no drafts from now on."""
         self._fail(f"the draft stage was lost: {reason}")
 
+    def restored(self) -> None:
+        """The draft stage runs again on a fresh host (restarted alone,
+        :mod:`pipeline.engine.replica_heal`): no drafts until it says it has loaded its model
+        again (:meth:`on_ready`). Its draft cache is empty: each query carries the request's
+        every token (:class:`~stages.execute.draft_messages.DraftQuery`), so a running
+        request's next query registers it there and catches its cache up, as a resumed
+        request's does."""
+        if self.failure:
+            logger.warning("execute: the draft stage runs again; drafts resume once it loads")
+        self.ready = False
+        self.failure = ""
+        self._late_logged = False
+        awaited, self._awaited = self._awaited, None
+        if awaited is not None and not awaited[1].done():
+            awaited[1].set_result(DraftProposals(awaited[0], error="the draft stage restarted"))
+
     def _fail(self, reason: str) -> None:
         if not self.failure:
             self.failure = reason

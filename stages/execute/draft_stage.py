@@ -79,7 +79,13 @@ class DraftStage(Stage):
         spec = self.config.speculative_config
         model = spec.model if spec is not None and spec.model is not None else ""
         if self.drafter is not None:
-            return  # the target's info again (an engine reports it once; kept idempotent)
+            # a fresh target (its engine replica restarted alone, docs/architecture.md §4.7):
+            # the draft cache holds the old one's requests; dropped, and ready again
+            drafter = self.drafter
+            if not self.failure:
+                await self.run_in_thread(drafter.forget_all)
+            await self.emit("out", DraftReady(model, self.failure))
+            return
         drafter = Drafter(self.config)
 
         def load() -> None:

@@ -216,6 +216,11 @@ class Drafter:
                     chunks.append(ScheduledChunk(request_id, len(drafted) - 1, 1))
         return {request_id: tuple(tokens) for request_id, tokens in drafts.items() if tokens}
 
+    def forget_all(self) -> None:
+        """Drop every request the draft cache holds (a fresh target: none of its requests
+        are these), freeing their blocks."""
+        self.propose((), tuple(self._drafting))
+
     def _catch_up(
         self, request_id: str, tokens: list[int], new_requests: list[EngineRequest]
     ) -> ScheduledChunk:

@@ -40,7 +40,7 @@ import concurrent.futures
 import dataclasses
 from typing import TYPE_CHECKING
 
-from pipeline.runtime.replicas import ReplicaLost
+from pipeline.runtime.replicas import ReplicaLost, ReplicaRestored
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
 from stages.execute.crash_notes import note_step
@@ -70,6 +70,8 @@ class ExecuteStage(Stage):
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)
         self.runner: ModelRunner | None = None
+        #: what the stage reported once loaded (its ``info``)
+        self.info: EngineInfo | None = None
         self.step_threads: StepThreads | None = None
         #: the draft model, with speculative_config method draft_model (stages.execute.drafter)
         self.drafter: Drafter | None = None
@@ -132,7 +134,7 @@ class ExecuteStage(Stage):
             self.step_threads = StepThreads(self.config.omp_wait_policy if size == 1 else "")
             return dataclasses.replace(info, omp_wait_policy=self.step_threads.wait_policy)
 
-        info = await self.run_in_thread(load)
+        self.info = info = await self.run_in_thread(load)
         await self.emit("info", info)
 
     async def stop(self) -> None:
@@ -211,6 +213,18 @@ class ExecuteStage(Stage):
         ):
             self.draft_client.lost(f"{lost.error_type}: {lost.message}")
         await super().on_replica_lost(lost)
+
+    async def on_replica_restored(self, restored: ReplicaRestored) -> None:
+        # the draft stage's host restarted alone (pipeline.engine.replica_heal): tell the
+        # fresh draft stage the target, whose model it loads before it drafts again
+        if (
+            self.draft_client is not None
+            and self.info is not None
+            and all(host.endswith(DRAFT_HOST_SUFFIX) for host in restored.hosts)
+        ):
+            self.draft_client.restored()
+            await self.emit(DRAFT_PORT, self.info)
+        await super().on_replica_restored(restored)
 
     @handles(PipelineLogits)
     async def on_pipeline_logits(self, logits: PipelineLogits) -> None:
