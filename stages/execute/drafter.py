@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.draft_messages import DraftQuery
 from stages.execute.draft_tracker import DraftTracker, with_dropped
-from stages.execute.runner import ModelRunner
+from stages.execute.runner import ModelRunner, PreparedStep
 from stages.messages import (
     EngineInfo,
     EngineRequest,
@@ -143,6 +143,12 @@ class Drafter:
         assert self.target is not None
         result = self.target.execute(step)
         return self.after_step(step, result)
+
+    def after_run(self, prepared: PreparedStep) -> StepResult:
+        """Run ``prepared`` on the target (rank 0 of tensor parallelism, whose other ranks run
+        its shard), then draft as :meth:`execute` does."""
+        assert self.target is not None
+        return self.after_step(prepared.step, self.target.run(prepared))
 
     def after_step(self, step: SchedulerStep, result: StepResult) -> StepResult:
         """Track ``step``'s requests (:class:`~stages.execute.draft_tracker.DraftTracker`)

@@ -259,7 +259,12 @@ class ExecuteStage(Stage):
         prepared = await self.run_in_thread(runner.prepare, step)
         if prepared.shard is not None:
             await self.emit("ranks", prepared.shard)
-        return await self.run_in_thread(runner.run, prepared)
+        # tensor parallelism: rank 0 drafts (unsharded) for the rows all ranks verify
+        run = runner.run if self.drafter is None else self.drafter.after_run
+        result = await self.run_in_thread(run, prepared)
+        if self.draft_client is not None:  # the draft stage placed apart drafts
+            result = await self.draft_client.after_step(step, result, runner.output_token_ids)
+        return result
 
 
 def _import_model_stack() -> None:
