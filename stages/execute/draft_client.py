@@ -50,6 +50,9 @@ class DraftClient:
         self.tracker = DraftTracker(spec)
         #: whether the draft stage loaded its model for this target
         self.ready = False
+        #: its answer once it loaded (its KV cache, its host), or None
+        self.loaded: DraftReady | None = None
+        self._settled = asyncio.Event()  # it loaded, cannot draft, or was lost
         #: why no more drafts are asked for (the draft stage failed, its host died), or ""
         self.failure = ""
         #: the feed whose answer is awaited: its step id and the future its answer resolves
@@ -69,6 +72,14 @@ class DraftClient:
             return
         logger.info("execute: the draft stage drafts with %s", ready.model)
         self.ready = True
+        self.loaded = ready
+        self._settled.set()
+
+    async def settled(self) -> DraftReady | None:
+        """Wait until the draft stage has loaded its model (its answer), cannot draft, or
+        was lost (None)."""
+        await self._settled.wait()
+        return self.loaded
 
     def on_proposals(self, proposals: DraftProposals) -> None:
         """An answer: taken if it is the awaited one and still awaited, else dropped."""
@@ -102,6 +113,7 @@ class DraftClient:
             awaited[1].set_result(DraftProposals(awaited[0], error="the draft stage restarted"))
 
     def _fail(self, reason: str) -> None:
+        self._settled.set()
         if not self.failure:
             self.failure = reason
             logger.error("execute: %s; decoding goes on without speculation", reason)

@@ -45,7 +45,7 @@ from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
 from stages.execute.crash_notes import note_step
 from stages.execute.draft_client import DRAFT_PORT, DraftClient
-from stages.execute.draft_messages import DraftProposals, DraftReady
+from stages.execute.draft_messages import DraftProposals, DraftReady, with_draft_kv
 from stages.execute.draft_stage import DRAFT_HOST_SUFFIX
 from stages.execute.pp_messages import PipelineLogits
 from stages.execute.pp_stage import PipelineDriver, shard_threads
@@ -117,6 +117,8 @@ class ExecuteStage(Stage):
             await self.emit("ranks", rendezvous)
         self.runner = runner = ModelRunner(self.config, rendezvous=rendezvous, store=self._store)
 
+        host = self.host_name
+
         def load() -> EngineInfo:
             if size > 1:
                 torch.set_num_threads(threads_per_rank(size))
@@ -129,12 +131,29 @@ class ExecuteStage(Stage):
                     from stages.execute.drafter import Drafter
 
                     self.drafter = Drafter(self.config, runner)
-                    self.drafter.load()
+                    draft = self.drafter.load()
+                    info = with_draft_kv(
+                        info, spec.model or "", draft.num_blocks, draft.kv_cache_bytes, host
+                    )
             # on the worker thread: its thread count is the steps'
             self.step_threads = StepThreads(self.config.omp_wait_policy if size == 1 else "")
             return dataclasses.replace(info, omp_wait_policy=self.step_threads.wait_policy)
 
         self.info = info = await self.run_in_thread(load)
+        if self.draft_client is not None:
+            # the draft stage loads its model for this target; the info goes out with the
+            # draft's KV once it has (or cannot draft, or is lost: without)
+            await self.emit(DRAFT_PORT, info)
+            self.spawn(self._report_with_draft(self.draft_client, info))
+            return
+        await self.emit("info", info)
+
+    async def _report_with_draft(self, client: DraftClient, info: EngineInfo) -> None:
+        ready = await client.settled()
+        if ready is not None:
+            self.info = info = with_draft_kv(
+                info, ready.model, ready.num_blocks, ready.kv_cache_bytes, ready.host
+            )
         await self.emit("info", info)
 
     async def stop(self) -> None:

@@ -40,9 +40,15 @@ def _apart(model: Path, k: int = 4, **extra: Any) -> dict[str, Any]:
 
 
 def _generate(model: Path, params: Any, **options: Any) -> tuple[list[Any], Any]:
+    outputs, stats, _ = _generate_info(model, params, **options)
+    return outputs, stats
+
+
+def _generate_info(model: Path, params: Any, **options: Any) -> tuple[list[Any], Any, Any]:
+    """The outputs of PROMPTS, the engine's stats and its EngineInfo."""
     with LLM(str(model), transport="zmq", num_blocks=256, **options) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        return outputs, llm.engine.stats
+        return outputs, llm.engine.stats, llm.engine.info
 
 
 def test_the_draft_stage_is_a_node_of_the_pipeline_on_a_host_of_its_own(
@@ -55,8 +61,8 @@ def test_the_draft_stage_is_a_node_of_the_pipeline_on_a_host_of_its_own(
     assert "stage draft [DraftStage] on engine_draft" in text
     assert "stage draft_1 [DraftStage] on engine_1_draft" in text
     for suffix in ("", "_1"):
-        assert f"execute{suffix}.draft -> draft{suffix}.in" in text
-        assert f"execute{suffix}.info -> draft{suffix}.in" in text
+        assert f"execute{suffix}.draft -> draft{suffix}.in" in text  # the target's info too
+        assert f"execute{suffix}.info -> draft{suffix}.in" not in text
         assert f"draft{suffix}.out -> execute{suffix}.in" in text
     assert "replica set draft (0: engine_draft), expendable" in text
     # placed with the engine (the default): no stage of its own
@@ -109,10 +115,22 @@ def test_placement_is_checked(tiny_model_dir: Path) -> None:
 def test_greedy_outputs_identical_with_the_draft_model_on_its_own_host(
     tiny_model_dir: Path,
 ) -> None:
-    plain, _ = _generate(tiny_model_dir, GREEDY)
-    apart, stats = _generate(tiny_model_dir, GREEDY, speculative_config=_apart(tiny_model_dir))
+    plain, _, plain_info = _generate_info(tiny_model_dir, GREEDY)
+    apart, stats, info = _generate_info(
+        tiny_model_dir, GREEDY, speculative_config=_apart(tiny_model_dir)
+    )
     assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
     assert [o.text for o in apart] == [o.text for o in plain]
+    # the engine's info reports the draft model's own KV cache and its host: as many blocks
+    # as the target's, of the same size (the model drafting for itself)
+    assert (plain_info.draft_model, plain_info.draft_num_blocks, plain_info.draft_host) == (
+        "",
+        0,
+        "",
+    )
+    assert info.draft_model == str(tiny_model_dir) and info.draft_host == "engine_draft"
+    assert info.draft_num_blocks == info.num_blocks == 256
+    assert info.draft_kv_cache_bytes == info.kv_cache_bytes > 0
     # the model drafting for itself from another process: every draft token accepted
     assert stats.spec_num_drafts > 0
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
@@ -269,8 +287,11 @@ def test_a_draft_stage_that_cannot_draft_for_the_target_costs_only_the_drafts(
     # the engine starts; apart, the draft stage says why it cannot draft and the target
     # decodes on without speculation
     plain, _ = _generate(tiny_model_dir, GREEDY)
-    apart, stats = _generate(tiny_model_dir, GREEDY, speculative_config=_apart(tiny_gguf))
+    apart, stats, info = _generate_info(
+        tiny_model_dir, GREEDY, speculative_config=_apart(tiny_gguf)
+    )
     assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert (info.draft_model, info.draft_num_blocks, info.draft_kv_cache_bytes) == ("", 0, 0)
     assert stats.spec_num_drafts == 0
     assert stats.spec_num_drafts_dropped > 0
 
