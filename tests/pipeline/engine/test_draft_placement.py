@@ -239,6 +239,62 @@ def test_each_data_parallel_replica_drafts_with_its_own_draft_host(tiny_model_di
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_engine_replica_restarted_alone_drafts_with_its_draft_host_again(
+    tiny_model_dir: Path,
+) -> None:
+    # data parallelism with restart_engine: engine_1 killed, restarted alone though its draft
+    # host (a spawned host) links to it; that draft host drops the old engine's requests,
+    # answers the fresh one, and drafts for it
+    plain, _ = _generate(tiny_model_dir, GREEDY)
+
+    async def run() -> tuple[list[Any], Any]:
+        engine = AsyncEngine(
+            str(tiny_model_dir),
+            transport="zmq",
+            num_blocks=256,
+            data_parallel_size=2,
+            restart_engine=True,
+            restart_backoff=0.2,
+            speculative_config=_apart(tiny_model_dir),
+        )
+        await engine.start()
+        try:
+            restored = asyncio.Event()
+            engine.add_replica_restart_callback(lambda replica: restored.set())
+            draft_pid = engine.running.pids["engine_1_draft"]
+            old_pid = engine.running.pids["engine_1"]
+            assert old_pid is not None
+            os.kill(old_pid, signal.SIGKILL)
+            await asyncio.wait_for(restored.wait(), 120)
+            assert engine.replica_restarts == {"1": 1} and engine.draft_restarts == {}
+            assert engine.running.pids["engine_1_draft"] == draft_pid  # it lived on
+
+            async def one(index: int) -> Any:
+                final = None
+                async for output in engine.generate(
+                    {"prompt_token_ids": PROMPTS[index]}, GREEDY[index]
+                ):
+                    final = output
+                return final
+
+            outputs = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            for _ in range(100):  # the replicas' last stats follow their last outputs
+                fresh = engine.replica_stats.get("1")
+                if fresh is not None and fresh.spec_num_drafts > 0:
+                    break
+                await asyncio.sleep(0.1)
+            return list(outputs), engine.replica_stats.get("1")
+        finally:
+            await engine.close()
+
+    outputs, fresh = asyncio.run(run())
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert fresh is not None and fresh.spec_num_drafts > 0  # the fresh replica drafted
+    assert fresh.spec_num_accepted_tokens == fresh.spec_num_draft_tokens
+
+
+@pytest.mark.slow
 def test_drafts_that_come_late_are_never_used(tiny_model_dir: Path) -> None:
     # a bound no answer meets: each step goes on without its drafts, and a late answer is
     # dropped when it arrives (its drafts follow tokens the target has passed)
