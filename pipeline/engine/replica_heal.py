@@ -118,12 +118,15 @@ class ReplicaHealer:
             self.given_up.add(self.name_of(lost))
             logger.error(
                 "%s %s is in a crash loop: it died %d times within %g s "
-                "(restart_limit %d); it is given up on",
+                "(restart_limit %d); it is given up on, %s",
                 self._what,
                 self.name_of(lost),
                 policy.recent,
                 policy.window,
                 policy.limit,
+                "the engine decodes on without its drafts"
+                if self._by_set
+                else "the others serve on",
             )
             return
         logger.warning(
