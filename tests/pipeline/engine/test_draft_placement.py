@@ -16,6 +16,7 @@ import pytest
 
 from pipeline import LLM
 from pipeline.engine.async_engine import AsyncEngine
+from pipeline.engine.metrics import EngineMetrics
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline, start_options
 from stages.params import SamplingParams
@@ -201,6 +202,10 @@ def test_a_killed_draft_host_is_restarted_alone_and_drafts_again(
                     break
                 await asyncio.sleep(0.1)
             assert engine.draft_restarts == {"draft": 1}
+            metrics = EngineMetrics(engine)
+            sample = metrics.registry.get_sample_value
+            assert sample("actorline_spec_decode_draft_host_restarts_total") == 1.0
+            await metrics.aclose()
             assert engine.running.pids["engine_draft"] not in (None, old_pid)
             assert engine.restarts == 0 and engine.failure is None
             after = [o async for o in engine.generate({"prompt_token_ids": PROMPTS[2]}, params)]
