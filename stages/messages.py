@@ -256,6 +256,13 @@ class EngineInfo:
     # takes the module path, so the scheduler keeps drafted steps within it
     # (docs/speculative.md).
     step_graph_rows: int = 0
+    # The draft model of speculative decoding (docs/speculative.md; "" and 0: none, or none
+    # loaded): its name, its own KV cache (blocks of block_size tokens, bytes) and the host
+    # it runs on (the engine's host beside the target, or its draft stage's host).
+    draft_model: str = ""
+    draft_num_blocks: int = 0
+    draft_kv_cache_bytes: int = 0
+    draft_host: str = ""
 
 
 @message()

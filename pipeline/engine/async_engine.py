@@ -176,6 +176,8 @@ class AsyncEngine:
         self._replica_callbacks: list[Callable[[ReplicaLost], None]] = []
         self._replica_restart_callbacks: list[Callable[[str], None]] = []
         self._healer = ReplicaHealer(self.options, self._on_replica_restored)
+        #: restarts a lost draft host placed apart alone (docs/speculative.md)
+        self._draft_healer = ReplicaHealer(self.options, _no_callback, "draft host", by_set=True)
         self._lora = LoRAChecker(self.options.enable_lora, self.options.max_lora_rank)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -244,6 +246,7 @@ class AsyncEngine:
         self._dispatcher = self._tasks.spawn(self._dispatch(running), name="engine:dispatch")
         self._abort_sender = self._tasks.spawn(self._send_aborts(running), name="engine:aborts")
         self._healer.adopt(running)
+        self._draft_healer.adopt(running)
         running.add_replica_callback(self._on_replica_lost)
         for callback in self._replica_callbacks:
             running.add_replica_callback(_engine_replicas_only(callback))
@@ -261,6 +264,7 @@ class AsyncEngine:
             with contextlib.suppress(BaseException):
                 await restarting
         await self._healer.close()
+        await self._draft_healer.close()
         engine_ids = tuple(self._collectors)
         for engine_id in engine_ids:
             self._engine_ids.pop(self._collectors[engine_id].request_id, None)
@@ -313,6 +317,12 @@ class AsyncEngine:
         """Times each engine replica was restarted on its own (data parallelism with
         ``restart_engine``), by replica name."""
         return dict(self._healer.restarts)
+
+    @property
+    def draft_restarts(self) -> dict[str, int]:
+        """Times each draft host placed apart was restarted (docs/speculative.md), by its
+        draft stage's name (``draft``, ``draft_1``, ...)."""
+        return dict(self._draft_healer.restarts)
 
     def add_replica_restart_callback(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(replica)`` each time an engine replica restarted on its own
@@ -714,7 +724,11 @@ class AsyncEngine:
 
     def _on_replica_lost(self, lost: ReplicaLost) -> None:
         if lost.replica_set != REPLICA_SET:
-            return  # a draft host (its execute stage logs it and decodes on without drafts)
+            # a draft host: its execute stage logs it and decodes on without drafts until
+            # its fresh host drafts again (docs/speculative.md)
+            if not self._closed:
+                self._draft_healer.lost(lost)
+            return
         logger.error(
             "engine replica %s failed (%s: %s); the others serve on",
             lost.replica,
@@ -790,6 +804,7 @@ class AsyncEngine:
         self._collectors.clear()
         self._engine_ids.clear()
         self._healer.cancel()
+        self._draft_healer.cancel()
         if self.options.restart_engine and not self._closed:
             self._schedule_restart(running, dead)
         self._tell_failure(self._failure)
@@ -972,6 +987,10 @@ def _check_parent(parent: object, request_id: str) -> tuple[str, int]:
         field="parent",
         request_id=request_id,
     )
+
+
+def _no_callback(name: str) -> None:
+    """Nothing to tell when a draft host runs again (its execute stage hears it)."""
 
 
 def _engine_replicas_only(

@@ -289,6 +289,11 @@ class _SnapshotCollector(Collector):
             stats.spec_num_drafts_dropped if stats else 0,
         )
         yield counter(
+            "spec_decode_draft_host_restarts",
+            "Times a lost draft host placed apart was restarted alone, since start.",
+            sum(self._metrics.engine.draft_restarts.values()),
+        )
+        yield counter(
             "engine_restarts",
             "Times a fresh engine replaced one that died or froze (restart_engine).",
             self._metrics.engine.restarts,

@@ -450,16 +450,6 @@ class EngineOptions:
             )
         if (
             self.speculative_config is not None
-            and self.speculative_config.drafts_in_execute
-            and self.tensor_parallel_size > 1
-        ):
-            raise ValueError(
-                "speculative_config method draft_model runs with tensor_parallel_size 1: the "
-                "draft model runs beside rank 0 only, not verified with sharded ranks yet "
-                "(docs/speculative.md)"
-            )
-        if (
-            self.speculative_config is not None
             and self.speculative_config.drafts_apart
             and not self.split_processes
         ):

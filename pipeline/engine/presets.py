@@ -332,8 +332,9 @@ def _add_drafter(
 ) -> None:
     """The draft stage of the execute stage ``execute`` where the draft model is placed
     apart (docs/speculative.md "Where the draft model runs"): on a host of its own, fed by
-    execute's ``draft`` port and its ``info``, answering on execute's ``in``; the host an
-    expendable replica set, so its loss costs drafts, never the pipeline."""
+    execute's ``draft`` port (the target's info, then the feeds), answering on execute's
+    ``in``; the host an expendable replica set, so its loss costs drafts, never the
+    pipeline."""
     spec = config.speculative_config
     if spec is None or not spec.drafts_apart or engine_host == MAIN_HOST:
         return  # NOTE: before the import, as _add_ranks
@@ -342,7 +343,6 @@ def _add_drafter(
     name = f"draft{suffix}"
     host = draft_host(engine_host)
     pipeline.add(name, DraftStage, config, host=host)
-    pipeline.connect(f"{execute}.info", name)
     pipeline.connect(f"{execute}.draft", name)
     pipeline.connect(f"{name}.out", f"{execute}.in")
     pipeline.replica_set(name, {"0": (host,)}, expendable=True)

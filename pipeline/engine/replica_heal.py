@@ -10,6 +10,10 @@ bring the replica up on fresh hosts (:meth:`RunningPipeline.restore_replica
 the router routes to it again. A replica in a crash loop is given up on and stays out (the
 others serve on; when the last one dies the whole engine's restart and crash-loop rules
 apply). Replicas whose hosts run on Ray are restarted with the whole engine only.
+
+The draft host of a draft model placed apart (docs/speculative.md, "Where the draft model
+runs") is healed the same way by a healer of its own (``what`` ``"draft host"``), whether or
+not ``restart_engine`` is on: its loss costs only drafts and its restart touches no request.
 """
 
 from __future__ import annotations
@@ -34,11 +38,23 @@ logger = logging.getLogger("actorline.engine")
 
 class ReplicaHealer:
     """Restarts the lost replicas of one engine (every generation of it, see
-    :meth:`adopt`); ``on_restored(replica)`` is called after each restart."""
+    :meth:`adopt`); ``on_restored(name)`` is called after each restart. ``what``: how
+    the logs name a replica (``"engine replica"``, ``"draft host"``); ``by_set``: a replica
+    is named by its set (each draft host is the one replica of a set of its own), else by
+    its name in the set."""
 
-    def __init__(self, options: EngineOptions, on_restored: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        options: EngineOptions,
+        on_restored: Callable[[str], None],
+        what: str = "engine replica",
+        *,
+        by_set: bool = False,
+    ) -> None:
         self.options = options
         self._on_restored = on_restored
+        self._what = what
+        self._by_set = by_set
         self._running: RunningPipeline | None = None
         self._policies: dict[str, RestartPolicy] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}  # pending restarts, by replica
@@ -69,18 +85,22 @@ class ReplicaHealer:
             with contextlib.suppress(BaseException):
                 await task
 
+    def name_of(self, lost: ReplicaLost) -> str:
+        """The name the healer keeps ``lost``'s replica under (its counts, its restart)."""
+        return lost.replica_set if self._by_set else lost.replica
+
     def lost(self, lost: ReplicaLost) -> None:
         """Replica ``lost`` was cut off: count the death, schedule its restart (or give it
         up in a crash loop)."""
         running = self._running
-        if running is None or running.failure is not None or lost.replica in self._tasks:
+        if running is None or running.failure is not None or self.name_of(lost) in self._tasks:
             return
         reason = running.unrestorable(lost.replica_set, lost.replica)
         if reason:
             logger.warning(
-                "engine replica %s is not restarted on its own (%s); it comes back with the "
-                "whole engine",
-                lost.replica,
+                "%s %s is not restarted on its own (%s); it comes back with the whole engine",
+                self._what,
+                self.name_of(lost),
                 reason,
             )
             return
@@ -88,33 +108,38 @@ class ReplicaHealer:
 
     def _died(self, running: RunningPipeline, lost: ReplicaLost, died: float) -> None:
         options = self.options
-        policy = self._policies.get(lost.replica)
+        policy = self._policies.get(self.name_of(lost))
         if policy is None:
-            policy = self._policies[lost.replica] = RestartPolicy(
+            policy = self._policies[self.name_of(lost)] = RestartPolicy(
                 options.restart_backoff, options.restart_limit, options.restart_window
             )
         delay = policy.died(time.monotonic())
         if delay is None:
-            self.given_up.add(lost.replica)
+            self.given_up.add(self.name_of(lost))
             logger.error(
-                "engine replica %s is in a crash loop: it died %d times within %g s "
-                "(restart_limit %d); it is given up on, the others serve on",
-                lost.replica,
+                "%s %s is in a crash loop: it died %d times within %g s "
+                "(restart_limit %d); it is given up on, %s",
+                self._what,
+                self.name_of(lost),
                 policy.recent,
                 policy.window,
                 policy.limit,
+                "the engine decodes on without its drafts"
+                if self._by_set
+                else "the others serve on",
             )
             return
         logger.warning(
-            "restarting engine replica %s in %.3g s (%d death(s) within %g s; %d give up)",
-            lost.replica,
+            "restarting %s %s in %.3g s (%d death(s) within %g s; %d give up)",
+            self._what,
+            self.name_of(lost),
             delay,
             policy.recent,
             policy.window,
             policy.limit,
         )
-        self._tasks[lost.replica] = self._taskset.spawn(
-            self._restore(running, lost, delay, died), name=f"engine:restart:{lost.replica}"
+        self._tasks[self.name_of(lost)] = self._taskset.spawn(
+            self._restore(running, lost, delay, died), name=f"engine:restart:{self.name_of(lost)}"
         )
 
     async def _restore(
@@ -132,22 +157,24 @@ class ReplicaHealer:
                 if running.failure is not None or self._running is not running:
                     return  # the whole engine failed meanwhile: its own restart covers it
                 logger.error(
-                    "engine replica %s did not restart: %s: %s",
-                    lost.replica,
+                    "%s %s did not restart: %s: %s",
+                    self._what,
+                    self.name_of(lost),
                     type(exc).__name__,
                     exc,
                 )
-                self._tasks.pop(lost.replica, None)
+                self._tasks.pop(self.name_of(lost), None)
                 self._died(running, lost, died)
                 return
         finally:
-            if self._tasks.get(lost.replica) is asyncio.current_task():
-                del self._tasks[lost.replica]
-        self.restarts[lost.replica] += 1
+            if self._tasks.get(self.name_of(lost)) is asyncio.current_task():
+                del self._tasks[self.name_of(lost)]
+        self.restarts[self.name_of(lost)] += 1
         logger.warning(
-            "engine replica %s serves again (restart %d, %.1f s after it failed)",
-            lost.replica,
-            self.restarts[lost.replica],
+            "%s %s serves again (restart %d, %.1f s after it failed)",
+            self._what,
+            self.name_of(lost),
+            self.restarts[self.name_of(lost)],
             time.monotonic() - died,
         )
-        self._on_restored(lost.replica)
+        self._on_restored(self.name_of(lost))

@@ -29,6 +29,7 @@ __all__ = [
     "StageStatistics",
     "StartStages",
     "StopHost",
+    "TellRestored",
 ]
 
 DEFAULT_REGISTRY.register(LinkStatistics, tag_of(LinkStatistics))
@@ -108,7 +109,12 @@ class HostStatistics:
 @message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class BindLinks:
+    """Listen for every inbound cross-host link (``replica`` empty: the host's start), or
+    afresh for those from lost replica ``replica`` (``"set/replica"``), which is restored
+    (:meth:`LocalHost.rebind_replica <pipeline.runtime.host.LocalHost.rebind_replica>`)."""
+
     call_id: int
+    replica: str = ""
 
 
 @message()
@@ -121,8 +127,13 @@ class LinksBound:
 @message()
 @dataclasses.dataclass(frozen=True, slots=True)
 class ConnectLinks:
+    """Connect every outbound cross-host link (``replica`` empty), or those to restored
+    replica ``replica``, taking its links back into use
+    (:meth:`LocalHost.reconnect_replica <pipeline.runtime.host.LocalHost.reconnect_replica>`)."""
+
     call_id: int
     addresses: dict[str, str]
+    replica: str = ""
 
 
 @message()
@@ -183,6 +194,22 @@ class CutReplica:
 
     call_id: int
     lost: ReplicaLost
+    #: False: cut only (a restore that failed; the stages heard of the loss already)
+    tell: bool = True
+
+
+@message()
+@dataclasses.dataclass(frozen=True, slots=True)
+class TellRestored:
+    """Replica ``replica`` of ``replica_set`` (its ``hosts``) runs again (restored
+    ``restored`` times): deliver a :class:`~pipeline.runtime.replicas.ReplicaRestored` to
+    this host's stages linked to it."""
+
+    call_id: int
+    replica_set: str
+    replica: str
+    hosts: tuple[str, ...]
+    restored: int
 
 
 @message()

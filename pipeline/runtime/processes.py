@@ -54,6 +54,7 @@ from pipeline.runtime.control import (
     QueryStatistics,
     StartStages,
     StopHost,
+    TellRestored,
 )
 from pipeline.runtime.crash_note import CrashNoteFile, open_note
 from pipeline.runtime.errors import (
@@ -66,7 +67,7 @@ from pipeline.runtime.errors import (
 from pipeline.runtime.gc_policy import freeze_startup_heap
 from pipeline.runtime.host import FailureCallback, LinkLostCallback, LocalHost
 from pipeline.runtime.prespawn import host_command, preload_modules, take_prespawned
-from pipeline.runtime.replicas import ReplicaLost
+from pipeline.runtime.replicas import ReplicaLost, ReplicaRestored
 from pipeline.runtime.settings import child_environment
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
@@ -261,7 +262,20 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
         nonlocal built
         call_id = command.call_id
         try:
-            if isinstance(command, BindLinks):
+            if isinstance(command, BindLinks) and command.replica:
+                control.send(LinksBound(call_id, await host.rebind_replica(command.replica)))
+            elif isinstance(command, ConnectLinks) and command.replica:
+                made = map(made_ipc_directory, command.addresses.values())
+                peer_dirs.update(directory for directory in made if directory is not None)
+                await host.reconnect_replica(command.replica, command.addresses)
+                control.send(Ack(call_id))
+            elif isinstance(command, TellRestored):
+                restored = ReplicaRestored(
+                    command.replica_set, command.replica, command.hosts, command.restored
+                )
+                await host.replica_restored(restored)
+                control.send(Ack(call_id))
+            elif isinstance(command, BindLinks):
                 if not built:
                     built = True
                     try:
@@ -282,7 +296,7 @@ async def _serve(plan: HostPlan, sock: socket.socket) -> None:
             elif isinstance(command, QueryStatistics):
                 control.send(Ack(call_id, host.statistics()))
             elif isinstance(command, CutReplica):
-                await host.cut_replica(command.lost)
+                await host.cut_replica(command.lost, tell=command.tell)
                 control.send(Ack(call_id))
             elif isinstance(command, StopHost):
                 if command.phase == 1:
@@ -509,11 +523,40 @@ class ProcessHost:
         (``"set/replica"``)."""
         return any(link.contained == replica for link in (*self.plan.inbound, *self.plan.outbound))
 
-    async def cut_replica(self, lost: ReplicaLost, timeout: float = 5.0) -> None:
+    async def cut_replica(
+        self, lost: ReplicaLost, timeout: float = 5.0, *, tell: bool = True
+    ) -> None:
         """Have the host cut its links to the lost replica (:meth:`LocalHost.cut_replica`).
         Never raises (a host that cannot answer is failing on its own)."""
         with contextlib.suppress(Exception):
-            await self._call(CutReplica, lost, timeout=timeout)
+            await self._call(CutReplica, lost, tell, timeout=timeout)
+
+    async def rebind_replica(self, key: str) -> dict[str, str]:
+        """Have the host listen afresh for its links from restored replica ``key``
+        (:meth:`LocalHost.rebind_replica`); returns their addresses.
+
+        Raises:
+            HostDiedError: the host is gone. StageFailedError: the host failed doing it.
+        """
+        reply = await self._call(BindLinks, key)
+        assert isinstance(reply, LinksBound)
+        return reply.addresses
+
+    async def reconnect_replica(self, key: str, addresses: dict[str, str]) -> None:
+        """Have the host connect its links to restored replica ``key`` and take them back
+        into use (:meth:`LocalHost.reconnect_replica`). Raises as :meth:`rebind_replica`."""
+        await self._call(ConnectLinks, addresses, key)
+
+    async def replica_restored(self, restored: ReplicaRestored) -> None:
+        """Have the host tell its stages linked to the replica that it runs again
+        (:meth:`LocalHost.replica_restored`). Raises as :meth:`rebind_replica`."""
+        await self._call(
+            TellRestored,
+            restored.replica_set,
+            restored.replica,
+            restored.hosts,
+            restored.restored,
+        )
 
     async def statistics(self) -> HostStatistics:
         reply = await self._call(QueryStatistics, timeout=10.0)

@@ -570,8 +570,9 @@ class RunningPipeline:
 
     def unrestorable(self, replica_set: str, replica: str) -> str:
         """Why :meth:`restore_replica` cannot restore replica ``replica`` of ``replica_set``
-        ("" when it can): its hosts must be spawned processes (not Ray actors) and only the
-        main host may be linked to it from outside.
+        ("" when it can): its hosts must be spawned processes (not Ray actors), and so must
+        the hosts outside it linked to it (the main host, spawned hosts: each listens and
+        connects afresh; a Ray actor is not asked to).
 
         Raises:
             KeyError: no such replica set or replica.
@@ -582,10 +583,22 @@ class RunningPipeline:
             return f"its hosts {on_ray} run on Ray"
         key = f"{replica_set}/{replica}"
         linked = sorted(p.name for p in self._processes.values()
-                        if p.name not in hosts and p.links_to(key))  # fmt: skip
+                        if p.name not in hosts and not isinstance(p, ProcessHost)
+                        and p.links_to(key))  # fmt: skip
         if linked:
-            return f"spawned hosts {linked} are linked to it (only the main host may be)"
+            return f"hosts {linked} linked to it run on Ray"
         return ""
+
+    def _linked_processes(self, link_key: str, hosts: tuple[str, ...]) -> list[ProcessHost]:
+        """The live spawned hosts outside replica ``link_key`` (of ``hosts``) linked to it."""
+        return [
+            process
+            for process in self._processes.values()
+            if isinstance(process, ProcessHost)
+            and process.name not in hosts
+            and process.name not in self._lost_hosts
+            and process.links_to(link_key)
+        ]
 
     async def restore_replica(self, replica_set: str, replica: str) -> None:
         """Run lost replica ``replica`` of ``replica_set`` again on fresh hosts: spawn them
@@ -625,8 +638,11 @@ class RunningPipeline:
         # have started: a failure of theirs meanwhile is not contained (the calls below
         # raise it instead), and a link of theirs that breaks is not reported.
         self._processes.update(fresh)
+        linked = self._linked_processes(link_key, hosts)
         try:
-            await asyncio.wait_for(self._bring_up(link_key, fresh), self.options.start_timeout)
+            await asyncio.wait_for(
+                self._bring_up(link_key, fresh, linked), self.options.start_timeout
+            )
             self._raise_if_closed()
         except BaseException:
             for process in fresh.values():
@@ -634,10 +650,13 @@ class RunningPipeline:
             await asyncio.gather(*(process.kill() for process in fresh.values()))
             if self.failure is None and not self._closing:
                 error = self._lost[key]
+                lost = ReplicaLost(
+                    replica_set, replica, hosts, type(error).__qualname__, str(error)
+                )
                 # (its stages heard of the loss already and of no restore: nothing to tell)
-                await self._main.cut_replica(
-                    ReplicaLost(replica_set, replica, hosts, type(error).__qualname__, str(error)),
-                    tell=False,
+                await asyncio.gather(
+                    self._main.cut_replica(lost, tell=False),
+                    *(process.cut_replica(lost, tell=False) for process in linked),
                 )
             raise
         del self._lost[key]
@@ -646,19 +665,32 @@ class RunningPipeline:
         self._restored[key] = self._restored.get(key, 0) + 1
         logger.warning("pipeline %r: replica %s of %r runs again on fresh hosts",
                        self.pipeline.name, replica, replica_set)  # fmt: skip
-        await self._main.replica_restored(
-            ReplicaRestored(replica_set, replica, hosts, self._restored[key])
+        restored = ReplicaRestored(replica_set, replica, hosts, self._restored[key])
+        await self._main.replica_restored(restored)
+        # NOTE: a linked host that cannot be told is failing on its own (its failure is
+        # reported as any host's)
+        await asyncio.gather(
+            *(process.replica_restored(restored) for process in linked), return_exceptions=True
         )
 
-    async def _bring_up(self, link_key: str, fresh: dict[str, ProcessHost]) -> None:
-        """Spawn, link and start the fresh hosts of replica ``link_key``."""
+    async def _bring_up(
+        self, link_key: str, fresh: dict[str, ProcessHost], linked: list[ProcessHost]
+    ) -> None:
+        """Spawn, link and start the fresh hosts of replica ``link_key``; the main host and
+        the spawned hosts ``linked`` to it listen and connect afresh."""
         assert self._main is not None
         await asyncio.gather(*(process.spawn() for process in fresh.values()))
         addresses = await self._main.rebind_replica(link_key)
-        for bound in await asyncio.gather(*(process.bind_links() for process in fresh.values())):
+        for bound in await asyncio.gather(
+            *(process.bind_links() for process in fresh.values()),
+            *(process.rebind_replica(link_key) for process in linked),
+        ):
             addresses.update(bound)
         await asyncio.gather(*(process.connect_links(addresses) for process in fresh.values()))
         await self._main.reconnect_replica(link_key, addresses)
+        await asyncio.gather(
+            *(process.reconnect_replica(link_key, addresses) for process in linked)
+        )
         await asyncio.gather(*(process.start_stages() for process in fresh.values()))
 
     def replicas(self) -> list[ReplicaStatus]:

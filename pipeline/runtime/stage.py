@@ -287,6 +287,11 @@ class Stage:
         return self._name
 
     @property
+    def host_name(self) -> str:
+        """The name of the host the stage runs on ("" before the pipeline places it)."""
+        return self._host.name if self._host is not None else ""
+
+    @property
     def logger(self) -> logging.Logger:
         return logging.getLogger(f"actorline.stage.{self._name}")
 

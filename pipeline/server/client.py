@@ -111,6 +111,11 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     kv_cache_dtype: str = ""  # empty from a server older than the field
     omp_wait_policy: str = ""  # the same
+    #: speculative decoding's draft model, its own KV cache and its host ("" / 0: none)
+    draft_model: str = ""
+    draft_kv_cache_blocks: int = 0
+    draft_kv_cache_bytes: int = 0
+    draft_host: str = ""
 
 
 def _output_from_proto(response: pb.GenerateResponse) -> StreamedOutput:

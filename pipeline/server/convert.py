@@ -386,4 +386,8 @@ def model_info_to_proto(info: EngineInfo, scheduler: str) -> pb.ModelInfo:
         eos_token_ids=info.eos_token_ids,
         kv_cache_dtype=info.kv_cache_dtype,
         omp_wait_policy=info.omp_wait_policy,
+        draft_model=info.draft_model,
+        draft_kv_cache_blocks=info.draft_num_blocks,
+        draft_kv_cache_bytes=info.draft_kv_cache_bytes,
+        draft_host=info.draft_host,
     )

@@ -292,7 +292,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "kv_cache_blocks", "block_size", "kv_cache_tokens", "kv_cache_bytes", "dtype", "device", "scheduler", "prefix_caching", "eos_token_ids", "kv_cache_dtype", "omp_wait_policy")
+    __slots__ = ("model", "max_model_len", "vocab_size", "kv_cache_blocks", "block_size", "kv_cache_tokens", "kv_cache_bytes", "dtype", "device", "scheduler", "prefix_caching", "eos_token_ids", "kv_cache_dtype", "omp_wait_policy", "draft_model", "draft_kv_cache_blocks", "draft_kv_cache_bytes", "draft_host")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,10 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     OMP_WAIT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HOST_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -321,4 +325,8 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_cache_dtype: str
     omp_wait_policy: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., scheduler: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., omp_wait_policy: _Optional[str] = ...) -> None: ...
+    draft_model: str
+    draft_kv_cache_blocks: int
+    draft_kv_cache_bytes: int
+    draft_host: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., scheduler: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., omp_wait_policy: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_kv_cache_blocks: _Optional[int] = ..., draft_kv_cache_bytes: _Optional[int] = ..., draft_host: _Optional[str] = ...) -> None: ...

@@ -50,6 +50,9 @@ class DraftClient:
         self.tracker = DraftTracker(spec)
         #: whether the draft stage loaded its model for this target
         self.ready = False
+        #: its answer once it loaded (its KV cache, its host), or None
+        self.loaded: DraftReady | None = None
+        self._settled = asyncio.Event()  # it loaded, cannot draft, or was lost
         #: why no more drafts are asked for (the draft stage failed, its host died), or ""
         self.failure = ""
         #: the feed whose answer is awaited: its step id and the future its answer resolves
@@ -69,6 +72,14 @@ class DraftClient:
             return
         logger.info("execute: the draft stage drafts with %s", ready.model)
         self.ready = True
+        self.loaded = ready
+        self._settled.set()
+
+    async def settled(self) -> DraftReady | None:
+        """Wait until the draft stage has loaded its model (its answer), cannot draft, or
+        was lost (None)."""
+        await self._settled.wait()
+        return self.loaded
 
     def on_proposals(self, proposals: DraftProposals) -> None:
         """An answer: taken if it is the awaited one and still awaited, else dropped."""
@@ -85,7 +96,24 @@ class DraftClient:
         """The draft stage's host died or was cut off: no drafts from now on."""
         self._fail(f"the draft stage was lost: {reason}")
 
+    def restored(self) -> None:
+        """The draft stage runs again on a fresh host (restarted alone,
+        :mod:`pipeline.engine.replica_heal`): no drafts until it says it has loaded its model
+        again (:meth:`on_ready`). Its draft cache is empty: each query carries the request's
+        every token (:class:`~stages.execute.draft_messages.DraftQuery`), so a running
+        request's next query registers it there and catches its cache up, as a resumed
+        request's does."""
+        if self.failure:
+            logger.warning("execute: the draft stage runs again; drafts resume once it loads")
+        self.ready = False
+        self.failure = ""
+        self._late_logged = False
+        awaited, self._awaited = self._awaited, None
+        if awaited is not None and not awaited[1].done():
+            awaited[1].set_result(DraftProposals(awaited[0], error="the draft stage restarted"))
+
     def _fail(self, reason: str) -> None:
+        self._settled.set()
         if not self.failure:
             self.failure = reason
             logger.error("execute: %s; decoding goes on without speculation", reason)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from stages.messages import EngineInfo
 from transports.codec import message
 
-__all__ = ["DraftFeed", "DraftProposals", "DraftQuery", "DraftReady"]
+__all__ = ["DraftFeed", "DraftProposals", "DraftQuery", "DraftReady", "with_draft_kv"]
 
 
 @message()
@@ -60,7 +61,26 @@ class DraftProposals:
 class DraftReady:
     """The draft stage loaded ``model`` for the target it was told of (``error`` empty), or
     cannot draft for it (``error`` says why: a vocabulary not the target's, a load that
-    failed): the execute stage sends feeds only after a ready answer without error."""
+    failed): the execute stage sends feeds only after a ready answer without error.
+    Loaded: its KV cache (``num_blocks``, ``kv_cache_bytes``) and the ``host`` it runs on,
+    which the execute stage reports in its :class:`~stages.messages.EngineInfo`."""
 
     model: str
     error: str = ""
+    num_blocks: int = 0
+    kv_cache_bytes: int = 0
+    host: str = ""
+
+
+def with_draft_kv(
+    info: EngineInfo, model: str, num_blocks: int, kv_cache_bytes: int, host: str
+) -> EngineInfo:
+    """The target's ``info`` with its draft model's own KV cache (``num_blocks`` blocks of
+    the target's block size, ``kv_cache_bytes``) and the ``host`` the draft model runs on."""
+    return dataclasses.replace(
+        info,
+        draft_model=model,
+        draft_num_blocks=num_blocks,
+        draft_kv_cache_bytes=kv_cache_bytes,
+        draft_host=host,
+    )

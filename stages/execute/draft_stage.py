@@ -4,9 +4,11 @@ runs"), on a host of its own (``<engine host>_draft``: a spawned process, or a R
 engine replica's placement group under ``ray``), so the draft model runs on other cores or
 another machine than the target.
 
-Ports: ``in`` (the target's :class:`~stages.messages.EngineInfo`, once, from the execute
-stage's ``info``; then a :class:`~stages.execute.draft_messages.DraftFeed` per target step,
-from its ``draft`` port); ``out`` (:class:`~stages.execute.draft_messages.DraftReady` once,
+Ports: ``in`` (from the execute stage's ``draft`` port: the target's
+:class:`~stages.messages.EngineInfo`, once, then a
+:class:`~stages.execute.draft_messages.DraftFeed` per target step; the info again from a
+fresh target: an engine replica restarted alone); ``out``
+(:class:`~stages.execute.draft_messages.DraftReady` once per info, with its KV cache,
 then a :class:`~stages.execute.draft_messages.DraftProposals` for each feed that asked for
 drafts; linked to the execute stage's ``in``). It wraps the same
 :class:`~stages.execute.drafter.Drafter` that runs beside the target by default: its own
@@ -26,6 +28,7 @@ frontend imports every stage class to build the pipeline graph), as the execute 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -64,6 +67,8 @@ class DraftStage(Stage):
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)
         self.drafter: Drafter | None = None
+        #: what it answered once loaded
+        self._ready = DraftReady("")
         #: why it drafts no more (drafting raised), or ""
         self.failure = ""
 
@@ -79,21 +84,28 @@ class DraftStage(Stage):
         spec = self.config.speculative_config
         model = spec.model if spec is not None and spec.model is not None else ""
         if self.drafter is not None:
-            return  # the target's info again (an engine reports it once; kept idempotent)
+            # a fresh target (its engine replica restarted alone, docs/architecture.md §4.7):
+            # the draft cache holds the old one's requests; dropped, and ready again
+            drafter = self.drafter
+            if not self.failure:
+                await self.run_in_thread(drafter.forget_all)
+            await self.emit("out", dataclasses.replace(self._ready, error=self.failure))
+            return
         drafter = Drafter(self.config)
 
-        def load() -> None:
+        def load() -> EngineInfo:
             with loading():
-                drafter.load(target)
+                return drafter.load(target)
 
         try:
-            await self.run_in_thread(load)
+            info = await self.run_in_thread(load)
         except Exception as exc:  # NOTE: the drafts are lost, never a request
             logger.exception("draft: the draft model %s cannot draft for %s", model, target.model)
             await self.emit("out", DraftReady(model, f"{type(exc).__name__}: {exc}"))
             return
         self.drafter = drafter
-        await self.emit("out", DraftReady(model))
+        self._ready = DraftReady(model, "", info.num_blocks, info.kv_cache_bytes, self.host_name)
+        await self.emit("out", self._ready)
 
     @handles(DraftFeed)
     async def on_feed(self, feed: DraftFeed) -> None:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.draft_messages import DraftQuery
 from stages.execute.draft_tracker import DraftTracker, with_dropped
-from stages.execute.runner import ModelRunner
+from stages.execute.runner import ModelRunner, PreparedStep
 from stages.messages import (
     EngineInfo,
     EngineRequest,
@@ -144,6 +144,12 @@ class Drafter:
         result = self.target.execute(step)
         return self.after_step(step, result)
 
+    def after_run(self, prepared: PreparedStep) -> StepResult:
+        """Run ``prepared`` on the target (rank 0 of tensor parallelism, whose other ranks run
+        its shard), then draft as :meth:`execute` does."""
+        assert self.target is not None
+        return self.after_step(prepared.step, self.target.run(prepared))
+
     def after_step(self, step: SchedulerStep, result: StepResult) -> StepResult:
         """Track ``step``'s requests (:class:`~stages.execute.draft_tracker.DraftTracker`)
         and draft for those that may. A drafter that raises is logged once and drafts no
@@ -215,6 +221,11 @@ class Drafter:
                 if len(drafts[request_id]) < wanted[request_id]:
                     chunks.append(ScheduledChunk(request_id, len(drafted) - 1, 1))
         return {request_id: tuple(tokens) for request_id, tokens in drafts.items() if tokens}
+
+    def forget_all(self) -> None:
+        """Drop every request the draft cache holds (a fresh target: none of its requests
+        are these), freeing their blocks."""
+        self.propose((), tuple(self._drafting))
 
     def _catch_up(
         self, request_id: str, tokens: list[int], new_requests: list[EngineRequest]

@@ -40,12 +40,12 @@ import concurrent.futures
 import dataclasses
 from typing import TYPE_CHECKING
 
-from pipeline.runtime.replicas import ReplicaLost
+from pipeline.runtime.replicas import ReplicaLost, ReplicaRestored
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
 from stages.execute.crash_notes import note_step
 from stages.execute.draft_client import DRAFT_PORT, DraftClient
-from stages.execute.draft_messages import DraftProposals, DraftReady
+from stages.execute.draft_messages import DraftProposals, DraftReady, with_draft_kv
 from stages.execute.draft_stage import DRAFT_HOST_SUFFIX
 from stages.execute.pp_messages import PipelineLogits
 from stages.execute.pp_stage import PipelineDriver, shard_threads
@@ -70,6 +70,8 @@ class ExecuteStage(Stage):
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)
         self.runner: ModelRunner | None = None
+        #: what the stage reported once loaded (its ``info``)
+        self.info: EngineInfo | None = None
         self.step_threads: StepThreads | None = None
         #: the draft model, with speculative_config method draft_model (stages.execute.drafter)
         self.drafter: Drafter | None = None
@@ -115,6 +117,8 @@ class ExecuteStage(Stage):
             await self.emit("ranks", rendezvous)
         self.runner = runner = ModelRunner(self.config, rendezvous=rendezvous, store=self._store)
 
+        host = self.host_name
+
         def load() -> EngineInfo:
             if size > 1:
                 torch.set_num_threads(threads_per_rank(size))
@@ -127,12 +131,29 @@ class ExecuteStage(Stage):
                     from stages.execute.drafter import Drafter
 
                     self.drafter = Drafter(self.config, runner)
-                    self.drafter.load()
+                    draft = self.drafter.load()
+                    info = with_draft_kv(
+                        info, spec.model or "", draft.num_blocks, draft.kv_cache_bytes, host
+                    )
             # on the worker thread: its thread count is the steps'
             self.step_threads = StepThreads(self.config.omp_wait_policy if size == 1 else "")
             return dataclasses.replace(info, omp_wait_policy=self.step_threads.wait_policy)
 
-        info = await self.run_in_thread(load)
+        self.info = info = await self.run_in_thread(load)
+        if self.draft_client is not None:
+            # the draft stage loads its model for this target; the info goes out with the
+            # draft's KV once it has (or cannot draft, or is lost: without)
+            await self.emit(DRAFT_PORT, info)
+            self.spawn(self._report_with_draft(self.draft_client, info))
+            return
+        await self.emit("info", info)
+
+    async def _report_with_draft(self, client: DraftClient, info: EngineInfo) -> None:
+        ready = await client.settled()
+        if ready is not None:
+            self.info = info = with_draft_kv(
+                info, ready.model, ready.num_blocks, ready.kv_cache_bytes, ready.host
+            )
         await self.emit("info", info)
 
     async def stop(self) -> None:
@@ -212,6 +233,18 @@ class ExecuteStage(Stage):
             self.draft_client.lost(f"{lost.error_type}: {lost.message}")
         await super().on_replica_lost(lost)
 
+    async def on_replica_restored(self, restored: ReplicaRestored) -> None:
+        # the draft stage's host restarted alone (pipeline.engine.replica_heal): tell the
+        # fresh draft stage the target, whose model it loads before it drafts again
+        if (
+            self.draft_client is not None
+            and self.info is not None
+            and all(host.endswith(DRAFT_HOST_SUFFIX) for host in restored.hosts)
+        ):
+            self.draft_client.restored()
+            await self.emit(DRAFT_PORT, self.info)
+        await super().on_replica_restored(restored)
+
     @handles(PipelineLogits)
     async def on_pipeline_logits(self, logits: PipelineLogits) -> None:
         assert self._pipeline is not None
@@ -245,7 +278,12 @@ class ExecuteStage(Stage):
         prepared = await self.run_in_thread(runner.prepare, step)
         if prepared.shard is not None:
             await self.emit("ranks", prepared.shard)
-        return await self.run_in_thread(runner.run, prepared)
+        # tensor parallelism: rank 0 drafts (unsharded) for the rows all ranks verify
+        run = runner.run if self.drafter is None else self.drafter.after_run
+        result = await self.run_in_thread(run, prepared)
+        if self.draft_client is not None:  # the draft stage placed apart drafts
+            result = await self.draft_client.after_step(step, result, runner.output_token_ids)
+        return result
 
 
 def _import_model_stack() -> None:

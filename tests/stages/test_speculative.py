@@ -124,13 +124,18 @@ def test_engine_options_take_the_config_and_refuse_what_is_not_verified() -> Non
     assert tp.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
     with pytest.raises(ValueError, match="null_model"):
         EngineOptions(speculative_config={"num_speculative_tokens": 3}, null_model=True)
-    # a draft model runs beside rank 0 only: refused sharded before anything loads
-    with pytest.raises(ValueError, match="draft_model runs with tensor_parallel_size 1"):
-        EngineOptions(
-            speculative_config={"model": "smollm2-135m", "num_speculative_tokens": 3},
+    # a draft model drafts unsharded (beside rank 0, or on its own host) for the rows the
+    # ranks verify together
+    for placement in ("engine", "host"):
+        draft = EngineOptions(
+            speculative_config={
+                "model": "smollm2-135m", "num_speculative_tokens": 3, "placement": placement
+            },
             tensor_parallel_size=2,
             transport="zmq",
-        )
+        )  # fmt: skip
+        assert draft.speculative_config is not None
+        assert draft.speculative_config.drafts_in_execute
 
 
 def test_the_ngram_proposer_is_a_plugin_of_its_group() -> None:

@@ -59,9 +59,17 @@ def test_greedy_outputs_identical_with_a_draft_model(
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 7, 13, 64)
     ]
     plain, _ = generate_with(tiny_model_dir, params, num_blocks=256)
-    itself, stats = generate_with(
-        tiny_model_dir, params, num_blocks=256, speculative_config=_spec(tiny_model_dir)
-    )
+    spec = _spec(tiny_model_dir)
+    with LLM(
+        str(tiny_model_dir), transport="memory", num_blocks=256, speculative_config=spec
+    ) as llm:
+        itself = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        stats, info = llm.engine.stats, llm.engine.info
+    # the engine's info reports the draft model's own KV cache, beside the target's (on the
+    # engine's host: with transport memory every stage runs on the main host)
+    assert info.draft_model == str(tiny_model_dir) and info.draft_host == "main"
+    assert info.draft_num_blocks == info.num_blocks == 256
+    assert info.draft_kv_cache_bytes == info.kv_cache_bytes > 0
     assert [o.token_ids for o in itself] == [o.token_ids for o in plain]
     assert [o.text for o in itself] == [o.text for o in plain]
     assert [len(o.token_ids) for o in itself] == [40, 7, 13, 64]

@@ -16,6 +16,7 @@ import pytest
 
 from pipeline import LLM
 from pipeline.engine.async_engine import AsyncEngine
+from pipeline.engine.metrics import EngineMetrics
 from pipeline.engine.options import EngineOptions
 from pipeline.engine.presets import llm_pipeline, start_options
 from stages.params import SamplingParams
@@ -40,9 +41,15 @@ def _apart(model: Path, k: int = 4, **extra: Any) -> dict[str, Any]:
 
 
 def _generate(model: Path, params: Any, **options: Any) -> tuple[list[Any], Any]:
+    outputs, stats, _ = _generate_info(model, params, **options)
+    return outputs, stats
+
+
+def _generate_info(model: Path, params: Any, **options: Any) -> tuple[list[Any], Any, Any]:
+    """The outputs of PROMPTS, the engine's stats and its EngineInfo."""
     with LLM(str(model), transport="zmq", num_blocks=256, **options) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        return outputs, llm.engine.stats
+        return outputs, llm.engine.stats, llm.engine.info
 
 
 def test_the_draft_stage_is_a_node_of_the_pipeline_on_a_host_of_its_own(
@@ -55,8 +62,8 @@ def test_the_draft_stage_is_a_node_of_the_pipeline_on_a_host_of_its_own(
     assert "stage draft [DraftStage] on engine_draft" in text
     assert "stage draft_1 [DraftStage] on engine_1_draft" in text
     for suffix in ("", "_1"):
-        assert f"execute{suffix}.draft -> draft{suffix}.in" in text
-        assert f"execute{suffix}.info -> draft{suffix}.in" in text
+        assert f"execute{suffix}.draft -> draft{suffix}.in" in text  # the target's info too
+        assert f"execute{suffix}.info -> draft{suffix}.in" not in text
         assert f"draft{suffix}.out -> execute{suffix}.in" in text
     assert "replica set draft (0: engine_draft), expendable" in text
     # placed with the engine (the default): no stage of its own
@@ -109,10 +116,22 @@ def test_placement_is_checked(tiny_model_dir: Path) -> None:
 def test_greedy_outputs_identical_with_the_draft_model_on_its_own_host(
     tiny_model_dir: Path,
 ) -> None:
-    plain, _ = _generate(tiny_model_dir, GREEDY)
-    apart, stats = _generate(tiny_model_dir, GREEDY, speculative_config=_apart(tiny_model_dir))
+    plain, _, plain_info = _generate_info(tiny_model_dir, GREEDY)
+    apart, stats, info = _generate_info(
+        tiny_model_dir, GREEDY, speculative_config=_apart(tiny_model_dir)
+    )
     assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
     assert [o.text for o in apart] == [o.text for o in plain]
+    # the engine's info reports the draft model's own KV cache and its host: as many blocks
+    # as the target's, of the same size (the model drafting for itself)
+    assert (plain_info.draft_model, plain_info.draft_num_blocks, plain_info.draft_host) == (
+        "",
+        0,
+        "",
+    )
+    assert info.draft_model == str(tiny_model_dir) and info.draft_host == "engine_draft"
+    assert info.draft_num_blocks == info.num_blocks == 256
+    assert info.draft_kv_cache_bytes == info.kv_cache_bytes > 0
     # the model drafting for itself from another process: every draft token accepted
     assert stats.spec_num_drafts > 0
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
@@ -141,14 +160,16 @@ def test_sampling_with_the_draft_model_apart_keeps_the_target_distribution(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_killed_draft_host_leaves_the_requests_decoding_without_speculation(
+def test_a_killed_draft_host_is_restarted_alone_and_drafts_again(
     tiny_model_dir: Path,
 ) -> None:
+    # SIGKILLed mid-stream: the streams finish greedy-identical (without drafts meanwhile),
+    # the draft host is restarted alone, and later requests are drafted for again
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     with LLM(str(tiny_model_dir), transport="zmq", num_blocks=256) as llm:
         plain = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
 
-    async def run() -> tuple[list[Any], Any, list[Any]]:
+    async def run() -> tuple[list[Any], list[Any], list[Any]]:
         engine = AsyncEngine(
             str(tiny_model_dir),
             transport="zmq",
@@ -158,36 +179,51 @@ def test_a_killed_draft_host_leaves_the_requests_decoding_without_speculation(
         await engine.start()
         try:
             killed = asyncio.Event()
+            old_pid = engine.running.pids["engine_draft"]
+            assert old_pid is not None
 
             async def one(index: int) -> Any:
                 final = None
-                count = 0
                 async for output in engine.generate(
                     {"prompt_token_ids": PROMPTS[index]}, params, request_id=f"r{index}"
                 ):
                     final = output
-                    count = len(output.token_ids)
-                    if index == 0 and count >= 30 and not killed.is_set():
+                    if index == 0 and len(output.token_ids) >= 30 and not killed.is_set():
                         killed.set()
-                        pid = engine.running.pids["engine_draft"]
-                        assert pid is not None
-                        os.kill(pid, signal.SIGKILL)
+                        os.kill(old_pid, signal.SIGKILL)
                 return final
 
             outputs = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
             assert killed.is_set()
-            # new requests after the loss are served (without drafts)
+            stats = [engine.stats]
+            # restarted alone, on a fresh process (a generous bound: a loaded machine)
+            for _ in range(1200):
+                if engine.draft_restarts.get("draft") == 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert engine.draft_restarts == {"draft": 1}
+            metrics = EngineMetrics(engine)
+            sample = metrics.registry.get_sample_value
+            assert sample("actorline_spec_decode_draft_host_restarts_total") == 1.0
+            await metrics.aclose()
+            assert engine.running.pids["engine_draft"] not in (None, old_pid)
+            assert engine.restarts == 0 and engine.failure is None
             after = [o async for o in engine.generate({"prompt_token_ids": PROMPTS[2]}, params)]
-            return list(outputs), engine.stats, after
+            stats.append(engine.stats)
+            return list(outputs), after, stats
         finally:
             await engine.close()
 
-    outputs, stats, after = asyncio.run(run())
+    outputs, after, (killed_stats, later) = asyncio.run(run())
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
     assert all(o.finish_reason == "length" for o in outputs)
     assert after[-1].token_ids == plain[2].token_ids
-    assert stats.spec_num_drafts > 0  # it drafted before the kill
-    assert stats.spec_num_drafts_dropped > 0  # and went without drafts after it
+    assert killed_stats.spec_num_drafts > 0  # it drafted before the kill
+    assert killed_stats.spec_num_drafts_dropped > 0  # and went without drafts after it
+    # the fresh draft host drafts again: the counters rise, every draft accepted (the model
+    # drafting for itself)
+    assert later.spec_num_drafts > killed_stats.spec_num_drafts
+    assert later.spec_num_accepted_tokens > killed_stats.spec_num_accepted_tokens
 
 
 @pytest.mark.slow
@@ -205,6 +241,62 @@ def test_each_data_parallel_replica_drafts_with_its_own_draft_host(tiny_model_di
     )
     assert [o.token_ids for o in beside] == [o.token_ids for o in plain]
     assert stats.spec_num_drafts > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_engine_replica_restarted_alone_drafts_with_its_draft_host_again(
+    tiny_model_dir: Path,
+) -> None:
+    # data parallelism with restart_engine: engine_1 killed, restarted alone though its draft
+    # host (a spawned host) links to it; that draft host drops the old engine's requests,
+    # answers the fresh one, and drafts for it
+    plain, _ = _generate(tiny_model_dir, GREEDY)
+
+    async def run() -> tuple[list[Any], Any]:
+        engine = AsyncEngine(
+            str(tiny_model_dir),
+            transport="zmq",
+            num_blocks=256,
+            data_parallel_size=2,
+            restart_engine=True,
+            restart_backoff=0.2,
+            speculative_config=_apart(tiny_model_dir),
+        )
+        await engine.start()
+        try:
+            restored = asyncio.Event()
+            engine.add_replica_restart_callback(lambda replica: restored.set())
+            draft_pid = engine.running.pids["engine_1_draft"]
+            old_pid = engine.running.pids["engine_1"]
+            assert old_pid is not None
+            os.kill(old_pid, signal.SIGKILL)
+            await asyncio.wait_for(restored.wait(), 120)
+            assert engine.replica_restarts == {"1": 1} and engine.draft_restarts == {}
+            assert engine.running.pids["engine_1_draft"] == draft_pid  # it lived on
+
+            async def one(index: int) -> Any:
+                final = None
+                async for output in engine.generate(
+                    {"prompt_token_ids": PROMPTS[index]}, GREEDY[index]
+                ):
+                    final = output
+                return final
+
+            outputs = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            for _ in range(100):  # the replicas' last stats follow their last outputs
+                fresh = engine.replica_stats.get("1")
+                if fresh is not None and fresh.spec_num_drafts > 0:
+                    break
+                await asyncio.sleep(0.1)
+            return list(outputs), engine.replica_stats.get("1")
+        finally:
+            await engine.close()
+
+    outputs, fresh = asyncio.run(run())
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert fresh is not None and fresh.spec_num_drafts > 0  # the fresh replica drafted
+    assert fresh.spec_num_accepted_tokens == fresh.spec_num_draft_tokens
 
 
 @pytest.mark.slow
@@ -256,8 +348,11 @@ def test_a_draft_stage_that_cannot_draft_for_the_target_costs_only_the_drafts(
     # the engine starts; apart, the draft stage says why it cannot draft and the target
     # decodes on without speculation
     plain, _ = _generate(tiny_model_dir, GREEDY)
-    apart, stats = _generate(tiny_model_dir, GREEDY, speculative_config=_apart(tiny_gguf))
+    apart, stats, info = _generate_info(
+        tiny_model_dir, GREEDY, speculative_config=_apart(tiny_gguf)
+    )
     assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert (info.draft_model, info.draft_num_blocks, info.draft_kv_cache_bytes) == ("", 0, 0)
     assert stats.spec_num_drafts == 0
     assert stats.spec_num_drafts_dropped > 0
 

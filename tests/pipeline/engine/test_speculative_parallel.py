@@ -1,6 +1,7 @@
 """Speculative decoding with tensor and data parallelism, real processes (docs/speculative.md):
 
-- TP=2 (two gloo ranks): rank 0 samples and verifies, both ranks run the drafted rows of every
+- TP=2 (two gloo ranks), the n-gram proposer or a draft model (beside rank 0 or on a host of
+  its own, unsharded): rank 0 samples and verifies, both ranks run the drafted rows of every
   step and the same block tables (rank 0 truncates them after a rejection, the next step's
   ShardStep carries the truncated ones), so greedy outputs equal those without speculation,
   also through preemptions, and a seeded sampled run equals TP=1's speculative one; the
@@ -113,6 +114,33 @@ def test_tp2_verifies_drafts_together_greedy_and_seeded(tiny_model_dir: Path) ->
     )
     assert sampled == expected
     assert sampled_stats.spec_num_drafts > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tp2_verifies_a_draft_models_drafts_together_in_either_placement(
+    tiny_model_dir: Path,
+) -> None:
+    # the draft model (the tiny model drafting for itself) runs unsharded, beside rank 0 or on
+    # a host of its own; the ranks verify its drafted rows together
+    greedy = [GREEDY] * len(PROMPTS)
+    plain, _, _ = run(outputs_of(tiny_model_dir, greedy, tensor_parallel_size=2))
+    for placement in ("engine", "host"):
+        draft = {
+            "method": "draft_model",
+            "model": str(tiny_model_dir),
+            "num_speculative_tokens": 3,
+            "disable_by_batch_size": 256,
+            "placement": placement,
+            "draft_timeout": 60,  # (placement host) a bound a loaded machine always meets
+        }
+        spec, stats, _ = run(
+            outputs_of(tiny_model_dir, greedy, tensor_parallel_size=2, speculative_config=draft)
+        )
+        assert spec == plain, placement
+        assert stats.spec_num_drafts > 0, placement
+        assert stats.spec_num_accepted_tokens > 0, placement
+        assert stats.spec_num_drafts_dropped == 0, placement
 
 
 @pytest.mark.slow

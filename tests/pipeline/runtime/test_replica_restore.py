@@ -120,3 +120,40 @@ def test_a_restore_whose_host_fails_to_start_leaves_the_replica_lost(tmp_path: P
             assert (done.replica, done.error) == ("worker_b", "")
 
     run(body)
+
+
+def test_a_replica_linked_to_a_spawned_host_is_restored_too() -> None:
+    # the stage linked to the replica runs on a spawned host (as an engine's execute stage
+    # linked to its draft host, docs/speculative.md): that host listens and connects afresh
+    # and its stage hears ReplicaRestored, so its tasks reach the replica again
+    pipeline = Pipeline("restorable_from_a_hub")
+    workers = ("worker_a", "worker_b")
+    pipeline.add("front", RestoringFront, workers, host="hub")
+    pipeline.add("worker_a", Worker, 0.0, host="host_a")
+    pipeline.add("worker_b", Worker, 0.0, host="host_b")
+    for worker in workers:
+        pipeline.connect("front.work", worker)
+        pipeline.connect(f"{worker}.out", "front.back")
+    pipeline.replica_set("workers", {"a": ("host_a",), "b": ("host_b",)})
+    pipeline.entry("tasks", "front.in").exit("done", "front.out")
+
+    async def body() -> None:
+        async with await pipeline.start() as running:
+            assert running.unrestorable("workers", "b") == ""
+            for round_ in (1, 2):  # lost and restored twice
+                old = running.pids["host_b"]
+                assert old is not None
+                os.kill(old, signal.SIGKILL)
+                while [s.alive for s in running.replicas()] != [True, False]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+                await running.restore_replica("workers", "b")
+                assert running.pids["host_b"] not in (None, old)
+                # by turn over the live workers: b is among them again only if front heard
+                for task_id in (10 * round_, 10 * round_ + 1):
+                    await running.send("tasks", Task(task_id))
+                done = await receive(running, 2)
+                assert sorted(d.replica for d in done) == ["worker_a", "worker_b"]
+                assert not any(d.error for d in done)
+            assert running.failure is None
+
+    run(body)

@@ -248,6 +248,18 @@ def test_model_info_reports_the_kv_capacity() -> None:
     info = EngineInfo("m", 49152, 2048, (2,), 100, 16, "float32", "cpu", 1 << 20, True)
     message = model_info_to_proto(info, "priority")
     assert (message.kv_cache_blocks, message.block_size, message.kv_cache_tokens) == (100, 16, 1600)
+    assert (message.draft_model, message.draft_kv_cache_blocks, message.draft_host) == ("", 0, "")
+    # a draft model's own KV cache (docs/speculative.md)
+    drafting = dataclasses.replace(
+        info,
+        draft_model="d",
+        draft_num_blocks=100,
+        draft_kv_cache_bytes=1 << 18,
+        draft_host="engine_draft",
+    )
+    message = model_info_to_proto(drafting, "priority")
+    assert (message.draft_model, message.draft_kv_cache_blocks) == ("d", 100)
+    assert (message.draft_kv_cache_bytes, message.draft_host) == (1 << 18, "engine_draft")
     assert (message.scheduler, message.max_model_len, list(message.eos_token_ids)) == (
         "priority",
         2048,
