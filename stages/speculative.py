@@ -228,6 +228,8 @@ class SpeculativeConfig:
         fields = dataclasses.asdict(self)
         for key in _NGRAM_KEYS if self.drafts_in_execute else _DRAFT_KEYS:
             del fields[key]
+        if self.method == DRAFT_MODEL and self.placement == "engine":
+            del fields["draft_timeout"]  # a draft host's key (refused beside 'engine')
         return json.dumps(fields, sort_keys=True)
 
 
@@ -283,6 +285,13 @@ def parse_speculative_config(value: object) -> SpeculativeConfig | None:
             fields["disable_by_batch_size"] = DEFAULT_DISABLE_BY_BATCH_SIZE
         if fields.get("placement") is None:
             fields["placement"] = "engine"
+        if fields.get("draft_timeout") is not None and fields["placement"] == "engine":
+            # accepted and ignored would be a lie: in the execute stage nothing waits
+            raise ValueError(
+                "speculative_config: draft_timeout is how long the execute stage waits for a "
+                "draft host's answer; with placement 'engine' the draft model runs in the "
+                "execute stage and nothing waits (use placement 'host', or drop draft_timeout)"
+            )
         if fields.get("draft_timeout") is None:
             fields["draft_timeout"] = DEFAULT_DRAFT_TIMEOUT
         return SpeculativeConfig(**fields)

@@ -39,9 +39,7 @@ WIRE_TAGS: Mapping[str, int] = MappingProxyType(
         "pipeline.runtime.replicas.ReplicaLost": 38,
         "pipeline.runtime.control.CutReplica": 39,
         "pipeline.runtime.control.LinkLost": 40,
-        # NOTE: a control message in the LLM stages' range: the session that added it had
-        # 188-190 to itself (docs/speculative.md, the draft host restarted alone)
-        "pipeline.runtime.control.TellRestored": 188,
+        "pipeline.runtime.control.TellRestored": 41,
         # the Collatz demo (pipeline/demo.py)
         "pipeline.demo.Job": 60,
         "pipeline.demo.Item": 61,

@@ -99,7 +99,12 @@ def test_placement_is_checked(tiny_model_dir: Path) -> None:
         )
     with pytest.raises(ValueError, match="draft_timeout must be seconds"):
         EngineOptions.create(
-            str(tiny_model_dir), speculative_config=_spec(tiny_model_dir, draft_timeout=0)
+            str(tiny_model_dir),
+            speculative_config=_spec(tiny_model_dir, placement="host", draft_timeout=0),
+        )
+    with pytest.raises(ValueError, match="with placement 'engine' the draft model runs in"):
+        EngineOptions.create(
+            str(tiny_model_dir), speculative_config=_spec(tiny_model_dir, draft_timeout=5)
         )
     with pytest.raises(ValueError, match="draft model's keys"):
         EngineOptions.create(
