@@ -89,33 +89,22 @@ class _FromZeros:
     hidden states in place of the token ids' embeddings (the survey records the attention
     calls' shapes; the values are meaningless either way)."""
 
-    def __init__(self, decoder: Any, hidden_size: int) -> None:
-        self.decoder, self.hidden_size = decoder, hidden_size
+    def __init__(self, decoder: Any, hidden_size: int, dtype: torch.dtype) -> None:
+        self.decoder, self.hidden_size, self.dtype = decoder, hidden_size, dtype
 
     def __call__(self, *, input_ids: torch.Tensor, position_ids: torch.Tensor, **rest: Any) -> Any:
-        hidden = torch.zeros(
-            (*input_ids.shape, self.hidden_size),
-            device=input_ids.device,
-            dtype=_dtype(self.decoder),
-        )
+        shape = (*input_ids.shape, self.hidden_size)
+        hidden = torch.zeros(shape, device=input_ids.device, dtype=self.dtype)
         return self.decoder(input_ids=None, inputs_embeds=hidden, position_ids=position_ids, **rest)
 
 
-def _dtype(module: torch.nn.Module) -> torch.dtype:
-    """The dtype of ``module``'s first floating-point parameter (fp32 when none)."""
-    for parameter in module.parameters():
-        if parameter.is_floating_point():
-            return parameter.dtype
-    return torch.float32
-
-
-def survey_model(model: Any, stages: int) -> Any:
+def survey_model(model: Any, stages: int, dtype: torch.dtype) -> Any:
     """What the load's survey (:func:`~stages.execute.attention.survey_layers`) runs: the model
     (one shard), the decoder (a shard with embeddings), or the decoder from zero hidden states
-    (a later shard, which never loaded them)."""
+    in ``dtype`` (the activations'; a later shard, which never loaded the embeddings)."""
     if stages == 1:
         return model
     decoder = model.get_decoder()
     if getattr(decoder, "embed_tokens", None) is not None:
         return decoder
-    return _FromZeros(decoder, int(model.config.get_text_config().hidden_size))
+    return _FromZeros(decoder, int(model.config.get_text_config().hidden_size), dtype)

@@ -400,7 +400,7 @@ class ModelRunner:
                 expected = model(input_ids=probe_ids, use_cache=False).logits[0].float()  # [8, V]
         enable_paged_attention(model)
         layers = survey_layers(
-            survey_model(model, stages),
+            survey_model(model, stages, self.dtype),
             probe_ids,
             config.max_model_len or (1 << 62),
         )
