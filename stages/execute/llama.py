@@ -43,7 +43,7 @@ from stages.execute.model_impl import INDEX_FILE, WEIGHTS_FILE, NativeConfig
 if TYPE_CHECKING:
     from stages.execute.pp_load import ShardPart
 
-__all__ = ["NativeLlamaForCausalLM", "load_native_llama"]
+__all__ = ["NativeLlamaForCausalLM", "load_native_llama", "weight_files"]
 
 #: an attention function in transformers' ``AttentionInterface`` shape
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
@@ -347,7 +347,7 @@ def load_native_llama(
         cut_to_part(model, part)
     expected = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
-    for path in _weight_files(model_dir):
+    for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for stored in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = stored
@@ -381,7 +381,8 @@ def load_native_llama(
     return model
 
 
-def _weight_files(model_dir: Path) -> Iterable[Path]:
+def weight_files(model_dir: Path) -> Iterable[Path]:
+    """The checkpoint's safetensors files: the one file, or every shard its index names."""
     if (model_dir / WEIGHTS_FILE).is_file():
         return [model_dir / WEIGHTS_FILE]
     index = json.loads((model_dir / INDEX_FILE).read_text())

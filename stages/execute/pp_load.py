@@ -8,23 +8,37 @@ and Qwen2 checkpoints) is built on the meta device, cut to the shard (:func:`cut
 and given only the tensors :func:`shard_tensor_name` maps, each read alone from the file, so
 a shard's resident weights are its share of the model from the start, as vLLM's models skip
 the other ranks' tensors at load (``vllm/model_executor/models/llama.py``: ``load_weights``
-skips ``is_pp_missing_parameter`` names; ``PPMissingLayer``). A model loaded through
-transformers' own class still loads whole and is cut after (:func:`~stages.execute.
-pipeline_parallel.cut_layers`).
+skips ``is_pp_missing_parameter`` names; ``PPMissingLayer``). transformers' own class
+(:func:`load_transformers_model`) is built the same way, its rotary embedding (the one buffer
+these model types keep outside the checkpoint) rebuilt from the config; a model with any other
+buffer loads whole and is cut after (:func:`~stages.execute.pipeline_parallel.cut_layers`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from stages.execute.llama import weight_files
 from stages.execute.pipeline_parallel import cut_layers, drop_embeddings
 
-__all__ = ["ShardPart", "cut_to_part", "shard_part", "shard_tensor_name", "survey_model"]
+__all__ = [
+    "ShardPart",
+    "cut_to_part",
+    "load_transformers_model",
+    "shard_part",
+    "shard_tensor_name",
+    "survey_model",
+]
+
+logger = logging.getLogger("actorline.execute")
 
 #: a decoder layer's tensor in a Llama-shaped checkpoint: prefix, layer index, the rest
 _LAYER = re.compile(r"^(model\.layers\.)(\d+)(\..+)$")
@@ -108,3 +122,70 @@ def survey_model(model: Any, stages: int, dtype: torch.dtype) -> Any:
     if getattr(decoder, "embed_tokens", None) is not None:
         return decoder
     return _FromZeros(decoder, int(model.config.get_text_config().hidden_size), dtype)
+
+
+def load_transformers_model(
+    model_dir: Path, hf_config: Any, dtype: torch.dtype, part: ShardPart | None
+) -> Any:
+    """``model_dir`` through transformers' class for its config (a deep copy of ``hf_config``:
+    switching the attention implementation mutates it, and models built from one config object
+    share it), in ``dtype``: the whole model (``part`` None), or pipeline shard ``part`` cut
+    (:func:`cut_to_part`) with only its tensors read; a model that keeps buffers outside the
+    checkpoint besides its rotary embedding loads whole and is cut (logged).
+
+    Raises:
+        ValueError: the checkpoint lacks a tensor the shard needs, or a tensor's shape differs.
+        UnsupportedModelError: as :func:`cut_to_part`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(hf_config)
+    if part is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    cut_to_part(model, part)
+    decoder = model.get_decoder()
+    rotary = getattr(decoder, "rotary_emb", None)
+    others = [name for name, _ in model.named_buffers() if not name.startswith("model.rotary_emb.")]
+    if rotary is None or others:
+        logger.info(
+            "execute: %s keeps buffers %s outside the checkpoint; the shard loads the whole "
+            "model and cuts it", type(model).__name__, others or "(no rotary_emb)",
+        )  # fmt: skip
+        whole = AutoModelForCausalLM.from_pretrained(
+            model_dir, config=copy.deepcopy(hf_config), dtype=dtype
+        )
+        cut_layers(whole, part.layers, first=part.first, last=part.last)
+        return whole
+    text = model.config.get_text_config()
+    expected = dict(model.named_parameters())
+    loaded: dict[str, torch.Tensor] = {}
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    for path in weight_files(model_dir):
+        with safe_open_pt(path) as handle:
+            for stored in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = shard_tensor_name(stored, part, tied)
+                if name is None or name not in expected:
+                    continue  # another shard's, or what transformers' load ignores too
+                tensor = handle.get_tensor(stored)
+                if tuple(tensor.shape) != tuple(expected[name].shape):
+                    raise ValueError(
+                        f"{model_dir}: tensor {stored!r} has shape {tuple(tensor.shape)}, the "
+                        f"config makes {name!r} {tuple(expected[name].shape)}"
+                    )
+                loaded[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} tensors: {missing[:4]}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    # NOTE: built as transformers builds it (its own __init__ computes the frequencies)
+    decoder.rotary_emb = type(rotary)(config=text)
+    return model
+
+
+def safe_open_pt(path: Path) -> Any:
+    """``path`` opened with safetensors for torch tensors on the CPU."""
+    from safetensors import safe_open
+
+    return safe_open(str(path), framework="pt", device="cpu")

@@ -21,7 +21,6 @@ without LM head or sampling.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
@@ -87,9 +86,9 @@ from stages.execute.native import (
     fused_ops_kernel,
     packed_gemm_kernel,
 )
-from stages.execute.pipeline_parallel import cut_layers, drop_embeddings
+from stages.execute.pipeline_parallel import drop_embeddings
 from stages.execute.pooling import Pooler, capture_hidden_states, matryoshka_dimensions
-from stages.execute.pp_load import shard_part, survey_model
+from stages.execute.pp_load import load_transformers_model, shard_part, survey_model
 from stages.execute.pp_split import check_pipeline_parallel
 from stages.execute.probe_cache import checks_passed, record_passed
 from stages.execute.prompt_scores import (
@@ -319,16 +318,8 @@ class ModelRunner:
         if isinstance(hf_config, NativeConfig):
             model = load_native_llama(resolved.path, hf_config, self.dtype, part)
         else:
-            from transformers import AutoModelForCausalLM
-
             quiet_transformers()
-            # NOTE: the model gets its own deep copy of the config: switching the attention
-            # implementation mutates it, and models built from one config object share it.
-            model = AutoModelForCausalLM.from_pretrained(
-                resolved.path, config=copy.deepcopy(hf_config), dtype=self.dtype
-            )
-            if part is not None:  # NOTE: before anything moves, packs or quantizes
-                cut_layers(model, part.layers, first=part.first, last=part.last)
+            model = load_transformers_model(resolved.path, hf_config, self.dtype, part)
         model.eval()
         model.to(self.device)
         if self._bf16 is not None:

@@ -7,6 +7,8 @@ LM head on the last (tied embeddings: the embedding matrix as the last shard's h
   checkpoint once; chained, the shards compute the whole model's logits;
 - with tied embeddings, the later shards hold no embeddings and the last one's head is the
   embedding matrix;
+- through transformers' own class too: the shard built on the meta device holds exactly its
+  tensors (its rotary embedding rebuilt from the config), and the chain computes the model;
 - a shard's runner loads (its survey runs from hidden states where it has no embeddings) and
   holds no more than its tensors.
 """
@@ -23,7 +25,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from stages.execute.config import ExecuteConfig
 from stages.execute.llama import load_native_llama
 from stages.execute.model_impl import WEIGHTS_FILE, model_config
-from stages.execute.pp_load import ShardPart, shard_part, shard_tensor_name
+from stages.execute.pp_load import (
+    ShardPart,
+    load_transformers_model,
+    shard_part,
+    shard_tensor_name,
+)
 from stages.execute.pp_split import layer_ranges
 from stages.execute.runner import ModelRunner
 from tests.conftest import TINY_LLAMA
@@ -165,3 +172,34 @@ def test_a_later_shards_runner_loads_from_hidden_states_and_holds_its_share(
     if dtype == "float32":  # the parameters as loaded (bf16 ones are repacked)
         own = sum(b for name, b in stored.items() if shard_tensor_name(name, part, False))
         assert parameter_bytes(runner.model) == own
+
+
+def test_through_transformers_a_shard_holds_exactly_its_tensors_and_computes_the_model(
+    untied6_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from transformers import AutoConfig
+
+    caplog.set_level("INFO", "actorline.execute")
+    stored = checkpoint_bytes(untied6_model_dir)
+    config = AutoConfig.from_pretrained(untied6_model_dir)
+    whole = load_transformers_model(untied6_model_dir, config, torch.float32, None)
+    ranges = layer_ranges(6, 3)
+    shards = []
+    for index in range(3):
+        part = shard_part(ranges, index)
+        assert part is not None
+        shard = load_transformers_model(untied6_model_dir, config, torch.float32, part)
+        own = sum(b for name, b in stored.items() if shard_tensor_name(name, part, False))
+        assert parameter_bytes(shard) == own
+        assert not any(t.is_meta for t in [*shard.parameters(), *shard.buffers()])
+        shards.append(shard.eval())
+    assert config.num_hidden_layers == 6  # each shard cut a copy of it
+    assert "loads the whole model" not in caplog.text  # built cut, not loaded whole
+    positions = torch.arange(TOKENS.shape[1]).unsqueeze(0)
+    with torch.inference_mode():
+        hidden = shards[0].get_decoder()(input_ids=TOKENS, position_ids=positions)
+        hidden = shards[1].get_decoder()(
+            inputs_embeds=hidden.last_hidden_state, position_ids=positions
+        )
+        logits = shards[2](inputs_embeds=hidden.last_hidden_state, position_ids=positions).logits
+        assert torch.allclose(logits, whole.eval()(TOKENS).logits, atol=1e-5)
