@@ -29,21 +29,20 @@ output records, gradient checkpointing.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from stages.execute.model_impl import INDEX_FILE, WEIGHTS_FILE, NativeConfig
+from stages.execute.model_impl import NativeConfig, weight_files
 
 if TYPE_CHECKING:
     from stages.execute.pp_load import ShardPart
 
-__all__ = ["NativeLlamaForCausalLM", "load_native_llama", "weight_files"]
+__all__ = ["NativeLlamaForCausalLM", "load_native_llama"]
 
 #: an attention function in transformers' ``AttentionInterface`` shape
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
@@ -379,11 +378,3 @@ def load_native_llama(
     if shares and model.lm_head is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
-
-
-def weight_files(model_dir: Path) -> Iterable[Path]:
-    """The checkpoint's safetensors files: the one file, or every shard its index names."""
-    if (model_dir / WEIGHTS_FILE).is_file():
-        return [model_dir / WEIGHTS_FILE]
-    index = json.loads((model_dir / INDEX_FILE).read_text())
-    return [model_dir / name for name in dict.fromkeys(index["weight_map"].values())]

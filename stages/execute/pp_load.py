@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from stages.execute.llama import weight_files
+from stages.execute.model_impl import weight_files
 from stages.execute.pipeline_parallel import cut_layers, drop_embeddings
 
 __all__ = [
