@@ -2,9 +2,10 @@
 (``actorline bench offline --pipeline-parallel-size N --ray ADDRESS``; docs/parallelism.md,
 "Pipeline parallelism on Ray"): the offline workload on an engine of N shards, each a Ray
 actor placed as ``--ray-placement-strategy`` / ``--ray-shard-resources`` say (on a cluster of
-several nodes: shards on different nodes), against the same engine unsplit (PP=1) on the
-cluster, alternating, ``--repeats`` times each, each run a fresh engine (started, warmed up
-with one request, measured, closed).
+several nodes: shards on different nodes), each shard a tensor-parallel group of
+``--tensor-parallel-size`` ranks (its ranks on its node: PP x TP), against the same engine
+unsplit (PP=1, TP=1) on the cluster, alternating, ``--repeats`` times each, each run a fresh
+engine (started, warmed up with one request, measured, closed).
 
 It reports generated tokens/s of each run, the best of each and their ratio, how many requests
 gave the same greedy tokens, the first shard's communication per engine step (the hops'
@@ -63,7 +64,7 @@ class RayPipelineRun:
 class RayPipelineResult:
     """Every run of both engines; the best of each and their ratio (PP=N over PP=1); the PP
     engine's communication per step in its best run; greedy agreement; each engine's hosts
-    and the Ray node each ran on."""
+    and the Ray node each ran on. ``tensor``: each shard's tensor-parallel ranks."""
 
     model: str
     size: int
@@ -80,6 +81,7 @@ class RayPipelineResult:
     ray_num_cpus: float
     load_average: tuple[float, float, float]
     cpu_count: int
+    tensor: int = 1
 
 
 def add_ray_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,8 +129,10 @@ async def measure_ray_pipeline(
     placement_strategy: str = "auto",
     shard_resources: str | None = None,
     ray_num_cpus: float = 1.0,
+    tensor: int = 1,
 ) -> RayPipelineResult:
-    """Run ``prompts`` (each with its ``params``) on engines of ``size`` shards and unsplit,
+    """Run ``prompts`` (each with its ``params``) on engines of ``size`` shards (of ``tensor``
+    ranks each) and unsplit,
     each with every host a Ray actor of ``ray_num_cpus`` CPUs on the cluster at
     ``ray_address``, alternating, ``repeats`` times each (see the module docstring).
 
@@ -148,6 +152,7 @@ async def measure_ray_pipeline(
     )
     split: dict[str, Any] = dict(
         pipeline_parallel_size=size,
+        tensor_parallel_size=tensor,
         ray_placement_strategy=placement_strategy,
         ray_shard_resources=shard_resources,
     )
@@ -186,6 +191,7 @@ async def measure_ray_pipeline(
         ray_num_cpus=ray_num_cpus,
         load_average=load_average,
         cpu_count=os.cpu_count() or 0,
+        tensor=tensor,
     )
 
 
@@ -232,6 +238,7 @@ def run_ray_pipeline_from_args(
             placement_strategy=args.ray_placement_strategy,
             shard_resources=args.ray_shard_resources,
             ray_num_cpus=args.ray_num_cpus,
+            tensor=args.tensor_parallel_size,
         )
     )
     print_result(result, format_ray_pipeline(result), args.json)
@@ -240,8 +247,15 @@ def run_ray_pipeline_from_args(
 
 def format_ray_pipeline(result: RayPipelineResult) -> str:
     """The readable report."""
+    ranks = f" x TP={result.tensor}" if result.tensor > 1 else ""
     rows = [
-        [f"PP={run.shards}", run.tokens, run.seconds, run.tokens_per_second, run.engine_steps]
+        [
+            f"PP={run.shards}" + (ranks if run.shards > 1 else ""),
+            run.tokens,
+            run.seconds,
+            run.tokens_per_second,
+            run.engine_steps,
+        ]
         for run in result.runs
     ]
     order = dict.fromkeys(result.nodes.values())
@@ -259,7 +273,7 @@ def format_ray_pipeline(result: RayPipelineResult) -> str:
                 f"{result.placement_strategy}{pins}; load average "
                 f"{result.load_average[0]:.2f} at start",
             ),
-            f"best PP={result.size} {format_rate(result.best_pipeline)} against PP=1 "
+            f"best PP={result.size}{ranks} {format_rate(result.best_pipeline)} against PP=1 "
             f"{format_rate(result.best_single)}: {result.ratio:.2f}x; the first shard's "
             f"communication {result.communication_ms_per_step:.2f} ms per step",
             f"greedy outputs identical: {result.identical_outputs}/{result.num_requests}",

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.engine.option_fields import fed
 from pipeline.engine.options import EngineOptions
-from pipeline.engine.ray_placement import parse_shard_resources, placement_strategy, shard_bundle
+from pipeline.engine.ray_placement import group_bundles, parse_shard_resources, placement_strategy
 from pipeline.runtime.graph import Pipeline
 from pipeline.runtime.ray_hosts import RayHost, RayPlacementGroup, require_ray
 from pipeline.runtime.running import StartOptions
@@ -423,10 +423,10 @@ def engine_bundle(options: EngineOptions) -> dict[str, float]:
 def start_options(options: EngineOptions) -> StartOptions:
     """How to start the LLM pipeline for ``options`` (with ``options.on_ray``: every engine
     host a Ray actor, each replica's hosts in one placement group (``ray_placement_strategy``:
-    ``STRICT_PACK`` by default, ``PACK`` with pipeline shards), host k of the replica (its
-    engine host, its ranks, its later shards, a draft host placed apart last) in bundle k, each
-    bundle :func:`engine_bundle` and the shard's ``ray_shard_resources`` entry (a draft host:
-    the first shard's); :mod:`pipeline.engine.ray_placement`)."""
+    ``STRICT_PACK`` by default, ``PACK`` with pipeline shards), pipeline shard k of the replica
+    (its host and its tensor-parallel ranks) in bundle k, :func:`engine_bundle` per host and
+    the shard's ``ray_shard_resources`` entry, a draft host placed apart a bundle of its own
+    last (pinned as the first shard); :mod:`pipeline.engine.ray_placement`)."""
     transport = options.transport if options.split_processes else "zmq"
     hosts: dict[str, RayHost] = {}
     groups: dict[str, RayPlacementGroup] = {}
@@ -441,17 +441,13 @@ def start_options(options: EngineOptions) -> StartOptions:
         )
         for index in range(options.data_parallel_size):
             host = engine + replica_suffix(index)
-            shards = (
-                *_replica_shards(host, options),
-                *((draft, 0) for draft in _draft_hosts(host, options)),
-            )
-            replica = [name for name, _ in shards]
+            bundles, where = group_bundles(
+                _replica_shards(host, options), _draft_hosts(host, options),
+                engine_bundle(options), pins,
+            )  # fmt: skip
             group = f"replica{index}"
-            groups[group] = RayPlacementGroup(
-                tuple(shard_bundle(engine_bundle(options), pins[shard]) for _, shard in shards),
-                strategy,
-            )
-            for bundle, host in enumerate(replica):
+            groups[group] = RayPlacementGroup(bundles, strategy)
+            for host, bundle in where.items():
                 hosts[host] = RayHost(
                     num_cpus=cpus, num_gpus=gpus, placement_group=group, bundle_index=bundle
                 )

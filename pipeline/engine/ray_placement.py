@@ -1,7 +1,17 @@
 """Where an engine's hosts go on a Ray cluster (docs/parallelism.md, "Pipeline parallelism on
-Ray"): each replica is one placement group whose bundle k is its host k (the engine host, its
-tensor-parallel ranks, then its pipeline shards), placed by ``ray_placement_strategy``;
-``ray_shard_resources`` pins each pipeline shard's bundles to a node that has a resource.
+Ray"): each replica is one placement group whose bundle k is its pipeline shard k (the engine
+host and its tensor-parallel ranks, then each later shard's host and its ranks: PP x TP), a
+draft host placed apart a bundle of its own after them; placed by ``ray_placement_strategy``;
+``ray_shard_resources`` pins each pipeline shard's bundle to a node that has a resource.
+
+- **A shard is one bundle.** Its tensor-parallel ranks' actors all take their resources from
+  it (one host's resources times the ranks), so Ray keeps every rank of a shard on one node
+  whatever the strategy: the all-reduces stay on the node's loopback, and only the pipeline's
+  hops (one hidden state per step) cross nodes. A strategy acts across shards: ``STRICT_SPREAD``
+  puts each shard on a node of its own, never a shard's ranks apart (vLLM's Ray executor keeps
+  a pipeline stage's TP workers together too, by bundle order on a node:
+  vllm/executor/ray_utils.py, ``initialize_ray_cluster``; Ray places several actors in one
+  bundle when its resources hold them all).
 
 - **Strategy.** ``auto`` keeps an engine without pipeline parallelism on one node
   (``STRICT_PACK``, the ranks of a tensor-parallel group meet over the node's loopback
@@ -22,7 +32,7 @@ Plain data: nothing here talks to Ray; the runtime creates the groups
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.runtime.ray_hosts import PLACEMENT_STRATEGIES
@@ -31,6 +41,7 @@ __all__ = [
     "PIN_AMOUNT",
     "PLACEMENT_STRATEGIES",
     "check_ray_placement",
+    "group_bundles",
     "parse_shard_resources",
     "placement_strategy",
     "shard_bundle",
@@ -105,3 +116,32 @@ def shard_bundle(bundle: Mapping[str, float], resource: str) -> dict[str, float]
     if resource:
         pinned[resource] = PIN_AMOUNT
     return pinned
+
+
+def group_bundles(
+    shards: Sequence[tuple[str, int]],
+    apart: Sequence[str],
+    bundle: Mapping[str, float],
+    pins: Sequence[str],
+) -> tuple[tuple[dict[str, float], ...], dict[str, int]]:
+    """One replica's placement group: bundle k holds pipeline shard k's hosts (``shards``:
+    ``(host, shard)`` for every host of every shard, its tensor-parallel ranks included), each
+    host's ``bundle`` times their count, pinned to ``pins[k]`` (:func:`shard_bundle`); then
+    one bundle per host of ``apart`` (a draft host), pinned as shard 0.
+
+    Returns:
+        The bundles, and each host's bundle index.
+    """
+    counts: dict[int, int] = {}
+    index: dict[str, int] = {}
+    for host, shard in shards:
+        counts[shard] = counts.get(shard, 0) + 1
+        index[host] = shard
+    bundles = [
+        shard_bundle({name: amount * counts[shard] for name, amount in bundle.items()}, pins[shard])
+        for shard in sorted(counts)
+    ]
+    for host in apart:
+        index[host] = len(bundles)
+        bundles.append(shard_bundle(bundle, pins[0]))
+    return tuple(bundles), index

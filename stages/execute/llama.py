@@ -29,16 +29,18 @@ output records, gradient checkpointing.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from stages.execute.model_impl import INDEX_FILE, WEIGHTS_FILE, NativeConfig
+from stages.execute.model_impl import NativeConfig, weight_files
+
+if TYPE_CHECKING:
+    from stages.execute.pp_load import ShardPart
 
 __all__ = ["NativeLlamaForCausalLM", "load_native_llama"]
 
@@ -322,10 +324,13 @@ class NativeLlamaForCausalLM(nn.Module):
 
 
 def load_native_llama(
-    model_dir: Path, config: NativeConfig, dtype: torch.dtype
+    model_dir: Path, config: NativeConfig, dtype: torch.dtype, part: ShardPart | None = None
 ) -> NativeLlamaForCausalLM:
     """Build the model without initializing weights and take every tensor from the checkpoint's
     safetensors (in ``dtype``); the LM head shares the embeddings when the config ties them.
+    With ``part`` (a pipeline shard): the model cut to the shard's layers (renumbered from 0),
+    and only the shard's tensors read (:mod:`stages.execute.pp_load`; tied embeddings: the
+    last shard's head is the embedding matrix).
 
     Raises:
         ValueError: the checkpoint lacks a tensor the model needs, or holds one it does not
@@ -335,37 +340,41 @@ def load_native_llama(
 
     with torch.device("meta"):
         model = NativeLlamaForCausalLM(config)
+    if part is not None:
+        from stages.execute.pp_load import cut_to_part, shard_tensor_name
+
+        cut_to_part(model, part)
     expected = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
-    for path in _weight_files(model_dir):
+    for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for stored in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = stored
+                if part is not None:
+                    name = shard_tensor_name(stored, part, config.tie_word_embeddings)
+                    if name is None:
+                        continue  # another shard's: never read
                 if name not in expected:
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue
                     if name.endswith("rotary_emb.inv_freq"):
                         continue  # older checkpoints saved the computed buffer
                     raise ValueError(f"{model_dir}: tensor {name!r} is not part of a Llama model")
-                tensor = handle.get_tensor(name)
+                tensor = handle.get_tensor(stored)
                 if tuple(tensor.shape) != tuple(expected[name].shape):
                     raise ValueError(
                         f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, the "
                         f"config makes it {tuple(expected[name].shape)}"
                     )
                 loaded[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
-    if config.tie_word_embeddings:
+    # tied: the head is the embeddings, unless a later last shard loaded them as its head
+    shares = config.tie_word_embeddings and model.model.embed_tokens is not None
+    if shares:
         expected.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} tensors: {missing[:4]}")
     model.load_state_dict(loaded, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    if shares and model.lm_head is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
-
-
-def _weight_files(model_dir: Path) -> Iterable[Path]:
-    if (model_dir / WEIGHTS_FILE).is_file():
-        return [model_dir / WEIGHTS_FILE]
-    index = json.loads((model_dir / INDEX_FILE).read_text())
-    return [model_dir / name for name in dict.fromkeys(index["weight_map"].values())]

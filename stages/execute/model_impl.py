@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ __all__ = [
     "eos_token_ids",
     "model_config",
     "native_config",
+    "weight_files",
 ]
 
 logger = logging.getLogger("actorline.execute")
@@ -191,3 +192,11 @@ def eos_token_ids(model_dir: Path, config: dict[str, Any]) -> tuple[int, ...]:
         if found:
             return found
     return ()
+
+
+def weight_files(model_dir: Path) -> Iterable[Path]:
+    """The checkpoint's safetensors files: the one file, or every shard its index names."""
+    if (model_dir / WEIGHTS_FILE).is_file():
+        return [model_dir / WEIGHTS_FILE]
+    index = json.loads((model_dir / INDEX_FILE).read_text())
+    return [model_dir / name for name in dict.fromkeys(index["weight_map"].values())]

@@ -3,10 +3,9 @@ ranges, one per shard, each shard a process of its own (``docs/architecture.md``
 docs/parallelism.md "Pipeline parallelism").
 
 What each shard holds: its layers (renumbered from 0, so its KV cache holds its layers
-only), the embeddings on the first shard, the final norm and the LM head on the last. Every
-shard first loads the whole checkpoint and then drops what it does not hold
-(:func:`cut_layers`, :func:`drop_embeddings`): on CPU the peak is the whole model for a
-moment, what stays is the shard's part (loading only the shard's tensors is a next step).
+only), the embeddings on the first shard, the final norm and the LM head on the last. A shard
+reads only those tensors (:mod:`stages.execute.pp_load`: the model built on the meta device,
+cut by :func:`cut_layers` and :func:`drop_embeddings`, then loaded).
 
 A step: the first shard (the execute stage, which owns the allocator, block tables and
 sampling state) packs the batch, runs the embeddings and its layers, and sends the next shard

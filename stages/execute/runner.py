@@ -21,7 +21,6 @@ without LM head or sampling.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
@@ -87,8 +86,9 @@ from stages.execute.native import (
     fused_ops_kernel,
     packed_gemm_kernel,
 )
-from stages.execute.pipeline_parallel import cut_layers, drop_embeddings
+from stages.execute.pipeline_parallel import drop_embeddings
 from stages.execute.pooling import Pooler, capture_hidden_states, matryoshka_dimensions
+from stages.execute.pp_load import load_transformers_model, shard_part, survey_model
 from stages.execute.pp_split import check_pipeline_parallel
 from stages.execute.probe_cache import checks_passed, record_passed
 from stages.execute.prompt_scores import (
@@ -314,26 +314,17 @@ class ModelRunner:
             # in fp32 over bf16 linears (stages.execute.bf16).
             logger.info("execute: bf16 weights on the native bf16 GEMM, fp32 activations")
         model: Any
+        part = shard_part(ranges, self.shard)  # a pipeline shard loads its own tensors only
         if isinstance(hf_config, NativeConfig):
-            model = load_native_llama(resolved.path, hf_config, self.dtype)
+            model = load_native_llama(resolved.path, hf_config, self.dtype, part)
         else:
-            from transformers import AutoModelForCausalLM
-
             quiet_transformers()
-            # NOTE: the model gets its own deep copy of the config: switching the attention
-            # implementation mutates it, and models built from one config object share it.
-            model = AutoModelForCausalLM.from_pretrained(
-                resolved.path, config=copy.deepcopy(hf_config), dtype=self.dtype
-            )
+            model = load_transformers_model(resolved.path, hf_config, self.dtype, part)
         model.eval()
         model.to(self.device)
         if self._bf16 is not None:
             model.float()
             self.dtype = torch.float32
-        if stages > 1:
-            # NOTE: before anything packs or quantizes: only the shard's layers get repacked
-            last = self.shard == stages - 1
-            cut_layers(model, ranges[self.shard], first=self.shard == 0, last=last)
         self.model = model
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -400,7 +391,7 @@ class ModelRunner:
                 expected = model(input_ids=probe_ids, use_cache=False).logits[0].float()  # [8, V]
         enable_paged_attention(model)
         layers = survey_layers(
-            model if stages == 1 else model.get_decoder(),
+            survey_model(model, stages, self.dtype),
             probe_ids,
             config.max_model_len or (1 << 62),
         )

@@ -1,8 +1,8 @@
 """``actorline bench offline --pipeline-parallel-size N --ray`` (pipeline.bench.ray_pipeline):
-N shards on Ray against PP=1 on Ray, alternated, via the CLI in its --quick form on the tiny
-model and the session's Ray cluster: well-formed, positive figures and the greedy tokens of
-the unsplit engine (never a timing threshold). Its placement flags are refused where they
-would be ignored."""
+N shards (here of two tensor-parallel ranks each) on Ray against PP=1 on Ray, alternated, via
+the CLI in its --quick form on the tiny model and the session's Ray cluster: well-formed,
+positive figures and the greedy tokens of the unsplit engine (never a timing threshold). Its
+placement flags are refused where they would be ignored."""
 
 from __future__ import annotations
 
@@ -40,14 +40,15 @@ def test_placement_flags_are_refused_without_shards_on_ray(
 def test_pipeline_parallel_on_ray_offline_quick(
     tiny_model_dir: Path, ray_cluster: object, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The tiny model's 2 layers on 2 shards (a host of half a CPU each on the session's
-    2-CPU cluster) against one engine on the cluster."""
+    """The tiny model's 2 layers on 2 shards of 2 tensor-parallel ranks each (a host of half
+    a CPU each on the session's 2-CPU cluster) against one engine on the cluster."""
     command = [*QUICK, "--model", str(tiny_model_dir), "--pipeline-parallel-size", "2", "--ray",
-               "--ray-num-cpus", "0.5", "--ray-placement-strategy", "SPREAD"]  # fmt: skip
+               "--tensor-parallel-size", "2", "--ray-num-cpus", "0.5",
+               "--ray-placement-strategy", "SPREAD"]  # fmt: skip
     args = bench_parser().parse_args(command)
     assert args.run(args) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["size"] == 2 and result["num_requests"] == 8
+    assert result["size"] == result["tensor"] == 2 and result["num_requests"] == 8
     assert [run["shards"] for run in result["runs"]] == [1, 2]  # one repeat each, alternating
     single, split = result["runs"]
     assert single["tokens"] == split["tokens"] > 0
@@ -56,7 +57,9 @@ def test_pipeline_parallel_on_ray_offline_quick(
     assert result["ratio"] == result["best_pipeline"] / result["best_single"]
     assert result["identical_outputs"] == 8
     # SPREAD on the one-node session cluster: Ray puts the bundles on the node there is
-    assert sorted(result["nodes"]) == ["pp1 engine", "pp2 engine", "pp2 engine_pp1"]
+    assert sorted(result["nodes"]) == [
+        "pp1 engine", "pp2 engine", "pp2 engine_pp1", "pp2 engine_pp1_tp1", "pp2 engine_tp1"
+    ]  # fmt: skip
     assert len(set(result["nodes"].values())) == 1
     assert (result["placement_strategy"], result["ray_num_cpus"]) == ("SPREAD", 0.5)
     run_async(lambda: wait_until_gone(ray_cluster, "llm"))

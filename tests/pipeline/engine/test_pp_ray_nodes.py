@@ -5,10 +5,12 @@ of its own (tests/ray_started.py), token authentication on as Ray turns it on fo
 a token. A driver process of the cluster's user starts the tiny model at PP=2 with the engine
 on Ray:
 
-- pinned by ``ray_shard_resources`` (the head's ``node:__internal_head__``, the second node's
-  ``second``): the shards' actors report different node ids, each the node that holds its
-  resource, and each actor process is in its node's session; the greedy tokens are one local
-  engine's; ``ray.kill`` of the second shard's actor fails every pending stream with
+- PP=2 x TP=2 (each shard a tensor-parallel group of two ranks), spread by
+  ``ray_placement_strategy="STRICT_SPREAD"`` and pinned by ``ray_shard_resources`` (the head's
+  ``node:__internal_head__``, the second node's ``second``): each shard's ranks report its
+  shard's node id, the shards different ones, each the node that holds its resource, and each
+  actor process is in its node's session; the greedy tokens are one local engine's;
+  ``ray.kill`` of the second shard's second rank fails every pending stream with
   EngineDeadError in bounded time;
 - two replicas (DP=2 x PP=2) spread by ``ray_placement_strategy="STRICT_SPREAD"``: each
   replica's shards on both nodes, one engine's tokens; ``ray.kill`` of replica 1's second
@@ -159,6 +161,18 @@ def test_shards_are_bundles_of_their_replicas_group_pinned_or_spread_as_asked() 
             {"CPU": 0.5},
             {"CPU": 0.5, "gpu_box": 0.001},
         )
+    # PP x TP: a shard and its tensor-parallel ranks are one bundle (so one node, whatever
+    # the strategy), pinned as the shard
+    both = EngineOptions(pipeline_parallel_size=2, tensor_parallel_size=2, ray=True,
+                         ray_num_cpus=0.5, ray_placement_strategy="STRICT_SPREAD",
+                         ray_shard_resources=",second")  # fmt: skip
+    started = start_options(both)
+    assert {name: host.bundle_index for name, host in started.hosts.items()} == {
+        "engine": 0, "engine_tp1": 0, "engine_pp1": 1, "engine_pp1_tp1": 1
+    }  # fmt: skip
+    assert started.placement_groups["replica0"].bundles == (
+        {"CPU": 1.0}, {"CPU": 1.0, "second": 0.001}
+    )  # fmt: skip
     spread = EngineOptions(pipeline_parallel_size=2, ray=True, ray_placement_strategy="SPREAD")
     assert start_options(spread).placement_groups["replica0"].strategy == "SPREAD"
     # without shards the engine's hosts keep to one node, as before
@@ -238,12 +252,15 @@ def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
     local_tokens: list[tuple[int, ...]],
 ) -> None:
     head, node = two_nodes
-    # the shards pinned by resources; two replicas spread, the survivor serving on
-    pinned = dict(pipeline_parallel_size=2, ray_num_cpus=0.5,
+    # PP x TP: two shards of two ranks each, STRICT_SPREAD over the two nodes (a shard and its
+    # ranks are one bundle), the second shard pinned by its resource, one of its ranks killed;
+    # two replicas spread, the survivor serving on
+    pinned = dict(pipeline_parallel_size=2, tensor_parallel_size=2, ray_num_cpus=0.5,
+                  ray_placement_strategy="STRICT_SPREAD",
                   ray_shard_resources="node:__internal_head__,second")  # fmt: skip
     spread = dict(pipeline_parallel_size=2, data_parallel_size=2, router="round-robin",
                   ray_num_cpus=0.5, ray_placement_strategy="STRICT_SPREAD")  # fmt: skip
-    engines = json.dumps([[pinned, "engine_pp1"], [spread, "engine_1_pp1"]])
+    engines = json.dumps([[pinned, "engine_pp1_tp1"], [spread, "engine_1_pp1"]])
     command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address, engines,
                json.dumps(PROMPTS), str(GREEDY.max_tokens)]  # fmt: skip
     result = subprocess.run(
@@ -269,9 +286,11 @@ def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
         assert [tuple(tokens) for tokens in engine["tokens"]] == local_tokens
         assert engine["seconds"] < KILLED_SHARD_SECONDS
     one, two = reports
-    assert (one["hosts"]["engine"]["node"], one["hosts"]["engine_pp1"]["node"]) == (
-        first[0], second[0]
-    )  # fmt: skip
+    # each shard's ranks on its shard's node, the shards on the two nodes
+    assert {host: where["node"] for host, where in one["hosts"].items()} == {
+        "engine": first[0], "engine_tp1": first[0],
+        "engine_pp1": second[0], "engine_pp1_tp1": second[0],
+    }  # fmt: skip
     assert one["killed"] == ["EngineDeadError"] * len(PROMPTS)
     assert one["failure"] == "EngineDeadError"
     assert sorted(two["hosts"]) == ["engine", "engine_1", "engine_1_pp1", "engine_pp1"]

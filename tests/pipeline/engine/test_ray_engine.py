@@ -95,9 +95,10 @@ def test_start_options_place_each_replica_in_a_placement_group() -> None:
         "engine_tp2",
     ]
     assert options.hosts["engine_1_tp2"].placement_group == "replica1"
-    assert options.hosts["engine_1_tp2"].bundle_index == 2
+    # the replica's one shard is one bundle: its three ranks' resources, each rank's actor in it
+    assert options.hosts["engine_1_tp2"].bundle_index == 0
     group = options.placement_groups["replica1"]
-    assert group.strategy == "STRICT_PACK" and group.bundles == ({"CPU": 0.5},) * 3
+    assert group.strategy == "STRICT_PACK" and group.bundles == ({"CPU": 1.5},)
     assert all(host.num_gpus == 0 for host in options.hosts.values())
     assert start_options(EngineOptions()).hosts == {}
     with pytest.raises(ValueError, match="transport 'memory'"):
@@ -117,8 +118,8 @@ def test_engine_hosts_reserve_their_gpus_in_their_bundles() -> None:
     options = start_options(gpus)
     assert sorted(options.placement_groups) == ["replica0", "replica1"]
     for group in options.placement_groups.values():
-        # one GPU per rank, the ranks of a replica on one node
-        assert group.strategy == "STRICT_PACK" and group.bundles == ({"CPU": 2.0, "GPU": 1.0},) * 2
+        # one GPU per rank, the ranks of a replica on one node (one bundle)
+        assert group.strategy == "STRICT_PACK" and group.bundles == ({"CPU": 4.0, "GPU": 2.0},)
     assert {(h.num_cpus, h.num_gpus) for h in options.hosts.values()} == {(2.0, 1.0)}
     # the CLI flag reaches the options
     args = build_parser().parse_args(
