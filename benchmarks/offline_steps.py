@@ -152,9 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 command, capture_output=True, text=True, check=True, cwd=tree, env=environment
             )
             result = json.loads(done.stdout.strip().splitlines()[-1])
+            cpu = ", ".join(f"{kind} {entry[3]:.2f}" for kind, entry in result["kinds"].items()
+                            if entry[0])  # fmt: skip
             print(f"round {round_index + 1}, {name(variant)}: {result['tokens_per_s']:.1f} "
-                  f"tok/s, {result['tokens_per_cpu_s']:.1f} per CPU second (load {_load()})",
-                  flush=True)  # fmt: skip
+                  f"tok/s, {result['tokens_per_cpu_s']:.1f} per CPU second; CPU s: {cpu} "
+                  f"(load {_load()})", flush=True)  # fmt: skip
             if variant not in best or result["tokens_per_s"] > best[variant]["tokens_per_s"]:
                 best[variant] = result
             best_cpu[variant] = max(best_cpu.get(variant, 0.0), result["tokens_per_cpu_s"])
