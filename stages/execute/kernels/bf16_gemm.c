@@ -432,7 +432,8 @@ static inline int silu_shape_ok(int64_t m, int64_t k, int64_t n) {
  * its panel (the next panel's values, or unmapped memory after the last, times the zero A pad
  * could give NaN). M tails: rows past m are zero in the A buffer and their C rows go through a
  * scratch tile, never stored into y. The panels are split over threads (32-column units) and
- * the rows into blocks whose bf16 activations stay in L2.
+ * the rows into blocks whose bf16 activations stay in L2; from AMX_BLOCK_ROWS_FIRST rows the
+ * threads split 32-row blocks instead, each walking a chunk of panels per block (below).
  *
  * Linux hands a process the tile data state only on request: actorline_bf16_amx_enable() asks
  * once with arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), as llama.cpp's
