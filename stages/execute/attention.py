@@ -396,8 +396,7 @@ def paged_attention_forward(
     # K/V are rounded to it as they are written, and every read below widens what it reads
     # back to the query's dtype, so the arithmetic stays in the activations' precision.
     cache_dtype = key_cache.dtype
-    # [T, Hkv, D] as the cache holds them: written, and attended by the prompts computed whole
-    # (rounded once a layer, not once more per sequence: docs/performance.md §12.2)
+    # [T, Hkv, D] as the cache holds them, rounded once: written, and attended by whole prompts
     key_rows = key[0].transpose(0, 1).to(cache_dtype)
     value_rows = value[0].transpose(0, 1).to(cache_dtype)
     key_cache.index_copy_(0, metadata.slot_mapping, key_rows)
