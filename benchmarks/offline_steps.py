@@ -8,6 +8,10 @@ the weights are bf16 panels: ``stages.execute.step_graph.plan_rows``); each run 
 graph, and decode steps on the module path (wall time and the process's CPU time).
 
     python -m benchmarks.offline_steps --limits 16,128 --rounds 2 --dtype bfloat16
+    python -m benchmarks.offline_steps --limits 128 --tree ../before --tree . --rounds 3
+
+``--tree`` (repeatable): each run imports the actorline of that source tree (this file's code
+measures every tree, so only the library under test differs).
 
 The engine's OpenMP wait policy is set as an engine process sets it (``auto``) before torch
 loads, so the one-process run waits between regions as ``bench offline``'s engine does.
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["main", "run_one"]
@@ -118,37 +123,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tree", action="append", help="a source tree (repeatable; default .)")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one is not None:
         print(json.dumps(run_one(args.one, args.requests, args.dtype, args.model)))
         return 0
     limits = [int(value) for value in args.limits.split(",")]
-    best: dict[int, dict[str, Any]] = {}
+    trees = [Path(tree).resolve() for tree in args.tree or ["."]]
+    variants = [(tree, limit) for tree in trees for limit in limits]
+
+    def name(variant: tuple[Path, int]) -> str:
+        return f"{variant[0].name} limit {variant[1]}" if len(trees) > 1 else f"limit {variant[1]}"
+
+    best: dict[tuple[Path, int], dict[str, Any]] = {}
+    best_cpu: dict[tuple[Path, int], float] = {}
     print(f"load average {_load()} at start")
     for round_index in range(args.rounds):
-        order = limits if round_index % 2 == 0 else limits[::-1]
-        for limit in order:
-            command = [sys.executable, "-m", "benchmarks.offline_steps", "--one", str(limit),
+        order = variants if round_index % 2 == 0 else variants[::-1]
+        for variant in order:
+            tree, limit = variant
+            # this file's code measures every tree; only the library imported differs
+            command = [sys.executable, str(Path(__file__).resolve()), "--one", str(limit),
                        "--requests", str(args.requests), "--dtype", args.dtype,
                        "--model", args.model]  # fmt: skip
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            environment = dict(os.environ, PYTHONPATH=str(tree))
+            done = subprocess.run(
+                command, capture_output=True, text=True, check=True, cwd=tree, env=environment
+            )
             result = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"round {round_index + 1}, limit {limit}: {result['tokens_per_s']:.1f} tok/s, "
-                  f"{result['tokens_per_cpu_s']:.1f} per CPU second (load {_load()})",
-                  flush=True)  # fmt: skip
-            if limit not in best or result["tokens_per_s"] > best[limit]["tokens_per_s"]:
-                best[limit] = result
-    print(f"load average {_load()} at the end; best of {args.rounds} per limit:")
-    for limit, result in best.items():
+            cpu = ", ".join(f"{kind} {entry[3]:.2f}" for kind, entry in result["kinds"].items()
+                            if entry[0])  # fmt: skip
+            print(f"round {round_index + 1}, {name(variant)}: {result['tokens_per_s']:.1f} "
+                  f"tok/s, {result['tokens_per_cpu_s']:.1f} per CPU second; CPU s: {cpu} "
+                  f"(load {_load()})", flush=True)  # fmt: skip
+            if variant not in best or result["tokens_per_s"] > best[variant]["tokens_per_s"]:
+                best[variant] = result
+            best_cpu[variant] = max(best_cpu.get(variant, 0.0), result["tokens_per_cpu_s"])
+    print(f"load average {_load()} at the end; best of {args.rounds} per variant:")
+    for variant, result in best.items():
         wall = sum(entry[2] for entry in result["kinds"].values()) or 1.0
-        print(f"limit {limit}: {result['tokens_per_s']:.1f} tok/s, {result['seconds']:.2f} s")
+        print(f"{name(variant)}: {result['tokens_per_s']:.1f} tok/s, {result['seconds']:.2f} s "
+              f"(best per CPU second: {best_cpu[variant]:.1f})")  # fmt: skip
         for kind, (steps, rows, seconds, cpu) in result["kinds"].items():
             print(f"  {kind:22} {steps:5d} steps {rows:6d} rows {seconds:7.2f} s wall "
                   f"({100 * seconds / wall:4.1f}% of execute) {cpu:7.2f} s CPU")  # fmt: skip
     if len(best) == 2:
-        first, second = (best[limit]["tokens_per_s"] for limit in limits)
-        print(f"limit {limits[1]} / limit {limits[0]}: {second / first:.2f}x")
+        first, second = (best[variant]["tokens_per_s"] for variant in variants)
+        first_cpu, second_cpu = (best_cpu[variant] for variant in variants)
+        print(
+            f"{name(variants[1])} / {name(variants[0])}: {second / first:.2f}x wall, "
+            f"{second_cpu / first_cpu:.2f}x per CPU second"
+        )
     return 0
 
 

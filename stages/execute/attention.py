@@ -396,8 +396,11 @@ def paged_attention_forward(
     # K/V are rounded to it as they are written, and every read below widens what it reads
     # back to the query's dtype, so the arithmetic stays in the activations' precision.
     cache_dtype = key_cache.dtype
-    key_cache.index_copy_(0, metadata.slot_mapping, key[0].transpose(0, 1).to(cache_dtype))
-    value_cache.index_copy_(0, metadata.slot_mapping, value[0].transpose(0, 1).to(cache_dtype))
+    # [T, Hkv, D] as the cache holds them, rounded once: written, and attended by whole prompts
+    key_rows = key[0].transpose(0, 1).to(cache_dtype)
+    value_rows = value[0].transpose(0, 1).to(cache_dtype)
+    key_cache.index_copy_(0, metadata.slot_mapping, key_rows)
+    value_cache.index_copy_(0, metadata.slot_mapping, value_rows)
 
     block_size = metadata.kv_cache.block_size
     output = query.new_empty(num_tokens, num_heads, head_dim)  # [T, Hq, D]
@@ -460,6 +463,12 @@ def paged_attention_forward(
             )  # [g, Hkv, rep, D]
         output[group.start : group.end] = attended.reshape(rows, num_heads, head_dim)
     bf16_prefill = metadata.kv_cache.bf16_prefill and cache_dtype == torch.bfloat16
+    # bf16 prefill (KVCache.bf16_prefill): the keys and values stay in the cache's bf16 and
+    # the query is rounded to it (once for the step's rows, each sequence a slice of it); the
+    # variants that need eager attention stay fp32.
+    low = bf16_prefill and not variant.needs_eager
+    attend_dtype = cache_dtype if low else query.dtype
+    low_query = query.to(cache_dtype) if low and metadata.prefills else query
     for sequence in metadata.prefills:
         start, end = sequence.query_start, sequence.query_end
         sequence_query = query[:, :, start:end]  # [1, Hq, n, D]
@@ -482,17 +491,13 @@ def paged_attention_forward(
             first_block, mask = sequence.window_keys(window, block_size, query.device)
         else:
             first_block = 0
-        # bf16 prefill (KVCache.bf16_prefill): the keys and values stay in the cache's bf16
-        # and the query is rounded to it; the variants that need eager attention stay fp32.
-        low = bf16_prefill and not variant.needs_eager
-        attend_dtype = cache_dtype if low else query.dtype
         if sequence.key_blocks is None:
             keys, values = key[:, :, start:end], value[:, :, start:end]  # [1, Hkv, n, D]
             if cache_dtype != key.dtype:
                 # NOTE: rounded as the cache holds them, so a prompt computed whole attends
                 # the keys a prefix-cache hit on it would read back (the same tokens).
-                keys = keys.to(cache_dtype).to(attend_dtype)
-                values = values.to(cache_dtype).to(attend_dtype)
+                keys = key_rows[start:end].transpose(0, 1).unsqueeze(0).to(attend_dtype)
+                values = value_rows[start:end].transpose(0, 1).unsqueeze(0).to(attend_dtype)
         else:
             blocks = sequence.key_blocks[first_block:]
             length = sequence.context_len - first_block * block_size
@@ -502,7 +507,7 @@ def paged_attention_forward(
             keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             values = values.transpose(0, 1).unsqueeze(0)
         if low:
-            sequence_query = sequence_query.to(cache_dtype)
+            sequence_query = low_query[:, :, start:end]
         if variant.needs_eager:
             if mask is None:  # the whole context, square: plain causal
                 mask = causal_window_mask(count, 0, count, 0, None, query.device)

@@ -101,6 +101,9 @@ class BF16GemmKernel:
             function.argtypes = [pointer, i64, i64, pointer, pointer, i64, pointer, ctypes.c_int]
             function.restype = ctypes.c_int
         self.amx_rows = int(lib.actorline_bf16_amx_rows())
+        #: from this many rows a call on the tiles walks row blocks outside and chunks of
+        #: panels inside (``kernels/bf16_gemm.c``: ``AMX_BLOCK_ROWS_FIRST``)
+        self.amx_block_rows_first = int(lib.actorline_bf16_amx_block_rows_first())
         # The library asks Linux for the tile state only where the CPU lists the features.
         self.amx = (
             amx
@@ -416,7 +419,9 @@ def _kernel_agrees(kernel: BF16GemmKernel, width: int) -> bool:
     bias = torch.randn(48, generator=generator)
     packed = kernel.pack(weight)
     with torch.inference_mode():
-        for rows in _PROBE_ROWS + (_AMX_PROBE_ROWS if kernel.amx else ()):
+        # with tiles also past the rows from which a call walks row blocks outside (an M tail)
+        amx_rows = (*_AMX_PROBE_ROWS, kernel.amx_block_rows_first + 17) if kernel.amx else ()
+        for rows in _PROBE_ROWS + amx_rows:
             x = torch.randn(rows, width, generator=generator)
             expected = F.linear(x.bfloat16().float(), weight, bias)
             try:

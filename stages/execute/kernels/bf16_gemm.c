@@ -432,7 +432,8 @@ static inline int silu_shape_ok(int64_t m, int64_t k, int64_t n) {
  * its panel (the next panel's values, or unmapped memory after the last, times the zero A pad
  * could give NaN). M tails: rows past m are zero in the A buffer and their C rows go through a
  * scratch tile, never stored into y. The panels are split over threads (32-column units) and
- * the rows into blocks whose bf16 activations stay in L2.
+ * the rows into blocks whose bf16 activations stay in L2; from AMX_BLOCK_ROWS_FIRST rows the
+ * threads split 32-row blocks instead, each walking a chunk of panels per block (below).
  *
  * Linux hands a process the tile data state only on request: actorline_bf16_amx_enable() asks
  * once with arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), as llama.cpp's
@@ -464,8 +465,22 @@ static inline int silu_shape_ok(int64_t m, int64_t k, int64_t n) {
 #ifndef AMX_PASS_BYTES
 #define AMX_PASS_BYTES (512 * 1024)
 #endif
+/* From this many rows amx_run walks 32-row blocks outside and chunks of panels of at most
+ * AMX_CHUNK_BYTES inside (below: the panels outside, the rows in passes of AMX_PASS_BYTES).
+ * With a unit's panels outside, a call over ~1,600 rows wrote its fp32 output as 32-column
+ * strips down every row (12 KB apart at gate/up), stores that missed L2 and its TLB; rows
+ * outside write each block's rows whole: 1.22-1.29x at 1,600-2,048 rows, within noise at
+ * 128-512, over 30 layers' SmolLM2-135M linears with the weights streamed from memory
+ * (docs/performance.md section 12.2, "Prefill GEMMs: row blocks outside"). */
+#ifndef AMX_BLOCK_ROWS_FIRST
+#define AMX_BLOCK_ROWS_FIRST 512
+#endif
+#ifndef AMX_CHUNK_BYTES
+#define AMX_CHUNK_BYTES (512 * 1024)
+#endif
 
 int actorline_bf16_amx_rows(void) { return AMX_ROWS; }
+int actorline_bf16_amx_block_rows_first(void) { return AMX_BLOCK_ROWS_FIRST; }
 
 static int amx_granted __attribute__((unused)) = 0; /* 1 once the kernel granted the tile data state */
 
@@ -670,13 +685,30 @@ static int amx_run(const float *x, int64_t m, int64_t k, const uint16_t *packed,
             if (i < m) amx_round_row(x + i * k, k, lda, a + i * lda);
             else memset(a + i * lda, 0, (size_t)lda * sizeof(uint16_t));
         }
-        for (int64_t m0 = 0; m0 < mp; m0 += pass) {
-            const int64_t rows = mp - m0 < pass ? mp - m0 : pass, blocks = (rows + 31) / 32;
-#pragma omp for collapse(2) schedule(static) nowait
-            for (int64_t u = 0; u < units; ++u)
+        if (m >= AMX_BLOCK_ROWS_FIRST) {
+            /* Many rows: 32-row blocks outside, the units of a chunk of panels inside, so each
+             * block's C rows are written whole (not a 32-column strip down every row) and the
+             * chunk's panels stay in L2 while the blocks pass. */
+            const int64_t unit_bytes = 2 * kp * 2 * NR * (int64_t)sizeof(uint16_t);
+            const int64_t chunk = AMX_CHUNK_BYTES / unit_bytes > 0 ? AMX_CHUNK_BYTES / unit_bytes : 1;
+            const int64_t blocks = (mp + 31) / 32;
+            for (int64_t u0 = 0; u0 < units; u0 += chunk) {
+                const int64_t u1 = u0 + chunk < units ? u0 + chunk : units;
+#pragma omp for schedule(static) nowait
                 for (int64_t b = 0; b < blocks; ++b)
-                    amx_unit(a, lda, mp, m, m0 + 32 * b, packed, kp, panels, bias, y, ldy, u,
-                             silu, &own);
+                    for (int64_t u = u0; u < u1; ++u)
+                        amx_unit(a, lda, mp, m, 32 * b, packed, kp, panels, bias, y, ldy, u,
+                                 silu, &own);
+            }
+        } else {
+            for (int64_t m0 = 0; m0 < mp; m0 += pass) {
+                const int64_t rows = mp - m0 < pass ? mp - m0 : pass, blocks = (rows + 31) / 32;
+#pragma omp for collapse(2) schedule(static) nowait
+                for (int64_t u = 0; u < units; ++u)
+                    for (int64_t b = 0; b < blocks; ++b)
+                        amx_unit(a, lda, mp, m, m0 + 32 * b, packed, kp, panels, bias, y, ldy, u,
+                                 silu, &own);
+            }
         }
         if (saved.palette) _tile_loadconfig(&saved);
         else _tile_release();

@@ -282,6 +282,48 @@ static inline __m512 reduce16(const __m512 *v) {
     return _mm512_permutexvar_ps(order, d);
 }
 
+/* The weighted sum of one KV head's value rows [0, run) for ``group`` query heads at once
+ * (``group`` and ``chunks`` constants where it is inlined): each value row is loaded and split
+ * into its even and odd elements once for all the heads that share it, where the per-head loop
+ * loaded and split it once per head. Each head's accumulators take the same FMAs in the same
+ * order as there, so the sums are the same bit for bit. p: the first head's weights of the
+ * run, the others ``count`` apart; acc: the first head's accumulators, ``width`` apart. */
+#define PV_GROUP 4
+static inline __attribute__((always_inline)) void
+pv_heads(const uint16_t *restrict row0, int64_t row_stride, int64_t run, const float *restrict p,
+         int64_t count, const int group, const int chunks, __mmask32 tail_mask,
+         float *restrict acc, int width) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 even[PV_GROUP][2], odd[PV_GROUP][2];
+    for (int g = 0; g < group; ++g)
+        for (int c = 0; c < chunks; ++c) {
+            even[g][c] = _mm512_loadu_ps(acc + g * width + c * BF16_CHUNK);
+            odd[g][c] = _mm512_loadu_ps(acc + g * width + c * BF16_CHUNK + 16);
+        }
+    for (int64_t o = 0; o < run; ++o) {
+        const uint16_t *row = row0 + o * row_stride;
+        __m512 lo[2], hi[2];
+        for (int c = 0; c < chunks; ++c) {
+            const __m512i x = c == chunks - 1 ? _mm512_maskz_loadu_epi16(tail_mask, row + c * BF16_CHUNK)
+                                              : _mm512_loadu_si512(row + c * BF16_CHUNK);
+            lo[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            hi[c] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+        }
+        for (int g = 0; g < group; ++g) {
+            const __m512 weight = _mm512_set1_ps(p[g * count + o]);
+            for (int c = 0; c < chunks; ++c) {
+                even[g][c] = _mm512_fmadd_ps(weight, lo[c], even[g][c]);
+                odd[g][c] = _mm512_fmadd_ps(weight, hi[c], odd[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < group; ++g)
+        for (int c = 0; c < chunks; ++c) {
+            _mm512_storeu_ps(acc + g * width + c * BF16_CHUNK, even[g][c]);
+            _mm512_storeu_ps(acc + g * width + c * BF16_CHUNK + 16, odd[g][c]);
+        }
+}
+
 /* attend() over a bf16 cache with AVX512-BF16: each head's query is rounded to bf16 (round to
  * nearest even, as torch rounds) and its scores are VDPBF16PS dot products over the key rows
  * as they lie in the cache (32 elements an instruction, fp32 sums; 16 rows reduced together
@@ -368,6 +410,23 @@ attend_dot(const float *restrict query, int64_t q_head_stride, const void *restr
         const int64_t v = (blocks[j / block_size] * block_size + offset) * row_stride;
         prefetch_block(value_cache, blocks, j, context_len, block_size, row_stride,
                        (int64_t)kv_heads * head_dim, 2);
+#ifndef ACTORLINE_PV_PER_HEAD
+        if (group <= PV_GROUP && chunks <= 2) {
+            for (int kh = 0; kh < kv_heads; ++kh) {
+                const uint16_t *row0 = vals + v + kh * head_dim;
+                const float *p = scores + kh * group * count + j - first;
+                float *a = acc + kh * group * width;
+                switch (group) { /* constants, so the accumulators stay in registers */
+                case 1: pv_heads(row0, row_stride, run, p, count, 1, chunks, tail_mask, a, width); break;
+                case 2: pv_heads(row0, row_stride, run, p, count, 2, chunks, tail_mask, a, width); break;
+                case 3: pv_heads(row0, row_stride, run, p, count, 3, chunks, tail_mask, a, width); break;
+                default: pv_heads(row0, row_stride, run, p, count, 4, chunks, tail_mask, a, width); break;
+                }
+            }
+            j += run;
+            continue;
+        }
+#endif
         for (int h = 0; h < heads; ++h) {
             const float *p = scores + h * count + j - first;
             const int64_t vh = v + (h / group) * head_dim;

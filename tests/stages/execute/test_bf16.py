@@ -84,7 +84,8 @@ def amx_kernel() -> BF16GemmKernel:
 
 # (N, K): one panel, odd panel counts (a lone last panel), K tails of every kind (under one
 # tile, one short of a tile, one over, odd K) and the default model's K; rows: M tails around
-# the 16-row tiles and 32-row blocks, and more rows than one pass at K 577 / 1536.
+# the 16-row tiles and 32-row blocks, and more rows than one pass at K 577 / 1536 (and, there,
+# the rows from which the call walks row blocks outside).
 AMX_SHAPES = ((16, 1), (48, 7), (80, 31), (32, 32), (48, 33), (96, 64), (48, 577), (112, 1536))
 AMX_ROWS = (1, 2, 15, 16, 17, 31, 32, 33, 47, 64, 100, 500)
 
@@ -96,8 +97,10 @@ def test_amx_tiles_match_torch_on_bf16_rounded_operands() -> None:
         weight = torch.randn(n, k, generator=generator)
         bias = torch.randn(n, generator=generator)
         packed = kernel.pack(weight)
-        for rows in AMX_ROWS:
-            if rows == 500 and k not in (577, 1536):
+        # past amx_block_rows_first the tiles walk row blocks outside, chunks of panels inside
+        first = kernel.amx_block_rows_first
+        for rows in (*AMX_ROWS, first, first + 17):
+            if rows >= 500 and k not in (577, 1536):
                 continue
             x = torch.randn(rows, k, generator=generator) * 3
             expected = F.linear(x.bfloat16().float(), weight.bfloat16().float(), bias)

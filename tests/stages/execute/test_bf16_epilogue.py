@@ -76,6 +76,33 @@ def test_the_epilogue_is_the_gemm_then_silu_and_mul() -> None:
                     assert error <= tolerance, (kernel.native, kernel.amx, inter, k, rows, error)
 
 
+def test_the_epilogue_on_row_blocks_outside_is_the_gemm_then_silu_and_mul() -> None:
+    """From ``amx_block_rows_first`` rows the tiles walk 32-row blocks outside and chunks of
+    panels inside: the epilogue there (an M tail, odd panel counts, a chunk boundary at K 577)
+    is still its GEMM then SiLU-and-mul bit for bit, and within rounding of torch."""
+    kernel = kernels()[0]
+    if not kernel.amx:
+        pytest.skip("no AMX tiles here")
+    generator = torch.Generator().manual_seed(4)
+    first = kernel.amx_block_rows_first
+    # 400 gate panels at K 577: 200 units of ~37 KB, several 512 KiB chunks of panels
+    for inter, k in ((48, 33), (80, 64), (6400, 577)):
+        gate, up = (torch.randn(inter, k, generator=generator) for _ in range(2))
+        bias = torch.randn(2 * inter, generator=generator)
+        packed = kernel.pack(gate, up)
+        for rows in (first, first + 17):
+            x = torch.randn(rows, k, generator=generator) * 2
+            got = kernel.silu_mul(x, packed, k, bias)
+            assert torch.equal(got, fused().silu_mul(kernel(x, packed, k, bias)))
+            xb = x.bfloat16().float()
+            g = F.linear(xb, gate.bfloat16().float(), bias[:inter])
+            u = F.linear(xb, up.bfloat16().float(), bias[inter:])
+            want = F.silu(g) * u
+            scale = max(want.abs().max().item(), 1.0)
+            error = (got - want).abs().max().item()
+            assert error <= 1e-5 * scale * max(1.0, k**0.5 / 8), (inter, k, rows, error)
+
+
 def test_the_epilogue_never_reads_past_the_panels() -> None:
     """K tails: the up half's last panel is the weight's last; past it lies NaN here."""
     generator = torch.Generator().manual_seed(1)

@@ -157,6 +157,38 @@ def test_kernel_matches_attention_over_gathered_keys(
 
 
 @pytest.mark.usefixtures("two_threads")
+def test_value_rows_shared_by_a_group_give_the_per_head_sums_bit_for_bit(
+    kernel: PagedDecodeKernel,
+) -> None:
+    """Over a bf16 cache the AVX512-BF16 path sums the value rows of a KV head for its query
+    heads together (groups of up to 4, head sizes up to 64): the same outputs bit for bit as
+    the build that sums them one head at a time (``ACTORLINE_PV_PER_HEAD``), across masked
+    tails, 1-5 heads a group (5: the per-head loop in both) and both kinds of work items."""
+    if not kernel.bf16_dot:
+        pytest.skip("no AVX512-BF16 path in this build")
+    per_head = PagedDecodeKernel(build_library(KERNEL_SOURCE, defines=("ACTORLINE_PV_PER_HEAD",)))
+    generator = torch.Generator().manual_seed(7)
+    for group, num_kv_heads, head_dim in ((1, 4, 64), (2, 2, 16), (3, 3, 64), (4, 2, 40),
+                                          (5, 1, 64)):  # fmt: skip
+        num_heads, block_size = group * num_kv_heads, 16
+        for repeat in (1, 6):
+            lens = torch.tensor([1, 16, 17, 47, 50, 97, 2] * repeat)
+            width = -(-int(lens.max()) // block_size)
+            num_blocks = len(lens) * width + 1
+            shape = (num_blocks * block_size, num_kv_heads, head_dim)
+            key_cache = torch.randn(shape, generator=generator).bfloat16()
+            value_cache = torch.randn(shape, generator=generator).bfloat16()
+            tables = (torch.randperm(num_blocks - 1, generator=generator) + 1)[
+                : len(lens) * width
+            ].view(len(lens), width)
+            query = torch.randn(num_heads, len(lens), head_dim, generator=generator)
+            outs = [torch.empty(len(lens), num_heads, head_dim) for _ in range(2)]
+            for built, out in zip((kernel, per_head), outs, strict=True):
+                built(query, key_cache, value_cache, tables, lens, out, block_size, 0.125)
+            assert torch.equal(outs[0], outs[1]), (group, head_dim, repeat)
+
+
+@pytest.mark.usefixtures("two_threads")
 @KV_DTYPES
 @pytest.mark.parametrize("repeat", [1, 6], ids=["per-head-items", "whole-sequence-items"])
 @pytest.mark.parametrize(
