@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from stages.execute.model_impl import NativeConfig, weight_files
+from stages.execute.model_impl import NativeConfig, read_tensor, weight_files
 
 if TYPE_CHECKING:
     from stages.execute.pp_load import ShardPart
@@ -360,13 +360,10 @@ def load_native_llama(
                     if name.endswith("rotary_emb.inv_freq"):
                         continue  # older checkpoints saved the computed buffer
                     raise ValueError(f"{model_dir}: tensor {name!r} is not part of a Llama model")
-                tensor = handle.get_tensor(stored)
-                if tuple(tensor.shape) != tuple(expected[name].shape):
-                    raise ValueError(
-                        f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, the "
-                        f"config makes it {tuple(expected[name].shape)}"
-                    )
-                loaded[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
+                try:
+                    loaded[name] = read_tensor(handle, stored, name, expected[name].shape, dtype)
+                except ValueError as exc:
+                    raise ValueError(f"{model_dir}: {exc}") from None
     # tied: the head is the embeddings, unless a later last shard loaded them as its head
     shares = config.tie_word_embeddings and model.model.embed_tokens is not None
     if shares:

@@ -19,6 +19,7 @@ __all__ = [
     "eos_token_ids",
     "model_config",
     "native_config",
+    "read_tensor",
     "weight_files",
 ]
 
@@ -200,3 +201,20 @@ def weight_files(model_dir: Path) -> Iterable[Path]:
         return [model_dir / WEIGHTS_FILE]
     index = json.loads((model_dir / INDEX_FILE).read_text())
     return [model_dir / name for name in dict.fromkeys(index["weight_map"].values())]
+
+
+def read_tensor(handle: Any, stored: str, name: str, shape: Sequence[int], dtype: Any) -> Any:
+    """The tensor ``stored`` of an open safetensors ``handle`` as ``dtype`` (a torch dtype),
+    checked against the ``shape`` the model's config makes its parameter ``name``.
+
+    Raises:
+        ValueError: the shapes differ (the message names the tensor and both shapes; the
+            caller adds the file).
+    """
+    tensor = handle.get_tensor(stored)
+    if tuple(tensor.shape) != tuple(shape):
+        shown = repr(stored) if stored == name else f"{stored!r} (as {name!r})"
+        raise ValueError(
+            f"tensor {shown} has shape {tuple(tensor.shape)}, the config makes it {tuple(shape)}"
+        )
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from stages.execute.model_impl import weight_files
+from stages.execute.model_impl import read_tensor, weight_files
 from stages.execute.pipeline_parallel import cut_layers, drop_embeddings
 
 __all__ = [
@@ -168,13 +168,10 @@ def load_transformers_model(
                 name = shard_tensor_name(stored, part, tied)
                 if name is None or name not in expected:
                     continue  # another shard's, or what transformers' load ignores too
-                tensor = handle.get_tensor(stored)
-                if tuple(tensor.shape) != tuple(expected[name].shape):
-                    raise ValueError(
-                        f"{model_dir}: tensor {stored!r} has shape {tuple(tensor.shape)}, the "
-                        f"config makes {name!r} {tuple(expected[name].shape)}"
-                    )
-                loaded[name] = tensor if tensor.dtype == dtype else tensor.to(dtype)
+                try:
+                    loaded[name] = read_tensor(handle, stored, name, expected[name].shape, dtype)
+                except ValueError as exc:
+                    raise ValueError(f"{model_dir}: {exc}") from None
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint lacks {len(missing)} tensors: {missing[:4]}")
