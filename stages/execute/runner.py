@@ -65,6 +65,7 @@ from stages.execute.flex import use_flex
 from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import grammar_rows
 from stages.execute.kv_blocks import (
+    PlannedExport,
     export_planned,
     export_rank_blocks,
     import_moved_blocks,
@@ -219,7 +220,7 @@ class PreparedStep:
     #: :meth:`ModelRunner.pipeline_keep` named (``run`` samples them instead of a forward)
     logits: torch.Tensor | None = None
     #: with ``kv_export``: the prompts' blocks to export once the forward pass ran
-    kv_out: list[Any] = dataclasses.field(default_factory=list)
+    kv_out: list[PlannedExport] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
