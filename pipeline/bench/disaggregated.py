@@ -14,6 +14,10 @@ latency p50/p99 (the figure P/D is for), TTFT p50/p99 of short and long requests
 tokens/s, and with P/D the KV transfers: requests, blocks and bytes moved per request, and
 requests run whole (fallbacks). The variants alternate (fresh engines each round, ``rounds``
 times) and each request's greedy tokens are compared across them.
+
+With ``ray`` (``--ray ADDRESS``) both variants' engines are Ray actors on that cluster
+(``ray_num_cpus`` each), the P/D variant's pinned by ``ray_prefill_decode_resources``: the
+prefill engines on one node and the decode engines on another where the cluster has them.
 """
 
 from __future__ import annotations
@@ -67,6 +71,12 @@ class DisaggregatedConfig:
     rounds: int = 2
     transport: str = "zmq"
     seed: int = 0
+    #: the Ray cluster's address ("": RAY_ADDRESS, else a new local one; None: not on Ray)
+    ray: str | None = None
+    ray_auth_token_file: str | None = None
+    ray_num_cpus: float = 1.0
+    #: the P/D variant's "PREFILL,DECODE" resources (EngineOptions.ray_prefill_decode_resources)
+    ray_prefill_decode_resources: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "short_prompt", "short_max_tokens", "long_prompt",
@@ -178,6 +188,13 @@ async def _run_variant(
         if disaggregated
         else {"data_parallel_size": prefill + decode}
     )
+    if config.ray is not None:
+        options.update(ray=True, ray_num_cpus=config.ray_num_cpus,
+                       ray_auth_token_file=config.ray_auth_token_file)  # fmt: skip
+        if config.ray:
+            options["ray_address"] = config.ray
+        if disaggregated:
+            options["ray_prefill_decode_resources"] = config.ray_prefill_decode_resources
     variant = f"P/D={prefill}:{decode}" if disaggregated else f"DP={prefill + decode}"
     arrivals = poisson_arrivals(config.rate, len(requests), config.seed)
     async with AsyncEngine(config.model, transport=config.transport, **options) as engine:

@@ -47,7 +47,14 @@ from pipeline.bench.online_http import (
     run_http_online,
 )
 from pipeline.bench.profile import Profile, build_profile, format_profile, take_snapshot
-from pipeline.bench.report import add_common_arguments, format_table, print_result, run_main
+from pipeline.bench.report import (
+    add_common_arguments,
+    add_ray_arguments,
+    asks_for_ray,
+    format_table,
+    print_result,
+    run_main,
+)
 from pipeline.bench.workload import WorkloadSpec, make_workload, poisson_arrivals
 from pipeline.engine.option_fields import add_option_argument
 from pipeline.engine.options import EngineOptions
@@ -239,6 +246,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=None, help="requests per rate (24)")
     add_option_argument(parser, EngineOptions, "transport")
     add_option_argument(parser, EngineOptions, "prefill_decode")
+    add_ray_arguments(
+        parser, help="with --prefill-decode: run both variants' engines on Ray (--ray-num-cpus "
+        "each; the P/D engines pinned by --ray-prefill-decode-resources)",
+    )  # fmt: skip
+    add_option_argument(parser, EngineOptions, "ray_num_cpus")
+    add_option_argument(parser, EngineOptions, "ray_prefill_decode_resources")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--http",
@@ -338,6 +351,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     """
     if args.prefill_decode is not None:
         return _run_prefill_decode(args)
+    if asks_for_ray(args) or _ray_placement_given(args):
+        raise ValueError(
+            "--ray, --ray-num-cpus and --ray-prefill-decode-resources apply with --prefill-decode"
+        )
     if not (args.http or args.peer) and (
         args.rounds is not None or args.formats or args.llamacpp_threads is not None
     ):
@@ -349,6 +366,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     result = run_online(config_from_args(args))
     print_result(result, format_online(result), args.json)
     return 0
+
+
+def _ray_placement_given(args: argparse.Namespace) -> bool:
+    """Whether ``--ray-num-cpus`` or ``--ray-prefill-decode-resources`` was given."""
+    defaults = EngineOptions()
+    return args.ray_prefill_decode_resources is not None or (
+        args.ray_num_cpus != defaults.ray_num_cpus
+    )
 
 
 def _run_prefill_decode(args: argparse.Namespace) -> int:
@@ -370,6 +395,9 @@ def _run_prefill_decode(args: argparse.Namespace) -> int:
                          "--profile, --formats or --vllm-variant")  # fmt: skip
     if args.rates is not None and len(args.rates) != 1:
         raise ValueError(f"--prefill-decode runs at one rate, got --rates {args.rates}")
+    if not asks_for_ray(args) and _ray_placement_given(args):
+        raise ValueError("--ray-num-cpus and --ray-prefill-decode-resources place the engines "
+                         "on Ray: give --ray too")  # fmt: skip
     pair = parse_prefill_decode(args.prefill_decode)
     assert pair is not None
     overrides: dict[str, object] = {
@@ -377,6 +405,10 @@ def _run_prefill_decode(args: argparse.Namespace) -> int:
         "prefill_decode": pair,
         "transport": args.transport,
         "seed": args.seed,
+        "ray": args.ray if asks_for_ray(args) else None,
+        "ray_auth_token_file": args.ray_auth_token_file,
+        "ray_num_cpus": args.ray_num_cpus,
+        "ray_prefill_decode_resources": args.ray_prefill_decode_resources,
     }
     if args.rates is not None:
         overrides["rate"] = args.rates[0]

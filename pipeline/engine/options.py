@@ -339,6 +339,11 @@ class EngineOptions:
         "have (one of `ray start --resources`, or node:IP; empty: any node): pins each shard "
         "to a node",
     )  # fmt: skip
+    ray_prefill_decode_resources: str | None = option(
+        None, group=_PARALLEL, metavar="PREFILL,DECODE",
+        help="with prefill_decode on Ray: the Ray resource the prefill engines' nodes must "
+        "have, then the decode engines' (empty: any node), such as 'node:10.0.0.5,decode_box'",
+    )  # fmt: skip
     ray_num_cpus: float = option(1.0, help="CPUs each engine host takes on Ray",
                                  kind="number>=0", group=_PARALLEL)  # fmt: skip
     ray_num_gpus: float = option(

@@ -59,9 +59,7 @@ def check_prefill_decode(options: Any) -> None:
             f"data_parallel_size ({options.data_parallel_size}): give one of the two"
         )
     clashes = (
-        ("tensor_parallel_size > 1", options.tensor_parallel_size > 1),
         ("pipeline_parallel_size > 1", options.pipeline_parallel_size > 1),
-        ("ray", options.on_ray),
         ("null_model (no KV to move)", options.null_model),
         ("enable_lora", options.enable_lora),
         ("speculative_config", options.speculative_config is not None),

@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.engine.option_fields import fed
 from pipeline.engine.options import EngineOptions
-from pipeline.engine.ray_placement import group_bundles, parse_shard_resources, placement_strategy
+from pipeline.engine.ray_placement import (
+    engine_role_pin,
+    group_bundles,
+    parse_shard_resources,
+    placement_strategy,
+)
 from pipeline.runtime.graph import Pipeline
 from pipeline.runtime.ray_hosts import RayHost, RayPlacementGroup, require_ray
 from pipeline.runtime.running import StartOptions
@@ -439,11 +444,11 @@ def start_options(options: EngineOptions) -> StartOptions:
         pins = parse_shard_resources(options.ray_shard_resources) or ("",) * (
             options.pipeline_parallel_size
         )
-        for index in range(options.data_parallel_size):
+        for index in range(engine_replicas(options)):
             host = engine + replica_suffix(index)
             bundles, where = group_bundles(
                 _replica_shards(host, options), _draft_hosts(host, options),
-                engine_bundle(options), pins,
+                engine_bundle(options), pins, engine_role_pin(options, index),
             )  # fmt: skip
             group = f"replica{index}"
             groups[group] = RayPlacementGroup(bundles, strategy)

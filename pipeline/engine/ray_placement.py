@@ -2,7 +2,10 @@
 Ray"): each replica is one placement group whose bundle k is its pipeline shard k (the engine
 host and its tensor-parallel ranks, then each later shard's host and its ranks: PP x TP), a
 draft host placed apart a bundle of its own after them; placed by ``ray_placement_strategy``;
-``ray_shard_resources`` pins each pipeline shard's bundle to a node that has a resource.
+``ray_shard_resources`` pins each pipeline shard's bundle to a node that has a resource;
+with ``prefill_decode``, ``ray_prefill_decode_resources`` pins every bundle of the prefill
+engines' groups to one resource and the decode engines' to another (docs/parallelism.md,
+"Disaggregated prefill and decode on Ray").
 
 - **A shard is one bundle.** Its tensor-parallel ranks' actors all take their resources from
   it (one host's resources times the ranks), so Ray keeps every rank of a shard on one node
@@ -41,6 +44,7 @@ __all__ = [
     "PIN_AMOUNT",
     "PLACEMENT_STRATEGIES",
     "check_ray_placement",
+    "engine_role_pin",
     "group_bundles",
     "parse_shard_resources",
     "placement_strategy",
@@ -51,8 +55,11 @@ __all__ = [
 PIN_AMOUNT = 0.001
 
 
-def parse_shard_resources(text: str | None) -> tuple[str, ...] | None:
-    """``"a,,node:10.0.0.5"`` → ``("a", "", "node:10.0.0.5")`` (an empty entry: any node).
+def parse_shard_resources(
+    text: str | None, option: str = "ray_shard_resources", per: str = "shard"
+) -> tuple[str, ...] | None:
+    """``"a,,node:10.0.0.5"`` → ``("a", "", "node:10.0.0.5")`` (an empty entry: any node);
+    ``option`` and ``per`` name the option and what each entry pins in the errors.
 
     Raises:
         ValueError: not a string, an entry with whitespace, or every entry empty.
@@ -60,21 +67,35 @@ def parse_shard_resources(text: str | None) -> tuple[str, ...] | None:
     if text is None:
         return None
     if not isinstance(text, str):
-        raise ValueError(
-            f"ray_shard_resources must be comma-separated resource names, got {text!r}"
-        )
+        raise ValueError(f"{option} must be comma-separated resource names, got {text!r}")
     names = tuple(name.strip() for name in text.split(","))
     for name in names:
         if any(char.isspace() for char in name):
-            raise ValueError(
-                f"ray_shard_resources: {name!r} is not a Ray resource name (it has whitespace)"
-            )
+            raise ValueError(f"{option}: {name!r} is not a Ray resource name (it has whitespace)")
     if not any(names):
         raise ValueError(
-            f"ray_shard_resources {text!r} names no resource: give one per shard, such as "
+            f"{option} {text!r} names no resource: give one per {per}, such as "
             "'node:10.0.0.5,gpu_box_2' (an empty entry: any node)"
         )
     return names
+
+
+def engine_role_pin(options: Any, replica: int) -> str:
+    """The resource every bundle of engine replica ``replica`` asks for besides: with
+    ``prefill_decode=(P, D)``, ``ray_prefill_decode_resources``' first entry for a prefill
+    engine (replicas 0..P-1), its second for a decode engine ("": none)."""
+    names = _role_resources(options)
+    if names is None or options.prefill_decode is None:
+        return ""
+    return names[0] if replica < options.prefill_decode[0] else names[1]
+
+
+def _role_resources(options: Any) -> tuple[str, ...] | None:
+    return parse_shard_resources(
+        options.ray_prefill_decode_resources,
+        "ray_prefill_decode_resources",
+        "role (prefill, then decode)",
+    )
 
 
 def check_ray_placement(options: Any) -> None:
@@ -86,9 +107,11 @@ def check_ray_placement(options: Any) -> None:
             pipeline shard.
     """
     strategy, resources = options.ray_placement_strategy, options.ray_shard_resources
+    roles = options.ray_prefill_decode_resources
     if not options.on_ray:
         for name, given in (("ray_placement_strategy", strategy != "auto"),
-                            ("ray_shard_resources", resources is not None)):  # fmt: skip
+                            ("ray_shard_resources", resources is not None),
+                            ("ray_prefill_decode_resources", roles is not None)):  # fmt: skip
             if given:
                 raise ValueError(
                     f"{name} places the engine's hosts on Ray's nodes, but they are not on "
@@ -100,6 +123,17 @@ def check_ray_placement(options: Any) -> None:
             f"ray_shard_resources names {len(names)} shards ({resources}), but "
             f"pipeline_parallel_size is {options.pipeline_parallel_size}: give one resource "
             "per shard (an empty entry: any node)"
+        )
+    pair = _role_resources(options)
+    if pair is not None and options.prefill_decode is None:
+        raise ValueError(
+            f"ray_prefill_decode_resources ({roles}) pins prefill and decode engines, but "
+            "there are none: give prefill_decode (--prefill-decode P:D) too"
+        )
+    if pair is not None and len(pair) != 2:
+        raise ValueError(
+            f"ray_prefill_decode_resources names {len(pair)} resources ({roles}): give two, "
+            "the prefill engines' then the decode engines' (an empty entry: any node)"
         )
 
 
@@ -123,11 +157,13 @@ def group_bundles(
     apart: Sequence[str],
     bundle: Mapping[str, float],
     pins: Sequence[str],
+    role: str = "",
 ) -> tuple[tuple[dict[str, float], ...], dict[str, int]]:
     """One replica's placement group: bundle k holds pipeline shard k's hosts (``shards``:
     ``(host, shard)`` for every host of every shard, its tensor-parallel ranks included), each
     host's ``bundle`` times their count, pinned to ``pins[k]`` (:func:`shard_bundle`); then
-    one bundle per host of ``apart`` (a draft host), pinned as shard 0.
+    one bundle per host of ``apart`` (a draft host), pinned as shard 0. Every bundle is
+    pinned to ``role`` besides (:func:`engine_role_pin`; "": not).
 
     Returns:
         The bundles, and each host's bundle index.
@@ -138,10 +174,15 @@ def group_bundles(
         counts[shard] = counts.get(shard, 0) + 1
         index[host] = shard
     bundles = [
-        shard_bundle({name: amount * counts[shard] for name, amount in bundle.items()}, pins[shard])
+        shard_bundle(shard_bundle(_times(bundle, counts[shard]), pins[shard]), role)
         for shard in sorted(counts)
     ]
     for host in apart:
         index[host] = len(bundles)
-        bundles.append(shard_bundle(bundle, pins[0]))
+        bundles.append(shard_bundle(shard_bundle(bundle, pins[0]), role))
     return tuple(bundles), index
+
+
+def _times(bundle: Mapping[str, float], count: int) -> dict[str, float]:
+    """``bundle``'s resources ``count`` times over."""
+    return {name: amount * count for name, amount in bundle.items()}

@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from stages.kv_transfer import KvBlocks
 from stages.lora import LoRARequest
 from transports.codec import message
 
@@ -40,7 +41,8 @@ class ShardStep:
     ``block_tables`` is ``[rows, width]``, each row padded with the reserved block. A
     speculative request's chunk is its last known token and its draft, packed like a short
     prefill chunk; rank 0 alone verifies and rolls back, and the next step's tables are the
-    truncated ones (docs/speculative.md). ``lora_adapters``: the step's LoRA adapters
+    truncated ones (docs/speculative.md). The ``kv_`` fields move a prompt's KV blocks between
+    prefill and decode engines (docs/parallelism.md). ``lora_adapters``: the step's LoRA adapters
     (docs/lora.md), ``lora_index`` each row group's among them (-1: the base model); both
     empty in a step of base rows only (:func:`stages.execute.lora_shard.shard_lora_fields`)."""
 
@@ -52,3 +54,10 @@ class ShardStep:
     block_tables: np.ndarray  # [R, W] int64
     lora_adapters: tuple[LoRARequest, ...] = ()
     lora_index: tuple[int, ...] = ()  # [R], or () with no adapter
+    # disaggregated prefill and decode (stages.execute.kv_blocks): the blocks whose K/V every
+    # rank gathers to rank 0 after the forward pass (a prefill engine's export), and the
+    # blocks rank 0 imported before it (a decode engine's: ``kv_imports`` went to
+    # ``kv_import_blocks``, in order), the whole model's heads, each rank keeping its own
+    kv_export_blocks: np.ndarray | None = None  # [M] int64
+    kv_import_blocks: np.ndarray | None = None  # [sum of the imports' blocks] int64
+    kv_imports: tuple[KvBlocks, ...] = ()

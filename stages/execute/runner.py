@@ -64,7 +64,15 @@ from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_line
 from stages.execute.flex import use_flex
 from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import grammar_rows
-from stages.execute.kv_blocks import export_computed_prompts, import_moved_blocks
+from stages.execute.kv_blocks import (
+    PlannedExport,
+    export_planned,
+    export_rank_blocks,
+    import_moved_blocks,
+    import_rank_blocks,
+    plan_exports,
+    with_moved_blocks,
+)
 from stages.execute.llama import load_native_llama
 from stages.execute.loading import (
     PROBE_REQUEST,
@@ -211,6 +219,8 @@ class PreparedStep:
     #: with pipeline parallelism: the logits the last shard computed for the rows
     #: :meth:`ModelRunner.pipeline_keep` named (``run`` samples them instead of a forward)
     logits: torch.Tensor | None = None
+    #: with ``kv_export``: the prompts' blocks to export once the forward pass ran
+    kv_out: list[PlannedExport] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -538,6 +548,11 @@ class ModelRunner:
         return self._step_graph
 
     @property
+    def _heads(self) -> tuple[int, int]:
+        """(rank, ranks): which tensor-parallel share of the KV heads this runner's cache holds."""
+        return (self.rank, self.config.tensor_parallel_size)
+
+    @property
     def _wants_step_graph(self) -> bool:
         """Whether this load would serve decode steps by the CPU step graph, were the model
         one it serves (stages.execute.step_graph)."""
@@ -637,7 +652,8 @@ class ModelRunner:
         self._pooler.forget((*step.finished, *step.preempted))
         for new_request in step.new_requests:
             self._register(new_request)
-        import_moved_blocks(self.kv_cache, allocator, step.new_requests)  # prefill/decode
+        written: list[Any] = []  # prefill/decode: blocks moved in (stages/execute/kv_blocks.py)
+        import_moved_blocks(self.kv_cache, allocator, step.new_requests, self._heads, written)
         drafts = stage_drafts(self._requests, step.chunks)
         report = PlanReport()
         works: list[_Work] = []
@@ -651,6 +667,12 @@ class ModelRunner:
             self.group is not None or self.config.pipeline_parallel_size > 1
         ):
             prepared.shard = _shard_step(step.step_id, packed)
+        if self.config.kv_export:
+            prepared.kv_out = plan_exports(allocator, allocator.block_size, works)
+        if self.group is not None:
+            prepared.shard = with_moved_blocks(
+                prepared.shard, step.step_id, written, prepared.kv_out
+            )
         return prepared
 
     def run(self, prepared: PreparedStep) -> StepResult:
@@ -758,7 +780,7 @@ class ModelRunner:
                 ):  # settled: stages/execute/speculative.py
                     commit_chunk(allocator, work.request, work.end)
             if self.config.kv_export:  # a prefill engine (stages/execute/kv_blocks.py)
-                self.kv_exports += export_computed_prompts(self.kv_cache, allocator, works)
+                self.kv_exports += export_planned(self.kv_cache, prepared.kv_out, self.group)
             assert self.kv_cache is not None
             self.kv_cache.prefault()
         release_behind_windows(
@@ -797,6 +819,9 @@ class ModelRunner:
         """
         if self.kv_cache is None or self.group is None or self.rank == 0:
             raise RuntimeError("run_shard runs on a loaded tensor-parallel rank other than 0")
+        import_rank_blocks(self.kv_cache, shard, self._heads)  # a decode engine's moved blocks
+        if not len(shard.token_ids):
+            return  # a step that only moved blocks in
         metadata, positions = self.shard_metadata(shard)
         input_ids = torch.tensor(shard.token_ids, dtype=torch.long).to(self.device)  # [T]
         decoder = self.model.get_decoder()
@@ -807,6 +832,7 @@ class ModelRunner:
                 position_ids=positions.unsqueeze(0),
                 use_cache=False,
             )
+        export_rank_blocks(self.kv_cache, self.group, shard)  # a prefill engine's
         self.kv_cache.prefault()
         self.group.take_seconds()
 

@@ -381,6 +381,28 @@ class TensorParallelGroup:
             self.collectives += 1
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (the same shape on each), in rank order.
+
+        Raises:
+            TensorParallelError: the collective failed or timed out.
+        """
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        began = time.perf_counter()
+        try:
+            # (the overload that takes the timeout: its options class is not in
+            # torch.distributed's namespace)
+            self._group.allgather(parts, tensor, self._options.timeout).wait()
+        except RuntimeError as exc:
+            raise TensorParallelError(
+                f"tensor-parallel all-gather failed on rank {self.rank} of {self.size}: {exc}"
+            ) from exc
+        finally:
+            self.seconds += time.perf_counter() - began
+            self.collectives += 1
+        return parts
+
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (a collective: every rank calls it)."""
         votes = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)

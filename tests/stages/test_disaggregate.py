@@ -112,13 +112,39 @@ def test_prefill_decode_serves_like_one_engine(
     run(body())
 
 
+@pytest.mark.slow
+def test_prefill_decode_at_tensor_parallel_2_serves_like_one_engine(
+    tiny_model_dir: Path, expected: dict[str, tuple[Any, ...]]
+) -> None:
+    """Each engine a tensor-parallel group of two ranks, each rank's cache one of the tiny
+    Llama's two KV heads: the moved blocks carry both (gathered from the prefill engine's
+    ranks), each decode rank keeps its own, and the outputs are one (TP=1) engine's."""
+
+    async def body() -> None:
+        async with AsyncEngine(
+            str(tiny_model_dir), num_blocks=256, prefill_decode=(1, 1), tensor_parallel_size=2
+        ) as engine:
+            assert set(engine.running.pids) == {"engine", "engine_tp1", "engine_1", "engine_1_tp1"}
+            got = await outputs_of(engine, expected["a0-stop"][2])
+            assert got == expected
+            router = engine.running.stage("router")
+            runs = 3 * len(PROMPTS)
+            assert router.transfers == runs and router.fallbacks == 0
+            assert router.blocks_moved >= 3 * runs
+            # both KV heads of every block moved (2 layers, K and V, 16 tokens, 2 heads of 16)
+            assert router.bytes_moved == router.blocks_moved * 2 * 2 * BLOCK * 2 * 16 * 4
+            assert engine.replica_stats["1"].prefix_cache_hits >= BLOCK * router.blocks_moved
+
+    run(body())
+
+
 def test_the_options_refuse_what_does_not_combine() -> None:
     assert EngineOptions("m", prefill_decode="2:1").prefill_decode == (2, 1)
     for value in ("1", "0:1", "a:b", (1, 2, 3), 3):
         with pytest.raises(ValueError, match="prefill_decode must be None or"):
             EngineOptions("m", prefill_decode=value)  # type: ignore[arg-type]
     for fields, clash in (
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
         ({"transport": "memory"}, "transport 'memory'"),
         ({"enable_prefix_caching": False}, "enable_prefix_caching off"),
         ({"null_model": True}, "null_model"),

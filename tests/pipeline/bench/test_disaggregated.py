@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.bench.disaggregated import DisaggregatedConfig, workload
+from pipeline.bench.online import run_from_args
 from pipeline.cli import bench as cli_bench
 
 
@@ -53,3 +54,19 @@ def test_the_workload_mixes_long_and_short_prompts() -> None:
     assert workload(config) == requests  # from the seed
     with pytest.raises(ValueError, match="long_every must be an integer >= 1"):
         DisaggregatedConfig(long_every=0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--ray", "auto"], "apply with --prefill-decode"),
+        (["--ray-num-cpus", "2"], "apply with --prefill-decode"),
+        (["--prefill-decode", "1:1", "--ray-prefill-decode-resources", "a,b"], "give --ray too"),
+    ],
+)
+def test_the_ray_flags_are_refused_where_they_would_do_nothing(
+    flags: list[str], words: str
+) -> None:
+    args = build_parser().parse_args(["bench", "online", *flags])
+    with pytest.raises(ValueError, match=words):
+        run_from_args(args)

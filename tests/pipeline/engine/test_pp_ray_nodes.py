@@ -15,6 +15,10 @@ on Ray:
 - two replicas (DP=2 x PP=2) spread by ``ray_placement_strategy="STRICT_SPREAD"``: each
   replica's shards on both nodes, one engine's tokens; ``ray.kill`` of replica 1's second
   shard fails only replica 1's streams, in bounded time, and replica 0 serves on;
+- disaggregated prefill and decode 1:1 pinned by ``ray_prefill_decode_resources`` (the
+  prefill engine to the head, the decode engine to the second node): every prompt's blocks
+  move between the nodes, the greedy tokens are one local engine's; ``ray.kill`` of the decode
+  engine fails the streams it held, and the prefill engine serves on, whole;
 - once closed, no host actor is left on either node.
 
 The options' plain data (bundles, strategies, refusals) needs no cluster.
@@ -22,6 +26,7 @@ The options' plain data (bundles, strategies, refusals) needs no cluster.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -87,6 +92,9 @@ async def run(options, kill):
         report["nodes"] = {n["NodeID"]: sorted(n["Resources"]) for n in ray.nodes() if n["Alive"]}
         greedy = SamplingParams(max_tokens=int(max_tokens), temperature=0.0, ignore_eos=True)
         report["tokens"] = await asyncio.gather(*(one(engine, p, greedy) for p in prompts))
+        if "prefill_decode" in options:
+            router = engine.running.stage("router")
+            report["moved"] = [router.transfers, router.blocks_moved, router.fallbacks]
         long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
         started = {p: asyncio.Event() for p in prompts}
         tasks = {p: asyncio.create_task(one(engine, p, long, started[p])) for p in prompts}
@@ -187,6 +195,28 @@ def test_shards_are_bundles_of_their_replicas_group_pinned_or_spread_as_asked() 
     assert (parsed.ray_placement_strategy, parsed.ray_shard_resources) == ("STRICT_SPREAD", "a,b")
 
 
+def test_prefill_and_decode_engines_are_pinned_by_role() -> None:
+    options = EngineOptions(prefill_decode=(1, 2), ray=True, ray_num_cpus=0.5,
+                            tensor_parallel_size=2,
+                            ray_prefill_decode_resources="node:__internal_head__,")  # fmt: skip
+    started = start_options(options)
+    assert sorted(started.hosts) == [
+        "engine", "engine_1", "engine_1_tp1", "engine_2", "engine_2_tp1", "engine_tp1"
+    ]  # fmt: skip
+    groups = started.placement_groups
+    # every prefill and decode engine a placement group of its own, as a replica's
+    assert groups["replica0"].bundles == ({"CPU": 1.0, "node:__internal_head__": 0.001},)
+    assert groups["replica1"].bundles == groups["replica2"].bundles == ({"CPU": 1.0},)
+    args = build_parser().parse_args(
+        ["serve", "--ray", "auto", "--prefill-decode", "1:1",
+         "--ray-prefill-decode-resources", "a,b"]
+    )  # fmt: skip
+    parsed = EngineOptions.create(**engine_options_from(args))
+    assert parsed.ray_prefill_decode_resources == "a,b"
+    pinned = start_options(parsed).placement_groups
+    assert [group.bundles[0].get("b") for group in pinned.values()] == [None, 0.001]
+
+
 @pytest.mark.parametrize(
     ("options", "words"),
     [
@@ -197,6 +227,12 @@ def test_shards_are_bundles_of_their_replicas_group_pinned_or_spread_as_asked() 
          "names 1 shards (a), but pipeline_parallel_size is 2"),
         (dict(ray=True, pipeline_parallel_size=2, ray_shard_resources=","), "names no resource"),
         (dict(ray=True, pipeline_parallel_size=2, ray_shard_resources="a b,c"), "whitespace"),
+        (dict(ray_prefill_decode_resources="a,b", prefill_decode=(1, 1)),
+         "ray_prefill_decode_resources places the engine's hosts"),
+        (dict(ray=True, ray_prefill_decode_resources="a,b"),
+         "pins prefill and decode engines, but there are none"),
+        (dict(ray=True, prefill_decode=(1, 1), ray_prefill_decode_resources="a"),
+         "names 1 resources (a): give two"),
     ],
 )  # fmt: skip
 def test_placement_options_are_refused_where_they_cannot_apply(
@@ -301,5 +337,78 @@ def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
     assert two["survivors_running"] == [True] * (len(PROMPTS) // 2)
     assert two["failure"] is None
     assert [tuple(tokens) for tokens in two["after"]] == local_tokens
+    wait_no_host_actor(head)
+    wait_no_host_actor(node)
+
+
+#: prompts of several full blocks (16 tokens each) for the tiny model, so that KV moves
+LONG_PROMPTS = [" ".join([prompt] * 12) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def long_local_tokens(tiny_model_dir: Path) -> list[tuple[int, ...]]:
+    """LONG_PROMPTS' greedy tokens from the tiny model on one local engine process."""
+    from tests.pipeline.engine.test_ray_engine import GREEDY as greedy
+
+    async def local() -> list[tuple[int, ...]]:
+        async with AsyncEngine(str(tiny_model_dir), num_blocks=128) as engine:
+            return await asyncio.gather(*(tokens_of(engine, p, greedy) for p in LONG_PROMPTS))
+
+    tokens: list[tuple[int, ...]] = run(local, timeout=300)
+    return tokens
+
+
+async def tokens_of(engine: AsyncEngine, prompt: str, params: Any) -> tuple[int, ...]:
+    last: tuple[int, ...] = ()
+    async for output in engine.generate(prompt, params):
+        last = tuple(output.token_ids)
+    return last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_prefill_and_decode_engines_on_two_nodes_move_kv_and_a_killed_decoder_fails_its_own(
+    tiny_model_dir: Path,
+    two_nodes: tuple[StartedRay, StartedRay],
+    long_local_tokens: list[tuple[int, ...]],
+) -> None:
+    head, node = two_nodes
+    disaggregated = dict(prefill_decode=[1, 1], ray_num_cpus=0.5,
+                         ray_prefill_decode_resources="node:__internal_head__,second")  # fmt: skip
+    engines = json.dumps([[disaggregated, "engine_1"]])
+    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address, engines,
+               json.dumps(LONG_PROMPTS), str(GREEDY.max_tokens)]  # fmt: skip
+    result = subprocess.run(
+        command,
+        env={**head.environment(), "PYTHONPATH": str(REPOSITORY)},
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    (report,) = json.loads(result.stdout.strip().splitlines()[-1])
+    nodes = report["nodes"]
+    second = [nid for nid, resources in nodes.items() if "second" in resources]
+    first = [nid for nid, resources in nodes.items() if "second" not in resources]
+    assert len(second) == len(first) == 1, nodes
+    # the prefill engine on the head, the decode engine on the second node
+    assert {host: where["node"] for host, where in report["hosts"].items()} == {
+        "engine": first[0], "engine_1": second[0]
+    }  # fmt: skip
+    sessions = {head.process.pid: first[0], node.process.pid: second[0]}
+    for where in report["hosts"].values():
+        assert sessions[where["session"]] == where["node"]
+    # every prompt prefilled on the head, its blocks moved (at least 3 full blocks each)
+    transfers, blocks, fallbacks = report["moved"]
+    assert (transfers, fallbacks) == (len(LONG_PROMPTS), 0)
+    assert blocks >= 3 * len(LONG_PROMPTS)
+    assert [tuple(tokens) for tokens in report["tokens"]] == long_local_tokens
+    # the killed decode engine's streams failed, in bounded time; the prefill engine lives on
+    # and serves the prompts whole, with one engine's tokens
+    assert report["killed"] == ["EngineDeadError"] * len(LONG_PROMPTS)
+    assert report["seconds"] < KILLED_SHARD_SECONDS
+    assert report["failure"] is None
+    assert [tuple(tokens) for tokens in report["after"]] == long_local_tokens
     wait_no_host_actor(head)
     wait_no_host_actor(node)

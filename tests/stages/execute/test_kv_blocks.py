@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -159,3 +160,49 @@ def test_the_scheduler_hands_the_blocks_to_execute_once_and_keeps_none() -> None
     assert sent.kv_blocks is moved
     held = [state.request for state in scheduler._running.values()]
     assert [r.request_id for r in held] == ["r"] and held[0].kv_blocks is None
+
+
+def test_each_tensor_parallel_rank_of_a_decode_engine_keeps_its_heads(
+    tiny_model_dir: Path,
+) -> None:
+    """At TP=2 (the tiny Llama's two KV heads, one per rank): rank 0 imports the moved blocks
+    (both heads) keeping head 0, and the step's ShardStep (one of no rows here: the step
+    computes nothing), over the real codec, gives rank 1 the blocks and where they went; it
+    keeps head 1. Together the ranks' caches hold exactly the moved K/V."""
+    from stages.execute.allocator import BlockAllocator
+    from stages.execute.attention import KVCache
+    from stages.execute.kv_blocks import import_prompt_blocks, import_rank_blocks, with_moved_blocks
+    from stages.execute.rank_messages import ShardStep
+
+    prompt = prompts()[4]
+    (moved,) = exported(tiny_model_dir, [EngineRequest("r", prompt, GREEDY)])
+    assert moved.data.shape[4] == 2 and moved.num_blocks == 4
+
+    def rank_cache() -> KVCache:
+        return KVCache.allocate(
+            num_layers=2, num_blocks=16, block_size=BLOCK, num_kv_heads=1, head_dim=16,
+            dtype=torch.float32, device=torch.device("cpu"),
+        )  # fmt: skip
+
+    caches = [rank_cache(), rank_cache()]
+    allocator = BlockAllocator(16, BLOCK)  # rank 0's: the one bookkeeping
+    written: list[Any] = []
+    assert import_prompt_blocks(caches[0], allocator, moved, prompt, b"", (0, 2), written) == 4
+    shard = with_moved_blocks(None, 7, written, [])
+    assert shard is not None and len(shard.token_ids) == 0 and shard.kv_export_blocks is None
+    codec = Codec()
+    payload, buffers = codec.encode(shard)
+    received = codec.decode(payload, [bytes(buffer) for buffer in buffers])
+    assert isinstance(received, ShardStep)
+    import_rank_blocks(caches[1], received, (1, 2))
+    ((ids, _),) = written
+    assert received.kv_import_blocks is not None and received.kv_import_blocks.tolist() == list(ids)
+    for rank, cache in enumerate(caches):
+        for side, sides in enumerate((cache.key, cache.value)):
+            for layer, slots in enumerate(sides):
+                held = slots.view(-1, BLOCK, 1, 16)[list(ids)]
+                assert torch.equal(
+                    held, torch.from_numpy(moved.data[side, layer, :, :, rank : rank + 1])
+                )
+    # nothing moved in and nothing to export: the step's shard is unchanged
+    assert with_moved_blocks(None, 8, [], []) is None
