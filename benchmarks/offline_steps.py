@@ -29,9 +29,10 @@ __all__ = ["main", "run_one"]
 KINDS = ("prefill or mixed", "decode, step graph", "decode, module path")
 
 
-def run_one(limit: int, requests: int, dtype: str, model: str) -> dict[str, Any]:
+def run_one(limit: int, requests: int, dtype: str, model: str, lora: int = 0) -> dict[str, Any]:
     """In this process: §1's workload at ``cuda_graph_max_batch_size=limit``; tokens/s and,
-    per kind of step, the steps, rows, wall and CPU seconds."""
+    per kind of step, the steps, rows, wall and CPU seconds. ``lora``: with that many random
+    adapters (``bench offline --lora``'s, rank 8), request ``i`` under adapter ``i mod lora``."""
     from pipeline.runtime.omp_policy import apply_omp_policy
 
     apply_omp_policy("auto")  # before torch loads, as host_main does for an engine process
@@ -79,6 +80,20 @@ def run_one(limit: int, requests: int, dtype: str, model: str) -> dict[str, Any]
 
     ModelRunner.execute = timed  # type: ignore[method-assign,assignment]  # measuring
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    options: dict[str, Any] = {}
+    per_request = None
+    if lora:
+        import tempfile
+        from pathlib import Path
+
+        from pipeline.bench.lora import make_random_adapters
+        from stages.lora import LoRARequest
+
+        directory = tempfile.mkdtemp(prefix="actorline-offline-steps-")
+        paths = make_random_adapters(model, lora, 8, Path(directory))
+        loras = [LoRARequest(f"adapter{i + 1}", i + 1, str(p)) for i, p in enumerate(paths)]
+        per_request = [loras[i % lora] for i in range(len(prompts))]
+        options.update(enable_lora=True, max_loras=lora)
     with LLM(
         model,
         transport="memory",
@@ -86,19 +101,21 @@ def run_one(limit: int, requests: int, dtype: str, model: str) -> dict[str, Any]
         num_blocks=blocks_to_hold(prompts, max_tokens, 16) + 1,
         max_num_seqs=len(prompts),
         cuda_graph_max_batch_size=limit,
+        **options,
     ) as llm:
         warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         llm.generate([prompts[0]], warm, use_tqdm=False)
         timing[0] = True
         began, window = time.perf_counter(), [time.monotonic()]
         cpu = time.process_time()
-        results = llm.generate(list(prompts), params, use_tqdm=False)
+        results = llm.generate(list(prompts), params, use_tqdm=False, lora_request=per_request)
         seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
         window.append(time.monotonic())
     generated = sum(len(result.token_ids) for result in results)
     # NOTE: the timed window on CLOCK_MONOTONIC, to cut a `perf record -k CLOCK_MONOTONIC`
     return {
         "limit": limit,
+        "lora": lora,
         "seconds": seconds,
         "tokens_per_s": generated / seconds,
         "tokens_per_cpu_s": generated / cpu,
@@ -118,37 +135,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        help="also run each limit with this many adapters (bench offline --lora)",
+    )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(run_one(args.one, args.requests, args.dtype, args.model)))
+        print(json.dumps(run_one(args.one, args.requests, args.dtype, args.model, args.lora)))
         return 0
     limits = [int(value) for value in args.limits.split(",")]
-    best: dict[int, dict[str, Any]] = {}
+    variants = [
+        (limit, lora) for limit in limits for lora in ((0, args.lora) if args.lora else (0,))
+    ]
+    best: dict[tuple[int, int], dict[str, Any]] = {}
     print(f"load average {_load()} at start")
     for round_index in range(args.rounds):
-        order = limits if round_index % 2 == 0 else limits[::-1]
-        for limit in order:
+        order = variants if round_index % 2 == 0 else variants[::-1]
+        for limit, lora in order:
             command = [sys.executable, "-m", "benchmarks.offline_steps", "--one", str(limit),
                        "--requests", str(args.requests), "--dtype", args.dtype,
-                       "--model", args.model]  # fmt: skip
+                       "--model", args.model, "--lora", str(lora)]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             result = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"round {round_index + 1}, limit {limit}: {result['tokens_per_s']:.1f} tok/s, "
-                  f"{result['tokens_per_cpu_s']:.1f} per CPU second (load {_load()})",
-                  flush=True)  # fmt: skip
-            if limit not in best or result["tokens_per_s"] > best[limit]["tokens_per_s"]:
-                best[limit] = result
-    print(f"load average {_load()} at the end; best of {args.rounds} per limit:")
-    for limit, result in best.items():
+            print(f"round {round_index + 1}, limit {limit}, {lora} adapters: "
+                  f"{result['tokens_per_s']:.1f} tok/s, {result['tokens_per_cpu_s']:.1f} per "
+                  f"CPU second (load {_load()})", flush=True)  # fmt: skip
+            key = (limit, lora)
+            if key not in best or result["tokens_per_s"] > best[key]["tokens_per_s"]:
+                best[key] = result
+    print(f"load average {_load()} at the end; best of {args.rounds} per variant:")
+    for (limit, lora), result in best.items():
         wall = sum(entry[2] for entry in result["kinds"].values()) or 1.0
-        print(f"limit {limit}: {result['tokens_per_s']:.1f} tok/s, {result['seconds']:.2f} s")
+        print(f"limit {limit}, {lora} adapters: {result['tokens_per_s']:.1f} tok/s, "
+              f"{result['seconds']:.2f} s")  # fmt: skip
         for kind, (steps, rows, seconds, cpu) in result["kinds"].items():
             print(f"  {kind:22} {steps:5d} steps {rows:6d} rows {seconds:7.2f} s wall "
                   f"({100 * seconds / wall:4.1f}% of execute) {cpu:7.2f} s CPU")  # fmt: skip
-    if len(best) == 2:
-        first, second = (best[limit]["tokens_per_s"] for limit in limits)
+    if len(limits) == 2 and not args.lora:
+        first, second = (best[limit, 0]["tokens_per_s"] for limit in limits)
         print(f"limit {limits[1]} / limit {limits[0]}: {second / first:.2f}x")
+    if args.lora:
+        for limit in limits:
+            ratio = best[limit, args.lora]["tokens_per_s"] / best[limit, 0]["tokens_per_s"]
+            print(f"limit {limit}: {args.lora} adapters / base {ratio:.2f}x")
     return 0
 
 
