@@ -8,6 +8,11 @@ the weights are bf16 panels: ``stages.execute.step_graph.plan_rows``); each run 
 graph, and decode steps on the module path (wall time and the process's CPU time).
 
     python -m benchmarks.offline_steps --limits 16,128 --rounds 2 --dtype bfloat16
+    python -m benchmarks.offline_steps --limits 16 --dtype float32 --lora 4 --torch-delta
+
+``--lora N`` runs each limit with N random adapters too (``bench offline --lora N``'s: request
+``i`` under adapter ``i mod N``), ``--torch-delta`` also with the module path's delta in torch
+(:mod:`stages.execute.lora_segments`) rather than native code (:mod:`stages.execute.lora_native`).
 
 The engine's OpenMP wait policy is set as an engine process sets it (``auto``) before torch
 loads, so the one-process run waits between regions as ``bench offline``'s engine does.
@@ -16,6 +21,7 @@ loads, so the one-process run waits between regions as ``bench offline``'s engin
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -29,10 +35,14 @@ __all__ = ["main", "run_one"]
 KINDS = ("prefill or mixed", "decode, step graph", "decode, module path")
 
 
-def run_one(limit: int, requests: int, dtype: str, model: str, lora: int = 0) -> dict[str, Any]:
+def run_one(
+    limit: int, requests: int, dtype: str, model: str, lora: int = 0, torch_delta: bool = False
+) -> dict[str, Any]:
     """In this process: §1's workload at ``cuda_graph_max_batch_size=limit``; tokens/s and,
     per kind of step, the steps, rows, wall and CPU seconds. ``lora``: with that many random
-    adapters (``bench offline --lora``'s, rank 8), request ``i`` under adapter ``i mod lora``."""
+    adapters (``bench offline --lora``'s, rank 8), request ``i`` under adapter ``i mod lora``;
+    ``torch_delta``: the module path's delta in torch's three calls, not the native one
+    (:mod:`stages.execute.lora_native`)."""
     from pipeline.runtime.omp_policy import apply_omp_policy
 
     apply_omp_policy("auto")  # before torch loads, as host_main does for an engine process
@@ -94,6 +104,10 @@ def run_one(limit: int, requests: int, dtype: str, model: str, lora: int = 0) ->
         loras = [LoRARequest(f"adapter{i + 1}", i + 1, str(p)) for i, p in enumerate(paths)]
         per_request = [loras[i % lora] for i in range(len(prompts))]
         options.update(enable_lora=True, max_loras=lora)
+        if torch_delta:
+            import stages.execute.lora as lora_module
+
+            lora_module.native_lora_delta = lambda: None  # type: ignore[assignment]  # measuring
     with LLM(
         model,
         transport="memory",
@@ -116,12 +130,19 @@ def run_one(limit: int, requests: int, dtype: str, model: str, lora: int = 0) ->
     return {
         "limit": limit,
         "lora": lora,
+        "torch_delta": torch_delta,
         "seconds": seconds,
         "tokens_per_s": generated / seconds,
         "tokens_per_cpu_s": generated / cpu,
         "kinds": totals,
         "monotonic_window": window,
     }
+
+
+def _name(lora: int, torch_delta: bool) -> str:
+    if not lora:
+        return "base model"
+    return f"{lora} adapters{' (torch delta)' if torch_delta else ''}"
 
 
 def _load() -> str:
@@ -141,46 +162,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="also run each limit with this many adapters (bench offline --lora)",
     )
+    parser.add_argument(
+        "--torch-delta",
+        action="store_true",
+        help="with --lora, also run the adapters with torch's delta",
+    )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(run_one(args.one, args.requests, args.dtype, args.model, args.lora)))
+        result = run_one(args.one, args.requests, args.dtype, args.model, args.lora,
+                         args.torch_delta)  # fmt: skip
+        print(json.dumps(result))
         return 0
     limits = [int(value) for value in args.limits.split(",")]
-    variants = [
-        (limit, lora) for limit in limits for lora in ((0, args.lora) if args.lora else (0,))
-    ]
-    best: dict[tuple[int, int], dict[str, Any]] = {}
+    kinds = [(0, False)]
+    if args.lora:
+        kinds.append((args.lora, False))
+        if args.torch_delta:
+            kinds.append((args.lora, True))
+    variants = [(limit, lora, torch_delta) for limit in limits for lora, torch_delta in kinds]
+    best: dict[tuple[int, int, bool], dict[str, Any]] = {}
     print(f"load average {_load()} at start")
     for round_index in range(args.rounds):
         order = variants if round_index % 2 == 0 else variants[::-1]
-        for limit, lora in order:
+        for limit, lora, torch_delta in order:
             command = [sys.executable, "-m", "benchmarks.offline_steps", "--one", str(limit),
                        "--requests", str(args.requests), "--dtype", args.dtype,
-                       "--model", args.model, "--lora", str(lora)]  # fmt: skip
+                       "--model", args.model, "--lora", str(lora),
+                       *(["--torch-delta"] if torch_delta else [])]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             result = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"round {round_index + 1}, limit {limit}, {lora} adapters: "
+            print(f"round {round_index + 1}, limit {limit}, {_name(lora, torch_delta)}: "
                   f"{result['tokens_per_s']:.1f} tok/s, {result['tokens_per_cpu_s']:.1f} per "
                   f"CPU second (load {_load()})", flush=True)  # fmt: skip
-            key = (limit, lora)
+            key = (limit, lora, torch_delta)
             if key not in best or result["tokens_per_s"] > best[key]["tokens_per_s"]:
                 best[key] = result
     print(f"load average {_load()} at the end; best of {args.rounds} per variant:")
-    for (limit, lora), result in best.items():
+    for (limit, lora, torch_delta), result in best.items():
         wall = sum(entry[2] for entry in result["kinds"].values()) or 1.0
-        print(f"limit {limit}, {lora} adapters: {result['tokens_per_s']:.1f} tok/s, "
+        print(f"limit {limit}, {_name(lora, torch_delta)}: {result['tokens_per_s']:.1f} tok/s, "
               f"{result['seconds']:.2f} s")  # fmt: skip
         for kind, (steps, rows, seconds, cpu) in result["kinds"].items():
             print(f"  {kind:22} {steps:5d} steps {rows:6d} rows {seconds:7.2f} s wall "
                   f"({100 * seconds / wall:4.1f}% of execute) {cpu:7.2f} s CPU")  # fmt: skip
     if len(limits) == 2 and not args.lora:
-        first, second = (best[limit, 0]["tokens_per_s"] for limit in limits)
+        first, second = (best[limit, 0, False]["tokens_per_s"] for limit in limits)
         print(f"limit {limits[1]} / limit {limits[0]}: {second / first:.2f}x")
     if args.lora:
-        for limit in limits:
-            ratio = best[limit, args.lora]["tokens_per_s"] / best[limit, 0]["tokens_per_s"]
-            print(f"limit {limit}: {args.lora} adapters / base {ratio:.2f}x")
+        for limit, (lora, torch_delta) in itertools.product(limits, kinds[1:]):
+            base = best[limit, 0, False]
+            for measure, name in (("tokens_per_s", "tok/s"), ("tokens_per_cpu_s", "per CPU s")):
+                ratio = best[limit, lora, torch_delta][measure] / base[measure]
+                print(f"limit {limit}: {_name(lora, torch_delta)} / base {ratio:.2f}x ({name})")
     return 0
 
 
