@@ -247,32 +247,35 @@ static void lora_shrink_rows(const sg_lora *l, const int64_t *groups, const floa
 
 /* The LoRA expand over columns [first, last) (cut at the adapters' width): y[r, j] +=
  * s[r, t] * bt[t, j] over each row's group's rank columns, in t's order for each element.
- * By blocks of 64 columns (then 16, then one), every row in each: a block of bt (64 columns of
- * every rank column, 16 KiB at a total rank of 64) stays in L1 across the rows. */
+ * By tiles of 16 rows, in each by blocks of 64 columns (then 16, then one), every row of the
+ * tile in each: a block of bt (64 columns of every rank column, 16 KiB at a total rank of 64)
+ * stays in L1 across the tile's rows, and the tile's rows of y in L2 across its blocks. */
 static void lora_expand_rows(const sg_lora *l, const int64_t *groups, const float *s,
                              int64_t rows, float *y, int64_t y_stride, int64_t first,
                              int64_t last) {
     if (last > l->out) last = l->out;
-    int64_t j0 = first;
-    for (; j0 < last; j0 += 64) {
-        const int64_t width = last - j0 < 64 ? last - j0 : 64;
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t g = groups[r];
-            if (g < 0) continue;
-            const int64_t t0 = l->offsets[g], t1 = l->offsets[g + 1];
-            if (t0 == t1) continue;
-            float *restrict out = y + r * y_stride;
-            const float *restrict v = s + r * l->rank;
-            int64_t j = j0;
-            if (width == 64) {
-                LORA_EXPAND_BLOCK(64);
-                continue;
-            }
-            for (; j + 16 <= j0 + width; j += 16) LORA_EXPAND_BLOCK(16);
-            for (; j < j0 + width; ++j) {
-                float acc = out[j];
-                for (int64_t t = t0; t < t1; ++t) acc += v[t] * l->bt[t * l->out + j];
-                out[j] = acc;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t r1 = r0 + 16 < rows ? r0 + 16 : rows;
+        for (int64_t j0 = first; j0 < last; j0 += 64) {
+            const int64_t width = last - j0 < 64 ? last - j0 : 64;
+            for (int64_t r = r0; r < r1; ++r) {
+                const int64_t g = groups[r];
+                if (g < 0) continue;
+                const int64_t t0 = l->offsets[g], t1 = l->offsets[g + 1];
+                if (t0 == t1) continue;
+                float *restrict out = y + r * y_stride;
+                const float *restrict v = s + r * l->rank;
+                int64_t j = j0;
+                if (width == 64) {
+                    LORA_EXPAND_BLOCK(64);
+                    continue;
+                }
+                for (; j + 16 <= j0 + width; j += 16) LORA_EXPAND_BLOCK(16);
+                for (; j < j0 + width; ++j) {
+                    float acc = out[j];
+                    for (int64_t t = t0; t < t1; ++t) acc += v[t] * l->bt[t * l->out + j];
+                    out[j] = acc;
+                }
             }
         }
     }
@@ -293,9 +296,10 @@ static inline void lora_expand(const sg_plan *p, const sg_lora *l, const float *
  * and expand as the step graph's: y[r, :l->out] += row r's delta, for rows rows of x (k
  * floats each, x_stride apart) under their groups (groups[r] in [-1, count), -1: the base
  * model's row, untouched; offsets has count + 1 entries), y's rows y_stride apart, s a buffer
- * of rows * l->rank floats. One OpenMP region of threads threads: the shrink by rows, then the
- * expand by 64-column ranges of the output (every row each). Returns 0; 2: arguments out of
- * range (nothing written). */
+ * of rows * l->rank floats. One OpenMP region of threads threads (one thread below ~2M
+ * multiply-adds): the shrink by rows, then the expand by ranges of the output's columns
+ * (multiples of 64; every row each). Returns 0; 2: arguments out of range (nothing
+ * written). */
 int actorline_lora_delta(const sg_lora *l, const int64_t *groups, int64_t count, const float *x,
                          int64_t x_stride, int64_t rows, int64_t k, float *y, int64_t y_stride,
                          float *s, int threads) {
@@ -317,8 +321,8 @@ int actorline_lora_delta(const sg_lora *l, const int64_t *groups, int64_t count,
         const int n = omp_get_num_threads(), id = omp_get_thread_num();
         lora_shrink_rows(l, groups, x, x_stride, rows * id / n, rows * (id + 1) / n, k, s);
 #pragma omp barrier
-        for (int64_t u = units * id / n; u < units * (id + 1) / n; ++u)
-            lora_expand_rows(l, groups, s, rows, y, y_stride, u * 64, (u + 1) * 64);
+        lora_expand_rows(l, groups, s, rows, y, y_stride, units * id / n * 64,
+                         units * (id + 1) / n * 64);
     }
     return 0;
 }
