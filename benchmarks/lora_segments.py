@@ -1,5 +1,6 @@
 """The LoRA delta of a step with several adapters: the concatenated two-GEMM path
-(:mod:`stages.execute.lora_segments`) against the loop over row groups, by alternation in one
+(:mod:`stages.execute.lora_segments`), the same in native code (``native``,
+:mod:`stages.execute.lora_native`) and the loop over row groups, by alternation in one
 process (best of ``--rounds``), on the default model's wrapped projections (every q/k/v/o and
 fused gate/up/down of its 30 layers): ``--adapters`` random adapters of rank ``--rank`` on
 every projection, ``--rows`` packed rows spread evenly over them (decode rows of one step:
@@ -29,6 +30,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeat", type=int, default=5, help="passes timed per round")
     parser.add_argument("--interleaved", action="store_true", help="row i under adapter i mod N")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the process's CPU seconds, not wall time (a loaded machine)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -60,20 +66,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs = {m.in_features: torch.randn(1, share * args.adapters, m.in_features) for m in wrapped}
 
     def one_pass(mode: str) -> float:
-        began = time.perf_counter()
+        began = time.process_time() if args.cpu_time else time.perf_counter()
         with torch.inference_mode():
             for _ in range(args.repeat):
                 if mode == "base":
                     for module in wrapped:
                         module.base(inputs[module.in_features])
                     continue
-                bank.segmented = mode == "concatenated"
+                bank.segmented = mode != "loop"
+                bank.native = mode == "native"
                 with bank.rows(spans):
                     for module in wrapped:
                         module(inputs[module.in_features])
-        return (time.perf_counter() - began) / args.repeat * 1e3
+        ended = time.process_time() if args.cpu_time else time.perf_counter()
+        return (ended - began) / args.repeat * 1e3
 
-    best = {"base": float("inf"), "loop": float("inf"), "concatenated": float("inf")}
+    best = dict.fromkeys(("base", "loop", "concatenated", "native"), float("inf"))
     for mode in best:
         one_pass(mode)  # warm-up (the concatenated weights built once)
     for _ in range(args.rounds):
@@ -87,13 +95,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for mode, milliseconds in best.items():
         print(
-            f"  {mode:>12}: {milliseconds:8.2f} ms per step's projections (best of {args.rounds})"
+            f"  {mode:>12}: {milliseconds:8.2f} ms{' CPU' if args.cpu_time else ''} per step's "
+            f"projections (best of {args.rounds})"
         )
     loop, concatenated, base = best["loop"], best["concatenated"], best["base"]
+    native = best["native"]
     print(
         f"  delta over the base linears: loop {loop - base:.2f} ms, concatenated "
-        f"{concatenated - base:.2f} ms; whole step's projections loop/concatenated "
-        f"{loop / concatenated:.2f}x"
+        f"{concatenated - base:.2f} ms, native {native - base:.2f} ms; whole step's "
+        f"projections loop/concatenated {loop / concatenated:.2f}x, concatenated/native "
+        f"{concatenated / native:.2f}x"
     )
     return 0
 

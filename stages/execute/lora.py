@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from stages.execute.bookkeeping import StepError
+from stages.execute.lora_native import native_lora_delta
 from stages.execute.lora_segments import ConcatCache, StepSegments
 from stages.execute.lora_shard import LoRAShard, full_shape, shard_weights
 from stages.lora import (
@@ -179,6 +180,9 @@ class LoRABank:
         #: projection against the loop's 4-6 per row group, docs/lora.md "Benchmark");
         #: False: the loop over row groups
         self.segmented = True
+        #: the concatenated path in native code on the CPU in fp32 (True, the default, where
+        #: the library builds: :mod:`stages.execute.lora_native`); False: torch's three calls
+        self.native = device.type == "cpu"
         self._concat = ConcatCache()
         self._loaded: collections.OrderedDict[int, LoadedAdapter] = collections.OrderedDict()
         # NOTE: _loaded is shared by the step thread (acquire) and the execute stage's
@@ -441,7 +445,8 @@ class LoRABank:
             step_rows.append(LoRARows(adapter, index))
         self.step_rows = step_rows
         if self.segmented and any(group.rows is not None for group in step_rows):
-            self.step_segments = StepSegments(step_rows, total, self._concat)
+            native = native_lora_delta() if self.native else None
+            self.step_segments = StepSegments(step_rows, total, self._concat, native)
         try:
             yield
         finally:

@@ -17,15 +17,23 @@ The concatenated weights are built once for a set of adapters and kept
 the masks once per step. ``B`` is kept transposed, ``B_cat^T [sum R, out]`` contiguous, the
 layout the CPU step graph's expand reads (:mod:`stages.execute.step_graph_lora` points its
 native code at these very tensors).
+
+On the CPU in fp32 the same delta runs as one native call per projection instead
+(:mod:`stages.execute.lora_native`, the step graph's shrink and expand: each row by its own
+adapter only, no mask), where the library builds; the torch form above is its fallback.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from stages.execute.lora_native import NativeLoRADelta
 
 __all__ = ["CONCAT_SETS", "ConcatCache", "StepSegments"]
 
@@ -46,33 +54,63 @@ class ConcatCache:
             tuple[
                 tuple[Any, ...],
                 dict[Any, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None],
+                dict[Any, Any],
             ],
         ] = collections.OrderedDict()
+
+    def _set(self, adapters: Sequence[Any]) -> tuple[Any, ...]:
+        key = tuple(id(adapter) for adapter in adapters)
+        entry = self._sets.get(key)
+        if entry is None:
+            entry = self._sets[key] = (tuple(adapters), {}, {})
+            while len(self._sets) > self._capacity:
+                self._sets.popitem(last=False)
+        self._sets.move_to_end(key)
+        return entry
 
     def weights_of(
         self, adapters: Sequence[Any]
     ) -> dict[Any, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None]:
         """The (lazily filled) projections of the set ``adapters`` (each with ``deltas``)."""
-        key = tuple(id(adapter) for adapter in adapters)
-        entry = self._sets.get(key)
-        if entry is None:
-            entry = self._sets[key] = (tuple(adapters), {})
-            while len(self._sets) > self._capacity:
-                self._sets.popitem(last=False)
-        self._sets.move_to_end(key)
-        return entry[1]
+        weights: dict[Any, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None]
+        weights = self._set(adapters)[1]
+        return weights
+
+    def natives_of(self, adapters: Sequence[Any]) -> dict[Any, Any]:
+        """The (lazily filled) native entries of the set ``adapters``' projections
+        (:mod:`stages.execute.lora_native`), kept with their weights."""
+        natives: dict[Any, Any] = self._set(adapters)[2]
+        return natives
 
 
 class StepSegments:
     """One step's row groups (``groups``: each with ``adapter`` and ``rows``, a tensor of
     packed rows or None for every row) over ``total`` packed rows, served by
-    :meth:`delta`."""
+    :meth:`add_delta` (``native``: its fp32 CPU rows in native code, see the module
+    docstring; None: torch's three calls)."""
 
-    def __init__(self, groups: Sequence[Any], total: int, cache: ConcatCache) -> None:
+    def __init__(
+        self,
+        groups: Sequence[Any],
+        total: int,
+        cache: ConcatCache,
+        native: NativeLoRADelta | None = None,
+    ) -> None:
         self._groups = groups
         self._total = total
-        self._weights = cache.weights_of([group.adapter for group in groups])
+        adapters = [group.adapter for group in groups]
+        self._weights = cache.weights_of(adapters)
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self._native = native
+        self._natives = cache.natives_of(adapters) if native is not None else {}
+        self._row_groups: np.ndarray | None = None
+        self._scratch: torch.Tensor | None = None
+        self._threads = torch.get_num_threads()
+
+    @property
+    def native(self) -> bool:
+        """Whether fp32 CPU rows take the native delta."""
+        return self._native is not None
 
     def weights(self, key: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
         """Projection ``key``'s concatenated ``A [sum R, in]``, ``B^T [sum R, out]`` (both
@@ -131,9 +169,47 @@ class StepSegments:
         entry = self.weights(key)
         if entry is None:
             return
+        native = self._native
+        if (
+            native is not None
+            and x.dtype == torch.float32
+            and out.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.stride(1) == 1
+            and out.stride(1) == 1
+        ):
+            self._add_native(native, key, entry, x, out)
+            return
         a, bt, widths = entry
         if a.dtype != x.dtype:
             a, bt = a.to(x.dtype), bt.to(x.dtype)
         shrunk = torch.mm(x, a.t()).mul_(self._mask(widths, x))  # [T, sum R]
         target = out if bt.shape[1] == out.shape[1] else out[:, : bt.shape[1]]
         target.addmm_(shrunk, bt)
+
+    def _add_native(
+        self,
+        native: NativeLoRADelta,
+        key: Any,
+        entry: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]],
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """:meth:`add_delta` in one native call (:mod:`stages.execute.lora_native`)."""
+        kept = self._natives.get(key)
+        if kept is None:
+            a, bt, widths = entry
+            kept = self._natives[key] = native.entry(a, bt, widths)
+        rank = int(entry[0].shape[0])
+        scratch = self._scratch
+        if scratch is None or scratch.numel() < self._total * rank:
+            scratch = self._scratch = torch.empty(self._total * rank)
+        if self._row_groups is None:
+            groups = np.full(self._total, -1, dtype=np.int64)
+            for index, group in enumerate(self._groups):
+                if group.rows is None:
+                    groups[:] = index
+                else:
+                    groups[group.rows.cpu().numpy()] = index
+            self._row_groups = groups
+        native.add(kept[0], self._row_groups, len(self._groups), x, out, scratch, self._threads)

@@ -26,20 +26,14 @@ import collections
 import ctypes
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from stages.execute.lora import LoadedAdapter, LoRABank
+from stages.execute.lora_native import LoRAEntry, lora_offsets
 from stages.execute.lora_segments import CONCAT_SETS
 from stages.execute.step_graph import LORA_SLOTS, StepGraph, StepLoRA
 
 __all__ = ["StepGraphLoRA", "lora_slot_kinds", "lora_tables", "step_lora"]
-
-_p, _i64 = ctypes.c_void_p, ctypes.c_int64
-
-
-class _Entry(ctypes.Structure):  # step_graph.c's sg_lora
-    _fields_ = [("a", _p), ("bt", _p), ("offsets", _p), ("rank", _i64), ("out", _i64)]
 
 
 def lora_slot_kinds(fused_mlp: bool) -> dict[str, str]:
@@ -106,7 +100,7 @@ class StepGraphLoRA:
         segments = self._bank.segments(adapters)
         graph = self._graph
         num_layers = self._bank.num_layers
-        table = (_Entry * (num_layers * len(LORA_SLOTS)))()
+        table = (LoRAEntry * (num_layers * len(LORA_SLOTS)))()
         keep: list[object] = [table, tuple(adapters)]
         rank = 1
         for layer in range(num_layers):
@@ -129,11 +123,9 @@ class StepGraphLoRA:
                         "graph's linear"
                     )
                 # every group index a row may carry (< max_rows) has its two offsets
-                offsets = np.zeros(graph.max_rows + 1, dtype=np.int64)
-                offsets[1 : len(widths) + 1] = np.cumsum(widths)
-                offsets[len(widths) + 1 :] = offsets[len(widths)]
+                offsets = lora_offsets(widths, graph.max_rows)
                 keep.extend((a, bt, offsets))
-                table[layer * len(LORA_SLOTS) + slot_index] = _Entry(
+                table[layer * len(LORA_SLOTS) + slot_index] = LoRAEntry(
                     a.data_ptr(), bt.data_ptr(), offsets.ctypes.data, a.shape[0], bt.shape[1]
                 )
                 rank = max(rank, int(a.shape[0]))

@@ -186,33 +186,145 @@ static inline float dot(const float *restrict x, const float *restrict a, int64_
     return total;
 }
 
-/* The LoRA shrink: s[r, t] = x[r] . a[t] over each row's own group's rank columns (rows of
- * the base model: nothing), s's rows l->rank apart. */
-static void lora_shrink(const sg_plan *p, const sg_lora *l, const float *x, int64_t x_stride,
-                        int64_t rows, int64_t k, float *s) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t g = p->lora_rows[r];
+/* out[i] = x[:k] . a[i * k:(i + 1) * k] for i < 4, each summed as dot() sums it (the same
+ * result bit for bit), the four sharing the loads of x. */
+static inline void dot4(const float *restrict x, const float *restrict a, int64_t k,
+                        float *restrict out) {
+    float p0[16] = {0}, p1[16] = {0}, p2[16] = {0}, p3[16] = {0};
+    const float *restrict a1 = a + k, *restrict a2 = a + 2 * k, *restrict a3 = a + 3 * k;
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16)
+        for (int u = 0; u < 16; ++u) {
+            const float v = x[j + u];
+            p0[u] += v * a[j + u];
+            p1[u] += v * a1[j + u];
+            p2[u] += v * a2[j + u];
+            p3[u] += v * a3[j + u];
+        }
+    float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+    for (; j < k; ++j) {
+        t0 += x[j] * a[j];
+        t1 += x[j] * a1[j];
+        t2 += x[j] * a2[j];
+        t3 += x[j] * a3[j];
+    }
+    for (int u = 0; u < 16; ++u) {
+        t0 += p0[u];
+        t1 += p1[u];
+        t2 += p2[u];
+        t3 += p3[u];
+    }
+    out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
+}
+
+/* The LoRA shrink of rows [first, last): s[r, t] = x[r] . a[t] over row r's own group's rank
+ * columns (groups[r]; -1, a row of the base model: nothing), s's rows l->rank apart. */
+static void lora_shrink_rows(const sg_lora *l, const int64_t *groups, const float *x,
+                             int64_t x_stride, int64_t first, int64_t last, int64_t k, float *s) {
+    for (int64_t r = first; r < last; ++r) {
+        const int64_t g = groups[r];
         if (g < 0) continue;
-        for (int64_t t = l->offsets[g]; t < l->offsets[g + 1]; ++t)
-            s[r * l->rank + t] = dot(x + r * x_stride, l->a + t * k, k);
+        const float *restrict row = x + r * x_stride;
+        int64_t t = l->offsets[g];
+        for (; t + 4 <= l->offsets[g + 1]; t += 4) /* four rank columns per pass over the row */
+            dot4(row, l->a + t * k, k, s + r * l->rank + t);
+        for (; t < l->offsets[g + 1]; ++t) s[r * l->rank + t] = dot(row, l->a + t * k, k);
     }
 }
 
+/* y[r, j:j + W] += s[r, t] * bt[t, j:j + W] over row r's group's rank columns [t0, t1), in
+ * t's order for each element, the W elements in registers across them. */
+#define LORA_EXPAND_BLOCK(W)                                                                \
+    do {                                                                                    \
+        float acc[W];                                                                       \
+        for (int u = 0; u < W; ++u) acc[u] = out[j + u];                                    \
+        for (int64_t t = t0; t < t1; ++t) {                                                 \
+            const float *restrict b = l->bt + t * l->out + j;                               \
+            for (int u = 0; u < W; ++u) acc[u] += v[t] * b[u];                              \
+        }                                                                                   \
+        for (int u = 0; u < W; ++u) out[j + u] = acc[u];                                    \
+    } while (0)
+
 /* The LoRA expand over columns [first, last) (cut at the adapters' width): y[r, j] +=
- * s[r, t] * bt[t, j] over each row's group's rank columns. */
-static void lora_expand(const sg_plan *p, const sg_lora *l, const float *s, int64_t rows,
-                        float *y, int64_t y_stride, int64_t first, int64_t last) {
+ * s[r, t] * bt[t, j] over each row's group's rank columns, in t's order for each element.
+ * By tiles of 16 rows, in each by blocks of 64 columns (then 16, then one), every row of the
+ * tile in each: a block of bt (64 columns of every rank column, 16 KiB at a total rank of 64)
+ * stays in L1 across the tile's rows, and the tile's rows of y in L2 across its blocks. */
+static void lora_expand_rows(const sg_lora *l, const int64_t *groups, const float *s,
+                             int64_t rows, float *y, int64_t y_stride, int64_t first,
+                             int64_t last) {
     if (last > l->out) last = l->out;
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t g = p->lora_rows[r];
-        if (g < 0) continue;
-        float *restrict out = y + r * y_stride;
-        for (int64_t t = l->offsets[g]; t < l->offsets[g + 1]; ++t) {
-            const float v = s[r * l->rank + t];
-            const float *restrict b = l->bt + t * l->out;
-            for (int64_t j = first; j < last; ++j) out[j] += v * b[j];
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t r1 = r0 + 16 < rows ? r0 + 16 : rows;
+        for (int64_t j0 = first; j0 < last; j0 += 64) {
+            const int64_t width = last - j0 < 64 ? last - j0 : 64;
+            for (int64_t r = r0; r < r1; ++r) {
+                const int64_t g = groups[r];
+                if (g < 0) continue;
+                const int64_t t0 = l->offsets[g], t1 = l->offsets[g + 1];
+                if (t0 == t1) continue;
+                float *restrict out = y + r * y_stride;
+                const float *restrict v = s + r * l->rank;
+                int64_t j = j0;
+                if (width == 64) {
+                    LORA_EXPAND_BLOCK(64);
+                    continue;
+                }
+                for (; j + 16 <= j0 + width; j += 16) LORA_EXPAND_BLOCK(16);
+                for (; j < j0 + width; ++j) {
+                    float acc = out[j];
+                    for (int64_t t = t0; t < t1; ++t) acc += v[t] * l->bt[t * l->out + j];
+                    out[j] = acc;
+                }
+            }
         }
     }
+}
+
+/* The step graph's shrink and expand: the plan's rows' groups. */
+static inline void lora_shrink(const sg_plan *p, const sg_lora *l, const float *x,
+                               int64_t x_stride, int64_t rows, int64_t k, float *s) {
+    lora_shrink_rows(l, p->lora_rows, x, x_stride, 0, rows, k, s);
+}
+
+static inline void lora_expand(const sg_plan *p, const sg_lora *l, const float *s, int64_t rows,
+                               float *y, int64_t y_stride, int64_t first, int64_t last) {
+    lora_expand_rows(l, p->lora_rows, s, rows, y, y_stride, first, last);
+}
+
+/* The module path's LoRA delta of one linear (stages/execute/lora_native.py), the same shrink
+ * and expand as the step graph's: y[r, :l->out] += row r's delta, for rows rows of x (k
+ * floats each, x_stride apart) under their groups (groups[r] in [-1, count), -1: the base
+ * model's row, untouched; offsets has count + 1 entries), y's rows y_stride apart, s a buffer
+ * of rows * l->rank floats. One OpenMP region of threads threads (one thread below ~2M
+ * multiply-adds): the shrink by rows, then the expand by ranges of the output's columns
+ * (multiples of 64; every row each). Returns 0; 2: arguments out of range (nothing
+ * written). */
+int actorline_lora_delta(const sg_lora *l, const int64_t *groups, int64_t count, const float *x,
+                         int64_t x_stride, int64_t rows, int64_t k, float *y, int64_t y_stride,
+                         float *s, int threads) {
+    if (l == NULL || l->a == NULL || l->bt == NULL || l->offsets == NULL || rows < 0 ||
+        count < 1 || k < 1 || l->rank < 1 || l->out < 1 || x_stride < k || y_stride < l->out)
+        return 2;
+    for (int64_t g = 0; g < count; ++g)
+        if (l->offsets[g] < 0 || l->offsets[g] > l->offsets[g + 1]) return 2;
+    if (l->offsets[count] > l->rank) return 2;
+    for (int64_t r = 0; r < rows; ++r)
+        if (groups[r] < -1 || groups[r] >= count) return 2;
+    const int64_t units = (l->out + 63) / 64;
+    if (threads < 1) threads = 1;
+    /* a region's fork and join (and, on a loaded machine, a thread descheduled at the
+     * barrier) costs more than a small delta: below ~2M multiply-adds one thread does it */
+    if (threads > 1 && rows * l->rank * (k + l->out) < (1 << 21)) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int n = omp_get_num_threads(), id = omp_get_thread_num();
+        lora_shrink_rows(l, groups, x, x_stride, rows * id / n, rows * (id + 1) / n, k, s);
+#pragma omp barrier
+        lora_expand_rows(l, groups, s, rows, y, y_stride, units * id / n * 64,
+                         units * (id + 1) / n * 64);
+    }
+    return 0;
 }
 
 /* The whole LoRA delta of layer index's target on every column (the per-op form), s a buffer
