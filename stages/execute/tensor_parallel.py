@@ -37,7 +37,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -369,16 +369,7 @@ class TensorParallelGroup:
         """
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        began = time.perf_counter()
-        try:
-            self._group.allreduce([tensor], self._options).wait()
-        except RuntimeError as exc:
-            raise TensorParallelError(
-                f"tensor-parallel all-reduce failed on rank {self.rank} of {self.size}: {exc}"
-            ) from exc
-        finally:
-            self.seconds += time.perf_counter() - began
-            self.collectives += 1
+        self._collective("all-reduce", lambda: self._group.allreduce([tensor], self._options))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -389,19 +380,29 @@ class TensorParallelGroup:
         """
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        # (the overload that takes the timeout: its options class is not in
+        # torch.distributed's namespace)
+        self._collective(
+            "all-gather", lambda: self._group.allgather(parts, tensor, self._options.timeout)
+        )
+        return parts
+
+    def _collective(self, name: str, start: Callable[[], Any]) -> None:
+        """Run the collective ``start`` begins and wait for it, counted and timed.
+
+        Raises:
+            TensorParallelError: it failed or timed out (naming ``name`` and this rank).
+        """
         began = time.perf_counter()
         try:
-            # (the overload that takes the timeout: its options class is not in
-            # torch.distributed's namespace)
-            self._group.allgather(parts, tensor, self._options.timeout).wait()
+            start().wait()
         except RuntimeError as exc:
             raise TensorParallelError(
-                f"tensor-parallel all-gather failed on rank {self.rank} of {self.size}: {exc}"
+                f"tensor-parallel {name} failed on rank {self.rank} of {self.size}: {exc}"
             ) from exc
         finally:
             self.seconds += time.perf_counter() - began
             self.collectives += 1
-        return parts
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (a collective: every rank calls it)."""
