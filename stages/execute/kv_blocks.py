@@ -51,9 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IMPORT_PREFIX",
     "PlannedExport",
-    "export_computed_prompts",
     "export_planned",
-    "export_prompt_blocks",
     "export_rank_blocks",
     "import_moved_blocks",
     "import_prompt_blocks",
@@ -89,7 +87,10 @@ def plan_export(
     prompt_token_ids: Sequence[int],
     cache_key: bytes = b"",
 ) -> PlannedExport:
-    """Which blocks of ``request_id`` export its prompt (see :func:`export_prompt_blocks`)."""
+    """Which blocks of ``request_id`` export its prompt: its full prompt blocks before its
+    last token, through its block table (once its prompt is computed; possibly none: a prompt
+    shorter than a block and a token). A table whose leading blocks were given back (a sliding
+    window) exports none. :func:`export_planned` reads them."""
     table = allocator.block_table(request_id)
     count = min(max(0, len(prompt_token_ids) - 1) // block_size, len(table))
     ids = tuple(table[:count])
@@ -137,31 +138,6 @@ def _as_blocks(plan: PlannedExport, block_size: int, dtype: str, data: torch.Ten
     return KvBlocks(
         plan.request_id, plan.token_ids, block_size, dtype, data.numpy(), plan.cache_key
     )
-
-
-def export_prompt_blocks(
-    kv_cache: KVCache,
-    allocator: BlockAllocator,
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    cache_key: bytes = b"",
-) -> KvBlocks:
-    """The K/V of ``request_id``'s full prompt blocks before its last token, read out of
-    ``kv_cache`` through its block table (once its prompt is computed). A table whose leading
-    blocks were given back (a sliding window) exports none. (One rank's heads: with tensor
-    parallelism see :func:`export_planned`.)
-
-    Returns:
-        The blocks (possibly none: a prompt shorter than a block and a token).
-
-    Raises:
-        ValueError: the cache's dtype cannot be exported.
-    """
-    (blocks,) = export_planned(
-        kv_cache,
-        [plan_export(allocator, kv_cache.block_size, request_id, prompt_token_ids, cache_key)],
-    )
-    return blocks
 
 
 def export_planned(
@@ -341,15 +317,6 @@ def plan_exports(
                 plan_export(allocator, block_size, request.request_id, prompt, request.cache_key)
             )
     return plans
-
-
-def export_computed_prompts(
-    kv_cache: KVCache | None, allocator: BlockAllocator, works: Sequence[_Computed]
-) -> list[KvBlocks]:
-    """:func:`export_planned` of :func:`plan_exports` (one rank: no tensor parallelism), after
-    the step's forward pass wrote the works' K/V."""
-    assert kv_cache is not None
-    return export_planned(kv_cache, plan_exports(allocator, kv_cache.block_size, works))
 
 
 def import_moved_blocks(
