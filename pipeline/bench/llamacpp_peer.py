@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -108,7 +109,9 @@ CONVERTER_REQUIREMENTS = ("sentencepiece>=0.1.98,<0.3.0",)
 ``requirements/requirements-convert_legacy_llama.txt``; numpy, torch, transformers and
 protobuf come from actorline's own)."""
 _READY = ".actorline-ready"
-_PYPI_JSON = "https://pypi.org/pypi/{name}/{version}/json"
+#: the project's JSON, which lists every release's files (the per-release form,
+#: ``/pypi/{name}/{version}/json``, answered 404 for a release the project JSON lists)
+_PYPI_JSON = "https://pypi.org/pypi/{name}/json"
 _TIMEOUT_S = 3600
 _LOG_TAIL = 3000
 _PROGRESS = re.compile(rb"^\[\s*(\d+)%\]")
@@ -232,13 +235,19 @@ def server_binary(directory: Path) -> Path:
     return directory / "build" / "bin" / "llama-server"
 
 
-def sdist_from_metadata(metadata: Mapping[str, Any]) -> tuple[str, str]:
-    """The sdist's URL and sha256 out of PyPI's JSON for one release.
+def sdist_from_metadata(metadata: Mapping[str, Any], version: str | None = None) -> tuple[str, str]:
+    """The sdist's URL and sha256 out of PyPI's JSON: one release's (its ``urls``), or, given
+    ``version``, the project's (its ``releases[version]``).
 
     Raises:
-        LlamaPeerError: the release has no sdist or no sha256 for it.
+        LlamaPeerError: the release is not listed, or has no sdist or no sha256 for it.
     """
-    for entry in metadata.get("urls") or ():
+    files = (
+        metadata.get("urls") if version is None else (metadata.get("releases") or {}).get(version)
+    )
+    if files is None:
+        raise LlamaPeerError(f"PyPI lists no release {version} of {LLAMACPP_DISTRIBUTION}")
+    for entry in files:
         if entry.get("packagetype") == "sdist":
             digest = (entry.get("digests") or {}).get("sha256")
             if not digest:
@@ -285,11 +294,13 @@ def _run_logged(command: list[str], log: Path, step: str) -> None:
 
 def _fetch_source(directory: Path, version: str) -> None:
     """Download the sdist, check its sha256 and extract it to ``directory/src``."""
-    url = _PYPI_JSON.format(name=LLAMACPP_DISTRIBUTION, version=version)
+    url = _PYPI_JSON.format(name=LLAMACPP_DISTRIBUTION)
     _say(f"fetching {LLAMACPP_DISTRIBUTION} {version} from PyPI")
     try:
         with urllib.request.urlopen(url, timeout=60) as answer:
-            sdist_url, sha256 = sdist_from_metadata(json.load(answer))
+            sdist_url, sha256 = sdist_from_metadata(json.load(answer), version)
+        # a mirror in front of PyPI may answer with addresses relative to the JSON's
+        sdist_url = urllib.parse.urljoin(url, sdist_url)
         with tempfile.TemporaryDirectory(dir=directory, prefix="fetch-") as scratch:
             archive = Path(scratch) / "sdist.tar.gz"
             digest = hashlib.sha256()
@@ -307,7 +318,7 @@ def _fetch_source(directory: Path, version: str) -> None:
             if len(roots) != 1 or not (roots[0] / "llama.cpp" / "CMakeLists.txt").is_file():
                 raise LlamaPeerError(f"{sdist_url} does not hold llama.cpp/CMakeLists.txt")
             roots[0].rename(directory / "src")
-    except OSError as error:
+    except (OSError, ValueError) as error:
         raise LlamaPeerError(
             f"fetching {LLAMACPP_DISTRIBUTION} {version} failed: {error}"
         ) from None

@@ -71,6 +71,13 @@ def test_the_sdist_and_its_checksum_come_from_pypis_json() -> None:
     assert sdist_from_metadata(metadata) == ("https://x/s.tar.gz", "b" * 64)
     with pytest.raises(LlamaPeerError, match="no sdist"):
         sdist_from_metadata({"urls": [{"packagetype": "sdist", "url": "u", "digests": {}}]})
+    # the project's JSON: the release's files under ``releases``
+    project = {"releases": {"11434.0.0": metadata["urls"], "11401.0.0": []}}
+    assert sdist_from_metadata(project, "11434.0.0") == ("https://x/s.tar.gz", "b" * 64)
+    with pytest.raises(LlamaPeerError, match="no release 1.0"):
+        sdist_from_metadata(project, "1.0")
+    with pytest.raises(LlamaPeerError, match="no sdist"):
+        sdist_from_metadata(project, "11401.0.0")
 
 
 def test_a_marked_build_is_taken_without_building(tmp_path: Path) -> None:
