@@ -92,35 +92,36 @@ class ReplicaHealer:
     def lost(self, lost: ReplicaLost) -> None:
         """Replica ``lost`` was cut off: count the death, schedule its restart (or give it
         up in a crash loop)."""
+        name = self.name_of(lost)
         running = self._running
-        if running is None or running.failure is not None or self.name_of(lost) in self._tasks:
+        if running is None or running.failure is not None or name in self._tasks:
             return
         reason = running.unrestorable(lost.replica_set, lost.replica)
         if reason:
             logger.warning(
                 "%s %s is not restarted on its own (%s); it comes back with the whole engine",
                 self._what,
-                self.name_of(lost),
+                name,
                 reason,
             )
             return
         self._died(running, lost, time.monotonic())
 
     def _died(self, running: RunningPipeline, lost: ReplicaLost, died: float) -> None:
-        options = self.options
-        policy = self._policies.get(self.name_of(lost))
+        options, name = self.options, self.name_of(lost)
+        policy = self._policies.get(name)
         if policy is None:
-            policy = self._policies[self.name_of(lost)] = RestartPolicy(
+            policy = self._policies[name] = RestartPolicy(
                 options.restart_backoff, options.restart_limit, options.restart_window
             )
         delay = policy.died(time.monotonic())
         if delay is None:
-            self.given_up.add(self.name_of(lost))
+            self.given_up.add(name)
             logger.error(
                 "%s %s is in a crash loop: it died %d times within %g s "
                 "(restart_limit %d); it is given up on, %s",
                 self._what,
-                self.name_of(lost),
+                name,
                 policy.recent,
                 policy.window,
                 policy.limit,
@@ -132,14 +133,14 @@ class ReplicaHealer:
         logger.warning(
             "restarting %s %s in %.3g s (%d death(s) within %g s; %d give up)",
             self._what,
-            self.name_of(lost),
+            name,
             delay,
             policy.recent,
             policy.window,
             policy.limit,
         )
-        self._tasks[self.name_of(lost)] = self._taskset.spawn(
-            self._restore(running, lost, delay, died), name=f"engine:restart:{self.name_of(lost)}"
+        self._tasks[name] = self._taskset.spawn(
+            self._restore(running, lost, delay, died), name=f"engine:restart:{name}"
         )
 
     async def _restore(
@@ -147,6 +148,7 @@ class ReplicaHealer:
     ) -> None:
         """Wait ``delay``, bring the replica up again; a start that fails counts as one
         more death."""
+        name = self.name_of(lost)
         try:
             await asyncio.sleep(delay)
             try:
@@ -159,22 +161,22 @@ class ReplicaHealer:
                 logger.error(
                     "%s %s did not restart: %s: %s",
                     self._what,
-                    self.name_of(lost),
+                    name,
                     type(exc).__name__,
                     exc,
                 )
-                self._tasks.pop(self.name_of(lost), None)
+                self._tasks.pop(name, None)
                 self._died(running, lost, died)
                 return
         finally:
-            if self._tasks.get(self.name_of(lost)) is asyncio.current_task():
-                del self._tasks[self.name_of(lost)]
-        self.restarts[self.name_of(lost)] += 1
+            if self._tasks.get(name) is asyncio.current_task():
+                del self._tasks[name]
+        self.restarts[name] += 1
         logger.warning(
             "%s %s serves again (restart %d, %.1f s after it failed)",
             self._what,
-            self.name_of(lost),
-            self.restarts[self.name_of(lost)],
+            name,
+            self.restarts[name],
             time.monotonic() - died,
         )
-        self._on_restored(self.name_of(lost))
+        self._on_restored(name)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from stages.execute.model_impl import NativeConfig, read_tensor, weight_files
+from stages.execute.model_impl import NativeConfig, open_weights, read_tensor, weight_files
 
 if TYPE_CHECKING:
     from stages.execute.pp_load import ShardPart
@@ -336,8 +336,6 @@ def load_native_llama(
         ValueError: the checkpoint lacks a tensor the model needs, or holds one it does not
             know, or a tensor's shape differs from the config's.
     """
-    from safetensors import safe_open
-
     with torch.device("meta"):
         model = NativeLlamaForCausalLM(config)
     if part is not None:
@@ -347,7 +345,7 @@ def load_native_llama(
     expected = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
+        with open_weights(path) as handle:
             for stored in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = stored
                 if part is not None:

@@ -26,6 +26,7 @@ adapter only, no mask), where the library builds; the torch form above is its fa
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,21 @@ __all__ = ["CONCAT_SETS", "ConcatCache", "StepSegments"]
 CONCAT_SETS = 4
 
 
+#: a projection's concatenated ``A`` and ``B`` over a set of adapters and its rank widths, or
+#: None where no adapter of the set has that projection
+ConcatWeights = tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None
+
+
+@dataclasses.dataclass(slots=True)
+class _ConcatSet:
+    """One kept set: its adapters (held, so their identities stay theirs) and, per
+    projection, the concatenated weights and the native entries, each filled lazily."""
+
+    adapters: tuple[Any, ...]
+    weights: dict[Any, ConcatWeights] = dataclasses.field(default_factory=dict)
+    natives: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+
 class ConcatCache:
     """Per set of adapters (their identities, in the step's order), each projection's
     concatenated ``A`` and ``B`` and its rank widths; the least recently used set dropped
@@ -49,38 +65,26 @@ class ConcatCache:
 
     def __init__(self, capacity: int = CONCAT_SETS) -> None:
         self._capacity = capacity
-        self._sets: collections.OrderedDict[
-            tuple[int, ...],
-            tuple[
-                tuple[Any, ...],
-                dict[Any, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None],
-                dict[Any, Any],
-            ],
-        ] = collections.OrderedDict()
+        self._sets: collections.OrderedDict[tuple[int, ...], _ConcatSet] = collections.OrderedDict()
 
-    def _set(self, adapters: Sequence[Any]) -> tuple[Any, ...]:
+    def _set(self, adapters: Sequence[Any]) -> _ConcatSet:
         key = tuple(id(adapter) for adapter in adapters)
         entry = self._sets.get(key)
         if entry is None:
-            entry = self._sets[key] = (tuple(adapters), {}, {})
+            entry = self._sets[key] = _ConcatSet(tuple(adapters))
             while len(self._sets) > self._capacity:
                 self._sets.popitem(last=False)
         self._sets.move_to_end(key)
         return entry
 
-    def weights_of(
-        self, adapters: Sequence[Any]
-    ) -> dict[Any, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None]:
+    def weights_of(self, adapters: Sequence[Any]) -> dict[Any, ConcatWeights]:
         """The (lazily filled) projections of the set ``adapters`` (each with ``deltas``)."""
-        weights: dict[Any, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None]
-        weights = self._set(adapters)[1]
-        return weights
+        return self._set(adapters).weights
 
     def natives_of(self, adapters: Sequence[Any]) -> dict[Any, Any]:
         """The (lazily filled) native entries of the set ``adapters``' projections
         (:mod:`stages.execute.lora_native`), kept with their weights."""
-        natives: dict[Any, Any] = self._set(adapters)[2]
-        return natives
+        return self._set(adapters).natives
 
 
 class StepSegments:
@@ -112,7 +116,7 @@ class StepSegments:
         """Whether fp32 CPU rows take the native delta."""
         return self._native is not None
 
-    def weights(self, key: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
+    def weights(self, key: Any) -> ConcatWeights:
         """Projection ``key``'s concatenated ``A [sum R, in]``, ``B^T [sum R, out]`` (both
         contiguous, kept while the set is) and each group's rank width (0: its adapter leaves
         it alone); None where none touches it."""

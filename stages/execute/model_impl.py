@@ -19,6 +19,7 @@ __all__ = [
     "eos_token_ids",
     "model_config",
     "native_config",
+    "open_weights",
     "read_tensor",
     "weight_files",
 ]
@@ -201,6 +202,14 @@ def weight_files(model_dir: Path) -> Iterable[Path]:
         return [model_dir / WEIGHTS_FILE]
     index = json.loads((model_dir / INDEX_FILE).read_text())
     return [model_dir / name for name in dict.fromkeys(index["weight_map"].values())]
+
+
+def open_weights(path: Path) -> Any:
+    """The safetensors file ``path`` opened for torch tensors on the CPU (a context manager
+    whose ``keys()`` and ``get_tensor`` read one tensor at a time, memory-mapped)."""
+    from safetensors import safe_open
+
+    return safe_open(str(path), framework="pt", device="cpu")
 
 
 def read_tensor(handle: Any, stored: str, name: str, shape: Sequence[int], dtype: Any) -> Any:

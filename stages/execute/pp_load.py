@@ -11,7 +11,7 @@ the other ranks' tensors at load (``vllm/model_executor/models/llama.py``: ``loa
 skips ``is_pp_missing_parameter`` names; ``PPMissingLayer``). transformers' own class
 (:func:`load_transformers_model`) is built the same way, its rotary embedding (the one buffer
 these model types keep outside the checkpoint) rebuilt from the config; a model with any other
-buffer loads whole and is cut after (:func:`~stages.execute.pipeline_parallel.cut_layers`).
+buffer loads whole and is cut after (:func:`cut_to_part`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from stages.execute.model_impl import read_tensor, weight_files
+from stages.execute.model_impl import open_weights, read_tensor, weight_files
 from stages.execute.pipeline_parallel import cut_layers, drop_embeddings
 
 __all__ = [
@@ -156,14 +156,14 @@ def load_transformers_model(
         whole = AutoModelForCausalLM.from_pretrained(
             model_dir, config=copy.deepcopy(hf_config), dtype=dtype
         )
-        cut_layers(whole, part.layers, first=part.first, last=part.last)
+        cut_to_part(whole, part)
         return whole
     text = model.config.get_text_config()
     expected = dict(model.named_parameters())
     loaded: dict[str, torch.Tensor] = {}
     tied = bool(getattr(text, "tie_word_embeddings", False))
     for path in weight_files(model_dir):
-        with safe_open_pt(path) as handle:
+        with open_weights(path) as handle:
             for stored in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = shard_tensor_name(stored, part, tied)
                 if name is None or name not in expected:
@@ -179,10 +179,3 @@ def load_transformers_model(
     # NOTE: built as transformers builds it (its own __init__ computes the frequencies)
     decoder.rotary_emb = type(rotary)(config=text)
     return model
-
-
-def safe_open_pt(path: Path) -> Any:
-    """``path`` opened with safetensors for torch tensors on the CPU."""
-    from safetensors import safe_open
-
-    return safe_open(str(path), framework="pt", device="cpu")
