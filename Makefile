@@ -60,7 +60,7 @@ run: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check pipeline transports stages plugins benchmarks
+	$(BIN)/ruff format --check pipeline transports stages plugins benchmarks tests examples
 
 typecheck: setup
 	$(BIN)/mypy

@@ -83,8 +83,11 @@ def test_engine_death_is_answered_openai_style(http_only: ServeProcess) -> None:
             f"{http_only.http_url}/chat/completions",
             # NOTE: ``extra_body`` is the openai client's argument, not a body field
             data=json.dumps(
-                {**{k: v for k, v in chat.items() if k != "extra_body"}, "stream": True,
-                 "ignore_eos": True}
+                {
+                    **{k: v for k, v in chat.items() if k != "extra_body"},
+                    "stream": True,
+                    "ignore_eos": True,
+                }
             ).encode(),
             headers={"Content-Type": "application/json"},
         )
