@@ -14,8 +14,9 @@ latency p50/p99 (the figure P/D is for), TTFT p50/p99 of short and long requests
 tokens/s, with P/D the KV transfers: requests, blocks and bytes moved per request, and
 requests run whole (fallbacks), and for both the bytes the frontend's process received over
 its links (the blocks go straight from the prefill to the decode engine, so with P/D this is
-the engines' outputs, as with data parallelism, and no K/V). The variants alternate (fresh engines each round, ``rounds``
-times) and each request's greedy tokens are compared across them.
+the engines' outputs, as with data parallelism, and no K/V). The variants alternate (fresh
+engines each round, ``rounds`` times) and each request's greedy tokens are compared across
+them.
 
 With ``ray`` (``--ray ADDRESS``) both variants' engines are Ray actors on that cluster
 (``ray_num_cpus`` each), the P/D variant's pinned by ``ray_prefill_decode_resources``: the
