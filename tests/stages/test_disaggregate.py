@@ -379,7 +379,8 @@ def test_blocks_no_request_waits_for_are_dropped_by_the_decode_engine(
     its sockets: one request is cancelled by its caller once its prefill finished, another
     runs whole once its transfer is late. Thawed, the decode engine gets the blocks of both,
     the router has it drop them (no request waits for them), the late request's tokens are
-    one engine's, and the blocks of the next request find nothing else held there."""
+    one engine's, and the blocks of the next request find nothing else held there. The links
+    compress (zstd), the direct one between the engines too."""
 
     async def body() -> None:
         engine = AsyncEngine(
@@ -388,6 +389,7 @@ def test_blocks_no_request_waits_for_are_dropped_by_the_decode_engine(
             prefill_decode=(1, 1),
             prefill_decode_timeout=5.0,
             heartbeat_timeout=120.0,
+            compression="zstd",
         )
         await engine.start()
         pids = dict(engine.running.pids)
