@@ -141,6 +141,37 @@ def test_prefill_decode_at_tensor_parallel_2_serves_like_one_engine(
     run(body())
 
 
+@pytest.mark.slow
+def test_one_prefill_engine_feeds_two_decode_engines_each_its_own_blocks(
+    tiny_model_dir: Path, expected: dict[str, tuple[Any, ...]]
+) -> None:
+    """P/D 1:2: the prefill engine's ``kv`` port has a link to each decode engine, and each
+    request's blocks go to the one the router chose for it (and only there): every request
+    is decoded where its blocks went, both decode engines get some, outputs one engine's."""
+
+    async def body() -> None:
+        async with AsyncEngine(
+            str(tiny_model_dir), num_blocks=256, prefill_decode=(1, 2)
+        ) as engine:
+            got = await outputs_of(engine, expected["a0-stop"][2])
+            assert got == expected
+            router = engine.running.stage("router")
+            assert isinstance(router, PrefillDecodeRouterStage)
+            runs = 3 * len(PROMPTS)
+            assert router.transfers == runs and router.fallbacks == 0
+            assert router.released == 0 and not router._parked
+            decoded = {rid: replica for rid, replica in router.recent
+                       if not rid.endswith(PREFILL_SUFFIX)}  # fmt: skip
+            targets = {t.request_id: t.target for t in router.recent_transfers}
+            assert targets == {rid: decoded[rid] for rid in targets}
+            assert set(targets.values()) == {"1", "2"}, targets
+            for replica in ("1", "2"):
+                moved = sum(t.num_blocks for t in router.recent_transfers if t.target == replica)
+                assert engine.replica_stats[replica].prefix_cache_hits >= BLOCK * moved
+
+    run(body())
+
+
 def test_the_options_refuse_what_does_not_combine() -> None:
     assert EngineOptions("m", prefill_decode="2:1").prefill_decode == (2, 1)
     for value in ("1", "0:1", "a:b", (1, 2, 3), 3):
