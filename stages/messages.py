@@ -168,7 +168,10 @@ class EngineRequest:
     ``pooling``: an embedding request, ``lora`` its adapter (see :class:`GenerateRequest`).
     ``kv_blocks``: its prompt's leading blocks as a prefill engine computed them, which the
     execute stage imports into its prefix cache before the request's first step
-    (disaggregated prefill and decode, :mod:`stages.kv_transfer`)."""
+    (disaggregated prefill and decode, :mod:`stages.kv_transfer`). ``kv_to``: on a prefill
+    engine, the decode engine's execute stage its prompt's blocks go to; ``kv_from``: on a
+    decode engine, the prefill engine's execute stage whose blocks wait for it in this
+    engine's execute stage (:class:`~stages.kv_transfer.KvInbox`)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -181,6 +184,8 @@ class EngineRequest:
     pooling: PoolingParams | None = None
     lora: LoRARequest | None = None
     kv_blocks: KvBlocks | None = None
+    kv_to: str = ""
+    kv_from: str = ""
 
 
 @message()

@@ -129,7 +129,7 @@ class _Routed:
 
 class RouterStage(Stage):
     inputs: ClassVar[tuple[str, ...]] = ("in", "abort", "outputs", "info")
-    outputs = ("requests", "aborts", "out", "info")
+    outputs: ClassVar[tuple[str, ...]] = ("requests", "aborts", "out", "info")
 
     def __init__(self, config: RouterConfig) -> None:
         super().__init__(config)

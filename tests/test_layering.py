@@ -53,6 +53,7 @@ PURE_MODULES = (
     "stages.recovery",
     "stages.execute.contention",
     "stages.kv_transfer",
+    "stages.execute.kv_links",
     "stages.execute.quant.gguf_table",
 )
 FORBIDDEN = ("asyncio", "anyio", "zmq", "grpc", "torch")

@@ -9,8 +9,8 @@ from :data:`WIRE_TAGS` by its qualified name. Adding a message is one line here;
 ours is missing from the table, or if a module still numbers its own tags.
 
 Ranges: 1-19 transports, 20-49 the runtime's control protocol, 50-59 free, 60-69 the Collatz
-demo, 100-199 the LLM stages, 900-949 the transports' conformance kit. Tests register their own
-messages with explicit tags in 60-99 (past the demo's) or 950-999.
+demo, 100-199 and 200-249 the LLM stages, 900-949 the transports' conformance kit. Tests
+register their own messages with explicit tags in 60-99 (past the demo's) or 950-999.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ WIRE_TAGS: Mapping[str, int] = MappingProxyType(
         "stages.execute.draft_messages.DraftReady": 184,
         # disaggregated prefill and decode (stages/kv_transfer.py)
         "stages.kv_transfer.KvBlocks": 163,
+        "stages.kv_transfer.KvArrived": 200,
+        "stages.kv_transfer.KvRelease": 201,
         # the conformance kit's samples (transports/_kit_samples.py)
         "transports._kit_samples.KitPing": 900,
         "transports._kit_samples.KitPayload": 901,

@@ -11,9 +11,12 @@ prefix cache hides a prefill). With data parallelism a long prefill lands on an 
 short streams then wait for it; with P/D the prefills run on the prefill engine and the decode
 engine only computes each prompt's tail. Reported per variant: the short streams' inter-token
 latency p50/p99 (the figure P/D is for), TTFT p50/p99 of short and long requests, output
-tokens/s, and with P/D the KV transfers: requests, blocks and bytes moved per request, and
-requests run whole (fallbacks). The variants alternate (fresh engines each round, ``rounds``
-times) and each request's greedy tokens are compared across them.
+tokens/s, with P/D the KV transfers: requests, blocks and bytes moved per request, and
+requests run whole (fallbacks), and for both the bytes the frontend's process received over
+its links (the blocks go straight from the prefill to the decode engine, so with P/D this is
+the engines' outputs, as with data parallelism, and no K/V). The variants alternate (fresh
+engines each round, ``rounds`` times) and each request's greedy tokens are compared across
+them.
 
 With ``ray`` (``--ray ADDRESS``) both variants' engines are Ray actors on that cluster
 (``ray_num_cpus`` each), the P/D variant's pinned by ``ray_prefill_decode_resources``: the
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.bench.report import format_table
 from pipeline.bench.workload import percentile, poisson_arrivals
+from pipeline.runtime.spec import MAIN_HOST
 from transports.tasks import TaskSet
 
 if TYPE_CHECKING:
@@ -121,6 +125,9 @@ class VariantRun:
     blocks_per_transfer: float = 0.0
     bytes_per_transfer: float = 0.0
     fallbacks: int = 0
+    #: the bytes the frontend's process (router, detokenizer) received over its links in
+    #: the run: the engines' outputs, and with P/D no K/V (the blocks skip it: one hop)
+    frontend_bytes_in: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -205,6 +212,7 @@ async def _run_variant(
         before = (0, 0, 0, 0)
         if isinstance(router, PrefillDecodeRouterStage):
             before = (router.transfers, router.blocks_moved, router.bytes_moved, router.fallbacks)
+        frontend_before = await _frontend_bytes_in(engine)
         traces = [_Trace(0.0) for _ in requests]
         began = time.perf_counter()
         async with TaskSet("bench:disaggregated") as streams:
@@ -217,6 +225,7 @@ async def _run_variant(
                 tasks.append(streams.spawn(_stream(engine, request, trace)))
             await asyncio.gather(*tasks)
         seconds = time.perf_counter() - began
+        frontend_in = await _frontend_bytes_in(engine) - frontend_before
         after = before
         if isinstance(router, PrefillDecodeRouterStage):
             after = (router.transfers, router.blocks_moved, router.bytes_moved, router.fallbacks)
@@ -249,8 +258,19 @@ async def _run_variant(
         blocks_per_transfer=blocks / transfers if transfers else 0.0,
         bytes_per_transfer=nbytes / transfers if transfers else 0.0,
         fallbacks=fallbacks,
+        frontend_bytes_in=frontend_in,
     )
     return run, [trace.token_ids for trace in traces]
+
+
+async def _frontend_bytes_in(engine: Any) -> int:
+    """The bytes the engine's frontend host (``main``) has received over its links."""
+    return sum(
+        link.bytes_received
+        for host in await engine.running.statistics()
+        if host.host == MAIN_HOST
+        for link in host.links_in.values()
+    )
 
 
 async def measure_disaggregated(config: DisaggregatedConfig) -> DisaggregatedResult:
@@ -292,13 +312,14 @@ def format_disaggregated(result: DisaggregatedResult) -> str:
             run.blocks_per_transfer,
             run.bytes_per_transfer / 1024,
             run.fallbacks,
+            run.frontend_bytes_in / 2**20,
         ]
         for run in result.runs
     ]
     columns: Sequence[str] = (
         "variant", "round", "short ITL p50 ms", "short ITL p99 ms", "short TTFT p50 ms",
         "short TTFT p99 ms", "long TTFT p50 ms", "tokens/s", "transfers", "blocks/transfer",
-        "KiB/transfer", "run whole",
+        "KiB/transfer", "run whole", "MiB into frontend",
     )  # fmt: skip
     title = (
         f"prefill/decode vs data parallelism: {config.model}, {config.num_requests} requests "

@@ -1,6 +1,8 @@
 """The ``prefill_decode`` option (``--prefill-decode P:D``): how it is read and what it does
 not combine with (docs/parallelism.md, "Disaggregated prefill and decode"). The router and
-the engines' two ends are :mod:`stages.disaggregate` and :mod:`stages.execute.kv_blocks`.
+the engines' two ends are :mod:`stages.disaggregate`, :mod:`stages.execute.kv_links` (the
+direct link between a prefill and a decode engine's execute stages, wired by
+:func:`pipeline.engine.presets.llm_pipeline`) and :mod:`stages.execute.kv_blocks`.
 
 Pure: no asyncio, no torch.
 """

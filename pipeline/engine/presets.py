@@ -281,11 +281,18 @@ def _add_router(pipeline: Pipeline, options: EngineOptions) -> None:
         config = PrefillDecodeConfig(
             **_fields_of(config),
             prefill=prefill,
+            execute=tuple(f"execute{suffix}" for suffix in suffixes),
             transfer_timeout=options.prefill_decode_timeout,
         )
         pipeline.add("router", PrefillDecodeRouterStage, config)
-        for suffix in suffixes[: len(prefill)]:
-            pipeline.connect(f"execute{suffix}.kv", "router.kv")
+        # one hop: each prefill engine's blocks go straight to the decode engine the router
+        # chose (stages/disaggregate.py); the decode engines tell the router they came, and
+        # the router tells them which to drop
+        for decode in suffixes[len(prefill) :]:
+            for source in suffixes[: len(prefill)]:
+                pipeline.connect(f"execute{source}.kv", f"execute{decode}")
+            pipeline.connect(f"execute{decode}.kv_arrived", "router.kv")
+            pipeline.connect("router.kv_release", f"execute{decode}")
     pipeline.connect("tokenize.out", "router.in")
     pipeline.connect("router.out", "detokenize")
     for route, suffix in zip(routes, suffixes):

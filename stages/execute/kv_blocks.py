@@ -5,8 +5,9 @@ another's prefix cache: the two ends of disaggregated prefill and decode (docs/p
 The prefill engine (``ExecuteConfig.kv_export``) exports, in the step where a request's
 prompt is computed, the blocks the decode engine's prefix cache can serve: the prompt's full
 blocks before its last token (:meth:`~stages.execute.allocator.BlockAllocator.match_prefix`
-always leaves the last token to compute, its logits are needed). The decode engine imports
-them when the request is registered, before its first chunk is planned: it allocates blocks
+always leaves the last token to compute, its logits are needed); its execute stage sends
+them straight to the decode engine's (:mod:`stages.execute.kv_links`). The decode engine
+imports them when the request is registered, before its first chunk is planned: it allocates blocks
 under a name of its own, copies the K/V in, publishes them with its own hashes
 (:meth:`~stages.execute.allocator.BlockAllocator.commit`, over the same tokens and the
 request's cache key) and lets them go, cached. The request's own prefix-cache lookup then hits

@@ -10,7 +10,11 @@ the :class:`~stages.execute.tensor_parallel.Rendezvous`, then one
 :class:`~stages.execute.pp_messages.PipelineLogits` come back on ``in``;
 :mod:`stages.execute.pp_stage`), ``kv`` (with ``kv_export``, a prefill engine of
 disaggregated prefill and decode: each prompt's :class:`~stages.kv_transfer.KvBlocks`, once
-computed, to the router; :mod:`stages.execute.kv_blocks`).
+computed, straight to the execute stage of the decode engine the router chose for it;
+:mod:`stages.execute.kv_links`), ``kv_arrived`` (a decode engine's: a
+:class:`~stages.kv_transfer.KvArrived` to the router when blocks came). ``in`` also takes a
+decode engine's moved blocks (held until their request's first step) and the router's
+:class:`~stages.kv_transfer.KvRelease`.
 
 With ``speculative_config`` method ``draft_model`` the stage also runs the draft model after
 each step (:mod:`stages.execute.drafter`): the result carries the requests' next drafts. With
@@ -47,9 +51,11 @@ from stages.execute.crash_notes import note_step
 from stages.execute.draft_client import DRAFT_PORT, DraftClient
 from stages.execute.draft_messages import DraftProposals, DraftReady, with_draft_kv
 from stages.execute.draft_stage import DRAFT_HOST_SUFFIX
+from stages.execute.kv_links import KvLinks
 from stages.execute.pp_messages import PipelineLogits
 from stages.execute.pp_stage import PipelineDriver, shard_threads
 from stages.execute.rank_messages import RENDEZVOUS_HOST
+from stages.kv_transfer import KvBlocks, KvRelease
 from stages.lora import LoRAAdapterError, LoRARequest
 from stages.messages import EngineInfo, SchedulerStep, StepResult
 from stages.models import loading
@@ -64,8 +70,8 @@ __all__ = ["RENDEZVOUS_HOST", "ExecuteStage"]
 
 class ExecuteStage(Stage):
     inputs = ("in",)
-    outputs = ("out", "info", "ranks", "pipeline", "kv", DRAFT_PORT)
-    optional_outputs = ("ranks", "pipeline", "kv", DRAFT_PORT)
+    outputs = ("out", "info", "ranks", "pipeline", "kv", "kv_arrived", DRAFT_PORT)
+    optional_outputs = ("ranks", "pipeline", "kv", "kv_arrived", DRAFT_PORT)
 
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)
@@ -77,6 +83,8 @@ class ExecuteStage(Stage):
         self.drafter: Drafter | None = None
         #: the draft model placed apart, with "placement": "host" (stages.execute.draft_client)
         self.draft_client: DraftClient | None = None
+        #: disaggregated prefill and decode: where exported blocks go, the blocks held here
+        self.kv_links = KvLinks()
         spec = config.speculative_config
         if spec is not None and spec.drafts_apart:
             self.draft_client = DraftClient(self, spec)
@@ -256,12 +264,23 @@ class ExecuteStage(Stage):
         its host (:mod:`stages.engine_core`)."""
         runner = self.runner
         assert runner is not None
+        step = self.kv_links.join(step)  # a decode engine's moved blocks join their request
         result = await self._execute_step(runner, step)
         if runner.kv_exports:  # a prefill engine's: sent before the step's tokens
             exports, runner.kv_exports = runner.kv_exports, []
-            for blocks in exports:
-                await self.emit("kv", blocks)
+            for to, blocks in self.kv_links.addressed(exports):
+                await self.emit("kv", blocks, to=to)
         return result
+
+    @handles(KvBlocks)
+    async def on_kv_blocks(self, blocks: KvBlocks) -> None:
+        """A decode engine's moved blocks: held until their request comes (the router,
+        told, sends it)."""
+        await self.emit("kv_arrived", self.kv_links.arrived(blocks, self.name))
+
+    @handles(KvRelease)
+    async def on_kv_release(self, release: KvRelease) -> None:
+        self.kv_links.release(release)
 
     async def _execute_step(self, runner: ModelRunner, step: SchedulerStep) -> StepResult:
         note_step(step)

@@ -108,6 +108,9 @@ def test_prefill_decode_serves_like_one_engine(
             decode = engine.replica_stats["1"]
             assert decode.prefix_cache_hits >= BLOCK * router.blocks_moved
             assert not router._prefilling and not router._prefill_ids
+            # one hop: from the prefill engine straight to the decode engine, none dropped
+            assert {(t.source, t.target) for t in router.recent_transfers} == {("0", "1")}
+            assert router.released == 0 and not router._parked
 
     run(body())
 
@@ -138,6 +141,37 @@ def test_prefill_decode_at_tensor_parallel_2_serves_like_one_engine(
     run(body())
 
 
+@pytest.mark.slow
+def test_one_prefill_engine_feeds_two_decode_engines_each_its_own_blocks(
+    tiny_model_dir: Path, expected: dict[str, tuple[Any, ...]]
+) -> None:
+    """P/D 1:2: the prefill engine's ``kv`` port has a link to each decode engine, and each
+    request's blocks go to the one the router chose for it (and only there): every request
+    is decoded where its blocks went, both decode engines get some, outputs one engine's."""
+
+    async def body() -> None:
+        async with AsyncEngine(
+            str(tiny_model_dir), num_blocks=256, prefill_decode=(1, 2)
+        ) as engine:
+            got = await outputs_of(engine, expected["a0-stop"][2])
+            assert got == expected
+            router = engine.running.stage("router")
+            assert isinstance(router, PrefillDecodeRouterStage)
+            runs = 3 * len(PROMPTS)
+            assert router.transfers == runs and router.fallbacks == 0
+            assert router.released == 0 and not router._parked
+            decoded = {rid: replica for rid, replica in router.recent
+                       if not rid.endswith(PREFILL_SUFFIX)}  # fmt: skip
+            targets = {t.request_id: t.target for t in router.recent_transfers}
+            assert targets == {rid: decoded[rid] for rid in targets}
+            assert set(targets.values()) == {"1", "2"}, targets
+            for replica in ("1", "2"):
+                moved = sum(t.num_blocks for t in router.recent_transfers if t.target == replica)
+                assert engine.replica_stats[replica].prefix_cache_hits >= BLOCK * moved
+
+    run(body())
+
+
 def test_the_options_refuse_what_does_not_combine() -> None:
     assert EngineOptions("m", prefill_decode="2:1").prefill_decode == (2, 1)
     for value in ("1", "0:1", "a:b", (1, 2, 3), 3):
@@ -155,14 +189,21 @@ def test_the_options_refuse_what_does_not_combine() -> None:
         EngineOptions("m", prefill_decode=(1, 1), data_parallel_size=2)
 
 
-def test_the_pipeline_links_the_prefill_engines_to_the_router() -> None:
-    pipeline = llm_pipeline(EngineOptions("m", prefill_decode=(2, 1)))
+def test_the_pipeline_links_the_prefill_engines_straight_to_the_decode_engines() -> None:
+    pipeline = llm_pipeline(EngineOptions("m", prefill_decode=(2, 2)))
     described = pipeline.describe()
     assert "stage router [PrefillDecodeRouterStage] on main" in described
-    assert "execute.kv -> router.kv" in described
-    assert "execute_1.kv -> router.kv" in described
-    assert "execute_2.kv" not in described  # the decode engine exports nothing
-    assert "replica set engines (0: engine, 1: engine_1, 2: engine_2)" in described
+    # one hop: every prefill engine's blocks to every decode engine, none through the router
+    for source in ("execute", "execute_1"):
+        for target in ("execute_2", "execute_3"):
+            assert f"{source}.kv -> {target}.in" in described
+    assert "router.kv ->" not in described and ".kv -> router" not in described
+    for decode in ("execute_2", "execute_3"):
+        assert f"{decode}.kv_arrived -> router.kv" in described
+        assert f"router.kv_release -> {decode}.in" in described
+        assert f"{decode}.kv ->" not in described  # a decode engine exports nothing
+    assert "execute.kv_arrived" not in described  # nor is a prefill engine sent blocks
+    assert "replica set engines (0: engine, 1: engine_1, 2: engine_2, 3: engine_3)" in described
 
 
 @pytest.mark.slow
@@ -357,5 +398,74 @@ def test_a_restarted_prefill_engine_moves_blocks_again(tiny_model_dir: Path) -> 
             again = await final(engine, "again", PROMPTS["b1"], GREEDY)
             assert again.token_ids == first.token_ids
             assert router.transfers == 2 and router.fallbacks == 0
+
+    run(body())
+
+
+@pytest.mark.slow
+def test_blocks_no_request_waits_for_are_dropped_by_the_decode_engine(
+    tiny_model_dir: Path,
+) -> None:
+    """The decode engine frozen (SIGSTOP), so the blocks the prefill engine sends it wait in
+    its sockets: one request is cancelled by its caller once its prefill finished, another
+    runs whole once its transfer is late. Thawed, the decode engine gets the blocks of both,
+    the router has it drop them (no request waits for them), the late request's tokens are
+    one engine's, and the blocks of the next request find nothing else held there. The links
+    compress (zstd), the direct one between the engines too."""
+
+    async def body() -> None:
+        engine = AsyncEngine(
+            str(tiny_model_dir),
+            num_blocks=256,
+            prefill_decode=(1, 1),
+            prefill_decode_timeout=5.0,
+            heartbeat_timeout=120.0,
+            compression="zstd",
+        )
+        await engine.start()
+        pids = dict(engine.running.pids)
+        try:
+            router = engine.running.stage("router")
+            assert isinstance(router, PrefillDecodeRouterStage)
+            before = await final(engine, "before", PROMPTS["a1"], GREEDY)
+            assert router.transfers == 1 and router.decode_held == {"1": (0, 0)}
+            frozen = pids["engine_1"]
+            assert frozen is not None
+            deadline = time.monotonic() + PROMPTLY
+            os.kill(frozen, signal.SIGSTOP)
+            try:
+                gone = asyncio.create_task(final(engine, "gone", PROMPTS["b1"], GREEDY))
+                while not any(rid.startswith("gone") and state.finished is not None
+                              for rid, state in router._prefilling.items()):  # fmt: skip
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                gone.cancel()  # its blocks are on their way to the frozen engine
+                with pytest.raises(asyncio.CancelledError):
+                    await gone
+                while router._prefilling:  # its abort reached the router
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                assert router.fallbacks == 0
+                late = asyncio.create_task(final(engine, "late", PROMPTS["a1"], GREEDY))
+                while router.fallbacks < 1:  # its transfer was taken as late: runs whole
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+            finally:
+                os.kill(frozen, signal.SIGCONT)
+            assert (await asyncio.wait_for(late, 60)).token_ids == before.token_ids
+            while router.released < 2:  # both sets of blocks came, and were dropped
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert router.released == 2 and router.transfers == 1 and router.fallbacks == 1
+            # NOTE: the drops went out before the next request was sent to its prefill
+            again = await final(engine, "again", PROMPTS["a1"], GREEDY)
+            assert again.token_ids == before.token_ids
+            assert router.transfers == 2 and router.fallbacks == 1
+            assert router.decode_held == {"1": (0, 0)}  # nothing else held there: freed
+            assert router.recent_transfers[-1].request_id.startswith("again")
+            assert not router._parked and not router._prefilling
+        finally:
+            await engine.close()
+        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
     run(body())

@@ -1,6 +1,7 @@
 """``actorline bench online --prefill-decode 1:1 --quick`` on the tiny Llama
 (pipeline/bench/disaggregated.py): both variants run on fresh engines, every request's
-greedy tokens agree, and the P/D run counts a transfer per request with its bytes."""
+greedy tokens agree, and the P/D run counts a transfer per request with its bytes, none of
+which passed through the frontend's process."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def test_online_prefill_decode_quick(
     assert pd["transfers"] == 6 and pd["fallbacks"] == 0
     # the tiny Llama's block: K and V of 2 layers, 16 tokens, 2 KV heads of 16, float32
     assert pd["bytes_per_transfer"] == pd["blocks_per_transfer"] * 2 * 2 * 16 * 2 * 16 * 4
+    # one hop: the frontend's process received less than the K/V moved, so none of it
+    # (the blocks go straight from the prefill engine to the decode engine)
+    assert 0 < pd["frontend_bytes_in"] < pd["transfers"] * pd["bytes_per_transfer"]
     for run in (dp, pd):
         assert run["output_tokens"] == 4 * 16 + 2 * 4
         assert 0 < run["short_itl_p50_ms"] <= run["short_itl_p99_ms"]

@@ -18,7 +18,9 @@ on Ray:
 - disaggregated prefill and decode 1:1 pinned by ``ray_prefill_decode_resources`` (the
   prefill engine to the head, the decode engine to the second node): every prompt's blocks
   move between the nodes, the greedy tokens are one local engine's; ``ray.kill`` of the decode
-  engine fails the streams it held, and the prefill engine serves on, whole;
+  engine fails the streams it held, and the prefill engine serves on, whole; the same at
+  TP=2 (each engine a tensor-parallel group of two ranks on its node, the blocks going
+  straight from the prefill engine to the decode engine), one local TP=1 engine's tokens;
 - once closed, no host actor is left on either node.
 
 The options' plain data (bundles, strategies, refusals) needs no cluster.
@@ -95,6 +97,8 @@ async def run(options, kill):
         if "prefill_decode" in options:
             router = engine.running.stage("router")
             report["moved"] = [router.transfers, router.blocks_moved, router.fallbacks]
+            report["transfers"] = [[t.source, t.target, t.num_blocks, t.nbytes]
+                                   for t in router.recent_transfers]
         long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
         started = {p: asyncio.Event() for p in prompts}
         tasks = {p: asyncio.create_task(one(engine, p, long, started[p])) for p in prompts}
@@ -406,6 +410,60 @@ def test_prefill_and_decode_engines_on_two_nodes_move_kv_and_a_killed_decoder_fa
     assert [tuple(tokens) for tokens in report["tokens"]] == long_local_tokens
     # the killed decode engine's streams failed, in bounded time; the prefill engine lives on
     # and serves the prompts whole, with one engine's tokens
+    assert report["killed"] == ["EngineDeadError"] * len(LONG_PROMPTS)
+    assert report["seconds"] < KILLED_SHARD_SECONDS
+    assert report["failure"] is None
+    assert [tuple(tokens) for tokens in report["after"]] == long_local_tokens
+    wait_no_host_actor(head)
+    wait_no_host_actor(node)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_prefill_and_decode_tensor_parallel_groups_on_two_nodes_are_one_engine(
+    tiny_model_dir: Path,
+    two_nodes: tuple[StartedRay, StartedRay],
+    long_local_tokens: list[tuple[int, ...]],
+) -> None:
+    """P/D 1:1 x TP=2 on Ray: the prefill engine's two ranks on the head, the decode
+    engine's on the second node; each prompt's blocks (both KV heads, gathered from the
+    prefill ranks) go straight from the prefill engine to the decode engine across the
+    nodes, each decode rank keeps its heads, and the greedy tokens are one local engine's
+    (TP=1). Killing the decode engine's second rank fails the streams it held; the prefill
+    engine serves on, whole."""
+    head, node = two_nodes
+    options = dict(prefill_decode=[1, 1], tensor_parallel_size=2, ray_num_cpus=0.5,
+                   ray_prefill_decode_resources="node:__internal_head__,second")  # fmt: skip
+    engines = json.dumps([[options, "engine_1_tp1"]])
+    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address, engines,
+               json.dumps(LONG_PROMPTS), str(GREEDY.max_tokens)]  # fmt: skip
+    result = subprocess.run(
+        command,
+        env={**head.environment(), "PYTHONPATH": str(REPOSITORY)},
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    (report,) = json.loads(result.stdout.strip().splitlines()[-1])
+    nodes = report["nodes"]
+    second = [nid for nid, resources in nodes.items() if "second" in resources]
+    first = [nid for nid, resources in nodes.items() if "second" not in resources]
+    assert len(second) == len(first) == 1, nodes
+    assert {host: where["node"] for host, where in report["hosts"].items()} == {
+        "engine": first[0], "engine_tp1": first[0], "engine_1": second[0],
+        "engine_1_tp1": second[0],
+    }  # fmt: skip
+    transfers, blocks, fallbacks = report["moved"]
+    assert (transfers, fallbacks) == (len(LONG_PROMPTS), 0)
+    assert blocks >= 3 * len(LONG_PROMPTS)
+    # each straight from prefill engine 0 to decode engine 1, both KV heads of every block
+    # (the tiny Llama: 2 layers, K and V, 16 tokens, 2 KV heads of 16, float32)
+    for source, target, num_blocks, nbytes in report["transfers"]:
+        assert (source, target) == ("0", "1")
+        assert nbytes == num_blocks * 2 * 2 * 16 * 2 * 16 * 4
+    assert [tuple(tokens) for tokens in report["tokens"]] == long_local_tokens
     assert report["killed"] == ["EngineDeadError"] * len(LONG_PROMPTS)
     assert report["seconds"] < KILLED_SHARD_SECONDS
     assert report["failure"] is None
