@@ -74,7 +74,7 @@ def test_the_sdist_and_its_checksum_come_from_pypis_json() -> None:
     # the project's JSON: the release's files under ``releases``
     project = {"releases": {"11434.0.0": metadata["urls"], "11401.0.0": []}}
     assert sdist_from_metadata(project, "11434.0.0") == ("https://x/s.tar.gz", "b" * 64)
-    with pytest.raises(LlamaPeerError, match="no release 1.0"):
+    with pytest.raises(LlamaPeerError, match=r"no release 1\.0"):
         sdist_from_metadata(project, "1.0")
     with pytest.raises(LlamaPeerError, match="no sdist"):
         sdist_from_metadata(project, "11401.0.0")
