@@ -65,7 +65,7 @@ class PipelineStep:
     """One step for the next shard: the packed batch (``shard``: tokens, positions, block
     tables, as the first shard's allocator decided them), the hidden state after the
     sender's layers (``hidden [T, H]``, float32 whatever the activations' dtype: a bf16 value
-    goes there and back exactly), and the packed rows whose logits the last shard returns
+    goes there and back exactly), and the packed rows the last shard runs the LM head over
     (``keep [K]``: the rows that sample, then prompt-logprob rows) and what it samples them
     with (``sampling``; every shard passes it on)."""
 

@@ -510,7 +510,7 @@ class ModelRunner:
             sliding_window=self._window,
             quantization=config.quantization,
             weight_bytes=weight_bytes(model),
-            # NOTE: pipeline-parallel shards pass the last shard's logits back, not its
+            # NOTE: a pipeline-parallel engine's last shard sends back sampled tokens, not its
             # hidden states, so such an engine pools none: 0 refuses embedding requests
             embedding_size=0
             if self.config.pipeline_parallel_size > 1
