@@ -196,19 +196,18 @@ class PipelineDriver:
             PipelineParallelError: the answer did not come back within the timeout.
             StepError: the step does not match the runner's state, or pools embeddings.
         """
-        from stages.execute.pipeline_parallel import forward_layers, pipeline_keep
+        from stages.execute.pipeline_parallel import forward_layers
 
         stage = self._stage
         clock = time.perf_counter
         async with self._order:
             began = clock()
-            (prepared, sampling), first = await stage.run_in_thread(
+            (prepared, keep, sampling), first = await stage.run_in_thread(
                 _timed, self._prepare, runner, step
             )
             shard = prepared.shard
             if shard is not None:
-                assert sampling is not None
-                keep = np.asarray(pipeline_keep(prepared), dtype=np.int64)
+                assert keep is not None and sampling is not None
                 if runner.group is not None:  # PP x TP: shard 0's other ranks run its layers too
                     await stage.emit("ranks", shard)
                 hidden, seconds = await stage.run_in_thread(
@@ -253,15 +252,24 @@ class PipelineDriver:
 
     def _prepare(
         self, runner: ModelRunner, step: SchedulerStep
-    ) -> tuple[PreparedStep, PipelineSampling | None]:
-        """:meth:`ModelRunner.prepare` on the worker thread, noting the step prepared, and
-        what the last shard samples it with (None: nothing computes, nothing is sent)."""
+    ) -> tuple[PreparedStep, np.ndarray | None, PipelineSampling | None]:
+        """:meth:`ModelRunner.prepare` on the worker thread, noting the step prepared; the
+        rows the last shard runs the LM head over and what it samples them with (None:
+        nothing computes, nothing is sent).
+
+        Raises:
+            StepError: as :meth:`ModelRunner.prepare`, or the step pools embeddings (what was
+                noted then goes with the next step sent).
+        """
+        from stages.execute.pipeline_parallel import pipeline_keep
+
         prepared = runner.prepare(step)
         self._prepared_through = step.step_id
         self._outbox.note(step)
         if prepared.shard is None:
-            return prepared, None
-        return prepared, self._outbox.sampling(prepared)
+            return prepared, None, None
+        keep = np.asarray(pipeline_keep(prepared), dtype=np.int64)
+        return prepared, keep, self._outbox.sampling(prepared)
 
     def _record(
         self, runner: ModelRunner, prepared: PreparedStep, answer: PipelineSampled
