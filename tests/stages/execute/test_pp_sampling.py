@@ -24,6 +24,7 @@ import pytest
 
 from pipeline import AsyncEngine, SamplingParams
 from pipeline.engine.options import EngineOptions
+from stages.execute.config import ExecuteConfig
 from stages.execute.pp_messages import (
     PipelineRequest,
     PipelineSampled,
@@ -214,6 +215,58 @@ def test_the_outbox_tells_of_each_request_once_and_drops_one_finished_unsent() -
     second = sent()
     assert second.new_requests == () and second.released == ("a",)
     assert sent() == PipelineSampling()
+
+
+def test_the_last_shards_states_sample_as_one_engines_and_refuse_what_does_not_match(
+    tiny_model_dir: Path,
+) -> None:
+    """LastShardStates on a loaded runner (its sampler, EOS ids, vocabulary): a seeded row
+    and a penalized greedy row give the tokens the runner's own sampler gives states built
+    as the first shard builds them, and keep sampling as one engine's history grows."""
+    import torch
+
+    from stages.execute.pp_sampling import LastShardStates
+    from stages.execute.runner import ModelRunner
+    from stages.execute.sampler import new_sampling_state
+
+    runner = ModelRunner(ExecuteConfig(model=str(tiny_model_dir), num_blocks=16))
+    info = runner.load()
+    sampler = runner.sampler
+    assert sampler is not None
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=21, logprobs=2)
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.5, min_tokens=3)
+    requests = (
+        PipelineRequest("s", (5, 6, 7), seeded),
+        PipelineRequest("p", (8, 9), penalized, ((11, 12),)),
+    )
+    states = LastShardStates()
+    states.update(runner, PipelineSampling(new_requests=requests))
+    reference = [
+        new_sampling_state(
+            r.params, r.prompt_token_ids, info.eos_token_ids, runner.device,
+            vocab_size=sampler.vocab_size, bad_words_token_ids=r.bad_words_token_ids,
+        )
+        for r in requests
+    ]  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    step = PipelineSampling(request_ids=("s", "p"), score_chunks=((1, 2),), score_targets=(7,))
+    for step_id in range(4):
+        logits = torch.randn(3, info.vocab_size, generator=generator)
+        answer = states.sample(runner, step_id, logits, step)
+        expected = sampler.sample(logits[:2], reference)
+        assert list(answer.token_ids) == expected.token_ids
+        assert answer.logprob_rows == (0,) and answer.logprobs[0] == expected.logprobs[0]
+        assert len(answer.prompt_logprobs) == 1 and answer.prompt_logprobs[0].token_id == 7
+        for state, token in zip(reference, expected.token_ids, strict=True):
+            state.output_token_ids.append(token)
+    with pytest.raises(ValueError, match="already registered"):
+        states.update(runner, PipelineSampling(new_requests=requests[:1]))
+    with pytest.raises(ValueError, match="holds no sampling state for \\['x'\\]"):
+        states.sample(runner, 9, torch.zeros(1, info.vocab_size), PipelineSampling(("x",)))
+    with pytest.raises(ValueError, match="3 logits rows for 2 sampling and 0 prompt-logprob"):
+        states.sample(runner, 9, torch.zeros(3, info.vocab_size), PipelineSampling(("s", "p")))
+    states.update(runner, PipelineSampling(released=("s", "p")))
+    assert len(states) == 0
 
 
 # -- exactness against one engine -------------------------------------------------------------
