@@ -387,6 +387,9 @@ class StepResult:
     # when it counted free_blocks (-1: this one), and each shard's busy seconds in this step
     prepared_through: int = -1
     shard_seconds: tuple[float, ...] = ()
+    # pipeline parallelism: the bytes of the last shard's answer on the wire (its sampled
+    # tokens and logprobs: stages.execute.pp_sampling)
+    pipeline_answer_bytes: int = 0
 
 
 @message()
@@ -424,6 +427,8 @@ class EngineStats:
     spec_num_drafts_dropped: int = 0
     # each pipeline shard's busy seconds since start (stages.steps_in_flight; () with one)
     shard_busy_seconds: tuple[float, ...] = ()
+    # the bytes the last pipeline shard's answers took on the wire since start (0 with one)
+    pipeline_answer_bytes: int = 0
 
 
 @message()

@@ -252,6 +252,7 @@ class Scheduler:
         self._last_step_tokens = 0
         self._communication_seconds = 0.0
         self._shard_busy_seconds: tuple[float, ...] = ()
+        self._pipeline_answer_bytes = 0
         self._execute_threads = 0
         speculative = config.speculative_config
         self._speculator = None if speculative is None else Speculator(speculative)
@@ -392,6 +393,7 @@ class Scheduler:
             step_tokens=self._last_step_tokens,
             execute_threads=self._execute_threads,
             shard_busy_seconds=self._shard_busy_seconds,
+            pipeline_answer_bytes=self._pipeline_answer_bytes,
             **({} if self._speculator is None else self._speculator.stats().engine_stats()),
         )
 
@@ -752,6 +754,7 @@ class Scheduler:
         self._last_forward_seconds = result.forward_seconds
         self._communication_seconds += result.communication_seconds
         self._shard_busy_seconds = sum_shard_seconds(self._shard_busy_seconds, result.shard_seconds)
+        self._pipeline_answer_bytes += result.pipeline_answer_bytes
         self._execute_threads = result.threads or self._execute_threads
 
         preempted = set(result.preempted)

@@ -73,7 +73,10 @@ WIRE_TAGS: Mapping[str, int] = MappingProxyType(
         "stages.execute.rank_messages.Rendezvous": 140,
         "stages.execute.rank_messages.ShardStep": 141,
         "stages.execute.pp_messages.PipelineStep": 142,
-        "stages.execute.pp_messages.PipelineLogits": 143,
+        # the last pipeline shard samples (stages/execute/pp_sampling.py)
+        "stages.execute.pp_messages.PipelineSampled": 196,
+        "stages.execute.pp_messages.PipelineSampling": 197,
+        "stages.execute.pp_messages.PipelineRequest": 198,
         # the draft model placed apart (stages/execute/draft_messages.py)
         "stages.execute.draft_messages.DraftQuery": 181,
         "stages.execute.draft_messages.DraftFeed": 182,

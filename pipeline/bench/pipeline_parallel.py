@@ -12,7 +12,9 @@ waiting for the message: ``StepResult.communication_seconds``, :func:`~stages.ex
 pp_stage.hop_seconds`), and the **bubble fraction**: the share of the shards'
 time they sat idle over the run (one less their busy seconds over shards x wall time; a
 shard's busy time is its forward passes, the first shard's bookkeeping and sampling too:
-``EngineStats.shard_busy_seconds``). On a loaded machine a shard's compute stretches while
+``EngineStats.shard_busy_seconds``), and the bytes the last shard's answers took per engine
+step (its sampled tokens: ``EngineStats.pipeline_answer_bytes``; the logits of the sampled
+rows came back before, ``[K, V]`` float32). On a loaded machine a shard's compute stretches while
 it waits for a core, so the bubble reads low there: the figure is of this machine's load.
 """
 
@@ -75,6 +77,8 @@ class PipelineRun:
     engine_steps: int
     communication_seconds: float = 0.0
     shard_busy_seconds: tuple[float, ...] = ()
+    #: the bytes of the last shard's answers over the run (stages.execute.pp_sampling)
+    answer_bytes: float = 0.0
 
     @property
     def name(self) -> str:
@@ -90,6 +94,14 @@ class PipelineRun:
     @property
     def communication_ms_per_step(self) -> float:
         return self.communication_seconds / max(self.engine_steps, 1) * 1e3
+
+    @property
+    def answer_bytes_per_step(self) -> float:
+        return self.answer_bytes / max(self.engine_steps, 1)
+
+    @property
+    def answer_bytes_per_token(self) -> float:
+        return self.answer_bytes / max(self.tokens, 1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,7 +199,15 @@ def _offline_run(
     tokens, seconds = timing.tokens, timing.seconds
     steps, communication = int(timing.change("num_steps")), timing.change("communication_seconds")
     run = PipelineRun(
-        shards, in_flight, tokens, seconds, tokens / seconds, steps, communication, busy
+        shards,
+        in_flight,
+        tokens,
+        seconds,
+        tokens / seconds,
+        steps,
+        communication,
+        busy,
+        timing.change("pipeline_answer_bytes"),
     )
     return run, timing.outputs
 
@@ -202,13 +222,23 @@ def format_pipeline_parallel(result: PipelineParallelResult) -> str:
             run.tokens_per_second,
             run.engine_steps,
             run.communication_ms_per_step if run.shards > 1 else "-",
+            f"{run.answer_bytes_per_step:.0f}" if run.shards > 1 else "-",
             f"{run.bubble:.0%}" if run.shards > 1 else "-",
         ]
         for run in result.runs
     ]
     lines = [
         format_table(
-            ["engine", "tokens", "seconds", "tokens/s", "engine steps", "xfer ms/step", "bubble"],
+            [
+                "engine",
+                "tokens",
+                "seconds",
+                "tokens/s",
+                "engine steps",
+                "xfer ms/step",
+                "back B/step",
+                "bubble",
+            ],
             rows,
             title=f"pipeline parallelism: {result.model}, {result.num_requests} requests (the "
             f"offline workload, greedy); {result.cpu_count} CPUs, load average "
@@ -224,7 +254,9 @@ def format_pipeline_parallel(result: PipelineParallelResult) -> str:
         busy = ", ".join(f"{seconds:.2f}" for seconds in run.shard_busy_seconds)
         lines.append(
             f"best {run.name} {format_rate(run.tokens_per_second)}: {ratio:.2f}x PP=1; "
-            f"transfer {run.communication_ms_per_step:.2f} ms per engine step; "
+            f"transfer {run.communication_ms_per_step:.2f} ms per engine step; back from the "
+            f"last shard {run.answer_bytes_per_step:.0f} bytes per engine step "
+            f"({run.answer_bytes_per_token:.1f} per sampled token: tokens, not logits); "
             f"bubble {run.bubble:.0%} (shards busy {busy} s of {run.seconds:.2f} s); greedy "
             f"outputs identical to PP=1: {identical}/{result.num_requests}"
         )

@@ -934,6 +934,7 @@ def _summed(replicas: tuple[EngineStats, ...], latest: EngineStats) -> EngineSta
         num_preemptions=sum(s.num_preemptions for s in replicas),
         num_steps=sum(s.num_steps for s in replicas),
         communication_seconds=sum(s.communication_seconds for s in replicas),
+        pipeline_answer_bytes=sum(s.pipeline_answer_bytes for s in replicas),
         replica="",
         spec_num_drafts=sum(s.spec_num_drafts for s in replicas),
         spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in replicas),

@@ -477,7 +477,8 @@ class EngineOptions:
         ):
             raise ValueError(
                 "pipeline_parallel_size > 1 runs without speculative_config and enable_lora yet: "
-                "the shards pass the logits of the sampled rows only (docs/parallelism.md)"
+                "the last shard samples each request's next token only, and the shards load no "
+                "adapters (docs/parallelism.md)"
             )
         if self.num_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError(

@@ -104,7 +104,7 @@ class ExecuteConfig:
       (see :mod:`stages.execute.pipeline_parallel`); ``pipeline_parallel_split``: their
       layer counts, comma-separated (``"10,20"``; None: even, refused where it does not
       divide); ``pipeline_parallel_timeout``: seconds the first shard waits for a step's
-      logits from the last before the engine fails (a shard that hangs);
+      sampled tokens from the last before the engine fails (a shard that hangs);
       ``pipeline_parallel_micro_batches``: steps in flight at once (None: the pipeline
       size; more than one: the shards compute at once, so each takes its share of the
       cores, :func:`~stages.execute.pp_stage.shard_threads`).

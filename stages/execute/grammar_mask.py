@@ -25,7 +25,7 @@ import torch
 
 from stages.messages import SchedulerStep
 
-__all__ = ["GrammarRows", "grammar_rows"]
+__all__ = ["GrammarRows", "grammar_rows", "mask_rows"]
 
 
 @dataclass(frozen=True)
@@ -69,15 +69,33 @@ def grammar_rows(
     Raises:
         ValueError: the step's bitmask does not have one row per ``grammar_request_ids``.
     """
-    bitmask = step.grammar_bitmask
-    if bitmask is None or not step.grammar_request_ids:
+    return mask_rows(
+        step.grammar_bitmask, step.grammar_request_ids, sampling_request_ids, vocab_size, device
+    )
+
+
+def mask_rows(
+    bitmask: np.ndarray | None,
+    grammar_request_ids: Sequence[str],
+    sampling_request_ids: Sequence[str],
+    vocab_size: int,
+    device: torch.device,
+) -> GrammarRows | None:
+    """:func:`grammar_rows` of a bitmask and its request ids (``grammar_request_ids[i]``
+    has row ``i``) wherever they come from: a step's, or the part of it a pipeline-parallel
+    engine's last shard gets (:mod:`stages.execute.pp_sampling`).
+
+    Raises:
+        ValueError: the bitmask does not have one row per ``grammar_request_ids``.
+    """
+    if bitmask is None or not grammar_request_ids:
         return None
-    if bitmask.ndim != 2 or bitmask.shape[0] != len(step.grammar_request_ids):
+    if bitmask.ndim != 2 or bitmask.shape[0] != len(grammar_request_ids):
         raise ValueError(
             f"grammar_bitmask is {tuple(bitmask.shape)}, not one row for each of the "
-            f"{len(step.grammar_request_ids)} grammar_request_ids"
+            f"{len(grammar_request_ids)} grammar_request_ids"
         )
-    row_of = {request_id: row for row, request_id in enumerate(step.grammar_request_ids)}
+    row_of = {request_id: row for row, request_id in enumerate(grammar_request_ids)}
     rows: list[int] = []  # sampling rows that are constrained
     sources: list[int] = []  # their rows in the bitmask
     for row, request_id in enumerate(sampling_request_ids):

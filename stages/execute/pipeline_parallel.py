@@ -11,7 +11,8 @@ A step: the first shard (the execute stage, which owns the allocator, block tabl
 sampling state) packs the batch, runs the embeddings and its layers, and sends the next shard
 a :class:`~stages.execute.pp_messages.PipelineStep` (the batch and the hidden state); each
 shard runs its layers and passes it on; the last runs the final norm and the LM head over the
-rows that sample and sends their logits back to the first, which samples. Layer ranges
+rows that sample, samples them and sends the tokens back to the first
+(:func:`sample_step`, :mod:`stages.execute.pp_sampling`). Layer ranges
 follow vLLM's ``get_pp_indices`` (``vllm/distributed/utils.py``) and its models' first/last
 rank split (``vllm/model_executor/models/llama.py``: ``make_layers``, ``PPMissingLayer``);
 the hand-off of the hidden state over an ordinary link is actorline's own.
@@ -37,6 +38,8 @@ from stages.execute.bookkeeping import StepError
 from stages.execute.prompt_scores import prompt_rows
 
 if TYPE_CHECKING:
+    from stages.execute.pp_messages import PipelineSampled, PipelineStep
+    from stages.execute.pp_sampling import LastShardStates
     from stages.execute.rank_messages import ShardStep
     from stages.execute.runner import ModelRunner, PreparedStep
 
@@ -47,6 +50,7 @@ __all__ = [
     "forward_ranks",
     "pipeline_keep",
     "run_layers",
+    "sample_step",
 ]
 
 
@@ -147,6 +151,30 @@ def forward_layers(
     Raises:
         RuntimeError: the runner is not loaded.
     """
+    return _forward(runner, shard, hidden, keep).cpu().numpy()
+
+
+def sample_step(
+    runner: ModelRunner, states: LastShardStates, step: PipelineStep
+) -> PipelineSampled:
+    """The last shard's part of ``step``: its layers from the shard before's hidden state,
+    the LM head over the step's ``keep`` rows, then sampling them with ``states`` (updated
+    first with the step's registrations and releases; :mod:`stages.execute.pp_sampling`).
+
+    Raises:
+        RuntimeError: the runner is not loaded.
+        ValueError: the step's rows do not match its sampling payload.
+    """
+    states.update(runner, step.sampling)
+    logits = _forward(runner, step.shard, step.hidden, step.keep)  # [K, V] float32
+    with torch.inference_mode():
+        return states.sample(runner, step.shard.step_id, logits, step.sampling)
+
+
+def _forward(
+    runner: ModelRunner, shard: ShardStep, hidden: np.ndarray | None, keep: np.ndarray | None
+) -> torch.Tensor:
+    """:func:`forward_layers` as a float32 tensor on the runner's device."""
     if runner.kv_cache is None:
         raise RuntimeError("ModelRunner.load() must be called before forward_layers()")
     device = runner.device
@@ -163,7 +191,7 @@ def forward_layers(
             ),
             keep=None if keep is None else torch.tensor(keep, device=device),
         )
-        result = output.float().cpu().numpy()
+        result = output.float()
     runner.kv_cache.prefault()
     return result
 

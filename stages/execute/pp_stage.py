@@ -6,11 +6,13 @@ a Ray actor on any node of the cluster: ``pipeline.engine.ray_placement``),
 linked ``execute.pipeline → execute_pp1 → ... → execute_pp<N-1> → execute.in``.
 It loads its layers when it starts (the engine starts when every shard has), then for each
 :class:`~stages.execute.pp_messages.PipelineStep` runs its layers and sends the next shard
-the hidden state, or, the last, the logits of the rows that sample back to the first shard.
+the hidden state, or, the last, samples the step's rows and sends what it sampled back to the
+first shard (:mod:`stages.execute.pp_sampling`: tokens and logprobs, no logits).
 
 The first shard is the execute stage; :class:`PipelineDriver` is its part of a step: run the
-embeddings and its layers, send the step on, wait for the logits (at most
-``pipeline_parallel_timeout``), and hand them to the runner, which samples. A shard that dies
+embeddings and its layers, send the step on with what the last shard samples it with, wait
+for the sampled tokens (at most ``pipeline_parallel_timeout``), and hand them to the runner,
+which records them as it records its own. A shard that dies
 is a host that dies: the runtime's supervision fails the engine at once; one that hangs makes
 the wait time out with :class:`~stages.execute.pp_split.PipelineParallelError`.
 
@@ -35,18 +37,21 @@ import numpy as np
 
 from pipeline.runtime.stage import Stage, handles
 from stages.execute.config import ExecuteConfig
-from stages.execute.pp_messages import PipelineLogits, PipelineStep
+from stages.execute.pp_messages import PipelineSampled, PipelineSampling, PipelineStep
 from stages.execute.pp_split import PipelineParallelError
 from stages.messages import SchedulerStep, StepResult
 from stages.models import loading
+from transports.codec import Codec
 
 if TYPE_CHECKING:
+    from stages.execute.pp_sampling import FirstShardOutbox, LastShardStates
     from stages.execute.runner import ModelRunner, PreparedStep
 
 __all__ = [
     "PipelineDriver",
     "PipelineShardConfig",
     "PipelineShardStage",
+    "encoded_bytes",
     "hop_seconds",
     "shard_threads",
 ]
@@ -81,6 +86,7 @@ class PipelineShardStage(Stage):
         self.runner: ModelRunner | None = None
         self._store: object = None  # the shard's ranks' TCPStore, alive as long as the group
         self._idle_since = 0.0  # when this shard finished its last step (time.time())
+        self.states: LastShardStates | None = None  # the last shard's sampling states
 
     @property
     def last(self) -> bool:
@@ -114,43 +120,55 @@ class PipelineShardStage(Stage):
             return runner
 
         self.runner = await self.run_in_thread(load)
+        if self.last:
+            from stages.execute.pp_sampling import LastShardStates
+
+            self.states = LastShardStates()
 
     @handles(PipelineStep)
     async def on_step(self, step: PipelineStep) -> None:
         runner = self.runner
         assert runner is not None
-        from stages.execute.pipeline_parallel import forward_layers
+        from stages.execute.pipeline_parallel import forward_layers, sample_step
 
-        keep = step.keep if self.last else None
         transfer = step.transfer_seconds + hop_seconds(step.sent_at, self._idle_since)
         began = time.perf_counter()
         if runner.group is not None:  # PP x TP: this shard's other ranks run it too
             await self.emit("ranks", step)
-        output = await self.run_in_thread(forward_layers, runner, step.shard, step.hidden, keep)
+        if self.states is not None:  # the last shard: its layers, the LM head and sampling
+            sampled = await self.run_in_thread(sample_step, runner, self.states, step)
+            seconds = (*step.compute_seconds, time.perf_counter() - began)
+            self._idle_since = sent_at = time.time()
+            answer = dataclasses.replace(
+                sampled, compute_seconds=seconds, sent_at=sent_at, transfer_seconds=transfer
+            )
+            await self.emit("out", answer)
+            return
+        output = await self.run_in_thread(forward_layers, runner, step.shard, step.hidden, None)
         seconds = (*step.compute_seconds, time.perf_counter() - began)
         self._idle_since = sent_at = time.time()
-        if self.last:
-            await self.emit(
-                "out", PipelineLogits(step.shard.step_id, output, seconds, sent_at, transfer)
-            )
-        else:
-            await self.emit(
-                "out", PipelineStep(step.shard, output, step.keep, seconds, sent_at, transfer)
-            )
+        await self.emit(
+            "out",
+            PipelineStep(step.shard, output, step.keep, seconds, sent_at, transfer, step.sampling),
+        )
 
 
 class PipelineDriver:
     """The first shard's side of pipeline-parallel steps (see the module docstring). Several
     steps may be in flight (micro-batches, :mod:`stages.steps_in_flight`): each is prepared,
     run through the first shard's layers and sent on in the order its call came (the
-    shards run them in that order), its logits awaited by step id, and its result counted
-    with the last step prepared by then (``StepResult.prepared_through``)."""
+    shards run them in that order), its sampled tokens awaited by step id, and its result
+    counted with the last step prepared by then (``StepResult.prepared_through``)."""
 
     def __init__(self, stage: Stage, timeout: float) -> None:
+        from stages.execute.pp_sampling import FirstShardOutbox
+
         self._stage = stage
         self._timeout = timeout
-        self._pending: dict[int, asyncio.Future[PipelineLogits]] = {}
-        self._received: dict[int, float] = {}  # when each step's logits arrived
+        self._pending: dict[int, asyncio.Future[PipelineSampled]] = {}
+        self._received: dict[int, float] = {}  # when each step's answer arrived
+        # what the last shard samples with: noted as steps are prepared, sent with them
+        self._outbox: FirstShardOutbox = FirstShardOutbox()
         # a step's prepare, first layers and send, one step at a time, in call order
         self._order = asyncio.Lock()
         self._prepared_through = -1  # set on the stage's worker thread
@@ -159,44 +177,47 @@ class PipelineDriver:
     def idle(self) -> bool:
         return not self._pending and not self._order.locked()
 
-    def answer(self, logits: PipelineLogits) -> None:
-        """The last shard's logits arrived (late ones, of a step given up on, are dropped)."""
-        future = self._pending.get(logits.step_id)
+    def answer(self, sampled: PipelineSampled) -> None:
+        """The last shard's answer arrived (late ones, of a step given up on, are dropped)."""
+        future = self._pending.get(sampled.step_id)
         if future is not None and not future.done():
-            self._received[logits.step_id] = time.time()
-            future.set_result(logits)
+            self._received[sampled.step_id] = time.time()
+            future.set_result(sampled)
 
     async def execute(self, runner: ModelRunner, step: SchedulerStep) -> StepResult:
         """Run ``step`` over the shards: bookkeeping and the first layers here, the rest on
-        the other shards, sampling here. The result's ``communication_seconds`` is the
+        the other shards, sampling on the last. The result's ``communication_seconds`` is the
         step's transfer: over each hop, the seconds its receiver sat waiting for the message
-        (:func:`hop_seconds`); ``shard_seconds`` each shard's busy seconds in the step (the
-        first's bookkeeping and sampling included).
+        (:func:`hop_seconds`); ``pipeline_answer_bytes`` the bytes the last shard's answer
+        takes on the wire; ``shard_seconds`` each shard's busy seconds in the step (the
+        first's bookkeeping included, the last's sampling).
 
         Raises:
-            PipelineParallelError: the logits did not come back within the timeout.
+            PipelineParallelError: the answer did not come back within the timeout.
             StepError: the step does not match the runner's state, or pools embeddings.
         """
-        from stages.execute.pipeline_parallel import forward_layers, pipeline_keep
+        from stages.execute.pipeline_parallel import forward_layers
 
         stage = self._stage
         clock = time.perf_counter
         async with self._order:
             began = clock()
-            prepared, first = await stage.run_in_thread(_timed, self._prepare, runner, step)
+            (prepared, keep, sampling), first = await stage.run_in_thread(
+                _timed, self._prepare, runner, step
+            )
             shard = prepared.shard
             if shard is not None:
-                keep = np.asarray(pipeline_keep(prepared), dtype=np.int64)
+                assert keep is not None and sampling is not None
                 if runner.group is not None:  # PP x TP: shard 0's other ranks run its layers too
                     await stage.emit("ranks", shard)
                 hidden, seconds = await stage.run_in_thread(
                     _timed, forward_layers, runner, shard, None, None
                 )
                 first += seconds
-                future: asyncio.Future[PipelineLogits] = asyncio.get_running_loop().create_future()
+                future: asyncio.Future[PipelineSampled] = asyncio.get_running_loop().create_future()
                 self._pending[shard.step_id] = future
                 try:
-                    sent = PipelineStep(shard, hidden, keep, (first,), time.time())
+                    sent = PipelineStep(shard, hidden, keep, (first,), time.time(), 0.0, sampling)
                     await stage.emit("pipeline", sent)
                 except BaseException:
                     self._pending.pop(shard.step_id, None)
@@ -207,38 +228,56 @@ class PipelineDriver:
             answer = await asyncio.wait_for(future, self._timeout)
         except TimeoutError:
             raise PipelineParallelError(
-                f"pipeline-parallel step {shard.step_id}: the last shard sent no logits "
+                f"pipeline-parallel step {shard.step_id}: the last shard sent no answer "
                 f"within pipeline_parallel_timeout ({self._timeout:g} s); a shard hangs"
             ) from None
         finally:
             self._pending.pop(shard.step_id, None)
             received = self._received.pop(shard.step_id, 0.0)
         round_trip = clock() - began
-        result, sampling = await stage.run_in_thread(
-            _timed, self._sample, runner, prepared, answer.logits
+        result, recording = await stage.run_in_thread(
+            _timed, self._record, runner, prepared, answer
         )
         compute = answer.compute_seconds
-        # NOTE: the first shard's loop takes the logits in at once (its compute is on its
+        # NOTE: the first shard's loop takes the answer in at once (its compute is on its
         # worker thread), so the last hop is all transfer
         transfer = answer.transfer_seconds + hop_seconds(answer.sent_at, 0.0, received)
         return dataclasses.replace(
             result,
             forward_seconds=result.forward_seconds + round_trip,
             communication_seconds=transfer,
-            shard_seconds=(compute[0] + sampling, *compute[1:]) if compute else (),
+            pipeline_answer_bytes=encoded_bytes(answer),
+            shard_seconds=(compute[0] + recording, *compute[1:]) if compute else (),
         )
 
-    def _prepare(self, runner: ModelRunner, step: SchedulerStep) -> PreparedStep:
-        """:meth:`ModelRunner.prepare` on the worker thread, noting the step prepared."""
+    def _prepare(
+        self, runner: ModelRunner, step: SchedulerStep
+    ) -> tuple[PreparedStep, np.ndarray | None, PipelineSampling | None]:
+        """:meth:`ModelRunner.prepare` on the worker thread, noting the step prepared; the
+        rows the last shard runs the LM head over and what it samples them with (None:
+        nothing computes, nothing is sent).
+
+        Raises:
+            StepError: as :meth:`ModelRunner.prepare`, or the step pools embeddings (what was
+                noted then goes with the next step sent).
+        """
+        from stages.execute.pipeline_parallel import pipeline_keep
+
         prepared = runner.prepare(step)
         self._prepared_through = step.step_id
-        return prepared
+        self._outbox.note(step)
+        if prepared.shard is None:
+            return prepared, None, None
+        keep = np.asarray(pipeline_keep(prepared), dtype=np.int64)
+        return prepared, keep, self._outbox.sampling(prepared)
 
-    def _sample(
-        self, runner: ModelRunner, prepared: PreparedStep, logits: np.ndarray
+    def _record(
+        self, runner: ModelRunner, prepared: PreparedStep, answer: PipelineSampled
     ) -> StepResult:
-        """The step's logits sampled (:meth:`_run`)."""
-        prepared.logits = _as_tensor(runner, logits)
+        """The step's sampled tokens recorded (:meth:`_run`)."""
+        from stages.execute.pp_sampling import take_sampled
+
+        prepared.sampled = take_sampled(answer)
         return self._run(runner, prepared)
 
     def _run(self, runner: ModelRunner, prepared: PreparedStep) -> StepResult:
@@ -279,8 +318,8 @@ def _timed(function: Callable[..., T], *args: Any) -> tuple[T, float]:
     return function(*args), time.perf_counter() - began
 
 
-def _as_tensor(runner: ModelRunner, logits: np.ndarray) -> Any:
-    import torch
-
-    # NOTE: a copy: the received frame is read-only and the sampler works on its logits in place
-    return torch.tensor(logits, device=runner.device)
+def encoded_bytes(message: object) -> int:
+    """The bytes ``message`` takes on the wire (the codec's payload and out-of-band
+    buffers; a small answer is encoded again here, in microseconds)."""
+    payload, buffers = Codec().encode(message)
+    return len(payload) + sum(memoryview(buffer).nbytes for buffer in buffers)

@@ -35,9 +35,12 @@ __all__ = [
     "PromptRows",
     "PromptScores",
     "ScoredChunk",
+    "chunk_targets",
+    "fill_prompt_rows",
     "new_prompt_scores",
     "prompt_rows",
     "score_prompt_rows",
+    "score_rows",
 ]
 
 #: log-softmax runs over this many rows at a time: a long prompt's fp32 copy of its logits
@@ -138,34 +141,67 @@ def score_prompt_rows(logits: torch.Tensor, rows: PromptRows) -> None:
     """Fill each chunk's scores from ``logits`` (``[len(rows.packed_rows), V]``, the extra
     rows in order): the next prompt token's logprob and rank at each position, and the top
     alternatives."""
-    device = logits.device
     for chunk in rows.chunks:
         scores = chunk.scores
         positions = chunk.positions
-        for offset in range(0, len(positions), ROWS_PER_SLICE):
-            part = positions[offset : offset + ROWS_PER_SLICE]
-            first = chunk.first_row + offset
-            logprobs = logits[first : first + len(part)].float().log_softmax(dim=-1)  # [R, V]
-            targets = torch.tensor(
-                scores.prompt_token_ids[part.start + 1 : part.stop + 1], device=device
-            ).unsqueeze(1)  # [R, 1]
-            chosen = logprobs.gather(1, targets)  # [R, 1]
-            ranks = (logprobs >= chosen).sum(dim=-1).tolist()  # [R]; 1 = the most likely
-            top_ids: list[list[int]] = [[] for _ in part]
-            top_values: list[list[float]] = [[] for _ in part]
-            if scores.num_top > 0:
-                top = logprobs.topk(scores.num_top, dim=-1)  # [R, k]
-                top_values, top_ids = top.values.tolist(), top.indices.tolist()
-            for index, (token, value) in enumerate(
-                zip(targets.squeeze(1).tolist(), chosen.squeeze(1).tolist(), strict=True)
-            ):
-                scores.entries.append(
-                    Logprobs(
-                        token_id=token,
-                        logprob=value,
-                        rank=ranks[index],
-                        top_token_ids=tuple(top_ids[index]),
-                        top_logprobs=tuple(top_values[index]),
-                    )
-                )
+        first = chunk.first_row
+        scores.entries += score_rows(
+            logits[first : first + len(positions)], chunk_targets(chunk), scores.num_top
+        )
         scores.scored = positions.stop
+
+
+def chunk_targets(chunk: ScoredChunk) -> tuple[int, ...]:
+    """The prompt token each of ``chunk``'s rows scores (the one after its position)."""
+    positions = chunk.positions
+    return chunk.scores.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+
+
+def fill_prompt_rows(entries: Sequence[Logprobs], rows: PromptRows) -> None:
+    """Fill each chunk's scores with ``entries`` (one per extra row, in order) that
+    :func:`score_rows` computed elsewhere: a pipeline-parallel engine's last shard, which
+    holds the logits (:mod:`stages.execute.pp_sampling`).
+
+    Raises:
+        ValueError: not one entry per row.
+    """
+    if len(entries) != len(rows.packed_rows):
+        raise ValueError(
+            f"{len(entries)} prompt-logprob entries for {len(rows.packed_rows)} scored rows"
+        )
+    for chunk in rows.chunks:
+        first = chunk.first_row
+        chunk.scores.entries += entries[first : first + len(chunk.positions)]
+        chunk.scores.scored = chunk.positions.stop
+
+
+def score_rows(logits: torch.Tensor, targets: Sequence[int], num_top: int) -> list[Logprobs]:
+    """The score of ``targets[i]`` under row ``i`` of ``logits`` (``[R, V]``): its logprob
+    (fp32 log-softmax of the raw logits) and rank, and the ``num_top`` most likely tokens,
+    ``ROWS_PER_SLICE`` rows at a time."""
+    device = logits.device
+    entries: list[Logprobs] = []
+    for first in range(0, len(targets), ROWS_PER_SLICE):
+        part = targets[first : first + ROWS_PER_SLICE]
+        logprobs = logits[first : first + len(part)].float().log_softmax(dim=-1)  # [R, V]
+        target_ids = torch.tensor(part, device=device).unsqueeze(1)  # [R, 1]
+        chosen = logprobs.gather(1, target_ids)  # [R, 1]
+        ranks = (logprobs >= chosen).sum(dim=-1).tolist()  # [R]; 1 = the most likely
+        top_ids: list[list[int]] = [[] for _ in part]
+        top_values: list[list[float]] = [[] for _ in part]
+        if num_top > 0:
+            top = logprobs.topk(num_top, dim=-1)  # [R, k]
+            top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        for index, (token, value) in enumerate(
+            zip(target_ids.squeeze(1).tolist(), chosen.squeeze(1).tolist(), strict=True)
+        ):
+            entries.append(
+                Logprobs(
+                    token_id=token,
+                    logprob=value,
+                    rank=ranks[index],
+                    top_token_ids=tuple(top_ids[index]),
+                    top_logprobs=tuple(top_values[index]),
+                )
+            )
+    return entries

@@ -97,16 +97,18 @@ from stages.execute.native import (
 from stages.execute.pipeline_parallel import drop_embeddings
 from stages.execute.pooling import Pooler, capture_hidden_states, matryoshka_dimensions
 from stages.execute.pp_load import load_transformers_model, shard_part, survey_model
+from stages.execute.pp_sampling import RemoteSample
 from stages.execute.pp_split import check_pipeline_parallel
 from stages.execute.probe_cache import checks_passed, record_passed
 from stages.execute.prompt_scores import (
     PromptScores,
+    fill_prompt_rows,
     new_prompt_scores,
     prompt_rows,
     score_prompt_rows,
 )
 from stages.execute.quant.apply import quantize_model, weight_bytes
-from stages.execute.sampler import Sampler, SamplingState, new_sampling_state
+from stages.execute.sampler import Sampler, SampleResult, SamplingState, new_sampling_state
 from stages.execute.speculative import (
     draft_rows,
     stage_drafts,
@@ -216,9 +218,9 @@ class PreparedStep:
     packed: _Packed | None
     shard: ShardStep | None = None
     drafts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    #: with pipeline parallelism: the logits the last shard computed for the rows
-    #: :meth:`ModelRunner.pipeline_keep` named (``run`` samples them instead of a forward)
-    logits: torch.Tensor | None = None
+    #: with pipeline parallelism: what the last shard sampled (``run`` takes it instead of
+    #: a forward pass and sampling; stages.execute.pp_sampling)
+    sampled: RemoteSample | None = None
     #: with ``kv_export``: the prompts' blocks to export once the forward pass ran
     kv_out: list[PlannedExport] = dataclasses.field(default_factory=list)
 
@@ -508,7 +510,7 @@ class ModelRunner:
             sliding_window=self._window,
             quantization=config.quantization,
             weight_bytes=weight_bytes(model),
-            # NOTE: pipeline-parallel shards pass the last shard's logits back, not its
+            # NOTE: a pipeline-parallel engine's last shard sends back sampled tokens, not its
             # hidden states, so such an engine pools none: 0 refuses embedding requests
             embedding_size=0
             if self.config.pipeline_parallel_size > 1
@@ -540,6 +542,11 @@ class ModelRunner:
         ):
             return None
         return bf16_gemm_kernel()
+
+    @property
+    def sampler(self) -> Sampler | None:
+        """The sampler (None before :meth:`load`)."""
+        return self._sampler
 
     @property
     def step_graph(self) -> StepGraph | None:
@@ -712,9 +719,13 @@ class ModelRunner:
             module_path = bool(pooled) or (
                 self._step_graph_lora is None and any(w.request.lora is not None for w in works)
             )
-            with capture_hidden_states(self.model, enabled=bool(pooled)) as hidden:
-                logits = prepared.logits
-                if logits is None:
+            remote = prepared.sampled
+            result: SampleResult | None
+            if remote is not None:  # the last pipeline shard sampled (stages.execute.pp_sampling)
+                result = remote.result
+                fill_prompt_rows(remote.prompt_logprobs, scored)
+            else:
+                with capture_hidden_states(self.model, enabled=bool(pooled)) as hidden:
                     logits = self._forward(
                         prepared.packed,
                         kept,
@@ -729,35 +740,41 @@ class ModelRunner:
                             )
                         ),
                     )  # [K + E + D, V]
-            if pooled:
-                embeddings = self._pooler.pool(hidden, [(w.request, w) for w in pooled])
-            extra = logits[len(kept) :]  # [E + D, V]
-            if scored.packed_rows:
-                score_prompt_rows(extra[: len(scored.packed_rows)], scored)
-            if drafted:
-                accepted_ids = verify_drafts(
-                    sampler,
-                    allocator,
-                    [logits[i] for i, w in enumerate(sampling) if w.request.request_id in drafts],
-                    extra[len(scored.packed_rows) :],
-                    drafted,
-                    drafts,
+                if pooled:
+                    embeddings = self._pooler.pool(hidden, [(w.request, w) for w in pooled])
+                extra = logits[len(kept) :]  # [E + D, V]
+                if scored.packed_rows:
+                    score_prompt_rows(extra[: len(scored.packed_rows)], scored)
+                if drafted:
+                    accepted_ids = verify_drafts(
+                        sampler,
+                        allocator,
+                        [
+                            logits[i]
+                            for i, w in enumerate(sampling)
+                            if w.request.request_id in drafts
+                        ],
+                        extra[len(scored.packed_rows) :],
+                        drafted,
+                        drafts,
+                    )
+                    for work in drafted:
+                        request_ids.append(work.request.request_id)
+                        token_ids.append(work.request.sampling.output_token_ids[-1])
+                    plain = [
+                        i for i, w in enumerate(sampling) if w.request.request_id not in drafts
+                    ]
+                    sampling = [sampling[i] for i in plain]
+                    logits = logits[plain]  # [K - S, V]
+                logits = logits[: len(kept)]  # [K, V]
+                grammar = grammar_rows(
+                    prepared.step,
+                    [work.request.request_id for work in sampling],
+                    sampler.vocab_size,
+                    self.device,
                 )
-                for work in drafted:
-                    request_ids.append(work.request.request_id)
-                    token_ids.append(work.request.sampling.output_token_ids[-1])
-                plain = [i for i, w in enumerate(sampling) if w.request.request_id not in drafts]
-                sampling = [sampling[i] for i in plain]
-                logits = logits[plain]  # [K - S, V]
-            logits = logits[: len(kept)]  # [K, V]
-            grammar = grammar_rows(
-                prepared.step,
-                [work.request.request_id for work in sampling],
-                sampler.vocab_size,
-                self.device,
-            )
-            tokens_of = [work.request.sampling for work in sampling]
-            result = sampler.sample(logits, tokens_of, grammar) if sampling else None
+                tokens_of = [work.request.sampling for work in sampling]
+                result = sampler.sample(logits, tokens_of, grammar) if sampling else None
             forward_seconds = time.perf_counter() - began
             for work, token_id, token_logprobs in zip(
                 sampling,

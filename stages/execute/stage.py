@@ -7,7 +7,7 @@ the :class:`~stages.execute.tensor_parallel.Rendezvous`, then one
 :class:`~stages.execute.rank.TensorParallelRankStage`; linked to nothing otherwise),
 ``pipeline`` (with pipeline parallelism: each step's
 :class:`~stages.execute.pp_messages.PipelineStep` to the second shard; the last shard's
-:class:`~stages.execute.pp_messages.PipelineLogits` come back on ``in``;
+:class:`~stages.execute.pp_messages.PipelineSampled` (what it sampled) come back on ``in``;
 :mod:`stages.execute.pp_stage`), ``kv`` (with ``kv_export``, a prefill engine of
 disaggregated prefill and decode: each prompt's :class:`~stages.kv_transfer.KvBlocks`, once
 computed, straight to the execute stage of the decode engine the router chose for it;
@@ -52,7 +52,7 @@ from stages.execute.draft_client import DRAFT_PORT, DraftClient
 from stages.execute.draft_messages import DraftProposals, DraftReady, with_draft_kv
 from stages.execute.draft_stage import DRAFT_HOST_SUFFIX
 from stages.execute.kv_links import KvLinks
-from stages.execute.pp_messages import PipelineLogits
+from stages.execute.pp_messages import PipelineSampled
 from stages.execute.pp_stage import PipelineDriver, shard_threads
 from stages.execute.rank_messages import RENDEZVOUS_HOST
 from stages.kv_transfer import KvBlocks, KvRelease
@@ -253,10 +253,10 @@ class ExecuteStage(Stage):
             await self.emit(DRAFT_PORT, self.info)
         await super().on_replica_restored(restored)
 
-    @handles(PipelineLogits)
-    async def on_pipeline_logits(self, logits: PipelineLogits) -> None:
+    @handles(PipelineSampled)
+    async def on_pipeline_sampled(self, sampled: PipelineSampled) -> None:
         assert self._pipeline is not None
-        self._pipeline.answer(logits)
+        self._pipeline.answer(sampled)
 
     async def execute_step(self, step: SchedulerStep) -> StepResult:
         """Run ``step`` on the stage's worker thread: what a step sent to ``in`` does, less

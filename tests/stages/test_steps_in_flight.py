@@ -2,7 +2,7 @@
 the scheduler against execute's real KV bookkeeping (the block allocator with prefix caching
 and the step functions the model runner uses), split as the pipeline-parallel execute stage
 splits a step: ``prepare`` (free, register, allocate) when the step arrives, ``finish``
-(commit, give back what fell behind a window, sample, report) when its logits return, with
+(commit, give back what fell behind a window, sample, report) when its tokens return, with
 other steps prepared in between. Hypothesis draws the workloads, the interleaving of
 planning, preparing and finishing (results in any order), and aborts mid-flight.
 

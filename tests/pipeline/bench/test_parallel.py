@@ -71,6 +71,9 @@ def test_pipeline_parallel_offline_quick(
         assert run.communication_seconds > 0 and run.communication_ms_per_step > 0
         assert len(run.shard_busy_seconds) == 2 and all(s > 0 for s in run.shard_busy_seconds)
         assert 0 <= run.bubble < 1
+        # the last shard sends back its sampled tokens: a few bytes a token, where a row
+        # of the tiny model's float32 logits is 49,152 x 4 bytes
+        assert 0 < run.answer_bytes_per_token < 1000
     assert result["ratios"][0] == 1.0 and all(ratio > 0 for ratio in result["ratios"])
     assert result["identical_outputs"] == [8, 8, 8]
 

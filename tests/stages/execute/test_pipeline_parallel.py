@@ -80,7 +80,7 @@ async def outputs_of(model: str, **options: Any) -> tuple[list[tuple[int, ...]],
     )
     async with engine:
         if pipeline is not None or options.get("pipeline_parallel_size", 1) > 1:
-            # the shards pass back logits, not hidden states: an embedding request is refused
+            # the last shard passes back tokens, not hidden states: an embedding request is refused
             # on its own, and the engine serves on
             with pytest.raises(InvalidRequestError, match="computes no embeddings"):
                 await engine.embed("an embedding request")
