@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quant, packed_kernel = quant_gemm_kernel(), packed_gemm_kernel()
     if quant is None or packed_kernel is None:
         raise SystemExit("the native kernels do not build here")
-    print(f"int8 dot products on VNNI: {quant.vnni}")
+    print(f"int8 dot products on: {quant.int8_dot}")
     shapes = dict(SHAPES, **({"head": HEAD} if args.head else {}))
     generator = torch.Generator().manual_seed(0)
     for name, (n, k) in shapes.items():

@@ -94,6 +94,19 @@ int actorline_quant_vnni(void) {
 #endif
 }
 
+/* What the int8 dot products run on: 2 VNNI (vpdpbusd), 1 AVX2's vpmaddubsw + vpmaddwd (the
+ * two-halves path below), 0 plain integer vectors (the same sums, several times slower: the
+ * int8 activations do not pay there). */
+int actorline_quant_int8_dot(void) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || defined(__AVXVNNI__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Byte offsets of input kk of column j in a record's quants. */
 static inline int q8_at(int kk, int j) { return (kk >> 2) * CHUNK + j * 4 + (kk & 3); }
 static inline int q4_at(int kk, int j) { return (kk >> 3) * CHUNK + j * 4 + (kk & 3); }
