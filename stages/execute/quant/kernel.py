@@ -68,7 +68,9 @@ class QuantGemmKernel:
         self.vnni = bool(lib.actorline_quant_vnni())
         #: what the int8 dot products run on: ``"vnni"`` (vpdpbusd), ``"avx2"`` (vpmaddubsw and
         #: vpmaddwd, llama.cpp's AVX2 way) or ``"plain"`` (plain integer vectors)
-        self.int8_dot = _INT8_DOT[int(lib.actorline_quant_int8_dot())]
+        # (absent from a build of an older source: a benchmark's baseline)
+        dot = getattr(lib, "actorline_quant_int8_dot", None)
+        self.int8_dot = _INT8_DOT[int(dot()) if dot is not None else 2 * self.vnni]
         #: whether ``quant_activations="auto"`` picks int8 here: where the dot products run on
         #: byte multiply-adds (VNNI or AVX2), measured faster than fp32 activations at every
         #: row count of the default model's shapes (docs/performance.md §12.1, §12.3)
