@@ -26,12 +26,14 @@
  * - int8 (ACT_Q8), llama.cpp's way (ggml-quants.c quantize_row_q8_0_ref, then vec_dot_q8_0_q8_0
  *   and vec_dot_q4_1_q8_1): each row of x is quantized once per call to int8 blocks of 32 with
  *   an fp16 scale dx (d = max|x| / 127, q = roundf(x / d)), the dot products are integer (4
- *   inputs per int32 lane: vpdpbusd with AVX512-VNNI or AVX-VNNI, plain integer vectors
- *   elsewhere, the same sums), and each group adds d dx isum (+ m dx sum_k q_x[k]) in fp32.
+ *   inputs per int32 lane: vpdpbusd with AVX512-VNNI or AVX-VNNI, vpmaddubsw + vpmaddwd on
+ *   AVX2 (the two-halves section), plain integer vectors elsewhere, the same sums), and each
+ *   group adds d dx isum (+ m dx sum_k q_x[k]) in fp32.
  *   Rows go in blocks of ROWS against a panel (at any M: the panel stays in L1, x's int8 rows
  *   in L2 by blocks of QMB rows).
  * Threads split the panels. GCC vector extensions: one source compiles to AVX-512, AVX2 or
- * NEON (little-endian: a chunk's bytes are read as int32 lanes). */
+ * NEON (little-endian: a chunk's bytes are read as int32 lanes); AVX2 without AVX-512 runs
+ * its hot loops on 8-lane halves (see "AVX2 without AVX-512" below). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
