@@ -16,13 +16,12 @@ import argparse
 import functools
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
-
-from pathlib import Path
 
 from stages.execute.native import build_library, packed_gemm_kernel
 from stages.execute.quant.kernel import QuantGemmKernel, quant_gemm_kernel
