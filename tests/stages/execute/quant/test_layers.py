@@ -5,6 +5,12 @@ equal to llama.cpp's Q8_0, and refusals."""
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +20,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from stages.execute.native import NativeKernelError
-from stages.execute.quant.kernel import QuantGemmKernel, quant_gemm_kernel
+from stages.execute.quant.kernel import QUANT_SOURCE, QuantGemmKernel, quant_gemm_kernel
 from stages.execute.quant.layers import (
     QuantEmbedding,
     QuantLinear,
@@ -137,6 +143,51 @@ def integer_blocks(name: str, quants: np.ndarray) -> torch.Tensor:
         parts = [one, packed] if name == "Q4_0" else [one, zero, packed]
     raw = np.concatenate(parts, axis=2).reshape(rows, -1)
     return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+# The kernel's ISA branches: (flags, the /proc/cpuinfo flags a CPU needs to run the build)
+BUILDS = {
+    "portable": ((), ()),
+    "avx2": (("-mavx2", "-mfma"), ("avx2", "fma")),
+    "avx-vnni": (("-mavx2", "-mfma", "-mavxvnni"), ("avx2", "fma", "avx_vnni")),
+    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"), ("avx512f", "avx512bw")),
+    "avx512-vnni": (
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"),
+        ("avx512f", "avx512bw", "avx512_vnni"),
+    ),
+}
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_every_isa_branch_builds_and_runs_where_the_cpu_can(build: str, tmp_path: Path) -> None:
+    """The source built for each of its ISA branches (whatever this CPU is: the AVX-512 paths
+    must keep compiling on an AVX2 machine and the AVX2 ones on an AVX-512 machine); where the
+    CPU runs that build, its integer sums are exact too (the same checks as the native build)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the ISA branches are x86's (NEON builds the portable code)")
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    assert compiler is not None, "the kernel tests need the C compiler the kernels build with"
+    flags, needs = BUILDS[build]
+    library = tmp_path / f"quant_gemm-{build}.so"
+    command = [compiler, "-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", *flags]
+    result = subprocess.run(
+        [*command, "-o", str(library), str(QUANT_SOURCE)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    cpu = next(
+        (
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ),
+        "",
+    ).split()
+    if not set(needs) <= set(cpu):
+        return  # compiled; this CPU cannot run it
+    built = QuantGemmKernel(library)
+    assert built.int8_dot == {"portable": "plain", "avx2": "avx2"}.get(build, "vnni")
+    for name in ("Q8_0", "Q4_0", "Q4_1"):
+        test_integer_dot_products_are_exact(built, name)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
