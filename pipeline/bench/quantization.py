@@ -419,7 +419,7 @@ def _accuracy_worker(model: str, system: str, prompts: list[list[int]], tokens: 
         tokens=tokens,
         identical_deq=identical_deq,
         agreement_deq=agreement_deq,
-        int8_activations=kernel.vnni,
+        int8_activations=kernel.int8_preferred,
         identical_fp32=identical_fp32,
         agreement_fp32=agreement_fp32,
         mean_logit_diff_deq=mean_deq,

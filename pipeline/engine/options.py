@@ -84,7 +84,7 @@ class EngineOptions:
     quant_activations: str = option(
         "auto", choices=QUANT_ACTIVATIONS, feeds=("execute",),
         help="the quantized linears' inputs: int8 (Q8_0 blocks, integer dot products, as "
-        "llama.cpp), fp32 (weight-only, exact) or auto (int8 where the CPU has VNNI; "
+        "llama.cpp), fp32 (weight-only, exact) or auto (int8 where the CPU has VNNI or AVX2; "
         "docs/models.md)",
     )  # fmt: skip
     model_impl: str = option(

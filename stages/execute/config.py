@@ -115,8 +115,9 @@ class ExecuteConfig:
     - ``quant_activations``: what the quantized linears multiply their weights with:
       ``int8`` (each input row rounded to llama.cpp's Q8_0 blocks, integer dot products, as
       llama.cpp runs its 4/8-bit matrices), ``fp32`` (weight-only: exact up to fp32 rounding)
-      or ``auto`` (default: ``int8`` where the quantized GEMM was compiled with VNNI, AVX512-VNNI
-      or AVX-VNNI, else ``fp32``). Only with ``quantization`` set.
+      or ``auto`` (default: ``int8`` where the quantized GEMM's int8 dot products run on byte
+      multiply-adds, AVX512-VNNI, AVX-VNNI or AVX2, else ``fp32``). Only with ``quantization``
+      set.
     - ``model_impl``: ``auto`` (default: actorline's own model class where it serves the
       checkpoint, :mod:`stages.execute.llama`, else transformers'), ``native`` (actorline's own,
       refused where it does not serve the checkpoint) or ``transformers`` (always

@@ -341,6 +341,7 @@ class ModelRunner:
         if config.seed is not None:
             torch.manual_seed(config.seed)
 
+        rounds_inputs = False  # the linears round their inputs (int8 activations)
         if config.quantization is not None:
             if not on_cpu or self.dtype != torch.float32:
                 raise ExecuteConfigError(
@@ -348,10 +349,10 @@ class ModelRunner:
                     f"({config.quantization!r}) serves fp32 models on CPU (weight-only, fp32 "
                     f"activations); got {self.dtype} on {self.device}",
                 )
-            quantize_model(
+            rounds_inputs = quantize_model(
                 model, config.quantization, resolved.gguf, config.quant_activations,
                 layer_offset=ranges[self.shard].start,
-            )  # fmt: skip
+            ).int8_activations  # fmt: skip
         row_parallel = shard_model(model, self.rank, parallel) if parallel > 1 else []
         key = load_key(
             config, resolved.path, device=self.device, dtype=self.dtype,
@@ -481,7 +482,7 @@ class ModelRunner:
                 num_layers=num_layers, decode_attention=self._decode_mode, flex=self._flex,
                 max_model_len=self.max_model_len, device=self.device,
                 weights_dtype=torch.bfloat16 if self._bf16 is not None else self.dtype,
-                kv_dtype=self.kv_dtype,
+                kv_dtype=self.kv_dtype, rounded_inputs=rounds_inputs,
             )  # fmt: skip
         self._step_graph = self._make_step_graph(layers, verify=expected is not None)
         self._step_graph_lora = lora_tables(self.lora, self._step_graph)

@@ -26,12 +26,14 @@
  * - int8 (ACT_Q8), llama.cpp's way (ggml-quants.c quantize_row_q8_0_ref, then vec_dot_q8_0_q8_0
  *   and vec_dot_q4_1_q8_1): each row of x is quantized once per call to int8 blocks of 32 with
  *   an fp16 scale dx (d = max|x| / 127, q = roundf(x / d)), the dot products are integer (4
- *   inputs per int32 lane: vpdpbusd with AVX512-VNNI or AVX-VNNI, plain integer vectors
- *   elsewhere, the same sums), and each group adds d dx isum (+ m dx sum_k q_x[k]) in fp32.
+ *   inputs per int32 lane: vpdpbusd with AVX512-VNNI or AVX-VNNI, vpmaddubsw + vpmaddwd on
+ *   AVX2 (the two-halves section), plain integer vectors elsewhere, the same sums), and each
+ *   group adds d dx isum (+ m dx sum_k q_x[k]) in fp32.
  *   Rows go in blocks of ROWS against a panel (at any M: the panel stays in L1, x's int8 rows
  *   in L2 by blocks of QMB rows).
  * Threads split the panels. GCC vector extensions: one source compiles to AVX-512, AVX2 or
- * NEON (little-endian: a chunk's bytes are read as int32 lanes). */
+ * NEON (little-endian: a chunk's bytes are read as int32 lanes); AVX2 without AVX-512 runs
+ * its hot loops on 8-lane halves (see "AVX2 without AVX-512" below). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -94,6 +96,19 @@ int actorline_quant_vnni(void) {
 #endif
 }
 
+/* What the int8 dot products run on: 2 VNNI (vpdpbusd), 1 AVX2's vpmaddubsw + vpmaddwd (the
+ * two-halves path below), 0 plain integer vectors (the same sums, several times slower: the
+ * int8 activations do not pay there). */
+int actorline_quant_int8_dot(void) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || defined(__AVXVNNI__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Byte offsets of input kk of column j in a record's quants. */
 static inline int q8_at(int kk, int j) { return (kk >> 2) * CHUNK + j * 4 + (kk & 3); }
 static inline int q4_at(int kk, int j) { return (kk >> 3) * CHUNK + j * 4 + (kk & 3); }
@@ -139,6 +154,199 @@ static inline vf halves(const uint8_t *p) {
 static inline vf scales(const uint8_t *p, const int fp32) {
     return fp32 ? *(const vf *)p : halves(p);
 }
+
+/* ---------------------------------------------------------------- AVX2 without AVX-512
+ * GCC 12 lowers the 64-byte vectors above piecewise where the widest registers are 256 bits:
+ * arrays of them (the accumulators) live on the stack and move through general registers
+ * (vmovq / vpinsrq per 16 bytes), which left every path 2-15x slower than the fp32 packed GEMM
+ * on an AVX2-only Zen 3 (docs/performance.md §12.3). There the hot loops below hold the 16
+ * columns as two 8-lane halves, and the int8 dot products use vpmaddubsw (unsigned x signed
+ * byte pairs to int16) and vpmaddwd with ones (int16 pairs to int32), as llama.cpp's AVX2
+ * vec_dot_q4_1_q8_1 and vec_dot_q8_0_q8_0 do (ggml-cpu/arch/x86/quants.c: mul_sum_us8_pairs,
+ * mul_sum_i8_pairs): Q4's nibbles are unsigned already; a Q8 weight's sign moves onto the
+ * activation (vpsignb) so that |w| is the unsigned side. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define HALVES 1
+#else
+#define HALVES 0
+#endif
+
+#if HALVES
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) { return (v8f)_mm256_loadu_ps(p); }
+static inline void store8(float *p, v8f v) { _mm256_storeu_ps(p, (__m256)v); }
+static inline __m256i load_bytes(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* 8 fp16 values to fp32, exactly (as halves above). */
+static inline v8f halves8(const uint8_t *p) {
+    const v8u wide = (v8u)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    const v8u sign = (wide & 0x8000u) << 16;
+    const v8f magnitude = (v8f)((wide & 0x7fffu) << 13) * 0x1p112f;
+    return (v8f)((v8u)magnitude | sign);
+}
+
+static inline v8f scales8(const uint8_t *p, const int fp32) {
+    return fp32 ? load8((const float *)p) : halves8(p);
+}
+
+/* v held in a register here: GCC otherwise reassociates a group's integer sums, computing
+ * every product of the unrolled loop before adding any, and spills them to the stack. */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+
+static inline __m256i word_of(const int8_t *p) {
+    int32_t word;
+    memcpy(&word, p, 4);
+    return _mm256_set1_epi32(word);
+}
+
+/* direct_q on two halves: mr (<= ROWS) rows of quantized x (signed quants: no flip) against
+ * one panel's blocks. */
+static inline __attribute__((always_inline)) void
+direct_q8(const int8_t *restrict xq, int64_t ldq, const float *restrict dx,
+          const float *restrict sx, int64_t groups, const uint8_t *restrict blocks,
+          int64_t block_bytes, const float *restrict bias, float *restrict y, int64_t ldy,
+          const int mr, const int format) {
+    v8f acc[ROWS][2];
+    for (int i = 0; i < mr; ++i)
+        for (int h = 0; h < 2; ++h) acc[i][h] = bias ? load8(bias + 8 * h) : (v8f){0};
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
+    (void)ones; /* AVX-VNNI sums its int32 lanes without it */
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t *block = blocks + g * block_bytes;
+        for (int64_t c = 0; c < block_bytes; c += 64)
+            __builtin_prefetch(block + PREFETCH_BLOCKS * block_bytes + c, 0, 2);
+        const int8_t *xg = xq + g * GROUP;
+        __m256i isum[ROWS][2];
+        for (int i = 0; i < mr; ++i) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+        if (format == FORMAT_Q8) {
+            /* |w| x (x signed as w): 2 x 128 x 127 fits int16; int32 sums per chunk */
+            for (int c = 0; c < GROUP / 4; ++c) {
+                __m256i w[2], a[2];
+                for (int h = 0; h < 2; ++h) {
+                    w[h] = load_bytes(block + c * CHUNK + 32 * h);
+                    a[h] = _mm256_sign_epi8(w[h], w[h]);
+                }
+                for (int i = 0; i < mr; ++i) {
+                    const __m256i xw = word_of(xg + i * ldq + 4 * c);
+                    for (int h = 0; h < 2; ++h) {
+#if defined(__AVXVNNI__)
+                        isum[i][h] = _mm256_dpbusd_avx_epi32(isum[i][h], a[h],
+                                                             _mm256_sign_epi8(xw, w[h]));
+#else
+                        isum[i][h] = _mm256_add_epi32(
+                            isum[i][h],
+                            _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(a[h], _mm256_sign_epi8(xw, w[h])), ones));
+#endif
+                        IN_REGISTER(isum[i][h]);
+                    }
+                }
+            }
+        } else {
+            /* nibbles (0..15) x |x| <= 127: the group's 32 products per lane pair sum to at
+             * most 16 x 15 x 127 = 30480, so int16 holds the whole group; one vpmaddwd at its
+             * end */
+            for (int c = 0; c < GROUP / 8; ++c) {
+                __m256i lo[2], hi[2];
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i w = load_bytes(block + c * CHUNK + 32 * h);
+                    lo[h] = _mm256_and_si256(w, nibble);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+                }
+                for (int i = 0; i < mr; ++i) {
+                    const __m256i xl = word_of(xg + i * ldq + 8 * c);
+                    const __m256i xh = word_of(xg + i * ldq + 8 * c + 4);
+                    for (int h = 0; h < 2; ++h) {
+#if defined(__AVXVNNI__)
+                        isum[i][h] = _mm256_dpbusd_avx_epi32(
+                            _mm256_dpbusd_avx_epi32(isum[i][h], lo[h], xl), hi[h], xh);
+#else
+                        isum[i][h] = _mm256_add_epi16(
+                            isum[i][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                                         _mm256_maddubs_epi16(hi[h], xh)));
+#endif
+                        IN_REGISTER(isum[i][h]);
+                    }
+                }
+            }
+#if !defined(__AVXVNNI__)
+            for (int i = 0; i < mr; ++i)
+                for (int h = 0; h < 2; ++h) isum[i][h] = _mm256_madd_epi16(isum[i][h], ones);
+#endif
+        }
+        if (format == FORMAT_Q8) {
+            const v8f d[2] = {halves8(block + GROUP * NR), halves8(block + GROUP * NR + 16)};
+            for (int i = 0; i < mr; ++i)
+                for (int h = 0; h < 2; ++h)
+                    acc[i][h] += (v8f)_mm256_cvtepi32_ps(isum[i][h]) * (d[h] * dx[i * groups + g]);
+        } else {
+            const int fp32 = format == FORMAT_Q4F, width = fp32 ? 4 : 2;
+            const uint8_t *s = block + GROUP / 2 * NR;
+            const v8f d[2] = {scales8(s, fp32), scales8(s + 8 * width, fp32)};
+            const v8f m[2] = {scales8(s + NR * width, fp32), scales8(s + NR * width + 8 * width, fp32)};
+            for (int i = 0; i < mr; ++i)
+                for (int h = 0; h < 2; ++h)
+                    acc[i][h] += (v8f)_mm256_cvtepi32_ps(isum[i][h]) * (d[h] * dx[i * groups + g]) +
+                                 sx[i * groups + g] * m[h];
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int h = 0; h < 2; ++h) store8(y + i * ldy + 8 * h, acc[i][h]);
+}
+
+/* Byte t of each lane of a 32-byte half, sign-extended (Q8) or a nibble of it (Q4), as floats. */
+static inline v8f q8_input8(v8i v, int t) { return __builtin_convertvector((v << (24 - 8 * t)) >> 24, v8f); }
+static inline v8f q4_input8(v8i v, int t) { return __builtin_convertvector((v >> (8 * (t & 3) + 4 * (t >> 2))) & 15, v8f); }
+
+/* direct on two halves: mr (<= ROWS) rows of fp32 x against one panel's blocks. */
+static inline __attribute__((always_inline)) void
+direct8(const float *restrict x, int64_t ldx, const float *restrict sums, int64_t groups,
+        const uint8_t *restrict blocks, int64_t block_bytes, const float *restrict bias,
+        float *restrict y, int64_t ldy, const int mr, const int format) {
+    v8f acc[ROWS][2];
+    for (int i = 0; i < mr; ++i)
+        for (int h = 0; h < 2; ++h) acc[i][h] = bias ? load8(bias + 8 * h) : (v8f){0};
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t *block = blocks + g * block_bytes;
+        for (int64_t c = 0; c < block_bytes; c += 64)
+            __builtin_prefetch(block + PREFETCH_BLOCKS * block_bytes + c, 0, 2);
+        const float *xg = x + g * GROUP;
+        v8f part[ROWS][2];
+        for (int i = 0; i < mr; ++i) part[i][0] = part[i][1] = (v8f){0};
+        const int q8 = format == FORMAT_Q8, per_chunk = q8 ? 4 : 8;
+        for (int c = 0; c < GROUP / per_chunk; ++c) {
+            v8i v[2];
+            for (int h = 0; h < 2; ++h) v[h] = (v8i)load_bytes(block + c * CHUNK + 32 * h);
+            for (int t = 0; t < per_chunk; ++t) {
+                v8f w[2];
+                for (int h = 0; h < 2; ++h) w[h] = q8 ? q8_input8(v[h], t) : q4_input8(v[h], t);
+                for (int i = 0; i < mr; ++i) {
+                    const float xv = xg[i * ldx + per_chunk * c + t];
+                    for (int h = 0; h < 2; ++h) part[i][h] += xv * w[h];
+                }
+            }
+        }
+        if (q8) {
+            const v8f d[2] = {halves8(block + GROUP * NR), halves8(block + GROUP * NR + 16)};
+            for (int i = 0; i < mr; ++i)
+                for (int h = 0; h < 2; ++h) acc[i][h] += part[i][h] * d[h];
+        } else {
+            const int fp32 = format == FORMAT_Q4F, width = fp32 ? 4 : 2;
+            const uint8_t *s = block + GROUP / 2 * NR;
+            const v8f d[2] = {scales8(s, fp32), scales8(s + 8 * width, fp32)};
+            const v8f m[2] = {scales8(s + NR * width, fp32), scales8(s + NR * width + 8 * width, fp32)};
+            for (int i = 0; i < mr; ++i)
+                for (int h = 0; h < 2; ++h)
+                    acc[i][h] += part[i][h] * d[h] + sums[i * groups + g] * m[h];
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int h = 0; h < 2; ++h) store8(y + i * ldy + 8 * h, acc[i][h]);
+}
+#endif
 
 /* The direct path: mr (<= ROWS) rows of x against one panel's blocks. */
 static inline __attribute__((always_inline)) void
@@ -236,6 +444,16 @@ direct_q(const int8_t *restrict xq, int64_t ldq, const float *restrict dx,
     for (int i = 0; i < mr; ++i) *(vf *)(y + i * ldy) = acc[i];
 }
 
+#if HALVES
+#define DIRECT_FN direct8
+#define DIRECT_Q_FN direct_q8
+#define Q8_FLIP 0 /* direct_q8 moves a Q8 weight's sign onto signed activations */
+#else
+#define DIRECT_FN direct
+#define DIRECT_Q_FN direct_q
+#define Q8_FLIP 1 /* dot4 multiplies unsigned activations (x + 128) by the signed quants */
+#endif
+
 #define ROW_CASES(CALL)                                                                      \
     CALL(1) CALL(2) CALL(3) CALL(4)                                                           \
     ROW_CASES_WIDE(CALL)
@@ -256,11 +474,11 @@ static void direct_rows(const float *x, int64_t rows, int64_t k, const float *su
 #define DIRECT(MRV)                                                                           \
     case MRV:                                                                                 \
         if (format == FORMAT_Q8)                                                              \
-            direct(xi, k, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q8);      \
+            DIRECT_FN(xi, k, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q8);   \
         else if (format == FORMAT_Q4)                                                         \
-            direct(xi, k, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4);      \
+            DIRECT_FN(xi, k, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4);   \
         else                                                                                  \
-            direct(xi, k, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4F);     \
+            DIRECT_FN(xi, k, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4F);  \
         break;
         switch (mr) {
             ROW_CASES(DIRECT)
@@ -282,11 +500,11 @@ static void direct_rows_q(const int8_t *xq, const float *dx, const float *sx, in
 #define DIRECT_Q(MRV)                                                                          \
     case MRV:                                                                                  \
         if (format == FORMAT_Q8)                                                               \
-            direct_q(xi, k, di, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q8); \
+            DIRECT_Q_FN(xi, k, di, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q8); \
         else if (format == FORMAT_Q4)                                                          \
-            direct_q(xi, k, di, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4); \
+            DIRECT_Q_FN(xi, k, di, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4); \
         else                                                                                   \
-            direct_q(xi, k, di, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4F);\
+            DIRECT_Q_FN(xi, k, di, si, groups, blocks, block_bytes, bias, yi, n, MRV, FORMAT_Q4F);\
         break;
         switch (mr) {
             ROW_CASES(DIRECT_Q)
@@ -338,6 +556,50 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int flip, int
                           float *dx, float *sx) {
     typedef int8_t vq __attribute__((vector_size(NR), aligned(1)));
     const int64_t groups = k / GROUP;
+#if HALVES /* the same arithmetic on 4 x 8 lanes (the 64-byte vectors spill on AVX2) */
+    typedef int8_t vq8 __attribute__((vector_size(8), aligned(1)));
+    const vq8 flip8 = (vq8){0} + (int8_t)(flip ? -128 : 0);
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t g = 0; g < groups; ++g) {
+            const float *xg = x + i * k + g * GROUP;
+            v8f part[4];
+            v8i top = {0};
+            for (int p = 0; p < 4; ++p) {
+                part[p] = load8(xg + 8 * p);
+                const v8i bits = (v8i)part[p] & 0x7fffffff;
+                top = (v8i)_mm256_max_epi32((__m256i)top, (__m256i)bits);
+            }
+            __m128i m4 = _mm_max_epi32(_mm256_castsi256_si128((__m256i)top),
+                                       _mm256_extracti128_si256((__m256i)top, 1));
+            m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0x4e));
+            m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0xb1));
+            const int32_t top_bits = _mm_cvtsi128_si32(m4);
+            float amax;
+            memcpy(&amax, &top_bits, 4);
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            v8i total = {0};
+            int8_t *q = xq + i * k + g * GROUP;
+            for (int p = 0; p < 4; ++p) {
+                const v8f v = part[p] * id, mag = (v8f)((v8i)v & 0x7fffffff);
+                const v8i whole = __builtin_convertvector(mag, v8i); /* truncated: floor here */
+                const v8i up = (mag - __builtin_convertvector(whole, v8f)) >= 0.5f;
+                const v8i rounded = whole - up; /* a true lane is -1 */
+                const v8i negative = (v8i)v < 0;
+                const v8i signed_q = (rounded ^ negative) - negative;
+                total += signed_q;
+                const vq8 bytes = __builtin_convertvector(signed_q, vq8) ^ flip8;
+                memcpy(q + 8 * p, &bytes, sizeof bytes);
+            }
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128((__m256i)total),
+                                       _mm256_extracti128_si256((__m256i)total, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            const float dh = round_to_half(d);
+            dx[i * groups + g] = dh;
+            sx[i * groups + g] = dh * (float)_mm_cvtsi128_si32(s4);
+        }
+    return;
+#endif
     const vq flip_bits = (vq){0} + (int8_t)(flip ? -128 : 0);
     for (int64_t i = 0; i < rows; ++i)
         for (int64_t g = 0; g < groups; ++g) {
@@ -371,6 +633,28 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int flip, int
 /* One panel's blocks as fp32 [K][16] in panel. */
 static void dequantize_panel(const uint8_t *blocks, int64_t block_bytes, int64_t groups,
                              int format, float *restrict panel) {
+#if HALVES
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t *block = blocks + g * block_bytes;
+        float *out = panel + g * GROUP * NR;
+        const int q8 = format == FORMAT_Q8, per_chunk = q8 ? 4 : 8;
+        const int fp32 = format == FORMAT_Q4F, width = fp32 ? 4 : 2;
+        const uint8_t *s = block + (q8 ? GROUP * NR : GROUP / 2 * NR);
+        v8f d[2], m[2] = {{0}, {0}};
+        for (int h = 0; h < 2; ++h) {
+            d[h] = scales8(s + 8 * width * h, fp32);
+            if (!q8) m[h] = scales8(s + NR * width + 8 * width * h, fp32);
+        }
+        for (int c = 0; c < GROUP / per_chunk; ++c)
+            for (int h = 0; h < 2; ++h) {
+                const v8i v = (v8i)load_bytes(block + c * CHUNK + 32 * h);
+                for (int t = 0; t < per_chunk; ++t)
+                    store8(out + (per_chunk * c + t) * NR + 8 * h,
+                           q8 ? q8_input8(v, t) * d[h] : q4_input8(v, t) * d[h] + m[h]);
+            }
+    }
+    return;
+#endif
     for (int64_t g = 0; g < groups; ++g) {
         const uint8_t *block = blocks + g * block_bytes;
         float *out = panel + g * GROUP * NR;
@@ -405,12 +689,37 @@ micro(const float *restrict x, int64_t ldx, const float *restrict panel, int64_t
     for (int i = 0; i < mr; ++i) *(vf *)(y + i * ldy) = acc[i];
 }
 
+#if HALVES
+/* micro on two halves: 6 rows x 2 x 8 accumulators, 2 panel vectors, 1 broadcast (BLIS's
+ * Haswell 6 x 16 register tile: 15 of the 16 ymm registers). */
+static inline __attribute__((always_inline)) void
+micro8(const float *restrict x, int64_t ldx, const float *restrict panel, int64_t k,
+       const float *restrict bias, float *restrict y, int64_t ldy, const int mr) {
+    v8f acc[MR][2];
+    for (int i = 0; i < mr; ++i)
+        for (int h = 0; h < 2; ++h) acc[i][h] = bias ? load8(bias + 8 * h) : (v8f){0};
+    for (int64_t kk = 0; kk < k; ++kk) {
+        const v8f w0 = load8(panel + kk * NR), w1 = load8(panel + kk * NR + 8);
+        for (int i = 0; i < mr; ++i) {
+            const float xv = x[i * ldx + kk];
+            acc[i][0] += xv * w0;
+            acc[i][1] += xv * w1;
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int h = 0; h < 2; ++h) store8(y + i * ldy + 8 * h, acc[i][h]);
+}
+#define MICRO_FN micro8
+#else
+#define MICRO_FN micro
+#endif
+
 static void panel_rows(const float *x, int64_t rows, int64_t k, const float *panel,
                        const float *bias, float *y, int64_t n) {
     int64_t i = 0;
-    for (; i + MR <= rows; i += MR) micro(x + i * k, k, panel, k, bias, y + i * n, n, MR);
+    for (; i + MR <= rows; i += MR) MICRO_FN(x + i * k, k, panel, k, bias, y + i * n, n, MR);
 #define MICRO_TAIL(r)                                                                         \
-    case r: micro(x + i * k, k, panel, k, bias, y + i * n, n, r); break;
+    case r: MICRO_FN(x + i * k, k, panel, k, bias, y + i * n, n, r); break;
     switch ((int)(rows - i)) {
         MICRO_TAIL(1) MICRO_TAIL(2) MICRO_TAIL(3) MICRO_TAIL(4) MICRO_TAIL(5)
 #if MR > 6
@@ -440,7 +749,7 @@ static int gemm_q8_activations(const float *x, int64_t m, int64_t k, const uint8
     float *sx = dx + block_rows * groups;
     for (int64_t r0 = 0; r0 < m; r0 += QMB) {
         const int64_t rows = m - r0 < QMB ? m - r0 : QMB;
-        quantize_rows(x + r0 * k, rows, k, format == FORMAT_Q8, xq, dx, sx);
+        quantize_rows(x + r0 * k, rows, k, Q8_FLIP && format == FORMAT_Q8, xq, dx, sx);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t p = 0; p < panels; ++p)
             direct_rows_q(xq, dx, sx, rows, k, blocks + p * panel_bytes, block_bytes,
@@ -542,7 +851,7 @@ int actorline_quant_gemm_part(const float *x, int64_t m, int64_t k, const void *
     const uint8_t *blocks = (const uint8_t *)weights;
     const int64_t groups = k / GROUP, panel_bytes = groups * block_bytes;
     const int64_t p0 = col0 / NR, p1 = col1 / NR;
-    const int flip = format == FORMAT_Q8;
+    const int flip = Q8_FLIP && format == FORMAT_Q8;
     if ((code & ACT_Q8) && m <= QMB) { /* one block of rows: kept for the next call */
         const size_t scale_bytes = sizeof(float) * (size_t)(2 * m * groups);
         const int same = same_x && quantized_x == x && quantized_m == m && quantized_k == k &&

@@ -20,8 +20,9 @@ shape against ``F.linear`` over the dequantized weight before it serves.
 ``ExecuteConfig.quant_activations`` says what the weights multiply: ``"int8"`` rounds each
 input row to llama.cpp's Q8_0 blocks inside the kernel (integer dot products; the probe then
 compares with ``F.linear`` over :func:`~stages.execute.quant.layers.q8_0_activations` of its
-inputs), ``"fp32"`` keeps them (weight-only), ``"auto"`` is ``"int8"`` where the kernel has
-VNNI (:attr:`~stages.execute.quant.kernel.QuantGemmKernel.vnni`).
+inputs), ``"fp32"`` keeps them (weight-only), ``"auto"`` is ``"int8"`` where the kernel's
+int8 dot products run on byte multiply-adds, VNNI or AVX2
+(:attr:`~stages.execute.quant.kernel.QuantGemmKernel.int8_preferred`).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def quantize_model(
             f"({mode!r}) needs the native quantized GEMM kernel, which could not be built "
             "here (see the log): install a C compiler or leave quantization unset",
         )
-    int8_activations = activations == "int8" or (activations == "auto" and kernel.vnni)
+    int8_activations = activations == "int8" or (activations == "auto" and kernel.int8_preferred)
     source: GGUFWeights | None = None
     if mode == "gguf":
         if gguf is None:
@@ -165,7 +166,7 @@ def quantize_model(
     logger.info(
         "execute: quantization %s: %s, kept fp32: %s, activations %s (quant_activations %r%s)",
         mode, report.formats, kept, "int8" if int8_activations else "fp32", activations,
-        ", VNNI" if kernel.vnni else ", no VNNI",
+        f", int8 dot products on {kernel.int8_dot}",
     )  # fmt: skip
     return report
 

@@ -30,6 +30,7 @@ QUANT_SOURCE = Path(__file__).parents[1] / "kernels" / "quant_gemm.c"  # stages/
 # The kernel's format codes (kernels/quant_gemm.c: FORMAT_Q8, FORMAT_Q4, FORMAT_Q4F).
 _FORMAT_CODES = {"q8": 0, "q4": 1, "q4f": 2}
 _INT8_ACTIVATIONS = 16  # kernels/quant_gemm.c: ACT_Q8
+_INT8_DOT = {0: "plain", 1: "avx2", 2: "vnni"}  # kernels/quant_gemm.c: actorline_quant_int8_dot
 
 
 class QuantGemmKernel:
@@ -65,6 +66,15 @@ class QuantGemmKernel:
         #: AVX-VNNI, compiled in under ``-march=native``); elsewhere they run on plain integer
         #: vectors, the same sums, slower
         self.vnni = bool(lib.actorline_quant_vnni())
+        #: what the int8 dot products run on: ``"vnni"`` (vpdpbusd), ``"avx2"`` (vpmaddubsw and
+        #: vpmaddwd, llama.cpp's AVX2 way) or ``"plain"`` (plain integer vectors)
+        # (absent from a build of an older source: a benchmark's baseline)
+        dot = getattr(lib, "actorline_quant_int8_dot", None)
+        self.int8_dot = _INT8_DOT[int(dot()) if dot is not None else 2 * self.vnni]
+        #: whether ``quant_activations="auto"`` picks int8 here: where the dot products run on
+        #: byte multiply-adds (VNNI or AVX2), measured faster than fp32 activations at every
+        #: row count of the default model's shapes (docs/performance.md §12.1, §12.3)
+        self.int8_preferred = self.int8_dot != "plain"
 
     def format_code(self, fmt: str, int8_activations: bool = False) -> int:
         """The kernel's code for ``fmt`` (the ``format`` argument of its GEMM), with the bit

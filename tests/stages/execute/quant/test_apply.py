@@ -125,7 +125,7 @@ def test_int8_activations_match_hf_with_q8_0_rounded_linear_inputs(
     assert report.outputs == {f"r{i}": reference.greedy(p, MAX_TOKENS) for i, p in enumerate(batch)}
 
 
-def test_auto_activations_are_int8_where_the_kernel_has_vnni(tiny_model_dir: Path) -> None:
+def test_auto_activations_are_int8_where_the_dot_products_are_native(tiny_model_dir: Path) -> None:
     kernel = quant_gemm_kernel()
     assert kernel is not None
     runner = ModelRunner(
@@ -133,9 +133,9 @@ def test_auto_activations_are_int8_where_the_kernel_has_vnni(tiny_model_dir: Pat
     )
     runner.load()
     quantized = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
-    assert quantized and {m.int8_activations for m in quantized} == {kernel.vnni}
+    assert quantized and {m.int8_activations for m in quantized} == {kernel.int8_preferred}
     gemm = quantized[0].native_gemm()  # the activations' bit travels in the format code
-    assert gemm.format == kernel.format_code(quantized[0].format, kernel.vnni)
+    assert gemm.format == kernel.format_code(quantized[0].format, kernel.int8_preferred)
 
 
 #: a tiny Llama whose linears' inputs (256, 512) are whole Q4_K super-blocks of 256 weights

@@ -5,6 +5,12 @@ equal to llama.cpp's Q8_0, and refusals."""
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +20,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from stages.execute.native import NativeKernelError
-from stages.execute.quant.kernel import QuantGemmKernel, quant_gemm_kernel
+from stages.execute.quant.kernel import QUANT_SOURCE, QuantGemmKernel, quant_gemm_kernel
 from stages.execute.quant.layers import (
     QuantEmbedding,
     QuantLinear,
@@ -120,6 +126,101 @@ def test_int8_activations_match_linear_over_q8_0_rounded_inputs(
             got = linear(x)
             error = (got.double() - expected).abs().max().item()
             assert error <= 1e-5 * max(expected.abs().max().item(), 1.0), (rows, error)
+
+
+def integer_blocks(name: str, quants: np.ndarray) -> torch.Tensor:
+    """Rows of llama.cpp blocks of ``name`` (Q8_0, Q4_0 or Q4_1) holding ``quants [N, K]``
+    with scale 1 and offset 0 (Q4_0: its fixed -8), so the weights are those integers."""
+    rows, columns = quants.shape
+    one = np.full((rows, columns // 32, 1), 1.0, np.float16).view(np.uint8)  # [N, G, 2]
+    grouped = quants.reshape(rows, columns // 32, 32)
+    if name == "Q8_0":
+        parts = [one, grouped.astype(np.int8).view(np.uint8)]
+    else:
+        nibbles = grouped.astype(np.uint8)  # element j low nibble, j + 16 high
+        packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+        zero = np.zeros((rows, columns // 32, 1), np.float16).view(np.uint8)
+        parts = [one, packed] if name == "Q4_0" else [one, zero, packed]
+    raw = np.concatenate(parts, axis=2).reshape(rows, -1)
+    return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+# The kernel's ISA branches: (flags, the /proc/cpuinfo flags a CPU needs to run the build)
+BUILDS = {
+    "portable": ((), ()),
+    "avx2": (("-mavx2", "-mfma"), ("avx2", "fma")),
+    "avx-vnni": (("-mavx2", "-mfma", "-mavxvnni"), ("avx2", "fma", "avx_vnni")),
+    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"), ("avx512f", "avx512bw")),
+    "avx512-vnni": (
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"),
+        ("avx512f", "avx512bw", "avx512_vnni"),
+    ),
+}
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_every_isa_branch_builds_and_runs_where_the_cpu_can(build: str, tmp_path: Path) -> None:
+    """The source built for each of its ISA branches (whatever this CPU is: the AVX-512 paths
+    must keep compiling on an AVX2 machine and the AVX2 ones on an AVX-512 machine); where the
+    CPU runs that build, its integer sums are exact too (the same checks as the native build)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the ISA branches are x86's (NEON builds the portable code)")
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    assert compiler is not None, "the kernel tests need the C compiler the kernels build with"
+    flags, needs = BUILDS[build]
+    library = tmp_path / f"quant_gemm-{build}.so"
+    command = [compiler, "-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", *flags]
+    result = subprocess.run(
+        [*command, "-o", str(library), str(QUANT_SOURCE)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    cpu = next(
+        (
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ),
+        "",
+    ).split()
+    if not set(needs) <= set(cpu):
+        return  # compiled; this CPU cannot run it
+    built = QuantGemmKernel(library)
+    assert built.int8_dot == {"portable": "plain", "avx2": "avx2"}.get(build, "vnni")
+    for name in ("Q8_0", "Q4_0", "Q4_1"):
+        test_integer_dot_products_are_exact(built, name)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_integer_dot_products_are_exact(kernel: QuantGemmKernel, name: str) -> None:
+    """Integer weights (scale 1) against integer inputs whose Q8_0 scale is 1 (each group's
+    largest magnitude 127, so the int8 path keeps them as they are): both paths give the exact
+    integer sums (below 2^24, so fp32 holds them), on whichever instructions this CPU runs them
+    (VNNI, AVX2's byte multiply-adds, plain vectors). Extremes included: a Q4 group of 15s
+    against 127s (AVX2 sums a group's 16 products per int16 lane: 30480) and Q8 weights of -128
+    (AVX2 multiplies |w| by the activation carrying w's sign)."""
+    out_features, in_features = 40, 512
+    generator = np.random.default_rng(11)
+    low, high = (-128, 128) if name == "Q8_0" else (0, 16)
+    quants = generator.integers(low, high, (out_features, in_features))
+    quants[0] = high - 1  # the largest products in every group
+    quants[1] = low  # Q8: -128; Q4: zeros (Q4_0's -8)
+    raw = integer_blocks(name, quants)
+    weight = pack_gguf(raw, int(GGMLQuantizationType[name]), in_features, kernel)
+    values = quants - 8 if name == "Q4_0" else quants
+    assert torch.equal(dequantize(weight, kernel), torch.from_numpy(values).float())
+    for rows in (*range(1, 10), 17, 300):  # the row blocks, their tails, two blocks of 256
+        x = generator.integers(-127, 128, (rows, in_features))
+        x[:, ::32] = 127 * generator.choice([-1, 1], (rows, in_features // 32))  # scale 1
+        x[0] = 127  # with row 0 of the weights: a group's largest sums
+        if rows > 1:
+            x[1] = -127 * np.sign(values[1] + 0.5)  # with row 1: the most negative
+        exact = torch.from_numpy(x @ values.T)  # int64
+        assert exact.abs().max() < 2**24
+        inputs = torch.from_numpy(x).float()
+        assert torch.equal(q8_0_activations(inputs), inputs)
+        for int8 in (True, False):
+            got = QuantLinear(weight, None, kernel, int8_activations=int8)(inputs)
+            assert torch.equal(got.double(), exact.double()), (rows, int8, kernel.int8_dot)
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K"])
