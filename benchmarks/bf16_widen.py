@@ -1,6 +1,6 @@
 """bf16 weights without AVX512-BF16: the bf16 GEMM's portable widen-and-FMA path against the fp32
 packed GEMM (``kernels/packed_gemm.c``) over a forward pass's linears at the default model's
-shapes (docs/performance.md §12.5): every layer's q, k, v, o, fused gate/up and down projections
+shapes (docs/performance.md §12.3): every layer's q, k, v, o, fused gate/up and down projections
 with weights of their own (read from memory, as a decode step reads them) and the LM head, at a
 few row counts (1: one stream's decode step; hundreds: a prefill chunk). The two alternate round
 by round in one process, best round kept; with one thread the clock is the process's CPU time (a
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -99,10 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rows in (int(value) for value in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k, generator=generator) for k in {k for _, k in bf16}}
         runs: dict[str, Callable[[], None]] = {
-            "fp32": lambda: _pass(fp32_call, packed32, inputs),
+            "fp32": functools.partial(_pass, fp32_call, packed32, inputs),
         }
         for name, call in calls.items():
-            runs[name] = lambda call=call: _pass(call, bf16, inputs)  # type: ignore[misc]
+            runs[name] = functools.partial(_pass, call, bf16, inputs)
         best = dict.fromkeys(runs, float("inf"))
         for run in runs.values():
             run()  # warm up: the kernels' buffers, the pages

@@ -15,8 +15,9 @@ bf16, exact: the values were bf16) and the tied input embeddings into a :class:`
 reading their rows from the bf16 head.
 
 ``dtype="auto"`` on CPU picks bf16 where :func:`choose_cpu_dtype` says the CPU multiplies bf16
-natively (AVX512-BF16 or AMX-BF16 in ``/proc/cpuinfo`` and the kernel built on VDPBF16PS),
-else fp32 (bf16 emulated would be slower than fp32).
+natively (AVX512-BF16 or AMX-BF16 in ``/proc/cpuinfo`` and the kernel built on VDPBF16PS) or
+widens it with AVX2 and FMA (the portable path below), else fp32 (bf16 emulated would be
+slower than fp32).
 
 Where the CPU has AMX-BF16 (``amx_bf16`` and ``amx_tile`` in ``/proc/cpuinfo``, the compiler
 targeted it and Linux granted the process the tile state) the kernel multiplies from
@@ -29,7 +30,7 @@ every row count: each bf16 weight widened to fp32 (a 16-bit shift) and FMA'd, as
 a BF16 GGUF on AVX2, in registers at decode's few rows and a panel widened once into an fp32
 buffer at many (prefill), register-blocked per vector unit (``kernels/bf16_gemm.c``). A decode
 step then reads half fp32's bytes: 1.9-2.0x the fp32 kernel's linears at one row on AVX2,
-0.9x at hundreds (docs/performance.md §12.5).
+0.9x at hundreds (docs/performance.md §12.3).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ __all__ = [
     "AMX_FEATURES",
     "BF16_FEATURES",
     "BF16_SOURCE",
+    "WIDEN_FEATURES",
     "BF16Embedding",
     "BF16GemmKernel",
     "BF16Linear",
@@ -73,6 +75,9 @@ BF16_FEATURES = ("avx512_bf16", "amx_bf16")
 """CPU flags (``/proc/cpuinfo``) under which bf16 is multiplied natively."""
 AMX_FEATURES = ("amx_bf16", "amx_tile")
 """CPU flags (``/proc/cpuinfo``) the AMX tile GEMM needs, all of them."""
+WIDEN_FEATURES = ("avx2", "fma")
+"""CPU flags (``/proc/cpuinfo``) under which the bf16 kernel's portable path (bf16 widened to
+fp32 in registers, 8-float vectors or wider) beats fp32: ``dtype="auto"`` picks bf16 there."""
 _PORTABLE_DEFINE = "ACTORLINE_BF16_PORTABLE"
 # The kernel is checked at load against F.linear on bf16-rounded operands: the two differ by
 # summation order only (~1e-6 relative to the largest output); a wrong kernel is far off.
@@ -87,7 +92,7 @@ call (a transient ``[N, K]`` bf16 copy, small beside the GEMM of so many rows), 
 rounded to bf16 as torch's is; below, the native kernel. Measured on SmolLM2-135M's shapes
 (docs/performance.md §12.2): VDPBF16PS wins at decode's few rows (it reads half fp32's bytes),
 oneDNN's AVX512-BF16 or AMX kernels win at hundreds of rows. Without AVX512-BF16 torch's bf16
-matmul is emulated (20-40x slower than the portable kernel at 256 rows on AVX2, §12.5): the
+matmul is emulated (7-8x slower than the portable kernel at 256 rows on AVX2, §12.3): the
 portable kernel serves every row count there."""
 
 
@@ -461,16 +466,31 @@ def cpu_flags() -> frozenset[str]:
 
 
 def choose_cpu_dtype(flags: Iterable[str], kernel: BF16GemmKernel | None) -> tuple[str, str]:
-    """What ``dtype="auto"`` means on this CPU: ``("bfloat16", why)`` where it has AVX512-BF16
-    or AMX-BF16 (``flags``) and the bf16 kernel built on VDPBF16PS, else ``("float32", why)``."""
-    present = [flag for flag in BF16_FEATURES if flag in set(flags)]
-    if not present:
-        return "float32", "the CPU has neither AVX512-BF16 nor AMX-BF16 (bf16 would be emulated)"
+    """What ``dtype="auto"`` means on this CPU: ``("bfloat16", why)`` where the bf16 kernel built
+    and the CPU either multiplies bf16 natively (AVX512-BF16 or AMX-BF16 in ``flags``, the
+    kernel on VDPBF16PS) or widens it on AVX2 + FMA (:data:`WIDEN_FEATURES`: the portable path,
+    measured on AVX2 faster than fp32 at one stream and not slower offline, docs/performance.md
+    §12.3), else ``("float32", why)`` (bf16 would be emulated)."""
+    flags = set(flags)
+    present = [flag for flag in BF16_FEATURES if flag in flags]
+    listed = f"the CPU has {'/'.join(present)} but " if present else ""
     if kernel is None:
-        return "float32", f"the CPU has {'/'.join(present)} but the bf16 kernel did not build"
-    if not kernel.native:
-        return "float32", (
-            f"the CPU has {'/'.join(present)} but the compiler did not target AVX512-BF16"
+        return "float32", f"{listed}the bf16 kernel did not build"
+    if present and kernel.native:
+        tiles = f" (AMX tiles from {kernel.amx_rows} rows)" if kernel.amx else ""
+        return "bfloat16", (
+            f"the CPU has {'/'.join(present)} and the native bf16 kernel built{tiles}"
         )
-    tiles = f" (AMX tiles from {kernel.amx_rows} rows)" if kernel.amx else ""
-    return "bfloat16", f"the CPU has {'/'.join(present)} and the native bf16 kernel built{tiles}"
+    if set(WIDEN_FEATURES) <= flags:
+        unused = (
+            f" (it lists {'/'.join(present)} but the compiler did not target AVX512-BF16)"
+            if present
+            else ""
+        )
+        return "bfloat16", (
+            "the CPU has AVX2 and FMA: the bf16 kernel widens bf16 to fp32 as it multiplies "
+            f"(half fp32's bytes a decode step){unused}"
+        )
+    return "float32", (
+        "the CPU has neither AVX512-BF16, AMX-BF16 nor AVX2 + FMA (bf16 would be emulated)"
+    )

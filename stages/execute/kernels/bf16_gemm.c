@@ -297,7 +297,7 @@ micro_w(const xpair_t *restrict xp, int64_t kp, const float *restrict w0,
 }
 
 /* From this many rows of a row block, its panels are widened to fp32 once (into a buffer of the
- * thread's) and the fp32 micro-kernel multiplies them (measured: docs/performance.md §12.5);
+ * thread's) and the fp32 micro-kernel multiplies them (measured: docs/performance.md §12.3);
  * below, each micro-tile widens the lines it multiplies in registers. */
 #ifndef WIDE_ROWS
 #define WIDE_ROWS 20
