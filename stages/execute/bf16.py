@@ -15,14 +15,22 @@ bf16, exact: the values were bf16) and the tied input embeddings into a :class:`
 reading their rows from the bf16 head.
 
 ``dtype="auto"`` on CPU picks bf16 where :func:`choose_cpu_dtype` says the CPU multiplies bf16
-natively (AVX512-BF16 or AMX-BF16 in ``/proc/cpuinfo`` and the kernel built on VDPBF16PS),
-else fp32 (bf16 emulated would be slower than fp32).
+natively (AVX512-BF16 or AMX-BF16 in ``/proc/cpuinfo`` and the kernel built on VDPBF16PS) or
+widens it with AVX2 and FMA (the portable path below), else fp32 (bf16 emulated would be
+slower than fp32).
 
 Where the CPU has AMX-BF16 (``amx_bf16`` and ``amx_tile`` in ``/proc/cpuinfo``, the compiler
 targeted it and Linux granted the process the tile state) the kernel multiplies from
 :attr:`BF16GemmKernel.amx_rows` rows on with AMX tiles that read the same panels in place
-(prefill, batched decode: no unpacked copy of the weight); elsewhere, from :data:`TORCH_ROWS`
-rows on, torch's bf16 matmul over the weight unpacked for the call.
+(prefill, batched decode: no unpacked copy of the weight); with AVX512-BF16 alone, from
+:data:`TORCH_ROWS` rows on, torch's bf16 matmul over the weight unpacked for the call.
+
+Without AVX512-BF16 (AVX2, AVX-512 before Cooper Lake, NEON) the kernel's portable path serves
+every row count: each bf16 weight widened to fp32 (a 16-bit shift) and FMA'd, as llama.cpp runs
+a BF16 GGUF on AVX2, in registers at decode's few rows and a panel widened once into an fp32
+buffer at many (prefill), register-blocked per vector unit (``kernels/bf16_gemm.c``). A decode
+step then reads half fp32's bytes: 1.9-2.0x the fp32 kernel's linears at one row on AVX2,
+0.9x at hundreds (docs/performance.md §12.3).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ __all__ = [
     "AMX_FEATURES",
     "BF16_FEATURES",
     "BF16_SOURCE",
+    "WIDEN_FEATURES",
     "BF16Embedding",
     "BF16GemmKernel",
     "BF16Linear",
@@ -66,6 +75,9 @@ BF16_FEATURES = ("avx512_bf16", "amx_bf16")
 """CPU flags (``/proc/cpuinfo``) under which bf16 is multiplied natively."""
 AMX_FEATURES = ("amx_bf16", "amx_tile")
 """CPU flags (``/proc/cpuinfo``) the AMX tile GEMM needs, all of them."""
+WIDEN_FEATURES = ("avx2", "fma")
+"""CPU flags (``/proc/cpuinfo``) under which the bf16 kernel's portable path (bf16 widened to
+fp32 in registers, 8-float vectors or wider) beats fp32: ``dtype="auto"`` picks bf16 there."""
 _PORTABLE_DEFINE = "ACTORLINE_BF16_PORTABLE"
 # The kernel is checked at load against F.linear on bf16-rounded operands: the two differ by
 # summation order only (~1e-6 relative to the largest output); a wrong kernel is far off.
@@ -73,12 +85,15 @@ _PROBE_TOLERANCE = 1e-4
 _PROBE_ROWS = (1, 3, 13, 40)
 _AMX_PROBE_ROWS = (200,)  # more rows than one pass of the AMX GEMM holds at K 1536
 TORCH_ROWS = 128
-"""Where the kernel has no AMX tiles (:attr:`BF16GemmKernel.amx`), from this many rows on
-(prefill) :class:`BF16Linear` multiplies with torch's bf16 matmul (oneDNN) over the weight
-unpacked from its panels for the call (a transient ``[N, K]`` bf16 copy, small beside the GEMM
-of so many rows), its output rounded to bf16 as torch's is; below, the native kernel. Measured
-on SmolLM2-135M's shapes (docs/performance.md §12.2): VDPBF16PS wins at decode's few rows (it
-reads half fp32's bytes), oneDNN's AVX512-BF16 or AMX kernels win at hundreds of rows."""
+"""Where the kernel multiplies on VDPBF16PS without AMX tiles (:attr:`BF16GemmKernel.native`
+and not :attr:`~BF16GemmKernel.amx`), from this many rows on (prefill) :class:`BF16Linear`
+multiplies with torch's bf16 matmul (oneDNN) over the weight unpacked from its panels for the
+call (a transient ``[N, K]`` bf16 copy, small beside the GEMM of so many rows), its output
+rounded to bf16 as torch's is; below, the native kernel. Measured on SmolLM2-135M's shapes
+(docs/performance.md §12.2): VDPBF16PS wins at decode's few rows (it reads half fp32's bytes),
+oneDNN's AVX512-BF16 or AMX kernels win at hundreds of rows. Without AVX512-BF16 torch's bf16
+matmul is emulated (7-8x slower than the portable kernel at 256 rows on AVX2, §12.3): the
+portable kernel serves every row count there."""
 
 
 class BF16GemmKernel:
@@ -94,6 +109,9 @@ class BF16GemmKernel:
         self.path = library
         lib = ctypes.CDLL(str(library))
         self.native = bool(lib.actorline_bf16_native())
+        #: the floats per vector and rows per micro-tile this build picked for the CPU
+        self.lanes = int(lib.actorline_bf16_lanes())
+        self.tile_rows = int(lib.actorline_bf16_rows())
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
         self._gemm = lib.actorline_bf16_gemm_f32
         self._amx_gemm = lib.actorline_bf16_gemm_amx_f32
@@ -296,7 +314,7 @@ class BF16Linear(torch.nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         flat = input.reshape(-1, self.in_features).float().contiguous()  # [M, K]
         bias = self.bias.detach() if self.bias is not None else None
-        if flat.shape[0] >= TORCH_ROWS and not self._kernel.amx:
+        if not self.native_rows(flat.shape[0]):
             weight = self.weight_view()  # [N, K] bf16
             output = F.linear(flat.bfloat16(), weight).float()
             if bias is not None:
@@ -307,9 +325,11 @@ class BF16Linear(torch.nn.Module):
 
     def native_rows(self, rows: int) -> bool:
         """Whether :meth:`forward` multiplies ``rows`` rows on the native kernel (the AMX tiles
-        at every count, else VDPBF16PS below :data:`TORCH_ROWS`), not torch's matmul: the
-        kernel the step graph calls (stages.execute.step_graph)."""
-        return rows < TORCH_ROWS or self._kernel.amx
+        or the portable widen-and-FMA path at every count, VDPBF16PS below
+        :data:`TORCH_ROWS`), not torch's matmul: the kernel the step graph calls
+        (stages.execute.step_graph)."""
+        kernel = self._kernel
+        return rows < TORCH_ROWS or kernel.amx or not kernel.native
 
     def fuses_silu_mul(self, rows: int) -> bool:
         """Whether :meth:`silu_mul` serves ``rows`` rows: this linear is a fused gate/up
@@ -446,16 +466,31 @@ def cpu_flags() -> frozenset[str]:
 
 
 def choose_cpu_dtype(flags: Iterable[str], kernel: BF16GemmKernel | None) -> tuple[str, str]:
-    """What ``dtype="auto"`` means on this CPU: ``("bfloat16", why)`` where it has AVX512-BF16
-    or AMX-BF16 (``flags``) and the bf16 kernel built on VDPBF16PS, else ``("float32", why)``."""
-    present = [flag for flag in BF16_FEATURES if flag in set(flags)]
-    if not present:
-        return "float32", "the CPU has neither AVX512-BF16 nor AMX-BF16 (bf16 would be emulated)"
+    """What ``dtype="auto"`` means on this CPU: ``("bfloat16", why)`` where the bf16 kernel built
+    and the CPU either multiplies bf16 natively (AVX512-BF16 or AMX-BF16 in ``flags``, the
+    kernel on VDPBF16PS) or widens it on AVX2 + FMA (:data:`WIDEN_FEATURES`: the portable path,
+    measured on AVX2 faster than fp32 at one stream and not slower offline, docs/performance.md
+    §12.3), else ``("float32", why)`` (bf16 would be emulated)."""
+    flags = set(flags)
+    present = [flag for flag in BF16_FEATURES if flag in flags]
+    listed = f"the CPU has {'/'.join(present)} but " if present else ""
     if kernel is None:
-        return "float32", f"the CPU has {'/'.join(present)} but the bf16 kernel did not build"
-    if not kernel.native:
-        return "float32", (
-            f"the CPU has {'/'.join(present)} but the compiler did not target AVX512-BF16"
+        return "float32", f"{listed}the bf16 kernel did not build"
+    if present and kernel.native:
+        tiles = f" (AMX tiles from {kernel.amx_rows} rows)" if kernel.amx else ""
+        return "bfloat16", (
+            f"the CPU has {'/'.join(present)} and the native bf16 kernel built{tiles}"
         )
-    tiles = f" (AMX tiles from {kernel.amx_rows} rows)" if kernel.amx else ""
-    return "bfloat16", f"the CPU has {'/'.join(present)} and the native bf16 kernel built{tiles}"
+    if set(WIDEN_FEATURES) <= flags:
+        unused = (
+            f" (it lists {'/'.join(present)} but the compiler did not target AVX512-BF16)"
+            if present
+            else ""
+        )
+        return "bfloat16", (
+            "the CPU has AVX2 and FMA: the bf16 kernel widens bf16 to fp32 as it multiplies "
+            f"(half fp32's bytes a decode step){unused}"
+        )
+    return "float32", (
+        "the CPU has neither AVX512-BF16, AMX-BF16 nor AVX2 + FMA (bf16 would be emulated)"
+    )

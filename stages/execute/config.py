@@ -60,8 +60,9 @@ class ExecuteConfig:
 
     - ``model``: an alias (``smollm2-135m``), a local HF directory or a ``.gguf`` file.
     - ``dtype``: ``float32`` (default), ``bfloat16``, ``float16`` or ``auto`` (on CPU
-      ``bfloat16`` where the CPU multiplies bf16 natively, AVX512-BF16 or AMX-BF16, and the
-      native bf16 GEMM builds, else ``float32``; on CUDA the checkpoint's dtype; the choice
+      ``bfloat16`` where the native bf16 GEMM builds and the CPU multiplies bf16 natively,
+      AVX512-BF16 or AMX-BF16, or widens it with AVX2 and FMA, else ``float32``; on CUDA the
+      checkpoint's dtype; the choice
       and its reason are logged). On CPU, ``bfloat16`` with the native linears on keeps the
       linears' and LM head's weights in bf16 and computes in fp32 (:mod:`stages.execute.bf16`).
       ``device``: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``auto``.

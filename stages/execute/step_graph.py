@@ -238,8 +238,9 @@ def _splits_by_columns(plan: _Plan, layers: Any, head_dim: int, inter: int) -> b
 def plan_rows(model: torch.nn.Module, limit: int) -> int:
     """The decode rows a step graph of ``model`` serves, given the engine's bound ``limit``
     (``cuda_graph_max_batch_size``, the CUDA graphs' bound): ``limit`` where every linear is
-    bf16 panels that multiply that many rows on the native kernel (the AMX tiles; VDPBF16PS
-    below :data:`~stages.execute.bf16.TORCH_ROWS`), the very kernel the module path calls at
+    bf16 panels that multiply that many rows on the native kernel (the AMX tiles or the portable
+    widen-and-FMA path; VDPBF16PS below :data:`~stages.execute.bf16.TORCH_ROWS`:
+    :meth:`~stages.execute.bf16.BF16Linear.native_rows`), the very kernel the module path calls at
     that count, so 32- and 64-row steps of an offline batch are one native call too (measured:
     docs/performance.md §12.2, "The step graph at 64 rows"); else at most :data:`MAX_ROWS`.
     """

@@ -13,12 +13,15 @@
  * (ggml-cpu: ggml_cpu_fp32_to_bf16 before ggml_vec_dot_bf16), then:
  *   - where the compiler targets AVX512-BF16 (``-march=native`` on a CPU that has it) and
  *     ACTORLINE_BF16_PORTABLE is not defined: one VDPBF16PS per panel line and row;
- *   - elsewhere: the portable path widens each bf16 to fp32 (a 16-bit shift) and FMAs, so the
- *     two paths give the same sums up to their order.
- * The register blocking follows kernels/packed_gemm.c: MR rows x two neighbouring panels in
- * accumulators, the panels split over threads, x cut into row blocks that stay in L2; at fewer
- * than 4 rows a second accumulator set takes odd k pairs. A decode step reads every weight once:
- * bf16 halves the bytes of fp32's kernel.
+ *   - elsewhere (AVX2, AVX-512 without BF16, NEON): the portable path keeps the rounded
+ *     activations as fp32, widens each bf16 weight to fp32 in registers (a 16-bit shift) and
+ *     FMAs, so the two paths give the same sums up to their order.
+ * The register blocking follows kernels/packed_gemm.c, sized per vector unit (see MR below):
+ * VDPBF16PS MR rows x two neighbouring panels in accumulators, the portable path MR rows x one
+ * panel; the panels split over threads, x cut into row blocks that stay in L2; at fewer than 4
+ * rows a second accumulator set takes odd k pairs. A decode step reads every weight once: bf16
+ * halves the bytes of fp32's kernel, and at many rows (prefill) the portable path does the fp32
+ * kernel's FMAs plus two integer ops per 16 weights, which the panel's reuse across rows hides.
  * tests/stages/execute/test_bf16.py checks both paths against torch on bf16-rounded operands. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,14 +35,55 @@
 #endif
 
 #define NR 16
-#define MR 12
 #define PREFETCH_LINES 32
 
+#if DPBF16
+#define MR 12
+#define LANES 16
+/* A k pair of an activation row: two bf16 in one word (x[2p] low), VDPBF16PS's operand. */
+typedef uint32_t xpair_t;
+#else
+/* The widen-and-FMA path, sized per vector unit as kernels/packed_gemm.c (one panel per
+ * micro-tile, MR rows x VPR vectors of accumulators, plus a second set at up to ODD_ROWS rows
+ * where the registers hold both; one half line's VPR widened vectors and a broadcast beside):
+ *   AVX-512 (32 zmm):   16-float vectors, MR = 14 (14 accumulators);
+ *   AVX2/AVX (16 ymm):  two 8-float vectors, MR = 6 (12 accumulators + 3: BLIS's Haswell 6x16);
+ *   NEON (32 q):        four 4-float vectors, MR = 6 (24 accumulators);
+ *   other (SSE2, 16):   four 4-float vectors, MR = 2 (8 accumulators).
+ * GCC splits a 16-float generic vector into two 256-bit halves on AVX2, so the earlier 16-float
+ * blocking (12 rows x two panels: 48 ymm accumulators) spilled on every FMA there. */
+#if defined(__AVX512F__)
+#define LANES 16
+#define MR 14
+#define ODD_ROWS 3
+#elif defined(__AVX__)
+#define LANES 8
+#define MR 6
+#define ODD_ROWS 2 /* 3 rows' two sets (12) + 2 widened + broadcast + mask spilled */
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+#define LANES 4
+#define MR 6
+#define ODD_ROWS 3
+#else
+#define LANES 4
+#define MR 2
+#define ODD_ROWS 1
+#endif
+#define VPR (NR / LANES) /* vectors per 16 columns */
+/* A k pair of an activation row: the two values rounded to bf16, held as fp32 (x[2p] first),
+ * so the micro-kernel broadcasts them straight from memory. */
+typedef uint64_t xpair_t;
+typedef float vw __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef uint32_t vwu __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4)));
+#endif
+
 typedef float vf __attribute__((vector_size(NR * sizeof(float)), aligned(4)));
-typedef uint32_t vu __attribute__((vector_size(NR * sizeof(uint32_t)), aligned(4)));
 
 /* 1 where this build multiplies with VDPBF16PS, 0 on the portable path. */
 int actorline_bf16_native(void) { return DPBF16; }
+/* The floats per vector and rows per micro-tile this build chose (for tests and benchmarks). */
+int actorline_bf16_lanes(void) { return LANES; }
+int actorline_bf16_rows(void) { return MR; }
 
 static inline uint16_t to_bf16(float value) {
     uint32_t bits;
@@ -49,15 +93,23 @@ static inline uint16_t to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
-/* A row block's pairs: k pair p of row i as one 32-bit word (x[2p] low, x[2p+1] high). */
-static void round_rows(const float *x, int64_t rows, int64_t k, int64_t kp, uint32_t *out) {
+/* A row block's pairs (xpair_t: k pair p of row i at out[i * kp + p]), rounded to bf16. */
+static void round_rows(const float *x, int64_t rows, int64_t k, int64_t kp, xpair_t *out) {
     for (int64_t i = 0; i < rows; ++i) {
         const float *row = x + i * k;
-        uint32_t *dst = out + i * kp;
+        xpair_t *dst = out + i * kp;
+#if !DPBF16
+        float *wide = (float *)dst;
+#endif
         for (int64_t p = 0; p < kp; ++p) {
             const uint32_t lo = to_bf16(row[2 * p]);
             const uint32_t hi = 2 * p + 1 < k ? to_bf16(row[2 * p + 1]) : 0u;
+#if DPBF16
             dst[p] = lo | (hi << 16);
+#else
+            const uint32_t bits[2] = {lo << 16, hi << 16};
+            memcpy(wide + 2 * p, bits, sizeof bits);
+#endif
         }
     }
 }
@@ -73,29 +125,11 @@ static inline acc_t acc_load(const float *bias) { return bias ? _mm512_loadu_ps(
 static inline acc_t acc_add(acc_t a, acc_t b) { return _mm512_add_ps(a, b); }
 static inline void acc_store(float *y, acc_t a) { _mm512_storeu_ps(y, a); }
 static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
-#else
-typedef vf acc_t;
-static inline __attribute__((always_inline)) acc_t madd(acc_t acc, uint32_t pair, const uint16_t *line) {
-    uint32_t lo_bits = pair << 16, hi_bits = pair & 0xffff0000u;
-    float lo, hi;
-    memcpy(&lo, &lo_bits, sizeof lo);
-    memcpy(&hi, &hi_bits, sizeof hi);
-    const vu w = *(const vu *)line;
-    const vu w_lo = w << 16, w_hi = w & 0xffff0000u;
-    acc += lo * (vf)w_lo;
-    acc += hi * (vf)w_hi;
-    return acc;
-}
-static inline acc_t acc_load(const float *bias) { return bias ? *(const vf *)bias : (vf){0}; }
-static inline acc_t acc_add(acc_t a, acc_t b) { return a + b; }
-static inline void acc_store(float *y, acc_t a) { *(vf *)y = a; }
-static inline acc_t acc_zero(void) { return (vf){0}; }
-#endif
 
 /* ``mr`` rows of pairs ``xp`` (row stride kp words) times panel p0 (bias b0, output y0) and,
  * when np is 2, panel p1 (bias b1, output y1); outputs' rows ldy apart. */
 static inline __attribute__((always_inline)) void
-micro(const uint32_t *restrict xp, int64_t kp, const uint16_t *restrict p0,
+micro(const xpair_t *restrict xp, int64_t kp, const uint16_t *restrict p0,
       const uint16_t *restrict p1, const float *restrict b0, const float *restrict b1,
       float *restrict y0, float *restrict y1, int64_t ldy, const int mr, const int np) {
     acc_t acc0[MR], acc1[MR];
@@ -147,45 +181,217 @@ micro(const uint32_t *restrict xp, int64_t kp, const uint16_t *restrict p0,
         if (np > 1) acc_store(y1 + i * ldy, acc1[i]);
     }
 }
+#else
+/* ``mr`` rows of widened pairs ``xp`` (row stride kp pairs) times one panel (bias, output y,
+ * rows ldy apart). Per line (k pair p, 16 columns) and vector v of it: the words' low halves
+ * shifted up are the fp32 w[j, 2p] (a bf16 is the high half of its fp32), the words with their
+ * low halves cleared the fp32 w[j, 2p + 1]; each row adds x[2p] * even + x[2p + 1] * odd. As
+ * llama.cpp's AVX2 BF16 dot product widens (ggml-cpu/vec.cpp ggml_vec_dot_bf16: a 16-bit shift
+ * of each bf16, FMA in fp32), here with the activations rounded to bf16 as the VDPBF16PS path
+ * rounds them, so the two paths give the same sums up to their order. */
+/* Row i's widened pair p times one line (its even-k and odd-k halves widened in turn), into
+ * acc: BLIS's Haswell order (one broadcast feeds a row's VPR vectors), so the accumulators, one
+ * half's VPR widened vectors and a broadcast are what is live (AVX2: 12 + 2 + 1 of 16 ymm). The
+ * empty asm hides that ``again`` is ``line``, so the odd half reloads its words (from L1) rather
+ * than keep the line's raw words live across the even half (two more registers: a spill). */
+#define WIDEN_LINE(acc, line, p)                                                               \
+    do {                                                                                       \
+        vw half[VPR];                                                                          \
+        for (int v = 0; v < VPR; ++v) half[v] = (vw)(*(const vwu *)((line) + v * LANES) << 16); \
+        for (int i = 0; i < mr; ++i) {                                                         \
+            const float even = x[2 * (i * kp + (p))];                                          \
+            for (int v = 0; v < VPR; ++v) acc[i][v] += even * half[v];                         \
+        }                                                                                      \
+        const uint32_t *again = (line);                                                        \
+        __asm__("" : "+r"(again));                                                             \
+        for (int v = 0; v < VPR; ++v) half[v] = (vw)(*(const vwu *)(again + v * LANES) & 0xffff0000u); \
+        for (int i = 0; i < mr; ++i) {                                                         \
+            const float odd_k = x[2 * (i * kp + (p)) + 1];                                     \
+            for (int v = 0; v < VPR; ++v) acc[i][v] += odd_k * half[v];                        \
+        }                                                                                      \
+    } while (0)
 
+static inline __attribute__((always_inline)) void
+micro1(const xpair_t *restrict xp, int64_t kp, const uint16_t *restrict panel,
+       const float *restrict bias, float *restrict y, int64_t ldy, const int mr) {
+    const float *restrict x = (const float *)xp; /* row i, pair p: x[2 * (i * kp + p)], + 1 */
+    const uint32_t *restrict words = (const uint32_t *)panel; /* line p: words[p * NR + j] */
+    vw acc[MR][VPR];
+    for (int v = 0; v < VPR; ++v) {
+        const vw start = bias ? *(const vw *)(bias + v * LANES) : (vw){0};
+        for (int i = 0; i < mr; ++i) acc[i][v] = start;
+    }
+    int64_t p = 0;
+    if (mr <= ODD_ROWS) {
+        /* Few rows: a second accumulator set for odd pairs doubles the independent chains. */
+        vw odd[MR][VPR];
+        for (int i = 0; i < mr; ++i)
+            for (int v = 0; v < VPR; ++v) odd[i][v] = (vw){0};
+        for (; p + 2 <= kp; p += 2) {
+            const uint32_t *line = words + p * NR;
+            __builtin_prefetch(line + PREFETCH_LINES * NR, 0, 2);
+            __builtin_prefetch(line + (PREFETCH_LINES + 1) * NR, 0, 2);
+            WIDEN_LINE(acc, line, p);
+            WIDEN_LINE(odd, line + NR, p + 1);
+        }
+        for (int i = 0; i < mr; ++i)
+            for (int v = 0; v < VPR; ++v) acc[i][v] += odd[i][v];
+    }
+    for (; p < kp; ++p) {
+        const uint32_t *line = words + p * NR;
+        __builtin_prefetch(line + PREFETCH_LINES * NR, 0, 2);
+        WIDEN_LINE(acc, line, p);
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < VPR; ++v) *(vw *)(y + i * ldy + v * LANES) = acc[i][v];
+}
+/* ``mr`` rows of widened pairs times a panel already widened to fp32 (``wide``: [2 kp][16], row
+ * kk holding w[j, kk]): kernels/packed_gemm.c's micro-kernel, the panel read from L1/L2. */
+static inline __attribute__((always_inline)) void
+micro_wide(const xpair_t *restrict xp, int64_t kp, const float *restrict wide,
+           const float *restrict bias, float *restrict y, int64_t ldy, const int mr) {
+    const float *restrict x = (const float *)xp; /* row i, k kk: x[i * 2 kp + kk] */
+    vw acc[MR][VPR];
+    for (int v = 0; v < VPR; ++v) {
+        const vw start = bias ? *(const vw *)(bias + v * LANES) : (vw){0};
+        for (int i = 0; i < mr; ++i) acc[i][v] = start;
+    }
+    for (int64_t kk = 0; kk < 2 * kp; ++kk) {
+        vw w[VPR];
+        for (int v = 0; v < VPR; ++v) w[v] = *(const vw *)(wide + kk * NR + v * LANES);
+        for (int i = 0; i < mr; ++i) {
+            const float xv = x[i * 2 * kp + kk];
+            for (int v = 0; v < VPR; ++v) acc[i][v] += xv * w[v];
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < VPR; ++v) *(vw *)(y + i * ldy + v * LANES) = acc[i][v];
+}
+
+/* A panel's kp lines widened to fp32 rows [2 kp][16] (w[j, 2p], then w[j, 2p + 1]). */
+static void widen_panel(const uint16_t *panel, int64_t kp, float *wide) {
+    const uint32_t *words = (const uint32_t *)panel;
+    for (int64_t p = 0; p < kp; ++p)
+        for (int v = 0; v < VPR; ++v) {
+            const vwu w = *(const vwu *)(words + p * NR + v * LANES);
+            *(vw *)(wide + 2 * p * NR + v * LANES) = (vw)(w << 16);
+            *(vw *)(wide + (2 * p + 1) * NR + v * LANES) = (vw)(w & 0xffff0000u);
+        }
+}
+
+/* As the VDPBF16PS micro's arguments: panel p0, then p1 where np is 2, one at a time. */
+static inline __attribute__((always_inline)) void
+micro(const xpair_t *restrict xp, int64_t kp, const uint16_t *restrict p0,
+      const uint16_t *restrict p1, const float *restrict b0, const float *restrict b1,
+      float *restrict y0, float *restrict y1, int64_t ldy, const int mr, const int np) {
+    micro1(xp, kp, p0, b0, y0, ldy, mr);
+    if (np > 1) micro1(xp, kp, p1, b1, y1, ldy, mr);
+}
+
+static inline __attribute__((always_inline)) void
+micro_w(const xpair_t *restrict xp, int64_t kp, const float *restrict w0,
+        const float *restrict w1, const float *restrict b0, const float *restrict b1,
+        float *restrict y0, float *restrict y1, int64_t ldy, const int mr, const int np) {
+    micro_wide(xp, kp, w0, b0, y0, ldy, mr);
+    if (np > 1) micro_wide(xp, kp, w1, b1, y1, ldy, mr);
+}
+
+/* From this many rows of a row block, its panels are widened to fp32 once (into a buffer of the
+ * thread's) and the fp32 micro-kernel multiplies them (measured: docs/performance.md §12.3);
+ * below, each micro-tile widens the lines it multiplies in registers. */
+#ifndef WIDE_ROWS
+#define WIDE_ROWS 20
+#endif
+
+/* A thread's buffer for widened panels, at least floats floats, kept between calls (NULL: out
+ * of memory); apart from thread_scratch, which the SiLU epilogue holds across its GEMM calls. */
+static float *thread_wide(size_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (floats > capacity) {
+        float *bigger = (float *)realloc(buffer, sizeof(float) * floats);
+        if (!bigger) return NULL;
+        buffer = bigger;
+        capacity = floats;
+    }
+    return buffer;
+}
+#endif
+
+/* One micro-kernel call per case: each gets mr as a constant and its own register allocation
+ * (cases from MR on are never taken). */
 #define TAIL(r)                                                                                \
-    case r: micro(xp + i * kp, kp, p0, p1, b0, b1, y0 + i * ldy, y1 + i * ldy, ldy, r, np); break;
+    case r:                                                                                    \
+        micro(xp + i * kp, kp, p0, p1, b0, b1, y0 + i * ldy, y1 + i * ldy, ldy,                \
+              (r) < MR ? (r) : 1, np);                                                         \
+        break;
+
+#if !DPBF16
+#define TAIL_W(r)                                                                              \
+    case r:                                                                                    \
+        micro_w(xp + i * kp, kp, w0, w1, b0, b1, y0 + i * ldy, y1 + i * ldy, ldy,              \
+                (r) < MR ? (r) : 1, np);                                                       \
+        break;
+
+/* unit_rows with the unit's panels widened first; 0, or 1 when out of memory. */
+static int wide_rows(const xpair_t *xp, int64_t rows, int64_t kp, const uint16_t *p0,
+                     const uint16_t *p1, const float *b0, const float *b1, float *y0, float *y1,
+                     int64_t ldy, const int np) {
+    float *wide = thread_wide((size_t)(np * 2 * kp * NR));
+    if (!wide) return 1;
+    const float *w0 = wide, *w1 = wide + 2 * kp * NR;
+    widen_panel(p0, kp, wide);
+    if (np > 1) widen_panel(p1, kp, wide + 2 * kp * NR);
+    int64_t i = 0;
+    for (; i + MR <= rows; i += MR)
+        micro_w(xp + i * kp, kp, w0, w1, b0, b1, y0 + i * ldy, y1 + i * ldy, ldy, MR, np);
+    switch ((int)(rows - i)) {
+        TAIL_W(1) TAIL_W(2) TAIL_W(3) TAIL_W(4) TAIL_W(5) TAIL_W(6) TAIL_W(7)
+        TAIL_W(8) TAIL_W(9) TAIL_W(10) TAIL_W(11) TAIL_W(12) TAIL_W(13)
+    default: break;
+    }
+    return 0;
+}
+#endif
 
 /* All ``rows`` of a row block through one unit (panel p0, and p1 when ``np`` is 2). */
 static inline __attribute__((always_inline)) void
-unit_rows(const uint32_t *xp, int64_t rows, int64_t kp, const uint16_t *p0, const uint16_t *p1,
+unit_rows(const xpair_t *xp, int64_t rows, int64_t kp, const uint16_t *p0, const uint16_t *p1,
           const float *b0, const float *b1, float *y0, float *y1, int64_t ldy, const int np) {
+#if !DPBF16
+    if (rows >= WIDE_ROWS && wide_rows(xp, rows, kp, p0, p1, b0, b1, y0, y1, ldy, np) == 0)
+        return; /* (out of memory: the in-register path, which needs none) */
+#endif
     int64_t i = 0;
     for (; i + MR <= rows; i += MR)
         micro(xp + i * kp, kp, p0, p1, b0, b1, y0 + i * ldy, y1 + i * ldy, ldy, MR, np);
     switch ((int)(rows - i)) {
-        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6)
-        TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7)
+        TAIL(8) TAIL(9) TAIL(10) TAIL(11) TAIL(12) TAIL(13)
     default: break;
     }
 }
 
 /* Two panels of a row block: p0's columns into y0, p1's into y1 (neighbours or not). */
-static void two_rows(const uint32_t *xp, int64_t rows, int64_t kp, const uint16_t *p0,
+static void two_rows(const xpair_t *xp, int64_t rows, int64_t kp, const uint16_t *p0,
                      const uint16_t *p1, const float *b0, const float *b1, float *y0, float *y1,
                      int64_t ldy) {
     unit_rows(xp, rows, kp, p0, p1, b0, b1, y0, y1, ldy, 2);
 }
 
-static void pair_rows(const uint32_t *xp, int64_t rows, int64_t kp, const uint16_t *p0,
+static void pair_rows(const xpair_t *xp, int64_t rows, int64_t kp, const uint16_t *p0,
                       const float *bias, float *y, int64_t ldy) {
     two_rows(xp, rows, kp, p0, p0 + kp * 2 * NR, bias, bias ? bias + NR : 0, y, y + NR, ldy);
 }
 
-static void single_rows(const uint32_t *xp, int64_t rows, int64_t kp, const uint16_t *p0,
+static void single_rows(const xpair_t *xp, int64_t rows, int64_t kp, const uint16_t *p0,
                         const float *bias, float *y, int64_t ldy) {
     unit_rows(xp, rows, kp, p0, p0, bias, 0, y, y, ldy, 1);
 }
 
-/* Rows per block of the VDPBF16PS paths, so that a block of pairs stays in L2 while the
- * panels pass. */
+/* Rows per block, so that a block of pairs stays in L2 while the panels pass. */
 static inline int64_t row_block(int64_t kp) {
-    int64_t mb = 256 * 1024 / 4 / kp / MR * MR;
+    int64_t mb = 256 * 1024 / (int64_t)sizeof(xpair_t) / kp / MR * MR;
     return mb < 4 * MR ? 4 * MR : mb;
 }
 
@@ -197,7 +403,7 @@ int actorline_bf16_gemm_f32(const float *x, int64_t m, int64_t k, const uint16_t
     if (m == 0) return 0;
     const int64_t kp = (k + 1) / 2;
     const int64_t panels = n / NR, pairs = panels / 2, units = pairs + (panels - 2 * pairs);
-    uint32_t *xp = (uint32_t *)malloc((size_t)(m * kp) * sizeof(uint32_t));
+    xpair_t *xp = (xpair_t *)malloc((size_t)(m * kp) * sizeof(xpair_t));
     if (!xp) return 1;
     const int64_t mb = row_block(kp);
     if (num_threads < 1) num_threads = 1;
@@ -236,15 +442,15 @@ int actorline_bf16_gemm(const float *x, int64_t m, int64_t k, const void *packed
 /* The calling thread's bf16 pairs of x[m, k] (see round_rows), in a buffer of its own kept
  * between calls; with same_x (x holds the rows it held at this thread's last call) those of
  * that call where it had the same x, m and k. NULL: out of memory. */
-static const uint32_t *thread_pairs(const float *x, int64_t m, int64_t k, int same_x) {
-    static __thread uint32_t *pairs_buffer = NULL;
+static const xpair_t *thread_pairs(const float *x, int64_t m, int64_t k, int same_x) {
+    static __thread xpair_t *pairs_buffer = NULL;
     static __thread size_t capacity = 0;
     static __thread const float *rounded_x = NULL; /* the rows the buffer holds: x, m, k */
     static __thread int64_t rounded_m = -1, rounded_k = -1;
     const int64_t kp = (k + 1) / 2;
     const size_t need = (size_t)(m * kp);
     if (need > capacity) {
-        uint32_t *bigger = (uint32_t *)realloc(pairs_buffer, need * sizeof(uint32_t));
+        xpair_t *bigger = (xpair_t *)realloc(pairs_buffer, need * sizeof(xpair_t));
         if (!bigger) return NULL;
         pairs_buffer = bigger;
         capacity = need;
@@ -275,7 +481,7 @@ int actorline_bf16_gemm_part(const float *x, int64_t m, int64_t k, const void *w
     if (m == 0 || col0 == col1) return 0;
     const uint16_t *packed = (const uint16_t *)weights;
     const int64_t kp = (k + 1) / 2;
-    const uint32_t *xp = thread_pairs(x, m, k, same_x);
+    const xpair_t *xp = thread_pairs(x, m, k, same_x);
     if (!xp) return 1;
     const int64_t mb = row_block(kp);
     for (int64_t m0 = 0; m0 < m; m0 += mb) {
@@ -337,7 +543,7 @@ static inline void silu_rows(const float *restrict gu, int64_t gu_stride, int64_
 
 /* Gate panels [first, last) of the epilogue on VDPBF16PS: each row block's gate panel and its
  * up panel into ``scratch`` (row_block rows x 32 floats), then their activation into act. */
-static void silu_panels(const uint32_t *xp, int64_t m, int64_t kp, const uint16_t *packed,
+static void silu_panels(const xpair_t *xp, int64_t m, int64_t kp, const uint16_t *packed,
                         const float *bias, int64_t inter, float *act, int64_t first,
                         int64_t last, float *scratch) {
     const int64_t mb = row_block(kp), half = inter / NR;
@@ -370,7 +576,7 @@ static float *thread_scratch(size_t floats) {
 static int silu_mul_dp(const float *x, int64_t m, int64_t k, const uint16_t *packed,
                        const float *bias, int64_t n, float *act, int num_threads) {
     const int64_t kp = (k + 1) / 2, inter = n / 2, panels = inter / NR, mb = row_block(kp);
-    uint32_t *xp = (uint32_t *)malloc((size_t)(m * kp) * sizeof(uint32_t));
+    xpair_t *xp = (xpair_t *)malloc((size_t)(m * kp) * sizeof(xpair_t));
     if (!xp) return 1;
     if (num_threads < 1) num_threads = 1;
     const int threads = num_threads > panels ? (int)panels : num_threads;
@@ -403,7 +609,7 @@ static int silu_mul_dp_part(const float *x, int64_t m, int64_t k, const uint16_t
                             const float *bias, int64_t n, float *act, int64_t col0, int64_t col1,
                             int same_x) {
     const int64_t kp = (k + 1) / 2, mb = row_block(kp);
-    const uint32_t *xp = thread_pairs(x, m, k, same_x);
+    const xpair_t *xp = thread_pairs(x, m, k, same_x);
     float *scratch = thread_scratch((size_t)(mb < m ? mb : m) * 2 * NR);
     if (!xp || !scratch) return 1;
     silu_panels(xp, m, kp, packed, bias, n / 2, act, col0 / NR, col1 / NR, scratch);

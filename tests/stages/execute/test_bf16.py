@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from stages.execute.bf16 import (
     AMX_FEATURES,
     TORCH_ROWS,
+    WIDEN_FEATURES,
     BF16Embedding,
     BF16GemmKernel,
     BF16Linear,
@@ -170,7 +171,7 @@ def test_bf16_linear_and_embedding_read_one_copy_of_the_weights(amx: bool) -> No
             expected = F.linear(x.bfloat16().float(), weight, linear.bias)
             got = bf16(x)
             # From TORCH_ROWS on torch rounds its product to bf16: 2^-8 of each output.
-            tolerance = 1e-5 if rows < TORCH_ROWS or kernel.amx else 2**-8
+            tolerance = 1e-5 if bf16.native_rows(rows) else 2**-8
             assert got.shape == expected.shape and got.dtype == torch.float32
             assert torch.allclose(got, expected, rtol=tolerance, atol=tolerance), rows
         embedding = BF16Embedding(bf16, torch.tensor(2.0))
@@ -188,6 +189,14 @@ def test_cpu_dtype_auto_follows_the_feature_flags() -> None:
         assert choose_cpu_dtype([*bare, "amx_bf16"], native)[0] == "bfloat16"
     assert choose_cpu_dtype([*bare, "avx512_bf16"], None)[0] == "float32"
     assert choose_cpu_dtype([*bare, "avx512_bf16"], kernels()[1])[0] == "float32"
+    # AVX2 + FMA: the portable path widens bf16 (docs/performance.md §12.3), the native build
+    # too where the flags do not list AVX512-BF16
+    for kernel in kernels():
+        chosen, reason = choose_cpu_dtype([*bare, "fma"], kernel)
+        assert chosen == "bfloat16" and "widens" in reason
+    assert choose_cpu_dtype([*bare, "fma", "avx512_bf16"], kernels()[1])[0] == "bfloat16"
+    assert choose_cpu_dtype([*bare, "fma"], None)[0] == "float32"
+    assert choose_cpu_dtype(["fpu", "sse2", "fma"], kernels()[1])[0] == "float32"
 
 
 _BF16_KV_ATTENTION = "actorline_test_bf16_kv_sdpa"
@@ -323,7 +332,7 @@ def test_dtype_auto_picks_bf16_where_the_cpu_multiplies_it(tiny_model_dir: Path)
     info = ModelRunner(ExecuteConfig(model=str(tiny_model_dir), dtype="auto", num_blocks=8)).load()
     assert info.dtype == expected
     assert info.kv_cache_dtype == expected
-    if "avx512_bf16" in cpu_flags():
+    if {"avx512_bf16"} <= cpu_flags() or set(WIDEN_FEATURES) <= cpu_flags():
         assert expected == "bfloat16"
 
 
