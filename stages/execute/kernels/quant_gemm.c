@@ -159,7 +159,7 @@ static inline vf scales(const uint8_t *p, const int fp32) {
  * GCC 12 lowers the 64-byte vectors above piecewise where the widest registers are 256 bits:
  * arrays of them (the accumulators) live on the stack and move through general registers
  * (vmovq / vpinsrq per 16 bytes), which left every path 2-15x slower than the fp32 packed GEMM
- * on an AVX2-only Zen 3 (docs/performance.md §12.3). There the hot loops below hold the 16
+ * on an AVX2-only Zen 3 (docs/performance.md §12.4). There the hot loops below hold the 16
  * columns as two 8-lane halves, and the int8 dot products use vpmaddubsw (unsigned x signed
  * byte pairs to int16) and vpmaddwd with ones (int16 pairs to int32), as llama.cpp's AVX2
  * vec_dot_q4_1_q8_1 and vec_dot_q8_0_q8_0 do (ggml-cpu/arch/x86/quants.c: mul_sum_us8_pairs,

@@ -73,7 +73,7 @@ class QuantGemmKernel:
         self.int8_dot = _INT8_DOT[int(dot()) if dot is not None else 2 * self.vnni]
         #: whether ``quant_activations="auto"`` picks int8 here: where the dot products run on
         #: byte multiply-adds (VNNI or AVX2), measured faster than fp32 activations at every
-        #: row count of the default model's shapes (docs/performance.md §12.1, §12.3)
+        #: row count of the default model's shapes (docs/performance.md §12.1, §12.4)
         self.int8_preferred = self.int8_dot != "plain"
 
     def format_code(self, fmt: str, int8_activations: bool = False) -> int:
