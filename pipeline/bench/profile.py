@@ -18,7 +18,8 @@ import time
 from pipeline.bench.process import cpu_seconds
 from pipeline.bench.report import format_table
 from pipeline.runtime.control import HostStatistics
-from pipeline.runtime.running import RunningPipeline, plan_hosts
+from pipeline.runtime.planning import plan_hosts
+from pipeline.runtime.running import RunningPipeline
 
 __all__ = [
     "STAGE_ORDER",

@@ -18,7 +18,9 @@ that host's process has exited (or exits within :data:`_EXIT_GRACE`) the failure
 Hosts of a replica set (:mod:`pipeline.runtime.replicas`) are the exception: once the
 pipeline has started, a failure attributed to one of them (by the same rules) is contained
 to its replica, which is killed and cut off; the pipeline fails only when every replica of
-the set is lost (never, for an expendable set).
+the set is lost (never, for an expendable set); that part, and restoring a lost replica, is
+:mod:`pipeline.runtime.replica_supervision`. The start options and the split of the graph into
+host plans are :mod:`pipeline.runtime.planning`.
 
 Shutdown runs once, in a task of its own that every stop waits for: first gracefully (every
 host stops its stages and closes its links), then, whatever that left (all of it when a stop
@@ -30,20 +32,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import itertools
 import logging
 import os
 import re
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pipeline.runtime import settings
-from pipeline.runtime.control import HostPlan, HostStatistics, RemoteLink
+from pipeline.runtime.control import HostPlan, HostStatistics
 from pipeline.runtime.errors import (
     GraphError,
-    HostDiedError,
     HostUnresponsiveError,
     PipelineClosedError,
     PipelineError,
@@ -52,12 +50,10 @@ from pipeline.runtime.errors import (
 from pipeline.runtime.gc_policy import raise_young_threshold, restore_threshold
 from pipeline.runtime.host import LocalHost
 from pipeline.runtime.hosts import Host, RemoteHost
-from pipeline.runtime.omp_policy import POLICY_ENV
+from pipeline.runtime.planning import StartOptions, plan_hosts
 from pipeline.runtime.processes import ProcessHost
 from pipeline.runtime.ray_hosts import (
     RayActorHost,
-    RayHost,
-    RayPlacementGroup,
     connect_ray,
     create_placement_group,
     node_ip,
@@ -65,11 +61,9 @@ from pipeline.runtime.ray_hosts import (
     remove_placement_groups,
     shutdown_ray,
 )
-from pipeline.runtime.replicas import ReplicaLost, ReplicaRestored, ReplicaSet, ReplicaStatus
-from pipeline.runtime.spec import BOUNDARY, MAIN_HOST, Endpoint
+from pipeline.runtime.replica_supervision import ReplicaSupervision
+from pipeline.runtime.spec import MAIN_HOST
 from pipeline.runtime.stage import Stage
-from transports.base import LinkOptions
-from transports.compression import Compression
 from transports.errors import PeerLostError
 from transports.memory import MemoryChannel
 from transports.tasks import TaskSet
@@ -93,113 +87,7 @@ _FORCED_STEP_TIMEOUT = 1.0
 _LINK_IN_ERROR = re.compile(r"\blink (L\d+) into\b")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StartOptions:
-    """How to run a pipeline.
-
-    ``transport``: the default transport of links that cross hosts (a name in the
-    ``actorline.transports`` group). ``compression``: ``"zstd"`` (or a Compression) for byte
-    transports. ``capacity``: per-link buffer. ``exit_capacity``: buffer of each exit.
-    ``transport_settings``: keyword arguments per transport name (e.g. bind addresses).
-    ``tune_gc``: once the stages have started, raise the garbage collector's young-generation
-    threshold while the pipeline runs (in this process too) and freeze the start-up heap of
-    each spawned host process (see :mod:`pipeline.runtime.gc_policy`). ``omp_wait_policy``:
-    how a spawned host's OpenMP threads wait (:mod:`pipeline.runtime.omp_policy`; None:
-    ``auto``, or what this process's environment says).
-    ``hosts``: hosts to run as Ray actors (host name → :class:`RayHost`), the others are
-    spawned processes; ``placement_groups``: Ray placement groups to create for them (name →
-    :class:`RayPlacementGroup`); ``ray_address``: the cluster to connect to ("auto": the one
-    running here; None: ``RAY_ADDRESS``, else a new local one) unless this process is
-    connected already (see :mod:`pipeline.runtime.ray_hosts`); ``ray_auth_token_file``: a
-    file holding the cluster's token (None: where Ray finds one; see
-    :mod:`pipeline.runtime.ray_connection`).
-    """
-
-    transport: str = "zmq"
-    compression: Compression | str | None = None
-    capacity: int = 1024
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 10.0
-    exit_capacity: int = 65536
-    start_timeout: float | None = 600.0
-    stop_timeout: float = 10.0
-    log_level: str | None = None
-    transport_settings: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
-    tune_gc: bool = True
-    omp_wait_policy: str | None = None
-    hosts: Mapping[str, RayHost] = dataclasses.field(default_factory=dict)
-    placement_groups: Mapping[str, RayPlacementGroup] = dataclasses.field(default_factory=dict)
-    ray_address: str | None = None
-    ray_auth_token_file: str | None = None
-
-    def link_options(self) -> LinkOptions:
-        return LinkOptions(
-            compression=Compression.parse(self.compression),
-            capacity=self.capacity,
-            heartbeat_interval=self.heartbeat_interval,
-            heartbeat_timeout=self.heartbeat_timeout,
-        )
-
-
-def plan_hosts(pipeline: Pipeline, options: StartOptions) -> dict[str, HostPlan]:
-    """Split the graph into one plan per host; links across hosts get ids and transports."""
-    pipeline.validate()
-    host_of = {name: spec.host for name, spec in pipeline.stages.items()}
-    host_of[BOUNDARY] = MAIN_HOST
-    replica_of = {
-        host: f"{replica_set.name}/{replica}"
-        for replica_set in pipeline.replica_sets.values()
-        for replica, hosts in replica_set.replicas
-        for host in hosts
-    }
-    link_options = options.link_options()
-    local: dict[str, list[tuple[Endpoint, Endpoint]]] = {h: [] for h in pipeline.hosts}
-    inbound: dict[str, list[RemoteLink]] = {h: [] for h in pipeline.hosts}
-    outbound: dict[str, list[RemoteLink]] = {h: [] for h in pipeline.hosts}
-    ids = itertools.count(1)
-    for link in pipeline.links:
-        source_host, target_host = host_of[link.source.stage], host_of[link.target.stage]
-        if source_host == target_host:
-            local[source_host].append((link.source, link.target))
-            continue
-        link_id = f"L{next(ids)}"
-        transport = link.transport or options.transport
-        source_replica = replica_of.get(source_host, "")
-        target_replica = replica_of.get(target_host, "")
-        contained = source_replica != target_replica  # one end is outside the other's replica
-        outbound[source_host].append(
-            RemoteLink(
-                link_id, link.source, transport, link.target, target_replica if contained else ""
-            )
-        )
-        inbound[target_host].append(
-            RemoteLink(
-                link_id, link.target, transport, link.source, source_replica if contained else ""
-            )
-        )
-    settings_items = tuple(
-        (name, dict(value)) for name, value in options.transport_settings.items()
-    )
-    return {
-        host: HostPlan(
-            name=host,
-            stages=tuple(spec for spec in pipeline.stages.values() if spec.host == host),
-            local_links=tuple(local[host]),
-            inbound=tuple(inbound[host]),
-            outbound=tuple(outbound[host]),
-            link_options=link_options,
-            log_level=options.log_level or settings.log_level(),
-            transport_settings=settings_items,
-            tune_gc=options.tune_gc,
-            environment=(
-                ((POLICY_ENV, options.omp_wait_policy),) if options.omp_wait_policy else ()
-            ),
-        )
-        for host in pipeline.hosts
-    }
-
-
-class RunningPipeline:
+class RunningPipeline(ReplicaSupervision):
     """A started pipeline. Use as an async context manager, or call :meth:`stop`."""
 
     def __init__(self, pipeline: Pipeline, options: StartOptions) -> None:
@@ -218,18 +106,8 @@ class RunningPipeline:
         self._gc_tuned = False  # this pipeline raised the young GC threshold
         self._link_sources: dict[str, str] = {}  # cross-host link id -> its sending host
         self._link_targets: dict[str, str] = {}  # cross-host link id -> its receiving host
-        self._replica_sets: dict[str, ReplicaSet] = dict(pipeline.replica_sets)
-        self._replica_of: dict[str, tuple[str, str]] = {
-            host: (replica_set.name, replica)
-            for replica_set in self._replica_sets.values()
-            for replica, hosts in replica_set.replicas
-            for host in hosts
-        }
-        self._lost: dict[tuple[str, str], BaseException] = {}  # (set, replica) -> its failure
-        self._restored: dict[tuple[str, str], int] = {}  # (set, replica) -> times restored
+        self._init_replicas(pipeline)
         self._plans: dict[str, HostPlan] = {}
-        self._lost_hosts: set[str] = set()
-        self._replica_callbacks: list[Callable[[ReplicaLost], None]] = []
         self._started = False  # start-up finished: from now on replica failures are contained
         self._inbound_sources: dict[str, set[str]] = {}  # host -> hosts that send to it
         self._unresponsive: set[str] = set()
@@ -238,7 +116,6 @@ class RunningPipeline:
         self._probe_task: asyncio.Task[None] | None = None
         # the probe, exit checks (see _blame_exited_host), containments and the teardown
         self._tasks = TaskSet(f"pipeline {pipeline.name}")
-        self._containments: set[asyncio.Task[None]] = set()  # (also in _tasks)
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -512,194 +389,6 @@ class RunningPipeline:
             self._fail(error)
         else:
             self._contain(replica, error)
-
-    def _contain(self, replica: tuple[str, str], error: BaseException) -> None:
-        """Replica ``replica`` failed with ``error``: kill its hosts, cut it off, tell the
-        stages linked to it; or fail the pipeline if it was its set's last live replica."""
-        if self.failure is not None or self._closing or replica in self._lost:
-            return
-        set_name, name = replica
-        replica_set = self._replica_sets[set_name]
-        hosts = replica_set.hosts(name)
-        self._lost[replica] = error
-        self._lost_hosts.update(hosts)
-        if not replica_set.expendable and all(
-            (set_name, other) in self._lost for other in replica_set.names
-        ):
-            logger.error("pipeline %r: the last replica of %r failed", self.pipeline.name, set_name)
-            self._fail(error)
-            return
-        logger.error("pipeline %r: replica %s of %r failed and was cut off: %s",
-                     self.pipeline.name, name, set_name, error)  # fmt: skip
-        for host in hosts:
-            self._processes[host].kill_now()
-        lost = ReplicaLost(
-            set_name,
-            name,
-            hosts,
-            type(error).__qualname__,
-            str(error),
-            error.exitcode if isinstance(error, HostDiedError) else None,
-        )
-        containment = self._tasks.spawn(self._cut_off(lost), name=f"contain:{set_name}/{name}")
-        self._containments.add(containment)  # (a restore of the replica waits for it)
-        containment.add_done_callback(self._containments.discard)
-
-    async def _cut_off(self, lost: ReplicaLost) -> None:
-        """Reap the lost replica's hosts, have every other host cut its links to it (the
-        stages linked to it get ``lost``), then call the replica callbacks."""
-        await asyncio.gather(*(self._processes[host].kill() for host in lost.hosts))
-        key = f"{lost.replica_set}/{lost.replica}"
-        cuts = [
-            process.cut_replica(lost)
-            for process in self._processes.values()
-            if process.name not in self._lost_hosts and process.links_to(key)
-        ]
-        if self._main is not None:
-            cuts.append(self._main.cut_replica(lost))
-        await asyncio.gather(*cuts, return_exceptions=True)
-        for callback in self._replica_callbacks:
-            try:
-                callback(lost)
-            except Exception:
-                logger.exception("replica callback raised")
-
-    def add_replica_callback(self, callback: Callable[[ReplicaLost], None]) -> None:
-        """Call ``callback(lost)`` for every replica lost from now on (once it is cut off)."""
-        self._replica_callbacks.append(callback)
-
-    def unrestorable(self, replica_set: str, replica: str) -> str:
-        """Why :meth:`restore_replica` cannot restore replica ``replica`` of ``replica_set``
-        ("" when it can): its hosts must be spawned processes (not Ray actors), and so must
-        the hosts outside it linked to it (the main host, spawned hosts: each listens and
-        connects afresh; a Ray actor is not asked to).
-
-        Raises:
-            KeyError: no such replica set or replica.
-        """
-        hosts = self._replica_sets[replica_set].hosts(replica)
-        on_ray = [host for host in hosts if host in self.options.hosts]
-        if on_ray:
-            return f"its hosts {on_ray} run on Ray"
-        key = f"{replica_set}/{replica}"
-        linked = sorted(p.name for p in self._processes.values()
-                        if p.name not in hosts and not isinstance(p, ProcessHost)
-                        and p.links_to(key))  # fmt: skip
-        if linked:
-            return f"hosts {linked} linked to it run on Ray"
-        return ""
-
-    def _linked_processes(self, link_key: str, hosts: tuple[str, ...]) -> list[ProcessHost]:
-        """The live spawned hosts outside replica ``link_key`` (of ``hosts``) linked to it."""
-        return [
-            process
-            for process in self._processes.values()
-            if isinstance(process, ProcessHost)
-            and process.name not in hosts
-            and process.name not in self._lost_hosts
-            and process.links_to(link_key)
-        ]
-
-    async def restore_replica(self, replica_set: str, replica: str) -> None:
-        """Run lost replica ``replica`` of ``replica_set`` again on fresh hosts: spawn them
-        from their plans, link them to the main host afresh, start their stages (the model
-        loads), then take the links back into use and deliver a :class:`ReplicaRestored` to
-        the stages linked to it (returns once it is in their mailboxes, behind what they
-        hold). The rest of the pipeline runs on meanwhile. A failure of
-        the fresh hosts while they start is not contained again: this raises it, the fresh
-        hosts are killed and the replica stays lost.
-
-        Raises:
-            KeyError: no such replica set or replica.
-            ValueError: the replica is not lost, or cannot be restored (:meth:`unrestorable`).
-            PipelineError: the pipeline failed or is stopping (its error).
-            TimeoutError: the fresh hosts did not start within ``start_timeout``.
-            HostDiedError, StageFailedError, ...: a fresh host died or a stage failed to start.
-        """
-        key = (replica_set, replica)
-        hosts = self._replica_sets[replica_set].hosts(replica)
-        self._raise_if_closed()
-        if key not in self._lost:
-            raise ValueError(f"replica {replica} of {replica_set!r} is not lost")
-        reason = self.unrestorable(replica_set, replica)
-        if reason:
-            raise ValueError(f"replica {replica} of {replica_set!r} cannot be restored: {reason}")
-        while self._containments:  # its cut-off (reaping its old hosts) comes first
-            await asyncio.wait(set(self._containments))
-        assert self._main is not None
-        link_key = f"{replica_set}/{replica}"
-        fresh = {
-            host: ProcessHost(
-                self._plans[host], self._failure_reporter(host), self._link_lost_reporter(host)
-            )
-            for host in hosts
-        }
-        # NOTE: the fresh hosts stay in _lost_hosts (and the replica in _lost) until they
-        # have started: a failure of theirs meanwhile is not contained (the calls below
-        # raise it instead), and a link of theirs that breaks is not reported.
-        self._processes.update(fresh)
-        linked = self._linked_processes(link_key, hosts)
-        try:
-            await asyncio.wait_for(
-                self._bring_up(link_key, fresh, linked), self.options.start_timeout
-            )
-            self._raise_if_closed()
-        except BaseException:
-            for process in fresh.values():
-                process.kill_now()
-            await asyncio.gather(*(process.kill() for process in fresh.values()))
-            if self.failure is None and not self._closing:
-                error = self._lost[key]
-                lost = ReplicaLost(
-                    replica_set, replica, hosts, type(error).__qualname__, str(error)
-                )
-                # (its stages heard of the loss already and of no restore: nothing to tell)
-                await asyncio.gather(
-                    self._main.cut_replica(lost, tell=False),
-                    *(process.cut_replica(lost, tell=False) for process in linked),
-                )
-            raise
-        del self._lost[key]
-        self._lost_hosts.difference_update(hosts)
-        self._unresponsive.difference_update(hosts)
-        self._restored[key] = self._restored.get(key, 0) + 1
-        logger.warning("pipeline %r: replica %s of %r runs again on fresh hosts",
-                       self.pipeline.name, replica, replica_set)  # fmt: skip
-        restored = ReplicaRestored(replica_set, replica, hosts, self._restored[key])
-        await self._main.replica_restored(restored)
-        # NOTE: a linked host that cannot be told is failing on its own (its failure is
-        # reported as any host's)
-        await asyncio.gather(
-            *(process.replica_restored(restored) for process in linked), return_exceptions=True
-        )
-
-    async def _bring_up(
-        self, link_key: str, fresh: dict[str, ProcessHost], linked: list[ProcessHost]
-    ) -> None:
-        """Spawn, link and start the fresh hosts of replica ``link_key``; the main host and
-        the spawned hosts ``linked`` to it listen and connect afresh."""
-        assert self._main is not None
-        await asyncio.gather(*(process.spawn() for process in fresh.values()))
-        addresses = await self._main.rebind_replica(link_key)
-        for bound in await asyncio.gather(
-            *(process.bind_links() for process in fresh.values()),
-            *(process.rebind_replica(link_key) for process in linked),
-        ):
-            addresses.update(bound)
-        await asyncio.gather(*(process.connect_links(addresses) for process in fresh.values()))
-        await self._main.reconnect_replica(link_key, addresses)
-        await asyncio.gather(
-            *(process.reconnect_replica(link_key, addresses) for process in linked)
-        )
-        await asyncio.gather(*(process.start_stages() for process in fresh.values()))
-
-    def replicas(self) -> list[ReplicaStatus]:
-        """Every replica of the pipeline's replica sets, with its failure if it was lost."""
-        return [
-            ReplicaStatus(replica_set.name, name, hosts, self._lost.get((replica_set.name, name)))
-            for replica_set in self._replica_sets.values()
-            for name, hosts in replica_set.replicas
-        ]
 
     def _blame_exited_host(self, suspects: list[str], otherwise: Callable[[], None]) -> None:
         """A link broke or fell silent, maybe because one of the ``suspects`` (spawned hosts)

@@ -17,6 +17,10 @@ a step is :meth:`ModelRunner.prepare` (bookkeeping and the packed batch, whose
 then :meth:`ModelRunner.run` (the forward pass and sampling). The other ranks run
 :meth:`ModelRunner.run_shard` on each ShardStep: the same forward pass over their shard,
 without LM head or sampling.
+
+A step's batch (the requests held, each chunk's share, the packing, the prepared step) is
+:mod:`stages.execute.step_batch`; the paths a packed batch runs on (step graph, decode graphs,
+the model's modules) and their building at load are :mod:`stages.execute.forward_paths`.
 """
 
 from __future__ import annotations
@@ -31,11 +35,10 @@ import numpy as np
 import torch
 
 from pipeline.runtime import settings
-from stages.execute.allocator import RESERVED_BLOCK_ID, BlockAllocator
+from stages.execute.allocator import BlockAllocator
 from stages.execute.attention import (
     DecodeAttentionMode,
     KVCache,
-    LayerShape,
     UnsupportedModelError,
     build_step_metadata,
     check_model_config,
@@ -62,10 +65,10 @@ from stages.execute.bookkeeping import (
 from stages.execute.config import ExecuteConfig, ExecuteConfigError
 from stages.execute.cpu import release_free_memory, tune_allocator, use_cpu_linears
 from stages.execute.flex import use_flex
+from stages.execute.forward_paths import ForwardPaths
 from stages.execute.fused import use_fused_ops
 from stages.execute.grammar_mask import grammar_rows
 from stages.execute.kv_blocks import (
-    PlannedExport,
     export_planned,
     export_rank_blocks,
     import_moved_blocks,
@@ -75,7 +78,6 @@ from stages.execute.kv_blocks import (
 )
 from stages.execute.llama import load_native_llama
 from stages.execute.loading import (
-    PROBE_REQUEST,
     check_paged_attention,
     decode_mode,
     layer_shape,
@@ -85,8 +87,8 @@ from stages.execute.loading import (
     resolve_dtype,
     resolve_kv_dtype,
 )
-from stages.execute.lora import LoadedAdapter, LoRABank, acquire_adapter, lora_rows
-from stages.execute.lora_shard import lora_shard_of, shard_lora_fields, shard_lora_rows
+from stages.execute.lora import LoRABank, acquire_adapter
+from stages.execute.lora_shard import lora_shard_of, shard_lora_rows
 from stages.execute.model_impl import NativeConfig, eos_token_ids, model_config
 from stages.execute.model_length import resolve_model_length
 from stages.execute.native import (
@@ -97,31 +99,33 @@ from stages.execute.native import (
 from stages.execute.pipeline_parallel import drop_embeddings
 from stages.execute.pooling import Pooler, capture_hidden_states, matryoshka_dimensions
 from stages.execute.pp_load import load_transformers_model, shard_part, survey_model
-from stages.execute.pp_sampling import RemoteSample
 from stages.execute.pp_split import check_pipeline_parallel
 from stages.execute.probe_cache import checks_passed, record_passed
 from stages.execute.prompt_scores import (
-    PromptScores,
     fill_prompt_rows,
     new_prompt_scores,
     prompt_rows,
     score_prompt_rows,
 )
 from stages.execute.quant.apply import quantize_model, weight_bytes
-from stages.execute.sampler import Sampler, SampleResult, SamplingState, new_sampling_state
+from stages.execute.sampler import Sampler, SampleResult, new_sampling_state
 from stages.execute.speculative import (
     draft_rows,
     stage_drafts,
     unstage_drafts,
     verify_drafts,
 )
+from stages.execute.step_batch import (
+    PreparedStep,
+    RunnerRequest,
+    Work,
+    pack,
+    shard_step,
+)
 from stages.execute.step_graph import (
     StepGraph,
-    StepGraphUnsupported,
-    check_step_graph,
-    plan_rows,
 )
-from stages.execute.step_graph_lora import StepGraphLoRA, lora_tables, step_lora
+from stages.execute.step_graph_lora import StepGraphLoRA, lora_tables
 from stages.execute.tensor_parallel import (
     Rendezvous,
     ShardStep,
@@ -141,91 +145,13 @@ from stages.messages import (
     StepResult,
 )
 from stages.models import quiet_transformers, resolve_model
-from stages.pooling import PoolingParams
 
 __all__ = ["ModelRunner", "PreparedStep", "StepError"]
 
 logger = logging.getLogger("actorline.execute")
 
 
-@dataclasses.dataclass(slots=True)
-class _Request:
-    request_id: str
-    sampling: SamplingState
-    num_computed: int = 0  # leading tokens whose K/V is in the cache
-    num_cached: int = 0  # of those, served by the prefix cache since the request started
-    prompt_scores: PromptScores | None = None  # its prompt logprobs, when it asked
-    pooling: PoolingParams | None = None  # an embedding request (stages.execute.pooling)
-    prefix_cache: bool = True  # whether its prefix may come from the cache
-    lora: LoadedAdapter | None = None  # its LoRA adapter (stages.execute.lora)
-    cache_key: bytes = b""  # mixed into its block hashes (stages.lora.lora_cache_key)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.sampling.prompt_token_ids) + len(self.sampling.output_token_ids)
-
-    @property
-    def reads_prefix_cache(self) -> bool:
-        """Not while its prompt is being scored (stages/execute/prompt_scores.py), nor when it
-        pools rows the cache would skip (stages/execute/pooling.py)."""
-        return self.prefix_cache and (self.prompt_scores is None or not self.prompt_scores.owed)
-
-    def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
-        """Known tokens ``[start, end)`` (prompt then outputs)."""
-        prompt, outputs = self.sampling.prompt_token_ids, self.sampling.output_token_ids
-        end = self.num_tokens if end is None else end
-        split = len(prompt)
-        if end <= split:
-            return list(prompt[start:end])
-        if start >= split:
-            return outputs[start - split : end - split]
-        return [*prompt[start:], *outputs[: end - split]]
-
-
-@dataclasses.dataclass(slots=True)
-class _Work:
-    """One request's share of the packed batch: compute positions ``[start, end)``."""
-
-    request: _Request
-    start: int
-    end: int
-    samples: bool
-    packed_end: int = 0  # one past its last row in the packed batch
-
-
-@dataclasses.dataclass(slots=True)
-class _Packed:
-    """A step's packed batch: decode rows first (ascending context), then prefill chunks."""
-
-    order: list[_Work]
-    token_ids: list[int]
-    query_starts: list[int]
-    query_lens: list[int]
-    num_decode: int
-    block_tables: list[list[int]]
-
-
-@dataclasses.dataclass(slots=True)
-class PreparedStep:
-    """A step after :meth:`ModelRunner.prepare`: its blocks are allocated, its batch packed.
-    ``shard``: what the other tensor-parallel ranks need to run it (None without tensor
-    parallelism, or when nothing is computed). ``drafts``: the draft of each chunk that
-    carries one, staged into its request's tokens (stages/execute/speculative.py)."""
-
-    step: SchedulerStep
-    works: list[_Work]
-    report: PlanReport
-    packed: _Packed | None
-    shard: ShardStep | None = None
-    drafts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    #: with pipeline parallelism: what the last shard sampled (``run`` takes it instead of
-    #: a forward pass and sampling; stages.execute.pp_sampling)
-    sampled: RemoteSample | None = None
-    #: with ``kv_export``: the prompts' blocks to export once the forward pass ran
-    kv_out: list[PlannedExport] = dataclasses.field(default_factory=list)
-
-
-class ModelRunner:
+class ModelRunner(ForwardPaths):
     """Runs the model for the execute stage (see the module docstring).
 
     Args:
@@ -272,7 +198,7 @@ class ModelRunner:
         self._bf16: BF16GemmKernel | None = None  # bf16 weights on CPU (stages.execute.bf16)
         self.max_model_len = 0
         self._sampler: Sampler | None = None
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RunnerRequest] = {}
         self._eos_token_ids: tuple[int, ...] = ()
         self._decode_mode: DecodeAttentionMode = "grouped"
         self._flex = False  # attention_backend "flex" (stages.execute.flex)
@@ -550,80 +476,9 @@ class ModelRunner:
         return self._sampler
 
     @property
-    def step_graph(self) -> StepGraph | None:
-        """The CPU step graph serving this runner's small decode steps (None: the module path
-        serves every step; the load's log says why)."""
-        return self._step_graph
-
-    @property
     def _heads(self) -> tuple[int, int]:
         """(rank, ranks): which tensor-parallel share of the KV heads this runner's cache holds."""
         return (self.rank, self.config.tensor_parallel_size)
-
-    @property
-    def _wants_step_graph(self) -> bool:
-        """Whether this load would serve decode steps by the CPU step graph, were the model
-        one it serves (stages.execute.step_graph)."""
-        return (
-            self.device.type == "cpu"
-            and self.config.use_cuda_graphs
-            and self.config.tensor_parallel_size == 1
-            and self.config.pipeline_parallel_size == 1
-            and self.dtype == torch.float32
-            and self._decode_mode == "native"
-            and not self._flex
-            and not self._force_static_decode
-        )
-
-    def _make_step_graph(self, layers: dict[int, LayerShape], *, verify: bool) -> StepGraph | None:
-        """The CPU step graph of this model, checked against the module path on a probe step
-        (``verify``); None where it does not serve the model or disagrees (reason logged)."""
-        if not self._wants_step_graph:
-            return None
-        assert self.kv_cache is not None and self.allocator is not None
-        variants = [s for s in layers.values() if s.window or s.softcap or s.has_sinks]
-        try:
-            if self._window is not None or variants:
-                raise StepGraphUnsupported("sliding windows, soft caps and sinks")
-            rows = plan_rows(self.model, self.config.cuda_graph_max_batch_size)
-            graph = StepGraph.build(
-                self.model, self.kv_cache, max_rows=rows, max_model_len=self.max_model_len
-            )
-            if verify:
-                check_step_graph(
-                    graph,
-                    self.model,
-                    self.kv_cache,
-                    self.allocator,
-                    decode_mode=self._decode_mode,
-                    max_model_len=self.max_model_len,
-                    probe_name=PROBE_REQUEST,
-                )
-        except StepGraphUnsupported as reason:
-            logger.info("execute: decode steps take the module path (step graph: %s)", reason)
-            return None
-        logger.info("execute: decode steps of up to %d rows run as one native call", rows)
-        return graph
-
-    def _make_decode_graphs(self) -> Any:
-        if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
-            return None  # NOTE: captured graphs would need the collectives captured too
-        on_cuda = self.device.type == "cuda" and self.config.use_cuda_graphs
-        if not (on_cuda or self._force_static_decode):
-            return None
-        from stages.execute.cuda_graphs import DecodeGraphs
-
-        assert self.kv_cache is not None
-        graphs = DecodeGraphs(
-            self.model,
-            self.kv_cache,
-            max_batch_size=self.config.cuda_graph_max_batch_size,
-            max_model_len=self.max_model_len,
-            device=self.device,
-            flex=self._flex,
-        )
-        graphs.capture(enabled=self.device.type == "cuda")
-        return graphs
 
     # ----------------------------------------------------------------- stepping
     def execute(self, step: SchedulerStep) -> StepResult:
@@ -664,17 +519,17 @@ class ModelRunner:
         import_moved_blocks(self.kv_cache, allocator, step.new_requests, self._heads, written)
         drafts = stage_drafts(self._requests, step.chunks)
         report = PlanReport()
-        works: list[_Work] = []
+        works: list[Work] = []
         chunks = plan_chunks(allocator, self._requests, step.chunks, report, step.spare_blocks)
         for request, start, end in chunks:
-            works.append(_Work(request, start, end, samples=end == request.num_tokens))
+            works.append(Work(request, start, end, samples=end == request.num_tokens))
         unstage_drafts(self._requests, drafts, report.preempted)
-        packed = self._pack(works) if works else None
+        packed = pack(works, allocator) if works else None
         prepared = PreparedStep(step, works, report, packed, drafts=drafts)
         if packed is not None and (
             self.group is not None or self.config.pipeline_parallel_size > 1
         ):
-            prepared.shard = _shard_step(step.step_id, packed)
+            prepared.shard = shard_step(step.step_id, packed)
         if self.config.kv_export:
             prepared.kv_out = plan_exports(allocator, allocator.block_size, works)
         if self.group is not None:
@@ -885,7 +740,7 @@ class ModelRunner:
         )
         pooling = request.pooling
         adapter = acquire_adapter(self.lora, request, self._requests.values())
-        self._requests[request.request_id] = _Request(
+        self._requests[request.request_id] = RunnerRequest(
             request.request_id,
             sampling,
             prompt_scores=scores,
@@ -894,127 +749,6 @@ class ModelRunner:
             lora=adapter,
             cache_key=lora_cache_key(request.lora),
         )
-
-    def _pack(self, works: list[_Work]) -> _Packed:
-        """Pack the step's chunks: decode rows first, by ascending context length (attention
-        groups them), then prefill chunks in scheduled order."""
-        decode = sorted((w for w in works if w.end - w.start == 1), key=lambda w: w.end)
-        prefill = [w for w in works if w.end - w.start > 1]
-        order = decode + prefill
-        tokens: list[int] = []
-        for work in order:
-            tokens.extend(work.request.tokens(work.start, work.end))
-            work.packed_end = len(tokens)
-        assert self.allocator is not None
-        return _Packed(
-            order,
-            tokens,
-            [w.start for w in order],
-            [w.end - w.start for w in order],
-            len(decode),
-            [self.allocator.block_table(w.request.request_id) for w in order],
-        )
-
-    def _forward(
-        self,
-        packed: _Packed,
-        sampling: list[_Work],
-        extra_rows: Sequence[int] = (),
-        module_path: bool = False,
-        token_rows: bool = False,
-    ) -> torch.Tensor:
-        """Run the model over the packed batch; logits of the sampling rows, in their order,
-        then of the packed rows ``extra_rows`` (prompt logprobs: only the module path
-        computes them, the decode graphs keep no other row). ``module_path``: through the
-        model's modules even where a step graph or CUDA graph could run the step (a pooled
-        step's hidden states are captured from them). ``token_rows``: every chunk is a decode
-        token or a drafted run, which the step graph runs as one decode row per token (each
-        attends the positions up to its own; every row's K/V is written before any attends),
-        extra rows included (stages/execute/speculative.py).
-
-        Returns:
-            ``[len(sampling) + len(extra_rows), V]`` logits.
-        """
-        assert self.allocator is not None and self.kv_cache is not None
-        order, tokens, num_decode = packed.order, packed.token_ids, packed.num_decode
-        block_tables = packed.block_tables
-        decode = order[:num_decode]
-
-        step_graph = self._step_graph
-        if (
-            token_rows
-            and not module_path
-            and step_graph is not None
-            and len(tokens) <= step_graph.max_rows
-        ):
-            row_positions = [p for w in order for p in range(w.start, w.end)]
-            row_tables = [
-                t for w, t in zip(order, block_tables, strict=True) for _ in range(w.end - w.start)
-            ]
-            kept_rows = [w.packed_end - 1 for w in sampling] + list(extra_rows)
-            lora = step_lora(
-                self._step_graph_lora, [(w.request.lora, w.end - w.start) for w in order]
-            )
-            return step_graph.run(tokens, row_positions, row_tables, kept_rows, lora)  # [S + E, V]
-        if (
-            not module_path
-            and not extra_rows
-            and num_decode == len(order)
-            and step_graph is not None
-            and num_decode <= step_graph.max_rows
-        ):
-            rows = {id(w): index for index, w in enumerate(decode)}
-            return step_graph.run(
-                tokens,
-                [w.start for w in decode],
-                block_tables,
-                [rows[id(w)] for w in sampling],
-                step_lora(self._step_graph_lora, [(w.request.lora, 1) for w in decode]),
-            )  # [S, V]
-
-        graphs = self._decode_graphs
-        if (
-            not module_path
-            and not extra_rows
-            and num_decode == len(order)
-            and all(w.request.lora is None for w in order)
-            and graphs is not None
-            and graphs.can_run(len(decode), decode[-1].end)
-        ):
-            logits = graphs.run(
-                token_ids=tokens,
-                positions=[w.start for w in decode],
-                block_tables=block_tables,
-                context_lens=[w.end for w in decode],
-            )  # [B, V] in packed order
-            rows = {id(w): index for index, w in enumerate(decode)}
-            keep = torch.tensor([rows[id(w)] for w in sampling], device=self.device)
-            return logits.index_select(0, keep)
-
-        metadata, positions = build_step_metadata(
-            kv_cache=self.kv_cache,
-            block_tables=block_tables,
-            query_starts=packed.query_starts,
-            query_lens=packed.query_lens,
-            num_decode=num_decode,
-            decode_mode=self._decode_mode,
-            flex=self._flex,
-            max_model_len=self.max_model_len,
-            device=self.device,
-        )
-        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device)  # [T]
-        keep = torch.tensor(
-            [w.packed_end - 1 for w in sampling] + list(extra_rows), dtype=torch.long
-        )
-        spans = [(w.request.lora, w.packed_end - (w.end - w.start), w.packed_end) for w in order]
-        with torch.inference_mode(), forward_context(metadata), lora_rows(self.lora, spans):
-            output = self.model(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=positions.unsqueeze(0),
-                use_cache=False,
-                logits_to_keep=keep.to(self.device),
-            )
-        return output.logits[0]  # [S, V]
 
     def has_request(self, request_id: str) -> bool:
         """Whether the runner holds sampling state for ``request_id``."""
@@ -1047,22 +781,3 @@ class ModelRunner:
             assert self.allocator is not None
             self.allocator.truncate(request_id, kept)
         return request.num_computed
-
-
-def _shard_step(step_id: int, packed: _Packed) -> ShardStep:
-    """The other ranks' copy of ``packed`` (block tables padded to one width)."""
-    width = max(len(table) for table in packed.block_tables)
-    tables = np.full((len(packed.block_tables), width), RESERVED_BLOCK_ID, dtype=np.int64)
-    for row, table in enumerate(packed.block_tables):
-        tables[row, : len(table)] = table
-    return ShardStep(
-        step_id=step_id,
-        token_ids=np.asarray(packed.token_ids, dtype=np.int64),
-        query_starts=np.asarray(packed.query_starts, dtype=np.int64),
-        query_lens=np.asarray(packed.query_lens, dtype=np.int64),
-        num_decode=packed.num_decode,
-        block_tables=tables,
-        **shard_lora_fields(
-            [w.request.lora.request if w.request.lora else None for w in packed.order]
-        ),
-    )

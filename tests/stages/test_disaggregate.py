@@ -9,9 +9,11 @@ whole on the decode engine), both in bounded time and with no process left behin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,25 @@ async def final(engine: AsyncEngine, request_id: str, prompt: str, params: Sampl
         last = output
     assert last is not None
     return last
+
+
+@contextlib.asynccontextmanager
+async def pd_engine(
+    model_dir: Path, **options: Any
+) -> AsyncIterator[tuple[AsyncEngine, PrefillDecodeRouterStage, dict[str, int | None]]]:
+    """A started P/D 1:1 engine on the tiny model (256 blocks, ``options`` on top), its
+    router and its hosts' pids; closed on leaving, after which none of its processes is left
+    (checked when the block ended without an error)."""
+    engine = AsyncEngine(str(model_dir), num_blocks=256, prefill_decode=(1, 1), **options)
+    await engine.start()
+    pids = dict(engine.running.pids)
+    try:
+        router = engine.running.stage("router")
+        assert isinstance(router, PrefillDecodeRouterStage)
+        yield engine, router, pids
+    finally:
+        await engine.close()
+    assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
 
 async def outputs_of(engine: AsyncEngine, stop: str | None) -> dict[str, tuple[Any, ...]]:
@@ -209,10 +230,7 @@ def test_the_pipeline_links_the_prefill_engines_straight_to_the_decode_engines()
 @pytest.mark.slow
 def test_a_killed_decode_engine_fails_only_what_it_streamed(tiny_model_dir: Path) -> None:
     async def body() -> None:
-        engine = AsyncEngine(str(tiny_model_dir), num_blocks=256, prefill_decode=(1, 1))
-        await engine.start()
-        pids = dict(engine.running.pids)
-        try:
+        async with pd_engine(tiny_model_dir) as (engine, _, pids):
             params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
             progress: dict[str, int] = {}
 
@@ -243,9 +261,6 @@ def test_a_killed_decode_engine_fails_only_what_it_streamed(tiny_model_dir: Path
             assert engine.failure is None
             again = await final(engine, "after", PROMPTS["a1"], GREEDY)
             assert len(again.token_ids) == GREEDY.max_tokens
-        finally:
-            await engine.close()
-        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
     run(body())
 
@@ -258,12 +273,7 @@ def test_a_killed_prefill_engine_fails_no_request(tiny_model_dir: Path) -> None:
     no caller sees an error."""
 
     async def body() -> None:
-        engine = AsyncEngine(str(tiny_model_dir), num_blocks=256, prefill_decode=(1, 1))
-        await engine.start()
-        pids = dict(engine.running.pids)
-        try:
-            router = engine.running.stage("router")
-            assert isinstance(router, PrefillDecodeRouterStage)
+        async with pd_engine(tiny_model_dir) as (engine, router, pids):
             before = {name: await final(engine, f"before-{name}", PROMPTS[name], GREEDY)
                       for name in ("a2", "b2")}  # fmt: skip
             frozen = pids["engine"]
@@ -294,9 +304,6 @@ def test_a_killed_prefill_engine_fails_no_request(tiny_model_dir: Path) -> None:
                 assert out.token_ids == before[name].token_ids
             assert router.fallbacks == len(before) and router.live_replicas == ("1",)
             assert not process_alive(frozen)
-        finally:
-            await engine.close()
-        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
     run(body())
 
@@ -307,18 +314,9 @@ def test_a_transfer_that_does_not_come_runs_the_request_whole(tiny_model_dir: Pa
     decode engine when it passes, with one engine's tokens."""
 
     async def body() -> None:
-        engine = AsyncEngine(
-            str(tiny_model_dir),
-            num_blocks=256,
-            prefill_decode=(1, 1),
-            prefill_decode_timeout=1.0,
-            heartbeat_timeout=120.0,
-        )
-        await engine.start()
-        pids = dict(engine.running.pids)
-        try:
-            router = engine.running.stage("router")
-            assert isinstance(router, PrefillDecodeRouterStage)
+        async with pd_engine(
+            tiny_model_dir, prefill_decode_timeout=1.0, heartbeat_timeout=120.0
+        ) as (engine, router, pids):
             before = await final(engine, "before", PROMPTS["a1"], GREEDY)
             frozen = pids["engine"]
             assert frozen is not None
@@ -332,9 +330,6 @@ def test_a_transfer_that_does_not_come_runs_the_request_whole(tiny_model_dir: Pa
             # the engine thawed answers the next one through the transfer again
             again = await final(engine, "again", PROMPTS["a1"], GREEDY)
             assert again.token_ids == before.token_ids and router.transfers == 2
-        finally:
-            await engine.close()
-        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
     run(body())
 
@@ -414,19 +409,9 @@ def test_blocks_no_request_waits_for_are_dropped_by_the_decode_engine(
     compress (zstd), the direct one between the engines too."""
 
     async def body() -> None:
-        engine = AsyncEngine(
-            str(tiny_model_dir),
-            num_blocks=256,
-            prefill_decode=(1, 1),
-            prefill_decode_timeout=5.0,
-            heartbeat_timeout=120.0,
-            compression="zstd",
-        )
-        await engine.start()
-        pids = dict(engine.running.pids)
-        try:
-            router = engine.running.stage("router")
-            assert isinstance(router, PrefillDecodeRouterStage)
+        async with pd_engine(
+            tiny_model_dir, prefill_decode_timeout=5.0, heartbeat_timeout=120.0, compression="zstd"
+        ) as (engine, router, pids):
             before = await final(engine, "before", PROMPTS["a1"], GREEDY)
             assert router.transfers == 1 and router.decode_held == {"1": (0, 0)}
             frozen = pids["engine_1"]
@@ -464,8 +449,5 @@ def test_blocks_no_request_waits_for_are_dropped_by_the_decode_engine(
             assert router.decode_held == {"1": (0, 0)}  # nothing else held there: freed
             assert router.recent_transfers[-1].request_id.startswith("again")
             assert not router._parked and not router._prefilling
-        finally:
-            await engine.close()
-        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
     run(body())

@@ -148,6 +148,46 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Starte
         head.stop()
 
 
+def drive(
+    model_dir: Path,
+    nodes: tuple[StartedRay, StartedRay],
+    engines: list[list[Any]],
+    prompts: list[str],
+    *,
+    timeout: float,
+) -> tuple[list[dict[str, Any]], str, str]:
+    """Run :data:`DRIVER` on the two-node cluster with ``engines`` (``[options, host to
+    kill]`` each) over ``prompts``; its reports, the head's node id and the second node's.
+    Checks that the driver succeeded, that each report sees the same two nodes (one of them
+    with resource ``second``), that each actor's process runs under its node's ``ray start``
+    (its session) and that, once the driver is gone, no host actor is left on either node."""
+    head, node = nodes
+    command = [sys.executable, "-c", DRIVER, str(model_dir), head.address, json.dumps(engines),
+               json.dumps(prompts), str(GREEDY.max_tokens)]  # fmt: skip
+    result = subprocess.run(
+        command,
+        env={**head.environment(), "PYTHONPATH": str(REPOSITORY)},
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports: list[dict[str, Any]] = json.loads(result.stdout.strip().splitlines()[-1])
+    seen = reports[0]["nodes"]
+    second = [nid for nid, resources in seen.items() if "second" in resources]
+    first = [nid for nid, resources in seen.items() if "second" not in resources]
+    assert len(second) == len(first) == 1, seen
+    sessions = {head.process.pid: first[0], node.process.pid: second[0]}
+    for report in reports:
+        assert report["nodes"] == seen
+        for where in report["hosts"].values():
+            assert sessions[where["session"]] == where["node"]
+    wait_no_host_actor(head)
+    wait_no_host_actor(node)
+    return reports, first[0], second[0]
+
+
 # -- plain data ----------------------------------------------------------------------------------
 
 
@@ -291,7 +331,6 @@ def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
     two_nodes: tuple[StartedRay, StartedRay],
     local_tokens: list[tuple[int, ...]],
 ) -> None:
-    head, node = two_nodes
     # PP x TP: two shards of two ranks each, STRICT_SPREAD over the two nodes (a shard and its
     # ranks are one bundle), the second shard pinned by its resource, one of its ranks killed;
     # two replicas spread, the survivor serving on
@@ -300,36 +339,15 @@ def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
                   ray_shard_resources="node:__internal_head__,second")  # fmt: skip
     spread = dict(pipeline_parallel_size=2, data_parallel_size=2, router="round-robin",
                   ray_num_cpus=0.5, ray_placement_strategy="STRICT_SPREAD")  # fmt: skip
-    engines = json.dumps([[pinned, "engine_pp1_tp1"], [spread, "engine_1_pp1"]])
-    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address, engines,
-               json.dumps(PROMPTS), str(GREEDY.max_tokens)]  # fmt: skip
-    result = subprocess.run(
-        command,
-        env={**head.environment(), "PYTHONPATH": str(REPOSITORY)},
-        cwd=REPOSITORY,
-        capture_output=True,
-        text=True,
-        timeout=800,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    reports = json.loads(result.stdout.strip().splitlines()[-1])
-    nodes = reports[0]["nodes"]
-    second = [nid for nid, resources in nodes.items() if "second" in resources]
-    first = [nid for nid, resources in nodes.items() if "second" not in resources]
-    assert len(second) == len(first) == 1, nodes
-    sessions = {head.process.pid: first[0], node.process.pid: second[0]}
+    engines = [[pinned, "engine_pp1_tp1"], [spread, "engine_1_pp1"]]
+    reports, first, second = drive(tiny_model_dir, two_nodes, engines, PROMPTS, timeout=800)
     for engine in reports:
-        assert engine["nodes"] == nodes
-        hosts = engine["hosts"]
-        for where in hosts.values():  # each actor's process runs under its node's `ray start`
-            assert sessions[where["session"]] == where["node"]
         assert [tuple(tokens) for tokens in engine["tokens"]] == local_tokens
         assert engine["seconds"] < KILLED_SHARD_SECONDS
     one, two = reports
     # each shard's ranks on its shard's node, the shards on the two nodes
     assert {host: where["node"] for host, where in one["hosts"].items()} == {
-        "engine": first[0], "engine_tp1": first[0],
-        "engine_pp1": second[0], "engine_pp1_tp1": second[0],
+        "engine": first, "engine_tp1": first, "engine_pp1": second, "engine_pp1_tp1": second,
     }  # fmt: skip
     assert one["killed"] == ["EngineDeadError"] * len(PROMPTS)
     assert one["failure"] == "EngineDeadError"
@@ -341,8 +359,6 @@ def test_shards_on_two_nodes_give_one_engines_tokens_and_a_killed_one_fails_all(
     assert two["survivors_running"] == [True] * (len(PROMPTS) // 2)
     assert two["failure"] is None
     assert [tuple(tokens) for tokens in two["after"]] == local_tokens
-    wait_no_host_actor(head)
-    wait_no_host_actor(node)
 
 
 #: prompts of several full blocks (16 tokens each) for the tiny model, so that KV moves
@@ -369,6 +385,21 @@ async def tokens_of(engine: AsyncEngine, prompt: str, params: Any) -> tuple[int,
     return last
 
 
+def check_prefill_decode(report: dict[str, Any], expected: list[tuple[int, ...]]) -> None:
+    """A P/D 1:1 engine's report over LONG_PROMPTS: every prompt prefilled on the prefill
+    engine, its blocks moved (at least 3 full blocks each, none run whole), the greedy tokens
+    ``expected`` (one local engine's); the killed decode engine's streams failed in bounded
+    time, and the prefill engine lives on and serves the prompts whole, with those tokens."""
+    transfers, blocks, fallbacks = report["moved"]
+    assert (transfers, fallbacks) == (len(LONG_PROMPTS), 0)
+    assert blocks >= 3 * len(LONG_PROMPTS)
+    assert [tuple(tokens) for tokens in report["tokens"]] == expected
+    assert report["killed"] == ["EngineDeadError"] * len(LONG_PROMPTS)
+    assert report["seconds"] < KILLED_SHARD_SECONDS
+    assert report["failure"] is None
+    assert [tuple(tokens) for tokens in report["after"]] == expected
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_prefill_and_decode_engines_on_two_nodes_move_kv_and_a_killed_decoder_fails_its_own(
@@ -376,46 +407,15 @@ def test_prefill_and_decode_engines_on_two_nodes_move_kv_and_a_killed_decoder_fa
     two_nodes: tuple[StartedRay, StartedRay],
     long_local_tokens: list[tuple[int, ...]],
 ) -> None:
-    head, node = two_nodes
     disaggregated = dict(prefill_decode=[1, 1], ray_num_cpus=0.5,
                          ray_prefill_decode_resources="node:__internal_head__,second")  # fmt: skip
-    engines = json.dumps([[disaggregated, "engine_1"]])
-    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address, engines,
-               json.dumps(LONG_PROMPTS), str(GREEDY.max_tokens)]  # fmt: skip
-    result = subprocess.run(
-        command,
-        env={**head.environment(), "PYTHONPATH": str(REPOSITORY)},
-        cwd=REPOSITORY,
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    (report,) = json.loads(result.stdout.strip().splitlines()[-1])
-    nodes = report["nodes"]
-    second = [nid for nid, resources in nodes.items() if "second" in resources]
-    first = [nid for nid, resources in nodes.items() if "second" not in resources]
-    assert len(second) == len(first) == 1, nodes
+    engines = [[disaggregated, "engine_1"]]
+    (report,), first, second = drive(tiny_model_dir, two_nodes, engines, LONG_PROMPTS, timeout=500)
     # the prefill engine on the head, the decode engine on the second node
     assert {host: where["node"] for host, where in report["hosts"].items()} == {
-        "engine": first[0], "engine_1": second[0]
+        "engine": first, "engine_1": second
     }  # fmt: skip
-    sessions = {head.process.pid: first[0], node.process.pid: second[0]}
-    for where in report["hosts"].values():
-        assert sessions[where["session"]] == where["node"]
-    # every prompt prefilled on the head, its blocks moved (at least 3 full blocks each)
-    transfers, blocks, fallbacks = report["moved"]
-    assert (transfers, fallbacks) == (len(LONG_PROMPTS), 0)
-    assert blocks >= 3 * len(LONG_PROMPTS)
-    assert [tuple(tokens) for tokens in report["tokens"]] == long_local_tokens
-    # the killed decode engine's streams failed, in bounded time; the prefill engine lives on
-    # and serves the prompts whole, with one engine's tokens
-    assert report["killed"] == ["EngineDeadError"] * len(LONG_PROMPTS)
-    assert report["seconds"] < KILLED_SHARD_SECONDS
-    assert report["failure"] is None
-    assert [tuple(tokens) for tokens in report["after"]] == long_local_tokens
-    wait_no_host_actor(head)
-    wait_no_host_actor(node)
+    check_prefill_decode(report, long_local_tokens)
 
 
 @pytest.mark.slow
@@ -431,42 +431,16 @@ def test_prefill_and_decode_tensor_parallel_groups_on_two_nodes_are_one_engine(
     nodes, each decode rank keeps its heads, and the greedy tokens are one local engine's
     (TP=1). Killing the decode engine's second rank fails the streams it held; the prefill
     engine serves on, whole."""
-    head, node = two_nodes
     options = dict(prefill_decode=[1, 1], tensor_parallel_size=2, ray_num_cpus=0.5,
                    ray_prefill_decode_resources="node:__internal_head__,second")  # fmt: skip
-    engines = json.dumps([[options, "engine_1_tp1"]])
-    command = [sys.executable, "-c", DRIVER, str(tiny_model_dir), head.address, engines,
-               json.dumps(LONG_PROMPTS), str(GREEDY.max_tokens)]  # fmt: skip
-    result = subprocess.run(
-        command,
-        env={**head.environment(), "PYTHONPATH": str(REPOSITORY)},
-        cwd=REPOSITORY,
-        capture_output=True,
-        text=True,
-        timeout=500,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    (report,) = json.loads(result.stdout.strip().splitlines()[-1])
-    nodes = report["nodes"]
-    second = [nid for nid, resources in nodes.items() if "second" in resources]
-    first = [nid for nid, resources in nodes.items() if "second" not in resources]
-    assert len(second) == len(first) == 1, nodes
+    engines = [[options, "engine_1_tp1"]]
+    (report,), first, second = drive(tiny_model_dir, two_nodes, engines, LONG_PROMPTS, timeout=500)
     assert {host: where["node"] for host, where in report["hosts"].items()} == {
-        "engine": first[0], "engine_tp1": first[0], "engine_1": second[0],
-        "engine_1_tp1": second[0],
+        "engine": first, "engine_tp1": first, "engine_1": second, "engine_1_tp1": second,
     }  # fmt: skip
-    transfers, blocks, fallbacks = report["moved"]
-    assert (transfers, fallbacks) == (len(LONG_PROMPTS), 0)
-    assert blocks >= 3 * len(LONG_PROMPTS)
+    check_prefill_decode(report, long_local_tokens)
     # each straight from prefill engine 0 to decode engine 1, both KV heads of every block
     # (the tiny Llama: 2 layers, K and V, 16 tokens, 2 KV heads of 16, float32)
     for source, target, num_blocks, nbytes in report["transfers"]:
         assert (source, target) == ("0", "1")
         assert nbytes == num_blocks * 2 * 2 * 16 * 2 * 16 * 4
-    assert [tuple(tokens) for tokens in report["tokens"]] == long_local_tokens
-    assert report["killed"] == ["EngineDeadError"] * len(LONG_PROMPTS)
-    assert report["seconds"] < KILLED_SHARD_SECONDS
-    assert report["failure"] is None
-    assert [tuple(tokens) for tokens in report["after"]] == long_local_tokens
-    wait_no_host_actor(head)
-    wait_no_host_actor(node)
