@@ -129,10 +129,13 @@ def test_ceiling_quick_via_the_cli(
     assert all(row["handled"] > 0 and row["seconds"] > 0 for row in transport.values())
     assert [row["stage"] for row in profile["stages"]][-2:] == ["transport", "transport"]
     assert stages["tokenize"]["handled"] == 32
-    # NOTE: the API learns the step count from outputs, so it can trail the statistics
-    # snapshot by the free-only step that runs after the last tokens.
+    # NOTE: the API learns the step count from outputs, the profile from the stages' statistics,
+    # so a free-only step (one that frees finished requests and emits nothing) can fall on
+    # either side: the warm-up's last one can be in the profile's "before" snapshot but reach
+    # the API only with the run's first output (one more in engine_steps), and the run's last
+    # one can be in the "after" snapshot but in no output (one or two more in the profile).
     steps = stages["execute"]["handled"]
-    assert run["engine_steps"] <= steps <= run["engine_steps"] + 2
+    assert run["engine_steps"] - 1 <= steps <= run["engine_steps"] + 2
     assert all(row["seconds"] > 0 for row in stages.values())
     assert {row["host"] for row in profile["hosts"]} == {"main", "engine"}
     links = {row["link"]: row for row in profile["links"]}
