@@ -233,7 +233,7 @@ class EngineOptions:
     cuda_graph_max_batch_size: int = option(
         128, kind="int>=1", feeds=("execute",), commands=_NO_FLAG,
         help="largest decode batch captured as a CUDA graph (on CPU: run as one step-graph "
-        "call where the weights are bf16 panels; 16 for other weights)",
+        "call where the weights are fp32 or bf16 panels; 16 for 4/8-bit weights)",
     )  # fmt: skip
     attention_backend: str = option(
         "auto", choices=ATTENTION_BACKENDS, feeds=("execute",),

@@ -83,7 +83,8 @@ class ExecuteConfig:
       as CUDA graphs on CUDA; on CPU, the same switch runs decode steps of actorline's own
       Llama as one native call, the CPU step graph (:mod:`stages.execute.step_graph`; checked
       against the module path at load): up to ``cuda_graph_max_batch_size`` rows where the
-      weights are bf16 panels, up to 16 rows otherwise (``step_graph.plan_rows``).
+      weights are fp32 or bf16 panels, up to 16 rows for 4/8-bit weights
+      (``step_graph.plan_rows``).
     - ``decode_attention``: ``auto`` (default: ``native`` on CPU in fp32 when the kernel
       builds, else ``grouped`` on CPU and ``padded`` on CUDA), ``native`` (the compiled
       kernel of :mod:`stages.execute.native`, reading the paged cache in place), ``grouped``,

@@ -57,7 +57,7 @@ from stages.execute.attention import (
     forward_context,
 )
 from stages.execute.bf16 import BF16Linear
-from stages.execute.cpu import PackedEmbedding
+from stages.execute.cpu import PackedEmbedding, PackedLinear
 from stages.execute.fused import FusedGatedMLP, FusedRMSNorm
 from stages.execute.llama import LlamaAttention, LlamaMLP, NativeLlamaForCausalLM
 from stages.execute.native import (
@@ -92,9 +92,9 @@ logger = logging.getLogger("actorline.execute")
 
 STEP_GRAPH_SOURCE = Path(__file__).with_name("kernels") / "step_graph.c"
 MAX_ROWS = 16
-"""Decode rows a plan serves unless every linear is bf16 panels (:func:`plan_rows`): larger steps
-take the module path, whose per-op Python cost is shared by more rows (not measured above 16 in
-fp32 and with 4/8-bit weights)."""
+"""Decode rows a plan serves unless every linear is fp32 or bf16 panels (:func:`plan_rows`): larger
+steps take the module path, whose per-op Python cost is shared by more rows (not measured above
+16 with 4/8-bit weights)."""
 _MAX_TABLE_BYTES = 64 << 20  # the rotary cos/sin table over every position
 _SILU_NAMES = ("SiLU", "SiLUActivation")
 # The step graph against the module path, relative to the largest logit: the same kernels in the
@@ -238,16 +238,24 @@ def _splits_by_columns(plan: _Plan, layers: Any, head_dim: int, inter: int) -> b
 def plan_rows(model: torch.nn.Module, limit: int) -> int:
     """The decode rows a step graph of ``model`` serves, given the engine's bound ``limit``
     (``cuda_graph_max_batch_size``, the CUDA graphs' bound): ``limit`` where every linear is
-    bf16 panels that multiply that many rows on the native kernel (the AMX tiles or the portable
-    widen-and-FMA path; VDPBF16PS below :data:`~stages.execute.bf16.TORCH_ROWS`:
-    :meth:`~stages.execute.bf16.BF16Linear.native_rows`), the very kernel the module path calls at
-    that count, so 32- and 64-row steps of an offline batch are one native call too (measured:
-    docs/performance.md §12.2, "The step graph at 64 rows"); else at most :data:`MAX_ROWS`.
+    fp32 panels (the packed GEMM at every row count) or bf16 panels that multiply that many rows
+    on the native kernel (the AMX tiles or the portable widen-and-FMA path; VDPBF16PS below
+    :data:`~stages.execute.bf16.TORCH_ROWS`: :meth:`~stages.execute.bf16.BF16Linear.native_rows`),
+    the very kernel the module path calls at that count, so 32- and 64-row steps of an offline
+    batch are one native call too (measured: docs/performance.md §12.2, "The step graph at 64
+    rows", and §13 for fp32); else at most :data:`MAX_ROWS`.
     """
     linears = [m for m in model.modules() if callable(getattr(m, "native_gemm", None))]
-    if linears and all(type(m) is BF16Linear and m.native_rows(limit) for m in linears):
+    if linears and all(_native_at(m, limit) for m in linears):
         return limit
     return min(limit, MAX_ROWS)
+
+
+def _native_at(linear: torch.nn.Module, rows: int) -> bool:
+    """Whether the module path multiplies ``rows`` rows by ``linear`` on the very kernel the step
+    graph calls: fp32 panels (:class:`~stages.execute.cpu.PackedLinear`, the packed GEMM at every
+    row count) or bf16 panels that take that many rows natively."""
+    return type(linear) is PackedLinear or (type(linear) is BF16Linear and linear.native_rows(rows))
 
 
 def _norm(module: Any, what: str, hidden: int) -> FusedRMSNorm:

@@ -83,7 +83,8 @@ def test_rows_that_do_not_sample_preemption_and_prefix_hits(tiny_model_dir: Path
 def test_batches_over_the_bound_take_the_module_path(tiny_model_dir: Path) -> None:
     prompts = random_prompts(tuple(range(3, 3 + MAX_ROWS + 4)), seed=7)
     requests = make_requests(prompts, PARAMS)
-    on = load(tiny_model_dir, num_blocks=256)
+    # fp32 panels serve the engine's bound (128 by default): bound them at MAX_ROWS here
+    on = load(tiny_model_dir, num_blocks=256, cuda_graph_max_batch_size=MAX_ROWS)
     got = drive(on, requests)
     expected = drive(load(tiny_model_dir, num_blocks=256, use_cuda_graphs=False), requests)
     assert logprobs_of(got) == logprobs_of(expected)

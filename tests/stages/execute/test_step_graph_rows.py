@@ -1,6 +1,6 @@
-"""The step graph's row bound (stages.execute.step_graph.plan_rows): with bf16 panels a decode
-step of up to ``cuda_graph_max_batch_size`` rows is one native call, giving the module path's
-logits; other weights keep the bound of 16 rows."""
+"""The step graph's row bound (stages.execute.step_graph.plan_rows): with fp32 or bf16 panels a
+decode step of up to ``cuda_graph_max_batch_size`` rows is one native call, giving the module
+path's logits; 4/8-bit weights keep the bound of 16 rows."""
 
 from __future__ import annotations
 
@@ -40,9 +40,16 @@ def test_bf16_panels_lift_the_bound_to_the_engines(tiny_model_dir: Path) -> None
     assert plan_rows(runner.model, 128) == (128 if kernel.amx or not kernel.native else MAX_ROWS)
 
 
-@pytest.mark.parametrize("fields", [{}, {"quantization": "int8"}], ids=["fp32", "int8"])
-def test_other_weights_keep_sixteen_rows(tiny_model_dir: Path, fields: dict[str, object]) -> None:
-    runner = load(tiny_model_dir, num_blocks=64, cuda_graph_max_batch_size=64, **fields)
+def test_fp32_panels_lift_the_bound_to_the_engines(tiny_model_dir: Path) -> None:
+    """The packed fp32 GEMM is the module path's kernel at every row count."""
+    runner = load(tiny_model_dir, num_blocks=64, cuda_graph_max_batch_size=64)
+    assert runner.step_graph is not None and runner.step_graph.max_rows == 64
+    assert plan_rows(runner.model, 8) == 8
+    assert plan_rows(runner.model, 128) == 128
+
+
+def test_quantized_weights_keep_sixteen_rows(tiny_model_dir: Path) -> None:
+    runner = load(tiny_model_dir, num_blocks=64, cuda_graph_max_batch_size=64, quantization="int8")
     assert runner.step_graph is not None and runner.step_graph.max_rows == MAX_ROWS
     assert plan_rows(runner.model, 4) == 4
 
@@ -52,12 +59,18 @@ def test_the_bound_is_checked() -> None:
         load("smollm2-135m", cuda_graph_max_batch_size=0)
 
 
-@needs_bf16_kernel
+PANELS = [
+    pytest.param("float32", id="fp32"),
+    pytest.param("bfloat16", id="bf16", marks=needs_bf16_kernel),
+]
+
+
 @pytest.mark.slow
-def test_bf16_batches_of_up_to_64_rows_match_the_module_path(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("dtype", PANELS)
+def test_batches_of_up_to_64_rows_match_the_module_path(tiny_model_dir: Path, dtype: str) -> None:
     """40 and 64 requests decoding together (then fewer as the shorter ones finish): every
     decode-only step is one native call, with the module path's logprobs at every step."""
-    fields = dict(num_blocks=512, block_size=4, dtype="bfloat16", cuda_graph_max_batch_size=64)
+    fields = dict(num_blocks=512, block_size=4, dtype=dtype, cuda_graph_max_batch_size=64)
     on = load(tiny_model_dir, **fields)
     off = load(tiny_model_dir, use_cuda_graphs=False, **fields)
     assert on.step_graph is not None and off.step_graph is None
@@ -78,10 +91,10 @@ def test_bf16_batches_of_up_to_64_rows_match_the_module_path(tiny_model_dir: Pat
         assert on.step_graph.steps - before == decode_only_steps(got, 64) > 0
 
 
-@needs_bf16_kernel
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", PANELS)
 def test_one_region_per_step_at_32_and_64_rows_gives_the_per_op_logits(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, dtype: str
 ) -> None:
     """The threads' column ranges at 32 and 64 rows (two 32-row blocks of tiles, where the
     CPU has AMX) and 37 (a partial block) give the per-op form's logits bit for bit."""
@@ -89,7 +102,7 @@ def test_one_region_per_step_at_32_and_64_rows_gives_the_per_op_logits(
         tiny_model_dir,
         num_blocks=512,
         block_size=16,
-        dtype="bfloat16",
+        dtype=dtype,
         cuda_graph_max_batch_size=64,
     )
     assert runner.step_graph is not None and runner.step_graph.max_rows == 64
