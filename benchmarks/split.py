@@ -95,7 +95,8 @@ def run_split(config: SplitConfig) -> SplitResult:
             workload=config.offline,
             systems=(ACTORLINE_MEMORY, ACTORLINE_ZMQ),
             check_requests=0,
-            roof=False,
+            roof=False,  # only the two topologies' tokens/s are kept
+            measure_default_budget=False,
         )
     )
     rate = {system.name: system.tokens_per_second for system in offline.systems}

@@ -167,6 +167,9 @@ def test_offline_quick(tiny_model_dir: Path) -> None:
     assert all(ratio > 0 for ratio in result.ratios.values())
     assert [check.requests_checked for check in result.greedy_checks] == [2, 2]
     assert result.engine_peak_rss_bytes is not None and result.engine_peak_rss_bytes > 0
+    # the engine run with its default KV budget (an engine start of its own, checked here too)
+    budget = result.default_budget
+    assert budget is not None and budget.num_blocks > 0 and budget.tokens_per_second > 0
     assert set(result.profiles) == {"actorline (zmq)", "actorline (memory)"}
     text = format_offline(result)
     assert "HF continuous batching" in text and "peak RSS" in text and "greedy check" in text
