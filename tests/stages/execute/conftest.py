@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,11 +34,11 @@ def no_c_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[N
     _forget_kernels()  # the next user builds (or loads from the real cache) again
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny6_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     """The tiny Llama with 6 decoder layers (seeded; 4 query and 2 KV heads, so TP=2 divides
     them; 6 layers split in 2 or 3 shards), the tokenizer of the 2-layer one: the pipeline-
-    and PP x TP tests' model."""
+    and PP x TP tests' model (read only: one per session)."""
     import shutil
 
     import torch
@@ -51,3 +51,22 @@ def tiny6_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pa
         if not (out / name.name).exists():
             shutil.copy(name, out / name.name)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny6_one_engine(tiny6_model_dir: Path) -> Callable[[str | None], list[tuple[int, ...]]]:
+    """The 6-layer tiny Llama's greedy outputs of test_pipeline_parallel's PROMPTS on one
+    engine (PP=1, a cache that holds them all; the first prompt alone first), per
+    ``model_impl`` (None: actorline's own): computed once per session (worker), the reference
+    of the pipeline- and PP x TP exactness tests."""
+    from tests.stages.execute.test_pipeline_parallel import outputs_of, run
+
+    computed: dict[str | None, list[tuple[int, ...]]] = {}
+
+    def outputs(model_impl: str | None = None) -> list[tuple[int, ...]]:
+        if model_impl not in computed:
+            impl = {} if model_impl is None else {"model_impl": model_impl}
+            computed[model_impl], _ = run(outputs_of(str(tiny6_model_dir), num_blocks=512, **impl))
+        return computed[model_impl]
+
+    return outputs

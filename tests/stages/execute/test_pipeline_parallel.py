@@ -17,7 +17,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -181,6 +181,22 @@ def test_the_engine_refuses_an_indivisible_split_before_spawning_anything(
 # -- exactness --------------------------------------------------------------------------------
 
 
+#: the default model's exactness tests: five requests (three steps in flight at PP=3), greedy
+DEFAULT_MODEL_PROMPTS = PROMPTS[:5]
+DEFAULT_MODEL_GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+async def default_model_outputs(**options: Any) -> list[tuple[int, ...]]:
+    async with AsyncEngine("smollm2-135m", num_blocks=256, **SILENCE, **options) as engine:
+        return await generate_all(engine, DEFAULT_MODEL_PROMPTS, DEFAULT_MODEL_GREEDY)
+
+
+@pytest.fixture(scope="module")
+def default_model_one_engine() -> list[tuple[int, ...]]:
+    """SmolLM2-135M's greedy outputs on one engine, computed once for the PP=2 and PP=3 tests."""
+    return run(default_model_outputs())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # two engines each; on the shared 2-core machine past 300 s was seen
 @pytest.mark.parametrize(
@@ -200,11 +216,12 @@ def test_the_engine_refuses_an_indivisible_split_before_spawning_anything(
     ids=["pp2", "pp3", "pp3-uneven-transformers-one-step"],
 )
 def test_tiny_model_gives_the_greedy_tokens_of_one_engine(
-    tiny6_model_dir: Path, options: dict[str, Any]
+    tiny6_model_dir: Path,
+    tiny6_one_engine: Callable[[str | None], list[tuple[int, ...]]],
+    options: dict[str, Any],
 ) -> None:
     model = str(tiny6_model_dir)
-    impl = {"model_impl": options["model_impl"]} if "model_impl" in options else {}
-    expected, _ = run(outputs_of(model, num_blocks=512, **impl))
+    expected = tiny6_one_engine(options.get("model_impl"))
     # a cache too small for all of them at once: requests wait for blocks, or (with one
     # step in flight; with several only when none is, stages/steps_in_flight.py) are
     # preempted and recomputed
@@ -220,26 +237,21 @@ def test_tiny_model_gives_the_greedy_tokens_of_one_engine(
 @pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.timeout(900)
-def test_default_model_at_pp2_gives_the_greedy_tokens_of_one_engine() -> None:
-    prompts = PROMPTS[:3]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-    async def outputs(**options: Any) -> list[tuple[int, ...]]:
-        async with AsyncEngine("smollm2-135m", num_blocks=256, **SILENCE, **options) as engine:
-            return await generate_all(engine, prompts, params)
-
-    assert run(outputs(pipeline_parallel_size=2)) == run(outputs())
+def test_default_model_at_pp2_gives_the_greedy_tokens_of_one_engine(
+    default_model_one_engine: list[tuple[int, ...]],
+) -> None:
+    assert run(default_model_outputs(pipeline_parallel_size=2)) == default_model_one_engine
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_steps_in_flight_over_messages_give_the_greedy_tokens_of_one_engine(
-    tiny6_model_dir: Path,
+    tiny6_model_dir: Path, tiny6_one_engine: Callable[[str | None], list[tuple[int, ...]]]
 ) -> None:
     """The execute stage on a host of its own: the steps go out as messages (several at once),
     their results come back as messages, in any order."""
     model = str(tiny6_model_dir)
-    expected, _ = run(outputs_of(model, num_blocks=512))
+    expected = tiny6_one_engine(None)
     options = EngineOptions.create(model, pipeline_parallel_size=3, num_blocks=14, **SILENCE)
     pipeline = llm_pipeline(options).place("execute", "model")
     got, stats = run(outputs_of(model, pipeline=pipeline))
@@ -251,16 +263,11 @@ def test_steps_in_flight_over_messages_give_the_greedy_tokens_of_one_engine(
 @pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.timeout(900)
-def test_default_model_at_pp3_with_micro_batches_gives_the_greedy_tokens_of_one_engine() -> None:
+def test_default_model_at_pp3_with_micro_batches_gives_the_greedy_tokens_of_one_engine(
+    default_model_one_engine: list[tuple[int, ...]],
+) -> None:
     """SmolLM2-135M's 30 layers 10 + 10 + 10, three steps in flight over five requests."""
-    prompts = PROMPTS[:5]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-    async def outputs(**options: Any) -> list[tuple[int, ...]]:
-        async with AsyncEngine("smollm2-135m", num_blocks=256, **SILENCE, **options) as engine:
-            return await generate_all(engine, prompts, params)
-
-    assert run(outputs(pipeline_parallel_size=3)) == run(outputs())
+    assert run(default_model_outputs(pipeline_parallel_size=3)) == default_model_one_engine
 
 
 # -- a shard that dies or hangs ---------------------------------------------------------------

@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,15 +47,10 @@ def test_each_replica_gets_its_own_chain_of_shards() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dp2_pp2_gives_one_engines_tokens_and_a_killed_shard_is_a_dead_replica(
-    tiny6_model_dir: Path,
+    tiny6_model_dir: Path, tiny6_one_engine: Callable[[str | None], list[tuple[int, ...]]]
 ) -> None:
     model = str(tiny6_model_dir)
-
-    async def one_engine() -> list[tuple[int, ...]]:
-        async with AsyncEngine(model, num_blocks=512, **SILENCE) as engine:
-            return await generate_all(engine, PROMPTS)
-
-    expected = run(one_engine())
+    expected = tiny6_one_engine(None)  # PROMPTS' greedy tokens on one engine
 
     async def body() -> None:
         engine = AsyncEngine(
