@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import gc
 import logging
 import os
@@ -95,19 +96,38 @@ async def wait_all_blocks_free(engine: AsyncEngine, timeout: float = 10.0) -> No
     raise AssertionError(f"KV blocks were not all freed: {engine.stats}")
 
 
-def reference_greedy(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """HF generate, one request at a time (the ground truth for greedy decoding)."""
+@functools.cache
+def _hf_model(model_dir: Path) -> tuple[Any, Any]:
+    """The HF tokenizer and model, loaded once per module run (read-only below)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    results = []
-    for prompt in prompts:
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        with torch.inference_mode():
-            out = model.generate(
-                ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens
-            )
-        results.append(out[0, ids.shape[1] :].tolist())
-    return results
+    return tokenizer, model
+
+
+@functools.cache
+def _hf_greedy(model_dir: Path, prompt: str, max_tokens: int) -> tuple[int, ...]:
+    tokenizer, model = _hf_model(model_dir)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens
+        )
+    return tuple(out[0, ids.shape[1] :].tolist())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_hf_model() -> Iterator[None]:
+    """The HF model and answers cached above live as long as this module's tests."""
+    yield
+    _hf_greedy.cache_clear()
+    _hf_model.cache_clear()
+
+
+def reference_greedy(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """HF generate, one request at a time (the ground truth for greedy decoding); each
+    (prompt, max_tokens) is generated once per module run and reused by the tests that
+    share it (the scheduler configurations run the same prompts)."""
+    return [list(_hf_greedy(model_dir, prompt, max_tokens)) for prompt in prompts]
 
 
 # -- transports --------------------------------------------------------------------------------

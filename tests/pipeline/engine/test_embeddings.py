@@ -7,10 +7,11 @@ model)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +39,44 @@ TOLERANCE = 2e-5
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
+@functools.cache
+def _hf_model(model_dir: Path) -> tuple[Any, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+@functools.cache
+def _hf_hidden_states(model_dir: Path, text: str) -> torch.Tensor:
+    """The final-norm hidden states of ``text``, [T, H] (read-only: callers pool them)."""
+    tokenizer, model = _hf_model(model_dir)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        hidden: torch.Tensor = model(input_ids=ids).last_hidden_state[0]
+    return hidden
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_hf_models() -> Iterator[None]:
+    """The HF models and states cached above live as long as this module's tests."""
+    yield
+    _hf_hidden_states.cache_clear()
+    _hf_model.cache_clear()
+
+
 def hf_embeddings(
     model_dir: Path, texts: Sequence[str], pooling_type: str, normalize: bool
 ) -> list[np.ndarray]:
     """HF's reference: the final-norm hidden states of each prompt (tokenized as the engine
-    tokenizes a plain prompt), pooled."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizes a plain prompt), pooled. The hidden states are computed once per model
+    directory and prompt for the module run and pooled per call."""
     vectors = []
     for text in texts:
-        ids = tokenizer(text, return_tensors="pt").input_ids
-        with torch.no_grad():
-            hidden = model(input_ids=ids).last_hidden_state[0]  # [T, H]
+        hidden = _hf_hidden_states(model_dir, text)
         vector = {"last": hidden[-1], "mean": hidden.mean(dim=0), "cls": hidden[0]}[pooling_type]
         if normalize:
             vector = torch.nn.functional.normalize(vector, dim=-1)
-        vectors.append(vector.numpy())
+        vectors.append(vector.numpy().copy())
     return vectors
 
 

@@ -69,6 +69,26 @@ async def outputs_of(
         return outputs, engine.stats, replicas
 
 
+@pytest.fixture(scope="module")
+def tp2_plain(tiny_model_dir: Path) -> list[tuple[int, ...]]:
+    """TP=2 greedy without speculation: the reference both TP=2 tests compare with (one
+    engine start for the module instead of one per test)."""
+    plain, _, _ = run(outputs_of(tiny_model_dir, [GREEDY] * len(PROMPTS), tensor_parallel_size=2))
+    return plain
+
+
+@pytest.fixture(scope="module")
+def tp1_spec(tiny_model_dir: Path) -> tuple[list[tuple[int, ...]], Any]:
+    """TP=1 (memory) greedy with SPEC: outputs and stats, shared by the TP=2 and DP=2
+    tests."""
+    outputs, stats, _ = run(
+        outputs_of(
+            tiny_model_dir, [GREEDY] * len(PROMPTS), transport="memory", speculative_config=SPEC
+        )
+    )
+    return outputs, stats
+
+
 def _counters(stats: Any) -> tuple[int, int, int, tuple[int, ...]]:
     return (
         stats.spec_num_drafts,
@@ -80,9 +100,13 @@ def _counters(stats: Any) -> tuple[int, int, int, tuple[int, ...]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_tp2_verifies_drafts_together_greedy_and_seeded(tiny_model_dir: Path) -> None:
+def test_tp2_verifies_drafts_together_greedy_and_seeded(
+    tiny_model_dir: Path,
+    tp2_plain: list[tuple[int, ...]],
+    tp1_spec: tuple[list[tuple[int, ...]], Any],
+) -> None:
     greedy = [GREEDY] * len(PROMPTS)
-    plain, _, _ = run(outputs_of(tiny_model_dir, greedy, tensor_parallel_size=2))
+    plain = tp2_plain
     spec, stats, _ = run(
         outputs_of(tiny_model_dir, greedy, tensor_parallel_size=2, speculative_config=SPEC)
     )
@@ -90,9 +114,7 @@ def test_tp2_verifies_drafts_together_greedy_and_seeded(tiny_model_dir: Path) ->
     assert stats.spec_num_drafts > 0
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # roll-backs too
     assert stats.communication_seconds > 0
-    one_rank, one_stats, _ = run(
-        outputs_of(tiny_model_dir, greedy, transport="memory", speculative_config=SPEC)
-    )
+    one_rank, one_stats = tp1_spec
     assert one_rank == spec
     assert _counters(one_stats) == _counters(stats)
     # 8 blocks of 16 tokens do not hold the four at once: preempted mid-run and recomputed
@@ -119,12 +141,12 @@ def test_tp2_verifies_drafts_together_greedy_and_seeded(tiny_model_dir: Path) ->
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tp2_verifies_a_draft_models_drafts_together_in_either_placement(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, tp2_plain: list[tuple[int, ...]]
 ) -> None:
     # the draft model (the tiny model drafting for itself) runs unsharded, beside rank 0 or on
     # a host of its own; the ranks verify its drafted rows together
     greedy = [GREEDY] * len(PROMPTS)
-    plain, _, _ = run(outputs_of(tiny_model_dir, greedy, tensor_parallel_size=2))
+    plain = tp2_plain
     for placement in ("engine", "host"):
         draft = {
             "method": "draft_model",
@@ -146,12 +168,12 @@ def test_tp2_verifies_a_draft_models_drafts_together_in_either_placement(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_dp2_drafts_on_each_replica_and_sums_the_counters(tiny_model_dir: Path) -> None:
+def test_dp2_drafts_on_each_replica_and_sums_the_counters(
+    tiny_model_dir: Path, tp1_spec: tuple[list[tuple[int, ...]], Any]
+) -> None:
     greedy = [GREEDY] * len(PROMPTS)
     plain, _, _ = run(outputs_of(tiny_model_dir, greedy, transport="memory"))
-    one, one_stats, _ = run(
-        outputs_of(tiny_model_dir, greedy, transport="memory", speculative_config=SPEC)
-    )
+    one, one_stats = tp1_spec
     spec, stats, replicas = run(
         outputs_of(tiny_model_dir, greedy, data_parallel_size=2, speculative_config=SPEC)
     )
