@@ -96,23 +96,23 @@ def expected(tiny_model_dir: Path) -> dict[str, tuple[Any, ...]]:
 
 
 @pytest.mark.slow
-def test_prefill_decode_serves_like_one_engine(
+def test_prefill_decode_serves_like_one_engine_and_a_killed_prefill_engine_fails_no_request(
     tiny_model_dir: Path, expected: dict[str, tuple[Any, ...]]
 ) -> None:
+    """One P/D 1:1 engine start for two checks: it serves like one engine (every request
+    prefilled on engine 0 and decoded on engine 1, its blocks moved); then its prefill engine
+    is frozen and killed, and no request fails (formerly
+    test_a_killed_prefill_engine_fails_no_request, see :func:`killed_prefill_fails_none`)."""
     stop = expected["a0-stop"][2]
     assert expected["a0-stop"][1] == "stop"  # the stop string ends the greedy output
     assert all(value[0] in CHOICE.structured_outputs.choice  # type: ignore[union-attr]
                for key, value in expected.items() if key.endswith("-choice"))  # fmt: skip
 
     async def body() -> None:
-        async with AsyncEngine(
-            str(tiny_model_dir), num_blocks=256, prefill_decode=(1, 1)
-        ) as engine:
-            assert set(engine.running.pids) == {"engine", "engine_1"}
+        async with pd_engine(tiny_model_dir) as (engine, router, pids):
+            assert set(pids) == {"engine", "engine_1"}
             got = await outputs_of(engine, stop)
             assert got == expected
-            router = engine.running.stage("router")
-            assert isinstance(router, PrefillDecodeRouterStage)
             # every request was prefilled on engine 0 and decoded on engine 1
             runs = 3 * len(PROMPTS)
             prefilled = [rid for rid, replica in router.recent if rid.endswith(PREFILL_SUFFIX)]
@@ -132,8 +132,51 @@ def test_prefill_decode_serves_like_one_engine(
             # one hop: from the prefill engine straight to the decode engine, none dropped
             assert {(t.source, t.target) for t in router.recent_transfers} == {("0", "1")}
             assert router.released == 0 and not router._parked
+            await killed_prefill_fails_none(engine, router, pids, expected)
 
     run(body())
+
+
+async def killed_prefill_fails_none(
+    engine: AsyncEngine,
+    router: PrefillDecodeRouterStage,
+    pids: dict[str, int | None],
+    expected: dict[str, tuple[Any, ...]],
+) -> None:
+    """The prefill engine is frozen (SIGSTOP), so the requests sent to it wait for their
+    blocks (one of them is cancelled by its caller meanwhile: it is forgotten); then it is
+    killed. They run whole on the decode engine, with one engine's tokens (``expected``);
+    no caller sees an error."""
+    assert router.fallbacks == 0
+    names = ("a2", "b2")
+    frozen = pids["engine"]
+    assert frozen is not None
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        tasks = {n: asyncio.create_task(final(engine, f"whole-{n}", PROMPTS[n], GREEDY))
+                 for n in names}  # fmt: skip
+        gone = asyncio.create_task(final(engine, "gone", PROMPTS["a0"], GREEDY))
+        deadline = time.monotonic() + PROMPTLY
+        while len(router._prefilling) < len(names) + 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        # a caller that gives up while its request waits for its prefill: aborted
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        while any(rid.startswith("gone") for rid in router._prefilling):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert not any(rid.startswith("gone") for rid in router._prefill_ids)
+    finally:
+        killed = time.monotonic()
+        os.kill(frozen, signal.SIGKILL)
+    done = await asyncio.wait_for(asyncio.gather(*tasks.values()), 120)
+    assert time.monotonic() - killed < 30
+    for name, out in zip(names, done):
+        assert out.token_ids == expected[name][0]
+    assert router.fallbacks == len(names) and router.live_replicas == ("1",)
+    assert not process_alive(frozen)
 
 
 @pytest.mark.slow
@@ -228,90 +271,15 @@ def test_the_pipeline_links_the_prefill_engines_straight_to_the_decode_engines()
 
 
 @pytest.mark.slow
-def test_a_killed_decode_engine_fails_only_what_it_streamed(tiny_model_dir: Path) -> None:
-    async def body() -> None:
-        async with pd_engine(tiny_model_dir) as (engine, _, pids):
-            params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-            progress: dict[str, int] = {}
-
-            async def stream(name: str) -> BaseException | int:
-                try:
-                    async for output in engine.generate(PROMPTS[name], params, request_id=name):
-                        progress[name] = len(output.token_ids)
-                except EngineDeadError as error:
-                    return error
-                return len(output.token_ids)
-
-            tasks = {name: asyncio.create_task(stream(name)) for name in ("a0", "b0")}
-            deadline = time.monotonic() + PROMPTLY
-            while len(progress) < 2:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
-            victim = pids["engine_1"]
-            assert victim is not None
-            killed = time.monotonic()
-            os.kill(victim, signal.SIGKILL)
-            ended = await asyncio.wait_for(asyncio.gather(*tasks.values()), 60)
-            assert time.monotonic() - killed < 20
-            for result in ended:
-                assert isinstance(result, EngineDeadError), result
-                assert "engine replica 1 failed" in str(result)
-            assert not process_alive(victim)
-            # the prefill engine lives on and now serves requests whole
-            assert engine.failure is None
-            again = await final(engine, "after", PROMPTS["a1"], GREEDY)
-            assert len(again.token_ids) == GREEDY.max_tokens
-
-    run(body())
-
-
-@pytest.mark.slow
-def test_a_killed_prefill_engine_fails_no_request(tiny_model_dir: Path) -> None:
-    """The prefill engine is frozen (SIGSTOP), so the requests sent to it wait for their
-    blocks (one of them is cancelled by its caller meanwhile: it is forgotten); then it is
-    killed. They run whole on the decode engine, with one engine's tokens;
-    no caller sees an error."""
-
-    async def body() -> None:
-        async with pd_engine(tiny_model_dir) as (engine, router, pids):
-            before = {name: await final(engine, f"before-{name}", PROMPTS[name], GREEDY)
-                      for name in ("a2", "b2")}  # fmt: skip
-            frozen = pids["engine"]
-            assert frozen is not None
-            os.kill(frozen, signal.SIGSTOP)
-            try:
-                tasks = {n: asyncio.create_task(final(engine, n, PROMPTS[n], GREEDY))
-                         for n in before}  # fmt: skip
-                gone = asyncio.create_task(final(engine, "gone", PROMPTS["a0"], GREEDY))
-                deadline = time.monotonic() + PROMPTLY
-                while len(router._prefilling) < len(before) + 1:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.01)
-                # a caller that gives up while its request waits for its prefill: aborted
-                gone.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await gone
-                while any(rid.startswith("gone") for rid in router._prefilling):
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.01)
-                assert not any(rid.startswith("gone") for rid in router._prefill_ids)
-            finally:
-                killed = time.monotonic()
-                os.kill(frozen, signal.SIGKILL)
-            done = await asyncio.wait_for(asyncio.gather(*tasks.values()), 120)
-            assert time.monotonic() - killed < 30
-            for name, out in zip(before, done):
-                assert out.token_ids == before[name].token_ids
-            assert router.fallbacks == len(before) and router.live_replicas == ("1",)
-            assert not process_alive(frozen)
-
-    run(body())
-
-
-@pytest.mark.slow
-def test_a_transfer_that_does_not_come_runs_the_request_whole(tiny_model_dir: Path) -> None:
-    """The prefill engine frozen, a short transfer timeout: the request runs whole on the
-    decode engine when it passes, with one engine's tokens."""
+def test_a_late_transfer_runs_whole_and_a_killed_decode_engine_fails_only_what_it_streamed(
+    tiny_model_dir: Path,
+) -> None:
+    """One P/D 1:1 engine start for two checks. The prefill engine frozen, a short transfer
+    timeout: the request runs whole on the decode engine when it passes, with one engine's
+    tokens (formerly test_a_transfer_that_does_not_come_runs_the_request_whole). Then the
+    decode engine is SIGKILLed mid-stream: it fails only what it streamed, the prefill engine
+    serves on (formerly test_a_killed_decode_engine_fails_only_what_it_streamed, see
+    :func:`killed_decode_fails_its_streams`)."""
 
     async def body() -> None:
         async with pd_engine(
@@ -330,8 +298,44 @@ def test_a_transfer_that_does_not_come_runs_the_request_whole(tiny_model_dir: Pa
             # the engine thawed answers the next one through the transfer again
             again = await final(engine, "again", PROMPTS["a1"], GREEDY)
             assert again.token_ids == before.token_ids and router.transfers == 2
+            await killed_decode_fails_its_streams(engine, pids)
 
     run(body())
+
+
+async def killed_decode_fails_its_streams(engine: AsyncEngine, pids: dict[str, int | None]) -> None:
+    """Two streams on the decode engine, which is SIGKILLed: both fail promptly with
+    EngineDeadError naming replica 1; the prefill engine lives on and serves requests whole."""
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    progress: dict[str, int] = {}
+
+    async def stream(name: str) -> BaseException | int:
+        try:
+            async for output in engine.generate(PROMPTS[name], params, request_id=name):
+                progress[name] = len(output.token_ids)
+        except EngineDeadError as error:
+            return error
+        return len(output.token_ids)
+
+    tasks = {name: asyncio.create_task(stream(name)) for name in ("a0", "b0")}
+    deadline = time.monotonic() + PROMPTLY
+    while len(progress) < 2:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    victim = pids["engine_1"]
+    assert victim is not None
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    ended = await asyncio.wait_for(asyncio.gather(*tasks.values()), 60)
+    assert time.monotonic() - killed < 20
+    for result in ended:
+        assert isinstance(result, EngineDeadError), result
+        assert "engine replica 1 failed" in str(result)
+    assert not process_alive(victim)
+    # the prefill engine lives on and now serves requests whole
+    assert engine.failure is None
+    again = await final(engine, "after", PROMPTS["a1"], GREEDY)
+    assert len(again.token_ids) == GREEDY.max_tokens
 
 
 @pytest.mark.slow

@@ -95,47 +95,60 @@ def steps_of(snapshots: list[HostStatistics]) -> dict[str, int]:
     return {"0": counts["execute"], "1": counts["execute_1"]}
 
 
-def test_two_replicas_serve_like_one(
+def test_two_replicas_serve_like_one_and_a_killed_one_fails_only_its_own_requests(
     tiny_model_dir: Path, expected: dict[str, tuple[int, ...]]
 ) -> None:
+    """One DP=2 engine start for two checks: the replicas serve like one engine (both take
+    work, each family stays on one replica, an abort reaches the replica holding the
+    request); then replica 1 is SIGKILLed mid-stream and fails only its own requests while
+    replica 0 serves on (formerly test_a_killed_replica_fails_only_its_own_requests)."""
     model = str(tiny_model_dir)
 
     async def replicated() -> None:
-        async with AsyncEngine(model, num_blocks=256, data_parallel_size=2) as engine:
-            assert set(engine.running.pids) == {"engine", "engine_1"}
-            assert engine.info is not None and engine.info.num_blocks == 256
-            assert await outputs_of(engine) == expected
-            router = engine.running.stage("router")
-            assert isinstance(router, RouterStage)
-            placed = {
-                request_id.partition("#")[0]: replica for request_id, replica in router.recent
-            }
-            # both take work; each family stays on one replica, the two families on two
-            assert set(router.routed) == {"0", "1"}
-            owners = {family: {placed[name] for name in PROMPTS if name[0] == family}
-                      for family in FAMILIES}  # fmt: skip
-            assert all(len(replicas) == 1 for replicas in owners.values()), owners
-            assert owners["a"] != owners["b"]
-            # so each replica's prefix cache served its family's later prompts
-            assert all(stats.prefix_cache_hits > 0 for stats in engine.replica_stats.values())
-            assert engine.stats is not None
-            assert engine.stats.num_steps == sum(
-                stats.num_steps for stats in engine.replica_stats.values()
-            )
-            # an abort reaches the replica that holds the request, which frees its blocks
-            long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
-            stream = engine.generate(PROMPTS["a1"], long, request_id="long")
-            async for _ in stream:
-                break
-            await stream.aclose()  # leaving the stream aborts the request
-            holder = placed_of(router, "long")
-            # a request of the same family runs there after it: once it is done, nothing runs
-            await complete(engine, "probe", PROMPTS["a2"])
-            assert placed_of(router, "probe") == holder
-            assert engine.replica_stats[holder].num_running == 0
-            assert router.load(holder).num_requests == 0
+        engine = AsyncEngine(model, num_blocks=256, data_parallel_size=2)
+        await engine.start()
+        metrics = EngineMetrics(engine)
+        pids = dict(engine.running.pids)
+        try:
+            await serves_like_one(engine, expected)
+            await a_killed_replica_fails_only_its_own_requests(engine, metrics, pids)
+        finally:
+            await metrics.aclose()
+            await engine.close()
+        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
     run(replicated())
+
+
+async def serves_like_one(engine: AsyncEngine, expected: dict[str, tuple[int, ...]]) -> None:
+    assert set(engine.running.pids) == {"engine", "engine_1"}
+    assert engine.info is not None and engine.info.num_blocks == 256
+    assert await outputs_of(engine) == expected
+    router = engine.running.stage("router")
+    assert isinstance(router, RouterStage)
+    placed = {request_id.partition("#")[0]: replica for request_id, replica in router.recent}
+    # both take work; each family stays on one replica, the two families on two
+    assert set(router.routed) == {"0", "1"}
+    owners = {family: {placed[name] for name in PROMPTS if name[0] == family}
+              for family in FAMILIES}  # fmt: skip
+    assert all(len(replicas) == 1 for replicas in owners.values()), owners
+    assert owners["a"] != owners["b"]
+    # so each replica's prefix cache served its family's later prompts
+    assert all(stats.prefix_cache_hits > 0 for stats in engine.replica_stats.values())
+    assert engine.stats is not None
+    assert engine.stats.num_steps == sum(stats.num_steps for stats in engine.replica_stats.values())
+    # an abort reaches the replica that holds the request, which frees its blocks
+    long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    stream = engine.generate(PROMPTS["a1"], long, request_id="long")
+    async for _ in stream:
+        break
+    await stream.aclose()  # leaving the stream aborts the request
+    holder = placed_of(router, "long")
+    # a request of the same family runs there after it: once it is done, nothing runs
+    await complete(engine, "probe", PROMPTS["a2"])
+    assert placed_of(router, "probe") == holder
+    assert engine.replica_stats[holder].num_running == 0
+    assert router.load(holder).num_requests == 0
 
 
 def test_replicas_of_tensor_parallel_ranks_serve_like_one(
@@ -253,61 +266,54 @@ def placed_of(router: RouterStage, request_id: str) -> str:
     return next(replica for rid, replica in router.recent if rid.partition("#")[0] == request_id)
 
 
-def test_a_killed_replica_fails_only_its_own_requests(tiny_model_dir: Path) -> None:
-    async def body() -> None:
-        engine = AsyncEngine(str(tiny_model_dir), num_blocks=256, data_parallel_size=2)
-        await engine.start()
-        metrics = EngineMetrics(engine)
-        pids = dict(engine.running.pids)
+async def a_killed_replica_fails_only_its_own_requests(
+    engine: AsyncEngine, metrics: EngineMetrics, pids: dict[str, int | None]
+) -> None:
+    """Replica 1 SIGKILLed while every prompt streams: its requests fail, the others finish,
+    the engine stays up and reports the lost replica, new requests go to replica 0."""
+    router = engine.running.stage("router")
+    assert isinstance(router, RouterStage)
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    progress: dict[str, int] = {}
+
+    async def stream(name: str) -> BaseException | int:
         try:
-            router = engine.running.stage("router")
-            assert isinstance(router, RouterStage)
-            params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
-            progress: dict[str, int] = {}
+            # its own request id (the prompts' names already ran on this engine)
+            async for output in engine.generate(PROMPTS[name], params, request_id=f"k-{name}"):
+                progress[name] = len(output.token_ids)
+        except EngineDeadError as error:
+            return error
+        return len(output.token_ids)
 
-            async def stream(name: str) -> BaseException | int:
-                try:
-                    async for output in engine.generate(PROMPTS[name], params, request_id=name):
-                        progress[name] = len(output.token_ids)
-                except EngineDeadError as error:
-                    return error
-                return len(output.token_ids)
-
-            tasks = {name: asyncio.create_task(stream(name)) for name in PROMPTS}
-            deadline = time.monotonic() + PROMPTLY
-            while len(progress) < len(PROMPTS):  # every stream is running
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
-            placed = {name: placed_of(router, name) for name in PROMPTS}
-            victims = {name for name, replica in placed.items() if replica == "1"}
-            assert victims and len(victims) < len(PROMPTS)
-            victim_pid = pids["engine_1"]
-            assert victim_pid is not None
-            os.kill(victim_pid, signal.SIGKILL)
-            ended = dict(zip(tasks, await asyncio.wait_for(asyncio.gather(*tasks.values()), 300)))
-            for name, result in ended.items():
-                if name in victims:
-                    assert isinstance(result, EngineDeadError), (name, result)
-                    assert "engine replica 1 failed" in str(result)
-                    assert "killed by signal 9" in str(result)
-                else:
-                    assert result == params.max_tokens, (name, result)
-            assert engine.failure is None
-            assert [(s.replica, s.alive) for s in engine.replicas] == [("0", True), ("1", False)]
-            assert router.live_replicas == ("0",)
-            assert not process_alive(victim_pid)
-            # new requests go to the replica that lives
-            assert len(await complete(engine, "after", PROMPTS["b2"])) == GREEDY.max_tokens
-            assert placed_of(router, "after") == "0"
-            scraped = _scrape(metrics)
-            assert 'actorline_replica_up{replica="0"} 1.0' in scraped
-            assert 'actorline_replica_up{replica="1"} 0.0' in scraped
-        finally:
-            await metrics.aclose()
-            await engine.close()
-        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
-
-    run(body())
+    tasks = {name: asyncio.create_task(stream(name)) for name in PROMPTS}
+    deadline = time.monotonic() + PROMPTLY
+    while len(progress) < len(PROMPTS):  # every stream is running
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    placed = {name: placed_of(router, f"k-{name}") for name in PROMPTS}
+    victims = {name for name, replica in placed.items() if replica == "1"}
+    assert victims and len(victims) < len(PROMPTS)
+    victim_pid = pids["engine_1"]
+    assert victim_pid is not None
+    os.kill(victim_pid, signal.SIGKILL)
+    ended = dict(zip(tasks, await asyncio.wait_for(asyncio.gather(*tasks.values()), 300)))
+    for name, result in ended.items():
+        if name in victims:
+            assert isinstance(result, EngineDeadError), (name, result)
+            assert "engine replica 1 failed" in str(result)
+            assert "killed by signal 9" in str(result)
+        else:
+            assert result == params.max_tokens, (name, result)
+    assert engine.failure is None
+    assert [(s.replica, s.alive) for s in engine.replicas] == [("0", True), ("1", False)]
+    assert router.live_replicas == ("0",)
+    assert not process_alive(victim_pid)
+    # new requests go to the replica that lives
+    assert len(await complete(engine, "after", PROMPTS["b2"])) == GREEDY.max_tokens
+    assert placed_of(router, "after") == "0"
+    scraped = _scrape(metrics)
+    assert 'actorline_replica_up{replica="0"} 1.0' in scraped
+    assert 'actorline_replica_up{replica="1"} 0.0' in scraped
 
 
 def test_requests_a_lost_replica_had_not_started_go_to_another(tiny_model_dir: Path) -> None:

@@ -145,15 +145,36 @@ def test_shards_are_the_megatron_split() -> None:
 
 
 @pytest.mark.slow
-def test_tiny_model_at_tp2_gives_the_greedy_tokens_of_tp1(tiny_model_dir: Path) -> None:
+def test_tiny_model_at_tp2_gives_the_greedy_tokens_of_tp1_and_a_killed_rank_fails_all(
+    tiny_model_dir: Path,
+) -> None:
+    """One TP=2 engine start for two checks: its greedy tokens are TP=1's, through
+    preemptions and prefix hits; then its rank 1 is SIGKILLed mid-stream and every pending
+    request fails promptly, leaving no process behind (formerly
+    test_a_killed_rank_fails_every_pending_request, see :func:`a_killed_rank_fails_all`)."""
     model = str(tiny_model_dir)
     expected, _ = run(outputs_of(model, num_blocks=512))
-    # a cache too small for all of them at once: requests are preempted and recomputed
-    got, stats = run(outputs_of(model, tensor_parallel_size=2, num_blocks=24))
-    assert got == expected
-    assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hits > 0
-    assert stats.communication_seconds > 0
+
+    async def body() -> None:
+        # a cache too small for all of them at once: requests are preempted and recomputed
+        engine = AsyncEngine(model, tensor_parallel_size=2, num_blocks=24)
+        await engine.start()
+        pids = dict(engine.running.pids)
+        try:
+            first = await generate_all(engine, PROMPTS[:1])
+            rest = await generate_all(engine, PROMPTS[1:])
+            assert first + rest == expected
+            stats = engine.stats
+            assert stats is not None
+            assert stats.num_preemptions > 0
+            assert stats.prefix_cache_hits > 0
+            assert stats.communication_seconds > 0
+            await a_killed_rank_fails_all(engine, pids)
+        finally:
+            await engine.close()
+        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
+
+    run(body())
 
 
 @pytest.mark.slow
@@ -270,11 +291,14 @@ def test_rank_0_sends_one_shard_step_per_step_and_only_it_allocates(tiny_model_d
 # -- a rank that dies or hangs ----------------------------------------------------------------
 
 
-async def fails_every_request(engine: AsyncEngine, hurt: Any, streams: int = 4) -> float:
-    """Start ``streams`` streams, ``hurt`` a process of the engine (a rank, a shard)
-    mid-stream; every stream must end in EngineDeadError. Returns how long after the hurt the
-    last one ended (the tensor- and pipeline-parallel failure tests share it)."""
-    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+async def fails_every_request(
+    engine: AsyncEngine, hurt: Any, streams: int = 4, max_tokens: int = 400
+) -> float:
+    """Start ``streams`` streams of ``max_tokens`` tokens, ``hurt`` a process of the engine (a
+    rank, a shard) mid-stream; every stream must end in EngineDeadError. Returns how long
+    after the hurt the last one ended (the tensor- and pipeline-parallel failure tests share
+    it)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     started = asyncio.Event()
 
     async def stream(prompt: str) -> BaseException | None:
@@ -294,25 +318,18 @@ async def fails_every_request(engine: AsyncEngine, hurt: Any, streams: int = 4) 
     return time.monotonic() - hurt_at
 
 
-@pytest.mark.slow
-def test_a_killed_rank_fails_every_pending_request(tiny_model_dir: Path) -> None:
-    async def body() -> None:
-        engine = AsyncEngine(str(tiny_model_dir), tensor_parallel_size=2, num_blocks=512)
-        await engine.start()
-        pids = dict(engine.running.pids)
-        try:
-            rank = pids["engine_tp1"]
-            assert rank is not None
-            took = await fails_every_request(engine, lambda: os.kill(rank, signal.SIGKILL))
-            assert isinstance(engine.failure, EngineDeadError)
-            # the runtime sees the rank's process exit at once: far less than a collective's
-            # timeout (tensor_parallel_timeout, 30 s by default), docs/parallelism.md
-            assert took < KILLED_RANK_SECONDS, took
-        finally:
-            await engine.close()
-        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
-
-    run(body())
+async def a_killed_rank_fails_all(engine: AsyncEngine, pids: dict[str, int | None]) -> None:
+    """Rank 1 SIGKILLed mid-stream: every pending request fails with EngineDeadError, and far
+    sooner than a collective's timeout."""
+    rank = pids["engine_tp1"]
+    assert rank is not None
+    # 250 tokens: a stream's prompt and tokens (19 blocks) fit the 24-block cache
+    kill = lambda: os.kill(rank, signal.SIGKILL)  # noqa: E731
+    took = await fails_every_request(engine, kill, max_tokens=250)
+    assert isinstance(engine.failure, EngineDeadError)
+    # the runtime sees the rank's process exit at once: far less than a collective's
+    # timeout (tensor_parallel_timeout, 30 s by default), docs/parallelism.md
+    assert took < KILLED_RANK_SECONDS, took
 
 
 @pytest.mark.slow
