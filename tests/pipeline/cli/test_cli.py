@@ -1,25 +1,76 @@
-"""The actorline CLI as a real subprocess: it generates, and fails cleanly on bad input."""
+"""The actorline CLI: it generates, and fails cleanly on bad input.
+
+The process-level contract (exit status, stdout, stderr of a real ``actorline`` process) is
+checked on real subprocesses; the many bad-input and constraint cases call the console
+script's entry point (:func:`pipeline.cli.main`, what ``[project.scripts]`` and ``python -m
+pipeline.cli`` run) in this process, the same parser and checks without an interpreter start
+per case."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipeline import LLM, SamplingParams
+from pipeline.cli import main
 from pipeline.cli.llm import EXIT_BROKEN_PIPE
+from pipeline.runtime.prespawn import discard_prespawned
+from stages import tokenize
 from tests.conftest import imported_after
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
 
+#: ``main(argv)`` run in this process: its exit status, stdout and stderr
+InProcess = Callable[..., tuple[int, str, str]]
+
 
 def actorline(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def _no_prespawned_host_left() -> Iterator[None]:
+    """``generate`` and ``serve`` prespawn an engine host first thing; in this process at
+    most one waits at a time (the in-process cases share it), killed when the module ends
+    (what the CLI's atexit hook does when its process exits)."""
+    yield
+    discard_prespawned()
+
+
+@pytest.fixture
+def actorline_in_process(
+    _no_prespawned_host_left: None, capsys: pytest.CaptureFixture[str]
+) -> Iterator[InProcess]:
+    """The CLI's entry point called in this process (``SystemExit`` from argparse read as
+    the exit status), with what it leaves in the process (the OpenMP variables, the
+    tokenizer prefetch) undone afterwards."""
+    environ = dict(os.environ)
+    prefetched = set(tokenize._PREFETCHED)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            status = main(list(args))
+        except SystemExit as exit:
+            assert isinstance(exit.code, int), exit.code
+            status = exit.code
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    yield run
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    os.environ.update(environ)
+    for model in set(tokenize._PREFETCHED) - prefetched:
+        tokenize._PREFETCHED.pop(model, None)
 
 
 def test_plugins_lists_every_group() -> None:
@@ -48,10 +99,12 @@ def test_generate_prints_the_engines_greedy_answer(tiny_model_dir: Path, chat: b
 
 @pytest.mark.slow
 def test_generate_follows_a_json_schema_file_a_regex_and_choices(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, actorline_in_process: InProcess
 ) -> None:
     """The tiny random model follows the constraint the options give (a random model is the
-    hard case: only the mask keeps it in the grammar)."""
+    hard case: only the mask keeps it in the grammar). ``generate`` in this process, on the
+    memory transport (the engine runs here, as it does in the command's own process with
+    ``--transport memory``)."""
     import json
 
     schema = tmp_path / "schema.json"
@@ -69,22 +122,27 @@ def test_generate_follows_a_json_schema_file_a_regex_and_choices(
     # NOTE: a random model takes whitespace as often as anything the grammar allows, so the
     # JSON is asked for without it
     compact = ["--json-schema", str(schema), "--disable-any-whitespace"]
-    result = actorline(*base, "--max-tokens", "40", *compact)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["ok"] in (True, False)
+    status, out, err = actorline_in_process(*base, "--max-tokens", "40", *compact)
+    assert status == 0, err
+    assert json.loads(out)["ok"] in (True, False)
     # the same schema left open (JSON Schema allows other keys), closed by the flag
     open_schema = tmp_path / "open.json"
     open_schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
                                        "required": ["ok"]}))  # fmt: skip
     closed = ["--json-schema", str(open_schema), "--disable-any-whitespace",
               "--disable-additional-properties"]  # fmt: skip
-    result = actorline(*base, "--max-tokens", "40", *closed)
-    assert result.returncode == 0, result.stderr
-    assert set(json.loads(result.stdout)) == {"ok"}, result.stdout
-    result = actorline(*base, "--max-tokens", "12", "--regex", "[0-9]{3}-[0-9]{2}")
-    assert re.fullmatch(r"[0-9]{3}-[0-9]{2}\n", result.stdout), result.stdout
-    result = actorline(*base, "--max-tokens", "12", "--choice", "left", "--choice", "right")
-    assert result.stdout in ("left\n", "right\n"), result.stdout
+    status, out, err = actorline_in_process(*base, "--max-tokens", "40", *closed)
+    assert status == 0, err
+    assert set(json.loads(out)) == {"ok"}, out
+    status, out, err = actorline_in_process(
+        *base, "--max-tokens", "12", "--regex", "[0-9]{3}-[0-9]{2}"
+    )
+    assert status == 0, err
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{2}\n", out), out
+    choices = ["--choice", "left", "--choice", "right"]
+    status, out, err = actorline_in_process(*base, "--max-tokens", "12", *choices)
+    assert status == 0, err
+    assert out in ("left\n", "right\n"), out
 
 
 @pytest.mark.slow
@@ -149,12 +207,41 @@ def gguf_path() -> Path:
         (["generate", "hi", "--regex", ""], "structured_outputs.regex must not be empty"),
     ],
 )
-def test_bad_input_fails_with_one_clear_line(args: list[str], message: str) -> None:
+def test_bad_input_fails_with_one_clear_line(
+    args: list[str], message: str, actorline_in_process: InProcess
+) -> None:
+    """The entry point in this process: status 2 and one line naming what was wrong (the
+    real process's side: test_bad_input_in_a_real_process_is_one_line_and_status_2)."""
+    status, out, err = actorline_in_process(*args)
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"actorline( \w+)?: error: ", lines[0]), err
+    assert message in lines[0]
+    assert not out.strip()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # argparse's error, the top level's
+        ([], "the following arguments are required: COMMAND"),
+        # a check of the command's own, after argv's bytes were decoded (surrogateescape)
+        (["generate", "a\udcffb"], "prompt is not valid Unicode text: U+DCFF at index 1"),
+    ],
+    ids=["argparse", "command"],
+)
+def test_bad_input_in_a_real_process_is_one_line_and_status_2(
+    args: list[str], message: str
+) -> None:
+    """The process-level contract of test_bad_input_fails_with_one_clear_line's cases: a real
+    ``actorline`` process exits 2 with one line on stderr, no traceback (and no line from the
+    engine host it prespawned)."""
     result = actorline(*args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(r"actorline( \w+)?: error: ", lines[0]), result.stderr
     assert message in lines[0]
+    assert "Traceback" not in result.stderr and not result.stdout.strip()
 
 
 def test_both_model_classes_generate_the_same_text(tiny_model_dir: Path) -> None:
@@ -171,10 +258,15 @@ def test_both_model_classes_generate_the_same_text(tiny_model_dir: Path) -> None
     assert texts[0] == texts[1] and texts[0].strip()
 
 
-def test_gguf_quantization_of_an_hf_checkpoint_fails_with_one_line(tiny_model_dir: Path) -> None:
-    result = actorline("generate", "hi", "--model", str(tiny_model_dir), "--quantization", "gguf")
-    assert result.returncode == 2
-    (line,) = result.stderr.strip().splitlines()
+def test_gguf_quantization_of_an_hf_checkpoint_fails_with_one_line(
+    tiny_model_dir: Path, actorline_in_process: InProcess
+) -> None:
+    model = str(tiny_model_dir)
+    status, _, err = actorline_in_process(
+        "generate", "hi", "--model", model, "--quantization", "gguf"
+    )
+    assert status == 2
+    (line,) = err.strip().splitlines()
     assert "quantization 'gguf' runs a GGUF file's own weights" in line
     assert "--quantization int8" in line
 
@@ -208,9 +300,12 @@ def test_generate_with_quantization_prints_the_apis_text(
     assert result.stdout == expected.text + "\n"
 
 
-def test_corrupt_and_truncated_gguf_fail_cleanly(tmp_path: Path) -> None:
+def test_corrupt_and_truncated_gguf_fail_cleanly(
+    tmp_path: Path, actorline_in_process: InProcess
+) -> None:
     truncated = tmp_path / "truncated.gguf"
-    truncated.write_bytes(gguf_path().read_bytes()[: 2 << 20])
+    with gguf_path().open("rb") as whole:  # its first 2 MiB (not the whole file read)
+        truncated.write_bytes(whole.read(2 << 20))
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 4096)
     not_gguf = tmp_path / "text.gguf"
@@ -220,10 +315,12 @@ def test_corrupt_and_truncated_gguf_fail_cleanly(tmp_path: Path) -> None:
         (corrupt, "not a readable GGUF model"),
         (not_gguf, "is not a GGUF file"),
     ):
-        result = actorline("generate", "hi", "--model", str(path), "--max-tokens", "2")
-        assert result.returncode == 2, result.stderr
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], result.stderr
+        status, _, err = actorline_in_process(
+            "generate", "hi", "--model", str(path), "--max-tokens", "2"
+        )
+        assert status == 2, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], err
 
 
 @pytest.mark.slow
@@ -233,17 +330,21 @@ def test_corrupt_and_truncated_gguf_fail_cleanly(tmp_path: Path) -> None:
     ids=["model-length", "max-model-len"],
 )
 def test_prompt_longer_than_the_model_fails_with_one_line(
-    tiny_model_dir: Path, words: int, extra: list[str], length: int
+    tiny_model_dir: Path,
+    words: int,
+    extra: list[str],
+    length: int,
+    actorline_in_process: InProcess,
 ) -> None:
     prompt = "hello " * words
-    result = actorline(
+    status, out, err = actorline_in_process(
         "generate", prompt, "--model", str(tiny_model_dir), "--max-tokens", "4", *extra
     )
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("actorline: error:"), result.stderr
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("actorline: error:"), err
     assert f"the model's length is {length}" in lines[0] and "the prompt has" in lines[0]
-    assert not result.stdout.strip()
+    assert not out.strip()
 
 
 @pytest.mark.slow
