@@ -36,6 +36,13 @@ def actorline(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[s
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def one_error_line(stderr: str) -> str:
+    """``stderr``'s only line, an ``actorline[ COMMAND]: error: ...`` line (asserted)."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"actorline( \w+)?: error: ", lines[0]), stderr
+    return lines[0]
+
+
 @pytest.fixture(scope="module")
 def _no_prespawned_host_left() -> Iterator[None]:
     """``generate`` and ``serve`` prespawn an engine host first thing; in this process at
@@ -214,9 +221,7 @@ def test_bad_input_fails_with_one_clear_line(
     real process's side: test_bad_input_in_a_real_process_is_one_line_and_status_2)."""
     status, out, err = actorline_in_process(*args)
     assert status == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and re.match(r"actorline( \w+)?: error: ", lines[0]), err
-    assert message in lines[0]
+    assert message in one_error_line(err)
     assert not out.strip()
 
 
@@ -238,9 +243,7 @@ def test_bad_input_in_a_real_process_is_one_line_and_status_2(
     engine host it prespawned)."""
     result = actorline(*args)
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and re.match(r"actorline( \w+)?: error: ", lines[0]), result.stderr
-    assert message in lines[0]
+    assert message in one_error_line(result.stderr)
     assert "Traceback" not in result.stderr and not result.stdout.strip()
 
 
