@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,34 @@ def _generate_info(model: Path, params: Any, **options: Any) -> tuple[list[Any],
     with LLM(str(model), transport="zmq", num_blocks=256, **options) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         return outputs, llm.engine.stats, llm.engine.info
+
+
+#: the killed draft host's streams: long enough to run on well past the kill
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+#: the streams on Ray, drafted for before and after the draft host's actor is killed
+ON_RAY = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Plain:
+    """The reference: PROMPTS' outputs from one engine without speculation (the same engine
+    options as :func:`_generate_info`'s), for GREEDY, LONG and ON_RAY, and its EngineInfo."""
+
+    greedy: list[Any]
+    info: Any
+    long: list[Any]
+    on_ray: list[Any]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: Path) -> Plain:
+    """One engine start for every test's reference (each test used to start its own)."""
+    with LLM(str(tiny_model_dir), transport="zmq", num_blocks=256) as llm:
+
+        def outputs(params: Any) -> list[Any]:
+            return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+
+        return Plain(outputs(GREEDY), llm.engine.info, outputs(LONG), outputs(ON_RAY))
 
 
 def test_the_draft_stage_is_a_node_of_the_pipeline_on_a_host_of_its_own(
@@ -119,14 +148,14 @@ def test_placement_is_checked(tiny_model_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_greedy_outputs_identical_with_the_draft_model_on_its_own_host(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, plain: Plain
 ) -> None:
-    plain, _, plain_info = _generate_info(tiny_model_dir, GREEDY)
+    plain_info = plain.info
     apart, stats, info = _generate_info(
         tiny_model_dir, GREEDY, speculative_config=_apart(tiny_model_dir)
     )
-    assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
-    assert [o.text for o in apart] == [o.text for o in plain]
+    assert [o.token_ids for o in apart] == [o.token_ids for o in plain.greedy]
+    assert [o.text for o in apart] == [o.text for o in plain.greedy]
     # the engine's info reports the draft model's own KV cache and its host: as many blocks
     # as the target's, of the same size (the model drafting for itself)
     assert (plain_info.draft_model, plain_info.draft_num_blocks, plain_info.draft_host) == (
@@ -166,13 +195,11 @@ def test_sampling_with_the_draft_model_apart_keeps_the_target_distribution(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_draft_host_is_restarted_alone_and_drafts_again(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, plain: Plain
 ) -> None:
     # SIGKILLed mid-stream: the streams finish greedy-identical (without drafts meanwhile),
     # the draft host is restarted alone, and later requests are drafted for again
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    with LLM(str(tiny_model_dir), transport="zmq", num_blocks=256) as llm:
-        plain = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    params = LONG
 
     async def run() -> tuple[list[Any], list[Any], list[Any]]:
         engine = AsyncEngine(
@@ -220,9 +247,9 @@ def test_a_killed_draft_host_is_restarted_alone_and_drafts_again(
             await engine.close()
 
     outputs, after, (killed_stats, later) = asyncio.run(run())
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.long]
     assert all(o.finish_reason == "length" for o in outputs)
-    assert after[-1].token_ids == plain[2].token_ids
+    assert after[-1].token_ids == plain.long[2].token_ids
     assert killed_stats.spec_num_drafts > 0  # it drafted before the kill
     assert killed_stats.spec_num_drafts_dropped > 0  # and went without drafts after it
     # the fresh draft host drafts again: the counters rise, every draft accepted (the model
@@ -233,30 +260,30 @@ def test_a_killed_draft_host_is_restarted_alone_and_drafts_again(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_each_data_parallel_replica_drafts_with_its_own_draft_host(tiny_model_dir: Path) -> None:
-    plain, _ = _generate(tiny_model_dir, GREEDY)
+def test_each_data_parallel_replica_drafts_with_its_own_draft_host(
+    tiny_model_dir: Path, plain: Plain
+) -> None:
     apart, stats = _generate(
         tiny_model_dir, GREEDY, data_parallel_size=2, speculative_config=_apart(tiny_model_dir)
     )
-    assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in apart] == [o.token_ids for o in plain.greedy]
     assert stats.spec_num_drafts > 0
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
     beside, stats = _generate(
         tiny_model_dir, GREEDY, data_parallel_size=2, speculative_config=_spec(tiny_model_dir)
     )
-    assert [o.token_ids for o in beside] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in beside] == [o.token_ids for o in plain.greedy]
     assert stats.spec_num_drafts > 0
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_engine_replica_restarted_alone_drafts_with_its_draft_host_again(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, plain: Plain
 ) -> None:
     # data parallelism with restart_engine: engine_1 killed, restarted alone though its draft
     # host (a spawned host) links to it; that draft host drops the old engine's requests,
     # answers the fresh one, and drafts for it
-    plain, _ = _generate(tiny_model_dir, GREEDY)
 
     async def run() -> tuple[list[Any], Any]:
         engine = AsyncEngine(
@@ -299,19 +326,18 @@ def test_an_engine_replica_restarted_alone_drafts_with_its_draft_host_again(
             await engine.close()
 
     outputs, fresh = asyncio.run(run())
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.greedy]
     assert fresh is not None and fresh.spec_num_drafts > 0  # the fresh replica drafted
     assert fresh.spec_num_accepted_tokens == fresh.spec_num_draft_tokens
 
 
 @pytest.mark.slow
-def test_drafts_that_come_late_are_never_used(tiny_model_dir: Path) -> None:
+def test_drafts_that_come_late_are_never_used(tiny_model_dir: Path, plain: Plain) -> None:
     # a bound no answer meets: each step goes on without its drafts, and a late answer is
     # dropped when it arrives (its drafts follow tokens the target has passed)
-    plain, _ = _generate(tiny_model_dir, GREEDY)
     late = _spec(tiny_model_dir, placement="host", draft_timeout=1e-4)
     apart, stats = _generate(tiny_model_dir, GREEDY, speculative_config=late)
-    assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in apart] == [o.token_ids for o in plain.greedy]
     assert stats.spec_num_drafts_dropped > 0
 
 
@@ -347,16 +373,15 @@ def test_a_drafter_that_raises_costs_the_drafts_not_the_requests(
 
 @pytest.mark.slow
 def test_a_draft_stage_that_cannot_draft_for_the_target_costs_only_the_drafts(
-    tiny_model_dir: Path, tiny_gguf: Path
+    tiny_model_dir: Path, tiny_gguf: Path, plain: Plain
 ) -> None:
     # a draft model of another vocabulary (512 tokens): beside the target it is refused as
     # the engine starts; apart, the draft stage says why it cannot draft and the target
     # decodes on without speculation
-    plain, _ = _generate(tiny_model_dir, GREEDY)
     apart, stats, info = _generate_info(
         tiny_model_dir, GREEDY, speculative_config=_apart(tiny_gguf)
     )
-    assert [o.token_ids for o in apart] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in apart] == [o.token_ids for o in plain.greedy]
     assert (info.draft_model, info.draft_num_blocks, info.draft_kv_cache_bytes) == ("", 0, 0)
     assert stats.spec_num_drafts == 0
     assert stats.spec_num_drafts_dropped > 0
@@ -365,13 +390,12 @@ def test_a_draft_stage_that_cannot_draft_for_the_target_costs_only_the_drafts(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_on_ray_the_draft_host_is_an_actor_whose_death_costs_only_drafts(
-    tiny_model_dir: Path, ray_cluster: object
+    tiny_model_dir: Path, ray_cluster: object, plain: Plain
 ) -> None:
     from tests.pipeline.runtime.test_ray_hosts import pipeline_state, wait_until_gone
     from tests.pipeline.runtime.test_running import run
 
-    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
-    plain, _ = _generate(tiny_model_dir, params)
+    params = ON_RAY
 
     async def on_ray() -> None:
         engine = AsyncEngine(
@@ -391,13 +415,13 @@ def test_on_ray_the_draft_host_is_an_actor_whose_death_costs_only_drafts(
                 return last
 
             drafted = await asyncio.gather(*(one(p) for p in PROMPTS))
-            assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+            assert [o.token_ids for o in drafted] == [o.token_ids for o in plain.on_ray]
             assert engine.stats is not None and engine.stats.spec_num_drafts > 0
             actors, groups = pipeline_state(ray_cluster, "llm")
             assert len(actors) == 2 and groups == ["actorline:llm:replica0"]
             ray_cluster.kill(engine.running.ray_actor("engine_draft"))  # type: ignore[attr-defined]
             after = await asyncio.gather(*(one(p) for p in PROMPTS))
-            assert [o.token_ids for o in after] == [o.token_ids for o in plain]
+            assert [o.token_ids for o in after] == [o.token_ids for o in plain.on_ray]
             assert engine.failure is None and engine.replicas == []
         finally:
             await engine.close()
