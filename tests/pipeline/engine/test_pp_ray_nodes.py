@@ -401,46 +401,43 @@ def check_prefill_decode(report: dict[str, Any], expected: list[tuple[int, ...]]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_prefill_and_decode_engines_on_two_nodes_move_kv_and_a_killed_decoder_fails_its_own(
     tiny_model_dir: Path,
     two_nodes: tuple[StartedRay, StartedRay],
     long_local_tokens: list[tuple[int, ...]],
 ) -> None:
-    disaggregated = dict(prefill_decode=[1, 1], ray_num_cpus=0.5,
-                         ray_prefill_decode_resources="node:__internal_head__,second")  # fmt: skip
-    engines = [[disaggregated, "engine_1"]]
-    (report,), first, second = drive(tiny_model_dir, two_nodes, engines, LONG_PROMPTS, timeout=500)
+    """P/D 1:1 on Ray, the prefill engine pinned to the head and the decode engine to the
+    second node, then the same at TP=2, one after the other in one driver process (one
+    interpreter's start for both; each engine is its own, as in two tests):
+
+    - TP=1: the prefill engine on the head, the decode engine on the second node; every
+      prompt's blocks move, the greedy tokens are one local engine's; killing the decode
+      engine fails the streams it held, and the prefill engine serves on, whole;
+    - TP=2: the prefill engine's two ranks on the head, the decode engine's on the second
+      node; each prompt's blocks (both KV heads, gathered from the prefill ranks) go straight
+      from the prefill engine to the decode engine across the nodes, each decode rank keeps
+      its heads, and the greedy tokens are one local engine's (TP=1). Killing the decode
+      engine's second rank fails the streams it held; the prefill engine serves on, whole."""
+    pinned = dict(ray_num_cpus=0.5, ray_prefill_decode_resources="node:__internal_head__,second")
+    disaggregated = dict(prefill_decode=[1, 1], **pinned)
+    tensor_parallel = dict(prefill_decode=[1, 1], tensor_parallel_size=2, **pinned)
+    engines = [[disaggregated, "engine_1"], [tensor_parallel, "engine_1_tp1"]]
+    (report, tp_report), first, second = drive(
+        tiny_model_dir, two_nodes, engines, LONG_PROMPTS, timeout=800
+    )
     # the prefill engine on the head, the decode engine on the second node
     assert {host: where["node"] for host, where in report["hosts"].items()} == {
         "engine": first, "engine_1": second
     }  # fmt: skip
     check_prefill_decode(report, long_local_tokens)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_prefill_and_decode_tensor_parallel_groups_on_two_nodes_are_one_engine(
-    tiny_model_dir: Path,
-    two_nodes: tuple[StartedRay, StartedRay],
-    long_local_tokens: list[tuple[int, ...]],
-) -> None:
-    """P/D 1:1 x TP=2 on Ray: the prefill engine's two ranks on the head, the decode
-    engine's on the second node; each prompt's blocks (both KV heads, gathered from the
-    prefill ranks) go straight from the prefill engine to the decode engine across the
-    nodes, each decode rank keeps its heads, and the greedy tokens are one local engine's
-    (TP=1). Killing the decode engine's second rank fails the streams it held; the prefill
-    engine serves on, whole."""
-    options = dict(prefill_decode=[1, 1], tensor_parallel_size=2, ray_num_cpus=0.5,
-                   ray_prefill_decode_resources="node:__internal_head__,second")  # fmt: skip
-    engines = [[options, "engine_1_tp1"]]
-    (report,), first, second = drive(tiny_model_dir, two_nodes, engines, LONG_PROMPTS, timeout=500)
-    assert {host: where["node"] for host, where in report["hosts"].items()} == {
+    # at TP=2, each engine's ranks on its node
+    assert {host: where["node"] for host, where in tp_report["hosts"].items()} == {
         "engine": first, "engine_tp1": first, "engine_1": second, "engine_1_tp1": second,
     }  # fmt: skip
-    check_prefill_decode(report, long_local_tokens)
+    check_prefill_decode(tp_report, long_local_tokens)
     # each straight from prefill engine 0 to decode engine 1, both KV heads of every block
     # (the tiny Llama: 2 layers, K and V, 16 tokens, 2 KV heads of 16, float32)
-    for source, target, num_blocks, nbytes in report["transfers"]:
+    for source, target, num_blocks, nbytes in tp_report["transfers"]:
         assert (source, target) == ("0", "1")
         assert nbytes == num_blocks * 2 * 2 * 16 * 2 * 16 * 4

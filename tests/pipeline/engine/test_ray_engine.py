@@ -60,6 +60,11 @@ async def outputs(engine: AsyncEngine) -> list[tuple[int, ...]]:
     return list(await asyncio.gather(*(one(prompt) for prompt in PROMPTS)))
 
 
+#: local_tokens' reference by model directory: computed once per test process, though the
+#: Ray modules that share the fixture (test_ray_started, test_pp_ray_nodes) each import it
+_LOCAL_TOKENS: dict[Path, list[tuple[int, ...]]] = {}
+
+
 @pytest.fixture(scope="module")
 def local_tokens(tiny_model_dir: Path) -> list[tuple[int, ...]]:
     """PROMPTS' greedy tokens from the tiny model on a local engine process (TP=1, DP=1)."""
@@ -68,8 +73,9 @@ def local_tokens(tiny_model_dir: Path) -> list[tuple[int, ...]]:
         async with AsyncEngine(str(tiny_model_dir), num_blocks=128) as engine:
             return await outputs(engine)
 
-    tokens: list[tuple[int, ...]] = run(local, timeout=300)
-    return tokens
+    if tiny_model_dir not in _LOCAL_TOKENS:
+        _LOCAL_TOKENS[tiny_model_dir] = run(local, timeout=300)
+    return list(_LOCAL_TOKENS[tiny_model_dir])
 
 
 @pytest.fixture
