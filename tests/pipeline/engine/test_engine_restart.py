@@ -70,9 +70,11 @@ def no_traceback(records: list[logging.LogRecord]) -> None:
     assert not [r.getMessage() for r in records if r.exc_info is not None]
 
 
-async def kill_under_a_request(engine: AsyncEngine, signum: int) -> EngineDeadError:
+async def kill_under_a_request(
+    engine: AsyncEngine, signum: int, request_id: str | None = None
+) -> EngineDeadError:
     """Send ``signum`` to the engine process while a request runs; the request's error."""
-    stream = engine.generate("forever", FOREVER)
+    stream = engine.generate("forever", FOREVER, request_id=request_id)
     await anext(stream)  # it runs
 
     async def rest() -> None:
@@ -103,13 +105,18 @@ def with_process_gone(pid: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
-def test_a_dead_or_frozen_engine_is_restarted(
-    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture, signum: int
+def test_a_killed_then_a_frozen_engine_is_restarted(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The request in flight gets EngineDeadError (frozen: "unresponsive"), one sent while the
-    fresh engine starts gets it at once, and once the engine serves again the same prompt
-    gets the same greedy answer as before, from a new engine process."""
+    """One engine, killed (SIGKILL) and, once it serves again, frozen (SIGSTOP: the heartbeat
+    finds it). Each time the request in flight gets EngineDeadError (frozen: "unresponsive"),
+    one sent while the fresh engine starts gets it at once, and once the engine serves again
+    the same prompt gets the same greedy answer as before, from a new engine process. The
+    ERROR line that reports the killed engine's death names the request of its latest step,
+    and the WARNING with the requests in flight names it too (formerly two engines, one per
+    signal, and test_the_line_reporting_a_dead_engine_names_its_request in
+    test_replica_restart.py, a third engine without restart_engine: the line is the
+    pipeline's, logged with or without it)."""
 
     async def body() -> None:
         async with AsyncEngine(
@@ -121,32 +128,44 @@ def test_a_dead_or_frozen_engine_is_restarted(
         ) as engine:
             watch = Watch(engine)
             before = await complete(engine, "Hello there", GREEDY)
-            old_pid = engine.running.pids["engine"]
-            error = await kill_under_a_request(engine, signum)
-            if signum == signal.SIGSTOP:
-                assert error.unresponsive and error.unresponsive_for == HEARTBEAT_TIMEOUT
-            else:
-                assert "killed by signal 9" in str(error)
-            assert engine.restarting and watch.failures == [engine.failure]
-            refused = time.monotonic()
-            with pytest.raises(EngineDeadError, match=r"; the engine is restarting$"):
-                await complete(engine, "while restarting", GREEDY)
-            assert time.monotonic() - refused < 1.0
-            healed = await watch.serving_again()
-            assert engine.failure is None and not engine.restarting and engine.restarts == 1
-            assert engine.running.pids["engine"] != old_pid
-            started = time.monotonic()
-            after = await complete(engine, "Hello there", GREEDY)
-            assert after.token_ids == before.token_ids and after.text == before.text
-            assert time.monotonic() - started < 30.0
-            logging.getLogger(__name__).info("healed in %.1f s", healed)
+            for restarts, signum in enumerate((signal.SIGKILL, signal.SIGSTOP), start=1):
+                old_pid = engine.running.pids["engine"]
+                error = await kill_under_a_request(engine, signum, f"the-long-one-{restarts}")
+                if signum == signal.SIGSTOP:
+                    assert error.unresponsive and error.unresponsive_for == HEARTBEAT_TIMEOUT
+                else:
+                    assert "killed by signal 9" in str(error)
+                assert engine.restarting and watch.failures[-1:] == [engine.failure]
+                assert len(watch.failures) == restarts
+                refused = time.monotonic()
+                with pytest.raises(EngineDeadError, match=r"; the engine is restarting$"):
+                    await complete(engine, "while restarting", GREEDY)
+                assert time.monotonic() - refused < 1.0
+                healed = await watch.serving_again()
+                assert engine.failure is None and not engine.restarting
+                assert engine.restarts == restarts
+                assert engine.running.pids["engine"] != old_pid
+                started = time.monotonic()
+                after = await complete(engine, "Hello there", GREEDY)
+                assert after.token_ids == before.token_ids and after.text == before.text
+                assert time.monotonic() - started < 30.0
+                logging.getLogger(__name__).info("healed in %.1f s", healed)
 
     with caplog.at_level(logging.INFO, logger="actorline"):
         asyncio.run(asyncio.wait_for(body(), 180))
     no_traceback(caplog.records)
     messages = [r.getMessage() for r in caplog.records]
-    assert any("the engine ended with 1 request(s) in flight" in m for m in messages), messages
-    assert any(m.startswith("the engine serves again (restart 1") for m in messages), messages
+    for restarts in (1, 2):
+        assert any(
+            m.startswith(f"the engine ended with 1 request(s) in flight: the-long-one-{restarts}")
+            for m in messages
+        ), messages
+        assert any(m.startswith(f"the engine serves again (restart {restarts}") for m in messages)
+    # the killed engine's death: one ERROR line, naming the request of its latest step
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    died = [e for e in errors if e.startswith("pipeline 'llm' failed: host 'engine' died")]
+    assert len(died) == 1, errors
+    assert "its latest step had request(s) the-long-one-1#" in died[0], died
 
 
 @pytest.mark.slow
@@ -255,68 +274,6 @@ def test_bad_restart_options_are_refused(option: str, value: Any, message: str) 
     with pytest.raises(ValueError, match=message):
         EngineOptions(**{option: value})
     assert EngineOptions().restart_engine is False  # the API's default; serve turns it on
-
-
-@pytest.mark.slow
-def test_data_parallel_replicas_with_restart_engine(
-    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """DP=2 with restart_engine: a killed replica fails only its own stream while the other
-    replica's stream goes on without a stall, and the engine does not restart whole (the
-    runtime contains the loss, and the replica heals on its own: test_replica_restart.py);
-    once both replicas are killed at once the engine restarts whole, with both alive again."""
-
-    async def body() -> None:
-        async with AsyncEngine(
-            str(tiny_model_dir),
-            num_blocks=128,
-            data_parallel_size=2,
-            restart_engine=True,
-            restart_backoff=0.0,
-        ) as engine:
-            watch = Watch(engine)
-            long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
-            streams = [engine.generate(f"forever {i}", long) for i in range(2)]
-            for stream in streams:
-                await anext(stream)
-            pids = engine.running.pids
-            os.kill(pids["engine_1"] or 0, signal.SIGKILL)
-
-            async def read(stream: Any) -> tuple[BaseException | None, float]:
-                """Read for 2 s (or to its end): the error that ended it, the longest gap
-                between outputs."""
-                gap, last, deadline = 0.0, time.monotonic(), time.monotonic() + 2.0
-                try:
-                    while time.monotonic() < deadline:
-                        await anext(stream)
-                        gap, last = max(gap, time.monotonic() - last), time.monotonic()
-                except EngineDeadError as error:
-                    return error, gap
-                except StopAsyncIteration:
-                    pass
-                return None, gap
-
-            results = await asyncio.gather(*(read(stream) for stream in streams))
-            errors = [error for error, _ in results if error is not None]
-            assert len(errors) == 1 and "replica" in str(errors[0]), results
-            (bystander_gap,) = [gap for error, gap in results if error is None]
-            assert bystander_gap < 2.0
-            assert engine.failure is None and not engine.restarting and engine.restarts == 0
-            pids = engine.running.pids  # (replica 1 may have been restarted meanwhile)
-            for host in ("engine", "engine_1"):
-                os.kill(pids[host] or 0, signal.SIGKILL)
-            await watch.serving_again()
-            assert engine.restarts == 1
-            assert [status.alive for status in engine.replicas] == [True, True]
-            answers = await asyncio.gather(*(complete(engine, f"after {i}", GREEDY)
-                                             for i in range(4)))  # fmt: skip
-            assert all(len(answer.token_ids) == GREEDY.max_tokens for answer in answers)
-            for stream in streams:
-                await stream.aclose()
-
-    with caplog.at_level(logging.INFO, logger="actorline"):
-        asyncio.run(asyncio.wait_for(body(), 180))
-    no_traceback(caplog.records)
 
 
 @pytest.mark.slow

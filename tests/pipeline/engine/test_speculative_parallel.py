@@ -44,29 +44,46 @@ def run(coroutine: Coroutine[Any, Any, T], timeout: float = 600) -> T:
     return asyncio.run(asyncio.wait_for(coroutine, timeout))
 
 
-async def outputs_of(
-    model: Path, params: list[SamplingParams], **options: Any
-) -> tuple[list[tuple[int, ...]], Any, list[str]]:
-    """Each of PROMPTS with its params, all at once: the token ids, the engine's stats and
-    (data parallelism) the replica each request was routed to."""
+async def batches_of(
+    model: Path, batches: list[list[SamplingParams]], **options: Any
+) -> tuple[list[tuple[list[tuple[int, ...]], Any]], list[str]]:
+    """On one engine, for each batch of params, one after the other: each of PROMPTS with its
+    params, all at once. Each batch's token ids and the engine's stats after it (cumulative),
+    and (data parallelism) the replica each request was routed to."""
     options.setdefault("num_blocks", 256)
     async with AsyncEngine(str(model), **options) as engine:
 
-        async def one(index: int) -> tuple[int, ...]:
+        async def one(batch: int, params: SamplingParams, index: int) -> tuple[int, ...]:
             last = None
             async for output in engine.generate(
-                {"prompt_token_ids": PROMPTS[index]}, params[index], request_id=f"r{index}"
+                {"prompt_token_ids": PROMPTS[index]},
+                params,
+                request_id=f"r{index}" if batch == 0 else f"b{batch}r{index}",
             ):
                 last = output
             assert last is not None and last.finish_reason == "length"
             return tuple(last.token_ids)
 
-        outputs = list(await asyncio.gather(*(one(i) for i in range(len(PROMPTS)))))
+        results = []
+        for number, params in enumerate(batches):
+            outputs = list(
+                await asyncio.gather(*(one(number, params[i], i) for i in range(len(PROMPTS))))
+            )
+            results.append((outputs, engine.stats))
         replicas: list[str] = []
         if options.get("data_parallel_size", 1) > 1:
             router = engine.running.stage("router")
             replicas = [str(replica) for _, replica in router.recent]
-        return outputs, engine.stats, replicas
+        return results, replicas
+
+
+async def outputs_of(
+    model: Path, params: list[SamplingParams], **options: Any
+) -> tuple[list[tuple[int, ...]], Any, list[str]]:
+    """Each of PROMPTS with its params, all at once: the token ids, the engine's stats and
+    (data parallelism) the replica each request was routed to."""
+    ((outputs, stats),), replicas = await batches_of(model, [params], **options)
+    return outputs, stats, replicas
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +95,18 @@ def tp2_plain(tiny_model_dir: Path) -> list[tuple[int, ...]]:
 
 
 @pytest.fixture(scope="module")
-def tp1_spec(tiny_model_dir: Path) -> tuple[list[tuple[int, ...]], Any]:
-    """TP=1 (memory) greedy with SPEC: outputs and stats, shared by the TP=2 and DP=2
-    tests."""
-    outputs, stats, _ = run(
-        outputs_of(
-            tiny_model_dir, [GREEDY] * len(PROMPTS), transport="memory", speculative_config=SPEC
+def tp1_spec(tiny_model_dir: Path) -> tuple[list[tuple[int, ...]], Any, list[tuple[int, ...]]]:
+    """TP=1 (memory) with SPEC, one engine: greedy (outputs and stats, shared by the TP=2 and
+    DP=2 tests), then SEEDED (outputs)."""
+    ((greedy, stats), (seeded, _)), _ = run(
+        batches_of(
+            tiny_model_dir,
+            [[GREEDY] * len(PROMPTS), SEEDED],
+            transport="memory",
+            speculative_config=SPEC,
         )
     )
-    return outputs, stats
+    return greedy, stats, seeded
 
 
 def _counters(stats: Any) -> tuple[int, int, int, tuple[int, ...]]:
@@ -103,20 +123,27 @@ def _counters(stats: Any) -> tuple[int, int, int, tuple[int, ...]]:
 def test_tp2_verifies_drafts_together_greedy_and_seeded(
     tiny_model_dir: Path,
     tp2_plain: list[tuple[int, ...]],
-    tp1_spec: tuple[list[tuple[int, ...]], Any],
+    tp1_spec: tuple[list[tuple[int, ...]], Any, list[tuple[int, ...]]],
 ) -> None:
     greedy = [GREEDY] * len(PROMPTS)
     plain = tp2_plain
-    spec, stats, _ = run(
-        outputs_of(tiny_model_dir, greedy, tensor_parallel_size=2, speculative_config=SPEC)
+    # one engine: greedy, then seeded (temperature > 0) on the same engine
+    ((spec, stats), (sampled, sampled_stats)), _ = run(
+        batches_of(
+            tiny_model_dir, [greedy, SEEDED], tensor_parallel_size=2, speculative_config=SPEC
+        )
     )
     assert spec == plain
     assert stats.spec_num_drafts > 0
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # roll-backs too
     assert stats.communication_seconds > 0
-    one_rank, one_stats = tp1_spec
+    one_rank, one_stats, expected = tp1_spec
     assert one_rank == spec
     assert _counters(one_stats) == _counters(stats)
+    # temperature > 0, seeded: rank 0 draws from each request's own generator, as at TP=1
+    # (both engines ran the greedy batch first)
+    assert sampled == expected
+    assert sampled_stats.spec_num_drafts > stats.spec_num_drafts
     # 8 blocks of 16 tokens do not hold the four at once: preempted mid-run and recomputed
     tight, tight_stats, _ = run(
         outputs_of(
@@ -127,15 +154,6 @@ def test_tp2_verifies_drafts_together_greedy_and_seeded(
     assert tight == plain
     assert tight_stats.num_preemptions > 0
     assert tight_stats.spec_num_accepted_tokens > 0
-    # temperature > 0, seeded: rank 0 draws from each request's own generator, as at TP=1
-    sampled, sampled_stats, _ = run(
-        outputs_of(tiny_model_dir, SEEDED, tensor_parallel_size=2, speculative_config=SPEC)
-    )
-    expected, _, _ = run(
-        outputs_of(tiny_model_dir, SEEDED, transport="memory", speculative_config=SPEC)
-    )
-    assert sampled == expected
-    assert sampled_stats.spec_num_drafts > 0
 
 
 @pytest.mark.slow
@@ -169,11 +187,11 @@ def test_tp2_verifies_a_draft_models_drafts_together_in_either_placement(
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dp2_drafts_on_each_replica_and_sums_the_counters(
-    tiny_model_dir: Path, tp1_spec: tuple[list[tuple[int, ...]], Any]
+    tiny_model_dir: Path, tp1_spec: tuple[list[tuple[int, ...]], Any, list[tuple[int, ...]]]
 ) -> None:
     greedy = [GREEDY] * len(PROMPTS)
     plain, _, _ = run(outputs_of(tiny_model_dir, greedy, transport="memory"))
-    one, one_stats = tp1_spec
+    one, one_stats, _ = tp1_spec
     spec, stats, replicas = run(
         outputs_of(tiny_model_dir, greedy, data_parallel_size=2, speculative_config=SPEC)
     )

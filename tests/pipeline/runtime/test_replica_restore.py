@@ -69,9 +69,18 @@ async def lose_b(running) -> None:  # type: ignore[no-untyped-def]
     assert not process_alive(pid)
 
 
-def test_a_lost_replica_is_restored_and_served_again(tmp_path: Path) -> None:
+def test_a_lost_replica_is_restored_and_served_again_and_a_failed_restore_leaves_it_lost(
+    tmp_path: Path,
+) -> None:
+    """One pipeline: replica b is lost and restored twice, served meanwhile by a; then lost a
+    third time while its fresh host cannot start: the restore fails with the stage's error
+    and leaves it lost (a serving on), and once it can start again it is restored. (Formerly
+    test_a_restore_whose_host_fails_to_start_leaves_the_replica_lost, a pipeline of its
+    own.)"""
+    marker = tmp_path / "marker"
+
     async def body() -> None:
-        async with await restorable(str(tmp_path / "absent")).start() as running:
+        async with await restorable(str(marker)).start() as running:
             front = running.stage("front")
             with pytest.raises(ValueError, match="replica b of 'workers' is not lost"):
                 await running.restore_replica("workers", "b")
@@ -94,22 +103,13 @@ def test_a_lost_replica_is_restored_and_served_again(tmp_path: Path) -> None:
                 (done,) = await receive(running, 1)
                 assert (done.task_id, done.replica, done.error) == (10 * round_ + 1, "worker_b", "")
             assert running.failure is None
-
-    run(body)
-
-
-def test_a_restore_whose_host_fails_to_start_leaves_the_replica_lost(tmp_path: Path) -> None:
-    marker = tmp_path / "marker"
-
-    async def body() -> None:
-        async with await restorable(str(marker)).start() as running:
-            front = running.stage("front")
+            # a restore whose fresh host fails to start leaves the replica lost
             await lose_b(running)
             marker.write_text("")
             with pytest.raises(StageFailedError, match="cannot start: marker present"):
                 await running.restore_replica("workers", "b")
             assert [s.alive for s in running.replicas()] == [True, False]
-            assert not front.restored and running.failure is None
+            assert len(front.restored) == 2 and running.failure is None
             await running.send("tasks", Task(1, replica="a"))
             (done,) = await receive(running, 1)
             assert done.replica == "worker_a" and not done.error

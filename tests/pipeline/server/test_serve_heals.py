@@ -50,7 +50,8 @@ FAILS_WITHIN = 10.0
 HEALS_WITHIN = 90.0
 #: seconds the first answer after the restart may take
 ANSWER_WITHIN = 30.0
-SUPERVISION = ("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--restart-backoff", "0.2")
+#: (no back-off: the restart follows at once, so a SIGTERM lands while the fresh engine starts)
+SUPERVISION = ("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--restart-backoff", "0")
 
 
 def http_health(serve: ServeProcess, reason: str = "") -> int:
@@ -130,9 +131,14 @@ def break_engine(serve: ServeProcess, signum: int) -> float:
     return healed
 
 
-def test_actorline_serve_heals_a_killed_then_a_frozen_engine(
+def test_actorline_serve_heals_a_killed_then_a_frozen_engine_then_stops_while_restarting(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    """Killed, then frozen: each time the serve process heals (see :func:`break_engine`) and
+    answers as before. Then killed a third time, and SIGTERM while the fresh engine starts:
+    the restart is cancelled, the command exits 0 without a traceback, and no engine process
+    is left (neither the dead one nor the fresh). (Formerly
+    test_a_stop_signal_while_the_engine_restarts, a serve process of its own.)"""
     serve = ServeProcess(
         openai_serve_arguments(tiny_model_dir, "--num-blocks", "64", *SUPERVISION),
         tmp_path / "stderr.txt",
@@ -148,14 +154,19 @@ def test_actorline_serve_heals_a_killed_then_a_frozen_engine(
             assert http_answer(serve, "Hello there") == text
             assert time.monotonic() - started < ANSWER_WITHIN
             assert metrics(serve)["actorline_engine_restarts_total", frozenset()] == restarts
-        children = child_pids(serve.process.pid)
+        # killed again, and SIGTERM while the fresh engine starts
+        (engine,) = engine_host_pids(serve.process.pid)
+        os.kill(engine, signal.SIGKILL)
+        poll_until(lambda: http_health(serve) == 503, "/health 503", timeout=5.0)
+        children = child_pids(serve.process.pid)  # a fresh engine's process among them
         serve.process.send_signal(signal.SIGTERM)
         assert serve.process.wait(EXIT_TIMEOUT) == 0, serve.stderr[-3000:]
-        assert not any(process_alive(pid) for pid in children)
+        assert not any(process_alive(pid) for pid in children | {engine})
         stderr = serve.stderr
         assert "Traceback" not in stderr, stderr[-5000:]
         assert "killed by signal 9" in stderr and "has been unresponsive for 3 s" in stderr
         assert "the engine serves again (restart 2," in stderr, stderr[-5000:]
+        assert "the engine serves again (restart 3," not in stderr, stderr[-5000:]
     finally:
         serve.kill()
 
@@ -186,27 +197,5 @@ def test_actorline_serve_exits_on_a_crash_loop(tiny_model_dir: Path, tmp_path: P
         last = stderr.strip().splitlines()[-1]
         assert last.startswith("actorline: error: the engine died 2 times within 120 s"), last
         assert "killed by signal 9" in last
-    finally:
-        serve.kill()
-
-
-def test_a_stop_signal_while_the_engine_restarts(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """SIGTERM while the fresh engine starts: the restart is cancelled, the command exits 0
-    without a traceback, and no engine process is left (neither the dead one nor the fresh)."""
-    serve = ServeProcess(
-        openai_serve_arguments(tiny_model_dir, "--num-blocks", "64", "--restart-backoff", "0"),
-        tmp_path / "stderr.txt",
-    )
-    try:
-        (engine,) = engine_host_pids(serve.process.pid)
-        os.kill(engine, signal.SIGKILL)
-        poll_until(lambda: http_health(serve) == 503, "/health 503", timeout=5.0)
-        children = child_pids(serve.process.pid)  # a fresh engine's process among them
-        serve.process.send_signal(signal.SIGTERM)
-        assert serve.process.wait(EXIT_TIMEOUT) == 0, serve.stderr[-3000:]
-        assert not any(process_alive(pid) for pid in children)
-        stderr = serve.stderr
-        assert "Traceback" not in stderr, stderr[-5000:]
-        assert "the engine serves again" not in stderr
     finally:
         serve.kill()

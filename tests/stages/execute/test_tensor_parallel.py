@@ -153,7 +153,7 @@ def test_tiny_model_at_tp2_gives_the_greedy_tokens_of_tp1_and_a_killed_rank_fail
     request fails promptly, leaving no process behind (formerly
     test_a_killed_rank_fails_every_pending_request, see :func:`a_killed_rank_fails_all`)."""
     model = str(tiny_model_dir)
-    expected, _ = run(outputs_of(model, num_blocks=512))
+    expected, _ = run(outputs_of(model, num_blocks=512, transport="memory"))  # TP=1, in-process
 
     async def body() -> None:
         # a cache too small for all of them at once: requests are preempted and recomputed
@@ -182,7 +182,9 @@ def test_a_bf16_kv_cache_at_tp2_gives_the_greedy_tokens_of_tp1(tiny_model_dir: P
     """Each rank holds its KV heads' shard of the cache in bf16 (kv_cache_dtype), through
     preemptions and prefix hits."""
     model = str(tiny_model_dir)
-    expected, _ = run(outputs_of(model, num_blocks=512, kv_cache_dtype="bfloat16"))
+    expected, _ = run(
+        outputs_of(model, num_blocks=512, kv_cache_dtype="bfloat16", transport="memory")
+    )
 
     async def tp2() -> tuple[list[tuple[int, ...]], Any, Any]:
         options = dict(tensor_parallel_size=2, num_blocks=24, kv_cache_dtype="bfloat16")
@@ -208,7 +210,7 @@ def test_default_model_at_tp3_gives_the_greedy_tokens_of_tp1() -> None:
         async with AsyncEngine("smollm2-135m", num_blocks=256, **options) as engine:
             return await generate_all(engine, prompts, params)
 
-    assert run(outputs(tensor_parallel_size=3)) == run(outputs())
+    assert run(outputs(tensor_parallel_size=3)) == run(outputs(transport="memory"))
 
 
 # -- what rank 0 sends, what the other ranks hold ---------------------------------------------
