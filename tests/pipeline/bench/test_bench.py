@@ -197,6 +197,7 @@ def test_offline_structured_quick_via_the_cli(
     assert result["greedy_checks"] == [] and result["default_budget"] is None
 
 
+@pytest.mark.slow  # five fresh processes (decode and offline per system, accuracy): 48 s in CI
 def test_quantization_quick(tiny_model_dir: Path) -> None:
     from pipeline.bench.quantization import (
         QuantizationBenchConfig,

@@ -259,13 +259,38 @@ def greedy(
     return generated.sequences[0, len(prompt) :].tolist(), margins
 
 
+#: the tiny model's prompts of the parity test below, and their greedy length
+_TINY_PROMPTS = random_prompts(PROMPT_LENGTHS[:6], seed=3)
+_TINY_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_references(
+    tiny_model_dir: Path,
+) -> dict[bool, list[tuple[list[int], list[float]]]]:
+    """The emulating reference's greedy tokens and margins on :data:`_TINY_PROMPTS`, with K/V
+    rounded to bf16 (key True) and without, each computed once for the module (two of the
+    parity test's three cases share the bf16-K/V one); the reference model loads on first use."""
+
+    class Lazy(dict[bool, list[tuple[list[int], list[float]]]]):
+        def __missing__(self, kv_bf16: bool) -> list[tuple[list[int], list[float]]]:
+            model = emulating_reference(tiny_model_dir, kv_bf16=kv_bf16)
+            self[kv_bf16] = [greedy(model, prompt, _TINY_TOKENS) for prompt in _TINY_PROMPTS]
+            return self[kv_bf16]
+
+    return Lazy()
+
+
 @pytest.mark.parametrize(
     ("kv_cache_dtype", "use_cuda_graphs"),
     [("auto", True), ("auto", False), ("float32", True)],
     ids=["bf16-kv-step-graph", "bf16-kv-module-path", "fp32-kv-step-graph"],
 )
 def test_tiny_model_in_bf16_matches_the_emulating_reference(
-    tiny_model_dir: Path, kv_cache_dtype: str, use_cuda_graphs: bool
+    tiny_model_dir: Path,
+    tiny_references: dict[bool, list[tuple[list[int], list[float]]]],
+    kv_cache_dtype: str,
+    use_cuda_graphs: bool,
 ) -> None:
     """Through the step graph (decode steps of one native call) and the module path, over the
     bf16 KV cache ``auto`` gives bf16 weights and over an fp32 one."""
@@ -285,14 +310,13 @@ def test_tiny_model_in_bf16_matches_the_emulating_reference(
     assert isinstance(runner.model.lm_head, BF16Linear)
     assert isinstance(runner.model.get_input_embeddings(), BF16Embedding)
     assert (runner.step_graph is not None) == use_cuda_graphs
-    prompts = random_prompts(PROMPT_LENGTHS[:6], seed=3)
-    report = drive(runner, make_requests(prompts, SamplingParams(max_tokens=8, temperature=0.0)))
+    prompts = _TINY_PROMPTS
+    params = SamplingParams(max_tokens=_TINY_TOKENS, temperature=0.0)
+    report = drive(runner, make_requests(prompts, params))
     if runner.step_graph is not None:
         assert runner.step_graph.steps > 0
-    reference = emulating_reference(tiny_model_dir, kv_bf16=kv_bf16)
     compared = 0
-    for index, prompt in enumerate(prompts):
-        tokens, margins = greedy(reference, prompt, 8)
+    for index, (tokens, margins) in enumerate(tiny_references[kv_bf16]):
         got = report.outputs[f"r{index}"]
         # bf16 rounding of the activations turns float noise between two correct paths into
         # bf16-sized noise: compare up to the first step whose reference margin is within it.
