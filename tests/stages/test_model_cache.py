@@ -175,6 +175,28 @@ def test_a_stale_temporary_directory_of_a_killed_run_is_removed(
     assert sorted(p.name for p in entry.parent.iterdir()) == [".lock", entry.name]
 
 
+def test_a_truncated_gguf_is_a_typed_error_naming_it_before_any_conversion(
+    tiny_gguf: Path, tmp_path: Path, cache: Path
+) -> None:
+    """A GGUF file cut short (a partial download) is refused from its tensor table, which
+    says where each tensor's data lies: the first one past the file's end is named, before
+    anything reads or dequantizes a tensor (transformers' conversion would, and only then
+    fail, after a minute for the default model), and nothing is cached."""
+    truncated = tmp_path / "truncated.gguf"
+    whole = tiny_gguf.read_bytes()
+    truncated.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ModelFormatError) as caught:
+        resolve_model(truncated)
+    message = str(caught.value)
+    assert f"{truncated} is not a readable GGUF model" in message, message
+    assert re.search(
+        rf"the file is truncated: tensor '[\w.]+' ends at byte \d+ but the file has "
+        rf"{len(whole) // 2} bytes",
+        message,
+    ), message
+    assert [p.name for p in (cache / "models").iterdir()] == [".lock"]
+
+
 def test_a_full_disk_is_one_typed_error_leaving_nothing(
     tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,23 +13,17 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipeline import LLM, SamplingParams
-from pipeline.cli import main
 from pipeline.cli.llm import EXIT_BROKEN_PIPE
-from pipeline.runtime.prespawn import discard_prespawned
-from stages import tokenize
 from tests.conftest import imported_after
+from tests.pipeline.cli.conftest import InProcess
 
 CLI = [sys.executable, "-m", "pipeline.cli"]
-
-#: ``main(argv)`` run in this process: its exit status, stdout and stderr
-InProcess = Callable[..., tuple[int, str, str]]
 
 
 def actorline(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -41,43 +35,6 @@ def one_error_line(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(r"actorline( \w+)?: error: ", lines[0]), stderr
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def _no_prespawned_host_left() -> Iterator[None]:
-    """``generate`` and ``serve`` prespawn an engine host first thing; in this process at
-    most one waits at a time (the in-process cases share it), killed when the module ends
-    (what the CLI's atexit hook does when its process exits)."""
-    yield
-    discard_prespawned()
-
-
-@pytest.fixture
-def actorline_in_process(
-    _no_prespawned_host_left: None, capsys: pytest.CaptureFixture[str]
-) -> Iterator[InProcess]:
-    """The CLI's entry point called in this process (``SystemExit`` from argparse read as
-    the exit status), with what it leaves in the process (the OpenMP variables, the
-    tokenizer prefetch) undone afterwards."""
-    environ = dict(os.environ)
-    prefetched = set(tokenize._PREFETCHED)
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        try:
-            status = main(list(args))
-        except SystemExit as exit:
-            assert isinstance(exit.code, int), exit.code
-            status = exit.code
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    yield run
-    for key in set(os.environ) - set(environ):
-        del os.environ[key]
-    os.environ.update(environ)
-    for model in set(tokenize._PREFETCHED) - prefetched:
-        tokenize._PREFETCHED.pop(model, None)
 
 
 def test_plugins_lists_every_group() -> None:
@@ -283,7 +240,6 @@ def test_generate_with_quantization_prints_the_apis_text(
     line, logged at INFO, says so) and prints the greedy text the Python API gives with the
     same option: int8 on the tiny model, the default model's own GGUF blocks (docs/models.md,
     "Quantized weights")."""
-    import os
 
     model = str(tiny_model_dir) if quantization == "int8" else "smollm2-135m"
     prompt = "The capital of France is"

@@ -33,17 +33,31 @@ def test_tensor_table_is_the_gguf_packages(gguf_file: Path) -> None:
     architecture, tensors = read_tensor_table(gguf_file.read_bytes())
     reader = GGUFReader(gguf_file)
     assert architecture == "llama"
-    assert [(t.name, t.ggml_type, t.dims, t.offset) for t in tensors] == [
-        (t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset))
+    assert [(t.name, t.ggml_type, t.dims, t.offset, t.nbytes) for t in tensors] == [
+        (
+            t.name,
+            int(t.tensor_type),
+            tuple(int(d) for d in t.shape),
+            int(t.data_offset),
+            int(t.n_bytes),
+        )
         for t in reader.tensors
     ]
 
 
-def test_truncated_or_foreign_files_are_refused(tmp_path: Path) -> None:
+def test_truncated_or_foreign_files_are_refused(tmp_path: Path, gguf_file: Path) -> None:
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_tensor_table(b"PK\x03\x04" + b"\0" * 64)
     with pytest.raises(ValueError, match="version"):
         read_tensor_table(b"GGUF" + (9).to_bytes(4, "little") + b"\0" * 16)
+    # its whole tensor table, but not all of its tensors' data (1 byte short, or its first 2 MiB)
+    whole = gguf_file.read_bytes()
+    for cut in (len(whole) - 1, 2 << 20):
+        with pytest.raises(
+            ValueError,
+            match=rf"truncated: tensor '[\w.]+' ends at byte \d+ but the file has {cut} bytes",
+        ):
+            read_tensor_table(whole[:cut])
 
 
 @pytest.mark.slow
