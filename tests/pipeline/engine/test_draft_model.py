@@ -7,6 +7,7 @@ distribution, and aborts, max_tokens and preemption stay exact mid-draft."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +53,13 @@ def other_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_di
 
 @pytest.mark.slow
 def test_greedy_outputs_identical_with_a_draft_model(
-    tiny_model_dir: Path, other_tiny_model_dir: Path
+    tiny_model_dir: Path, other_tiny_model_dir: Path, plain_outputs: Callable[..., list[Any]]
 ) -> None:
     # max_tokens cut runs mid-draft (7, 13), the others run long
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 7, 13, 64)
     ]
-    plain, _ = generate_with(tiny_model_dir, params, num_blocks=256)
+    plain = plain_outputs(PROMPTS, params, num_blocks=256)  # shared with test_speculative
     spec = _spec(tiny_model_dir)
     with LLM(
         str(tiny_model_dir), transport="memory", num_blocks=256, speculative_config=spec
@@ -86,9 +87,11 @@ def test_greedy_outputs_identical_with_a_draft_model(
 
 
 @pytest.mark.slow
-def test_preemption_and_an_abort_mid_draft_stay_exact(tiny_model_dir: Path) -> None:
+def test_preemption_and_an_abort_mid_draft_stay_exact(
+    tiny_model_dir: Path, plain_outputs: Callable[..., list[Any]]
+) -> None:
     params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
-    plain, _ = generate_with(tiny_model_dir, params, num_blocks=256)
+    plain = plain_outputs(PROMPTS, params, num_blocks=256)  # shared with test_speculative
     # 12 blocks of 16 tokens cannot hold the four requests at once: some are preempted (their
     # draft blocks freed with the target's), then resumed and drafted for again
     spec, stats = generate_with(
@@ -102,7 +105,9 @@ def test_preemption_and_an_abort_mid_draft_stay_exact(tiny_model_dir: Path) -> N
     assert stats.spec_num_accepted_tokens > 0
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
-    check_an_abort_mid_draft(tiny_model_dir, _spec(tiny_model_dir), PROMPTS[3], PROMPTS[0])
+    check_an_abort_mid_draft(
+        tiny_model_dir, _spec(tiny_model_dir), PROMPTS[3], PROMPTS[0], plain_outputs
+    )
 
 
 @pytest.mark.slow

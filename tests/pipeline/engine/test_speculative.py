@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,14 @@ def generate_with(
         return outputs, llm.engine.stats
 
 
-def test_greedy_outputs_identical_with_and_without_speculation(tiny_model_dir: Path) -> None:
+def test_greedy_outputs_identical_with_and_without_speculation(
+    tiny_model_dir: Path, plain_outputs: Callable[..., list[Any]]
+) -> None:
     # max_tokens cut runs mid-draft (7, 13), the others run long
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 7, 13, 64)
     ]
-    plain, _ = generate_with(tiny_model_dir, params, num_blocks=256)
+    plain = plain_outputs(PROMPTS, params, num_blocks=256)  # shared with test_draft_model
     spec, stats = generate_with(tiny_model_dir, params, num_blocks=256, speculative_config=SPEC)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert [len(o.token_ids) for o in spec] == [40, 7, 13, 64]
@@ -80,9 +83,11 @@ def test_stop_strings_cut_a_drafted_run_exactly(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_preemption_mid_run_keeps_greedy_identity(tiny_model_dir: Path) -> None:
+def test_preemption_mid_run_keeps_greedy_identity(
+    tiny_model_dir: Path, plain_outputs: Callable[..., list[Any]]
+) -> None:
     params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
-    plain, _ = generate_with(tiny_model_dir, params, num_blocks=256)
+    plain = plain_outputs(PROMPTS, params, num_blocks=256)  # shared with test_draft_model
     # 12 blocks of 16 tokens cannot hold the four requests at once: some are preempted
     spec, stats = generate_with(
         tiny_model_dir, params, num_blocks=12, block_size=16, speculative_config=SPEC
@@ -108,15 +113,22 @@ def test_prefix_cache_after_speculation_serves_only_accepted_tokens(tiny_model_d
     assert second.token_ids == expected.token_ids
 
 
-def test_an_abort_mid_run_leaves_the_others_exact(tiny_model_dir: Path) -> None:
-    check_an_abort_mid_draft(tiny_model_dir, SPEC, PROMPTS[3], PROMPTS[0])
+def test_an_abort_mid_run_leaves_the_others_exact(
+    tiny_model_dir: Path, plain_outputs: Callable[..., list[Any]]
+) -> None:
+    check_an_abort_mid_draft(tiny_model_dir, SPEC, PROMPTS[3], PROMPTS[0], plain_outputs)
 
 
 def check_an_abort_mid_draft(
-    model: Path, spec: dict[str, Any], aborted_prompt: list[int], kept_prompt: list[int]
+    model: Path,
+    spec: dict[str, Any],
+    aborted_prompt: list[int],
+    kept_prompt: list[int],
+    plain_outputs: Callable[..., list[Any]],
 ) -> None:
     """A request aborted after 5 tokens, mid-draft, beside one that runs on: the kept one and
-    the aborted prompt run again give the greedy tokens of an engine without ``spec``."""
+    the aborted prompt run again give the greedy tokens of an engine without ``spec``
+    (``plain_outputs``, the session's reference: the tiny model, which ``model`` is)."""
     greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
     async def main() -> tuple[list[int], list[int]]:
@@ -143,10 +155,7 @@ def check_an_abort_mid_draft(
             return kept, after
 
     kept, after = asyncio.run(main())
-    with LLM(str(model), transport="memory", num_blocks=64) as llm:
-        expected = llm.generate(
-            [{"prompt_token_ids": kept_prompt}, {"prompt_token_ids": aborted_prompt}], greedy
-        )
+    expected = plain_outputs([kept_prompt, aborted_prompt], greedy, num_blocks=64)
     assert kept == list(expected[0].token_ids)
     assert after == list(expected[1].token_ids)
 

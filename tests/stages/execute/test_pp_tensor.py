@@ -66,16 +66,38 @@ def test_the_graph_gives_every_shard_its_own_tensor_parallel_ranks() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # 1 + 4 processes on the shared 2-core machine
-def test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine(
+@pytest.mark.timeout(900)  # 1 + 4 processes, twice, on the shared 2-core machine
+def test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine_and_a_killed_rank_fails_all(
     tiny6_model_dir: Path, tiny6_one_engine: Callable[[str | None], list[tuple[int, ...]]]
 ) -> None:
+    """Two PP=2 x TP=2 engine starts for three checks: with several steps in flight (the
+    default micro-batches) every rank of each shard runs them and the tokens are one engine's;
+    then on that engine a SIGKILLed rank of shard 1 fails every pending request (the runtime
+    sees the host exit at once; formerly test_a_killed_or_hung_rank_of_shard_1_fails_every_
+    pending_request[killed]); and one step at a time with a cache too small for all of them at
+    once, requests are preempted and recomputed and the tokens are still one engine's."""
     model = str(tiny6_model_dir)
     expected = tiny6_one_engine(None)  # PROMPTS on one engine, as outputs_of computes them
-    # several steps in flight (the default micro-batches): every rank of each shard runs them
-    got, stats = run(outputs_of(model, pipeline_parallel_size=2, tensor_parallel_size=2))
-    assert got == expected
-    assert stats.communication_seconds > 0
+
+    async def in_flight_then_killed() -> None:
+        engine = AsyncEngine(
+            model, pipeline_parallel_size=2, tensor_parallel_size=2, num_blocks=512, **SILENCE
+        )
+        await engine.start()
+        pids = dict(engine.running.pids)
+        try:
+            first = await generate_all(engine, PROMPTS[:1])
+            rest = await generate_all(engine, PROMPTS[1:])
+            assert first + rest == expected
+            assert engine.stats is not None and engine.stats.communication_seconds > 0
+            await a_rank_of_shard_1_fails_all(engine, pids, "SIGKILL")
+            closing = time.monotonic()
+        finally:
+            await engine.close()
+        assert time.monotonic() - closing < PROMPTLY
+        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
+
+    run(in_flight_then_killed())
     # one step at a time and a cache too small for all of them at once: requests are
     # preempted and recomputed (with steps in flight a request that does not fit waits)
     got, stats = run(
@@ -93,15 +115,33 @@ def test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine(
     assert stats.communication_seconds > 0
 
 
+async def a_rank_of_shard_1_fails_all(
+    engine: AsyncEngine, pids: dict[str, int | None], signal_name: str
+) -> None:
+    """SIGKILL: the runtime sees the host exit at once. SIGSTOP (the engine's
+    ``tensor_parallel_timeout`` HANG_TIMEOUT): the shard's rank 0 waits in an all-reduce until
+    the timeout, then its stage fails the engine. Either way every pending request fails with
+    EngineDeadError in bounded time."""
+    assert set(pids) >= {"engine", "engine_tp1", "engine_pp1", "engine_pp1_tp1"}, pids
+    pid = pids["engine_pp1_tp1"]
+    assert pid is not None
+    took = await fails_every_request(
+        engine, lambda: os.kill(pid, getattr(signal, signal_name)), streams=3
+    )
+    assert isinstance(engine.failure, EngineDeadError)
+    if signal_name == "SIGSTOP":
+        assert "tensor-parallel all-reduce failed" in str(engine.failure)
+        assert took <= HANG_TIMEOUT + HANG_MARGIN, took
+    else:
+        assert took < KILLED_RANK_SECONDS, took
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"], ids=["killed", "hung"])
-def test_a_killed_or_hung_rank_of_shard_1_fails_every_pending_request(
-    tiny6_model_dir: Path, signal_name: str
-) -> None:
-    """SIGKILL: the runtime sees the host exit at once. SIGSTOP: the shard's rank 0 waits in
-    an all-reduce until ``tensor_parallel_timeout``, then its stage fails the engine."""
-    hang = signal_name == "SIGSTOP"
+def test_a_hung_rank_of_shard_1_fails_every_pending_request(tiny6_model_dir: Path) -> None:
+    """SIGSTOP: the shard's rank 0 waits in an all-reduce until ``tensor_parallel_timeout``,
+    then its stage fails the engine; closing is prompt and leaves no process behind. (The
+    killed rank: test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine_and_a_killed_rank_...)"""
 
     async def body() -> None:
         engine = AsyncEngine(
@@ -109,24 +149,13 @@ def test_a_killed_or_hung_rank_of_shard_1_fails_every_pending_request(
             pipeline_parallel_size=2,
             tensor_parallel_size=2,
             num_blocks=512,
-            **(dict(tensor_parallel_timeout=HANG_TIMEOUT) if hang else {}),
+            tensor_parallel_timeout=HANG_TIMEOUT,
             **SILENCE,
         )
         await engine.start()
         pids = dict(engine.running.pids)
-        assert set(pids) >= {"engine", "engine_tp1", "engine_pp1", "engine_pp1_tp1"}, pids
         try:
-            pid = pids["engine_pp1_tp1"]
-            assert pid is not None
-            took = await fails_every_request(
-                engine, lambda: os.kill(pid, getattr(signal, signal_name)), streams=3
-            )
-            assert isinstance(engine.failure, EngineDeadError)
-            if hang:
-                assert "tensor-parallel all-reduce failed" in str(engine.failure)
-                assert took <= HANG_TIMEOUT + HANG_MARGIN, took
-            else:
-                assert took < KILLED_RANK_SECONDS, took
+            await a_rank_of_shard_1_fails_all(engine, pids, "SIGSTOP")
             closing = time.monotonic()
         finally:
             await engine.close()
