@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -79,25 +79,13 @@ def test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine_and_a_killed_rank_fail
     model = str(tiny6_model_dir)
     expected = tiny6_one_engine(None)  # PROMPTS on one engine, as outputs_of computes them
 
-    async def in_flight_then_killed() -> None:
-        engine = AsyncEngine(
-            model, pipeline_parallel_size=2, tensor_parallel_size=2, num_blocks=512, **SILENCE
-        )
-        await engine.start()
-        pids = dict(engine.running.pids)
-        try:
-            first = await generate_all(engine, PROMPTS[:1])
-            rest = await generate_all(engine, PROMPTS[1:])
-            assert first + rest == expected
-            assert engine.stats is not None and engine.stats.communication_seconds > 0
-            await a_rank_of_shard_1_fails_all(engine, pids, "SIGKILL")
-            closing = time.monotonic()
-        finally:
-            await engine.close()
-        assert time.monotonic() - closing < PROMPTLY
-        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
+    async def in_flight(engine: AsyncEngine) -> None:
+        first = await generate_all(engine, PROMPTS[:1])
+        rest = await generate_all(engine, PROMPTS[1:])
+        assert first + rest == expected
+        assert engine.stats is not None and engine.stats.communication_seconds > 0
 
-    run(in_flight_then_killed())
+    run(a_rank_of_shard_1_fails_all(model, "SIGKILL", first=in_flight))
     # one step at a time and a cache too small for all of them at once: requests are
     # preempted and recomputed (with steps in flight a request that does not fit waits)
     got, stats = run(
@@ -116,24 +104,47 @@ def test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine_and_a_killed_rank_fail
 
 
 async def a_rank_of_shard_1_fails_all(
-    engine: AsyncEngine, pids: dict[str, int | None], signal_name: str
+    model: str,
+    signal_name: str,
+    first: Callable[[AsyncEngine], Awaitable[None]] | None = None,
+    **options: Any,
 ) -> None:
-    """SIGKILL: the runtime sees the host exit at once. SIGSTOP (the engine's
+    """Start a PP=2 x TP=2 engine of ``model`` (a cache of 512 blocks, ``options`` besides),
+    run ``first`` on it, then signal shard 1's rank 1.
+    SIGKILL: the runtime sees the host exit at once. SIGSTOP (the engine's
     ``tensor_parallel_timeout`` HANG_TIMEOUT): the shard's rank 0 waits in an all-reduce until
     the timeout, then its stage fails the engine. Either way every pending request fails with
-    EngineDeadError in bounded time."""
-    assert set(pids) >= {"engine", "engine_tp1", "engine_pp1", "engine_pp1_tp1"}, pids
-    pid = pids["engine_pp1_tp1"]
-    assert pid is not None
-    took = await fails_every_request(
-        engine, lambda: os.kill(pid, getattr(signal, signal_name)), streams=3
+    EngineDeadError in bounded time, closing is prompt and leaves no process behind."""
+    engine = AsyncEngine(
+        model,
+        pipeline_parallel_size=2,
+        tensor_parallel_size=2,
+        num_blocks=512,
+        **SILENCE,
+        **options,
     )
-    assert isinstance(engine.failure, EngineDeadError)
-    if signal_name == "SIGSTOP":
-        assert "tensor-parallel all-reduce failed" in str(engine.failure)
-        assert took <= HANG_TIMEOUT + HANG_MARGIN, took
-    else:
-        assert took < KILLED_RANK_SECONDS, took
+    await engine.start()
+    pids = dict(engine.running.pids)
+    try:
+        if first is not None:
+            await first(engine)
+        assert set(pids) >= {"engine", "engine_tp1", "engine_pp1", "engine_pp1_tp1"}, pids
+        pid = pids["engine_pp1_tp1"]
+        assert pid is not None
+        took = await fails_every_request(
+            engine, lambda: os.kill(pid, getattr(signal, signal_name)), streams=3
+        )
+        assert isinstance(engine.failure, EngineDeadError)
+        if signal_name == "SIGSTOP":
+            assert "tensor-parallel all-reduce failed" in str(engine.failure)
+            assert took <= HANG_TIMEOUT + HANG_MARGIN, took
+        else:
+            assert took < KILLED_RANK_SECONDS, took
+        closing = time.monotonic()
+    finally:
+        await engine.close()
+    assert time.monotonic() - closing < PROMPTLY
+    assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
 
 
 @pytest.mark.slow
@@ -142,24 +153,8 @@ def test_a_hung_rank_of_shard_1_fails_every_pending_request(tiny6_model_dir: Pat
     """SIGSTOP: the shard's rank 0 waits in an all-reduce until ``tensor_parallel_timeout``,
     then its stage fails the engine; closing is prompt and leaves no process behind. (The
     killed rank: test_pp2_by_tp2_gives_the_greedy_tokens_of_one_engine_and_a_killed_rank_...)"""
-
-    async def body() -> None:
-        engine = AsyncEngine(
-            str(tiny6_model_dir),
-            pipeline_parallel_size=2,
-            tensor_parallel_size=2,
-            num_blocks=512,
-            tensor_parallel_timeout=HANG_TIMEOUT,
-            **SILENCE,
+    run(
+        a_rank_of_shard_1_fails_all(
+            str(tiny6_model_dir), "SIGSTOP", tensor_parallel_timeout=HANG_TIMEOUT
         )
-        await engine.start()
-        pids = dict(engine.running.pids)
-        try:
-            await a_rank_of_shard_1_fails_all(engine, pids, "SIGSTOP")
-            closing = time.monotonic()
-        finally:
-            await engine.close()
-        assert time.monotonic() - closing < PROMPTLY
-        assert not any(process_alive(pid) for pid in pids.values() if pid is not None)
-
-    run(body())
+    )
