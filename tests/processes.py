@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pipeline.runtime.zygote import zygote_pids
+
 __all__ = ["child_processes", "process_alive"]
 
 
@@ -23,8 +25,19 @@ def process_alive(pid: int) -> bool:
 
 def child_processes(parent: int | None = None) -> dict[int, str]:
     """Live (non-zombie) processes whose parent is ``parent`` (default: this process), mapped
-    to their command lines."""
-    parent = os.getpid() if parent is None else parent
+    to their command lines; a zygote of this process (pipeline.runtime.zygote, which lives as
+    long as the process does) counts as the hosts it forked, which are this process's hosts."""
+    if parent is None:
+        zygotes = zygote_pids()
+        found = _children(os.getpid())
+        for zygote in zygotes & set(found):
+            del found[zygote]
+            found.update(_children(zygote))
+        return found
+    return _children(parent)
+
+
+def _children(parent: int) -> dict[int, str]:
     found: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -1,5 +1,6 @@
-"""``python -m pipeline.runtime.host_main FD [--preload MODULES]`` runs a spawned host (see
-:mod:`pipeline.runtime.processes`; ``--preload``: :mod:`pipeline.runtime.prespawn`)."""
+"""``python -m pipeline.runtime.host_main FD [--preload MODULES] [--zygote]`` runs a spawned
+host (see :mod:`pipeline.runtime.processes`; ``--preload``: :mod:`pipeline.runtime.prespawn`),
+or with ``--zygote`` a zygote that forks hosts (:mod:`pipeline.runtime.zygote`)."""
 
 import ctypes
 import os
@@ -33,8 +34,15 @@ if __name__ == "__main__":
     apply_omp_policy()
     from pipeline.runtime.prespawn import PRELOAD_FLAG
     from pipeline.runtime.processes import serve_host
+    from pipeline.runtime.zygote import ZYGOTE_FLAG, serve_zygote
 
+    control_fd, options = int(sys.argv[1]), sys.argv[2:]
     preload: list[str] = []
-    if len(sys.argv) == 4 and sys.argv[2] == PRELOAD_FLAG:
-        preload = [name for name in sys.argv[3].split(",") if name]
-    serve_host(int(sys.argv[1]), preload)
+    if PRELOAD_FLAG in options:
+        preload = [name for name in options[options.index(PRELOAD_FLAG) + 1].split(",") if name]
+    if ZYGOTE_FLAG in options:
+        forked = serve_zygote(control_fd, preload)
+        if forked is not None:  # a host forked by the zygote: its imports are done
+            serve_host(forked)
+    else:
+        serve_host(control_fd, preload)

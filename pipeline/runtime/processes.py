@@ -68,7 +68,8 @@ from pipeline.runtime.gc_policy import freeze_startup_heap
 from pipeline.runtime.host import FailureCallback, LinkLostCallback, LocalHost
 from pipeline.runtime.prespawn import host_command, preload_modules, take_prespawned
 from pipeline.runtime.replicas import ReplicaLost, ReplicaRestored
-from pipeline.runtime.settings import child_environment
+from pipeline.runtime.settings import child_environment, host_start
+from pipeline.runtime.zygote import ForkedHost, fork_host, preload_of
 from transports.codec import Codec
 from transports.errors import DecodeError, PeerLostError
 from transports.tasks import TaskSet
@@ -355,7 +356,7 @@ class ProcessHost:
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
         self._control: _ControlChannel | None = None
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: subprocess.Popen[bytes] | ForkedHost | None = None
         self._pidfd: int | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._tasks = TaskSet(f"process host {plan.name}")  # the control reader
@@ -393,15 +394,21 @@ class ProcessHost:
             try:
                 plan, self._ipc_dir = _with_ipc_dir(self._noted_plan())
                 bootstrap = _bootstrap(self.name, plan)
-                self._process = subprocess.Popen(  # noqa: ASYNC220 - returns at once
-                    host_command(child_end.fileno()),
-                    pass_fds=(child_end.fileno(),),
-                    stdin=subprocess.DEVNULL,
-                    env=child_environment(dict(self.plan.environment)),
-                )
+                environment = child_environment(dict(self.plan.environment))
+                if host_start() == "fork":  # (None: it cannot fork here; spawn it)
+                    preload = preload_of([spec.factory for spec in self.plan.stages])
+                    self._process = await fork_host(child_end, environment, preload)
+                if self._process is None:
+                    self._process = subprocess.Popen(  # noqa: ASYNC220 - returns at once
+                        host_command(child_end.fileno()),
+                        pass_fds=(child_end.fileno(),),
+                        stdin=subprocess.DEVNULL,
+                        env=environment,
+                    )
             except BaseException:
                 self._remove_ipc_dir()
                 self._remove_note()
+                parent_end.close()  # (a host forked after all sees its socket close, and exits)
                 raise
             finally:
                 child_end.close()

@@ -3,6 +3,9 @@
 - ``ACTORLINE_CACHE_DIR``: where converted models are cached (default
   ``$XDG_CACHE_HOME/actorline`` or ``~/.cache/actorline``).
 - ``ACTORLINE_LOG_LEVEL``: log level of the ``actorline`` loggers (default ``WARNING``).
+- ``ACTORLINE_HOST_START``: how a host process starts: ``fork`` (default on Linux: forked by a
+  zygote that has done a host's imports once, :mod:`pipeline.runtime.zygote`) or ``spawn`` (a
+  fresh interpreter for each host).
 - ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: vLLM's switch of its runtime LoRA endpoints, honoured
   by ``actorline serve`` as ``--enable-lora-runtime-updates`` (``1`` or ``true``, any case).
 
@@ -15,7 +18,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "child_environment", "log_level", "runtime_lora_updating"]
+__all__ = [
+    "HOST_STARTS",
+    "cache_dir",
+    "child_environment",
+    "host_start",
+    "log_level",
+    "runtime_lora_updating",
+]
+
+#: the values of ``ACTORLINE_HOST_START``
+HOST_STARTS = ("fork", "spawn")
 
 
 def cache_dir() -> Path:
@@ -29,6 +42,21 @@ def cache_dir() -> Path:
 
 def log_level() -> str:
     return os.environ.get("ACTORLINE_LOG_LEVEL", "WARNING").upper()
+
+
+def host_start() -> str:
+    """How host processes start (``ACTORLINE_HOST_START``; see the module docstring).
+
+    Raises:
+        ValueError: the variable names no start method.
+    """
+    value = os.environ.get("ACTORLINE_HOST_START", "fork").strip().lower()
+    if value not in HOST_STARTS:
+        raise ValueError(
+            f"ACTORLINE_HOST_START={value!r} is not a host start method: use one of "
+            + ", ".join(HOST_STARTS)
+        )
+    return value
 
 
 def runtime_lora_updating() -> bool:

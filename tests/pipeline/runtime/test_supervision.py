@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import signal
 
 import numpy as np
@@ -180,8 +181,11 @@ def test_a_broken_link_reported_before_the_exit_is_still_a_death() -> None:
         pid = running.pids["worker"]
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        # NOTE: blocks on purpose: dead (not reaped) before the loop can read its pidfd
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # noqa: ASYNC222
+        # NOTE: blocks on purpose: dead before the loop can read its pidfd (a pidfd of its
+        # own: a forked host is its zygote's child, which waitid cannot wait for)
+        pidfd = os.pidfd_open(pid)
+        select.select([pidfd], [], [])
+        os.close(pidfd)
         # what the main host's pump reports when the link from the worker breaks
         report = running._failure_reporter("main")
         report(PeerLostError("the stream from 'worker/second.out' broke"))
