@@ -48,6 +48,8 @@ def answer(base: str) -> str:
 
 
 def engine_pid(parent: int) -> int:
+    """The engine host among ``parent``'s children, or among the children of its zygote (a
+    restarted host is forked by one: pipeline.runtime.zygote)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -58,6 +60,11 @@ def engine_pid(parent: int) -> int:
             continue
         fields = stat.rsplit(")", 1)[1].split()
         if int(fields[1]) == parent and fields[0] != "Z" and "host_main" in command:
+            if "--zygote" in command.split():
+                try:
+                    return engine_pid(int(entry.name))
+                except RuntimeError:
+                    continue  # a zygote with no host (yet): the host is elsewhere
             return int(entry.name)
     raise RuntimeError("no engine process")
 

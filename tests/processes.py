@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.runtime.zygote import zygote_pids
+from pipeline.runtime.zygote import ZYGOTE_FLAG
 
-__all__ = ["child_processes", "process_alive"]
+HOST_MAIN = "pipeline.runtime.host_main"
+
+__all__ = ["HOST_MAIN", "child_processes", "is_zygote", "process_alive"]
 
 
 def _stat_fields(stat: Path) -> list[str]:
@@ -25,16 +27,20 @@ def process_alive(pid: int) -> bool:
 
 def child_processes(parent: int | None = None) -> dict[int, str]:
     """Live (non-zombie) processes whose parent is ``parent`` (default: this process), mapped
-    to their command lines; a zygote of this process (pipeline.runtime.zygote, which lives as
-    long as the process does) counts as the hosts it forked, which are this process's hosts."""
-    if parent is None:
-        zygotes = zygote_pids()
-        found = _children(os.getpid())
-        for zygote in zygotes & set(found):
-            del found[zygote]
-            found.update(_children(zygote))
-        return found
-    return _children(parent)
+    to their command lines; a zygote (pipeline.runtime.zygote: it lives as long as its parent)
+    counts as the hosts it forked, which are its parent's hosts."""
+    found = _children(os.getpid() if parent is None else parent)
+    for pid, command in list(found.items()):
+        if is_zygote(command):
+            del found[pid]
+            found.update(_children(pid))
+    return found
+
+
+def is_zygote(command: str) -> bool:
+    """Whether ``command`` (a command line, as :func:`child_processes` gives it) is a zygote's
+    (its hosts show the same command line, but are its children)."""
+    return HOST_MAIN in command and ZYGOTE_FLAG in command.split()
 
 
 def _children(parent: int) -> dict[int, str]:

@@ -91,8 +91,11 @@ class Stage:
     Class attributes: ``inputs`` / ``outputs`` (port names), ``optional_outputs`` (outputs
     a pipeline may leave linked to nothing, their messages then dropped; every other output
     must be linked, or the pipeline does not start), ``mailbox_capacity`` (the bound of the
-    inbox shared by all input ports). Subclasses override :meth:`start`, :meth:`stop`
-    and declare handlers with :func:`handles`, or override :meth:`handle` entirely.
+    inbox shared by all input ports), ``host_preload`` (modules, or ``module:attribute`` for
+    packages that import lazily, that the stage imports as it starts: a host zygote imports
+    them once for all the hosts it forks, :mod:`pipeline.runtime.zygote`). Subclasses override
+    :meth:`start`, :meth:`stop` and declare handlers with :func:`handles`, or override
+    :meth:`handle` entirely.
     """
 
     api_version: ClassVar[int] = 1
@@ -100,6 +103,7 @@ class Stage:
     outputs: ClassVar[tuple[str, ...]] = ("out",)
     optional_outputs: ClassVar[tuple[str, ...]] = ()
     mailbox_capacity: ClassVar[int] = 1024
+    host_preload: ClassVar[tuple[str, ...]] = ()
     _handler_table: ClassVar[dict[tuple[str | None, type], str]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

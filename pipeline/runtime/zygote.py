@@ -10,10 +10,11 @@ spawn of a host starts a *zygote* instead: ``host_main FD --zygote``, which limi
 arenas and applies the OpenMP policy as a host does, imports what the plan's stages need
 (their modules, when they are this project's: a user's module is imported by each host, as
 before) and then forks one host per request. The forked child is a host whose imports are done:
-it takes the requester's stdout and stderr, working directory and exact environment, and reads
-its bootstrap from its control socket as a spawned host does. Python's ``forkserver`` start
-method works the same way (``Lib/multiprocessing/forkserver.py``); hosts are not
-``multiprocessing`` processes, so this is its own small server.
+it takes the requester's stdout and stderr, working directory and environment, and reads its
+bootstrap from its control socket as a spawned host does. Its command line is the zygote's
+(``host_main FD --zygote``): in ``ps`` a forked host is a child of a process of that name.
+Python's ``forkserver`` start method works the same way (``Lib/multiprocessing/forkserver.py``);
+hosts are not ``multiprocessing`` processes, so this is its own small server.
 
 - **Exit status.** The zygote is each forked host's parent: it reaps the host when it exits and
   writes the exit code to a pipe whose read end the controller holds (:class:`ForkedHost`, the
@@ -88,7 +89,8 @@ MAX_ZYGOTES = 4
 _OWN_PACKAGES = ("stages.", "plugins.", "pipeline.", "transports.")
 
 _EXIT = struct.Struct("i")
-_READY_TIMEOUT_S = 300.0  # a zygote's imports: a few seconds; a loaded machine, more
+_READY_TIMEOUT_S = 120.0  # a zygote's imports: a few seconds; a loaded machine, more
+_STATUS_GRACE_S = 5.0  # from a host's exit to its zygote's word of its status: milliseconds
 _REPLY_TIMEOUT_S = 60.0  # a fork, and the imports a request adds
 #: the exit code reported for a host whose zygote died before it could tell (the host's own
 #: exit status is lost with its parent)
@@ -105,9 +107,12 @@ def _key(environment: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 def preload_of(factories: Sequence[Any]) -> tuple[str, ...]:
     """The modules a zygote imports for a host running stages of ``factories``: each one's
-    module where it belongs to this project."""
+    module where it belongs to this project, and what each names in its ``host_preload``
+    (:class:`pipeline.runtime.stage.Stage`)."""
     modules = {getattr(factory, "__module__", "") or "" for factory in factories}
-    return tuple(sorted(m for m in modules if m.startswith(_OWN_PACKAGES)))
+    named = [m for factory in factories for m in getattr(factory, "host_preload", ())]
+    own = sorted(m for m in modules if m.startswith(_OWN_PACKAGES))
+    return tuple(dict.fromkeys([*own, *named]))
 
 
 # -- the controller's side -------------------------------------------------------------------
@@ -125,16 +130,20 @@ class ForkedHost:
         self._status = status  # the read end of the pipe the zygote writes the exit code to
 
     def _read_status(self, timeout: float | None) -> bool:
-        """Whether the exit code is known after waiting up to ``timeout`` (None: no end)."""
+        """Whether the exit code is known after waiting up to ``timeout`` (None: no end). Once
+        the host has exited, its zygote has :data:`_STATUS_GRACE_S` to tell its status (it
+        reaps at once); a zygote that does not (gone, or stopped) leaves it
+        :data:`STATUS_LOST`, so nobody waits on it without end."""
         if self.returncode is not None:
             return True
-        ready, _, _ = select.select([self._status], [], [], timeout)
+        ready, _, _ = select.select([self._status, self._pidfd], [], [], timeout)
         if not ready:
             return False
-        data = os.read(self._status, _EXIT.size)
-        if len(data) == _EXIT.size:
-            self.returncode = _EXIT.unpack(data)[0]
-        else:  # the zygote is gone: the exit status with it; wait for the exit itself
+        if self._status not in ready:  # exited: the zygote is about to tell
+            ready, _, _ = select.select([self._status], [], [], _STATUS_GRACE_S)
+        data = os.read(self._status, _EXIT.size) if ready else b""
+        self.returncode = _EXIT.unpack(data)[0] if len(data) == _EXIT.size else None
+        if self.returncode is None:  # the zygote is gone, the exit status with it
             ready, _, _ = select.select([self._pidfd], [], [], timeout)
             if not ready:
                 return False
@@ -336,16 +345,25 @@ def _python_threads() -> int:
     return threading.active_count()
 
 
+def _import(modules: Sequence[str]) -> None:
+    """Import ``modules`` (see :func:`pipeline.runtime.prespawn.preload_modules`). Nothing is
+    frozen here: a host freezes its start-up heap itself, as its plan's ``tune_gc`` says."""
+    from pipeline.runtime.prespawn import preload_modules
+
+    if modules:
+        preload_modules(modules)
+
+
 def serve_zygote(control_fd: int, preload: Sequence[str]) -> int | None:
     """Run a zygote on ``control_fd``: import ``preload``, then fork a host for each request.
     Returns only in a forked child, with the fd of its host control socket (the caller then
     serves the host); None when the zygote should exit."""
-    from pipeline.runtime.prespawn import preload_modules
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a host: the controller decides
+    # (the thread that started it may have had SIGCHLD blocked, and the zygote reaps on it)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     sock = socket.socket(fileno=control_fd)
     sock.setblocking(True)
-    preload_modules(preload)
+    _import(preload)
     threads = _python_threads()
     sock.send(json.dumps({"threads": threads}).encode())
     if threads != 1:
@@ -386,7 +404,7 @@ def serve_zygote(control_fd: int, preload: Sequence[str]) -> int | None:
                 return None  # the controller is gone, or done
             request = json.loads(message)
             try:
-                preload_modules(request.get("preload", ()))
+                _import(request.get("preload", ()))
                 if _python_threads() != 1:
                     raise RuntimeError("a preloaded module started a Python thread")
                 pid = os.fork()
@@ -408,8 +426,12 @@ def serve_zygote(control_fd: int, preload: Sequence[str]) -> int | None:
                 os.close(stdout)
                 os.close(stderr)
                 os.chdir(request["cwd"])
+                # the requester's late variables; the rest are the zygote's (the requester's,
+                # and what the zygote set before its imports: the OpenMP policy's variables)
+                environment = {k: v for k, v in os.environ.items() if not _late(k)}
+                environment.update((k, v) for k, v in request["environment"].items() if _late(k))
                 os.environ.clear()
-                os.environ.update(request["environment"])
+                os.environ.update(environment)
                 return host_control
             for fd in fds:
                 os.close(fd)

@@ -72,6 +72,16 @@ class ExecuteStage(Stage):
     inputs = ("in",)
     outputs = ("out", "info", "ranks", "pipeline", "kv", "kv_arrived", DRAFT_PORT)
     optional_outputs = ("ranks", "pipeline", "kv", "kv_arrived", DRAFT_PORT)
+    #: what start imports: the runner, and the parts of transformers that loading a model
+    #: through it imports lazily (a zygote imports them once: pipeline.runtime.zygote)
+    host_preload = (
+        "stages.execute.runner",
+        "transformers:AutoModelForCausalLM",
+        "transformers:AutoConfig",
+        "transformers.modeling_utils",
+        "transformers.activations",
+        "transformers.generation.utils",
+    )
 
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)
