@@ -171,6 +171,7 @@ class AsyncEngine:
             self.options.restart_backoff, self.options.restart_limit, self.options.restart_window
         )
         self._restarting: asyncio.Task[None] | None = None
+        self._restarts_stopped = False  # stop_restarting was called
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
         self._restart_callbacks: list[Callable[[], None]] = []
         self._replica_callbacks: list[Callable[[ReplicaLost], None]] = []
@@ -252,6 +253,17 @@ class AsyncEngine:
             running.add_replica_callback(_engine_replicas_only(callback))
         # NOTE: last: called at once if this generation has failed already
         running.add_failure_callback(functools.partial(self._on_failure, running))
+
+    async def stop_restarting(self) -> None:
+        """Start no fresh engine from now on, and cancel a restart under way. A server that
+        shuts down calls it first (``actorline serve`` on SIGTERM): a restart let finish
+        while the server stops would come up only to be closed."""
+        self._restarts_stopped = True
+        restarting, self._restarting = self._restarting, None
+        if restarting is not None:
+            restarting.cancel()
+            with contextlib.suppress(BaseException):
+                await restarting
 
     async def close(self) -> None:
         """Abort every running request and stop the pipeline (and the engine process)."""
@@ -810,7 +822,10 @@ class AsyncEngine:
         self._tell_failure(self._failure)
 
     def _schedule_restart(self, running: RunningPipeline, dead: BaseException) -> None:
-        """Count the death; start the restart task, or give up in a crash loop."""
+        """Count the death; start the restart task, or give up in a crash loop (nothing
+        once :meth:`stop_restarting` was called)."""
+        if self._restarts_stopped:
+            return
         delay = self._restart_policy.died(time.monotonic())
         if delay is None:
             policy = self._restart_policy

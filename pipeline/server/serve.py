@@ -364,6 +364,7 @@ async def serve(
             on_metrics_ready(metrics_url)
         await stop_requested.wait()
     finally:
+        await engine.stop_restarting()  # a restart under way would only be closed again
         if stops:
             logger.info("shutting down")
             await asyncio.gather(*(stop() for stop in stops))

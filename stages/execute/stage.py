@@ -72,16 +72,10 @@ class ExecuteStage(Stage):
     inputs = ("in",)
     outputs = ("out", "info", "ranks", "pipeline", "kv", "kv_arrived", DRAFT_PORT)
     optional_outputs = ("ranks", "pipeline", "kv", "kv_arrived", DRAFT_PORT)
-    #: what start imports: the runner, and the parts of transformers that loading a model
-    #: through it imports lazily (a zygote imports them once: pipeline.runtime.zygote)
-    host_preload = (
-        "stages.execute.runner",
-        "transformers:AutoModelForCausalLM",
-        "transformers:AutoConfig",
-        "transformers.modeling_utils",
-        "transformers.activations",
-        "transformers.generation.utils",
-    )
+    #: what start imports (a zygote imports it once: pipeline.runtime.zygote); not
+    #: transformers' modeling stack, which only a model that loads through it needs (seconds
+    #: of import that a model actorline's own classes serve would pay in every first start)
+    host_preload = ("stages.execute.runner",)
 
     def __init__(self, config: ExecuteConfig) -> None:
         super().__init__(config)

@@ -199,6 +199,24 @@ def test_a_crash_loop_gives_up(caplog: pytest.LogCaptureFixture) -> None:
     assert errors[-1].startswith("the engine died 2 times within 120 s"), errors
 
 
+def test_stop_restarting_cancels_the_restart_under_way() -> None:
+    """What a server that shuts down calls first (``actorline serve`` on SIGTERM): the restart
+    under way is cancelled, no restart follows, and the engine closes."""
+
+    async def body() -> None:
+        async with AsyncEngine(null_model=True, restart_engine=True) as engine:
+            watch = Watch(engine)
+            os.kill(engine.running.pids["engine"] or 0, signal.SIGKILL)
+            await asyncio.wait_for(watch.died.wait(), FAILS_WITHIN)
+            assert engine.restarting
+            await engine.stop_restarting()
+            assert not engine.restarting
+            await asyncio.sleep(0.5)
+            assert engine.restarts == 0 and engine.failure is not None
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
 @pytest.mark.slow
 def test_without_restart_engine_a_dead_engine_stays_dead() -> None:
     async def body() -> None:
