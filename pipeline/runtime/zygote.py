@@ -39,6 +39,7 @@ host is spawned as before. Not pure: sockets, processes, signals.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import contextlib
@@ -213,13 +214,19 @@ class _Zygote:
         return json.loads(message), fds
 
     def fork(
-        self, control: int, environment: Mapping[str, str], preload: Sequence[str]
-    ) -> ForkedHost:
+        self,
+        control: int,
+        environment: Mapping[str, str],
+        preload: Sequence[str],
+        cancelled: threading.Event,
+    ) -> ForkedHost | None:
         if not self._ready:
             hello, _ = self._receive(_READY_TIMEOUT_S)
             if hello.get("threads", 0) != 1:
                 raise _Refused(f"it has {hello.get('threads')} Python threads after its imports")
             self._ready = True
+        if cancelled.is_set():  # the caller gave up while the zygote imported
+            return None
         request = {
             "cwd": os.getcwd(),
             "environment": dict(environment),
@@ -265,16 +272,31 @@ def _supported() -> bool:
 
 
 def _fork_host(
-    control: int, environment: Mapping[str, str], preload: Sequence[str]
+    control: int,
+    environment: Mapping[str, str],
+    preload: Sequence[str],
+    cancelled: threading.Event,
 ) -> ForkedHost | None:
+    """:func:`fork_host`'s work, in a worker thread. A caller cancelled meanwhile (``cancelled``
+    set) gets no host: none is forked after it, and one forked as it was cancelled is killed
+    and reaped before the thread ends (asyncio.run waits for the thread), so a start that
+    timed out leaves no process behind."""
     try:
-        return _fork_host_on(control, environment, preload)
+        host = _fork_host_on(control, environment, preload, cancelled)
     finally:
         os.close(control)
+    if host is not None and cancelled.is_set():
+        host.kill()
+        host.wait()
+        return None
+    return host
 
 
 def _fork_host_on(
-    control: int, environment: Mapping[str, str], preload: Sequence[str]
+    control: int,
+    environment: Mapping[str, str],
+    preload: Sequence[str],
+    cancelled: threading.Event,
 ) -> ForkedHost | None:
     global _exit_hook
     key = _key(environment)
@@ -300,7 +322,7 @@ def _fork_host_on(
                 atexit.register(stop_zygotes)
                 _exit_hook = True
         try:
-            return zygote.fork(control, environment, preload)
+            return zygote.fork(control, environment, preload, cancelled)
         except _Refused as exc:
             logger.warning("the hosts' zygote cannot fork (%s); spawning hosts instead", exc)
             zygote.stop()
@@ -315,12 +337,30 @@ async def fork_host(
     ``environment``, which first imports ``preload`` (see :func:`preload_of`); the zygote is
     started on first use. None where the host has to be spawned instead (see the module
     docstring). The zygote's first answer waits for its imports, hence the worker thread."""
-    import asyncio
-
     if not _supported():
         return None
+    cancelled = threading.Event()
     # the worker thread's own copy: a cancelled caller closes its end while the thread goes on
-    return await asyncio.to_thread(_fork_host, os.dup(control.fileno()), environment, preload)
+    control_copy = os.dup(control.fileno())
+    future = asyncio.get_running_loop().run_in_executor(
+        None, _fork_host, control_copy, environment, preload, cancelled
+    )
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        cancelled.set()  # (the thread forks nothing more, and kills what it forks meanwhile)
+        future.add_done_callback(_kill_forked)  # what it forked before it could know
+        raise
+
+
+def _kill_forked(future: asyncio.Future[ForkedHost | None]) -> None:
+    """Kill and reap the host a cancelled :func:`fork_host` forked."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    host = future.result()
+    if host is not None:
+        host.kill()
+        host.wait()
 
 
 def stop_zygotes() -> None:

@@ -97,8 +97,8 @@ def test_hosts_are_forked_by_one_zygote_with_the_callers_environment(
     assert (second["value"], second["cwd"]) == ("second", str(tmp_path))
     # another OpenMP wait policy is read as torch loads: a zygote of its own
     third = asyncio.run(_probe("x", StartOptions(transport="zmq", omp_wait_policy="passive")))
+    # (another test of this process may have started that zygote already)
     assert third["ppid"] in zygote.zygote_pids() and third["ppid"] != first["ppid"]
-    assert len(zygote.zygote_pids()) == len(zygotes) + 1
     # this process's zygotes are not its leftovers; their hosts would be (none is left)
     assert not set(zygote.zygote_pids()) & set(child_processes())
 
