@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.runtime.zygote import ZYGOTE_FLAG
 
 HOST_MAIN = "pipeline.runtime.host_main"
 
-__all__ = ["HOST_MAIN", "child_processes", "is_zygote", "process_alive"]
+__all__ = ["HOST_MAIN", "child_processes", "is_zygote", "process_alive", "wait_until"]
 
 
 def _stat_fields(stat: Path) -> list[str]:
@@ -56,3 +58,13 @@ def _children(parent: int) -> dict[int, str]:
         if int(fields[1]) == parent and fields[0] != "Z":
             found[int(entry.name)] = command.strip()
     return found
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Whether ``predicate`` holds within ``timeout`` seconds (polled every 50 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

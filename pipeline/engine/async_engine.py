@@ -270,11 +270,7 @@ class AsyncEngine:
         if self._closed:
             return
         self._closed = True
-        restarting, self._restarting = self._restarting, None
-        if restarting is not None:
-            restarting.cancel()
-            with contextlib.suppress(BaseException):
-                await restarting
+        await self.stop_restarting()
         await self._healer.close()
         await self._draft_healer.close()
         engine_ids = tuple(self._collectors)

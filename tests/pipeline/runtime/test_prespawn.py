@@ -5,21 +5,11 @@ killed, leaving no process behind."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 from pipeline import Caller, StartOptions
 from pipeline.demo import Job, collatz_pipeline, collatz_steps
 from pipeline.runtime import prespawn
-from tests.processes import process_alive
-
-
-def _wait_until(predicate, timeout: float = 60.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+from tests.processes import process_alive, wait_until
 
 
 def test_the_next_host_is_the_prespawned_process() -> None:
@@ -44,7 +34,7 @@ def test_the_next_host_is_the_prespawned_process() -> None:
     assert pid == waiting.pid
     assert result.steps.tolist() == [collatz_steps(v) for v in (6, 7, 27)]  # type: ignore[attr-defined]
     assert prespawn.take_prespawned() is None
-    assert _wait_until(lambda: not process_alive(pid))
+    assert wait_until(lambda: not process_alive(pid), 60.0)
 
 
 def test_an_unused_prespawned_host_is_killed() -> None:

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from pipeline import HostDiedError, Pipeline, Stage, StartOptions, handles
 from pipeline.runtime import processes, zygote
 from pipeline.runtime.omp_policy import POLICY_ENV
 from pipeline.runtime.settings import host_start
-from tests.processes import child_processes, process_alive
+from tests.processes import child_processes, process_alive, wait_until
 from transports.codec import message
 
 pytestmark = pytest.mark.usefixtures("no_child_left")
@@ -70,15 +69,6 @@ async def _probe(name: str, options: StartOptions | None = None) -> dict[str, ob
         )
         assert answer["pid"] == running.pids["worker"]
         return answer
-
-
-def _wait_until(predicate, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_hosts_are_forked_by_one_zygote_with_the_callers_environment(
@@ -169,8 +159,8 @@ def test_a_killed_controller_leaves_neither_zygote_nor_host() -> None:
         assert process_alive(host) and process_alive(zygote_pid)
         controller.kill()
         controller.wait()
-        assert _wait_until(lambda: not process_alive(zygote_pid))
-        assert _wait_until(lambda: not process_alive(host))
+        assert wait_until(lambda: not process_alive(zygote_pid), 30.0)
+        assert wait_until(lambda: not process_alive(host), 30.0)
     finally:
         controller.kill()
         controller.wait()
