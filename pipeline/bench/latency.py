@@ -19,7 +19,11 @@ prompt per stream, the same ones for both servers), greedy (``temperature`` 0) w
   the last stream's end) and the median TTFT.
 
 Each figure keeps its best round; the ratio actorline / llama.cpp is printed per format and
-workload (the targets of issue 36: >= 1.0x at one stream, >= 1.5x at 4 and 16). llama.cpp runs
+workload (the targets of issue 36: >= 1.0x at one stream, >= 1.5x at 4 and 16), and each
+system's one stream as a share of the **step bound**: the tokens/s of a stream that reads every
+weight once a step (:func:`~pipeline.bench.roof.step_weight_bytes`: the format's bytes) at the
+memory read rate :func:`~pipeline.bench.roof.measure_bandwidth` measures before and after the
+rounds (the better of the two; the target: at least 90%). llama.cpp runs
 with ``--llamacpp-threads`` threads (every core by default), actorline with its own default
 (torch's, every core).
 
@@ -224,6 +228,19 @@ class LatencyResult:
     peer_acceptance_rate: float | None = None
     #: llama.cpp+spec's llama-server options beyond llama.cpp's (see peer_speculative_options)
     peer_speculative_options: tuple[str, ...] = ()
+    #: the memory read rate (GB/s, the best of before and after the rounds) and the bytes of
+    #: weights a decode step reads per format: the one-stream step bound (step_bounds)
+    bandwidth_gbs: float | None = None
+    step_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def step_bounds(self) -> dict[str, float]:
+        """Per format, the tokens/s of one stream that reads every weight once a step at the
+        measured read rate (keys and values, under 2% of a step's bytes here, left out: the
+        bound is the higher for it)."""
+        if not self.bandwidth_gbs:
+            return {}
+        rate = self.bandwidth_gbs * 1e9
+        return {name: rate / size for name, size in self.step_bytes.items() if size > 0}
 
 
 def summarize(system: str, fmt: str, traces: Sequence[StreamTrace]) -> WorkloadRun:
@@ -411,6 +428,7 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
         RuntimeError: a server did not start.
     """
     from pipeline.bench import llamacpp_peer
+    from pipeline.bench.roof import measure_bandwidth, step_weight_bytes
     from pipeline.bench.servers import free_port
     from pipeline.bench.workload import WorkloadSpec, make_workload, prompt_ids
     from stages.models import resolve_model
@@ -431,6 +449,10 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
         binary = llamacpp_peer.ensure_llama_server()
         for name in config.formats:
             ggufs[name] = llamacpp_peer.ensure_gguf(FORMATS[name], resolved.path, resolved.gguf)
+    step_bytes = {
+        name: step_weight_bytes(resolved.path, name, resolved.gguf) for name in config.formats
+    }
+    bandwidth = measure_bandwidth()
     load_average = os.getloadavg()
     best: dict[tuple[str, int, str], WorkloadRun] = {}
     rounds: dict[str, list[float]] = {}
@@ -473,6 +495,8 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
                     if key not in best or run.headline > best[key].headline:
                         best[key] = run
     ordered = tuple(best[key] for key in sorted(best, key=_order(config)))
+    load_average_end = os.getloadavg()
+    bandwidth = max(bandwidth, measure_bandwidth())
     return LatencyResult(
         model=config.model,
         best=ordered,
@@ -481,7 +505,7 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
         llamacpp_version=LLAMACPP_VERSION,
         llamacpp_threads=config.threads,
         load_average=load_average,
-        load_average_end=os.getloadavg(),
+        load_average_end=load_average_end,
         cpu_count=os.cpu_count() or 0,
         speculative_ratios=speculative_ratios(ordered),
         acceptance_rate=_acceptance_rate(),
@@ -489,6 +513,8 @@ def run_latency(config: LatencyConfig) -> LatencyResult:
         spec_vs_peer_ratios=speculative_ratios(ordered, ACTORLINE_SPEC, LLAMACPP_SPEC),
         peer_acceptance_rate=peer_drafts[1] / peer_drafts[0] if peer_drafts[0] else None,
         peer_speculative_options=peer_speculative_options(config),
+        bandwidth_gbs=bandwidth,
+        step_bytes=step_bytes,
     )
 
 
@@ -554,6 +580,7 @@ def format_latency(result: LatencyResult) -> str:
         verdict = "met" if ratio >= target else "not met"
         lines.append(f"ratio actorline / llama.cpp, {key} streams: {ratio:.2f}x "
                      f"(target >= {target}x: {verdict})")  # fmt: skip
+    lines += _step_bound_lines(result)
     for key, ratio in result.speculative_ratios.items():
         lines.append(f"ratio actorline+spec / actorline, {key} streams: {ratio:.2f}x")
     if result.acceptance_rate is not None:
@@ -576,6 +603,31 @@ def format_latency(result: LatencyResult) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def _step_bound_lines(result: LatencyResult) -> list[str]:
+    """Per format, each system's one stream as a share of the step bound (the target of issue
+    36: at least 90%)."""
+    lines = []
+    for name, bound in result.step_bounds().items():
+        shares = [
+            f"{run.system} {run.headline / bound:.0%}"
+            for run in result.best
+            if run.format == name and run.streams == 1
+        ]
+        if not shares:
+            continue
+        ours = next((run for run in result.best if run.format == name and run.streams == 1
+                     and run.system == ACTORLINE), None)  # fmt: skip
+        verdict = ""
+        if ours is not None:
+            verdict = f" (target >= 90%: {'met' if ours.headline >= 0.9 * bound else 'not met'})"
+        megabytes = result.step_bytes[name] / 1e6
+        lines.append(
+            f"step bound, {name} @ 1 stream: {bound:.1f} tokens/s ({megabytes:,.1f} MB of "
+            f"weights a step at {result.bandwidth_gbs:.1f} GB/s); " + ", ".join(shares) + verdict
+        )
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

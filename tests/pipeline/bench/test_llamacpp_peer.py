@@ -9,6 +9,7 @@ with ``return_tokens``). Building and running llama.cpp is not part of the test 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -188,6 +189,39 @@ def test_offline_takes_llamacpp_as_a_peer_in_actorlines_format() -> None:
         OfflineConfig(llamacpp=True, quantization="int8")
 
 
+def test_offline_runs_llamacpp_in_the_formats_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--llamacpp-format`` (repeatable) runs llama.cpp in each format given beside actorline
+    in its own, each run named with its format; a repeat, an unknown format or the option
+    without ``--peer llamacpp`` is refused."""
+    from pipeline.bench.offline import OfflineConfig
+    from pipeline.bench.offline import config_from_args as offline_config
+    from pipeline.bench.offline_peers import OfflinePeers
+
+    parser = bench_parser()
+    argv = ["bench", "offline", "--peer", "llamacpp"]
+    config = offline_config(
+        parser.parse_args([*argv, "--llamacpp-format", "bf16", "--llamacpp-format", "q4_1"])
+    )
+    assert config.dtype == "float32" and config.llamacpp_formats == ("bf16", "q4_1")
+    peers = OfflinePeers(config, tmp_path, [[1, 2]], [4])
+    assert peers.names == ["llama.cpp (bf16)", "llama.cpp (q4_1)"]
+    assert OfflinePeers(offline_config(parser.parse_args(argv)), tmp_path, [[1]], [4]).names == [
+        "llama.cpp (fp32)"
+    ]
+    # actorline's int8 has no llama.cpp counterpart, but llama.cpp may run beside it in another
+    assert OfflineConfig(llamacpp=True, quantization="int8", llamacpp_formats=("q4_1",))
+    with pytest.raises(ValueError, match="repeats"):
+        OfflineConfig(llamacpp=True, llamacpp_formats=("bf16", "bf16"))
+    with pytest.raises(ValueError, match=r"unknown llama\.cpp formats"):
+        OfflineConfig(llamacpp=True, llamacpp_formats=("q8_0",))
+    args = parser.parse_args(["bench", "offline", "--llamacpp-format", "bf16"])
+    with pytest.raises(SystemExit) as exited:
+        args.run(args)
+    assert exited.value.code == 2 and "--peer llamacpp" in capsys.readouterr().err
+
+
 async def _replay(recorded_llama_server: ReplayServer) -> StreamTrace:
     """The recorded stream read by the benchmark's client."""
     seen: list[SeenRequest] = []
@@ -255,5 +289,21 @@ def test_the_table_and_ratios() -> None:
     assert "39.0 40.0" in text
     assert "fp32 @ 1 streams: 2.00x (target >= 1.0x: met)" in text
     assert "fp32 @ 4 streams: 1.50x (target >= 1.5x: met)" in text
+    assert "step bound" not in text  # no read rate measured
+    # 2 GB/s over 50 MB a step: 40 tokens/s at one stream; bf16's the same, where
+    # actorline's one stream decodes at 5
+    bounded = dataclasses.replace(
+        result, bandwidth_gbs=2.0, step_bytes={"fp32": 50_000_000, "bf16": 50_000_000}
+    )
+    assert bounded.step_bounds() == {"fp32": pytest.approx(40.0), "bf16": pytest.approx(40.0)}
+    lines = format_latency(bounded).splitlines()
+    assert (
+        "step bound, fp32 @ 1 stream: 40.0 tokens/s (50.0 MB of weights a step at 2.0 GB/s); "
+        "actorline 100%, llama.cpp 50% (target >= 90%: met)"
+    ) in lines
+    assert (
+        "step bound, bf16 @ 1 stream: 40.0 tokens/s (50.0 MB of weights a step at 2.0 GB/s); "
+        "actorline 12% (target >= 90%: not met)"
+    ) in lines
     with pytest.raises(ValueError, match="without any text"):
         summarize(ACTORLINE, "fp32", [StreamTrace(0.0)])

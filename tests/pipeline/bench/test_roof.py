@@ -15,9 +15,11 @@ from pipeline.bench.roof import (
     LinearShape,
     ModelLinears,
     format_share,
+    measure_bandwidth,
     measure_fma_peak,
     model_linears,
     roof_seconds,
+    step_weight_bytes,
 )
 from pipeline.bench.workload import WorkloadWork, workload_work
 from tests.conftest import TINY_LLAMA
@@ -119,6 +121,24 @@ def test_model_linears_reads_the_shapes_without_weights(tiny_model_dir: Path) ->
         expected[(n, k)] = expected.get((n, k), 0) + layers
     assert shapes == expected
     assert linears.head == LinearShape(TINY_LLAMA["vocab_size"], hidden, 1, ("lm_head",))
+
+
+def test_a_step_reads_each_formats_weights_once(tiny_model_dir: Path, tiny_gguf: Path) -> None:
+    """The one-stream step bound's bytes: every linear once at 4 or 2 bytes a weight, or the
+    GGUF file's tensors as it stores them (its data, all of the file but the header)."""
+    linears = model_linears(tiny_model_dir)
+    assert step_weight_bytes(tiny_model_dir, "fp32") == linears.weight_bytes(4)
+    assert step_weight_bytes(tiny_model_dir, "bf16") == linears.weight_bytes(4) // 2
+    size = tiny_gguf.stat().st_size
+    assert size - 64 * 1024 < step_weight_bytes(tiny_model_dir, "q4_1", tiny_gguf) <= size
+    with pytest.raises(ValueError, match="no GGUF file"):
+        step_weight_bytes(tiny_model_dir, "q4_1")
+    with pytest.raises(ValueError, match="unknown format 'fp16'"):
+        step_weight_bytes(tiny_model_dir, "fp16")
+
+
+def test_read_bandwidth_is_measured() -> None:
+    assert measure_bandwidth(rounds=1, megabytes=32) > 0.1  # GB/s
 
 
 def test_fma_peak_is_measured() -> None:
