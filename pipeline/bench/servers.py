@@ -12,8 +12,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["free_port", "serve_process"]
+__all__ = ["free_port", "serve_process", "started_server"]
 
 _READY = "serving OpenAI-compatible API on "
 _START_TIMEOUT_S = 1800.0
@@ -45,6 +46,20 @@ def serve_process(
         RuntimeError: the server exited or did not answer within the start timeout (the
             message has the end of its output).
     """
+    with started_server(command, env, port) as (bound, _process):
+        yield bound
+
+
+@contextlib.contextmanager
+def started_server(
+    command: list[str], env: dict[str, str] | None, port: int | None
+) -> Iterator[tuple[int, subprocess.Popen[Any]]]:
+    """:func:`serve_process`, yielding the server's process beside its port (a benchmark that
+    reads the process's own CPU time).
+
+    Raises:
+        RuntimeError: as :func:`serve_process`.
+    """
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
             command,
@@ -68,7 +83,7 @@ def serve_process(
                     tail = log.read().decode(errors="replace")[-3000:]
                     raise RuntimeError(f"{command[0]} did not start serving:\n{tail}")
                 time.sleep(0.5)
-            yield port
+            yield port, process
         finally:
             process.terminate()
             try:

@@ -13,9 +13,10 @@ from types import ModuleType
 
 import pytest
 
-from benchmarks import ablation, grammars, http_body, micro, soak, split, stepcost
+from benchmarks import ablation, grammars, http_body, micro, serve_cpu, soak, split, stepcost
 from benchmarks.ablation import ALL_ON, AblationConfig, format_ablation, run_ablation
 from benchmarks.http_body import HttpBodyConfig, format_http_body, run_http_body
+from benchmarks.serve_cpu import ServeCpuConfig, format_serve_cpu, run_serve_cpu
 from benchmarks.soak import SoakConfig, format_soak, run_soak
 from benchmarks.split import SplitConfig, format_split, run_split
 from benchmarks.stepcost import StepCostConfig, format_stepcost, run_stepcost
@@ -28,6 +29,7 @@ EXPERIMENTS = {
     "grammars": grammars,
     "http_body": http_body,
     "micro": micro,
+    "serve_cpu": serve_cpu,
     "soak": soak,
     "split": split,
     "stepcost": stepcost,
@@ -116,6 +118,20 @@ def test_http_body_quick(tiny_model_dir: Path) -> None:
     for run in (peer, capped):
         assert run.peak_growth_mib >= 0 and run.answer_seconds > 0
     assert "peer / capped" in format_http_body(result)
+
+
+def test_serve_cpu_quick(tiny_model_dir: Path) -> None:
+    """``actorline serve`` streams 1 and then 2 streams; its own CPU time over each is read and
+    spread over the tokens streamed."""
+    result = run_serve_cpu(ServeCpuConfig(model=str(tiny_model_dir), streams=(1, 2), tokens=8))
+    assert [(run.streams, run.tokens) for run in result.runs] == [(1, 8), (2, 16)]
+    for run in result.runs:
+        assert run.seconds > 0 and run.cpu_seconds >= 0 and run.cpu_ms_per_token >= 0
+    assert "serve CPU ms/token" in format_serve_cpu(result)
+    with pytest.raises(ValueError, match="format"):
+        ServeCpuConfig(format="fp16")
+    with pytest.raises(ValueError, match="positive"):
+        ServeCpuConfig(streams=(0,))
 
 
 def test_soak_quick() -> None:
