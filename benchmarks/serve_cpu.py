@@ -161,7 +161,9 @@ def format_serve_cpu(result: ServeCpuResult) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's command-line options."""
     add_common_arguments(parser, profile=False)
-    parser.add_argument("--format", default="fp32", choices=("fp32", "bf16", "q4_1"))
+    from pipeline.bench.llamacpp_peer import FORMATS
+
+    parser.add_argument("--format", default="fp32", choices=tuple(FORMATS))
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tokens", type=int, default=256, help="each stream's tokens (256)")
 

@@ -82,6 +82,7 @@ from collections.abc import Coroutine, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pipeline.bench.llamacpp_peer import FORMATS
 from pipeline.bench.offline_peers import OfflinePeers
 from pipeline.bench.offline_report import (
     STRUCTURED_TARGET_RATIO,
@@ -181,7 +182,7 @@ class OfflineConfig:
     speculative_config: str | None = None
 
     def __post_init__(self) -> None:
-        from pipeline.bench.llamacpp_peer import FORMATS, LlamaPeerError, format_of
+        from pipeline.bench.llamacpp_peer import LlamaPeerError, format_of
         from stages.speculative import parse_speculative_config
 
         parse_speculative_config(self.speculative_config)
@@ -651,7 +652,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--llamacpp-format",
         action="append",
         default=[],
-        choices=("fp32", "bf16", "q4_1"),
+        choices=tuple(FORMATS),
         help="a format --peer llamacpp runs in (repeatable; default: actorline's format): "
         "llama.cpp at its best precision beside actorline in its own",
     )
