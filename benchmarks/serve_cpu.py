@@ -82,19 +82,25 @@ class ServeCpuResult:
     cpu_count: int
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """The user and system CPU seconds process ``pid`` has taken (every thread), from
-    ``/proc/<pid>/stat`` (Linux)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _cpu_seconds(pid: int) -> float:
+    """:func:`pipeline.bench.process.cpu_seconds` of the running server.
+
+    Raises:
+        RuntimeError: its CPU time cannot be read (no /proc, or the server is gone).
+    """
+    from pipeline.bench.process import cpu_seconds
+
+    seconds = cpu_seconds(pid)
+    if seconds is None:
+        raise RuntimeError(f"cannot read the CPU time of the server (pid {pid}) from /proc")
+    return seconds
 
 
 def run_serve_cpu(config: ServeCpuConfig) -> ServeCpuResult:
     """Serve, warm up, then each stream count in turn (see the module docstring).
 
     Raises:
-        RuntimeError: the server did not start.
+        RuntimeError: the server did not start, or its CPU time cannot be read.
         pipeline.bench.http_load.HttpLoadError: a stream failed.
     """
     from pipeline.bench.http_load import stream_completion
@@ -122,7 +128,7 @@ def run_serve_cpu(config: ServeCpuConfig) -> ServeCpuResult:
         await stream_completion("127.0.0.1", port, payload(0, 4))
         runs = []
         for count in config.streams:
-            cpu = process_cpu_seconds(pid)
+            cpu = _cpu_seconds(pid)
             began = time.perf_counter()
             traces = await asyncio.gather(
                 *(stream_completion("127.0.0.1", port, payload(i, config.tokens))
@@ -130,7 +136,7 @@ def run_serve_cpu(config: ServeCpuConfig) -> ServeCpuResult:
             )  # fmt: skip
             seconds = time.perf_counter() - began
             tokens = sum(trace.usage_tokens or len(trace.token_times) for trace in traces)
-            runs.append(StreamsRun(count, tokens, seconds, process_cpu_seconds(pid) - cpu))
+            runs.append(StreamsRun(count, tokens, seconds, _cpu_seconds(pid) - cpu))
         return runs
 
     with started_server(command, None, None) as (port, process):

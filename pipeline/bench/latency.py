@@ -610,15 +610,11 @@ def _step_bound_lines(result: LatencyResult) -> list[str]:
     36: at least 90%)."""
     lines = []
     for name, bound in result.step_bounds().items():
-        shares = [
-            f"{run.system} {run.headline / bound:.0%}"
-            for run in result.best
-            if run.format == name and run.streams == 1
-        ]
-        if not shares:
+        runs = [run for run in result.best if run.format == name and run.streams == 1]
+        if not runs:
             continue
-        ours = next((run for run in result.best if run.format == name and run.streams == 1
-                     and run.system == ACTORLINE), None)  # fmt: skip
+        shares = [f"{run.system} {run.headline / bound:.0%}" for run in runs]
+        ours = next((run for run in runs if run.system == ACTORLINE), None)
         verdict = ""
         if ours is not None:
             verdict = f" (target >= 90%: {'met' if ours.headline >= 0.9 * bound else 'not met'})"

@@ -244,20 +244,22 @@ def model_linears(model_dir: Path) -> ModelLinears:
 
 
 def step_weight_bytes(model_dir: Path, fmt: str, gguf: Path | None = None) -> int:
-    """Bytes of weights one decode step reads with the model in ``model_dir`` in ``fmt``
-    ("fp32", "bf16" or "q4_1", :data:`pipeline.bench.llamacpp_peer.FORMATS`' names): every
-    linear once (the LM head once, tied or not) at 4 or 2 bytes a weight, or every tensor of the
-    GGUF file ``gguf`` as the file stores it (its tied ``token_embd`` is the LM head).
+    """Bytes of weights one decode step reads with the model in ``model_dir`` in ``fmt`` (a
+    :data:`pipeline.bench.llamacpp_peer.FORMATS` name): every linear once (the LM head once,
+    tied or not) at its dtype's 4 or 2 bytes a weight, or, for the GGUF format, every tensor of
+    the file ``gguf`` as the file stores it (its tied ``token_embd`` is the LM head).
 
     Raises:
-        ValueError: an unknown format, or "q4_1" without a GGUF file.
+        ValueError: an unknown format, or the GGUF format without a GGUF file.
     """
-    if fmt in ("fp32", "bf16"):
-        return model_linears(model_dir).weight_bytes(4 if fmt == "fp32" else 2)
-    if fmt != "q4_1":
-        raise ValueError(f"unknown format {fmt!r}: fp32, bf16 or q4_1")
+    from pipeline.bench.llamacpp_peer import FORMATS
+
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}: one of {list(FORMATS)}")
+    if FORMATS[fmt].quantization is None:
+        return model_linears(model_dir).weight_bytes(4 if FORMATS[fmt].dtype == "float32" else 2)
     if gguf is None:
-        raise ValueError(f"no GGUF file for {model_dir}: q4_1 reads the file's own weights")
+        raise ValueError(f"no GGUF file for {model_dir}: {fmt} reads the file's own weights")
     import mmap
 
     from stages.execute.quant.gguf_table import read_tensor_table
