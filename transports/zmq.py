@@ -150,18 +150,21 @@ class ZmqReceiver(Receiver):
         self.address = address
         self._transport = transport
         self._socket = socket
-        # NOTE: the shadow is the same socket without futures: receive() first tries a
-        # non-blocking read on it and only creates a future when nothing is queued.
+        # NOTE: the shadow is the same socket without pyzmq's futures: receive() reads it
+        # without blocking and waits on its notification fd itself (see _readable).
         self._shadow: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
+        self._fd = cast(int, self._shadow.get(zmq.FD))
+        self._reader_loop: asyncio.AbstractEventLoop | None = None
         self._ipc_path = ipc_path
         self._capacity = options.capacity
         self._timeout = options.heartbeat_timeout
         self._inbound = InboundFrames(link_frame_codec(transport), logger, address)
-        self._waiting: set[asyncio.Future[Any]] = set()
+        #: the receives waiting for a message, first come first woken
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         # NOTE: silence only counts while a receive waits: a consumer busy elsewhere has not
         # read what its peer sent, which says nothing about the peer. (A waiting future that
-        # data arrived for is resolved by pyzmq's fd callback, which the loop runs before
-        # due timers.)
+        # data arrived for is resolved by the fd callback, which the loop runs before due
+        # timers.)
         self._watchdog = SilenceWatchdog(
             options.heartbeat_timeout,
             lambda: any(not future.done() for future in self._waiting),
@@ -183,17 +186,22 @@ class ZmqReceiver(Receiver):
             LinkClosedError: this receiver was closed.
         """
         inbound = self._inbound
+        shadow = self._shadow
+        wait = bool(self._waiting)  # another task waits: queue behind it
         while True:
             self._raise_if_finished()
-            if self._waiting:  # another task waits: queue behind it (see _wait_for_frames)
-                frames = await self._wait_for_frames()
-            else:
-                try:
-                    frames = self._shadow.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    frames = await self._wait_for_frames()
-                except zmq.ZMQError as exc:
-                    raise LinkClosedError(f"receiver {self.address}: {exc}") from exc
+            if wait:
+                await self._readable()
+            try:
+                frames = shadow.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                wait = True
+                continue
+            except zmq.ZMQError as exc:
+                raise LinkClosedError(f"receiver {self.address}: {exc}") from exc
+            wait = False
+            if self._waiting:  # the next waiter may have a message queued already
+                self._on_readable()
             if not self._from_sender(frames):
                 continue
             self._watchdog.last_heard = time.monotonic()
@@ -229,23 +237,64 @@ class ZmqReceiver(Receiver):
             )
         return False
 
-    async def _wait_for_frames(self) -> list[zmq.Frame]:
-        # NOTE: ZMQ's notification fd is edge-triggered and reading the socket outside
-        # pyzmq's futures can swallow an edge; so while a future waits, every read goes
-        # through a future too (pyzmq re-checks readiness whenever it adds one).
-        future: asyncio.Future[list[zmq.Frame]] = self._socket.recv_multipart(copy=False)  # type: ignore[assignment]
-        self._waiting.add(future)
+    async def _readable(self) -> None:
+        """Wait, in line behind earlier waiters, until the socket may have a message.
+
+        NOTE: one reader callback on the socket's notification fd for the receiver's life,
+        and one bare future per wait, instead of pyzmq's future socket (a future, an
+        add_reader and a remove_reader, an EAGAIN exception and scheduled callbacks per
+        message): serving reads one message per engine step on this path. ZMQ's fd is
+        edge-triggered (it signals that the socket's state may have changed, and reading
+        ZMQ_EVENTS rearms it), so the callback always reads ZMQ_EVENTS, and whoever takes a
+        message while others wait re-checks for them (see :meth:`_on_readable`).
+        """
+        loop = asyncio.get_running_loop()
+        if self._reader_loop is not loop:
+            self._stop_reading()
+            loop.add_reader(self._fd, self._on_readable)
+            self._reader_loop = loop
+        future: asyncio.Future[None] = loop.create_future()
+        self._waiting.append(future)
         try:
-            return await future
+            if len(self._waiting) == 1 and _events(self._shadow) & zmq.POLLIN:
+                future.set_result(None)  # arrived since the last read
+            await future
         except asyncio.CancelledError:
-            # The watchdog or aclose() cancels the read to interrupt it; say why.
+            self._waiting.remove(future)
+            if self._waiting:
+                self._on_readable()  # a wake-up this waiter may have taken goes to the next
+            # The watchdog or aclose() cancels the wait to interrupt it; say why.
             if not cancel_requested():
                 self._raise_if_finished()
             raise
         except zmq.ZMQError as exc:
+            self._waiting.remove(future)
             raise LinkClosedError(f"receiver {self.address}: {exc}") from exc
-        finally:
-            self._waiting.discard(future)
+        self._waiting.remove(future)
+
+    def _on_readable(self) -> None:
+        """The fd callback (and a receive that leaves others waiting): read ZMQ_EVENTS, which
+        rearms the fd, and wake the first waiter when a message is queued."""
+        if self._closed:
+            return
+        try:
+            readable = _events(self._shadow) & zmq.POLLIN
+        except zmq.ZMQError:  # the socket broke: stop watching; every waiter's read says why
+            self._stop_reading()
+            for future in self._waiting:
+                if not future.done():
+                    future.set_result(None)
+            return
+        if readable:
+            for future in self._waiting:
+                if not future.done():
+                    future.set_result(None)
+                    return
+
+    def _stop_reading(self) -> None:
+        loop, self._reader_loop = self._reader_loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
 
     def _raise_if_finished(self) -> None:
         if self._closed:
@@ -277,6 +326,7 @@ class ZmqReceiver(Receiver):
         self._watchdog.stop()
         for future in list(self._waiting):
             future.cancel()
+        self._stop_reading()
         self._socket.close(linger=0)
         if self._ipc_path is not None:
             with contextlib.suppress(FileNotFoundError):

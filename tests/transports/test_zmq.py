@@ -214,6 +214,77 @@ def test_a_consumer_busy_elsewhere_does_not_declare_its_peer_lost() -> None:
     run(main())
 
 
+def test_receives_waiting_together_each_get_a_message() -> None:
+    # (which gets which is not promised: a receive that reads the sender's HELLO waits again
+    # behind the other)
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS) as transport:
+            receiver = await transport.listen()
+            sender = await transport.connect(receiver.address)
+            first = asyncio.create_task(receiver.receive())
+            await asyncio.sleep(0.05)
+            second = asyncio.create_task(receiver.receive())
+            await asyncio.sleep(0.05)  # both wait on the socket now
+            await sender.send(KitPing(1))
+            await sender.send(KitPing(2))
+            got = await asyncio.wait_for(asyncio.gather(first, second), 10)
+            assert sorted(got, key=lambda ping: ping.seq) == [KitPing(1), KitPing(2)]
+
+    run(main())
+
+
+def test_a_cancelled_receive_hands_its_wake_up_to_the_next_one() -> None:
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS) as transport:
+            receiver = await transport.listen()
+            sender = await transport.connect(receiver.address)
+            first = asyncio.create_task(receiver.receive())
+            await asyncio.sleep(0.05)
+            second = asyncio.create_task(receiver.receive())
+            await asyncio.sleep(0.05)
+            await sender.send(KitPing(7))
+            await asyncio.sleep(0)  # the message may wake the first waiter before it goes
+            first.cancel()
+            assert await asyncio.wait_for(second, 10) == KitPing(7)
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+
+    run(main())
+
+
+def test_a_link_neither_waited_on_nor_read_does_not_spin() -> None:
+    # The receiver watches ZMQ's notification fd with a level-triggered reader from its first
+    # wait on: were the fd left signalled (ZMQ_EVENTS not read), the loop would call back
+    # without end, while a receive waits and while messages arrive that nobody reads yet.
+    async def idle_cpu_share() -> float:
+        cpu, began = time.process_time(), time.monotonic()
+        await asyncio.sleep(0.6)
+        return (time.process_time() - cpu) / (time.monotonic() - began)
+
+    async def main() -> None:
+        async with ZmqTransport(OPTIONS) as transport:
+            receiver = await transport.listen()
+            sender = await transport.connect(receiver.address)
+            waiting = asyncio.create_task(receiver.receive())
+            assert await idle_cpu_share() < 0.5
+            assert not waiting.done()
+            await sender.send(KitPing(1))
+            assert await asyncio.wait_for(waiting, 10) == KitPing(1)
+            # a receive that waited and went (so ZMQ signals the next arrival), then messages
+            # that nobody receives yet
+            waiting = asyncio.create_task(receiver.receive())
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            for seq in (2, 3):
+                await sender.send(KitPing(seq))
+            assert await idle_cpu_share() < 0.5
+            assert [await receiver.receive() for _ in range(2)] == [KitPing(2), KitPing(3)]
+
+    run(main())
+
+
 def test_closing_the_sender_interrupts_a_send_waiting_for_room() -> None:
     async def main() -> None:
         async with ZmqTransport(OPTIONS) as transport:
