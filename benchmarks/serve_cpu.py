@@ -2,8 +2,10 @@
 (``--format``: fp32, bf16 or the default model's Q4_1 GGUF), one warm-up request, then for each
 ``--streams`` count that many concurrent streams of ``--tokens`` tokens (greedy, ``ignore_eos``,
 streamed from ``/v1/completions``), and the serve process's CPU time over them (utime + stime,
-``/proc/<pid>/stat``; the engine's host is another process) per streamed token, beside the
-streams' aggregate tokens/s.
+``/proc/<pid>/stat``) per streamed token, beside the streams' aggregate tokens/s and the CPU of
+the engine host's event loop (the main thread of each process serve started: where the schedule
+stage plans each step, updates from its result and sends its outputs; the step itself runs on
+execute's thread and OpenMP's).
 
 On a machine with as many cores as the engine has threads, every millisecond the serving
 process runs preempts one of a step's threads, and the step waits for it: this is the part of a
@@ -63,10 +65,16 @@ class StreamsRun:
     tokens: int
     seconds: float
     cpu_seconds: float
+    #: the engine host's event-loop thread's CPU seconds meanwhile (see the module docstring)
+    host_loop_cpu_seconds: float = 0.0
 
     @property
     def cpu_ms_per_token(self) -> float:
         return self.cpu_seconds / self.tokens * 1e3 if self.tokens else 0.0
+
+    @property
+    def host_loop_ms_per_token(self) -> float:
+        return self.host_loop_cpu_seconds / self.tokens * 1e3 if self.tokens else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -82,18 +90,20 @@ class ServeCpuResult:
     cpu_count: int
 
 
-def _cpu_seconds(pid: int) -> float:
-    """:func:`pipeline.bench.process.cpu_seconds` of the running server.
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """:func:`pipeline.bench.process.cpu_seconds` of the running server, and of the main
+    threads of the processes it started.
 
     Raises:
         RuntimeError: its CPU time cannot be read (no /proc, or the server is gone).
     """
-    from pipeline.bench.process import cpu_seconds
+    from pipeline.bench.process import child_pids, cpu_seconds
 
     seconds = cpu_seconds(pid)
     if seconds is None:
         raise RuntimeError(f"cannot read the CPU time of the server (pid {pid}) from /proc")
-    return seconds
+    loops = (cpu_seconds(child, thread=child) for child in child_pids(pid))
+    return seconds, sum(loop for loop in loops if loop is not None)
 
 
 def run_serve_cpu(config: ServeCpuConfig) -> ServeCpuResult:
@@ -128,7 +138,7 @@ def run_serve_cpu(config: ServeCpuConfig) -> ServeCpuResult:
         await stream_completion("127.0.0.1", port, payload(0, 4))
         runs = []
         for count in config.streams:
-            cpu = _cpu_seconds(pid)
+            cpu, loops = _cpu_seconds(pid)
             began = time.perf_counter()
             traces = await asyncio.gather(
                 *(stream_completion("127.0.0.1", port, payload(i, config.tokens))
@@ -136,7 +146,8 @@ def run_serve_cpu(config: ServeCpuConfig) -> ServeCpuResult:
             )  # fmt: skip
             seconds = time.perf_counter() - began
             tokens = sum(trace.usage_tokens or len(trace.token_times) for trace in traces)
-            runs.append(StreamsRun(count, tokens, seconds, _cpu_seconds(pid) - cpu))
+            cpu_after, loops_after = _cpu_seconds(pid)
+            runs.append(StreamsRun(count, tokens, seconds, cpu_after - cpu, loops_after - loops))
         return runs
 
     with started_server(command, None, None) as (port, process):
@@ -152,12 +163,18 @@ def run_serve_cpu(config: ServeCpuConfig) -> ServeCpuResult:
 
 def format_serve_cpu(result: ServeCpuResult) -> str:
     rows = [
-        [run.streams, run.tokens, run.tokens_per_second, run.cpu_ms_per_token]
+        [
+            run.streams,
+            run.tokens,
+            run.tokens_per_second,
+            run.cpu_ms_per_token,
+            run.host_loop_ms_per_token,
+        ]
         for run in result.runs
     ]
     threads = result.omp_num_threads or "the default"
     return format_table(
-        ["streams", "tokens", "tokens/s", "serve CPU ms/token"],
+        ["streams", "tokens", "tokens/s", "serve CPU ms/token", "engine loop CPU ms/token"],
         rows,
         title=f"the serving process's CPU per streamed token: {result.model} in {result.format}; "
         f"{result.cpu_count} CPUs, OMP_NUM_THREADS {threads}",

@@ -127,7 +127,9 @@ def test_serve_cpu_quick(tiny_model_dir: Path) -> None:
     assert [(run.streams, run.tokens) for run in result.runs] == [(1, 8), (2, 16)]
     for run in result.runs:
         assert run.seconds > 0 and run.cpu_seconds >= 0 and run.cpu_ms_per_token >= 0
+        assert run.host_loop_cpu_seconds >= 0 and run.host_loop_ms_per_token >= 0
     assert "serve CPU ms/token" in format_serve_cpu(result)
+    assert "engine loop CPU ms/token" in format_serve_cpu(result)
     with pytest.raises(ValueError, match="format"):
         ServeCpuConfig(format="fp16")
     with pytest.raises(ValueError, match="positive"):
