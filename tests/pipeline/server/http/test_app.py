@@ -370,16 +370,19 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
-    request = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0.0,
+    # NOTE: enough tokens that the stream has several chunks even when the engine runs ahead of
+    # the reader (a lagging reader gets the outputs that piled up merged into one chunk)
+    tokens = 16
+    request = dict(model=MODEL, prompt="Once upon a time", max_tokens=tokens, temperature=0.0,
                    logprobs=2, extra_body=IGNORE_EOS)  # fmt: skip
     completion = client.completions.create(**request)  # type: ignore[call-overload]
     choice = completion.choices[0]
     logprobs = choice.logprobs
     assert logprobs is not None and logprobs.tokens is not None
     assert logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
-    assert len(logprobs.tokens) == 8
+    assert len(logprobs.tokens) == tokens
     assert "".join(logprobs.tokens) == choice.text
-    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(8)]
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(tokens)]
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert len(top) == 2 and token in top
         check_token_logprobs(logprob, list(top.values()), True)
