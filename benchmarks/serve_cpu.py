@@ -59,14 +59,14 @@ class ServeCpuConfig:
 @dataclasses.dataclass(frozen=True, slots=True)
 class StreamsRun:
     """``streams`` concurrent streams: the tokens they streamed, in ``seconds``, and the serve
-    process's CPU seconds meanwhile."""
+    process's CPU seconds meanwhile, and its engine host's event loop's."""
 
     streams: int
     tokens: int
     seconds: float
     cpu_seconds: float
     #: the engine host's event-loop thread's CPU seconds meanwhile (see the module docstring)
-    host_loop_cpu_seconds: float = 0.0
+    host_loop_cpu_seconds: float
 
     @property
     def cpu_ms_per_token(self) -> float:

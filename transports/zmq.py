@@ -260,17 +260,16 @@ class ZmqReceiver(Receiver):
                 future.set_result(None)  # arrived since the last read
             await future
         except asyncio.CancelledError:
-            self._waiting.remove(future)
-            if self._waiting:
+            if len(self._waiting) > 1:  # (this one is done: _on_readable skips it)
                 self._on_readable()  # a wake-up this waiter may have taken goes to the next
             # The watchdog or aclose() cancels the wait to interrupt it; say why.
             if not cancel_requested():
                 self._raise_if_finished()
             raise
         except zmq.ZMQError as exc:
-            self._waiting.remove(future)
             raise LinkClosedError(f"receiver {self.address}: {exc}") from exc
-        self._waiting.remove(future)
+        finally:
+            self._waiting.remove(future)
 
     def _on_readable(self) -> None:
         """The fd callback (and a receive that leaves others waiting): read ZMQ_EVENTS, which

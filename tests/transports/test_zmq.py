@@ -214,6 +214,15 @@ def test_a_consumer_busy_elsewhere_does_not_declare_its_peer_lost() -> None:
     run(main())
 
 
+async def _two_waiting_receives(receiver: Any) -> tuple[asyncio.Task[Any], asyncio.Task[Any]]:
+    """Two receives on ``receiver``, started one after the other, both waiting on its socket."""
+    first = asyncio.create_task(receiver.receive())
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(receiver.receive())
+    await asyncio.sleep(0.05)
+    return first, second
+
+
 def test_receives_waiting_together_each_get_a_message() -> None:
     # (which gets which is not promised: a receive that reads the sender's HELLO waits again
     # behind the other)
@@ -221,10 +230,7 @@ def test_receives_waiting_together_each_get_a_message() -> None:
         async with ZmqTransport(OPTIONS) as transport:
             receiver = await transport.listen()
             sender = await transport.connect(receiver.address)
-            first = asyncio.create_task(receiver.receive())
-            await asyncio.sleep(0.05)
-            second = asyncio.create_task(receiver.receive())
-            await asyncio.sleep(0.05)  # both wait on the socket now
+            first, second = await _two_waiting_receives(receiver)
             await sender.send(KitPing(1))
             await sender.send(KitPing(2))
             got = await asyncio.wait_for(asyncio.gather(first, second), 10)
@@ -238,10 +244,7 @@ def test_a_cancelled_receive_hands_its_wake_up_to_the_next_one() -> None:
         async with ZmqTransport(OPTIONS) as transport:
             receiver = await transport.listen()
             sender = await transport.connect(receiver.address)
-            first = asyncio.create_task(receiver.receive())
-            await asyncio.sleep(0.05)
-            second = asyncio.create_task(receiver.receive())
-            await asyncio.sleep(0.05)
+            first, second = await _two_waiting_receives(receiver)
             await sender.send(KitPing(7))
             await asyncio.sleep(0)  # the message may wake the first waiter before it goes
             first.cancel()
